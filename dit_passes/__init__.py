@@ -1,0 +1,41 @@
+"""dit_passes: graph passes that make diffusers Diffusion Transformers fast.
+
+    from dit_passes import compile_dit, passes
+    compiled = compile_dit(pipe.transformer, passes=[passes.DBCache()])
+    pipe.transformer = compiled
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from .backend import InductorPostGradPass, backend
+from .capture import CaptureError, capture
+from .compiled import CompiledDiT, Runtime
+from .infra.pass_base import Pass, PassContext, PassError, PassResult
+from .infra.pass_manager import PassManager
+from .analysis.blocks import NoRepeatedBlocksError, get_structure
+from . import passes  # noqa: F401  (dit_passes.passes.<PassName>)
+
+__version__ = "0.1.0"
+
+
+def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_inputs: Optional[Dict[str, Any]] = None,
+                dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None,
+                cleanup: bool = True) -> CompiledDiT:
+    """Wrap ``model`` in a :class:`CompiledDiT` that runs ``passes`` on its captured graph.
+
+    With ``example_inputs`` (the keyword arguments of one call) capture happens now; otherwise at the first
+    call. ``dump_dir`` writes the graph after every pass; ``block_lists`` overrides block discovery's
+    choice of the main stack (names of ModuleLists, e.g. ``["layers"]``).
+    """
+    compiled = CompiledDiT(model, passes, cleanup=cleanup, dump_dir=dump_dir, block_lists=block_lists)
+    if example_inputs is not None:
+        compiled.lower(**example_inputs)
+    return compiled
+
+
+__all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGradPass", "capture", "Pass",
+           "PassContext", "PassResult", "PassManager", "PassError", "CaptureError", "NoRepeatedBlocksError",
+           "get_structure", "passes"]

@@ -1,0 +1,234 @@
+"""Capture: trace a diffusers transformer into a flat, editable ATen GraphModule.
+
+Contract (see DESIGN.md §1)
+  requires: an ``nn.Module`` whose forward runs under ``torch.export.export(strict=False)`` with the
+  given call (diffusers transformers do).
+  guarantees: ``Captured.gm`` takes one positional tensor per tensor leaf of the call (names in
+  ``input_names``), returns a flat tuple of tensors, holds parameters/buffers as attributes under their
+  original paths (same tensor objects, no copy), and every ``call_function`` node carries
+  ``meta["val"]`` and ``meta["dit_module_path"]``.
+
+Non-tensor arguments (``return_dict``, ``joint_attention_kwargs=None``, QwenImage's ``img_shapes``,
+Python ints/floats) are constants of the capture: they are part of :func:`signature_key`, so a call
+with other constants captures again instead of reusing a graph that baked in the old ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not trace the module with the given call."""
+
+
+@dataclasses.dataclass
+class Captured:
+    gm: fx.GraphModule
+    input_names: List[str]            # one per graph placeholder, in order
+    input_spec: pytree.TreeSpec        # spec of the flattened call kwargs
+    leaf_is_tensor: List[bool]         # per flattened leaf of the call
+    constants: List[Any]               # the non-tensor leaves (None where the leaf is a tensor)
+    out_spec: pytree.TreeSpec          # structure of the model's return_dict=False output
+    accepts_return_dict: bool
+    seconds: float = 0.0
+
+
+def bind_call(model: torch.nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Turn a positional/keyword call into keywords of ``model.forward`` (clear error if it does not fit)."""
+    sig = inspect.signature(model.forward)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{type(model).__name__}.forward{sig} does not accept this call: {e}. "
+                        f"Pass the transformer's keyword arguments (e.g. hidden_states=..., timestep=...)") from e
+    out = dict(bound.arguments)
+    for name, p in sig.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD and name in out:
+            out.update(out.pop(name))
+        elif p.kind is inspect.Parameter.VAR_POSITIONAL and name in out:
+            if out[name]:
+                raise TypeError(f"{type(model).__name__}.forward takes *{name}: pass those arguments by keyword")
+            out.pop(name)
+    return out
+
+
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype, x.device.type, x.device.index)
+    if isinstance(x, (int, float, bool, str, type(None))):
+        return ("C", type(x).__name__, x)
+    return ("C", type(x).__name__, repr(x))
+
+
+def signature_key(kwargs: Dict[str, Any]) -> Tuple:
+    """Hashable key of a call: shapes/dtypes/devices of tensors and the values of constants."""
+    leaves, spec = pytree.tree_flatten(kwargs)
+    return (str(spec), tuple(_leaf_key(x) for x in leaves))
+
+
+_DYNAMO_SEGMENT = re.compile(r"\['([^']*)'\]|\.([A-Za-z_0-9]+)|\[(\d+)\]")
+
+
+def normalize_module_path(path: str) -> str:
+    """Normalise a module path from nn_module_stack to dotted form.
+
+    torch.export gives ``transformer_blocks.0.attn``; Dynamo gives forms like
+    ``L['self'].transformer_blocks[0].attn`` or ``L['self'].__dict__['_modules']['transformer_blocks'].0``.
+    """
+    if not path or ("[" not in path and not path.startswith("L")):
+        return path
+    p = path
+    for prefix in ("L['self']", "L__self__", "self"):
+        if p.startswith(prefix):
+            p = p[len(prefix):]
+            break
+    parts = []
+    for m in _DYNAMO_SEGMENT.finditer(p):
+        seg = m.group(1) or m.group(2) or m.group(3)
+        if seg in ("__dict__", "_modules"):
+            continue
+        parts.append(seg)
+    return ".".join(parts)
+
+
+def innermost_module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return normalize_module_path(path)
+
+
+def module_class_of(node: fx.Node, path: str) -> str:
+    for p, cls in (node.meta.get("nn_module_stack") or {}).values():
+        if normalize_module_path(p) == path:
+            return cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+    return ""
+
+
+def annotate_module_paths(gm: fx.GraphModule) -> None:
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta["dit_module_path"] = innermost_module_path(n)
+
+
+class _CallWithConstants(torch.nn.Module):
+    """Calls the model with the flat tensor leaves re-inserted among the constant leaves.
+
+    Not registered as a parent of the model (``object.__setattr__``): the exported parameter names stay
+    the model's own (``transformer_blocks.0...``), not ``model.transformer_blocks.0...``.
+    """
+
+    def __init__(self, model, spec, is_tensor, constants, force_return_dict_false):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self._spec, self._is_tensor, self._constants = spec, is_tensor, constants
+        self._force = force_return_dict_false
+
+    def forward(self, *tensors):
+        it = iter(tensors)
+        leaves = [next(it) if t else c for t, c in zip(self._is_tensor, self._constants)]
+        kw = pytree.tree_unflatten(leaves, self._spec)
+        if self._force:
+            kw["return_dict"] = False
+        return self._model(**kw)
+
+
+def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, Any] | None = None) -> Captured:
+    import time
+
+    t0 = time.perf_counter()
+    kwargs = bind_call(model, args, kwargs or {})
+    accepts_return_dict = "return_dict" in inspect.signature(model.forward).parameters
+    if accepts_return_dict:
+        kwargs = {k: v for k, v in kwargs.items() if k != "return_dict"}
+    leaves, spec = pytree.tree_flatten(kwargs)
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    if not any(is_tensor):
+        raise CaptureError(f"the call to {type(model).__name__} has no tensor arguments: nothing to trace")
+    constants = [None if t else x for t, x in zip(is_tensor, leaves)]
+    tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+    names = _leaf_names(kwargs)
+    input_names = [n for n, t in zip(names, is_tensor) if t]
+
+    wrapper = _CallWithConstants(model, spec, is_tensor, constants, accepts_return_dict)
+    # Parameters belong to the wrapped model; export reads them through the wrapper's forward, so make
+    # them visible as the wrapper's own under the same names.
+    for name, mod in model.named_children():
+        wrapper._modules[name] = mod
+    for name, p in model.named_parameters(recurse=False):
+        wrapper._parameters[name] = p
+    for name, b in model.named_buffers(recurse=False):
+        wrapper._buffers[name] = b
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            ep = torch.export.export(wrapper, tensors, strict=False)
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:400]}. Check that the call matches the model's forward "
+                           f"(tensor inputs, constant options) and that the model runs eagerly with it") from e
+
+    gm = ep.module()
+    out_spec = gm._out_spec if hasattr(gm, "_out_spec") else ep.call_spec.out_spec
+    _flatten_codegen(gm, input_names)
+    _register_constants_as_buffers(gm)
+    annotate_module_paths(gm)
+    return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
+                    time.perf_counter() - t0)
+
+
+def _leaf_names(kwargs: Dict[str, Any]) -> List[str]:
+    """A readable name per flattened leaf: ``hidden_states``, ``img_shapes_0_1`` ..."""
+    names: List[str] = []
+    for k in kwargs:
+        sub, _ = pytree.tree_flatten(kwargs[k])
+        if len(sub) == 1 and pytree.tree_flatten(kwargs[k])[1].num_leaves == 1 and not isinstance(kwargs[k], (list, tuple, dict)):
+            names.append(k)
+        else:
+            names.extend(f"{k}_{i}" for i in range(len(sub)))
+    return names
+
+
+def _flatten_codegen(gm: fx.GraphModule, input_names: List[str]) -> None:
+    """Drop export's pytree codegen and input guards: plain positional tensors in, flat tuple out."""
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn":
+            g.erase_node(n)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(input_names):
+        raise CaptureError(f"export produced {len(placeholders)} inputs for {len(input_names)} tensor "
+                           f"arguments; this call shape is not supported")
+    for ph, name in zip(placeholders, input_names):
+        ph.target = name
+        ph.name = name
+    g._codegen = fx.graph.CodeGen()
+    out = g.output_node()
+    flat = out.args[0]
+    if not isinstance(flat, (list, tuple)):
+        flat = (flat,)
+    out.args = (tuple(flat),)
+    gm.recompile()
+
+
+def _register_constants_as_buffers(gm: fx.GraphModule) -> None:
+    """Lifted tensor constants become non-persistent buffers, so ``.to(device)`` moves them too."""
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        owner_path, _, attr = n.target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        val = getattr(owner, attr, None)
+        if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter) \
+                and attr not in owner._buffers:
+            delattr(owner, attr)
+            owner.register_buffer(attr, val, persistent=False)

@@ -1,0 +1,203 @@
+"""CompiledDiT: the drop-in module ``compile_dit`` returns.
+
+It holds the original transformer (for ``.config``, ``.dtype``, ``.to()``) and one lowered graph per
+input signature. A call whose tensor shapes, dtypes, device or constant arguments differ from every
+graph seen so far is captured and run through the passes again, so a graph is never reused for the
+wrong shape (another resolution, a CFG batch of 2, another text length).
+
+Per-request state lives in ``compiled.runtime`` (a :class:`Runtime`, one per instance): the current
+cache context (``with compiled.cache_context("uncond"):`` as diffusers pipelines do), and whatever
+state passes register (DBCache's cache state, collective counters). Two CompiledDiT instances never
+share state.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .capture import Captured, bind_call, capture, signature_key
+from .infra.pass_base import Pass, PassContext, graph_facts
+from .infra.pass_manager import PassManager
+from .passes.cleanup import Cleanup
+
+
+class Runtime:
+    """State the caller can see and reset; passes store theirs under ``runtime.state[pass_name]``."""
+
+    def __init__(self) -> None:
+        self.context: str = "default"
+        self.state: Dict[str, Any] = {}
+        self.calls = 0
+
+    def new_generation(self) -> None:
+        """Tell every stateful pass that a new generation starts (serving: call between requests)."""
+        for st in self.state.values():
+            reset = getattr(st, "new_generation", None)
+            if reset is not None:
+                reset()
+
+
+@dataclasses.dataclass
+class LoweredGraph:
+    """One signature's graph plus how to feed it: extra inputs / outputs passes registered."""
+
+    gm: fx.GraphModule
+    captured: Captured
+    manager: PassManager
+
+    def run(self, flat: List[torch.Tensor], runtime: Runtime) -> List[torch.Tensor]:
+        facts = graph_facts(self.gm)
+        extra_in: List[Callable[[Runtime], Sequence[torch.Tensor]]] = facts.get("extra_inputs", [])
+        extra_out: List[Callable[[Runtime, Sequence[torch.Tensor]], None]] = facts.get("extra_outputs", [])
+        args = list(flat)
+        for fn in extra_in:
+            args.extend(fn(runtime))
+        outs = list(self.gm(*args))
+        n_user = facts.get("num_user_outputs", len(outs))
+        rest = outs[n_user:]
+        for fn, k in extra_out:
+            fn(runtime, rest[:k])
+            rest = rest[k:]
+        return outs[:n_user]
+
+
+def _output_class():
+    try:
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+        return Transformer2DModelOutput
+    except Exception:  # noqa: BLE001 - diffusers optional for plain modules
+        return None
+
+
+class CompiledDiT(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, passes: Sequence[Pass] = (), *, cleanup: bool = True,
+                 dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"compile_dit expects an nn.Module (a diffusers transformer), got {type(model).__name__}")
+        self.original = model
+        self.graphs = torch.nn.ModuleDict()
+        self.runtime = Runtime()
+        self._passes = list(passes)
+        self._cleanup = cleanup
+        self._dump_dir = dump_dir
+        self._block_lists = block_lists
+        self._by_key: Dict[Any, LoweredGraph] = {}
+        self._last: Optional[LoweredGraph] = None
+        PassManager(self._passes)  # validate the pass list (types, ordering) now, not at the first call
+
+    # -- the original's identity ---------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self._modules.get("original")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    @property
+    def config(self):
+        return self.original.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        p = next(self.original.parameters(), None)
+        return p.dtype if p is not None else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.original.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str) -> Iterator[None]:
+        """Select a named cache context (diffusers pipelines use "cond" / "uncond")."""
+        prev, self.runtime.context = self.runtime.context, name
+        try:
+            yield
+        finally:
+            self.runtime.context = prev
+
+    def new_generation(self) -> None:
+        self.runtime.new_generation()
+
+    # -- lowering ------------------------------------------------------------------------------
+    def lower(self, *args: Any, **kwargs: Any) -> LoweredGraph:
+        """Capture + run the passes for this call's signature (done lazily by ``forward``)."""
+        kwargs = bind_call(self.original, args, kwargs)
+        kwargs.pop("return_dict", None)
+        key = signature_key(kwargs)
+        if key in self._by_key:
+            return self._by_key[key]
+        captured = capture(self.original, (), kwargs)
+        gm = captured.gm
+        if self._block_lists:
+            graph_facts(gm)["block_lists"] = self._block_lists
+        passes = ([Cleanup()] if self._cleanup else []) + self._passes
+        dump = None if self._dump_dir is None else f"{self._dump_dir}/g{len(self._by_key)}"
+        manager = PassManager(passes, dump_dir=dump)
+        from .analysis.blocks import get_structure
+        graph_facts(gm)["structure_summary"] = get_structure(gm).summary()  # also: not-a-DiT fails here
+        ctx = PassContext(example_inputs=kwargs, runtime={"runtime": self.runtime, "graph_id": len(self._by_key)})
+        manager.run(gm, ctx)
+        lowered = LoweredGraph(gm, captured, manager)
+        self.graphs[f"g{len(self._by_key)}"] = gm
+        self._by_key[key] = lowered
+        return lowered
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = bind_call(self.original, args, kwargs)
+        return_dict = kwargs.pop("return_dict", True)
+        lowered = self.lower(**kwargs)
+        self._last = lowered
+        cap = lowered.captured
+        leaves, _ = pytree.tree_flatten(kwargs)
+        flat = [x for x, t in zip(leaves, cap.leaf_is_tensor) if t]
+        outs = lowered.run(flat, self.runtime)
+        self.runtime.calls += 1
+        result = pytree.tree_unflatten(outs, cap.out_spec)
+        if not cap.accepts_return_dict or not return_dict:
+            return result
+        cls = _output_class()
+        sample = result[0] if isinstance(result, (tuple, list)) else result
+        return cls(sample=sample) if cls is not None else result
+
+    # -- inspection ----------------------------------------------------------------------------
+    def _current(self) -> LoweredGraph:
+        if self._last is None and not self._by_key:
+            raise RuntimeError("nothing captured yet: call the module once (or compiled.lower(**inputs)), "
+                               "or pass example_inputs= to compile_dit")
+        return self._last or next(iter(self._by_key.values()))
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self._current().gm.graph
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self._current().gm
+
+    @property
+    def code(self) -> str:
+        return self._current().gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+    @property
+    def structure(self):
+        """The discovered structure of the current graph (re-derived if a pass invalidated it)."""
+        from .analysis.blocks import get_structure
+        return get_structure(self._current().gm)
+
+    def explain(self, print_output: bool = True) -> str:
+        cur = self._current()
+        text = (f"captured {type(self.original).__name__} in {cur.captured.seconds:.2f} s; "
+                f"{len(self._by_key)} signature(s) lowered\n"
+                + graph_facts(cur.gm).get("structure_summary", "") + "\n" + cur.manager.explain())
+        if print_output:
+            print(text)
+        return text
