@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The README's demo command: set up (idempotent) and run the main job on the embedded trained DiT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash .ci/setup.sh
+exec .venv/bin/dit-passes demo "$@"

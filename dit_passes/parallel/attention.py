@@ -1,0 +1,380 @@
+"""Sequence-parallel attention: Ulysses, Ring and USP (Ulysses inside Ring).
+
+Common contract of :func:`ulysses_attention`, :func:`ring_attention`, :func:`usp_attention`:
+
+* ``q``, ``k``, ``v``: ``[B, H, S_local, D]`` (``v`` may have its own head dim), the sequence dim
+  sharded over the group in rank order; ``seq_sizes`` (static ints, one per rank, each >= 1) gives
+  every rank's ``S_local``, so uneven shards (13 tokens on 4 ranks: ``(4, 3, 3, 3)``) are exact.
+  ``k``/``v`` have the same heads as ``q`` (repeat K/V heads before calling for GQA).
+* result: this rank's ``[B, H, S_local, Dv]`` rows of ``softmax(q k^T * scale + mask) v`` over the
+  **full** sequence, in ``q.dtype``; equal to ``F.scaled_dot_product_attention`` on the gathered
+  sequence, except that a query row with every key masked gives 0 (flash-kernel convention)
+  where SDPA's math path gives NaN.
+* ``attn_mask`` (bool: True = attend, or float: added to the scores), 4-D or broadcastable to it,
+  ``[B|1, H|1, Sq, Sk]``, in one of two layouts:
+
+  - **replicated full mask**: ``Sk = S`` (full sequence) and ``Sq`` in ``{1, S}``; every rank
+    passes the same tensor (QwenImage's ``[B,1,1,S]`` key padding or ``[B,1,S,S]``);
+  - **sharded key-padding mask**: ``Sk = S_local`` and ``Sq = 1``, sharded like K/V; it is
+    all-gathered once per call (one extra ``all_gather`` per group stage).
+* ``scale``: softmax scale, ``1/sqrt(D)`` when None.
+* ``counter``: optional :class:`~dit_passes.parallel.collectives.CollectiveCounter` (eager only).
+
+Communication per call (world > 1; a size-1 group communicates nothing):
+
+* Ulysses: exactly 4 ``all_to_all_single`` (q, k, v, out); they are kept separate (not fused into
+  one q/k/v all-to-all) so each is one functional op on a contiguous buffer.
+* Ring: exactly ``world - 1`` :func:`ring_exchange` calls, each moving K and V together.
+* USP: 4 all-to-alls on the Ulysses group + ``ring_size - 1`` exchanges on the Ring group.
+
+Traceability: all-to-alls and all-gathers are functional collectives; the ring exchange is the
+custom op ``dit_passes::ring_exchange``; everything else is ATen, so the three functions trace with
+``torch.compile(fullgraph=True)``. Group ranks and ``seq_sizes`` are read as Python ints, so a
+traced graph is specialised to one rank (shapes differ across ranks with uneven shards anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dit_passes.parallel.collectives import CollectiveCounter, all_gather, all_to_all_single, ring_exchange
+
+__all__ = [
+    "attention_with_lse",
+    "even_shard_sizes",
+    "gather_sequence",
+    "ring_attention",
+    "shard_sequence",
+    "ulysses_attention",
+    "usp_attention",
+]
+
+
+# --- sharding helpers ------------------------------------------------------------------------------
+
+
+def even_shard_sizes(length: int, world: int) -> tuple[int, ...]:
+    """Split ``length`` into ``world`` sizes differing by at most 1, larger ones first (rank order)."""
+    if world < 1 or length < 0:
+        raise ValueError(f"even_shard_sizes needs length >= 0 and world >= 1, got {length}, {world}")
+    base, extra = divmod(length, world)
+    return tuple(base + 1 if r < extra else base for r in range(world))
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for s in sizes:
+        out.append(total)
+        total += s
+    return out
+
+
+def shard_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Sequence[int]) -> torch.Tensor:
+    """This rank's slice of the full ``x`` along ``dim`` (``sizes[rank]`` elements, rank order)."""
+    sizes = _check_sizes(sizes, group, "shard_sequence")
+    if x.shape[dim] != sum(sizes):
+        raise ValueError(f"shard_sequence: x has {x.shape[dim]} along dim {dim}, sizes {sizes} sum to {sum(sizes)}")
+    rank = group.rank()
+    return x.narrow(dim, _offsets(sizes)[rank], sizes[rank])
+
+
+def gather_sequence(
+    x: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup,
+    sizes: Sequence[int],
+    *,
+    counter: CollectiveCounter | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: the full tensor on every rank (one all_gather)."""
+    sizes = _check_sizes(sizes, group, "gather_sequence")
+    return all_gather(x, dim, group, sizes, counter=counter)
+
+
+def _check_sizes(sizes: Sequence[int], group: dist.ProcessGroup, where: str) -> list[int]:
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != group.size():
+        raise ValueError(f"{where}: seq_sizes {sizes} need one entry per rank of the group ({group.size()})")
+    if min(sizes) < 1:
+        raise ValueError(f"{where}: every rank needs at least one token, got seq_sizes {sizes}; use fewer ranks")
+    return sizes
+
+
+# --- local attention with log-sum-exp ----------------------------------------------------------------
+
+
+def _math_attention_with_lse(q, k, v, attn_mask, scale):
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    # A row with every key masked has lse = -inf; subtracting 0 instead keeps its weights exp(-inf) = 0
+    # (output 0, lse -inf: it then has no weight in the merge) rather than NaN.
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(scores - safe_lse.unsqueeze(-1))
+    return torch.matmul(weights, v.float()), lse
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local attention returning ``(out, lse)``: ``out`` ``[B,H,Sq,Dv]``, ``lse`` fp32 ``[B,H,Sq]``
+    = ``logsumexp_k(q k^T * scale + mask)`` (-inf for fully masked rows, whose ``out`` is 0).
+
+    Kernel choice: CPU without mask -> ``aten._scaled_dot_product_flash_attention_for_cpu``; CUDA
+    without mask -> flash (fp16/bf16) or memory-efficient attention with ``compute_log_sumexp``;
+    masks and head dims those kernels reject -> an explicit fp32 math implementation.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    head_dim, v_dim = q.shape[-1], v.shape[-1]
+    if attn_mask is None and q.device.type == "cpu" and head_dim == v_dim:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
+        return out, lse.float()
+    if attn_mask is None and q.device.type == "cuda" and head_dim == v_dim and head_dim % 8 == 0:
+        if q.dtype in (torch.float16, torch.bfloat16) and head_dim <= 256:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+            return out, lse.float()
+        if head_dim <= 128:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, scale=scale
+            )[:2]
+            # The efficient kernel pads the query dim of lse (to a multiple of 32).
+            return out, lse[..., : q.shape[-2]].float()
+    return _math_attention_with_lse(q, k, v, attn_mask, scale)
+
+
+def _merge_partials(out, lse, part_out, part_lse):
+    """Combine two softmax-normalised partial results over disjoint key sets, in fp32."""
+    if out is None:
+        return part_out.float(), part_lse
+    new_lse = torch.logaddexp(lse, part_lse)
+    safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    merged = out * torch.exp(lse - safe).unsqueeze(-1) + part_out.float() * torch.exp(part_lse - safe).unsqueeze(-1)
+    return merged, new_lse
+
+
+# --- argument checks and masks -----------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v, sizes, rank, where):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{where}: q, k, v must be [B, H, S_local, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or k.shape[-1] != q.shape[-1] or q.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"{where}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree; k/v need q's batch, "
+            "heads (repeat K/V heads for GQA) and sequence length, k needs q's head dim"
+        )
+    if q.shape[2] != sizes[rank] or k.shape[2] != sizes[rank]:
+        raise ValueError(
+            f"{where}: rank {rank} holds {q.shape[2]} query / {k.shape[2]} key tokens but seq_sizes[{rank}] = "
+            f"{sizes[rank]} (seq_sizes={sizes})"
+        )
+
+
+def _full_key_mask(attn_mask, q, total, local, stages, where, counter):
+    """Normalise ``attn_mask`` to 4-D with the key dim over the full sequence (see module doc).
+
+    ``stages``: (group, sizes) pairs whose successive all-gathers turn a local key range into the full one.
+    """
+    if attn_mask is None:
+        return None
+    mask = attn_mask
+    if mask.dim() > 4:
+        raise ValueError(f"{where}: attn_mask must be at most 4-D [B, H, Sq, Sk], got {tuple(mask.shape)}")
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    batch, heads = q.shape[0], q.shape[1]
+    if mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads):
+        raise ValueError(f"{where}: attn_mask {tuple(mask.shape)} must have batch 1 or {batch} and heads 1 or {heads}")
+    key_len, query_len = mask.shape[-1], mask.shape[-2]
+    if key_len == total:
+        if query_len not in (1, total):
+            raise ValueError(
+                f"{where}: a full-sequence attn_mask {tuple(mask.shape)} needs a query dim of 1 or {total} "
+                "(row-sharded masks are not supported: pass the replicated mask)"
+            )
+        return mask
+    if key_len == local:
+        if query_len != 1:
+            raise ValueError(
+                f"{where}: a sharded attn_mask (key dim = local {local}) must be key padding [B, 1, 1, {local}], "
+                f"got {tuple(mask.shape)}"
+            )
+        for group, sizes in stages:
+            mask = all_gather(mask, -1, group, sizes, counter=counter)
+        return mask
+    raise ValueError(
+        f"{where}: attn_mask key dim {key_len} is neither the full sequence ({total}) nor this rank's shard ({local})"
+    )
+
+
+# --- Ulysses -----------------------------------------------------------------------------------------
+
+
+def _ulysses(q, k, v, mask, group, sizes, scale, local_attention: Callable, counter):
+    """All-to-all heads <-> sequence, ``local_attention(q, k, v, mask)`` on full-sequence head groups,
+    all-to-all back. ``mask`` has a full key dim; a per-head mask is sliced to this rank's heads."""
+    world, rank = group.size(), group.rank()
+    batch, heads, local = q.shape[0], q.shape[1], q.shape[2]
+    per_rank = -(-heads // world)
+    padded_heads = per_rank * world
+
+    def heads_to_sequence(x):
+        # [B, H, S_l, D] -> rows grouped by destination rank: [world * S_l, B, per_rank, D]; the
+        # received chunks (S_j rows from rank j) concatenate to the full sequence in order.
+        if padded_heads > heads:
+            x = F.pad(x, (0, 0, 0, 0, 0, padded_heads - heads))
+        dim = x.shape[-1]
+        x = x.reshape(batch, world, per_rank, local, dim).permute(1, 3, 0, 2, 4).reshape(world * local, batch, per_rank, dim)
+        y = all_to_all_single(x, sizes, [local] * world, group, counter=counter)
+        return y.permute(1, 2, 0, 3)  # [B, per_rank, S, D]
+
+    qh, kh, vh = heads_to_sequence(q), heads_to_sequence(k), heads_to_sequence(v)
+    if mask is not None and mask.shape[1] == heads and heads > 1:
+        if padded_heads > heads:
+            fill = mask.narrow(1, 0, 1).expand(-1, padded_heads - heads, -1, -1)
+            mask = torch.cat([mask, fill], dim=1)
+        mask = mask.narrow(1, rank * per_rank, per_rank)
+    out = local_attention(qh, kh, vh, mask)  # [B, per_rank, S, Dv]
+    v_dim = out.shape[-1]
+    back = all_to_all_single(out.permute(2, 0, 1, 3), [local] * world, sizes, group, counter=counter)
+    back = back.reshape(world, local, batch, per_rank, v_dim).permute(2, 0, 3, 1, 4).reshape(batch, padded_heads, local, v_dim)
+    return back[:, :heads]
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    seq_sizes: Sequence[int],
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    counter: CollectiveCounter | None = None,
+) -> torch.Tensor:
+    """Ulysses (DeepSpeed) sequence-parallel attention; see the module docstring for the contract.
+
+    Heads not divisible by the group size are zero-padded and the padded outputs dropped."""
+    sizes = _check_sizes(seq_sizes, group, "ulysses_attention")
+    rank = group.rank()
+    _check_qkv(q, k, v, sizes, rank, "ulysses_attention")
+    mask = _full_key_mask(attn_mask, q, sum(sizes), sizes[rank], [(group, sizes)], "ulysses_attention", counter)
+
+    def local_sdpa(qh, kh, vh, m):
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, scale=scale)
+
+    if group.size() == 1:
+        return local_sdpa(q, k, v, mask)
+    return _ulysses(q, k, v, mask, group, sizes, scale, local_sdpa, counter)
+
+
+# --- Ring --------------------------------------------------------------------------------------------
+
+
+def _ring(q, k, v, mask, group, sizes, scale, counter):
+    """Ring attention of this rank's queries (block ``rank`` of ``sizes``) over all K/V blocks.
+
+    K/V are padded to the largest block so every exchange moves equal shapes; each step slices the
+    visiting block back to its true length (known statically), so padding never enters the softmax.
+    """
+    world, rank = group.size(), group.rank()
+    offsets = _offsets(sizes)
+    longest = max(sizes)
+    if mask is not None and mask.shape[-2] != 1:
+        mask = mask.narrow(-2, offsets[rank], sizes[rank])  # this rank's query rows
+    pad = longest - k.shape[2]
+    kv = [F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))] if pad else [k, v]
+    out = lse = None
+    for step in range(world):
+        source = (rank - step) % world  # whose K/V block this rank holds at this step
+        length = sizes[source]
+        block_mask = None if mask is None else mask.narrow(-1, offsets[source], length)
+        part_out, part_lse = attention_with_lse(
+            q, kv[0].narrow(2, 0, length), kv[1].narrow(2, 0, length), attn_mask=block_mask, scale=scale
+        )
+        out, lse = _merge_partials(out, lse, part_out, part_lse)
+        if step < world - 1:
+            kv = ring_exchange(kv, group, counter=counter)
+    return out.to(q.dtype)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    seq_sizes: Sequence[int],
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    counter: CollectiveCounter | None = None,
+) -> torch.Tensor:
+    """Ring attention: K/V rotate around the group (``world - 1`` exchanges), partial results are
+    merged by log-sum-exp in fp32. See the module docstring for the contract."""
+    sizes = _check_sizes(seq_sizes, group, "ring_attention")
+    rank = group.rank()
+    _check_qkv(q, k, v, sizes, rank, "ring_attention")
+    mask = _full_key_mask(attn_mask, q, sum(sizes), sizes[rank], [(group, sizes)], "ring_attention", counter)
+    return _ring(q, k, v, mask, group, sizes, scale, counter)
+
+
+# --- USP ---------------------------------------------------------------------------------------------
+
+
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ulysses_group: dist.ProcessGroup,
+    ring_group: dist.ProcessGroup,
+    seq_sizes: Sequence[int],
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    counter: CollectiveCounter | None = None,
+) -> torch.Tensor:
+    """Unified sequence parallelism: Ulysses over ``ulysses_group`` inside Ring over ``ring_group``.
+
+    The sequence is sharded over ``ring_size * ulysses_size`` ranks; ``seq_sizes[i]`` is the shard
+    of the rank at ``ring_rank * ulysses_size + ulysses_rank`` (the row-major order of a
+    ``ParallelMesh(("ring", R), ("ulysses", U))``). Ulysses turns a ring block's shards into full
+    block sequences on ``H / U`` heads; ring attention then runs over the blocks.
+    """
+    ring_size, ulysses_size = ring_group.size(), ulysses_group.size()
+    if len(seq_sizes) != ring_size * ulysses_size:
+        raise ValueError(
+            f"usp_attention: seq_sizes {list(seq_sizes)} need ring_size * ulysses_size = "
+            f"{ring_size} * {ulysses_size} entries"
+        )
+    ring_rank, ulysses_rank = ring_group.rank(), ulysses_group.rank()
+    inner = [int(s) for s in seq_sizes[ring_rank * ulysses_size : (ring_rank + 1) * ulysses_size]]
+    inner = _check_sizes(inner, ulysses_group, "usp_attention")
+    blocks = [sum(int(s) for s in seq_sizes[j * ulysses_size : (j + 1) * ulysses_size]) for j in range(ring_size)]
+    blocks = _check_sizes(blocks, ring_group, "usp_attention")
+    _check_qkv(q, k, v, inner, ulysses_rank, "usp_attention")
+    mask = _full_key_mask(
+        attn_mask, q, sum(blocks), inner[ulysses_rank], [(ulysses_group, inner), (ring_group, blocks)],
+        "usp_attention", counter,
+    )
+
+    def ring_over_blocks(qh, kh, vh, m):
+        return _ring(qh, kh, vh, m, ring_group, blocks, scale, counter)
+
+    if ulysses_size == 1:
+        return ring_over_blocks(q, k, v, mask)
+    return _ulysses(q, k, v, mask, ulysses_group, inner, scale, ring_over_blocks, counter)
