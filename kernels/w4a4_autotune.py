@@ -1,0 +1,46 @@
+"""Tile configurations for the W4A4 Triton kernels (kernels/w4a4_triton.py).
+
+Why these tiles (Hopper, int8 ``tl.dot`` -> wgmma, fp32 accumulator + one int32 group accumulator):
+
+* every K-group of 64 ends in a CUDA-core epilogue over the whole [BLOCK_M, BLOCK_N] tile (int32 -> fp32,
+  scale product, fma). A thread therefore holds two full accumulators (fp32 ``acc`` and int32 ``d``).
+  sm_90 builds compiled ahead of time on a CPU machine (ptxas -v) gave: 64x128/4 warps, 128x64/4,
+  64x256/8 and 64x64/4 without spills (158-254 registers), 128x128/8 warps 20 bytes of spill (kept: the
+  autotuner decides), 128x256/8 warps 436 bytes of spill (not offered);
+* the packed tiles are small (BLOCK_M x 32 bytes per group), so deep software pipelining (4-6 stages)
+  costs little shared memory and hides the load latency of the short per-group iterations;
+* several CTAs per multiprocessor (the 64-row tiles) let one CTA's epilogue overlap another's wgmma.
+
+The interpreter (``TRITON_INTERPRET=1``, CPU tests) gets one small configuration: autotuning there would
+only run the slow interpreter many times.
+"""
+from __future__ import annotations
+
+import os
+from typing import List
+
+import triton
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def gemm_configs() -> List[triton.Config]:
+    """Autotune candidates for ``_w4a4_gemm_kernel`` (keys BLOCK_M, BLOCK_N, GROUP_M)."""
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2}, num_warps=4, num_stages=1)]
+    cfg = []
+    for bm, bn, warps, stages in ((128, 128, 8, 4), (128, 128, 8, 6), (64, 128, 4, 5), (64, 256, 8, 4),
+                                  (128, 64, 4, 5), (64, 64, 4, 6)):
+        cfg.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=warps, num_stages=stages))
+    return cfg
+
+
+def act_quant_configs() -> List[triton.Config]:
+    """Autotune candidates for ``_fused_act_quant_kernel`` (a memory-bound pass over x)."""
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s)
+            for bm, w, s in ((16, 4, 3), (32, 4, 3), (64, 4, 2), (64, 8, 3))]
