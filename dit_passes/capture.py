@@ -6,11 +6,18 @@ Contract (see DESIGN.md §1)
   guarantees: ``Captured.gm`` takes one positional tensor per tensor leaf of the call (names in
   ``input_names``), returns a flat tuple of tensors, holds parameters/buffers as attributes under their
   original paths (same tensor objects, no copy), and every ``call_function`` node carries
-  ``meta["val"]`` and ``meta["dit_module_path"]``.
+  ``meta["val"]`` and ``meta["dit_module_path"]``; the graph is functional (no in-place ops).
 
 Non-tensor arguments (``return_dict``, ``joint_attention_kwargs=None``, QwenImage's ``img_shapes``,
 Python ints/floats) are constants of the capture: they are part of :func:`signature_key`, so a call
 with other constants captures again instead of reusing a graph that baked in the old ones.
+
+Data-dependent Python (Lumina2 computes caption lengths with ``mask.sum(1).tolist()`` and builds its
+shapes from them) cannot be traced symbolically. When export fails and an eager run shows such scalar
+reads (``Tensor.item`` / ``Tensor.tolist``), capture replays the eager values during tracing, so the
+graph is specialised on them: the values of the call's non-floating tensors (masks) then join the
+signature (``Captured.value_leaves``), and the graph returns the traced scalars as an extra output
+that is checked against the baked ones at every call (:class:`ValueSpecializationError` if they differ).
 """
 from __future__ import annotations
 
@@ -22,10 +29,15 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 
 class CaptureError(RuntimeError):
     """torch.export could not trace the module with the given call."""
+
+
+class ValueSpecializationError(CaptureError):
+    """A graph specialised on data-dependent scalars was called with inputs that change them."""
 
 
 @dataclasses.dataclass
@@ -38,6 +50,10 @@ class Captured:
     out_spec: pytree.TreeSpec          # structure of the model's return_dict=False output
     accepts_return_dict: bool
     seconds: float = 0.0
+    # Set only for data-dependent models (see the module docstring): flattened-leaf indices of the
+    # non-floating tensors whose values are part of the signature, and the scalars baked in.
+    value_leaves: List[int] = dataclasses.field(default_factory=list)
+    baked_scalars: List[Any] = dataclasses.field(default_factory=list)
 
 
 def bind_call(model: torch.nn.Module, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -71,6 +87,49 @@ def signature_key(kwargs: Dict[str, Any]) -> Tuple:
     """Hashable key of a call: shapes/dtypes/devices of tensors and the values of constants."""
     leaves, spec = pytree.tree_flatten(kwargs)
     return (str(spec), tuple(_leaf_key(x) for x in leaves))
+
+
+def value_key(kwargs: Dict[str, Any], value_leaves: Sequence[int]) -> Tuple:
+    """The values of the given tensor leaves (for graphs specialised on data-dependent scalars)."""
+    leaves, _ = pytree.tree_flatten(kwargs)
+    return tuple(tuple(leaves[i].detach().cpu().reshape(-1).tolist()) for i in value_leaves)
+
+
+def _flat_values(x: Any) -> List[Any]:
+    return [v for item in x for v in _flat_values(item)] if isinstance(x, list) else [x]
+
+
+class _ScalarRecorder(TorchFunctionMode):
+    """Eager run: records, in call order, every Python scalar read from a tensor (item / tolist)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: List[Any] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.item:
+            self.values.append(out)
+        elif func is torch.Tensor.tolist:
+            self.values.extend(_flat_values(out))  # FakeTensor.tolist reads them one item() each
+        return out
+
+
+class _ScalarReplay(TorchFunctionMode):
+    """Tracing: answers each ``item()`` with the eager value, keeping the traced tensor as a guard."""
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        super().__init__()
+        self.values = list(values)
+        self.sources: List[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.item:
+            if len(self.sources) >= len(self.values):
+                raise CaptureError("the traced model reads more tensor scalars than its eager run did")
+            self.sources.append(args[0])
+            return self.values[len(self.sources) - 1]
+        return func(*args, **(kwargs or {}))
 
 
 _DYNAMO_SEGMENT = re.compile(r"\['([^']*)'\]|\.([A-Za-z_0-9]+)|\[(\d+)\]")
@@ -131,6 +190,7 @@ class _CallWithConstants(torch.nn.Module):
         object.__setattr__(self, "_model", model)
         self._spec, self._is_tensor, self._constants = spec, is_tensor, constants
         self._force = force_return_dict_false
+        self.replay_values: List[Any] | None = None  # set: trace with _ScalarReplay, return (out, guard)
 
     def forward(self, *tensors):
         it = iter(tensors)
@@ -138,7 +198,23 @@ class _CallWithConstants(torch.nn.Module):
         kw = pytree.tree_unflatten(leaves, self._spec)
         if self._force:
             kw["return_dict"] = False
-        return self._model(**kw)
+        if self.replay_values is None:
+            return self._model(**kw)
+        replay = _ScalarReplay(self.replay_values)  # fresh per trace: export may run forward twice
+        with replay:
+            out = self._model(**kw)
+        if len(replay.sources) != len(self.replay_values):
+            raise CaptureError(f"the traced model read {len(replay.sources)} tensor scalars, its eager run "
+                               f"{len(self.replay_values)}: its control flow is not reproducible")
+        guard = torch.stack([x.reshape(()).to(torch.float64) for x in replay.sources])
+        return out, guard
+
+    def record_scalars(self, tensors) -> List[Any]:
+        """Run the model eagerly once and return the scalars it reads from tensors, in order."""
+        rec = _ScalarRecorder()
+        with torch.no_grad(), rec:
+            self.forward(*tensors)
+        return rec.values
 
 
 def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, Any] | None = None) -> Captured:
@@ -167,21 +243,85 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
         wrapper._parameters[name] = p
     for name, b in model.named_buffers(recurse=False):
         wrapper._buffers[name] = b
+    scalars: List[Any] = []
     try:
         with torch.inference_mode(False), torch.no_grad():
             ep = torch.export.export(wrapper, tensors, strict=False)
     except Exception as e:  # noqa: BLE001
-        raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:400]}. Check that the call matches the model's forward "
-                           f"(tensor inputs, constant options) and that the model runs eagerly with it") from e
+        first_error = e
+        try:  # data-dependent Python? retry specialised on the eager run's scalars
+            scalars = [] if any(x.is_meta for x in tensors) else wrapper.record_scalars(tensors)
+        except Exception:  # noqa: BLE001 - the model does not even run eagerly: report the export error
+            scalars = []
+        ep = None
+        if scalars:
+            wrapper.replay_values = scalars
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    ep = torch.export.export(wrapper, tensors, strict=False)
+            except Exception as e2:  # noqa: BLE001
+                first_error = e2
+        if ep is None:
+            e = first_error
+            raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:400]}. Check that the call matches the model's "
+                               f"forward (tensor inputs, constant options) and that the model runs eagerly "
+                               f"with it") from e
 
+    if _mutates(ep.graph_module.graph):
+        # In-place writes into views (Lumina2 / Wan / CogVideoX build tensors with ``x[i, :n] = ...``)
+        # hide dataflow from block discovery and from passes that move nodes: functionalise them
+        # (``copy_`` -> ``slice_scatter``...). An empty table decomposes nothing, so linear and
+        # attention stay whole.
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                ep = ep.run_decompositions({})
+        except Exception as e:  # noqa: BLE001
+            raise CaptureError(f"could not functionalise the in-place ops of {type(model).__name__}'s graph: "
+                               f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
     gm = ep.module()
     out_spec = gm._out_spec if hasattr(gm, "_out_spec") else ep.call_spec.out_spec
+    n_flat = out_spec.num_leaves
+    if scalars:  # the wrapper returned (model output, guard): the user's output is child 0
+        out_spec = out_spec.child(0) if hasattr(out_spec, "child") else out_spec.children_specs[0]
     _flatten_codegen(gm, input_names)
     _register_constants_as_buffers(gm)
     annotate_module_paths(gm)
+    value_leaves: List[int] = []
+    if scalars:
+        value_leaves = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
+                        and not x.is_floating_point() and not x.is_complex()]
+        _install_scalar_guard(gm, model, out_spec.num_leaves, n_flat, scalars)
     return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
-                    time.perf_counter() - t0)
+                    time.perf_counter() - t0, value_leaves, scalars)
+
+
+def _mutates(graph: fx.Graph) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target._schema.is_mutable for n in graph.nodes)
+
+
+def _install_scalar_guard(gm: fx.GraphModule, model: torch.nn.Module, n_user: int, n_flat: int,
+                          scalars: List[Any]) -> None:
+    """The guard output (last) is checked at each call through CompiledDiT's extra-output protocol."""
+    from .infra.pass_base import graph_facts
+
+    if n_flat != n_user + 1:
+        raise CaptureError(f"internal: expected {n_user} outputs and one guard, got {n_flat} outputs")
+    expected = torch.tensor([float(v) for v in scalars], dtype=torch.float64)
+    name = type(model).__name__
+
+    def check(runtime: Any, vals: Sequence[torch.Tensor]) -> None:
+        got = vals[0].detach().cpu()
+        if not torch.equal(got, expected):
+            raise ValueSpecializationError(
+                f"{name}'s graph was specialised on data-dependent scalars {expected.tolist()} (item/tolist "
+                f"in its forward), but this call computes {got.tolist()}; they depend on floating-point inputs, "
+                f"which are not part of the signature. Run this model eagerly, or keep those inputs fixed")
+
+    facts = graph_facts(gm)
+    facts["num_user_outputs"] = n_user
+    facts.setdefault("extra_outputs", []).append((check, 1))
 
 
 def _leaf_names(kwargs: Dict[str, Any]) -> List[str]:

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .capture import Captured, bind_call, capture, signature_key
+from .capture import Captured, bind_call, capture, signature_key, value_key
 from .infra.pass_base import Pass, PassContext, graph_facts
 from .infra.pass_manager import PassManager
 from .passes.cleanup import Cleanup
@@ -88,6 +88,7 @@ class CompiledDiT(torch.nn.Module):
         self._dump_dir = dump_dir
         self._block_lists = block_lists
         self._by_key: Dict[Any, LoweredGraph] = {}
+        self._value_leaves: Dict[Any, List[int]] = {}  # signature -> leaves whose values key the graph
         self._last: Optional[LoweredGraph] = None
         PassManager(self._passes)  # validate the pass list (types, ordering) now, not at the first call
 
@@ -132,10 +133,16 @@ class CompiledDiT(torch.nn.Module):
         """Capture + run the passes for this call's signature (done lazily by ``forward``)."""
         kwargs = bind_call(self.original, args, kwargs)
         kwargs.pop("return_dict", None)
-        key = signature_key(kwargs)
+        base = signature_key(kwargs)
+        # A data-dependent model's graph is specialised on its masks' values too (capture.value_key).
+        value_leaves = self._value_leaves.get(base)
+        key = base if value_leaves is None else (base, value_key(kwargs, value_leaves))
         if key in self._by_key:
             return self._by_key[key]
         captured = capture(self.original, (), kwargs)
+        if captured.value_leaves:
+            self._value_leaves[base] = captured.value_leaves
+            key = (base, value_key(kwargs, captured.value_leaves))
         gm = captured.gm
         if self._block_lists:
             graph_facts(gm)["block_lists"] = self._block_lists

@@ -138,7 +138,9 @@ def _main_chain(gm: fx.GraphModule, groups: Dict[str, Dict[int, List[fx.Node]]],
     start = {p: min(pos[n] for ns in g.values() for n in ns) for p, g in groups.items()}
     end = {p: max(pos[n] for ns in g.values() for n in ns) for p, g in groups.items()}
     depth = {p: p.count(".") for p in groups}
-    main = max(groups, key=lambda p: (weight[p], -start[p]))
+    # On a tie (same block class and count, e.g. Lumina2 / Z-Image refiners beside a short ``layers``),
+    # the later list wins: refiners run before the main stack, never after it.
+    main = max(groups, key=lambda p: (weight[p], start[p]))
     same_depth = [p for p in groups if depth[p] == depth[main]]
 
     def feeds(a: str, b: str) -> bool:

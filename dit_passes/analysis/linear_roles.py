@@ -4,7 +4,8 @@ Roles (checked in this order, all by walking the graph, never by module names):
 1. ``q`` / ``k`` / ``v`` / ``qkv``: the output reaches argument 0 / 1 / 2 (several: ``qkv``) of an
    attention node before any other linear (cross-attention K/V over the text too).
 2. ``modulation``: the input does not depend on the block's residual streams (AdaLN linears on temb).
-3. walking back from the input, stopping at norms, attention and stream-dependent linears:
+3. walking back from the input, stopping at norms, attention and stream-dependent linears (reaching
+   the block's raw residual stream instead skips to 4: a norm-less pre-MLP input is the residual):
    attention only -> ``attn_out``; attention and a linear -> ``proj`` (Flux single blocks'
    ``proj_out`` over concat(attention, MLP)); a linear only -> ``mlp_down``.
 4. ``mlp_up``: the output reaches another stream-dependent linear.
@@ -68,13 +69,19 @@ def _forward_reach(start: fx.Node, inside: Set[fx.Node]) -> Tuple[Set[int], List
     return slots, linears
 
 
-def _backward_reach(start: fx.Node, inside: Set[fx.Node], modulation: Set[fx.Node]) -> Tuple[bool, bool]:
-    """(reaches attention, reaches a stream-dependent linear), walking back to norms at most."""
+def _backward_reach(start: fx.Node, inside: Set[fx.Node], modulation: Set[fx.Node],
+                    streams: Set[fx.Node]) -> Tuple[bool, bool, bool]:
+    """(reaches attention, reaches a stream-dependent linear, reaches a block stream input), walking
+    back to norms at most. Reaching the raw residual stream means the input *is* the residual (a
+    norm-less pre-MLP), so the linear cannot be an output/down projection."""
     seen: Set[fx.Node] = set()
     stack = [start]
-    attn = lin = False
+    attn = lin = residual = False
     while stack:
         x = stack.pop()
+        if x in streams:
+            residual = True
+            continue
         if x in seen or x not in inside:
             continue
         seen.add(x)
@@ -88,7 +95,7 @@ def _backward_reach(start: fx.Node, inside: Set[fx.Node], modulation: Set[fx.Nod
         if x.target in NORM_OPS:
             continue
         stack.extend(x.all_input_nodes)
-    return attn, lin
+    return attn, lin, residual
 
 
 def _stream_dependent(block: Block) -> Set[fx.Node]:
@@ -133,12 +140,15 @@ def find_linears(gm: fx.GraphModule, fn_nodes: List[fx.Node], block_of: Dict[fx.
         if n in roles:
             continue
         inside, _ = per_block[block_of[n]]
-        attn, lin = _backward_reach(n.args[0], inside, modulation)
-        if attn:
+        attn, lin, residual = _backward_reach(n.args[0], inside, modulation,
+                                              set(blocks[block_of[n]].stream_inputs))
+        if residual:
+            pass  # the input is the residual stream itself: only mlp_up / other fit (below)
+        elif attn:
             roles[n] = "proj" if lin else "attn_out"
         elif lin:
             roles[n] = "mlp_down"
-        else:
+        if n not in roles:
             _, reached = _forward_reach(n, inside)
             roles[n] = "mlp_up" if any(r not in modulation for r in reached) else "other"
     for n in lin_nodes:

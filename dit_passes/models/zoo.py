@@ -1,0 +1,144 @@
+"""The tiny-model zoo: small random-weight diffusers transformers with matching example inputs.
+
+Every test of the project builds its models here, so the zoo is deterministic (weights from ``seed``,
+inputs from their own ``seed``), small (2 heads x 16 channels, 2 blocks per list, 16-64 image tokens,
+4-12 text tokens) and uses diffusers' default attention (the native backend: one
+``scaled_dot_product_attention`` per attention call).
+
+    zm = build("flux")                      # ZooModel: fp32, CPU, eval mode
+    kwargs = zm.make_inputs(batch=2, variant="alt_resolution", seed=1)
+    out = zm.model(**kwargs)                # tuple, as return_dict=False
+    zm.expected["block_lists"]              # {"transformer_blocks": 2, "single_transformer_blocks": 2}
+
+``expected`` holds what a correct capture must find:
+
+* ``block_lists``: main-stack ``nn.ModuleList`` paths -> length, in execution order;
+* ``aux_block_lists`` (when present): repeated lists outside the main stack (Hunyuan's token refiner,
+  Chroma's approximator, the refiners of Z-Image / Lumina2), which discovery must *not* take as the stack;
+* ``streams``: 2 for dual-stream models (image and text residuals kept apart in the first block list),
+  1 for single-stream ones; ``streams_per_list`` gives the count of residual tensors each list's blocks
+  take at their interface;
+* ``attention_per_block``: ``scaled_dot_product_attention`` calls per block of each list (Sana's linear
+  self-attention is counted apart in ``linear_attention_per_block``);
+* ``heads`` / ``head_dim``; ``tokens``: ``{variant: {"image": n, "text": m}}`` (model tokens after
+  patchification, before any internal padding); ``odd_variant`` (flux, flux2, qwenimage, chroma, wan):
+  the variant with odd token counts; family-specific notes (``context_pre_only_last``, ``seq_multiple``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+from types import MappingProxyType
+from typing import Any, Callable
+
+import diffusers
+import torch
+
+from dit_passes.models.zoo_common import FamilySpec
+from dit_passes.models.zoo_image import IMAGE_FAMILIES
+from dit_passes.models.zoo_video import VIDEO_FAMILIES
+
+__all__ = ["FAMILIES", "ALL_FAMILIES", "ZooModel", "build", "config_for"]
+
+_SPECS: MappingProxyType = MappingProxyType({s.name: s for s in IMAGE_FAMILIES + VIDEO_FAMILIES})
+
+# Every family the zoo knows, and those whose model class exists in the installed diffusers.
+ALL_FAMILIES: tuple[str, ...] = tuple(_SPECS)
+FAMILIES: tuple[str, ...] = tuple(n for n, s in _SPECS.items() if hasattr(diffusers, s.class_name))
+
+
+@dataclasses.dataclass
+class ZooModel:
+    """A built zoo model. ``make_inputs(batch=1, variant="default", seed=0)`` returns the exact keyword
+    arguments of ``model.forward`` (tensors plus constants such as ``return_dict=False``)."""
+
+    family: str
+    model: torch.nn.Module
+    make_inputs: Callable[..., dict]
+    variants: tuple[str, ...]
+    expected: dict
+    pipeline_class: str | None
+
+
+def _spec(family: str) -> FamilySpec:
+    if family not in _SPECS:
+        raise KeyError(f"unknown zoo family {family!r}; known families: {', '.join(ALL_FAMILIES)}")
+    spec = _SPECS[family]
+    if family not in FAMILIES:
+        raise RuntimeError(
+            f"zoo family {family!r} needs diffusers.{spec.class_name}, which diffusers {diffusers.__version__} "
+            f"does not have; available families here: {', '.join(FAMILIES)}"
+        )
+    return spec
+
+
+def config_for(family: str) -> dict:
+    """The tiny config of ``family`` (keyword arguments of its diffusers model class); a fresh copy."""
+    return copy.deepcopy(dict(_spec(family).config))
+
+
+def _checked_config(spec: FamilySpec, overrides: dict) -> dict:
+    cls = getattr(diffusers, spec.class_name)
+    params = inspect.signature(cls.__init__).parameters
+    unknown = sorted(k for k in overrides if k not in params or k == "self")
+    if unknown:
+        valid = ", ".join(p for p in params if p != "self")
+        raise TypeError(f"{spec.class_name} has no config field(s) {unknown}; valid fields: {valid}")
+    config = config_for(spec.name)
+    config.update(copy.deepcopy(overrides))
+    return config
+
+
+def _expected(spec: FamilySpec, config: dict) -> dict:
+    heads, head_dim = spec.heads_and_head_dim(config)
+    expected = copy.deepcopy(dict(spec.expected))
+    expected["block_lists"] = {path: int(config[key]) for path, key in spec.block_list_keys.items()}
+    if spec.aux_list_keys:
+        expected["aux_block_lists"] = {path: int(config[key]) for path, key in spec.aux_list_keys.items()}
+    expected["heads"] = heads
+    expected["head_dim"] = head_dim
+    expected["tokens"] = {v: spec.tokens(config, sizes) for v, sizes in spec.sizes_by_variant.items()}
+    return expected
+
+
+def _make_inputs(spec: FamilySpec, config: dict, batch: int = 1, variant: str = "default", seed: int = 0) -> dict:
+    if variant not in spec.sizes_by_variant:
+        raise ValueError(f"{spec.name} has no input variant {variant!r}; variants: {tuple(spec.sizes_by_variant)}")
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    return spec.inputs(MappingProxyType(config), batch, spec.sizes_by_variant[variant], gen)
+
+
+def build(family: str, seed: int = 0, **overrides: Any) -> ZooModel:
+    """Build the tiny ``family`` model with weights drawn from ``seed`` (fp32, CPU, eval mode).
+
+    ``overrides`` replace config fields (e.g. ``num_layers=3``); ``expected`` and ``make_inputs``
+    follow them. The global torch RNG state is left as it was.
+    """
+    spec = _spec(family)
+    config = _checked_config(spec, overrides)
+    cls = getattr(diffusers, spec.class_name)
+    # fork_rng: seeding for the weights must not disturb the caller's random stream
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        model = cls(**config)
+    # diffusers builds fp32 CPU modules already; no .to(dtype), which would warn about and override
+    # the classes' keep-in-fp32 lists for nothing
+    model.eval()
+    wrong = sorted({str(t.dtype) for t in model.state_dict().values() if t.is_floating_point()} - {"torch.float32"})
+    if wrong:
+        raise RuntimeError(f"{spec.class_name} built with {wrong} tensors; the zoo promises fp32 "
+                           f"(is torch's default dtype changed? it is {torch.get_default_dtype()})")
+    make_inputs = functools.partial(_make_inputs, spec, config)
+    if spec.warm_up:
+        with torch.no_grad():
+            model(**make_inputs())
+    return ZooModel(
+        family=family,
+        model=model,
+        make_inputs=make_inputs,
+        variants=tuple(spec.sizes_by_variant),
+        expected=_expected(spec, config),
+        pipeline_class=spec.pipeline_class,
+    )

@@ -1,0 +1,280 @@
+"""PassManager: ordering constraints, verification naming the guilty pass, facts, explain() and dumps.
+
+The graphs are captured from a small two-block toy transformer (capture only needs an nn.Module), so
+every check runs on a real exported graph with real ``meta["val"]``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from dit_passes import compile_dit
+from dit_passes.analysis.blocks import get_structure
+from dit_passes.capture import capture
+from dit_passes.infra.graph_utils import copy_meta, set_val
+from dit_passes.infra.pass_base import Pass, PassContext, PassError, PassResult, graph_facts
+from dit_passes.infra.pass_manager import PassManager, order_passes
+
+aten = torch.ops.aten
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.out(a)
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class ToyDiT(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj_in = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList([ToyBlock(), ToyBlock()])
+        self.proj_out = torch.nn.Linear(16, 8)
+
+    def forward(self, hidden_states):
+        x = self.proj_in(hidden_states)
+        for blk in self.blocks:
+            x = blk(x)
+        return (self.proj_out(x),)
+
+
+@pytest.fixture
+def toy():
+    torch.manual_seed(0)
+    model = ToyDiT().eval()
+    x = torch.randn(1, 6, 8)
+    return model, x
+
+
+def captured_gm(model, x) -> fx.GraphModule:
+    return capture(model, (), {"hidden_states": x}).gm
+
+
+# -- toy passes -----------------------------------------------------------------------------------
+class ReluToGelu(Pass):
+    """Replaces every relu by gelu, propagating meta['val'] as the contract asks."""
+    name = "relu_to_gelu"
+
+    def run(self, gm, ctx):
+        n_done = 0
+        for n in list(gm.graph.nodes):
+            if n.op == "call_function" and n.target is aten.relu.default:
+                with gm.graph.inserting_after(n):
+                    new = gm.graph.call_function(aten.gelu.default, (n.args[0],))
+                copy_meta(new, n)
+                set_val(new)
+                n.replace_all_uses_with(new)
+                gm.graph.erase_node(n)
+                n_done += 1
+        return PassResult(n_done > 0, {"relu_replaced": n_done}, f"replaced {n_done} relu")
+
+
+class CountLinears(Pass):
+    name = "count_linears"
+    run_after = ("relu_to_gelu",)
+
+    def run(self, gm, ctx):
+        k = sum(1 for n in gm.graph.nodes if n.target is aten.linear.default)
+        return PassResult(False, {"linears": k}, "analysis only")
+
+
+def named_pass(name, after=(), before=(), log=None):
+    cls = type(f"P_{name}", (Pass,), {"name": name, "run_after": tuple(after), "run_before": tuple(before)})
+
+    def run(self, gm, ctx):
+        if log is not None:
+            log.append(self.name)
+        return PassResult(False)
+    cls.run = run
+    return cls()
+
+
+# -- ordering --------------------------------------------------------------------------------------
+def test_order_run_after_and_run_before(toy):
+    log = []
+    a = named_pass("a", after=("c",), log=log)   # a after c
+    b = named_pass("b", log=log)
+    c = named_pass("c", log=log)
+    d = named_pass("d", before=("b",), log=log)  # d before b
+    mgr = PassManager([a, b, c, d])
+    assert [p.name for p in mgr.passes] == ["c", "a", "d", "b"]
+    mgr.run(captured_gm(*toy))
+    assert log == ["c", "a", "d", "b"]
+    # constraints naming absent passes are ignored; unconstrained passes keep their given order
+    assert [p.name for p in order_passes([named_pass("x", after=("zzz",)), named_pass("y")])] == ["x", "y"]
+
+
+def test_real_passes_ordered(toy):
+    mgr = PassManager([CountLinears(), ReluToGelu()])
+    assert [p.name for p in mgr.passes] == ["relu_to_gelu", "count_linears"]
+
+
+def test_cycle_is_reported():
+    with pytest.raises(PassError, match=r"cycle.*'a'.*'b'|cycle.*'b'.*'a'"):
+        PassManager([named_pass("a", after=("b",)), named_pass("b", after=("a",)), named_pass("free")])
+    with pytest.raises(PassError, match="cycle"):
+        PassManager([named_pass("a", before=("b",)), named_pass("b", before=("a",))])
+
+
+# -- verification names the pass that broke the graph ------------------------------------------------
+class EraseUsedNode(Pass):
+    name = "erase_used"
+
+    def run(self, gm, ctx):
+        lin = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
+        gm.graph.erase_node(lin)  # still has users
+        return PassResult(True)
+
+
+class InsertWithoutVal(Pass):
+    name = "no_val"
+
+    def run(self, gm, ctx):
+        n = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
+        with gm.graph.inserting_after(n):
+            new = gm.graph.call_function(aten.neg.default, (n,))
+        n.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        return PassResult(True)
+
+
+class UseBeforeDefinition(Pass):
+    name = "use_before_def"
+
+    def run(self, gm, ctx):
+        nodes = [n for n in gm.graph.nodes if n.target is aten.linear.default]
+        first, last = nodes[0], nodes[-1]
+        first.args = (last,) + tuple(first.args[1:])  # reads a value defined later: not a DAG in order
+        return PassResult(True)
+
+
+class ReturnsNothing(Pass):
+    name = "returns_nothing"
+
+    def run(self, gm, ctx):
+        return None
+
+
+@pytest.mark.parametrize("bad,fragment", [
+    (EraseUsedNode, "pass 'erase_used' failed"),
+    (InsertWithoutVal, "after pass 'no_val', 1 node(s) lack meta['val']"),
+    (UseBeforeDefinition, "graph is invalid after pass 'use_before_def'"),
+    (ReturnsNothing, "pass 'returns_nothing' returned NoneType"),
+])
+def test_broken_graph_error_names_pass(toy, bad, fragment):
+    gm = captured_gm(*toy)
+    with pytest.raises(PassError) as err:
+        PassManager([ReluToGelu(), bad()]).run(gm)  # the good pass first: the error blames the bad one
+    assert fragment in str(err.value)
+
+
+def test_non_pass_is_type_error(toy):
+    with pytest.raises(TypeError, match="must hold dit_passes Pass instances, got function"):
+        PassManager([lambda gm, ctx: None])
+    with pytest.raises(TypeError, match="got type"):
+        compile_dit(toy[0], passes=[ReluToGelu])  # the class, not an instance
+
+
+# -- facts ----------------------------------------------------------------------------------------
+class NeedsStructure(Pass):
+    name = "needs_structure"
+    requires = ("structure",)
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def run(self, gm, ctx):
+        self.seen.append(graph_facts(gm)["structure"])
+        return PassResult(False, {"blocks": len(graph_facts(gm)["structure"].blocks)})
+
+
+class InvalidatesStructure(ReluToGelu):
+    name = "invalidating_rewrite"
+    invalidates = ("structure",)
+    provides = ("rewritten",)
+
+
+class NeedsUnknownFact(Pass):
+    name = "needs_unknown"
+    requires = ("quant_tables",)
+
+    def run(self, gm, ctx):
+        return PassResult(False)
+
+
+def test_required_structure_is_derived_and_rederived_after_invalidation(toy):
+    gm = captured_gm(*toy)
+    seen = []
+    a, b = NeedsStructure(seen), NeedsStructure(seen)
+    b.name = "needs_structure_again"
+    mgr = PassManager([a, InvalidatesStructure(), b])
+    mgr.run(gm)
+    assert len(seen) == 2 and seen[0] is not seen[1]  # re-derived on the rewritten graph
+    assert [blk.path for blk in seen[1].blocks] == ["blocks.0", "blocks.1"]
+    gelus = [n for n in seen[1].blocks[0].nodes if n.target is aten.gelu.default]
+    assert len(gelus) == 1  # the fresh structure holds the new node, not the erased relu
+    assert graph_facts(gm)["rewritten"] is True
+
+
+def test_missing_fact_names_pass_and_fact(toy):
+    with pytest.raises(PassError, match="'needs_unknown' requires graph fact 'quant_tables'"):
+        PassManager([NeedsUnknownFact()]).run(captured_gm(*toy))
+
+
+# -- results, explain, dumps, semantics ----------------------------------------------------------------
+def test_rewrite_is_correct_and_explained(toy, tmp_path):
+    model, x = toy
+    compiled = compile_dit(model, passes=[CountLinears(), ReluToGelu()], dump_dir=str(tmp_path))
+    with torch.no_grad():
+        out = compiled(hidden_states=x)[0]
+        ref = _reference_with_gelu(model, x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    assert not any(n.target is aten.relu.default for n in compiled.graph.nodes)
+    text = compiled.explain(print_output=False)
+    for fragment in ("== cleanup()", "== relu_to_gelu()", "== count_linears()", "relu_replaced=2",
+                     "linears=10", "analysis only", "(graph unchanged)", "--- before", "+++ after"):
+        assert fragment in text, fragment
+    assert any(line.strip().startswith("-") and "relu" in line for line in text.splitlines())
+    assert any(line.strip().startswith("+") and "gelu" in line for line in text.splitlines())
+    dumps = sorted(os.listdir(tmp_path / "g0"))
+    assert dumps == ["00_captured.py", "01_cleanup.py", "02_relu_to_gelu.py", "03_count_linears.py"]
+    assert "gelu" in (tmp_path / "g0" / "02_relu_to_gelu.py").read_text()
+
+
+def _reference_with_gelu(model, x):
+    h = model.proj_in(x)
+    for blk in model.blocks:
+        b, s, d = h.shape
+        q, k, v = blk.qkv(h).view(b, s, 3, blk.heads, d // blk.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        h = h + blk.out(a)
+        h = h + blk.down(F.gelu(blk.up(h)))
+    return model.proj_out(h)
+
+
+def test_explain_without_passes(toy):
+    mgr = PassManager([])
+    mgr.run(captured_gm(*toy))
+    assert "no passes ran" in mgr.explain()
+
+
+def test_toy_structure(toy):
+    s = get_structure(captured_gm(*toy))
+    assert [(bl.name, bl.count) for bl in s.block_lists] == [("blocks", 2)]
+    assert s.num_streams == 1 and [a.block for a in s.attention] == [0, 1]
+    roles = sorted(lin.role for lin in s.linears if lin.block == 0)
+    assert roles == ["attn_out", "mlp_down", "mlp_up", "qkv"]
