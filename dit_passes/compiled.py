@@ -57,7 +57,13 @@ class LoweredGraph:
         args = list(flat)
         for fn in extra_in:
             args.extend(fn(runtime))
-        outs = list(self.gm(*args))
+        if facts.get("inference_only") and torch.is_grad_enabled():
+            # torch.cond's autograd rule re-traces both branches with fake tensors, which a graph whose
+            # weights are real attributes cannot satisfy; a DiT step is inference anyway
+            with torch.no_grad():
+                outs = list(self.gm(*args))
+        else:
+            outs = list(self.gm(*args))
         n_user = facts.get("num_user_outputs", len(outs))
         rest = outs[n_user:]
         for fn, k in extra_out:
@@ -127,6 +133,34 @@ class CompiledDiT(torch.nn.Module):
 
     def new_generation(self) -> None:
         self.runtime.new_generation()
+
+    # -- residual cache reports ----------------------------------------------------------------
+    def _cache_store(self):
+        store = self.runtime.state.get("dbcache")
+        if store is None:
+            raise RuntimeError("this CompiledDiT has no residual cache: add passes.DBCache(...) to passes=[...] "
+                               "(and call it once) before asking for a cache summary")
+        return store
+
+    def cache_summary(self, as_dict: bool = False):
+        """Per generation: cached steps, residual diffs and their percentiles (one device sync)."""
+        store = self._cache_store()
+        return store.summary() if as_dict else store.summary_string()
+
+    def fidelity_stats(self) -> Dict[str, Any]:
+        """The last generation's per-call decisions and the fraction of block work executed (for
+        :mod:`dit_passes.fidelity`); ``{}`` without a residual cache."""
+        if "dbcache" not in self.runtime.state:
+            return {}
+        out = self.runtime.state["dbcache"].last_generation()
+        info = graph_facts(self._current().gm).get("dbcache")
+        if info and out["step_cached"]:
+            always = info["Fn"] + info["Bn"]
+            middle = info["blocks"] - always
+            executed = [always + (0 if c else middle) for c in out["step_cached"]]
+            out["executed_block_fraction"] = sum(executed) / (len(executed) * info["blocks"])
+            out["cached_steps"] = sum(out["step_cached"])
+        return out
 
     # -- lowering ------------------------------------------------------------------------------
     def lower(self, *args: Any, **kwargs: Any) -> LoweredGraph:

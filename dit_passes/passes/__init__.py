@@ -1,4 +1,8 @@
 """The graph passes users put in ``compile_dit(model, passes=[...])``."""
 from .cleanup import Cleanup
+from .dbcache import DBCache
+from .quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
+from .context_parallel import USP, Ring, Ulysses
+from .tensor_parallel import TensorParallel
 
-__all__ = ["Cleanup"]
+__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel"]

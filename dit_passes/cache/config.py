@@ -1,0 +1,235 @@
+"""Residual-cache configuration: cache-dit 1.5.3's ``DBCacheConfig`` and ``TaylorSeerCalibratorConfig``.
+
+Same field names, defaults and ``strify()`` tags as the reference (``cache_dit/caching/cache_contexts/
+cache_config.py`` and ``calibrators/__init__.py``), so a user's existing config carries over. Unlike the
+reference, values are validated when the config is built: the reference accepts nonsense (negative caps,
+a mask of arbitrary objects) and fails, or silently does something else, mid-generation.
+
+Fields the reference has beyond the brief's list, and what we do with them:
+
+* ``cache_type``: only ``"DBCache"`` is implemented here (``DBPrune`` / ``NONE`` are rejected).
+* ``force_refresh_step_hint`` / ``force_refresh_step_policy``: implemented (the state is reset at that call
+  index, once or every ``hint`` calls), except together with ``enable_separate_cfg=True``: the reference
+  counts the hint in transformer calls across both CFG branches and can flip the branch parity at an odd
+  hint, which a per-branch state cannot reproduce, so that combination is rejected.
+* ``ExtraCacheConfig`` (``l1_hidden_states_diff_threshold``, ``important_condition_threshold``,
+  ``downsample_factor``) is not a ``DBCacheConfig`` field in the reference (users are told never to set it)
+  and is not supported: its defaults (None / 0.0 / 1) are what we implement.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+_POLICIES = ("dynamic", "static")
+_REFRESH_POLICIES = ("once", "repeat")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _cache_type_name(v: Any) -> str:
+    # The reference stores a CacheType enum whose str() is its value ("DBCache"); accept it or the string.
+    return v if isinstance(v, str) else str(getattr(v, "value", v))
+
+
+@dataclasses.dataclass
+class DBCacheConfig:
+    """Dual Block Cache settings (reference field order and defaults). See the module docstring for scope.
+
+    ``residual_diff_threshold``: cache when the relative L1 diff of the Fn residual is below it; ``<= 0``
+    never caches, ``>= 1`` always caches once a residual is stored. ``max_cached_steps`` /
+    ``max_continuous_cached_steps``: ``-1`` means unlimited. ``steps_computation_mask``: one 0/1 per step,
+    1 = must compute. ``enable_separate_cfg=None`` means "not separate" at this layer (the reference resolves
+    ``None`` from its per-pipeline adapter table; our caller resolves it before building the cache).
+    """
+
+    cache_type: Any = "DBCache"
+    Fn_compute_blocks: int = 8
+    Bn_compute_blocks: int = 0
+    residual_diff_threshold: float = 0.08
+    max_accumulated_residual_diff_threshold: Optional[float] = None
+    max_warmup_steps: int = 8
+    warmup_interval: int = 1
+    max_cached_steps: int = -1
+    max_continuous_cached_steps: int = -1
+    enable_separate_cfg: Optional[bool] = None
+    cfg_compute_first: bool = False
+    cfg_diff_compute_separate: bool = True
+    num_inference_steps: Optional[int] = None
+    steps_computation_mask: Optional[List[int]] = None
+    steps_computation_policy: str = "dynamic"
+    force_refresh_step_hint: Optional[int] = None
+    force_refresh_step_policy: str = "once"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- validation -------------------------------------------------------------------------------
+    def validate(self) -> "DBCacheConfig":
+        """Raise ``ValueError`` / ``TypeError`` naming the offending field and the accepted values."""
+        if _cache_type_name(self.cache_type) != "DBCache":
+            raise ValueError(f"DBCacheConfig.cache_type={self.cache_type!r}: only 'DBCache' is implemented "
+                             f"(DBPrune / NONE are not); drop the field or set it to 'DBCache'")
+
+        def need_int(name: str, lo: int, hint: str) -> None:
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise TypeError(f"DBCacheConfig.{name} must be an int, got {v!r} ({type(v).__name__})")
+            if v < lo:
+                raise ValueError(f"DBCacheConfig.{name}={v} is out of range: {hint}")
+
+        need_int("Fn_compute_blocks", 1, "the first n blocks provide the change indicator, so n must be >= 1")
+        need_int("Bn_compute_blocks", 0, "must be >= 0 (0 = no trailing blocks always run)")
+        need_int("max_warmup_steps", 0, "must be >= 0")
+        need_int("warmup_interval", 1, "must be >= 1 (1 = every warm-up step computes)")
+        need_int("max_cached_steps", -1, "use -1 for unlimited or a count >= 0")
+        need_int("max_continuous_cached_steps", -1, "use -1 for unlimited or a count >= 0")
+
+        if not _is_number(self.residual_diff_threshold):
+            raise TypeError(f"DBCacheConfig.residual_diff_threshold must be a Python float, got "
+                            f"{type(self.residual_diff_threshold).__name__} (pass float(t) for a tensor)")
+        acc = self.max_accumulated_residual_diff_threshold
+        if acc is not None and (not _is_number(acc) or acc < 0):
+            raise ValueError(f"DBCacheConfig.max_accumulated_residual_diff_threshold={acc!r}: use None "
+                             f"(disabled) or a float >= 0")
+        for name in ("cfg_compute_first", "cfg_diff_compute_separate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"DBCacheConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.enable_separate_cfg is not None and not isinstance(self.enable_separate_cfg, bool):
+            raise TypeError(f"DBCacheConfig.enable_separate_cfg must be None or a bool, got "
+                            f"{self.enable_separate_cfg!r}")
+        if self.enable_separate_cfg and self.cfg_diff_compute_separate and self.cfg_compute_first:
+            # The reference asserts the same (cache_context.py, CachedContext.__post_init__).
+            raise ValueError("DBCacheConfig: cfg_compute_first=True is not allowed with enable_separate_cfg=True "
+                             "and cfg_diff_compute_separate=True; set cfg_compute_first=False")
+
+        n = self.num_inference_steps
+        if n is not None and (not _is_int(n) or n < 1):
+            raise ValueError(f"DBCacheConfig.num_inference_steps={n!r}: use None or an int >= 1")
+
+        if self.steps_computation_policy not in _POLICIES:
+            raise ValueError(f"DBCacheConfig.steps_computation_policy={self.steps_computation_policy!r}: "
+                             f"must be one of {_POLICIES}")
+        mask = self.steps_computation_mask
+        if mask is not None:
+            if not isinstance(mask, (list, tuple)) or len(mask) == 0:
+                raise ValueError(f"DBCacheConfig.steps_computation_mask must be a non-empty list of 0/1 "
+                                 f"(1 = compute); got {mask!r}. Build one with steps_mask(total_steps=N)")
+            bad = [(i, m) for i, m in enumerate(mask) if not _is_int(m) or m not in (0, 1)]
+            if bad:
+                raise ValueError(f"DBCacheConfig.steps_computation_mask must hold only the ints 0 and 1; "
+                                 f"bad entries (index, value): {bad[:5]}")
+            if n is not None and len(mask) != n:
+                raise ValueError(f"DBCacheConfig.steps_computation_mask has {len(mask)} entries but "
+                                 f"num_inference_steps={n}; give one entry per step")
+            if self.steps_computation_policy == "static" and mask[0] == 0:
+                # The reference would "cache" step 0 with nothing stored (an assertion in apply_cache).
+                raise ValueError("DBCacheConfig.steps_computation_mask[0] is 0 with the 'static' policy: step 0 "
+                                 "has nothing to reuse; the mask must start with 1")
+            self.steps_computation_mask = list(mask)
+
+        hint = self.force_refresh_step_hint
+        if hint is not None:
+            if not _is_int(hint) or hint < 1:
+                raise ValueError(f"DBCacheConfig.force_refresh_step_hint={hint!r}: use None or an int >= 1")
+            if self.enable_separate_cfg:
+                raise ValueError("DBCacheConfig.force_refresh_step_hint is not supported with "
+                                 "enable_separate_cfg=True (the reference counts it over both CFG branches' "
+                                 "calls); call CacheContexts.new_generation() at the refresh point instead")
+        if self.force_refresh_step_policy not in _REFRESH_POLICIES:
+            raise ValueError(f"DBCacheConfig.force_refresh_step_policy={self.force_refresh_step_policy!r}: must be "
+                             f"one of {_REFRESH_POLICIES}")
+        return self
+
+    # -- derived values used by the decision layer ------------------------------------------------
+    def warmup_limit(self) -> int:
+        """Upper end of the warm-up range: with a mask, cut to the mask's leading run of 1s (reference rule)."""
+        if self.steps_computation_mask is None:
+            return self.max_warmup_steps
+        lead = 0
+        for m in self.steps_computation_mask:
+            if m != 1:
+                break
+            lead += 1
+        return min(self.max_warmup_steps, lead)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def strify(self) -> str:
+        """The reference's tag, e.g. ``DBCache_F8B0_W8I1M0MC0_R0.08`` (+ ``_SCM..._policy``, ``_N``, ``_FR``,
+        ``_CFG`` suffixes when those fields are set)."""
+        tag = (f"{_cache_type_name(self.cache_type)}_F{self.Fn_compute_blocks}B{self.Bn_compute_blocks}_"
+               f"W{self.max_warmup_steps}I{self.warmup_interval}M{max(0, self.max_cached_steps)}"
+               f"MC{max(0, self.max_continuous_cached_steps)}_R{self.residual_diff_threshold}")
+        if self.steps_computation_mask is not None:
+            tag += "_SCM" + "".join(str(m) for m in self.steps_computation_mask) + f"_{self.steps_computation_policy}"
+        if self.num_inference_steps is not None:
+            tag += f"_N{self.num_inference_steps}"
+        if self.force_refresh_step_hint is not None:
+            tag += f"_FR{self.force_refresh_step_hint}_{self.force_refresh_step_policy}"
+        if self.enable_separate_cfg is not None:
+            tag += f"_CFG{int(self.enable_separate_cfg)}"
+        return tag
+
+
+@dataclasses.dataclass
+class TaylorSeerCalibratorConfig:
+    """cache-dit's TaylorSeer calibrator settings (same fields and defaults).
+
+    ``enable_calibrator`` applies to the image stream (stream 0), ``enable_encoder_calibrator`` to the
+    other streams. ``calibrator_cache_type``: ``"residual"`` predicts the middle blocks' residual (added to
+    the Fn output on a cached step), ``"hidden_states"`` predicts their output directly.
+    ``calibrator_kwargs`` only feed the reference calibrator's own ``step()`` schedule, which DBCache does
+    not use; they are kept for round-tripping and have no effect.
+    """
+
+    enable_calibrator: bool = True
+    enable_encoder_calibrator: bool = True
+    calibrator_type: str = "taylorseer"
+    calibrator_cache_type: str = "residual"
+    calibrator_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    taylorseer_order: int = 1
+
+    def __post_init__(self) -> None:
+        if self.calibrator_type != "taylorseer":
+            raise ValueError(f"TaylorSeerCalibratorConfig.calibrator_type={self.calibrator_type!r}: only "
+                             f"'taylorseer' is implemented (FoCa / DMD are not)")
+        if self.calibrator_cache_type not in ("residual", "hidden_states"):
+            raise ValueError(f"TaylorSeerCalibratorConfig.calibrator_cache_type={self.calibrator_cache_type!r}: "
+                             f"must be 'residual' or 'hidden_states'")
+        if not _is_int(self.taylorseer_order) or self.taylorseer_order < 0:
+            raise ValueError(f"TaylorSeerCalibratorConfig.taylorseer_order={self.taylorseer_order!r}: use an "
+                             f"int >= 0 (1 = first-order Taylor)")
+        for name in ("enable_calibrator", "enable_encoder_calibrator"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TaylorSeerCalibratorConfig.{name} must be a bool")
+        if not isinstance(self.calibrator_kwargs, dict):
+            raise TypeError("TaylorSeerCalibratorConfig.calibrator_kwargs must be a dict")
+
+    def stream_enabled(self, stream: int) -> bool:
+        """Whether stream ``stream`` (0 = image, >= 1 = encoder) is predicted by the calibrator."""
+        return self.enable_calibrator if stream == 0 else self.enable_encoder_calibrator
+
+    def strify(self, details: bool = False) -> str:
+        if not self.taylorseer_order:
+            return "NONE"
+        return f"TaylorSeer_O({self.taylorseer_order})" if details else f"T1O{self.taylorseer_order}"
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def full_tag(config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorConfig] = None,
+             accumulated_cached_steps: Optional[int] = None) -> str:
+    """The reference's ``cache_dit.strify(pipe)`` cache part: ``<config>_<calibrator or T0O0>[_S<cached>]``."""
+    tag = f"{config.strify()}_{calibrator.strify() if calibrator is not None else 'T0O0'}"
+    if accumulated_cached_steps:
+        tag += f"_S{accumulated_cached_steps}"
+    return tag

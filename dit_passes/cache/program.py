@@ -1,0 +1,133 @@
+"""The two small modules the DBCache pass inserts into the graph around its ``torch.cond``.
+
+``decide``: ``(fn_residual, timestep, *state, *partner) -> (use_cache, diff, *hit_values, *state')``
+    The step decision of :func:`~dit_passes.cache.decision.decide` plus the values a cache hit adds to the
+    streams (the stored middle residuals, or TaylorSeer's prediction of them).
+``commit``: ``(use_cache, *middle_residuals, *state') -> (*state'')``
+    After the branch: a computed step stores the middle blocks' residuals (or advances the TaylorSeer
+    ladder); a cached step keeps the state.
+
+Both are pure tensor code (no ``.item()``, no in-place writes), so the rewritten graph traces under
+``torch.compile(fullgraph=True)`` and captures in a CUDA graph. The state travels as graph inputs and
+outputs, in the order of :attr:`CacheProgram.state_spec`; :class:`~dit_passes.cache.store.CacheStore`
+keeps it between calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .config import DBCacheConfig, TaylorSeerCalibratorConfig
+from .decision import decide, hit_values, update_after_branch
+from .state import NO_STEP, state_spec
+
+# The partner (non-CFG) values a CFG call reads when ``cfg_diff_compute_separate=False``.
+PARTNER_KEYS = ("step", "diff_step", "diff")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    fill: float = 0.0
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        return torch.full(self.shape, self.fill, dtype=self.dtype, device=device)
+
+
+def _group_mean_pair(group):
+    """``allreduce(num, den)`` for :func:`decide`: both means averaged over ``group`` in one collective, so
+    every rank of a context- or tensor-parallel group takes the same decision."""
+    from ..parallel.collectives import all_reduce
+
+    def allreduce(num: torch.Tensor, den: torch.Tensor):
+        both = all_reduce(torch.stack([num.to(torch.float32), den.to(torch.float32)]), group, "avg")
+        return both[0], both[1]
+
+    return allreduce
+
+
+class Decide(torch.nn.Module):
+    def __init__(self, program: "CacheProgram"):
+        super().__init__()
+        self.program = program
+
+    def forward(self, fn_residual: torch.Tensor, timestep: torch.Tensor, *flat: torch.Tensor):
+        p = self.program
+        names = [s.name for s in p.state_spec]
+        state = dict(zip(names, flat[:len(names)]))
+        partner = dict(zip(PARTNER_KEYS, flat[len(names):])) if p.uses_partner else None
+        allreduce = _group_mean_pair(p.group) if p.group is not None and p.group.size() > 1 else None
+        use_cache, new, diff = decide(state, fn_residual, timestep if p.has_timestep else None, p.config,
+                                      allreduce=allreduce, partner=partner)
+        hits = hit_values(new, p.num_streams, p.calibrator)
+        return (use_cache, diff, *hits, *(new[n] for n in names))
+
+
+class Commit(torch.nn.Module):
+    def __init__(self, program: "CacheProgram"):
+        super().__init__()
+        self.program = program
+
+    def forward(self, use_cache: torch.Tensor, *flat: torch.Tensor):
+        p = self.program
+        names = [s.name for s in p.state_spec]
+        values, state = flat[:p.num_streams], dict(zip(names, flat[p.num_streams:]))
+        new = update_after_branch(state, use_cache, values, p.calibrator)
+        return tuple(new[n] for n in names)
+
+
+@dataclasses.dataclass(eq=False)
+class CacheProgram:
+    config: DBCacheConfig
+    calibrator: Optional[TaylorSeerCalibratorConfig]
+    state_spec: List[StateSpec]
+    num_streams: int
+    has_timestep: bool
+    group: object = None  # torch.distributed ProcessGroup whose ranks must agree, or None
+
+    @property
+    def uses_partner(self) -> bool:
+        return bool(self.config.enable_separate_cfg) and not self.config.cfg_diff_compute_separate
+
+    @property
+    def input_spec(self) -> List[StateSpec]:
+        """What the graph takes after the user's inputs: the state, then the partner's scalars if used."""
+        if not self.uses_partner:
+            return list(self.state_spec)
+        by_name = {s.name: s for s in self.state_spec}
+        return list(self.state_spec) + [dataclasses.replace(by_name[k], name=f"partner_{k}") for k in PARTNER_KEYS]
+
+    def partner_default(self, device: torch.device) -> List[torch.Tensor]:
+        """Partner values meaning "the non-CFG call recorded nothing this step"."""
+        return [torch.full((), NO_STEP, dtype=torch.int64, device=device),
+                torch.full((), NO_STEP, dtype=torch.int64, device=device),
+                torch.full((), float("nan"), dtype=torch.float64, device=device)]
+
+    @property
+    def decide(self) -> Decide:
+        return Decide(self)
+
+    @property
+    def commit(self) -> Commit:
+        return Commit(self)
+
+
+def build_program(config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorConfig], *,
+                  image_residual: torch.Tensor, stream_residuals: Sequence[torch.Tensor], has_timestep: bool,
+                  group=None) -> CacheProgram:
+    """The program for one graph. ``image_residual``: the Fn residual (real or fake tensor, for shapes);
+    ``stream_residuals``: one example per stream leaving the middle blocks (image first)."""
+    if calibrator is not None and calibrator.calibrator_cache_type != "residual":
+        raise ValueError("DBCache pass: TaylorSeerCalibratorConfig(calibrator_cache_type="
+                         f"{calibrator.calibrator_cache_type!r}) is not supported by the graph pass; use "
+                         "calibrator_cache_type='residual' (the default)")
+    spec = state_spec(config, calibrator, image_residual, stream_residuals)
+    specs = [StateSpec(name, tuple(shape), dtype, fill) for name, (shape, dtype, fill) in spec.items()]
+    return CacheProgram(config, calibrator, specs, len(stream_residuals), has_timestep, group)
+
+
+__all__ = ["CacheProgram", "StateSpec", "build_program", "PARTNER_KEYS"]

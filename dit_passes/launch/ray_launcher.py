@@ -1,0 +1,447 @@
+"""Run a diffusers pipeline (or only its transformer) with dit_passes on N Ray workers, from one script.
+
+    engine = RayLauncher(world_size=2).launch(pipe, passes=[passes.Ulysses(2)])
+    images = engine(prompt_embeds=..., num_inference_steps=28).images   # rank 0's result
+    engine.shutdown()
+
+    engine = RayLauncher(world_size=2).launch(pipe, passes=[passes.Ulysses(2)], level="transformer")
+    pipe.transformer = engine.as_transformer()                           # steps run on the workers
+    pipe.to("cuda")                                                      # moves VAE etc., not the proxy
+
+What ``launch`` does: starts Ray if it is not running (``ray.init(num_cpus=..., include_dashboard=False,
+_temp_dir=<short /tmp path>)`` with ``RAY_AUTH_MODE=disabled``; a Ray the user initialised is used as
+is), reserves a placement group of one bundle per rank (PACK or SPREAD), starts one actor per rank
+(``num_gpus=1`` each when the cluster has enough GPUs, else CPU workers), joins them in a process group
+(nccl / gloo) that rendezvouses at rank 0's node IP on a free port found there, transfers the model
+(see :mod:`dit_passes.launch.transfer`), and applies ``compile_dit(transformer, passes)`` in every
+worker. No class is replaced: the engine and the proxy are new objects.
+
+Failures: every driver wait is bounded (``timeout_s``). A worker that raises -> :class:`RayWorkerError`
+with its rank and traceback; one that dies -> :class:`RayWorkerDiedError`; no answer in time ->
+:class:`RayWorkerTimeoutError`. After a death or a timeout (ranks may be stuck in a collective) the
+engine is *broken*: later calls raise at once; ``shutdown()`` always works (it kills the actors).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from . import transfer as _transfer
+from .workers import RankWorker
+from .wrappers import RayTransformerProxy
+
+__all__ = ["RayLauncher", "RayEngine", "RayLauncherError", "RayWorkerError", "RayWorkerDiedError",
+           "RayWorkerTimeoutError"]
+
+# After one rank fails, how long to wait for the others to report (seconds): if all raised the same
+# Python error the group is still in step and the engine stays usable.
+_PEER_GRACE_S = 5.0
+
+
+class RayLauncherError(RuntimeError):
+    """Bad launcher input, or the engine cannot run (broken, shut down, wrong level)."""
+
+
+class RayWorkerError(RuntimeError):
+    """A worker raised; ``rank`` is the first failing rank, ``worker_traceback`` its traceback text."""
+
+    def __init__(self, rank: int, message: str, worker_traceback: str = ""):
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+        super().__init__(message)
+
+
+class RayWorkerDiedError(RayWorkerError):
+    """A worker process died (crash, ``os._exit``, OOM kill) during a call."""
+
+
+class RayWorkerTimeoutError(TimeoutError):
+    """Not every rank answered within the timeout; ``pending_ranks`` did not."""
+
+    def __init__(self, pending_ranks: List[int], what: str, timeout_s: float):
+        self.pending_ranks = pending_ranks
+        super().__init__(f"{what}: ranks {pending_ranks} did not answer within {timeout_s:g} s (a hang, e.g. a "
+                         "collective that not every rank entered); the engine is broken: call shutdown()")
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - ray is an optional dependency
+        raise RayLauncherError("RayLauncher needs Ray: pip install 'ray[default]'") from exc
+    return ray
+
+
+def _is_pipeline(obj: Any) -> bool:
+    try:
+        from diffusers import DiffusionPipeline
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, DiffusionPipeline)
+
+
+class RayLauncher:
+    """Where and how the workers run. ``launch`` starts them; see the module docstring.
+
+    Args:
+        world_size: number of ranks (one actor, one device each).
+        num_cpus_per_worker: Ray CPUs reserved per actor; also its torch intra-op thread count.
+        runtime_env: Ray runtime_env (e.g. ``{"env_vars": {"PYTHONPATH": "/my/src"}}``). Given to
+            ``ray.init`` when the launcher starts Ray; with a Ray already running it is set on the
+            actors (Ray merges it with the job's), with a warning.
+        placement: ``"pack"`` (ranks on as few nodes as possible) or ``"spread"``.
+        ray_init_kwargs: extra ``ray.init`` keyword arguments (override the defaults) when starting Ray.
+        timeout_s: bound of every wait (start-up steps, each call) and the process group's timeout.
+        use_gpus: None = GPUs when the cluster has ``world_size`` of them, else CPU; True / False forces.
+    """
+
+    def __init__(self, world_size: int = 2, num_cpus_per_worker: float = 1, runtime_env: Optional[dict] = None,
+                 placement: str = "pack", ray_init_kwargs: Optional[dict] = None, timeout_s: float = 120.0,
+                 use_gpus: Optional[bool] = None):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise RayLauncherError(f"world_size must be a positive int, got {world_size!r}")
+        if not isinstance(num_cpus_per_worker, (int, float)) or num_cpus_per_worker <= 0:
+            raise RayLauncherError(f"num_cpus_per_worker must be > 0, got {num_cpus_per_worker!r}")
+        if placement not in ("pack", "spread"):
+            raise RayLauncherError(f"placement must be 'pack' or 'spread', got {placement!r}")
+        if runtime_env is not None and not isinstance(runtime_env, dict):
+            raise RayLauncherError(f"runtime_env must be a dict (Ray runtime_env), got {type(runtime_env).__name__}")
+        if not timeout_s or timeout_s <= 0:
+            raise RayLauncherError(f"timeout_s must be positive seconds, got {timeout_s!r}")
+        self.world_size = world_size
+        self.num_cpus_per_worker = num_cpus_per_worker
+        self.runtime_env = runtime_env
+        self.placement = placement
+        self.ray_init_kwargs = dict(ray_init_kwargs or {})
+        self.timeout_s = float(timeout_s)
+        self.use_gpus = use_gpus
+
+    def launch(self, pipe_or_factory: Any, passes: Union[Sequence[Any], Callable[[int, int], list]] = (), *,
+               transfer: Optional[str] = None, compile: Union[bool, dict] = False, level: str = "pipeline",
+               copy_weights: bool = False) -> "RayEngine":
+        """Start the workers and load ``pipe_or_factory`` into them; returns a :class:`RayEngine`.
+
+        ``pipe_or_factory``: a diffusers pipeline, a transformer (``level="transformer"``), or a
+        zero-argument callable building either inside each worker (then ``transfer`` is "factory").
+        ``passes``: picklable pass objects (each worker unpickles its own) or ``passes_fn(rank, world_size)``.
+        ``transfer``: "object_store" (default for objects), "snapshot", "factory" (default for callables).
+        ``compile``: True, or a dict of ``torch.compile`` options, compiles each lowered graph in the workers.
+        ``copy_weights``: give CPU workers private weight copies instead of views of the shared store.
+        """
+        if level not in ("pipeline", "transformer"):
+            raise RayLauncherError(f"level must be 'pipeline' or 'transformer', got {level!r}")
+        is_object = isinstance(pipe_or_factory, torch.nn.Module) or _is_pipeline(pipe_or_factory)
+        if transfer is None:
+            transfer = "object_store" if is_object else "factory"
+        if transfer not in ("object_store", "snapshot", "factory"):
+            raise RayLauncherError(f"transfer must be 'object_store', 'snapshot' or 'factory', got {transfer!r}")
+        if transfer == "factory" and (is_object or not callable(pipe_or_factory)):
+            raise RayLauncherError("transfer='factory' needs a zero-argument callable that builds the pipeline / "
+                                   f"transformer in each worker, got a {type(pipe_or_factory).__name__}")
+        if transfer != "factory" and not is_object:
+            raise RayLauncherError(f"transfer={transfer!r} sends an object: pass a diffusers pipeline or an "
+                                   f"nn.Module (got {type(pipe_or_factory).__name__}); for a callable use "
+                                   "transfer='factory'")
+        if is_object:
+            if level == "pipeline" and isinstance(pipe_or_factory, torch.nn.Module):
+                raise RayLauncherError(f"level='pipeline' needs a pipeline; {type(pipe_or_factory).__name__} is a "
+                                       "module: use level='transformer' and engine.as_transformer()")
+            if level == "transformer" and _is_pipeline(pipe_or_factory):
+                pipe_or_factory = pipe_or_factory.transformer  # only the transformer travels
+        passes_blob = self._check_passes(passes)
+        engine = RayEngine(self, level)
+        try:
+            engine._start(pipe_or_factory, transfer, passes_blob, compile, copy_weights)
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    @staticmethod
+    def _check_passes(passes: Any) -> Any:
+        from ray import cloudpickle
+        if not callable(passes):
+            passes = list(passes)
+        try:
+            cloudpickle.dumps(passes)
+        except Exception as exc:  # noqa: BLE001
+            raise RayLauncherError(f"passes must be picklable (each worker gets its own copy): {type(exc).__name__}: "
+                                   f"{exc}; or give passes_fn(rank, world_size) -> list that builds them") from exc
+        return passes
+
+
+class RayEngine:
+    """The launched workers. Pipeline level: call it like the pipeline. Transformer level: ``as_transformer()``.
+
+    ``startup`` holds the start-up timings (seconds) and ``transfer_report`` how the model travelled.
+    """
+
+    def __init__(self, launcher: RayLauncher, level: str):
+        self.world_size = launcher.world_size
+        self.level = level
+        self.timeout_s = launcher.timeout_s
+        self._launcher = launcher
+        self._actors: List[Any] = []
+        self._pg = None
+        self._owns_ray = False
+        self._ray_temp_dir: Optional[str] = None
+        self._snapshot_dir: Optional[tempfile.TemporaryDirectory] = None
+        self._broken: Optional[str] = None
+        self._closed = False
+        self._proxy: Optional[RayTransformerProxy] = None
+        self._info: Dict[str, Any] = {}
+        self.startup: Dict[str, float] = {}
+        self.transfer_report: Dict[str, Any] = {}
+        self.backend: Optional[str] = None
+        self.use_gpus = False
+        atexit.register(self.shutdown)
+
+    # -- start-up --------------------------------------------------------------------------------
+    def _init_ray(self) -> None:
+        ray = _ray()
+        launcher = self._launcher
+        if ray.is_initialized():
+            if launcher.runtime_env:
+                warnings.warn("Ray was initialised before RayLauncher: runtime_env is set on the launcher's actors "
+                              "only (merged with the job's), not job-wide; put it in your ray.init(runtime_env=...) "
+                              "to apply it everywhere", stacklevel=4)
+            return
+        # Unix socket paths are limited to ~107 bytes: keep Ray's session dir short.
+        self._ray_temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+        kwargs = dict(num_cpus=int(max(1, round(launcher.world_size * launcher.num_cpus_per_worker))),
+                      include_dashboard=False, _temp_dir=self._ray_temp_dir, runtime_env=launcher.runtime_env,
+                      log_to_driver=True)
+        kwargs.update(launcher.ray_init_kwargs)
+        # Ray 2.60 turns on token authentication (a token file under $HOME) unless told otherwise; the
+        # cluster started here is private to this driver. Set for the processes ray.init spawns only.
+        previous = os.environ.get("RAY_AUTH_MODE")
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        try:
+            ray.init(**kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = previous
+        self._owns_ray = True
+
+    def _start(self, obj: Any, transfer: str, passes: Any, compile_opts: Any, copy_weights: bool) -> None:
+        ray = _ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        launcher, n = self._launcher, self.world_size
+        t0 = time.perf_counter()
+        self._init_ray()
+        self.startup["ray_init_s"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        gpus = ray.cluster_resources().get("GPU", 0)
+        self.use_gpus = gpus >= n if launcher.use_gpus is None else bool(launcher.use_gpus)
+        if self.use_gpus and gpus < n:
+            raise RayLauncherError(f"use_gpus=True but the Ray cluster has {gpus:g} GPUs for world_size={n}")
+        bundle = {"CPU": launcher.num_cpus_per_worker, **({"GPU": 1} if self.use_gpus else {})}
+        self._pg = placement_group([dict(bundle) for _ in range(n)], strategy=launcher.placement.upper())
+        try:
+            ray.get(self._pg.ready(), timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RayLauncherError(f"the cluster cannot hold {n} x {bundle} ({launcher.placement.upper()}) within "
+                                   f"{self.timeout_s:g} s; free now: {_cpu_gpu(ray.available_resources())} of "
+                                   f"{_cpu_gpu(ray.cluster_resources())} (another engine still running?): lower world_size / "
+                                   "num_cpus_per_worker or add nodes") from None
+        options: Dict[str, Any] = dict(num_cpus=launcher.num_cpus_per_worker, num_gpus=1 if self.use_gpus else 0,
+                                       max_restarts=0)
+        if launcher.runtime_env and not self._owns_ray:
+            options["runtime_env"] = launcher.runtime_env
+        actor_cls = ray.remote(RankWorker)
+        threads = max(1, int(launcher.num_cpus_per_worker))
+        self._actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self._pg, placement_group_bundle_index=rank), **options).remote(rank, n, self.use_gpus, threads)
+            for rank in range(n)]
+        infos = self._gather([a.node_info.remote() for a in self._actors], "starting the workers")
+        self._info["workers"] = infos
+        self.startup["actors_ready_s"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        self.backend = "nccl" if self.use_gpus else "gloo"
+        master = infos[0]
+        self._gather([a.init_process_group.remote(master["ip"], master["port"], self.backend, self.timeout_s)
+                      for a in self._actors], f"process group init at {master['ip']}:{master['port']}")
+        self.startup["process_group_s"] = time.perf_counter() - t2
+
+        t3 = time.perf_counter()
+        payload, arrays_ref = self._payload(obj, transfer)
+        self.startup["driver_pack_s"] = time.perf_counter() - t3
+        loaded = self._gather([a.load.remote(payload, arrays_ref, self.level, passes, compile_opts, copy_weights)
+                               for a in self._actors], f"loading the model ({transfer})")
+        del arrays_ref  # the workers' tensors keep the store object alive; the driver needs no reference
+        self.startup["transfer_and_passes_s"] = time.perf_counter() - t3
+        self.startup["total_s"] = time.perf_counter() - t0
+        self.transfer_report["workers"] = [r["timings"] | {"memory": r["memory"]} for r in loaded]
+        self._info["dtype"], self._info["config"] = loaded[0]["dtype"], loaded[0]["config"]
+
+    def _payload(self, obj: Any, transfer: str):
+        ray = _ray()
+        self.transfer_report["path"] = transfer
+        if transfer == "factory":
+            return ("factory", _transfer.check_factory(obj)), None
+        if transfer == "snapshot":
+            self._snapshot_dir, spec = _transfer.save_snapshot(obj)
+            self.transfer_report["snapshot_dir"] = self._snapshot_dir.name
+            return ("snapshot", *spec), None
+        packed = _transfer.pack_for_object_store(obj)
+        self.transfer_report.update(weights_bytes=packed.nbytes, skeleton_bytes=len(packed.skeleton),
+                                    strategies=packed.strategies)
+        return ("object_store", packed.skeleton), ray.put(packed.arrays)
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def _gather(self, refs: List[Any], what: str) -> List[Any]:
+        """Results of one call per rank, in rank order; raises the first failure (see module docstring)."""
+        ray = _ray()
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: Dict[int, Any] = {}
+        errors: Dict[int, BaseException] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                if errors:
+                    break  # a rank raised and its peers are stuck waiting for it
+                self._broken = f"{what}: ranks {sorted(pending.values())} timed out"
+                raise RayWorkerTimeoutError(sorted(pending.values()), what, self.timeout_s)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    errors[rank] = exc
+                    deadline = min(deadline, time.monotonic() + _PEER_GRACE_S)
+                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+                    self._broken = f"{what}: rank {rank} died"
+                    raise RayWorkerDiedError(rank, f"{what}: worker rank {rank} of {self.world_size} died "
+                                             f"({type(exc).__name__}: {_first_line(exc)}); the engine is broken: "
+                                             "call shutdown() and launch again") from exc
+        if errors:
+            rank = min(errors)
+            exc = errors[rank]
+            if pending:
+                self._broken = f"{what}: rank {rank} raised while ranks {sorted(pending.values())} waited"
+            text = str(exc)
+            cause = getattr(exc, "cause", None)
+            summary = f"{type(cause).__name__}: {cause}" if cause is not None else _first_line(exc)
+            raise RayWorkerError(rank, f"{what}: worker rank {rank} of {self.world_size} raised {summary}"
+                                 + (" (the engine is broken: call shutdown())" if self._broken else "")
+                                 + f"\n--- worker traceback ---\n{text}", worker_traceback=text) from cause
+        return [results[rank] for rank in range(len(refs))]
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RayLauncherError("the engine was shut down: launch a new one")
+        if self._broken:
+            raise RayLauncherError(f"the engine is broken ({self._broken}): call shutdown() and launch again")
+
+    # -- use -------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Pipeline level: ``pipeline(**kwargs)`` on every worker; returns rank 0's result (tensors on CPU)."""
+        if self.level != "pipeline":
+            raise RayLauncherError("this engine runs a transformer: use engine.as_transformer() as pipe.transformer")
+        if args:
+            raise TypeError("call the engine with keyword arguments (prompt_embeds=..., ...), as pipelines take")
+        self._check_usable()
+        ray = _ray()
+        ref = ray.put(kwargs)  # serialised once, read by every worker
+        return self._gather([a.call.remote(ref) for a in self._actors], "pipeline call")[0]
+
+    def as_transformer(self) -> RayTransformerProxy:
+        """Transformer level: the module to put in ``pipe.transformer`` (one proxy per engine)."""
+        if self.level != "transformer":
+            raise RayLauncherError("as_transformer() needs launch(..., level='transformer'); this engine runs the "
+                                   "whole pipeline: call the engine instead")
+        self._check_usable()
+        if self._proxy is None:
+            self._proxy = RayTransformerProxy(self, self._info.get("config"), self._info.get("dtype"))
+        return self._proxy
+
+    def _forward(self, kwargs: Dict[str, Any], context: Optional[str]) -> Any:
+        self._check_usable()
+        ref = _ray().put(kwargs)
+        return self._gather([a.forward.remote(ref, context) for a in self._actors], "transformer forward")[0]
+
+    def _new_generation(self) -> None:
+        self._check_usable()
+        self._gather([a.new_generation.remote() for a in self._actors], "new_generation")
+
+    def run_on_workers(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
+        """``fn(worker, *args)`` on every rank (a :class:`~dit_passes.launch.workers.RankWorker`); results by rank."""
+        self._check_usable()
+        return self._gather([a.run.remote(fn, args) for a in self._actors], f"run_on_workers({fn!r})")
+
+    def memory(self) -> List[Dict[str, int]]:
+        """Per-rank memory (bytes): ``peak_rss``, ``rss``, ``rss_anon``, ``rss_shmem``, ``rss_file``."""
+        self._check_usable()
+        return self._gather([a.memory.remote() for a in self._actors], "memory")
+
+    @property
+    def workers(self) -> List[Dict[str, Any]]:
+        """Per-rank node IP, rendezvous port (rank 0's), pid, GPU ids."""
+        return list(self._info.get("workers", []))
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the workers (killed: a broken engine's may hang), free the placement group, stop Ray if
+        this engine started it, delete temporary files. Idempotent; also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.shutdown)
+        try:
+            ray = _ray()
+        except RayLauncherError:
+            return
+        if ray.is_initialized():
+            if self._actors and not self._broken:
+                with contextlib.suppress(Exception):  # orderly: destroy the process groups first
+                    ray.wait([a.close.remote() for a in self._actors], num_returns=len(self._actors), timeout=10)
+            for actor in self._actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+            if self._pg is not None:
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(self._pg)
+            if self._owns_ray:
+                ray.shutdown()
+        self._actors, self._pg, self._proxy = [], None, None
+        if self._snapshot_dir is not None:
+            self._snapshot_dir.cleanup()
+            self._snapshot_dir = None
+        if self._ray_temp_dir is not None:
+            shutil.rmtree(self._ray_temp_dir, ignore_errors=True)
+            self._ray_temp_dir = None
+
+    def __enter__(self) -> "RayEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else ("broken" if self._broken else "running")
+        return (f"RayEngine(level={self.level!r}, world_size={self.world_size}, backend={self.backend!r}, "
+                f"{state})")
+
+
+def _cpu_gpu(resources: Dict[str, float]) -> Dict[str, float]:
+    return {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,95 @@
+"""The transformer-level proxy: an ``nn.Module`` whose forward runs on the Ray workers.
+
+``pipe.transformer = engine.as_transformer()`` keeps the text encoders, VAE and scheduler in the main
+process; each denoising step's inputs go to every worker, rank 0's output comes back. The proxy owns
+no parameters, so ``pipe.to("cuda")`` moves nothing of it onto the driver's GPU: ``.to()`` only
+records the device the pipeline thinks the transformer is on (outputs are returned there).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .workers import map_tensors
+
+__all__ = ["RayTransformerProxy"]
+
+
+class _Config(dict):
+    """The workers' transformer config: dict access plus attribute access, as diffusers' FrozenDict."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"transformer config has no field {name!r}") from None
+
+
+class RayTransformerProxy(torch.nn.Module):
+    """Drop-in for the transformer of a pipeline: keyword forward, ``.config``, ``.dtype``, ``.device``,
+    ``cache_context(name)``, ``new_generation()``. Built by ``RayEngine.as_transformer()``."""
+
+    def __init__(self, engine: Any, config: Optional[dict], dtype: torch.dtype):
+        super().__init__()
+        # Stored outside _modules/_parameters: the engine is not a submodule (nothing to move or save).
+        self.__dict__["_engine"] = engine
+        self._config = _Config(config or {})
+        self._dtype = dtype
+        self._device = torch.device("cpu")
+        self._context: Optional[str] = None
+
+    @property
+    def config(self) -> _Config:
+        return self._config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def to(self, *args: Any, **kwargs: Any) -> "RayTransformerProxy":
+        """Record the device (the workers keep theirs); a dtype change is not applied, with a warning."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            self._device = torch.device(device)
+        if dtype is not None and dtype != self._dtype:
+            warnings.warn(f"RayTransformerProxy.to({dtype}) ignored: the workers' transformer stays {self._dtype} "
+                          "(launch with a model of the wanted dtype)", stacklevel=2)
+        return self
+
+    def cuda(self, device: Any = None) -> "RayTransformerProxy":
+        return self.to("cuda" if device is None else torch.device("cuda", device) if isinstance(device, int)
+                       else device)
+
+    def cpu(self) -> "RayTransformerProxy":
+        return self.to("cpu")
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str) -> Iterator[None]:
+        """The context is sent with each step, so the workers' cache passes see "cond" / "uncond"."""
+        prev, self._context = self._context, name
+        try:
+            yield
+        finally:
+            self._context = prev
+
+    def new_generation(self) -> None:
+        self._engine._new_generation()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise TypeError("RayTransformerProxy takes keyword arguments only (as diffusers pipelines call it); "
+                            f"got {len(args)} positional argument(s)")
+        target = next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), self._device)
+        cpu_kwargs = {k: map_tensors(v, lambda t: t.detach().to("cpu")) for k, v in kwargs.items()}
+        out = self._engine._forward(cpu_kwargs, self._context)
+        return map_tensors(out, lambda t: t.to(target))
+
+    def extra_repr(self) -> str:
+        return f"world_size={self._engine.world_size}, dtype={self._dtype}, device={self._device}"

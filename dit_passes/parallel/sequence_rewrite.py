@@ -1,0 +1,163 @@
+"""The rewrite half of sequence sharding: turn a :class:`~dit_passes.parallel.sequence_sharding.ShardingPlan`
+into the local graph of this rank.
+
+What it inserts (``call_function`` nodes on :mod:`dit_passes.parallel.sequence_ops`):
+
+* ``shard_sequence`` for each residual stream entering block 0 (before block 0, prologue path) and for
+  each replicated operand a sharded op reads with the full token length (right after the operand's
+  definition, with its module path, so block ranges stay contiguous; cached per operand and layout);
+* ``permute_sequence`` for replicated full attention masks (into the shards' order, local);
+* the distributed attention node (built by the pass's callback) in place of each SDPA node;
+* ``gather_sequence`` for each value leaving the block range (after the last block node, epilogue
+  path) and for the sharded inputs of non-local ops (right after the sharded value).
+
+Then ``meta["val"]`` of every inserted, edited or shape-changed node is recomputed (local shapes), the
+graph is linted and recompiled.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..infra.graph_utils import copy_meta, set_val
+from . import sequence_ops as ops
+from .sequence_sharding import (AttentionDecision, Sharded, SequenceShardSpec, ShardingPlan, _Gather,
+                                _map_args, _Permute, _Slice)
+
+__all__ = ["AttentionBuilder", "apply_plan"]
+
+# (graph, decision, (q, k, v, mask) nodes, per-rank token counts) -> the inserted attention node
+AttentionBuilder = Callable[[fx.Graph, AttentionDecision, Tuple[Any, Any, Any, Any], Tuple[int, ...]], fx.Node]
+
+
+def _runs_args(runs) -> Tuple[List[int], List[int]]:
+    return [r[0] for r in runs], [r[1] for r in runs]
+
+
+def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_attention: AttentionBuilder) -> Dict[str, int]:
+    """Rewrite ``gm`` in place as ``plan`` says; ``build_attention`` inserts each distributed attention
+    node (at the current insertion point). ``group_name`` names the group whose ranks share the
+    sequence (the gathers run on it). Returns counts of what was inserted."""
+    g, spec = gm.graph, plan.spec
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    first, last = plan.region[0], plan.region[-1]
+    counts = dict(inputs_sharded=0, operands_sliced=0, masks_permuted=0, attention_replaced=0, attention_local=0,
+                  outputs_gathered=0, nonlocal_gathers=len(plan.nonlocal_ops))
+    inserted: List[fx.Node] = []
+    shape_fns: Dict[fx.Node, Callable] = {}
+    cache: Dict[Any, fx.Node] = {}
+
+    def new_node(target, args, like: fx.Node, shape_fn=None) -> fx.Node:
+        node = g.call_function(target, args)
+        copy_meta(node, like)
+        if like.op != "call_function" or pos.get(like, -1) < pos[first]:
+            node.meta["dit_module_path"] = ""  # inserted before block 0: part of the prologue
+        inserted.append(node)
+        if shape_fn is not None:
+            shape_fns[node] = shape_fn
+        return node
+
+    def point_after(a: fx.Node):
+        # after the source (inside the block that computes it), or before block 0 for prologue values;
+        # the new node takes the source's module path, so block ranges stay contiguous
+        return g.inserting_before(first) if a.op != "call_function" or pos.get(a, 0) < pos[first] else g.inserting_after(a)
+
+    stream_shard: Dict[fx.Node, fx.Node] = {}
+    for s, lay in plan.streams.items():
+        with g.inserting_before(first):
+            stream_shard[s] = new_node(ops.shard_sequence, (s, lay.dim, *_runs_args(spec.local_runs(lay.segments))), s)
+        counts["inputs_sharded"] += 1
+
+    def materialise(m):
+        if isinstance(m, fx.Node):
+            return stream_shard.get(m, m)
+        if isinstance(m, _Slice):
+            key = ("slice", m.node, m.dim, m.segments)
+            if key not in cache:
+                with point_after(m.node):
+                    cache[key] = new_node(ops.shard_sequence, (m.node, m.dim, *_runs_args(spec.local_runs(m.segments))), m.node)
+                counts["operands_sliced"] += 1
+            return cache[key]
+        if isinstance(m, _Permute):
+            key = ("perm", m.node, m.dims, m.segments)
+            if key not in cache:
+                with point_after(m.node):
+                    cache[key] = new_node(ops.permute_sequence,
+                                          (m.node, list(m.dims), *_runs_args(spec.permutation_runs(m.segments))), m.node)
+                counts["masks_permuted"] += 1
+            return cache[key]
+        if isinstance(m, _Gather):
+            if m.node in stream_shard:
+                return m.node  # the full stream is still there
+            key = ("gather", m.node)
+            if key not in cache:
+                cache[key] = _insert_gather(g, m.node, m.layout, spec, group_name, new_node, after=m.node)
+            return cache[key]
+        return m
+
+    attention_of = {d.node: d for d in plan.attention}
+    for n in plan.region:
+        if n in attention_of:
+            d = attention_of[n]
+            q, k, v, mask = (materialise(x) for x in (d.q, d.k, d.v, d.mask))
+            if d.distributed:
+                with g.inserting_before(n):
+                    new = build_attention(g, d, (q, k, v, mask), spec.rank_lengths(d.layout.segments))
+                copy_meta(new, n)
+                inserted.append(new)
+                shape_fns[new] = ops.attention_shape
+                n.replace_all_uses_with(new)
+                g.erase_node(n)
+                counts["attention_replaced"] += 1
+            else:  # cross-attention over replicated keys: stays SDPA on the local queries
+                n.args = (q, k, v, mask) + tuple(n.args[4:])
+                n.kwargs = {key: val for key, val in n.kwargs.items() if key != "attn_mask"}
+                counts["attention_local"] += 1
+            continue
+        target, args, kwargs = plan.edits.get(n, (n.target, n.args, n.kwargs))
+        n.target = target
+        n.args = _map_args(tuple(args), materialise)
+        n.kwargs = _map_args(dict(kwargs), materialise)
+
+    region_set = set(plan.region)
+    for n in plan.exits:
+        gathered = _insert_gather(g, n, plan.layouts[n], spec, group_name, new_node, after=last)
+        gathered.meta["dit_module_path"] = ""  # after the last block: epilogue
+        n.replace_all_uses_with(gathered, delete_user_cb=lambda u: u not in region_set and u is not gathered)
+        counts["outputs_gathered"] += 1
+
+    _repropagate(g, set(inserted) | set(plan.edits) | set(plan.layouts), shape_fns)
+    g.lint()
+    gm.recompile()
+    return counts
+
+
+def _insert_gather(g: fx.Graph, node: fx.Node, layout: Sharded, spec: SequenceShardSpec, group_name: str,
+                   new_node, after: fx.Node) -> fx.Node:
+    with g.inserting_after(after):
+        return new_node(ops.gather_sequence,
+                        (node, layout.dim, group_name, list(spec.rank_lengths(layout.segments)),
+                         *_runs_args(spec.inverse_runs(layout.segments))), node, ops.gather_sequence_shape)
+
+
+def _repropagate(g: fx.Graph, touched, shape_fns) -> None:
+    """Recompute meta['val'] (local shapes) of touched nodes and of everything whose input shape changed."""
+    changed: set = set()
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        if n in touched or any(a in changed for a in n.all_input_nodes):
+            old = n.meta.get("val")
+            set_val(n, shape_fns.get(n))
+            if not _same_shapes(old, n.meta["val"]):
+                changed.add(n)
+
+
+def _same_shapes(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return tuple(a.shape) == tuple(b.shape)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_shapes(x, y) for x, y in zip(a, b))
+    return a is None and b is None

@@ -1,0 +1,570 @@
+"""Sequence sharding by dataflow analysis: which values of a captured DiT carry the token dimension,
+and the local (per-rank) graph that computes this rank's tokens of them.
+
+Layouts. Every value of the block range is either *replicated* (``None``: every rank holds the whole
+tensor) or :class:`Sharded` ``(dim, segments)``: along ``dim`` this rank holds, for each segment
+``(id, full_length)`` in order, its ``even_shard_sizes(full_length, world)[rank]`` tokens of that
+segment. Flux's joint attention concatenates text and image: its local q/k/v are ``[text shard,
+image shard]``, so the ranks' shards concatenate to a *permutation* of the global sequence, which
+attention does not see as long as q, k, v, rotary tables and masks are permuted alike.
+
+Rules (forward, in graph order, from the residual streams entering block 0, token dim 1):
+
+* pointwise ops (``torch.Tag.pointwise``), ``copy_``, casts, clones, ``*_like``: the sharded operands
+  must agree (dim, segments) after broadcasting; a replicated operand whose aligned dim has the full
+  length (rotary cos/sin, per-token masks) is sliced locally to the same segments (no communication);
+* ``linear`` (token dim not the feature dim), ``layer_norm`` / ``rms_norm`` over trailing feature dims,
+  reductions and softmax over other dims, ``permute`` / ``transpose`` / ``unsqueeze`` / ``squeeze``;
+* ``view`` / ``reshape`` / ``flatten`` / ``unflatten`` / ``view_as_complex|real`` keep the token dim if an
+  output dim has the same size and the same product of preceding dims (row-major: the element order
+  along it is unchanged); their size arguments are rewritten with the local length; ``expand`` too;
+* ``cat`` along the token dim concatenates segments (a replicated operand becomes a new segment);
+  ``slice`` / ``narrow`` / ``split`` / ``chunk`` along it must cut at segment boundaries (Flux single
+  blocks split text and image back) and are rewritten with local offsets;
+* ``scaled_dot_product_attention`` with q, k, v sharded alike on dim 2 -> the pass's distributed
+  attention (a replicated full mask is permuted to the shards' order, locally); q sharded with k, v
+  replicated (cross-attention over the text) stays local SDPA;
+* known non-local cases (a reshape merging the token dim, a reduction or a softmax over it, a slice
+  inside a segment, differently sharded operands, causal attention) gather the sharded inputs first
+  (``gather_sequence``) and run replicated; an op with a sharded input that no rule knows raises
+  :class:`~dit_passes.infra.pass_base.PassError` naming the op and the node;
+* values leaving the block range are gathered (one ``all_gather``, uneven shards allowed, reordered
+  back to the original token order); everything after runs replicated.
+
+Shapes stay static: the rewritten graph is specialised to this rank (uneven shards differ by rank),
+and ``meta["val"]`` of every changed node is recomputed with the local shapes. This module is the
+analysis (:func:`analyze`, pure); :mod:`dit_passes.parallel.sequence_rewrite` applies its plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..analysis.structure import DiTStructure
+from ..infra.pass_base import PassError
+from .attention import even_shard_sizes
+
+aten = torch.ops.aten
+Segment = Tuple[str, int]  # (segment id, full length)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    dim: int
+    segments: Tuple[Segment, ...]
+
+    @property
+    def full_length(self) -> int:
+        return sum(n for _, n in self.segments)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceShardSpec:
+    """Static shard arithmetic for ``world`` ranks, seen from ``rank``."""
+
+    world: int
+    rank: int
+
+    def rank_lengths(self, segments: Sequence[Segment]) -> Tuple[int, ...]:
+        per = [even_shard_sizes(n, self.world) for _, n in segments]
+        return tuple(sum(p[r] for p in per) for r in range(self.world))
+
+    def local_length(self, segments: Sequence[Segment]) -> int:
+        return self.rank_lengths(segments)[self.rank]
+
+    def local_boundaries(self, segments: Sequence[Segment]) -> List[int]:
+        out = [0]
+        for _, n in segments:
+            out.append(out[-1] + even_shard_sizes(n, self.world)[self.rank])
+        return out
+
+    def local_runs(self, segments: Sequence[Segment], rank: Optional[int] = None) -> List[Tuple[int, int]]:
+        """(start, length) runs of the full axis that ``rank`` (default: this one) holds, in order."""
+        r = self.rank if rank is None else rank
+        runs, base = [], 0
+        for _, n in segments:
+            sizes = even_shard_sizes(n, self.world)
+            runs.append((base + sum(sizes[:r]), sizes[r]))
+            base += n
+        return _merge(runs)
+
+    def permutation_runs(self, segments: Sequence[Segment]) -> List[Tuple[int, int]]:
+        """Runs of the full axis in the order the ranks' shards concatenate to (rank 0 first)."""
+        return _merge([run for r in range(self.world) for run in self.local_runs(segments, r)])
+
+    def inverse_runs(self, segments: Sequence[Segment]) -> List[Tuple[int, int]]:
+        """Runs of the gathered (rank-ordered) axis that restore the original order; [] if identity."""
+        lengths = self.rank_lengths(segments)
+        rank_base = [sum(lengths[:r]) for r in range(self.world)]
+        runs = []
+        for s, (_, n) in enumerate(segments):
+            for r in range(self.world):
+                before = sum(even_shard_sizes(m, self.world)[r] for _, m in segments[:s])
+                runs.append((rank_base[r] + before, even_shard_sizes(n, self.world)[r]))
+        runs = _merge(runs)
+        return [] if len(runs) == 1 else runs
+
+
+def _merge(runs: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    out: List[Tuple[int, int]] = []
+    for s, n in runs:
+        if n <= 0:
+            continue
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((s, n))
+    return out
+
+
+# --- markers the rules put into rewritten arguments (materialised by the rewrite) -------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:      # replicated value -> this rank's runs along dim
+    node: fx.Node
+    dim: int
+    segments: Tuple[Segment, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Permute:    # replicated full value -> the shards' order along dims (masks)
+    node: fx.Node
+    dims: Tuple[int, ...]
+    segments: Tuple[Segment, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gather:     # sharded value -> full value, original order
+    node: fx.Node
+    layout: Sharded
+
+
+class _NonLocal(Exception):
+    """The op is known but cannot run on shards: gather its inputs, run it replicated."""
+
+
+@dataclasses.dataclass
+class AttentionDecision:
+    node: fx.Node
+    distributed: bool              # False: q sharded, k/v replicated (cross-attention): local SDPA
+    q: Any
+    k: Any
+    v: Any
+    mask: Any
+    scale: Optional[float]
+    layout: Sharded
+    out_order: Tuple[int, ...] = (0, 1, 2, 3)  # memory order of SDPA's output (outermost first)
+
+
+@dataclasses.dataclass
+class ShardingPlan:
+    spec: SequenceShardSpec
+    region: List[fx.Node]
+    streams: Dict[fx.Node, Sharded]
+    layouts: Dict[fx.Node, Any]
+    edits: Dict[fx.Node, Tuple[Any, tuple, dict]]
+    attention: List[AttentionDecision]
+    nonlocal_ops: List[Tuple[fx.Node, str]]
+    exits: List[fx.Node]
+
+
+def _val(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else None
+
+
+def _is_tensor_node(a) -> bool:
+    return isinstance(_val(a), torch.Tensor)
+
+
+def _shape(a) -> Tuple[int, ...]:
+    return tuple(int(s) for s in _val(a).shape)
+
+
+def _arg(n: fx.Node, i: int, name: str, default: Any) -> Any:
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)
+
+
+def _prefix_map(in_shape, dim, out_shape) -> Optional[int]:
+    """Output dim holding input ``dim`` whole under a row-major reshape (same size, same prefix)."""
+    prefix, size, acc = math.prod(in_shape[:dim]), in_shape[dim], 1
+    for j, s in enumerate(out_shape):
+        if acc == prefix and s == size:
+            return j
+        acc *= s
+    return None
+
+
+def _map_args(args, fn):
+    if isinstance(args, (list, tuple)):
+        return type(args)(_map_args(a, fn) for a in args)
+    if isinstance(args, dict):
+        return {k: _map_args(v, fn) for k, v in args.items()}
+    return fn(args)
+
+
+_SAME_AS_FIRST = {aten.type_as.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+                  aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+                  aten.dropout.default, aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
+                  aten.full_like.default, aten.rand_like.default, aten.randn_like.default, aten.lift_fresh_copy.default}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+             aten.unflatten.int, aten.view_as_complex.default, aten.view_as_real.default, aten.unsqueeze.default,
+             aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
+               aten.std.correction, aten.var.dim, aten.std.dim}
+_SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
+_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default, aten.unbind.int}
+_NORMS = {aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default}
+_NONLOCAL_OPS = {aten.convolution.default, aten.conv2d.default, aten.conv3d.default, aten.group_norm.default,
+                 aten.mean.default, aten.sum.default, aten.cumsum.default, aten.index_select.default,
+                 aten.gather.default, aten.index.Tensor, aten.sort.default, aten.topk.default}
+SDPA = aten.scaled_dot_product_attention.default
+
+
+class _Analysis:
+    def __init__(self, gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec):
+        self.gm, self.s, self.spec = gm, structure, spec
+        nodes = list(gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        lo, hi = pos[structure.blocks[0].first], pos[structure.blocks[-1].last]
+        self.region = [n for n in nodes[lo:hi + 1] if n.op == "call_function"]
+        self.layouts: Dict[fx.Node, Any] = {}
+        self.streams: Dict[fx.Node, Sharded] = {}
+        self.edits: Dict[fx.Node, Tuple[Any, tuple, dict]] = {}
+        self.attention: List[AttentionDecision] = []
+        self.nonlocal_ops: List[Tuple[fx.Node, str]] = []
+
+    def lay(self, a):
+        if not isinstance(a, fx.Node):
+            return None
+        return self.streams.get(a) or self.layouts.get(a)
+
+    def edit(self, n: fx.Node, args=None, kwargs=None, target=None) -> None:
+        self.edits[n] = (target or n.target, n.args if args is None else tuple(args),
+                         dict(n.kwargs) if kwargs is None else kwargs)
+
+    # -- driver ------------------------------------------------------------------------------
+    def run(self) -> ShardingPlan:
+        for s in self.s.blocks[0].stream_inputs:
+            v = _val(s)
+            if not isinstance(v, torch.Tensor) or v.dim() < 3:
+                raise PassError(f"context parallel: residual stream '{s.name}' entering block 0 has shape "
+                                f"{None if v is None else tuple(v.shape)}; expected [batch, tokens, features]")
+            self.streams[s] = Sharded(1, ((s.name, int(v.shape[1])),))
+        for n in self.region:
+            ins = [self.lay(a) for a in n.all_input_nodes]
+            if not any(isinstance(x, (Sharded, list)) for x in ins):
+                continue
+            try:
+                out = self.attend(n) if n.target is SDPA else self.rule(n)
+            except _NonLocal as why:
+                out = self.gather_inputs(n, str(why))
+            self.layouts[n] = out
+        region_set = set(self.region)
+        exits = []
+        for n in self.region:
+            lay = self.layouts.get(n)
+            outside = [u for u in n.users if u not in region_set]
+            if outside and isinstance(lay, Sharded):
+                exits.append(n)
+            elif outside and isinstance(lay, list):
+                raise PassError(f"context parallel: multi-output node '{n.name}' ({n.target}) is read after the "
+                                f"block range by {[u.name for u in outside]}; cannot gather it")
+        return ShardingPlan(self.spec, self.region, self.streams, self.layouts, self.edits, self.attention,
+                            self.nonlocal_ops, exits)
+
+    def gather_inputs(self, n: fx.Node, why: str):
+        self.nonlocal_ops.append((n, why))
+
+        def fix(a):
+            lay = self.lay(a)
+            if isinstance(lay, Sharded):
+                return _Gather(a, lay)
+            if isinstance(lay, list):
+                raise PassError(f"context parallel: node '{n.name}' ({n.target}) needs the full value of "
+                                f"multi-output node '{a.name}' ({why})")
+            return a
+        self.edit(n, _map_args(n.args, fix), _map_args(dict(n.kwargs), fix))
+        return None
+
+    def rule(self, n: fx.Node):
+        t = n.target
+        if t is operator.getitem:
+            lay = self.lay(n.args[0])
+            return lay[n.args[1]] if isinstance(lay, list) else None
+        if t is aten._assert_tensor_metadata.default:  # export's dtype check (no Cleanup): drop any size check
+            args = (n.args[0], None, None) + tuple(n.args[3:])
+            self.edit(n, args[:len(n.args)], {k: v for k, v in n.kwargs.items() if k not in ("size", "stride")})
+            return None
+        if t in _NONLOCAL_OPS:
+            raise _NonLocal(f"{t} mixes tokens")
+        if t in (aten.copy_.default, aten.copy.default) or (
+                isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+            return self.pointwise(n)
+        if t is aten.slice_scatter.default:
+            return self.slice_scatter(n)
+        if t in _SAME_AS_FIRST:
+            return self.lay(n.args[0]) if isinstance(self.lay(n.args[0]), Sharded) else None
+        if t is aten.linear.default:
+            lay = self.lay(n.args[0])
+            if not isinstance(lay, Sharded) or lay.dim == _val(n.args[0]).dim() - 1:
+                raise _NonLocal("linear over the token dim")
+            return lay
+        if t in _NORMS:
+            return self.norm(n)
+        if t in _RESHAPES:
+            return self.reshape(n)
+        if t is aten.expand.default:
+            return self.expand(n)
+        if t is aten.permute.default:
+            lay = self.lay(n.args[0])
+            dims = [d % len(n.args[1]) for d in n.args[1]]
+            return Sharded(dims.index(lay.dim), lay.segments)
+        if t is aten.transpose.int:
+            lay, nd = self.lay(n.args[0]), _val(n.args[0]).dim()
+            a, b = n.args[1] % nd, n.args[2] % nd
+            return Sharded({a: b, b: a}.get(lay.dim, lay.dim), lay.segments)
+        if t in _REDUCTIONS:
+            return self.reduce(n)
+        if t in _SOFTMAX:
+            lay = self.lay(n.args[0])
+            if n.args[1] % _val(n.args[0]).dim() == lay.dim:
+                raise _NonLocal("softmax over the token dim")
+            return lay
+        if t in (aten.slice.Tensor, aten.narrow.default):
+            return self.slice(n)
+        if t is aten.select.int:
+            lay, d = self.lay(n.args[0]), n.args[1] % _val(n.args[0]).dim()
+            if d == lay.dim:
+                raise _NonLocal("select of one token")
+            return Sharded(lay.dim - (d < lay.dim), lay.segments)
+        if t in _SPLITS:
+            return self.split(n)
+        if t is aten.cat.default:
+            return self.cat(n)
+        if t is aten.stack.default:
+            return self.stack(n)
+        path = n.meta.get("dit_module_path", "") or "<top level>"
+        raise PassError(f"context parallel: no sequence-sharding rule for op {t} at node '{n.name}' (module "
+                        f"{path}), which reads a token-sharded value: the analysis cannot prove the op local. "
+                        f"Add a rule to dit_passes/parallel/sequence_sharding.py or report the model")
+
+    # -- rules ---------------------------------------------------------------------------------
+    def _agree(self, n):
+        """(output dim, segments) every sharded input maps to; replicated full-length inputs sliced."""
+        out_nd = _val(n).dim()
+        found = None
+        for a in n.all_input_nodes:
+            lay = self.lay(a)
+            if isinstance(lay, Sharded):
+                key = (lay.dim + out_nd - _val(a).dim(), lay.segments)
+                if found is not None and found != key:
+                    raise _NonLocal(f"operands sharded differently ({found} vs {key})")
+                found = key
+        od, segs = found
+        full = sum(m for _, m in segs)
+
+        def fix(a):
+            if _is_tensor_node(a) and self.lay(a) is None:
+                j = od - (out_nd - _val(a).dim())
+                if j >= 0 and _shape(a)[j] != 1:
+                    if _shape(a)[j] != full:
+                        raise _NonLocal(f"operand '{a.name}' has {_shape(a)[j]} along the token dim, not {full}")
+                    return _Slice(a, j, segs)
+            return a
+        return od, segs, fix
+
+    def pointwise(self, n):
+        t = n.target
+        if t._schema.is_mutable and not isinstance(self.lay(n.args[0]), Sharded):
+            raise _NonLocal("in-place update of a replicated tensor from a sharded one")
+        od, segs, fix = self._agree(n)
+        self.edit(n, _map_args(n.args, fix), _map_args(dict(n.kwargs), fix))
+        return Sharded(od, segs)
+
+    def slice_scatter(self, n):
+        """``slice_scatter(self, src, dim, ...)`` off the token dim: elementwise in the token dim."""
+        lay = self.lay(n.args[0])
+        d = _arg(n, 2, "dim", 0) % _val(n).dim()
+        if not isinstance(lay, Sharded) or d == lay.dim:
+            raise _NonLocal("slice_scatter into the token dim or into a replicated tensor")
+        return self.pointwise(n)
+
+    def norm(self, n):
+        lay, nd = self.lay(n.args[0]), _val(n.args[0]).dim()
+        if not isinstance(lay, Sharded) or lay.dim >= nd - len(n.args[1]):
+            raise _NonLocal("normalisation over the token dim")
+        return [lay, lay, lay] if n.target is aten.native_layer_norm.default else lay
+
+    def reshape(self, n):
+        x = n.args[0]
+        lay, ins, outs = self.lay(x), _shape(x), _shape(n)
+        j = _prefix_map(ins, lay.dim, outs)
+        if j is None:
+            raise _NonLocal(f"reshape {ins} -> {outs} merges or splits the token dim")
+        local = self.spec.local_length(lay.segments)
+        t = n.target
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            new = list(outs)
+            new[j] = local
+            self.edit(n, (x, new) + tuple(n.args[2:]))
+        elif t is aten.unflatten.int:
+            d = n.args[1] % len(ins)
+            sizes = list(outs[d:d + len(n.args[2])])
+            if d <= j < d + len(sizes):
+                sizes[j - d] = local
+            self.edit(n, (x, n.args[1], sizes))
+        elif t is aten.squeeze.default:  # a local length of 1 must not be squeezed away
+            self.edit(n, (x, [d for d, s in enumerate(ins) if s == 1]), target=aten.squeeze.dims)
+        return Sharded(j, lay.segments)
+
+    def expand(self, n):
+        x, sizes = n.args[0], list(n.args[1])
+        lay = self.lay(x)
+        j = lay.dim + len(sizes) - _val(x).dim()
+        if sizes[j] != -1:
+            sizes[j] = self.spec.local_length(lay.segments)
+        self.edit(n, (x, sizes) + tuple(n.args[2:]))
+        return Sharded(j, lay.segments)
+
+    def reduce(self, n):
+        x = n.args[0]
+        lay, nd = self.lay(x), _val(x).dim()
+        dims = _arg(n, 1, "dim", None)
+        dims = list(range(nd)) if dims in (None, []) else [d % nd for d in ([dims] if isinstance(dims, int) else dims)]
+        if lay.dim in dims:
+            raise _NonLocal("reduction over the token dim")
+        keep = _arg(n, 2, "keepdim", False) if n.target not in (aten.var.correction, aten.std.correction) \
+            else n.kwargs.get("keepdim", False)
+        return Sharded(lay.dim if keep else lay.dim - sum(d < lay.dim for d in dims), lay.segments)
+
+    def _segment_cut(self, lay: Sharded, cuts: Sequence[int], what: str) -> List[int]:
+        """Indices into the segment boundaries for full-axis cut points (must all be boundaries)."""
+        bounds = [0]
+        for _, m in lay.segments:
+            bounds.append(bounds[-1] + m)
+        out = []
+        for c in cuts:
+            if c not in bounds:
+                raise _NonLocal(f"{what} cuts the token dim at {c}, inside a segment (boundaries {bounds})")
+            out.append(bounds.index(c) if not out else len(bounds) - 1 - bounds[::-1].index(c))
+        return out
+
+    def slice(self, n):
+        x = n.args[0]
+        lay, nd = self.lay(x), _val(x).dim()
+        d = _arg(n, 1, "dim", 0) % nd
+        if d != lay.dim:
+            return lay
+        full = lay.full_length
+        if n.target is aten.narrow.default:
+            start, end, step = n.args[2], n.args[2] + n.args[3], 1
+        else:
+            start, end, step = _arg(n, 2, "start", None), _arg(n, 3, "end", None), _arg(n, 4, "step", 1)
+        if step != 1:
+            raise _NonLocal(f"strided slice (step {step}) of the token dim")
+        start = 0 if start is None else (start + full if start < 0 else start)
+        end = full if end is None else (end + full if end < 0 else end)
+        start, end = min(max(start, 0), full), min(max(end, start), full)
+        a, b = self._segment_cut(lay, [start, end], "slice")
+        if a == b:
+            raise _NonLocal("empty slice of the token dim")
+        lb = self.spec.local_boundaries(lay.segments)
+        self.edit(n, (x, d, lb[a], lb[b], 1), {}, target=aten.slice.Tensor)
+        return Sharded(d, lay.segments[a:b])
+
+    def split(self, n):
+        x = n.args[0]
+        lay, nd = self.lay(x), _val(x).dim()
+        t = n.target
+        d = _arg(n, 1 if t is aten.unbind.int else 2, "dim", 0) % nd
+        pieces = list(_val(n))
+        if d != lay.dim:
+            return [Sharded(lay.dim - (t is aten.unbind.int and d < lay.dim), lay.segments)] * len(pieces)
+        if t is aten.unbind.int:
+            raise _NonLocal("unbind of the token dim")
+        cuts = [0]
+        for p in pieces:
+            cuts.append(cuts[-1] + int(p.shape[d]))
+        idx = self._segment_cut(lay, cuts, "split")
+        if any(i == j for i, j in zip(idx, idx[1:])):
+            raise _NonLocal("split with an empty token piece")
+        lb = self.spec.local_boundaries(lay.segments)
+        self.edit(n, (x, [lb[j] - lb[i] for i, j in zip(idx, idx[1:])], d), {}, target=aten.split_with_sizes.default)
+        return [Sharded(d, lay.segments[i:j]) for i, j in zip(idx, idx[1:])]
+
+    def cat(self, n):
+        tensors = [a for a in n.args[0] if not (_is_tensor_node(a) and _val(a).dim() == 1 and _shape(a)[0] == 0)]
+        out_nd = _val(n).dim()
+        d = _arg(n, 1, "dim", 0) % out_nd
+        lays = [self.lay(a) for a in tensors]
+        if not any(isinstance(lay, Sharded) and lay.dim == d for lay in lays):
+            od, segs, fix = self._agree(n)
+            self.edit(n, (_map_args(list(n.args[0]), fix),) + tuple(n.args[1:]))
+            return Sharded(od, segs)
+        new, segs = [], ()
+        for a, lay in zip(tensors, lays):
+            if lay is None:  # a replicated piece joins as a segment of its own
+                lay = Sharded(d, ((a.name, _shape(a)[d]),))
+                new.append(_Slice(a, d, lay.segments))
+            elif lay.dim != d:
+                raise _NonLocal("cat of pieces sharded on different dims")
+            else:
+                new.append(a)
+            segs += lay.segments
+        self.edit(n, (new, d))
+        return Sharded(d, segs)
+
+    def stack(self, n):
+        od, segs, fix = self._agree(n)
+        d = _arg(n, 1, "dim", 0) % _val(n).dim()
+        lay = next(self.lay(a) for a in n.args[0] if isinstance(self.lay(a), Sharded))
+        self.edit(n, (_map_args(list(n.args[0]), fix),) + tuple(n.args[1:]))
+        return Sharded(lay.dim + (d <= lay.dim), segs)
+
+    def attend(self, n):
+        q, k, v = n.args[:3]
+        mask = _arg(n, 3, "attn_mask", None)
+        if _arg(n, 4, "dropout_p", 0.0) or _arg(n, 5, "is_causal", False) or n.kwargs.get("enable_gqa", False):
+            raise _NonLocal("attention with dropout, is_causal or enable_gqa")
+        lq, lk, lv = self.lay(q), self.lay(k), self.lay(v)
+        if not (isinstance(lq, Sharded) and lq.dim == 2 and _val(q).dim() == 4):
+            raise _NonLocal("attention whose queries are not sharded on the sequence dim")
+        full = lq.full_length
+        mlay = self.lay(mask)
+        if isinstance(mlay, Sharded):
+            raise _NonLocal("attention with a token-sharded mask")
+        if lk is None and lv is None:  # cross-attention: full keys/values on every rank
+            if mask is not None and _val(mask).dim() >= 2 and _shape(mask)[-2] == full:
+                mask = _Slice(mask, _val(mask).dim() - 2, lq.segments)
+            self.attention.append(AttentionDecision(n, False, q, k, v, mask, n.kwargs.get("scale"), lq))
+            return lq
+        if lk != lq or lv != lq:
+            raise _NonLocal(f"attention with q/k/v sharded differently ({lq}, {lk}, {lv})")
+        lengths = self.spec.rank_lengths(lq.segments)
+        if min(lengths) < 1:
+            raise PassError(f"context parallel: attention '{n.name}' has {full} tokens ({lq.segments}), too few "
+                            f"for {self.spec.world} ranks (shards {lengths}); use fewer ranks")
+        if mask is not None:
+            mshape = _shape(mask)
+            if len(mshape) < 1 or mshape[-1] != full:
+                raise _NonLocal(f"attention mask {mshape} does not span the {full} keys")
+            nd = len(mshape)
+            dims = tuple(d for d in (nd - 2, nd - 1) if d >= 0 and mshape[d] == full)
+            if len(lq.segments) > 1 or self.spec.world > 1:
+                mask = _Permute(mask, dims, lq.segments)
+        stride = _val(n).stride()
+        order = tuple(sorted(range(len(stride)), key=lambda d: (-stride[d], d)))
+        self.attention.append(AttentionDecision(n, True, q, k, v, mask, n.kwargs.get("scale"), lq, order))
+        return lq
+
+
+def analyze(gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec) -> ShardingPlan:
+    """Layouts and edits for this rank (pure: the graph is not modified)."""
+    return _Analysis(gm, structure, spec).run()

@@ -1,0 +1,93 @@
+"""Cutting the block range of a discovered DiT into prologue | Fn blocks | middle | Bn blocks | epilogue.
+
+Used by the residual-cache pass. Pure analysis: nothing here edits the graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+import torch
+import torch.fx as fx
+
+from ..analysis.structure import DiTStructure
+from ..infra.pass_base import PassError
+
+
+@dataclasses.dataclass
+class MiddleSegment:
+    nodes: List[fx.Node]              # the middle blocks (and glue between them), graph order
+    live_in: List[fx.Node]            # values the middle reads: streams at the cut + side inputs
+    live_out: List[fx.Node]           # middle values read after it (the streams leaving)
+    before_of: Dict[fx.Node, fx.Node]  # live_out -> the same stream's value entering the middle
+    range_start: fx.Node              # first node of block 0
+    image_in: fx.Node                 # image stream entering block 0
+    image_at_cut: fx.Node             # image stream after the Fn blocks
+
+
+def _ancestor_placeholders(n: fx.Node, limit: int = 5000) -> set:
+    seen, stack, out = set(), [n], set()
+    while stack and len(seen) < limit:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder":
+            out.add(x.target)
+        stack.extend(x.all_input_nodes)
+    return out
+
+
+def _same_kind(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+            and tuple(va.shape) == tuple(vb.shape) and va.dtype == vb.dtype)
+
+
+def _match(targets: List[fx.Node], pool: List[fx.Node], what: str) -> Dict[fx.Node, fx.Node]:
+    """Pair each target with a pool value of the same shape/dtype, in order (streams keep their order)."""
+    used: set = set()
+    out = {}
+    for t in targets:
+        cands = [p for p in pool if p not in used and _same_kind(t, p)]
+        if not cands:
+            shapes = [tuple(p.meta["val"].shape) for p in pool if isinstance(p.meta.get("val"), torch.Tensor)]
+            raise PassError(f"dbcache: cannot match {what} '{t.name}' {tuple(t.meta['val'].shape)} to a residual "
+                            f"stream entering the cached blocks (candidates: {shapes}); this block layout "
+                            f"changes the stream shapes inside the range")
+        used.add(cands[0])
+        out[t] = cands[0]
+    return out
+
+
+def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int) -> MiddleSegment:
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    blocks = s.blocks
+    lo = pos[blocks[fn - 1].last] + 1
+    hi = pos[blocks[len(blocks) - bn].first] if bn else pos[blocks[-1].last] + 1
+    middle = [n for n in nodes[lo:hi] if n.op == "call_function"]
+    inside = set(middle)
+    live_in: List[fx.Node] = []
+    for n in middle:
+        for a in n.all_input_nodes:
+            if a not in inside and a.op != "get_attr" and a not in live_in:
+                live_in.append(a)
+    live_out = [n for n in middle if any(u not in inside for u in n.users)]
+    bad = [a.name for a in live_in + live_out if not isinstance(a.meta.get("val"), torch.Tensor)]
+    if bad:
+        raise PassError(f"dbcache: values crossing the cached range are not tensors: {bad}")
+    start = pos[blocks[0].first]
+    streams_at_cut = [a for a in live_in if pos[a] >= start]
+    before_of = _match(live_out, streams_at_cut, "stream leaving the middle blocks")
+
+    ins = blocks[0].stream_inputs
+    if not ins:
+        raise PassError("dbcache: block 0 has no residual stream input")
+    image_in = next((x for x in ins if "hidden_states" in _ancestor_placeholders(x)
+                     and "encoder_hidden_states" not in _ancestor_placeholders(x)), None)
+    if image_in is None:
+        image_in = max(ins, key=lambda x: x.meta["val"].numel())
+    image_at_cut = _match([image_in], streams_at_cut, "image stream")[image_in]
+    return MiddleSegment(middle, live_in, live_out, before_of, blocks[0].first, image_in, image_at_cut)
+

@@ -1,0 +1,269 @@
+"""RayLauncher: a tiny FluxPipeline run on 2 CPU Ray workers (gloo) equals the single-process run.
+
+One Ray cluster for the module (num_cpus=2, started by the fixture, so the launcher's "Ray already
+running" path is the one used; the bench starts Ray through the launcher). The reference is always the
+same pipeline run eagerly in this process. After the module, no process of the cluster may remain.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline  # noqa: E402
+
+from dit_passes.launch import transfer  # noqa: E402
+from dit_passes.launch.ray_launcher import (RayEngine, RayLauncher, RayLauncherError, RayWorkerDiedError,  # noqa: E402
+                                            RayWorkerError)
+from dit_passes.models.zoo import build  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+HAVE_CP = importlib.util.find_spec("dit_passes.passes.context_parallel") is not None
+needs_cp = pytest.mark.skipif(not HAVE_CP, reason="dit_passes.passes.context_parallel (Ulysses / Ring) is missing")
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TEXT_DIM = 32  # the zoo flux config's joint_attention_dim and pooled_projection_dim
+
+
+def tiny_pipeline() -> FluxPipeline:
+    """Zoo flux transformer (in_channels=16 = 4 latent channels x 2x2 packing) + a tiny VAE; no text encoders."""
+    transformer = build("flux").model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
+                            norm_num_groups=4, layers_per_block=1).eval()
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                        text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def call_kwargs(steps: int = 2) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return dict(prompt_embeds=torch.randn(1, 7, TEXT_DIM, generator=g),
+                pooled_prompt_embeds=torch.randn(1, TEXT_DIM, generator=g), height=16, width=16,
+                num_inference_steps=steps, guidance_scale=3.5, output_type="latent",
+                generator=torch.Generator().manual_seed(3))
+
+
+def cp_passes(kind: str):
+    from dit_passes.passes.context_parallel import Ring, Ulysses
+    return [] if kind == "none" else [{"ulysses": Ulysses, "ring": Ring}[kind](2)]
+
+
+def _session_processes(session_root: str) -> list:
+    """Processes whose command line names this module's Ray temp dir (raylet, gcs, workers, ...)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if session_root in cmd and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmd[:120]}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    temp_dir = tempfile.mkdtemp(prefix="rayt", dir="/tmp")
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # tests/ on the workers' path: closures defined here reference this module's helpers by name
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR}})
+    try:
+        yield temp_dir
+    finally:
+        ray.shutdown()
+        if old is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = old
+        deadline = time.monotonic() + 15
+        while _session_processes(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _session_processes(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"Ray processes left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def reference_latents():
+    with torch.inference_mode():
+        return tiny_pipeline()(**call_kwargs()).images
+
+
+# --------------------------------------------------------------------------- transfer, no Ray needed
+def test_object_store_roundtrip_rebuilds_by_config_and_aliases_arrays():
+    model = build("flux").model.to(torch.bfloat16)
+    packed = transfer.pack_for_object_store(model)
+    assert list(packed.strategies.values()) == ["config"]
+    assert packed.nbytes == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    rebuilt = transfer.unpack_from_object_store(packed.skeleton, packed.arrays)
+    assert type(rebuilt) is type(model) and not rebuilt.training
+    for (name, a), (name_b, b) in zip(model.state_dict().items(), rebuilt.state_dict().items()):
+        assert name == name_b and a.dtype == b.dtype and torch.equal(a, b), name
+    # zero-copy: the rebuilt weights are views of the arrays (what Ray maps from its shared store)
+    ptrs = {a.ctypes.data for a in packed.arrays.values()}
+    assert all(p.data_ptr() in ptrs for p in rebuilt.parameters())
+    copied = transfer.unpack_from_object_store(packed.skeleton, packed.arrays, copy_weights=True)
+    assert not any(p.data_ptr() in ptrs for p in copied.parameters())
+
+
+def test_object_store_pickles_modified_models_and_keeps_tied_weights():
+    model = build("flux").model
+    model.proj_out = torch.nn.Sequential(model.proj_out)  # no longer what its config builds
+    holder = {"a": model, "b": model, "w": model.x_embedder.weight, "w2": model.x_embedder.weight}
+    packed = transfer.pack_for_object_store(holder)
+    assert "differs" in next(iter(packed.strategies.values()))
+    back = transfer.unpack_from_object_store(packed.skeleton, packed.arrays)
+    assert back["a"] is back["b"] and back["w"] is back["w2"] is back["a"].x_embedder.weight
+    inputs = build("flux").make_inputs()
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], back["a"](**inputs)[0])
+
+
+def test_transfer_errors_name_the_alternative():
+    with torch.device("meta"):
+        meta = torch.nn.Linear(2, 2)
+    with pytest.raises(transfer.TransferError, match="meta device.*factory"):
+        transfer.pack_for_object_store(meta)
+    with pytest.raises(transfer.TransferError, match="no arguments"):
+        transfer.check_factory(lambda path: path)
+    with pytest.raises(transfer.TransferError, match="snapshot.*save_pretrained"):
+        transfer.save_snapshot(torch.nn.Linear(2, 2))
+    with pytest.raises(RayLauncherError, match="level='transformer'"):
+        RayLauncher(world_size=2).launch(build("flux").model)
+    with pytest.raises(RayLauncherError, match="zero-argument callable"):
+        RayLauncher(world_size=2).launch(tiny_pipeline(), transfer="factory")
+    with pytest.raises(RayLauncherError, match="placement"):
+        RayLauncher(world_size=2, placement="diagonal")
+
+
+# --------------------------------------------------------------------------------- on the workers
+def test_pipeline_wrapper_matches_single_process(cluster, reference_latents):
+    engine = RayLauncher(world_size=2, timeout_s=60).launch(tiny_pipeline(), passes=[])
+    with engine:
+        out = engine(**call_kwargs())
+        assert out.images.shape == reference_latents.shape
+        assert torch.allclose(out.images, reference_latents, atol=1e-5, rtol=0)
+        assert engine.backend == "gloo" and engine.transfer_report["path"] == "object_store"
+        workers = engine.workers
+        assert workers[0]["ip"] == ray.util.get_node_ip_address() and len({w["pid"] for w in workers}) == 2
+        ranks = engine.run_on_workers(lambda w: (w.rank, type(w.obj.transformer).__name__, torch.get_num_threads()))
+        assert ranks == [(0, "CompiledDiT", 1), (1, "CompiledDiT", 1)]
+        # the same Python error on every rank: the group is still in step, the engine stays usable
+        with pytest.raises(RayWorkerError, match=r"rank 0 of 2 raised TypeError.*no_such_argument"):
+            engine(**call_kwargs(), no_such_argument=1)
+        assert torch.allclose(engine(**call_kwargs()).images, reference_latents, atol=1e-5, rtol=0)
+    with pytest.raises(RayLauncherError, match="shut down"):
+        engine(**call_kwargs())
+
+
+@needs_cp
+@pytest.mark.parametrize("kind", ["ulysses", "ring"])
+def test_pipeline_wrapper_context_parallel(cluster, reference_latents, kind):
+    with RayLauncher(world_size=2, timeout_s=60).launch(tiny_pipeline(), passes=cp_passes(kind)) as engine:
+        got = engine(**call_kwargs()).images
+        counts = engine.run_on_workers(lambda w: len(w.obj.transformer.graphs))
+    assert counts == [1, 1]
+    assert torch.allclose(got, reference_latents, atol=1e-5, rtol=0), (got - reference_latents).abs().max()
+
+
+def test_transformer_wrapper_matches_single_process(cluster, reference_latents):
+    pipe = tiny_pipeline()
+    passes_fn = (lambda rank, world: cp_passes("ulysses")) if HAVE_CP else (lambda rank, world: [])
+    engine = RayLauncher(world_size=2, timeout_s=60).launch(pipe, passes=passes_fn, level="transformer")
+    try:
+        proxy = engine.as_transformer()
+        assert proxy.config.in_channels == 16 and proxy.dtype == torch.float32
+        assert not list(proxy.parameters())
+        pipe.transformer = proxy
+        pipe.to("cpu")  # what pipe.to("cuda") does to the proxy: record the device, move nothing
+        assert proxy.device == torch.device("cpu")
+        with torch.inference_mode():
+            got = pipe(**call_kwargs()).images
+        calls = engine.run_on_workers(lambda w: w.compiled[0].runtime.calls)
+    finally:
+        engine.shutdown()
+    assert calls == [2, 2]  # 2 steps, each forwarded to both ranks
+    assert torch.allclose(got, reference_latents, atol=1e-5, rtol=0), (got - reference_latents).abs().max()
+    with pytest.raises(RayLauncherError, match="shut down"):
+        proxy(hidden_states=torch.zeros(1))
+
+
+def test_factory_and_snapshot_paths(cluster, reference_latents):
+    def factory():  # a closure: cloudpickled by value; tiny_pipeline resolves through PYTHONPATH=tests/
+        import test_ray_launcher
+        return test_ray_launcher.tiny_pipeline()
+
+    # compile: each lowered graph is torch.compiled after its first call (backend "eager": no Inductor on CPU CI)
+    with RayLauncher(world_size=2, timeout_s=60).launch(factory, passes=[], compile={"backend": "eager"}) as engine:
+        assert engine.transfer_report["path"] == "factory"
+        assert torch.allclose(engine(**call_kwargs()).images, reference_latents, atol=1e-5, rtol=0)
+        compiled = engine.run_on_workers(lambda w: [gm._compiled_call_impl is not None
+                                                    for gm in w.obj.transformer.graphs.values()])
+        assert compiled == [[True], [True]]
+        assert torch.allclose(engine(**call_kwargs()).images, reference_latents, atol=1e-5, rtol=0)
+    with RayLauncher(world_size=2, timeout_s=60).launch(tiny_pipeline(), transfer="snapshot") as engine:
+        snapshot_dir = engine.transfer_report["snapshot_dir"]
+        assert torch.allclose(engine(**call_kwargs()).images, reference_latents, atol=1e-5, rtol=0)
+    assert not os.path.exists(snapshot_dir)
+
+
+def test_runtime_env_pythonpath_reaches_workers(cluster, tmp_path):
+    (tmp_path / "user_passes_mod.py").write_text(textwrap.dedent("""
+        import torch
+        from dit_passes.models.zoo import build
+        def make():
+            return build("flux").model
+    """))
+    assert importlib.util.find_spec("user_passes_mod") is None  # importable only through PYTHONPATH
+
+    def factory():
+        import user_passes_mod
+        return user_passes_mod.make()
+
+    env = {"env_vars": {"PYTHONPATH": f"{tmp_path}:{TESTS_DIR}"}}
+    with pytest.warns(UserWarning, match="Ray was initialised before RayLauncher"):
+        engine = RayLauncher(world_size=2, runtime_env=env, timeout_s=60).launch(factory, level="transformer")
+    with engine:
+        files = engine.run_on_workers(lambda w: __import__("user_passes_mod").__file__)
+        inputs = build("flux").make_inputs()
+        got = engine.as_transformer()(**inputs)[0]
+    assert files == [str(tmp_path / "user_passes_mod.py")] * 2
+    with torch.no_grad():
+        assert torch.allclose(got, build("flux").model(**inputs)[0], atol=1e-5, rtol=0)
+
+
+def test_worker_killed_mid_call_raises_without_hang(cluster):
+    def die_on_rank1(pipe, step, timestep, callback_kwargs):
+        import torch.distributed as dist
+        if step == 0 and dist.get_rank() == 1:
+            os._exit(3)
+        return callback_kwargs
+
+    passes = cp_passes("ulysses") if HAVE_CP else []  # with Ulysses rank 0 then waits in an all-to-all
+    engine = RayLauncher(world_size=2, timeout_s=60).launch(tiny_pipeline(), passes=passes)
+    t0 = time.monotonic()
+    with pytest.raises(RayWorkerError, match="rank 1 of 2 died|rank 0 of 2 raised") as info:
+        engine(**call_kwargs(steps=3), callback_on_step_end=die_on_rank1)
+    assert time.monotonic() - t0 < 45
+    assert isinstance(info.value, RayWorkerDiedError) or "Connection" in str(info.value)
+    with pytest.raises(RayLauncherError, match="broken"):
+        engine(**call_kwargs())
+    engine.shutdown()
+    assert "shut down" in repr(engine)
+    assert isinstance(engine, RayEngine)

@@ -1,0 +1,258 @@
+"""TensorParallel: sharding helpers (in process) and the pass on gloo ranks against the single process.
+
+Two spawns carry most checks (many per spawn, the machine is small): 2 ranks (flux, flux with fused
+QKV, sd3, qwenimage, wan; modulation="column"; bad inputs) and 4 ranks (the four families with 4 heads;
+TP on the tp sub-group of a dp x tp mesh).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dit_passes import PassError, compile_dit
+from dit_passes.parallel.tp_sharding import ShardingError, ShardSpec, check_divisible, map_view_dim, shard_along
+from dit_passes.passes.tensor_parallel import TensorParallel
+from dit_passes.testing.multiproc import run_ranks
+
+TOL = 1e-5
+ROW_ROLES = ("attn_out", "mlp_down", "proj")
+COL_ROLES = ("q", "k", "v", "qkv", "mlp_up")
+
+
+# ---------------------------------------------------------------- helpers without process groups
+def test_shard_along_segments_matches_manual_slices():
+    t = torch.arange(10 * 3).reshape(10, 3)
+    # segments (4, 6): rank 1 of 2 holds rows 2..3 of the first and 7..9 of the second segment
+    got = shard_along(t, 0, [4, 6], rank=1, tp=2)
+    assert torch.equal(got, torch.cat([t[2:4], t[7:10]]))
+    parts = [shard_along(t, 1, [3], r, 3) for r in range(3)]
+    assert torch.equal(torch.cat(parts, 1), t)
+    with pytest.raises(ShardingError):
+        shard_along(t, 0, [4, 5], 0, 2)
+
+
+def test_map_view_dim():
+    assert map_view_dim([1, 16, 64], [1, 16, 4, 16], 2, 2) == 2           # hidden -> (heads, head_dim)
+    assert map_view_dim([1, 16, 4, 16], [1, 16, 64], 2, 4) == 2           # heads merged back
+    assert map_view_dim([1, 24, 2, 16], [1, 24, 2, 8, 2], 2, 2) == 2      # Flux RoPE: heads == pair dim
+    assert map_view_dim([1, 16, 2, 16], [1, 16, 1, 2, 16], 2, 2) == 3     # unsqueeze before heads
+    with pytest.raises(ShardingError, match="merges dims before"):
+        map_view_dim([1, 16, 4, 16], [1, 16 * 4 * 16], 2, 2)              # tokens merged in front of heads
+    with pytest.raises(ShardingError, match="not divisible"):
+        map_view_dim([1, 8, 6], [1, 8, 3, 2], 2, 2)                       # 3 heads over 2 ranks
+
+
+def test_check_divisible_names_valid_sizes():
+    with pytest.raises(ShardingError, match=r"mlp.*\[1, 2, 3, 6\]"):
+        check_divisible([12, 18], 4, "mlp")
+    check_divisible([12, 18], 3, "mlp")
+    assert ShardSpec(2, (32, 128)).local_segments(4) == (8, 32)
+
+
+def test_constructor_and_single_process_errors():
+    from dit_passes.models import zoo
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            TensorParallel(size=bad)
+    with pytest.raises(ValueError, match="replicate"):
+        TensorParallel(size=2, modulation="row")
+    zm = zoo.build("wan")
+    kw = zm.make_inputs()
+    ref = zm.model(**kw)[0]
+    # size=1: a documented no-op that needs no process group
+    c = compile_dit(zm.model, passes=[TensorParallel(size=1)])
+    assert torch.equal(c(**kw)[0], ref)
+    rec = [r for r in c._current().manager.records if r.name == "tensor_parallel"][0]
+    assert not rec.result.changed and "no-op" in rec.result.report
+    with pytest.raises(PassError, match="init_process_group"):
+        compile_dit(zm.model, passes=[TensorParallel(size=2)])(**kw)
+
+
+# ---------------------------------------------------------------- a toy DiT for the norm refusal
+class _ToyBlock(nn.Module):
+    def __init__(self, dim, heads, full_norm):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+        self.norm_q = nn.LayerNorm(dim) if full_norm else nn.Identity()  # LayerNorm over all heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = self.norm_q(self.to_q(x))
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, self.to_k(x), self.to_v(x)))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        return x + self.to_out(o)
+
+
+class _ToyDiT(nn.Module):
+    def __init__(self, full_norm, dim=32, heads=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(_ToyBlock(dim, heads, full_norm) for _ in range(2))
+
+    def forward(self, hidden_states):
+        for b in self.blocks:
+            hidden_states = b(hidden_states)
+        return (hidden_states,)
+
+
+# ---------------------------------------------------------------- per-rank bodies
+def _expected(model, kw):
+    """Row-parallel count and per-rank bytes of the TP linears, from an independent capture."""
+    from dit_passes.analysis.blocks import get_structure
+    from dit_passes.capture import capture
+
+    from dit_passes.infra.pass_base import PassContext
+    from dit_passes.passes.cleanup import Cleanup
+
+    kw = {k: v for k, v in kw.items() if k != "return_dict"}
+    gm = capture(model, (), kw).gm
+    Cleanup().run(gm, PassContext())  # as compile_dit does: dead code (an unused last text MLP) goes
+    st = get_structure(gm)
+    params = dict(model.named_parameters())
+    rows = [s for s in st.linears if s.block is not None and s.role in ROW_ROLES]
+    cols = [s for s in st.linears if s.block is not None and s.role in COL_ROLES]
+    mods = [s for s in st.linears if s.block is not None and s.role == "modulation"]
+
+    def nbytes(name):
+        return 0 if name is None else params[name].numel() * params[name].element_size()
+    return rows, cols, mods, nbytes
+
+
+def _case(family, world, group=None, modulation="replicate", fuse=False, **overrides):
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from dit_passes.infra.pass_base import graph_facts
+    from dit_passes.models import zoo
+
+    torch.manual_seed(0)
+    zm = zoo.build(family, **overrides)
+    if fuse:
+        zm.model.fuse_qkv_projections()
+    kw = zm.make_inputs(batch=2)
+    orig = {k: v.clone() for k, v in zm.model.state_dict().items()}
+    ref = zm.model(**kw)[0]
+    rows, cols, mods, nbytes = _expected(zm.model, kw)
+    c = compile_dit(zm.model, passes=[TensorParallel(size=world, group=group, modulation=modulation)])
+    c.lower(**kw)  # capture + passes outside the debug mode, which then sees only the run
+    with CommDebugMode() as comm:
+        out = c(**kw)[0]
+    rec = [r for r in c._current().manager.records if r.name == "tensor_parallel"][0]
+    gm = c.graph_module
+    comm_counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+    graph_ar = sum(1 for n in gm.graph.nodes if n.op == "call_function" and "all_reduce" in str(n.target))
+    tp = world
+    col_bytes = sum(nbytes(s.weight) + nbytes(s.bias) for s in cols)
+    row_bytes = sum(nbytes(s.weight) for s in rows)
+    row_bias = sum(nbytes(s.bias) for s in rows)
+    # column-sharded weights really hold out/tp rows on this rank
+    shapes_ok = all(gm.get_parameter(s.weight).shape[0] * tp == s.out_features for s in cols) and \
+        all(gm.get_parameter(s.weight).shape[1] * tp == s.in_features for s in rows)
+    facts = graph_facts(gm)
+    return {
+        "err": ((out - ref).abs().max() / ref.abs().max()).item(),
+        "counts": rec.result.counts, "report": rec.result.report,
+        "n_rows": len(rows), "n_cols": len(cols), "n_mods": len(mods),
+        "comm": comm_counts, "graph_all_reduce": graph_ar,
+        "expected_tp_bytes_after": (col_bytes + row_bytes) // tp + row_bias,
+        "expected_tp_bytes_before": col_bytes + row_bytes + row_bias,
+        "shapes_ok": shapes_ok,
+        "original_untouched": all(torch.equal(orig[k], v) for k, v in zm.model.state_dict().items()),
+        "tp_group_ok": facts.get("tp_group") is (group or dist.group.WORLD)
+        and facts.get("parallel_group") is not None,
+    }
+
+
+def _error(fn):
+    try:
+        fn()
+    except PassError as e:
+        return str(e)
+    return "no error"
+
+
+def _ranks_of_two(rank, world):
+    from dit_passes.models import zoo
+
+    res = {f: _case(f, world) for f in ("flux", "sd3", "qwenimage", "wan")}
+    res["flux_fused"] = _case("flux", world, fuse=True)
+    res["flux_modcol"] = _case("flux", world, modulation="column")
+    zm3 = zoo.build("flux", num_attention_heads=3)
+    res["heads_error"] = _error(lambda: compile_dit(zm3.model, passes=[TensorParallel(2)])(**zm3.make_inputs()))
+    zmf = zoo.build("wan", ffn_dim=63)
+    res["mlp_error"] = _error(lambda: compile_dit(zmf.model, passes=[TensorParallel(2)])(**zmf.make_inputs()))
+    zm = zoo.build("wan")
+    res["size_error"] = _error(lambda: compile_dit(zm.model, passes=[TensorParallel(4)])(**zm.make_inputs()))
+    x = torch.randn(1, 8, 32)
+    res["norm_error"] = _error(lambda: compile_dit(_ToyDiT(True), passes=[TensorParallel(2)])(hidden_states=x))
+    toy = _ToyDiT(False)
+    res["toy_err"] = (compile_dit(toy, passes=[TensorParallel(2)])(hidden_states=x)[0] - toy(x)[0]).abs().max().item()
+    return res
+
+
+def _ranks_of_four(rank, world):
+    from dit_passes.parallel.mesh import ParallelMesh
+
+    four_heads = {"flux": {}, "sd3": {"caption_projection_dim": 64}, "qwenimage": {}, "wan": {}}
+    res = {f: _case(f, world, num_attention_heads=4, **extra) for f, extra in four_heads.items()}
+    mesh = ParallelMesh((("dp", 2), ("tp", 2)))
+    res["dp_tp"] = _case("flux", 2, group=mesh.group("tp"))
+    res["tp_ranks"] = mesh.ranks_along("tp")
+    return res
+
+
+def _check_case(name, r, tp):
+    c = r["counts"]
+    assert r["err"] <= TOL, (name, r["err"])
+    assert c["row_parallel"] == r["n_rows"] and c["all_reduce"] == r["n_rows"], (name, c, r["n_rows"])
+    assert c["column_parallel"] == r["n_cols"], (name, c)
+    assert c["fallback_all_gather"] == 0 and "by dataflow" not in r["report"] and "left replicated" not in r["report"]
+    # what actually ran: one all-reduce per row-parallel linear (+ the full-hidden RMSNorms' ones)
+    assert r["comm"].get("all_reduce", 0) == c["all_reduce"] + c["norm_all_reduce"] == r["graph_all_reduce"], (name, r)
+    assert c["qkv_mlp_proj_bytes_before"] == r["expected_tp_bytes_before"]
+    assert c["qkv_mlp_proj_bytes_after"] == r["expected_tp_bytes_after"], (name, c, r)
+    assert c["qkv_mlp_proj_bytes_after"] < c["qkv_mlp_proj_bytes_before"] / tp * 1.1  # biases of row linears
+    assert r["shapes_ok"] and r["original_untouched"] and r["tp_group_ok"], name
+
+
+def test_two_ranks():
+    results = run_ranks(_ranks_of_two, 2, timeout=170)
+    for rank, res in enumerate(results):
+        for name in ("flux", "sd3", "qwenimage", "wan", "flux_fused", "flux_modcol"):
+            _check_case(f"{name}@{rank}", res[name], 2)
+        assert res["wan"]["counts"]["norm_all_reduce"] == 8  # q/k RMSNorm over all heads, 2 attentions x 2 blocks
+        assert res["flux"]["counts"]["norm_all_reduce"] == 0  # per-head norms stay local
+        assert res["flux_fused"]["n_cols"] < res["flux"]["n_cols"]  # really the fused (qkv) layout
+        mc = res["flux_modcol"]
+        assert mc["counts"]["all_gather"] == mc["n_mods"] == mc["comm"].get("all_gather_into_tensor", 0) == 6
+        assert mc["counts"]["block_linear_bytes_after"] < res["flux"]["counts"]["block_linear_bytes_after"]
+        assert res["flux"]["comm"].get("all_gather_into_tensor", 0) == 0
+        assert "not divisible by 2" in res["heads_error"] and "valid sizes: [1, 3]" in res["heads_error"]
+        assert "63" in res["mlp_error"] and "not divisible by tp=2" in res["mlp_error"] and "[1, 3, 7, 9, 21, 63]" in res["mlp_error"]
+        assert "size=4 but the process group has 2 ranks" in res["size_error"]
+        assert "normalises over the sharded hidden size" in res["norm_error"], res["norm_error"]
+        assert res["toy_err"] < 1e-5
+    _summary("tp=2", results[0])
+
+
+def test_four_ranks_and_dp_tp_subgroup():
+    results = run_ranks(_ranks_of_four, 4, timeout=240)
+    for rank, res in enumerate(results):
+        for name in ("flux", "sd3", "qwenimage", "wan"):
+            _check_case(f"{name}@{rank}", res[name], 4)
+        _check_case(f"dp_tp@{rank}", res["dp_tp"], 2)
+        assert res["tp_ranks"] == ([0, 1] if rank < 2 else [2, 3])  # tp innermost
+    _summary("tp=4", results[0])
+
+
+def _summary(tag, res):
+    """Printed with ``pytest -s``: the measured figures the report quotes."""
+    for name, r in res.items():
+        if isinstance(r, dict) and "counts" in r:
+            c = r["counts"]
+            print(f"{tag} {name}: max rel err {r['err']:.2e}, all_reduce {c['all_reduce']}+{c['norm_all_reduce']}, "
+                  f"all_gather {c['all_gather']}, qkv/mlp/proj bytes {c['qkv_mlp_proj_bytes_before']} -> "
+                  f"{c['qkv_mlp_proj_bytes_after']}, block linear bytes {c['block_linear_bytes_before']} -> "
+                  f"{c['block_linear_bytes_after']}")
