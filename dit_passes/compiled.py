@@ -230,9 +230,12 @@ class CompiledDiT(torch.nn.Module):
 
     @property
     def structure(self):
-        """The discovered structure of the current graph (re-derived if a pass invalidated it)."""
+        """The discovered structure of the current graph (re-derived if a pass invalidated it). After the
+        residual-cache pass it is the structure the pass cut: the middle blocks now live in its branch."""
         from .analysis.blocks import get_structure
-        return get_structure(self._current().gm)
+        gm = self._current().gm
+        cut = graph_facts(gm).get("structure_before_cache")
+        return cut if cut is not None else get_structure(gm)
 
     def explain(self, print_output: bool = True) -> str:
         cur = self._current()

@@ -160,7 +160,8 @@ class DBCache(Pass):
 
         first_after = seg.nodes[-1].next
         with g.inserting_before(seg.nodes[0]):
-            r = g.call_function(torch.ops.aten.sub.Tensor, (seg.image_at_cut, seg.image_in))
+            r = g.create_node("call_function", torch.ops.aten.sub.Tensor, (seg.image_at_cut, seg.image_in),
+                              name="fn_residual")
             with mode:
                 r.meta["val"] = seg.image_at_cut.meta["val"] - seg.image_in.meta["val"]
             t_arg = timestep if timestep is not None else r
@@ -205,6 +206,7 @@ class DBCache(Pass):
         store.register_graph(graph_id, program, seg.image_at_cut.meta["val"].device)
         facts["num_user_outputs"] = prev_user
         facts["inference_only"] = True
+        facts["structure_before_cache"] = s
         facts.setdefault("extra_inputs", []).append(lambda rt, _s=store, _g=graph_id: _s.inputs(_g, rt.context))
         facts.setdefault("extra_outputs", []).append(
             (lambda rt, vals, _s=store, _g=graph_id: _s.outputs(_g, rt.context, vals), len(state_out) + 2))
