@@ -23,14 +23,17 @@ __version__ = "0.1.0"
 
 def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_inputs: Optional[Dict[str, Any]] = None,
                 dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None,
-                cleanup: bool = True) -> CompiledDiT:
+                cleanup: bool = True, torch_compile: Optional[Dict[str, Any]] = None) -> CompiledDiT:
     """Wrap ``model`` in a :class:`CompiledDiT` that runs ``passes`` on its captured graph.
 
     With ``example_inputs`` (the keyword arguments of one call) capture happens now; otherwise at the first
     call. ``dump_dir`` writes the graph after every pass; ``block_lists`` overrides block discovery's
-    choice of the main stack (names of ModuleLists, e.g. ``["layers"]``).
+    choice of the main stack (names of ModuleLists, e.g. ``["layers"]``). ``torch_compile``: keyword
+    arguments of ``torch.compile`` applied to each lowered graph (``{}`` for the defaults: Inductor,
+    ``fullgraph=True``); the graph, cache branch included, then compiles as one.
     """
-    compiled = CompiledDiT(model, passes, cleanup=cleanup, dump_dir=dump_dir, block_lists=block_lists)
+    compiled = CompiledDiT(model, passes, cleanup=cleanup, dump_dir=dump_dir, block_lists=block_lists,
+                           torch_compile=torch_compile)
     if example_inputs is not None:
         compiled.lower(**example_inputs)
     return compiled

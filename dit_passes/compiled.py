@@ -49,6 +49,7 @@ class LoweredGraph:
     gm: fx.GraphModule
     captured: Captured
     manager: PassManager
+    runner: Optional[Callable[..., Any]] = None  # what runs the graph: gm itself, or torch.compile(gm)
 
     def run(self, flat: List[torch.Tensor], runtime: Runtime) -> List[torch.Tensor]:
         facts = graph_facts(self.gm)
@@ -57,13 +58,14 @@ class LoweredGraph:
         args = list(flat)
         for fn in extra_in:
             args.extend(fn(runtime))
+        run = self.runner if self.runner is not None else self.gm
         if facts.get("inference_only") and torch.is_grad_enabled():
             # torch.cond's autograd rule re-traces both branches with fake tensors, which a graph whose
             # weights are real attributes cannot satisfy; a DiT step is inference anyway
             with torch.no_grad():
-                outs = list(self.gm(*args))
+                outs = list(run(*args))
         else:
-            outs = list(self.gm(*args))
+            outs = list(run(*args))
         n_user = facts.get("num_user_outputs", len(outs))
         rest = outs[n_user:]
         for fn, k in extra_out:
@@ -82,7 +84,8 @@ def _output_class():
 
 class CompiledDiT(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, passes: Sequence[Pass] = (), *, cleanup: bool = True,
-                 dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None):
+                 dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None,
+                 torch_compile: Optional[Dict[str, Any]] = None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_dit expects an nn.Module (a diffusers transformer), got {type(model).__name__}")
@@ -93,6 +96,10 @@ class CompiledDiT(torch.nn.Module):
         self._cleanup = cleanup
         self._dump_dir = dump_dir
         self._block_lists = block_lists
+        if torch_compile is not None and not isinstance(torch_compile, dict):
+            raise TypeError(f"torch_compile must be a dict of torch.compile keyword arguments (e.g. "
+                            f"{{'mode': 'max-autotune-no-cudagraphs'}}), got {type(torch_compile).__name__}")
+        self._torch_compile = torch_compile
         self._by_key: Dict[Any, LoweredGraph] = {}
         self._value_leaves: Dict[Any, List[int]] = {}  # signature -> leaves whose values key the graph
         self._last: Optional[LoweredGraph] = None
@@ -187,7 +194,9 @@ class CompiledDiT(torch.nn.Module):
         graph_facts(gm)["structure_summary"] = get_structure(gm).summary()  # also: not-a-DiT fails here
         ctx = PassContext(example_inputs=kwargs, runtime={"runtime": self.runtime, "graph_id": len(self._by_key)})
         manager.run(gm, ctx)
-        lowered = LoweredGraph(gm, captured, manager)
+        # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph
+        runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True, **self._torch_compile})
+        lowered = LoweredGraph(gm, captured, manager, runner)
         self.graphs[f"g{len(self._by_key)}"] = gm
         self._by_key[key] = lowered
         return lowered

@@ -212,7 +212,10 @@ def _map_args(args, fn):
 _SAME_AS_FIRST = {aten.type_as.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
                   aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
                   aten.dropout.default, aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
-                  aten.full_like.default, aten.rand_like.default, aten.randn_like.default, aten.lift_fresh_copy.default}
+                  aten.full_like.default, aten.rand_like.default, aten.randn_like.default, aten.lift_fresh_copy.default,
+                  # tensor parallelism's reductions run over the tp group, whose ranks hold the same tokens:
+                  # elementwise across ranks, so a token-sharded operand stays token-sharded
+                  torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default}
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
              aten.unflatten.int, aten.view_as_complex.default, aten.view_as_real.default, aten.unsqueeze.default,
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}

@@ -51,7 +51,7 @@ a second input signature reuses the process groups.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -78,6 +78,7 @@ class _ContextParallel(Pass):
     run_before = ("dbcache",)
     ring_size = 1
     ulysses_size = 1
+    group: Optional[dist.ProcessGroup] = None  # the ranks that share the sequence (default: the world)
 
     def config_items(self) -> Dict[str, Any]:
         raise NotImplementedError
@@ -90,9 +91,9 @@ class _ContextParallel(Pass):
         runtime = ctx.runtime.get("runtime")
         store = runtime.state if runtime is not None and hasattr(runtime, "state") else ctx.runtime
         meshes = store.setdefault("context_parallel_meshes", {})
-        key = (self.ring_size, self.ulysses_size)
+        key = (self.ring_size, self.ulysses_size, None if self.group is None else self.group.group_name)
         if key not in meshes:  # collective: every rank lowers the same signatures in the same order
-            meshes[key] = ParallelMesh((("ring", self.ring_size), ("ulysses", self.ulysses_size)))
+            meshes[key] = ParallelMesh((("ring", self.ring_size), ("ulysses", self.ulysses_size)), group=self.group)
         return meshes[key]
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -103,10 +104,11 @@ class _ContextParallel(Pass):
             raise PassError(f"{self.describe()} needs an initialised torch.distributed process group with "
                             f"{total} ranks: launch one process per device (torchrun, Ray, or "
                             f"dit_passes.testing.run_ranks) and call torch.distributed.init_process_group first")
-        world = dist.get_world_size()
+        world = dist.get_world_size(self.group)
         if total != world:
             raise PassError(f"{self.describe()} shards over {total} ranks, but the process group has world size "
-                            f"{world}; {self._usage(world)}")
+                            f"{world}; {self._usage(world)} (for a hybrid with tensor parallelism, pass the "
+                            f"context-parallel subgroup: dit_passes.parallel.hybrid.hybrid_passes)")
         mesh = self._mesh(ctx)
         spec = SequenceShardSpec(world, mesh.global_rank)
         plan = analyze(gm, get_structure(gm), spec)
@@ -135,7 +137,8 @@ class Ulysses(_ContextParallel):
 
     name = "ulysses"
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
+        self.group = group
         self.ulysses_size = _check_size("Ulysses(size)", size)
 
     def config_items(self) -> Dict[str, Any]:
@@ -154,7 +157,8 @@ class Ring(_ContextParallel):
 
     name = "ring"
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
+        self.group = group
         self.ring_size = _check_size("Ring(size)", size)
 
     def config_items(self) -> Dict[str, Any]:
@@ -173,7 +177,8 @@ class USP(_ContextParallel):
 
     name = "usp"
 
-    def __init__(self, ulysses: int, ring: int):
+    def __init__(self, ulysses: int, ring: int, group: Optional[dist.ProcessGroup] = None):
+        self.group = group
         self.ulysses_size = _check_size("USP(ulysses)", ulysses)
         self.ring_size = _check_size("USP(ring)", ring)
 
