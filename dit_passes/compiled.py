@@ -141,6 +141,23 @@ class CompiledDiT(torch.nn.Module):
     def new_generation(self) -> None:
         self.runtime.new_generation()
 
+    @property
+    def passes(self) -> List[Pass]:
+        """The pass list every signature is lowered with (``compile_dit``'s, without the implicit Cleanup)."""
+        return list(self._passes)
+
+    def set_passes(self, passes: Sequence[Pass]) -> None:
+        """Replace the pass list; every graph is lowered again at its next call. State passes keep in
+        ``runtime.state`` (process groups, quantized weights) stays; the residual-cache state is dropped."""
+        PassManager(list(passes))  # validate now
+        self._passes = list(passes)
+        self._by_key.clear()
+        self._value_leaves.clear()
+        self._last = None
+        for name in list(self.graphs.keys()):
+            del self.graphs[name]
+        self.runtime.state.pop("dbcache", None)
+
     # -- residual cache reports ----------------------------------------------------------------
     def _cache_store(self):
         store = self.runtime.state.get("dbcache")

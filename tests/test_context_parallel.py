@@ -118,6 +118,9 @@ def _four_rank_cases(rank, world):
     results = {}
     for family in FAMILIES:
         results[(family, "usp", "default")] = _run_case(family, "usp", world)
+    for family in ("sd3", "qwenimage", "hunyuanvideo"):  # flux and wan run these below on odd lengths
+        for kind in ("ulysses", "ring"):
+            results[(family, kind, "default")] = _run_case(family, kind, world)
     for family in ("flux", "wan"):
         for kind in ("ulysses", "ring", "usp"):
             results[(family, kind, "odd")] = _run_case(family, kind, world, batch=1, variant="odd_tokens")
@@ -179,7 +182,10 @@ def test_two_ranks_match_single_process(two_ranks):
 
 def test_four_ranks_usp_and_uneven(four_ranks):
     _check(four_ranks, 4)
-    assert {(f, "usp", "default") for f in FAMILIES} <= set(four_ranks[0][0])
+    cases = set(four_ranks[0][0])
+    assert {(f, "usp", "default") for f in FAMILIES} <= cases
+    # every family under every kind on 4 ranks (flux and wan on their odd-length variant)
+    assert {(f, k) for f in FAMILIES for k in ("ulysses", "ring", "usp")} <= {(f, k) for f, k, _ in cases}
 
 
 def test_bad_sizes_name_world_and_factorisations(two_ranks, four_ranks):

@@ -1,0 +1,439 @@
+"""cache-dit 1.5.3's user-facing API over ``compile_dit``: ``import dit_passes as cache_dit`` and keep your code.
+
+    cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(), quantize_config=QuantizeConfig())
+    out = pipe(...)
+    cache_dit.summary(pipe); cache_dit.strify(pipe); cache_dit.disable_cache(pipe)
+
+A pipeline: each of ``pipe.transformer`` / ``pipe.transformer_2`` (Wan 2.2) is replaced, on that instance, by a
+:class:`~dit_passes.compiled.CompiledDiT` running [parallel, quantization, DBCache] passes; ``disable_cache(pipe)``
+puts the original objects back. A bare transformer: the CompiledDiT is *returned* (``pipe.transformer =
+enable_cache(pipe.transformer, ...)``); the module is not changed in place. The cache starts a new generation when
+the timestep rises again, and also after ``DBCacheConfig.num_inference_steps`` calls when set (the reference's
+transformer-only mode). No class is patched; the applied configs live in ``compiled.runtime.state["frontend"]``.
+
+Differences from the reference: all parallel sizes 1 is a logged no-op; ``enable_separate_cfg=None`` resolves to
+False, as pipelines running CFG as two calls name them ``cache_context("cond" / "uncond")`` and each named context
+has its own cache state (the reference shares one state there); a second ``enable_cache`` raises (a wrapper from
+``quantize`` / ``load`` is extended instead); ``use_ray=True`` runs the transformer on Ray workers
+(``pipe.transformer`` becomes a proxy, ``pipe(...)`` works unchanged); a whole-pipeline engine is returned only for
+``ray_transfer_fn`` with ``pipe_or_module=None``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..cache.config import DBCacheConfig, TaylorSeerCalibratorConfig, full_tag
+from ..cache.steps_mask import steps_mask
+from ..compiled import CompiledDiT
+from ..infra.pass_manager import PassManager
+from ..passes import DBCache
+from .configs import ParallelismConfig, QuantizeConfig, calibrate
+
+logger = logging.getLogger("dit_passes")
+TRANSFORMER_ATTRS = ("transformer", "transformer_2")
+FRONTEND = "frontend"  # key in the CompiledDiT's runtime.state
+
+
+@dataclasses.dataclass
+class FrontendState:
+    """What ``enable_cache`` / ``quantize`` / ``load`` applied to one transformer (kept with its wrapper)."""
+
+    cache_config: Optional[DBCacheConfig]
+    calibrator_config: Optional[TaylorSeerCalibratorConfig]
+    parallelism_config: Optional[ParallelismConfig]
+    quantize_config: Optional[QuantizeConfig]
+    passes: list
+    restore: Any = None  # what disable_cache puts back: the original transformer, or the wrapper extended
+    engine: Any = None  # the RayEngine when the transformer runs on Ray workers
+
+    def cache_options(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        if self.cache_config is not None:
+            out["cache_config"] = self.cache_config
+            if self.calibrator_config is not None:
+                out["calibrator_config"] = self.calibrator_config
+        return out
+
+
+@dataclasses.dataclass
+class CacheStats:
+    """cache-dit's ``CacheStats`` fields for the last generation, plus ``residual_diff_stats`` (percentiles) and
+    ``generations`` (every generation's record, ``CompiledDiT.cache_summary(as_dict=True)``). ``stats[key]`` works."""
+
+    cache_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    cached_steps: List[int] = dataclasses.field(default_factory=list)
+    residual_diffs: Dict[str, float] = dataclasses.field(default_factory=dict)
+    cfg_cached_steps: List[int] = dataclasses.field(default_factory=list)
+    cfg_residual_diffs: Dict[str, float] = dataclasses.field(default_factory=dict)
+    accumulated_cached_steps: int = 0
+    cfg_accumulated_cached_steps: int = 0
+    accumulated_executed_steps: int = 0
+    accumulated_transformer_executed_steps: int = 0
+    residual_diff_stats: Dict[str, float] = dataclasses.field(default_factory=dict)
+    cfg_residual_diff_stats: Dict[str, float] = dataclasses.field(default_factory=dict)
+    parallelism_config: Optional[ParallelismConfig] = None
+    quantize_config: Optional[QuantizeConfig] = None
+    generations: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# ------------------------------------------------------------------------------------------ finding
+def _is_pipeline(obj: Any) -> bool:
+    from diffusers import DiffusionPipeline
+    return isinstance(obj, DiffusionPipeline)
+
+
+def _has_repeated_blocks(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.ModuleList) and len(m) >= 2 and len({type(b) for b in m}) == 1
+               for m in module.modules())
+
+
+def _state_of(module: Any) -> Optional[FrontendState]:
+    if isinstance(module, CompiledDiT):
+        return module.runtime.state.get(FRONTEND)
+    return getattr(module, "__dict__", {}).get("_dit_frontend")  # the Ray proxy: an instance attribute
+
+
+def _name(attr: Optional[str], module: Any) -> str:
+    return attr or type(getattr(module, "original", module)).__name__
+
+
+def _targets(pipe_or_module: Any) -> List[Tuple[Any, Optional[str], Any]]:
+    """``(owner, attribute, module)`` per transformer; owner and attribute are None for a bare module."""
+    if _is_pipeline(pipe_or_module) or (not isinstance(pipe_or_module, torch.nn.Module)
+                                        and hasattr(pipe_or_module, "transformer")):
+        attrs = [a for a in TRANSFORMER_ATTRS if isinstance(getattr(pipe_or_module, a, None), torch.nn.Module)]
+        if not attrs:
+            raise TypeError(f"{type(pipe_or_module).__name__} has no transformer (pipe.transformer): enable_cache "
+                            "accelerates Diffusion Transformer pipelines (UNet pipelines are not supported)")
+        return [(pipe_or_module, a, getattr(pipe_or_module, a)) for a in attrs]
+    if isinstance(pipe_or_module, torch.nn.Module):
+        return [(None, None, pipe_or_module)]
+    raise TypeError(f"expected a diffusers pipeline or a transformer nn.Module, got {type(pipe_or_module).__name__}")
+
+
+def _check_target(owner: Any, attr: Optional[str], module: Any, allow_extend: bool) -> Optional[FrontendState]:
+    """Refuse a second enable_cache. A wrapper from ``quantize`` / ``load`` (quantization only) may be extended:
+    its passes are kept and ``disable_cache`` gives that wrapper back. Returns its state, or None."""
+    state = _state_of(module)
+    where = f"{type(owner).__name__}.{attr}" if owner is not None else type(module).__name__
+    if allow_extend and state is not None and state.engine is None and state.cache_config is None \
+            and state.parallelism_config is None:
+        return state
+    if isinstance(module, CompiledDiT) or state is not None:
+        raise RuntimeError(f"enable_cache: {where} is already accelerated ({type(module).__name__}); call "
+                           "disable_cache(...) first, or refresh_context(...) to change the cache config")
+    if not _has_repeated_blocks(module):
+        raise TypeError(f"{where} ({type(module).__name__}) is not a Diffusion Transformer: it has no list of "
+                        "repeated blocks (nn.ModuleList) to cache, parallelise or quantize")
+    return None
+
+
+# ------------------------------------------------------------------------------------------ configs
+def _convert(cfg: Any, cls: type, probe: str) -> Any:
+    """A copy of ``cfg`` as ``cls``; an object with the same field names (e.g. cache-dit's config) is converted."""
+    if cfg is None or isinstance(cfg, cls):
+        return copy.deepcopy(cfg)
+    if not hasattr(cfg, probe):
+        raise TypeError(f"expected a {cls.__name__}, got {type(cfg).__name__}")
+    return cls(**{f.name: copy.deepcopy(getattr(cfg, f.name)) for f in dataclasses.fields(cls) if hasattr(cfg, f.name)})
+
+
+def _resolve_cache_config(cache_config: Any, others_given: bool) -> Optional[DBCacheConfig]:
+    if cache_config is None:
+        if others_given:  # the reference: a default DBCache only when no other optimisation is asked for
+            return None
+        cache_config = DBCacheConfig()
+    cfg = _convert(cache_config, DBCacheConfig, "Fn_compute_blocks")
+    if not isinstance(cfg.cache_type, str):  # cache-dit's CacheType enum
+        cfg = dataclasses.replace(cfg, cache_type=str(getattr(cfg.cache_type, "value", cfg.cache_type)))
+    if cfg.enable_separate_cfg is None:
+        cfg = dataclasses.replace(cfg, enable_separate_cfg=False)  # see the module docstring
+    return cfg
+
+
+def _check_parallel_env(pc: ParallelismConfig) -> None:
+    import torch.distributed as dist
+    pc.check_supported()
+    n = pc.world_size()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{pc.strify()} needs {n} processes with torch.distributed initialised (torchrun + "
+                           "init_process_group), or ParallelismConfig(use_ray=True) to start the workers")
+    if dist.get_world_size() != n:
+        raise ValueError(f"{pc.strify()} spans {n} ranks but the process group has {dist.get_world_size()}")
+
+
+def _wrap(original: torch.nn.Module, state: FrontendState, base_passes: list = ()) -> CompiledDiT:
+    """The CompiledDiT for ``state``. SVDQ PTQ calibrates now (the pipeline still holds ``original``) and lowers
+    with the first calibration call's inputs, so ``serialize_to`` is written before this returns."""
+    q = state.quantize_config
+    calibrated = example = None
+    if q is not None and q.is_ptq():
+        calibrated, example = calibrate(q, original)
+    passes = list(base_passes)
+    if state.parallelism_config is not None:
+        passes += state.parallelism_config.to_passes()
+    if q is not None:
+        passes.append(q.to_pass(original, calibrated))
+    if state.cache_config is not None:
+        passes.append(DBCache(state.cache_config, calibrator=state.calibrator_config))
+    state.passes = passes
+    compiled = CompiledDiT(original, passes)  # validates the pass list and its order
+    compiled.runtime.state[FRONTEND] = state
+    if example is not None:
+        compiled.lower(**example)
+    return compiled
+
+
+# ------------------------------------------------------------------------------------------ enable / disable
+def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfig] = None,
+                 parallelism_config: Optional[ParallelismConfig] = None,
+                 quantize_config: Optional[QuantizeConfig] = None,
+                 calibrator_config: Optional[TaylorSeerCalibratorConfig] = None) -> Any:
+    """Accelerate a pipeline (returned, its transformer(s) replaced) or a transformer (its wrapper is returned:
+    use that). ``cache_config=None``: the default ``DBCacheConfig()`` when no parallelism / quantize config is
+    given, else no residual cache (the reference's rule). See the module docstring."""
+    pc = parallelism_config
+    if pc is not None and not isinstance(pc, ParallelismConfig):
+        raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(pc).__name__}")
+    if quantize_config is not None and not isinstance(quantize_config, QuantizeConfig):
+        raise TypeError(f"quantize_config must be a QuantizeConfig, got {type(quantize_config).__name__}")
+    if pipe_or_module is None and (pc is None or not pc.use_ray or pc.ray_transfer_fn is None):
+        raise ValueError("pipe_or_module can only be None with ParallelismConfig(use_ray=True, ray_transfer_fn=...)")
+    if pc is not None and not pc.use_ray and pc.ray_transfer_fn is not None:
+        logger.warning("ParallelismConfig.ray_transfer_fn is ignored without use_ray=True")
+    cfg = _resolve_cache_config(cache_config, pc is not None or quantize_config is not None)
+    cal = _convert(calibrator_config, TaylorSeerCalibratorConfig, "taylorseer_order")
+    if cal is not None and cfg is None:
+        raise ValueError("calibrator_config needs a residual cache: pass cache_config=DBCacheConfig(...) too")
+    if pc is not None and pc.is_noop():
+        logger.info("ParallelismConfig: every size is 1 / None: no parallelism applied (no-op)")
+        pc = None
+    if pc is not None and pc.use_ray:
+        return _enable_with_ray(pipe_or_module, FrontendState(cfg, cal, pc, quantize_config, []))
+    if pc is not None:
+        _check_parallel_env(pc)
+    targets = _targets(pipe_or_module)
+    bases = [_check_target(o, a, m, allow_extend=quantize_config is None) for o, a, m in targets]
+    wrapped = []
+    for (owner, attr, module), base in zip(targets, bases):
+        state = FrontendState(cfg, cal, pc, quantize_config, [], restore=module)
+        original = module.original if base is not None else module
+        wrapped.append((owner, attr, _wrap(original, state, base.passes if base is not None else [])))
+    for owner, attr, compiled in wrapped:  # assigned only once every transformer succeeded
+        if owner is not None:
+            setattr(owner, attr, compiled)
+        logger.info("enable_cache(%s): passes %s", _name(attr, compiled), [p.name for p in _state_of(compiled).passes])
+    return pipe_or_module if targets[0][0] is not None else wrapped[0][2]
+
+
+def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
+    """``use_ray=True``: RayLauncher workers build and run the passes. A pipeline / transformer: the transformer
+    runs there (``pipe.transformer`` becomes the proxy). ``ray_transfer_fn``: the whole-pipeline engine is returned."""
+    pc, q = state.parallelism_config, state.quantize_config
+    if q is not None and q.is_ptq():
+        raise NotImplementedError("SVDQuant PTQ with use_ray=True: quantize(..., serialize_to=dir) first, then "
+                                  "load(transformer, dir) inside ray_transfer_fn")
+    pc.check_supported()
+    state.passes = _worker_passes(None, q, state.cache_config, state.calibrator_config)  # validated here
+    passes_fn = functools.partial(_worker_passes, pc, q, state.cache_config, state.calibrator_config)
+    launcher = pc.ray_launcher()
+    if pc.ray_transfer_fn is not None:
+        if pipe_or_module is not None:
+            logger.warning("ray_transfer_fn is set: the workers build their own pipeline; the one given is unused")
+        return launcher.launch(pc.ray_transfer_fn, passes_fn, transfer="factory", compile=bool(pc.ray_use_compile))
+    targets = _targets(pipe_or_module)
+    if len(targets) > 1:
+        raise NotImplementedError("use_ray=True with two transformers (transformer_2) is not implemented")
+    owner, attr, module = targets[0]
+    _check_target(owner, attr, module, allow_extend=False)
+    engine = launcher.launch(module, passes_fn, level="transformer", transfer=pc.ray_transfer(),
+                             compile=bool(pc.ray_use_compile))
+    proxy = engine.as_transformer()
+    state.restore, state.engine = module, engine
+    proxy.__dict__["_dit_frontend"] = state
+    if owner is None:
+        return proxy
+    setattr(owner, attr, proxy)
+    return owner
+
+
+def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig], cfg: Optional[DBCacheConfig],
+                   cal: Optional[TaylorSeerCalibratorConfig], rank: int = 0, world_size: int = 1) -> list:
+    """The pass list, built in each Ray worker (its process group exists there; CP x TP builds subgroups)."""
+    passes = (pc.to_passes() if pc is not None else []) + ([q.to_pass(None)] if q is not None else []) \
+        + ([DBCache(cfg, calibrator=cal)] if cfg is not None else [])
+    PassManager(passes)
+    return passes
+
+
+def _worker_cache_summary(worker: Any) -> List[Dict[str, Any]]:  # runs on a Ray worker (run_on_workers)
+    compiled = worker.compiled[0]
+    return compiled.cache_summary(as_dict=True) if "dbcache" in compiled.runtime.state else []
+
+
+def disable_cache(pipe_or_module: Any) -> Any:
+    """Undo ``enable_cache``: a pipeline gets its original transformer object(s) back and is returned; for a
+    wrapper, the module it wrapped is returned. Ray workers started for it are shut down."""
+    restored = []
+    for owner, attr, module in _targets(pipe_or_module):
+        state = _state_of(module)
+        if state is None:
+            continue
+        if state.engine is not None:
+            state.engine.shutdown()
+        if owner is not None:
+            setattr(owner, attr, state.restore)
+        restored.append(state.restore)
+    if not restored:
+        logger.warning("disable_cache: %s was not accelerated; nothing to undo", type(pipe_or_module).__name__)
+        return pipe_or_module
+    return restored[0] if _targets(pipe_or_module)[0][0] is None else pipe_or_module
+
+
+# ------------------------------------------------------------------------------------------ refresh
+def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] = None,
+                    calibrator_config: Optional[TaylorSeerCalibratorConfig] = None, verbose: bool = False,
+                    **cache_fields: Any) -> Any:
+    """Start a new generation. With ``cache_config`` (a new config) or cache fields merged into the current one
+    (e.g. ``num_inference_steps=50``) the cache is rebuilt; its graphs are lowered again at the next call."""
+    if cache_config is not None and cache_fields:
+        raise TypeError("pass either cache_config=DBCacheConfig(...) or cache fields, not both")
+    names = {f.name for f in dataclasses.fields(DBCacheConfig)}
+    if set(cache_fields) - names:
+        raise TypeError(f"refresh_context: {sorted(set(cache_fields) - names)} are not DBCacheConfig fields "
+                        f"({sorted(names)})")
+    change = cache_config is not None or bool(cache_fields) or calibrator_config is not None
+    for _, attr, module in _targets(pipe_or_module):
+        state = _state_of(module)
+        if state is None or state.cache_config is None:
+            raise RuntimeError(f"refresh_context: {_name(attr, module)} has no residual cache from enable_cache")
+        if state.engine is not None and change:
+            raise NotImplementedError("refresh_context with a new config on Ray workers: disable_cache, then "
+                                      "enable_cache again")
+        new = state.cache_config
+        if cache_config is not None:
+            new = _resolve_cache_config(cache_config, False)
+        elif cache_fields:
+            new = dataclasses.replace(state.cache_config, **cache_fields)
+        cal = state.calibrator_config if calibrator_config is None else \
+            _convert(calibrator_config, TaylorSeerCalibratorConfig, "taylorseer_order")
+        if new == state.cache_config and cal == state.calibrator_config:
+            module.new_generation()
+        else:
+            state.cache_config, state.calibrator_config = new, cal
+            state.passes = [p for p in state.passes if not isinstance(p, DBCache)] + [DBCache(new, calibrator=cal)]
+            module.set_passes(state.passes)
+        if verbose:
+            logger.info("refresh_context(%s): %s", _name(attr, module), full_tag(new, cal))
+    return pipe_or_module
+
+
+# ------------------------------------------------------------------------------------------ reports
+def stats_from_summary(gens: List[Dict[str, Any]], state: Optional[FrontendState] = None) -> CacheStats:
+    """A :class:`CacheStats` from ``CompiledDiT.cache_summary(as_dict=True)`` (its last generation)."""
+    st = CacheStats(generations=list(gens))
+    if state is not None:
+        st.cache_options = state.cache_options()
+        st.parallelism_config, st.quantize_config = state.parallelism_config, state.quantize_config
+    if gens:
+        g = gens[-1]
+        for k in ("cached_steps", "residual_diffs", "residual_diff_stats", "cfg_cached_steps", "cfg_residual_diffs",
+                  "cfg_residual_diff_stats"):
+            if k in g:
+                setattr(st, k, copy.deepcopy(g[k]))
+        st.accumulated_cached_steps = len(st.cached_steps)
+        st.cfg_accumulated_cached_steps = len(st.cfg_cached_steps)
+        ctxs = g.get("contexts", {})
+        st.accumulated_executed_steps = max((c["executed_steps"] for n, c in ctxs.items()
+                                             if n not in ("cfg", "uncond")), default=0)
+        st.accumulated_transformer_executed_steps = sum(c["executed_steps"] for c in ctxs.values())
+    return st
+
+
+def summary(pipe_or_module: Any, details: bool = False, logging: bool = True, **kwargs: Any) -> List[CacheStats]:
+    """One :class:`CacheStats` per accelerated transformer, ``[CacheStats()]`` when none is (as the reference).
+    Reads the device once (the cache records); ``logging`` logs the per-generation table."""
+    if pipe_or_module is None:
+        return [CacheStats()]
+    out = []
+    for _, attr, module in _targets(pipe_or_module):
+        state = _state_of(module)
+        if state is None:
+            continue
+        if state.engine is not None:
+            gens = state.engine.run_on_workers(_worker_cache_summary)[0] if state.cache_config is not None else []
+        else:
+            gens = module.cache_summary(as_dict=True) if "dbcache" in module.runtime.state else []
+        st = stats_from_summary(gens, state)
+        out.append(st)
+        if logging:
+            table = module.cache_summary() if isinstance(module, CompiledDiT) and gens else ""
+            logger.info("summary(%s): %s\n%s", _name(attr, module), strify(st) or "(no acceleration)", table)
+    return out or [CacheStats()]
+
+
+def strify(pipe_or_stats: Any) -> str:
+    """The reference's tag, e.g. ``DBCache_F8B0_W8I1M0MC0_R0.08_T0O0_S12`` (+ ``_Ulysses2``, ``_float8_per_row``)."""
+    if isinstance(pipe_or_stats, list):
+        pipe_or_stats = pipe_or_stats[0] if pipe_or_stats else CacheStats()
+    if isinstance(pipe_or_stats, dict):  # the reference's context kwargs: {"cache_config": ..., ...}
+        options, acc = pipe_or_stats, None
+        par, quant = pipe_or_stats.get("parallelism_config"), pipe_or_stats.get("quantize_config")
+    else:
+        st = pipe_or_stats if isinstance(pipe_or_stats, CacheStats) else summary(pipe_or_stats, logging=False)[0]
+        options, acc, par, quant = st.cache_options, st.accumulated_cached_steps, st.parallelism_config, st.quantize_config
+    cfg, parts = options.get("cache_config"), []
+    if cfg is not None:
+        cal = options.get("calibrator_config")
+        parts.append(f"{cfg.strify()}_{cal.strify() if cal is not None else 'T0O0'}")
+    parts += [extra.strify() for extra in (par, quant) if extra is not None and extra.strify()]
+    return "_".join(parts) + (f"_S{acc}" if acc and cfg is not None else "")
+
+
+# ------------------------------------------------------------------------------------------ quantization
+def quantize(module: torch.nn.Module, quant_config: Optional[QuantizeConfig] = None) -> CompiledDiT:
+    """The reference's ``cache_dit.quantize``: returns the quantized module, a CompiledDiT (assign it:
+    ``pipe.transformer = quantize(pipe.transformer, quant_config=...)``). For SVDQ PTQ ``calibrate_fn`` runs now,
+    with the pipeline still holding ``module``, and ``serialize_to`` is written before this returns."""
+    quant_config = quant_config if quant_config is not None else QuantizeConfig()
+    if not isinstance(quant_config, QuantizeConfig):
+        raise TypeError(f"quant_config must be a QuantizeConfig, got {type(quant_config).__name__}")
+    if not isinstance(module, torch.nn.Module) or isinstance(module, CompiledDiT):
+        raise TypeError(f"quantize needs the original transformer nn.Module, got {type(module).__name__}")
+    _check_target(None, None, module, allow_extend=False)
+    return _wrap(module, FrontendState(None, None, None, quant_config, [], restore=module))
+
+
+def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, **kwargs: Any) -> CompiledDiT:
+    """The reference's ``cache_dit.load(transformer, path)``: a CompiledDiT with the saved quantized linears.
+    ``path``: the ``serialize_to`` directory or its ``<quant_type>.safetensors`` file. A wrapper from
+    ``quantize`` / ``enable_cache`` is unwrapped to its original module first."""
+    from ..quant.loading import LoadQuantized, load as _load
+    path = os.fspath(path)
+    if path.endswith(".safetensors"):
+        quant_type = quant_type or os.path.basename(path)[:-len(".safetensors")]
+        path = os.path.dirname(path) or "."
+    original = module.original if isinstance(module, CompiledDiT) else module
+    extra = list(kwargs.pop("passes", ()))
+    compiled = _load(original, path, quant_type, passes=extra, **kwargs)
+    loader = next(p for p in compiled.passes if isinstance(p, LoadQuantized))
+    compiled.runtime.state[FRONTEND] = FrontendState(None, None, None, None, [loader, *extra], restore=original)
+    return compiled
+
+
+__all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
+           "CacheStats", "FrontendState", "DBCacheConfig", "TaylorSeerCalibratorConfig", "ParallelismConfig",
+           "QuantizeConfig", "stats_from_summary"]

@@ -1,0 +1,362 @@
+"""cache-dit 1.5.3's ``ParallelismConfig`` and ``QuantizeConfig``: same field names and defaults, mapped onto passes.
+
+``ParallelismConfig.to_passes()`` gives the context-parallel / tensor-parallel passes for the current process
+group; ``QuantizeConfig.to_pass(model)`` gives the quantization pass. What the reference accepts but these
+passes do not implement raises ``NotImplementedError`` naming the field (never a silent fallback); fields that
+only tune the reference's own kernels and have no meaning here are accepted and logged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4, calibrate_linears
+
+logger = logging.getLogger("dit_passes")
+
+
+def _size(name: str, v: Any) -> Optional[int]:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"ParallelismConfig.{name}={v!r}: use None or an int >= 1 (number of ranks)")
+    return v
+
+
+@dataclasses.dataclass
+class ParallelismConfig:
+    """Reference field order and defaults. Sizes ``None`` / 1 everywhere is a no-op (logged), not an error.
+
+    Mapped: ``ulysses_size`` -> ``passes.Ulysses``, ``ring_size`` -> ``passes.Ring``, both -> ``passes.USP``,
+    ``tp_size`` -> ``passes.TensorParallel``, on the current (torchrun-initialised) process group; ``use_ray``
+    -> :class:`~dit_passes.launch.ray_launcher.RayLauncher` (see ``dit_passes.frontend.api.enable_cache``).
+    Uneven sequence lengths are always exact here, so ``ulysses_anything`` needs nothing; the ring exchange
+    is point-to-point and merges partial results in fp32 (``ring_rotate_method="p2p"``,
+    ``ring_convert_to_fp32=True``). ``cp_plan`` / ``attention_backend`` are accepted and ignored (the plan
+    is derived from the graph). CP together with TP builds both on one mesh
+    (:func:`~dit_passes.parallel.hybrid.hybrid_passes`). Not implemented (``NotImplementedError``):
+    ``ulysses_float8``, ``ulysses_async``, ``extra_parallel_modules`` (TE-P / VAE-P / CN-P), other ring rotate
+    methods.
+    """
+
+    backend: Any = "auto"
+    ulysses_size: Optional[int] = None
+    ring_size: Optional[int] = None
+    tp_size: Optional[int] = None
+    use_ray: bool = False
+    ray_num_workers: Optional[int] = None
+    ray_address: Optional[str] = None
+    ray_runtime_env: Optional[Dict[str, Any]] = None
+    ray_init_kwargs: Dict[str, Any] = dataclasses.field(default_factory=lambda: {"include_dashboard": False})
+    ray_worker_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    ray_master_port: int = 0
+    ray_auto_shutdown: bool = True
+    ray_transfer_backend: str = "auto"
+    ray_transfer_custom_obj: bool = True
+    ray_use_flashpack: bool = False
+    ray_use_compile: bool = False
+    ray_transfer_fn: Optional[Callable[[], Any]] = None
+    cp_plan: Optional[Any] = None
+    attention_backend: Optional[str] = None
+    ulysses_anything: Optional[bool] = False
+    ulysses_float8: Optional[bool] = False
+    ulysses_async: Optional[bool] = False
+    extra_parallel_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    ring_rotate_method: Optional[str] = "p2p"
+    ring_convert_to_fp32: Optional[bool] = True
+    extra_parallel_modules: Optional[List[Any]] = dataclasses.field(default_factory=list)
+    parallel_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("ulysses_size", "ring_size", "tp_size", "ray_num_workers"):
+            _size(name, getattr(self, name))
+        if not isinstance(self.use_ray, bool):
+            raise TypeError(f"ParallelismConfig.use_ray must be a bool, got {self.use_ray!r}")
+        if self.ray_transfer_fn is not None and not callable(self.ray_transfer_fn):
+            raise TypeError("ParallelismConfig.ray_transfer_fn must be a zero-argument callable returning the pipeline")
+
+    # -- what is asked for ------------------------------------------------------------------------
+    def sizes(self) -> Tuple[int, int, int]:
+        """``(ulysses, ring, tp)``, ``None`` read as 1."""
+        return self.ulysses_size or 1, self.ring_size or 1, self.tp_size or 1
+
+    def world_size(self) -> int:
+        u, r, t = self.sizes()
+        return u * r * t
+
+    def is_noop(self) -> bool:
+        return self.world_size() == 1 and not self.use_ray and not self.extra_parallel_modules
+
+    def check_supported(self) -> None:
+        for name in ("ulysses_float8", "ulysses_async"):
+            if getattr(self, name):
+                raise NotImplementedError(f"ParallelismConfig.{name}=True is not implemented (the Ulysses "
+                                          "all-to-alls run in the activation dtype, synchronously)")
+        if self.extra_parallel_modules:
+            raise NotImplementedError("ParallelismConfig.extra_parallel_modules (TE-P / VAE-P / CN-P) is not "
+                                      "implemented yet: only the transformer is parallelised")
+        if self.ring_rotate_method not in (None, "p2p"):
+            raise NotImplementedError(f"ParallelismConfig.ring_rotate_method={self.ring_rotate_method!r}: only "
+                                      "'p2p' is implemented")
+        for name in ("cp_plan", "attention_backend"):
+            if getattr(self, name) is not None:
+                logger.info("ParallelismConfig.%s is ignored: the sequence plan is derived from the graph", name)
+        if self.ring_convert_to_fp32 is False:
+            logger.info("ParallelismConfig.ring_convert_to_fp32=False is ignored: ring merges are always fp32")
+
+    def to_passes(self) -> list:
+        """The parallel passes for the current process group (empty when every size is 1). CP x TP builds the
+        subgroups of a (cp, tp) mesh: a collective, every rank must call it."""
+        from ..passes import USP, Ring, TensorParallel, Ulysses
+        self.check_supported()
+        u, r, t = self.sizes()
+        if t > 1 and u * r > 1:
+            from ..parallel.hybrid import hybrid_passes
+            return hybrid_passes(u, r, t)
+        out: list = []
+        if u > 1 and r > 1:
+            out.append(USP(u, r))
+        elif u > 1:
+            out.append(Ulysses(u))
+        elif r > 1:
+            out.append(Ring(r))
+        if t > 1:
+            out.append(TensorParallel(t))
+        return out
+
+    def ray_launcher(self):
+        """The :class:`~dit_passes.launch.ray_launcher.RayLauncher` for ``use_ray=True``."""
+        from ..launch.ray_launcher import RayLauncher
+        n = self.ray_num_workers or self.world_size()
+        if self.world_size() > 1 and n != self.world_size():
+            raise ValueError(f"ParallelismConfig.ray_num_workers={n} differs from the parallel sizes' product "
+                             f"{self.world_size()}")
+        if self.ray_address:
+            raise NotImplementedError("ParallelismConfig.ray_address: call ray.init(address=...) yourself before "
+                                      "enable_cache; the launcher uses a running Ray as is")
+        if self.ray_worker_options:
+            raise NotImplementedError("ParallelismConfig.ray_worker_options is not supported by RayLauncher")
+        if self.ray_master_port:
+            logger.info("ParallelismConfig.ray_master_port is ignored: rank 0 picks a free port on its node")
+        return RayLauncher(world_size=n, runtime_env=self.ray_runtime_env,
+                           ray_init_kwargs=dict(self.ray_init_kwargs or {}))
+
+    def ray_transfer(self) -> Optional[str]:
+        """RayLauncher's ``transfer=`` for ``ray_transfer_backend`` (None: its default)."""
+        b = self.ray_transfer_backend
+        if b in (None, "auto"):
+            return None
+        if b in ("object_store", "snapshot"):
+            return b
+        raise ValueError(f"ParallelismConfig.ray_transfer_backend={b!r}: use 'auto', 'object_store' or 'snapshot' "
+                         "(or ray_transfer_fn=...)")
+
+    def strify(self, details: bool = False) -> str:
+        """The reference's tags: ``Ulysses2_Ring2``, ``TP2``; ``details=True``: ``ParallelismConfig(...)``."""
+        if details:
+            parts = [f"backend={self.backend}"] + [f"{n}={getattr(self, n)}" for n in
+                                                   ("ulysses_size", "ring_size", "tp_size")
+                                                   if getattr(self, n) is not None]
+            return "ParallelismConfig(" + ", ".join(parts) + ")"
+        parts = []
+        if self.ulysses_size is not None:
+            parts.append(f"Ulysses{self.ulysses_size}")
+        if self.ring_size is not None:
+            parts.append(f"Ring{self.ring_size}")
+        if self.ulysses_anything:
+            parts.append("UAA")
+        if self.tp_size is not None:
+            parts.append(f"TP{self.tp_size}")
+        return "_".join(parts)
+
+
+# ----------------------------------------------------------------------------------------- quantize
+SUPPORTED_QUANT_TYPES = ("float8_per_row", "float8_per_tensor", "int8_per_row", "svdq_int4_r{rank}",
+                         "svdq_int4_r{rank}_dq")
+_REFERENCE_ONLY = ("float8_per_block", "float8_weight_only", "int8_per_tensor", "int8_weight_only",
+                   "svdq_nvfp4_r{rank}", "svdq_nvfp4_r{rank}_dq")
+_SVDQ = re.compile(r"^svdq_int4_r(\d+)(_dq)?$")
+# the reference's SVDQ smooth strategies -> dit_passes' SVDQuantW4A4(smooth=...)
+_SMOOTH = {"activation": "act", "weight": "weight", "identity": "none"}
+
+
+def parse_quant_type(quant_type: str) -> Tuple[str, Dict[str, Any]]:
+    """``(kind, args)``: kind in {"fp8", "int8", "svdq"}; raises ``ValueError`` listing the supported types."""
+    qt = quant_type.lower() if isinstance(quant_type, str) else quant_type
+    if qt in ("float8_per_row", "float8_per_tensor"):
+        return "fp8", {"granularity": qt[len("float8_"):]}
+    if qt == "int8_per_row":
+        return "int8", {}
+    m = _SVDQ.match(qt) if isinstance(qt, str) else None
+    if m and int(m.group(1)) > 0:
+        return "svdq", {"rank": int(m.group(1)), "dynamic": m.group(2) is not None}
+    raise ValueError(f"QuantizeConfig.quant_type={quant_type!r} is not supported; supported: "
+                     f"{list(SUPPORTED_QUANT_TYPES)} (rank a positive int, e.g. 'svdq_int4_r32_dq'). cache-dit also "
+                     f"names {list(_REFERENCE_ONLY)}, which dit_passes does not implement")
+
+
+@dataclasses.dataclass
+class QuantizeConfig:
+    """Reference field order and defaults; ``quant_type`` is checked when the config is built.
+
+    ``exclude_layers``: substrings of module paths (or dit_passes role names such as ``"modulation"``);
+    ignored when ``filter_fn(module, name) -> bool`` is given (reference rule). Only the repeated blocks'
+    linears are quantized (``regional_quantize=True``). SVDQ PTQ (``svdq_int4_r{rank}``) needs
+    ``calibrate_fn`` (called with no arguments; it runs the pipeline holding the original transformer) and
+    ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs`` supports
+    ``smooth_strategy`` only ("activation" for PTQ; "identity" (default) or "weight" for ``_dq``).
+    """
+
+    backend: Any = "auto"
+    quant_type: str = "float8_per_row"
+    exclude_layers: Optional[List[str]] = dataclasses.field(
+        default_factory=lambda: ["embedder", "embed", "modulation", "mod"])
+    regional_quantize: bool = True
+    repeated_blocks: List[str] = dataclasses.field(default_factory=list)
+    filter_fn: Optional[Callable[[Any, str], bool]] = None
+    components_to_quantize: Optional[Any] = None
+    per_tensor_fallback: bool = True
+    precision_plan: Optional[Dict[str, str]] = None
+    calibrate_fn: Optional[Callable[..., Any]] = None
+    serialize_to: Optional[str] = None
+    svdq_kwargs: Optional[Dict[str, Any]] = None
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        self.kind, self.args = parse_quant_type(self.quant_type)
+        self.quant_type = self.quant_type.lower()
+        if self.filter_fn is not None and not callable(self.filter_fn):
+            raise TypeError("QuantizeConfig.filter_fn must be callable(module, name) -> bool")
+        if self.svdq_kwargs is not None and self.kind != "svdq":
+            raise ValueError("QuantizeConfig.svdq_kwargs is only valid when quant_type starts with 'svdq'")
+        extra = sorted(set(self.svdq_kwargs or {}) - {"smooth_strategy"})
+        if extra:
+            raise NotImplementedError(f"QuantizeConfig.svdq_kwargs keys {extra} are not supported by dit_passes "
+                                      "(only 'smooth_strategy')")
+        if self.kind == "svdq":
+            dynamic = self.args["dynamic"]
+            default = "identity" if dynamic else "activation"
+            strategy = str((self.svdq_kwargs or {}).get("smooth_strategy", default)).lower()
+            allowed = ("identity", "weight") if dynamic else ("activation",)
+            if strategy not in allowed:
+                raise NotImplementedError(f"svdq_kwargs['smooth_strategy']={strategy!r} is not supported for "
+                                          f"{self.quant_type}; use one of {list(allowed)}")
+            self.args["smooth"] = _SMOOTH[strategy]
+            if dynamic and self.calibrate_fn is not None:
+                raise ValueError("calibrate_fn is not used by SVDQuant dynamic quantization (_dq): drop it")
+            if not dynamic and (self.calibrate_fn is None or self.serialize_to is None):
+                raise ValueError(f"{self.quant_type} (SVDQuant PTQ) needs calibrate_fn (runs the pipeline on a few "
+                                 "prompts) and serialize_to (a directory); or use the '_dq' variant")
+        elif self.calibrate_fn is not None:
+            logger.info("QuantizeConfig.calibrate_fn is only used by SVDQuant PTQ; ignored for %s", self.quant_type)
+
+    def is_ptq(self) -> bool:
+        """SVDQuant post-training quantization: needs calibration (``calibrate``) before the pass is built."""
+        return self.kind == "svdq" and not self.args["dynamic"]
+
+    def check_supported(self) -> None:
+        if not self.regional_quantize:
+            raise NotImplementedError("QuantizeConfig.regional_quantize=False: dit_passes quantizes the linears of "
+                                      "the repeated transformer blocks only")
+        if self.repeated_blocks:
+            raise NotImplementedError("QuantizeConfig.repeated_blocks: blocks are discovered from the graph; "
+                                      "pass block_lists= to compile_dit to override discovery")
+        if self.precision_plan is not None:
+            raise NotImplementedError("QuantizeConfig.precision_plan is not supported")
+        comps = self.components_to_quantize
+        if comps is not None and (not isinstance(comps, list) or set(comps) - {"transformer", "transformer_2"}):
+            raise NotImplementedError(f"QuantizeConfig.components_to_quantize={comps!r}: only the transformer(s) "
+                                      "can be quantized")
+
+    def serialize_dir(self) -> Optional[str]:
+        if self.serialize_to is None:
+            return None
+        path = os.fspath(self.serialize_to)
+        return os.path.dirname(path) if path.endswith(".safetensors") else path
+
+    def to_pass(self, model: Any = None, calibrated: Optional[Dict[str, Any]] = None):
+        """The quantization pass. ``model``: the original transformer (for ``filter_fn``'s module argument);
+        ``calibrated``: activation abs-max per linear path, from :func:`calibrate` (SVDQ PTQ)."""
+        self.check_supported()
+        user_fn = self.filter_fn
+        exclude = () if user_fn is not None else tuple(self.exclude_layers or ())
+        filter_fn = None
+        if user_fn is not None:
+            if model is None:
+                raise NotImplementedError("QuantizeConfig.filter_fn needs the transformer object, which Ray workers "
+                                          "rebuild: use exclude_layers with use_ray=True")
+            filter_fn = _ModuleFilter(user_fn, model)
+        common = dict(exclude=exclude, filter_fn=filter_fn, serialize_to=self.serialize_dir())
+        if self.kind == "fp8":
+            return Fp8Linear(self.args["granularity"], **common)
+        if self.kind == "int8":
+            return Int8Linear(**common)
+        a = self.args
+        if a["dynamic"]:
+            return SVDQuantW4A4(rank=a["rank"], dynamic=True, smooth=a["smooth"], **common)
+        if calibrated is None:
+            raise ValueError(f"{self.quant_type}: run calibrate(config, model) first (SVDQuant PTQ)")
+        return Precalibrated(calibrated, rank=a["rank"], calibrate_fn=self.calibrate_fn, **common)
+
+    def strify(self) -> str:
+        qt = self.quant_type
+        if self.kind == "svdq" and self.args["dynamic"] and self.args["smooth"] != "none":
+            qt += "_weight"
+        return qt
+
+
+class _ModuleFilter:
+    """dit_passes' ``filter_fn(path, role)`` from the reference's ``filter_fn(module, name)``."""
+
+    def __init__(self, fn: Callable[[Any, str], bool], model: Any):
+        self.fn, self.model = fn, model
+
+    def __call__(self, path: str, role: str) -> bool:
+        return bool(self.fn(self.model.get_submodule(path), path))
+
+
+class Precalibrated(SVDQuantW4A4):
+    """SVDQuantW4A4 PTQ whose activation statistics were collected before the module was wrapped (the
+    reference's flow: ``calibrate_fn`` runs the pipeline while it still holds the original transformer)."""
+
+    def __init__(self, stats: Dict[str, Any], **kw: Any):
+        super().__init__(**kw)
+        self.stats = stats
+
+    def calibrate(self, weights):
+        return {p: self.stats[p] for p in weights if p in self.stats}
+
+
+def calibrate(config: QuantizeConfig, model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Run ``config.calibrate_fn()`` once: the activation abs-max of every ``nn.Linear`` of ``model`` it calls,
+    and the keyword arguments of ``model``'s first call (to lower the graph now). ``model`` must be the
+    module the pipeline calls, not yet wrapped."""
+    import torch
+    import torch.utils._pytree as pytree
+    weights = {p: m.weight for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    first: List[Dict[str, Any]] = []
+
+    def record(_mod, args, kwargs):
+        if not first:
+            if args:
+                raise TypeError("calibrate_fn called the transformer with positional arguments; call it with "
+                                "keywords, as diffusers pipelines do")
+            first.append(pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, kwargs))
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)  # public hook, removed below
+    try:
+        stats = calibrate_linears(weights, lambda: config.calibrate_fn())
+    finally:
+        handle.remove()
+    if not first or not stats:
+        raise ValueError("QuantizeConfig.calibrate_fn never called the transformer being quantized: it must run "
+                         "the pipeline that holds this transformer (before enable_cache / quantize wraps it)")
+    with torch.inference_mode(False):
+        example = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, first[0])
+    return stats, example
+
+
+__all__ = ["ParallelismConfig", "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "parse_quant_type", "calibrate"]
