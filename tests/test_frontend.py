@@ -192,8 +192,9 @@ def test_parallelism_all_sizes_one_is_a_logged_noop(caplog):
         enable_cache(fresh, parallelism_config=ParallelismConfig(ulysses_size=2))
     with pytest.raises(RuntimeError, match="Ulysses2_TP2 needs 4 processes"):
         enable_cache(fresh, parallelism_config=ParallelismConfig(ulysses_size=2, tp_size=2))
-    with pytest.raises(NotImplementedError, match="extra_parallel_modules"):
-        enable_cache(fresh, parallelism_config=ParallelismConfig(ulysses_size=2, extra_parallel_modules=[fresh.vae]))
+    with pytest.raises(NotImplementedError, match="extra_parallel_modules with use_ray=True"):
+        enable_cache(fresh, parallelism_config=ParallelismConfig(ulysses_size=2, use_ray=True,
+                                                                 extra_parallel_modules=[fresh.vae]))
     assert type(fresh.transformer) is FluxTransformer2DModel  # nothing applied by the failed calls
 
 

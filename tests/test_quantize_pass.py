@@ -324,15 +324,19 @@ def test_digits_dit_fidelity_floors(tmp_path):
         "ptq_r32": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, calibrate_fn=calibrate,
                                                                   serialize_to=str(tmp_path / "q"))]),
         "dq_r32": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, dynamic=True)]),
+        "dq_r16": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=16, dynamic=True)]),
         "plain_w4a4": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=0, dynamic=True, smooth="none")]),
         "fp8": lambda m: compile_dit(m, passes=[Fp8Linear()]),
     }
     r = run_fidelity(configs, seeds=[0], labels=list(range(10)), steps=steps, out_dir=tmp_path / "out", pipe=pipe)
     c = r["configs"]
     print({k: (round(v["psnr_mean"], 2), round(v["psnr_min"], 2), round(v["ssim_min"], 4)) for k, v in c.items()})
-    floors = {"ptq_r32": (41.0, 32.0, 0.97), "dq_r32": (42.0, 38.0, 0.99), "fp8": (45.0, 41.0, 0.998)}
+    # measured (8 steps, seed 0, digits 0-9): dq_r16 38.53 / 33.74 dB, SSIM min 0.9808; dq_r32 44.67 / 41.59, 0.9968
+    floors = {"ptq_r32": (41.0, 32.0, 0.97), "dq_r32": (42.0, 38.0, 0.99), "dq_r16": (36.0, 31.0, 0.97),
+              "fp8": (45.0, 41.0, 0.998)}
     for name, (mean, low, ssim_low) in floors.items():
         assert c[name]["psnr_mean"] > mean and c[name]["psnr_min"] > low and c[name]["ssim_min"] > ssim_low, (name, c[name])
     # SVDQuant's smoothing + low-rank branch must beat plain W4A4 by a wide margin
     assert c["dq_r32"]["psnr_mean"] > c["plain_w4a4"]["psnr_mean"] + 6.0
+    assert c["dq_r32"]["psnr_mean"] > c["dq_r16"]["psnr_mean"] > c["plain_w4a4"]["psnr_mean"]  # rank helps
     assert all(v["identical_samples"] == 0 for v in c.values())  # every config did change the numbers

@@ -51,6 +51,7 @@ class FrontendState:
     quantize_config: Optional[QuantizeConfig]
     passes: list
     restore: Any = None  # what disable_cache puts back: the original transformer, or the wrapper extended
+    extra_restore: List[Tuple[str, Any]] = dataclasses.field(default_factory=list)  # (pipe attribute, original)
     engine: Any = None  # the RayEngine when the transformer runs on Ray workers
 
     def cache_options(self) -> Dict[str, Any]:
@@ -235,6 +236,13 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     for owner, attr, compiled in wrapped:  # assigned only once every transformer succeeded
         if owner is not None:
             setattr(owner, attr, compiled)
+    if pc is not None and pc.extra_parallel_modules:  # TE-P / VAE-P / CN-P
+        owner = targets[0][0]
+        if owner is None:
+            raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
+        from ..parallel.extra_modules import parallelize_extra_modules
+        _state_of(wrapped[0][2]).extra_restore = parallelize_extra_modules(
+            owner, pc.extra_parallel_modules, pc.world_size(), pc.to_passes)
         logger.info("enable_cache(%s): passes %s", _name(attr, compiled), [p.name for p in _state_of(compiled).passes])
     return pipe_or_module if targets[0][0] is not None else wrapped[0][2]
 
@@ -296,6 +304,8 @@ def disable_cache(pipe_or_module: Any) -> Any:
             state.engine.shutdown()
         if owner is not None:
             setattr(owner, attr, state.restore)
+            for extra_attr, original in state.extra_restore:
+                setattr(owner, extra_attr, original)
         restored.append(state.restore)
     if not restored:
         logger.warning("disable_cache: %s was not accelerated; nothing to undo", type(pipe_or_module).__name__)

@@ -38,7 +38,7 @@ class ParallelismConfig:
     ``ring_convert_to_fp32=True``). ``cp_plan`` / ``attention_backend`` are accepted and ignored (the plan
     is derived from the graph). CP together with TP builds both on one mesh
     (:func:`~dit_passes.parallel.hybrid.hybrid_passes`). Not implemented (``NotImplementedError``):
-    ``ulysses_float8``, ``ulysses_async``, ``extra_parallel_modules`` (TE-P / VAE-P / CN-P), other ring rotate
+    ``ulysses_float8``, ``ulysses_async``, ``extra_parallel_modules`` with ``use_ray``, other ring rotate
     methods.
     """
 
@@ -95,9 +95,9 @@ class ParallelismConfig:
             if getattr(self, name):
                 raise NotImplementedError(f"ParallelismConfig.{name}=True is not implemented (the Ulysses "
                                           "all-to-alls run in the activation dtype, synchronously)")
-        if self.extra_parallel_modules:
-            raise NotImplementedError("ParallelismConfig.extra_parallel_modules (TE-P / VAE-P / CN-P) is not "
-                                      "implemented yet: only the transformer is parallelised")
+        if self.extra_parallel_modules and self.use_ray:
+            raise NotImplementedError("ParallelismConfig.extra_parallel_modules with use_ray=True is not "
+                                      "implemented: the Ray workers parallelise the transformer only")
         if self.ring_rotate_method not in (None, "p2p"):
             raise NotImplementedError(f"ParallelismConfig.ring_rotate_method={self.ring_rotate_method!r}: only "
                                       "'p2p' is implemented")

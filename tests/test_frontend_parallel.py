@@ -1,0 +1,80 @@
+"""The front end on gloo ranks: ``enable_cache(pipe, cache_config=..., parallelism_config=...)`` gives the
+single-process latents and cached steps, and ``extra_parallel_modules`` parallelises the text encoder
+(TE-P) on the same pipeline instance; ``disable_cache`` puts every original object back.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dit_passes.testing import run_ranks
+
+STEPS = 6
+
+
+def _pipeline():
+    import transformers as T
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from dit_passes.models.zoo import build
+
+    transformer = build("flux", num_layers=2, num_single_layers=3).model
+    torch.manual_seed(1)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
+                        norm_num_groups=4, layers_per_block=1).eval()
+    t5 = T.T5EncoderModel(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                     dropout_rate=0.0)).eval()
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                        text_encoder_2=t5, tokenizer_2=None, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _call(pipe):
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        return pipe(prompt_embeds=torch.randn(1, 7, 32, generator=g), pooled_prompt_embeds=torch.randn(1, 32, generator=g),
+                    height=16, width=16, num_inference_steps=STEPS, guidance_scale=3.5, output_type="latent",
+                    generator=torch.Generator().manual_seed(3)).images
+
+
+def _rank_fn(rank, world):
+    return {kind: _case(world, kind) for kind in ("ulysses", "tp")}
+
+
+def _case(world, kind):
+    import dit_passes as cache_dit
+    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=0.3, max_warmup_steps=2)
+    single = _pipeline()
+    cache_dit.enable_cache(single, cache_config=cache_dit.DBCacheConfig(**cfg))
+    ref = _call(single)
+    ref_cached = cache_dit.summary(single, logging=False)[0].cached_steps
+
+    pipe = _pipeline()
+    original_t5, original_transformer = pipe.text_encoder_2, pipe.transformer
+    sizes = {"ulysses": dict(ulysses_size=world), "tp": dict(tp_size=world)}[kind]
+    pc = cache_dit.ParallelismConfig(extra_parallel_modules=[pipe.text_encoder_2], **sizes)
+    cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(**cfg), parallelism_config=pc)
+    out = _call(pipe)
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        te_ref = original_t5(input_ids=ids).last_hidden_state
+        te_out = pipe.text_encoder_2(input_ids=ids).last_hidden_state
+    te_passes = [r.name for r in pipe.text_encoder_2._current().manager.records]
+    cached = cache_dit.summary(pipe, logging=False)[0].cached_steps
+    cache_dit.disable_cache(pipe)
+    return {"rel": ((out - ref).abs().max() / ref.abs().max()).item(), "cached": cached, "ref_cached": ref_cached,
+            "te_rel": ((te_out - te_ref).abs().max() / te_ref.abs().max()).item(), "te_passes": te_passes,
+            "restored": pipe.text_encoder_2 is original_t5 and pipe.transformer is original_transformer}
+
+
+@pytest.mark.multiproc
+def test_enable_cache_parallel_with_text_encoder_parallelism():
+    results = run_ranks(_rank_fn, 2, timeout=300)
+    cases = [(f"{kind} rank {rank}", r) for rank, res in enumerate(results) for kind, r in res.items()]
+    assert len(cases) == 4
+    for where, r in cases:
+        assert r["rel"] <= 1e-5, f"{where}: latents differ from the single process by {r['rel']:.2e}"
+        assert r["cached"] == r["ref_cached"] and r["cached"], f"{where}: {r['cached']} vs {r['ref_cached']}"
+        assert r["te_rel"] <= 1e-5 and "tensor_parallel" in r["te_passes"], f"{where}: {r}"
+        assert r["restored"], f"{where}: disable_cache did not restore the original modules"
