@@ -27,18 +27,9 @@ TEXT_DIM = 32
 
 def make_pipeline(scaled: bool = True):
     """Defined in __main__: cloudpickled by value, so the factory path needs nothing on the workers' path."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
     from dit_passes.models.zoo import build
-    transformer = build("flux", **(MODEL if scaled else {})).model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
-                            norm_num_groups=4, layers_per_block=1).eval()
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    from dit_passes.testing.pipelines import flux_pipeline
+    return flux_pipeline(build("flux", **(MODEL if scaled else {})).model)
 
 
 def make_scaled():

@@ -19,7 +19,9 @@ from dit_passes.frontend import (CacheStats, DBCacheConfig, ParallelismConfig, Q
                                  refresh_context, steps_mask, strify, summary)
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel  # noqa: E402
+from diffusers import FluxPipeline, FluxTransformer2DModel  # noqa: E402
+
+from dit_passes.testing.pipelines import flux_pipeline  # noqa: E402
 
 torch.set_num_threads(2)
 TEXT_DIM, POOLED_DIM, IN_CH, STEPS = 32, 24, 16, 8
@@ -35,14 +37,7 @@ def tiny_flux(heads: int = 2, seed: int = 0) -> FluxTransformer2DModel:
 
 
 def tiny_pipe(transformer) -> FluxPipeline:
-    torch.manual_seed(1)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
-                        norm_num_groups=4, layers_per_block=1).eval()
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return flux_pipeline(transformer)
 
 
 def run(pipe, cfg: bool = False, steps: int = STEPS, seed: int = 0) -> torch.Tensor:

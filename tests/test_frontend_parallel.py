@@ -14,20 +14,13 @@ STEPS = 6
 
 def _pipeline():
     import transformers as T
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
     from dit_passes.models.zoo import build
+    from dit_passes.testing.pipelines import flux_pipeline
 
-    transformer = build("flux", num_layers=2, num_single_layers=3).model
     torch.manual_seed(1)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
-                        norm_num_groups=4, layers_per_block=1).eval()
     t5 = T.T5EncoderModel(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                      dropout_rate=0.0)).eval()
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
-                        text_encoder_2=t5, tokenizer_2=None, transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return flux_pipeline(build("flux", num_layers=2, num_single_layers=3).model, text_encoder_2=t5)
 
 
 def _call(pipe):

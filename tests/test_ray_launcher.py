@@ -19,12 +19,13 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline  # noqa: E402
+from diffusers import FluxPipeline  # noqa: E402
 
 from dit_passes.launch import transfer  # noqa: E402
 from dit_passes.launch.ray_launcher import (RayEngine, RayLauncher, RayLauncherError, RayWorkerDiedError,  # noqa: E402
                                             RayWorkerError)
 from dit_passes.models.zoo import build  # noqa: E402
+from dit_passes.testing.pipelines import flux_pipeline  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -36,16 +37,7 @@ TEXT_DIM = 32  # the zoo flux config's joint_attention_dim and pooled_projection
 
 def tiny_pipeline() -> FluxPipeline:
     """Zoo flux transformer (in_channels=16 = 4 latent channels x 2x2 packing) + a tiny VAE; no text encoders."""
-    transformer = build("flux").model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
-                            norm_num_groups=4, layers_per_block=1).eval()
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return flux_pipeline(build("flux").model)
 
 
 def call_kwargs(steps: int = 2) -> dict:

@@ -17,6 +17,7 @@ import torch
 ray = pytest.importorskip("ray")
 from dit_passes.launch.ray_launcher import RayLauncher  # noqa: E402
 from dit_passes.passes.context_parallel import Ulysses  # noqa: E402
+from test_ray_launcher import _session_processes  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -44,19 +45,6 @@ USER_MODULE = textwrap.dedent('''
 ''')
 
 
-def _processes_naming(path: str) -> list:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if path in cmd and int(pid) != os.getpid():
-            found.append(f"{pid}: {cmd[:120]}")
-    return found
-
-
 def test_launcher_owned_ray_runtime_env_and_clean_shutdown(tmp_path):
     if ray.is_initialized():
         pytest.skip("a Ray cluster from another test is still running in this process")
@@ -81,9 +69,9 @@ def test_launcher_owned_ray_runtime_env_and_clean_shutdown(tmp_path):
         torch.testing.assert_close(latents, reference, rtol=0, atol=1e-5)
         assert not ray.is_initialized(), "the launcher started Ray, so shutdown() must stop it"
         deadline = time.monotonic() + 15
-        while _processes_naming(temp_dir) and time.monotonic() < deadline:
+        while _session_processes(temp_dir) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _processes_naming(temp_dir), "Ray processes left behind"
+        assert not _session_processes(temp_dir), "Ray processes left behind"
         assert not os.path.exists(temp_dir), "the launcher's Ray temp dir was not removed"
     finally:
         sys.path.remove(str(user_dir))

@@ -33,7 +33,7 @@ The state tensors travel as extra graph inputs and outputs (not buffers mutated 
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 import torch.fx as fx
