@@ -44,13 +44,29 @@ def test_pass_registry_names():
     assert "cleanup" in reg and all(cls.name == name for name, cls in reg.items())
 
 
-@pytest.mark.parametrize("command", ["demo", "fidelity", "bench"])
-def test_delegated_commands_are_lazy(command, capsys):
-    module = f"dit_passes.{command}"
-    if importlib.util.find_spec(module) is not None:
-        pytest.skip(f"{module} exists: its own tests cover it")
-    assert main([command, "--anything"]) == 2
-    assert f"{module} does not exist yet" in capsys.readouterr().err
+def test_delegated_command_missing_module_is_a_clear_error(monkeypatch, capsys):
+    from dit_passes import cli
+    monkeypatch.setitem(cli.DELEGATED, "demo", ("dit_passes.no_such_module", "x"))
+    assert main(["demo", "--anything"]) == 2
+    assert "dit_passes.no_such_module does not exist yet" in capsys.readouterr().err
+
+
+def test_demo_fidelity_and_bench_commands_run(tmp_path, capsys):
+    import json
+    assert main(["demo", "--steps", "4", "--seeds", "0", "--labels", "3", "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    for name in ("baseline", "dbcache", "fast_mask", "fast_mask_taylorseer"):
+        assert f"| {name} |" in out, out
+    assert (tmp_path / "demo" / "fidelity_grid.png").is_file() and (tmp_path / "demo" / "fidelity_report.json").is_file()
+    assert main(["fidelity", "--list"]) == 0
+    assert "ultra_mask_taylorseer" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown config"):
+        main(["fidelity", "--configs", "nope", "--out", str(tmp_path / "f")])
+    assert main(["bench", "--size", "tiny", "--rows", "graph,dbcache_always", "--repeats", "1",
+                 "--out", str(tmp_path / "bench")]) == 0
+    report = json.loads((tmp_path / "bench" / "bench_flux_tiny.json").read_text())
+    assert report["rows"]["dbcache_always"]["cached_steps"] == 20  # 28 steps, 8 warm-up: every other step cached
+    assert "| dbcache_always |" in capsys.readouterr().out
 
 
 def test_console_entry_runs_as_a_process():

@@ -1,6 +1,7 @@
 """The front end on gloo ranks: ``enable_cache(pipe, cache_config=..., parallelism_config=...)`` gives the
-single-process latents and cached steps, and ``extra_parallel_modules`` parallelises the text encoder
-(TE-P) on the same pipeline instance; ``disable_cache`` puts every original object back.
+single-process images (decoded) and cached steps, and ``extra_parallel_modules`` parallelises the text
+encoder (TE-P) and the VAE (VAE-P, the pipeline's own decode) on the same pipeline instance;
+``disable_cache`` puts every original object back.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _call(pipe):
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         return pipe(prompt_embeds=torch.randn(1, 7, 32, generator=g), pooled_prompt_embeds=torch.randn(1, 32, generator=g),
-                    height=16, width=16, num_inference_steps=STEPS, guidance_scale=3.5, output_type="latent",
+                    height=16, width=16, num_inference_steps=STEPS, guidance_scale=3.5, output_type="pt",
                     generator=torch.Generator().manual_seed(3)).images
 
 
@@ -44,9 +45,9 @@ def _case(world, kind):
     ref_cached = cache_dit.summary(single, logging=False)[0].cached_steps
 
     pipe = _pipeline()
-    original_t5, original_transformer = pipe.text_encoder_2, pipe.transformer
+    original_t5, original_transformer, original_vae = pipe.text_encoder_2, pipe.transformer, pipe.vae
     sizes = {"ulysses": dict(ulysses_size=world), "tp": dict(tp_size=world)}[kind]
-    pc = cache_dit.ParallelismConfig(extra_parallel_modules=[pipe.text_encoder_2], **sizes)
+    pc = cache_dit.ParallelismConfig(extra_parallel_modules=[pipe.text_encoder_2, pipe.vae], **sizes)
     cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(**cfg), parallelism_config=pc)
     out = _call(pipe)
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
@@ -54,11 +55,14 @@ def _case(world, kind):
         te_ref = original_t5(input_ids=ids).last_hidden_state
         te_out = pipe.text_encoder_2(input_ids=ids).last_hidden_state
     te_passes = [r.name for r in pipe.text_encoder_2._current().manager.records]
+    vae_report = pipe.vae.report()  # one decode graph, split over the ranks
     cached = cache_dit.summary(pipe, logging=False)[0].cached_steps
     cache_dit.disable_cache(pipe)
     return {"rel": ((out - ref).abs().max() / ref.abs().max()).item(), "cached": cached, "ref_cached": ref_cached,
             "te_rel": ((te_out - te_ref).abs().max() / te_ref.abs().max()).item(), "te_passes": te_passes,
-            "restored": pipe.text_encoder_2 is original_t5 and pipe.transformer is original_transformer}
+            "vae_graphs": len(vae_report), "vae_world": [v["world_size"] for v in vae_report.values()],
+            "restored": (pipe.text_encoder_2 is original_t5 and pipe.transformer is original_transformer
+                         and pipe.vae is original_vae)}
 
 
 @pytest.mark.multiproc
@@ -70,4 +74,5 @@ def test_enable_cache_parallel_with_text_encoder_parallelism():
         assert r["rel"] <= 1e-5, f"{where}: latents differ from the single process by {r['rel']:.2e}"
         assert r["cached"] == r["ref_cached"] and r["cached"], f"{where}: {r['cached']} vs {r['ref_cached']}"
         assert r["te_rel"] <= 1e-5 and "tensor_parallel" in r["te_passes"], f"{where}: {r}"
+        assert r["vae_graphs"] == 1 and r["vae_world"] == [2], f"{where}: the pipeline's decode did not run split: {r}"
         assert r["restored"], f"{where}: disable_cache did not restore the original modules"

@@ -14,7 +14,7 @@ def tiny_vae(seed: int = 1):
         torch.manual_seed(seed)
         return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
                              up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
-                             norm_num_groups=4, layers_per_block=1).eval()
+                             norm_num_groups=4, layers_per_block=1, shift_factor=0.0).eval()
 
 
 def flux_pipeline(transformer: torch.nn.Module, vae: Optional[Any] = None, text_encoder_2: Optional[Any] = None):

@@ -1,0 +1,398 @@
+"""VAE-P: exact spatial parallelism for diffusers VAEs (``AutoencoderKL``, ``AutoencoderKLWan``), decode and encode.
+
+    vae = dit_passes.parallel_vae(pipe.vae, size=2)   # after init_process_group; pipe.vae = vae
+
+Every rank gets the same full latent (or image / video). ``vae.decode(z).sample`` (or
+``vae.encode(x).latent_dist.parameters``) is captured with ``torch.export`` twice: on the full input
+(the single-process reference) and on this rank's slab of rows, which is rewritten so that the local
+computation is exactly the single-process one:
+
+* entry: ``aten.slice`` of the full input along height (rows split as evenly as possible; uneven
+  allowed; for encode in multiples of the downsampling factor);
+* every convolution (2-D or 3-D) taller than one row: ``dit_passes.vae_halo_exchange`` first (the rows
+  its window reaches into from the neighbouring ranks; zero rows only on the global top / bottom), then
+  the conv with no height padding. An explicit zero pad before it (stride-2 downsampling's
+  ``F.pad(x, (0, 1, 0, 1))``, Wan's causal-conv pad) folds its height part into the exchange;
+* every group norm: ``dit_passes.vae_group_stats`` -> ``all_reduce`` -> ``dit_passes.vae_group_norm_apply``
+  (global statistics, local normalisation); Wan's RMS norms (over channels) stay local;
+* nearest upsampling by an integer factor, 1x1 convs, linears, pointwise ops, time caches: local;
+* attention over the H*W tokens: keys and values (one tensor) all-gathered along tokens, local queries;
+* exit: one all-gather of the output along height.
+
+The split dim of every value and each rank's extent there are propagated through the graph and checked
+against the reference shapes; an op that would mix rows in a way the rewrite does not model raises
+``NotImplementedError`` naming it.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from dit_passes.capture import capture
+from dit_passes.infra.graph_utils import copy_meta, set_val
+from dit_passes.parallel import vae_ops
+
+__all__ = ["ParallelVAE", "parallel_vae", "shard_vae_graph"]
+split_rows = vae_ops.split_rows
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+_vae_ops = torch.ops.dit_passes
+_CONVS = (aten.conv2d.default, aten.conv3d.default)
+
+Shard, _val = vae_ops.Shard, vae_ops._val
+
+
+def _spatial(v: Any, default: int, n: int) -> List[int]:
+    """A conv's stride / padding / dilation argument as one int per spatial dim."""
+    v = [default] if v is None else list(v) if isinstance(v, (list, tuple)) else [v]
+    return [int(i) for i in (v * n if len(v) == 1 else v)]
+
+
+class _Rewriter:
+    """Rewrites a graph captured on this rank's slab into the sharded, exact graph (see module doc)."""
+
+    def __init__(self, gm: fx.GraphModule, rows: Sequence[int], rank: int, group_name: str,
+                 reference: Optional[Dict[str, Tuple[int, ...]]] = None):
+        self.gm, self.g, self.ref = gm, gm.graph, reference or {}
+        self.rows, self.rank, self.world, self.group = tuple(rows), rank, len(rows), group_name
+        self.sh: Dict[fx.Node, Shard] = {}                 # sharded values
+        self.hpad: Dict[fx.Node, Tuple[int, int]] = {}      # pads whose height part a conv must absorb
+        self.counts: collections.Counter = collections.Counter()
+        self.replaced: Dict[fx.Node, fx.Node] = {}
+
+    def fail(self, node: fx.Node, why: str) -> None:
+        where = node.meta.get("dit_module_path", "?")
+        raise NotImplementedError(f"VAE-P cannot shard `{node.format_node()}` (module {where!r}): {why}")
+
+    def emit(self, target, args, like: Optional[fx.Node] = None) -> fx.Node:
+        node = self.g.call_function(target, tuple(args))
+        if like is not None:
+            copy_meta(node, like)
+        set_val(node)
+        return node
+
+    # --- entry / exit -------------------------------------------------------------------------------
+    def run(self) -> Dict[str, int]:
+        placeholders = [n for n in self.g.nodes if n.op == "placeholder"]
+        ph = placeholders[0]
+        local = _val(ph)
+        if len(placeholders) != 1 or local.dim() not in (4, 5):
+            raise NotImplementedError(f"VAE-P splits one (N, C, [T,] H, W) input, the graph takes "
+                                      f"{[tuple(_val(p).shape) for p in placeholders]}")
+        start, hd = sum(self.rows[:self.rank]), local.dim() - 2
+        with self.g.inserting_after(ph):
+            entry = self.g.call_function(aten.slice.Tensor, (ph, hd, start, start + self.rows[self.rank]))
+        ph.replace_all_uses_with(entry, delete_user_cb=lambda user: user is not entry)
+        shape = list(local.shape)
+        shape[hd] = sum(self.rows)
+        with local.fake_mode:
+            ph.meta["val"] = local.new_empty(shape)
+        set_val(entry)
+        self.sh[entry] = Shard(hd, self.rows)
+        for node in list(self.g.nodes):
+            if node.op == "call_function" and node is not entry:
+                self.visit(node)
+        out = self.g.output_node()
+        with self.g.inserting_before(out):
+            out.args = (tuple(self.gather(o, self.sh[o]) if o in self.sh else o for o in out.args[0]),)
+        self.g.eliminate_dead_code()
+        self.g.lint()
+        self.gm.recompile()
+        return dict(self.counts)
+
+    def gather(self, x: fx.Node, s: Shard) -> fx.Node:
+        """All-gather ``x`` along ``s.dim`` (one collective; uneven extents padded then trimmed)."""
+        big, mine = max(s.sizes), s.sizes[self.rank]
+        y = x
+        if mine < big:
+            pad = [0, 0] * (_val(x).dim() - 1 - s.dim) + [0, big - mine]
+            y = self.emit(aten.constant_pad_nd.default, (y, pad, 0.0), like=x)
+        y = self.emit(aten.contiguous.default, (y,), like=x)
+        y = self.emit(c10d.all_gather_into_tensor.default, (y, self.world, self.group), like=x)
+        y = self.emit(c10d.wait_tensor.default, (y,), like=x)
+        n0 = _val(x).shape[0]
+        pieces = []
+        for j, size in enumerate(s.sizes):
+            p = self.emit(aten.slice.Tensor, (y, 0, j * n0, (j + 1) * n0), like=x)
+            if size < big:
+                p = self.emit(aten.slice.Tensor, (p, s.dim, 0, size), like=x)
+            pieces.append(p)
+        self.counts["all_gather"] += 1
+        return self.emit(aten.cat.default, (pieces, s.dim), like=x)
+
+    # --- per node ----------------------------------------------------------------------------------
+    def visit(self, node: fx.Node) -> None:
+        """Rewrite / annotate one node, then check its sharding against the single-process graph: the
+        local shape with the sharded dim widened to the total must be the reference shape."""
+        name = node.name
+        self._visit(node)
+        node = self.replaced.get(node, node)
+        s, ref = self.sh.get(node), self.ref.get(name)
+        if s is not None and ref is not None and node not in self.hpad and isinstance(_val(node), torch.Tensor):
+            shape = list(_val(node).shape)
+            shape[s.dim] = sum(s.sizes)
+            if tuple(shape) != tuple(ref):
+                self.fail(node, f"internal: sharded {s} gives {shape}, the single-process graph has {list(ref)}")
+
+    def _visit(self, node: fx.Node) -> None:
+        ins = [a for a in node.all_input_nodes if a in self.sh]
+        t = node.target
+        if any(a in self.hpad for a in node.all_input_nodes) and t not in _CONVS:
+            self.fail(node, "it consumes a height padding that only a following convolution can absorb")
+        if not ins or t is aten._assert_tensor_metadata.default:
+            return
+        if t in _CONVS:
+            return self.conv(node)
+        if t is aten.group_norm.default:
+            return self.group_norm(node)
+        if t is aten.scaled_dot_product_attention.default:
+            return self.attention(node)
+        if t in (aten.pad.default, aten.constant_pad_nd.default):
+            return self.pad(node)
+        try:
+            s = vae_ops.local_shard(node, self.sh, self.rank, self.ref.get(node.name))
+        except vae_ops.Refused as e:
+            self.fail(node, str(e))
+        if s is not None:
+            self.sh[node] = s
+
+    def pad(self, node: fx.Node) -> None:
+        x, pads = node.args[0], [int(p) for p in node.args[1]]
+        s, ndim = self.sh[x], _val(x).dim()
+        rest = list(node.args[2:]) if node.target is aten.pad.default else ["constant"] + list(node.args[2:])
+        mode, value = (rest + ["constant", 0.0][len(rest):])[:2]
+        pos = ndim - 1 - s.dim
+        hp = (pads[2 * pos], pads[2 * pos + 1]) if 2 * pos + 1 < len(pads) else (0, 0)
+        self.sh[node] = s
+        if hp == (0, 0):
+            return
+        if mode != "constant" or (value or 0.0) != 0.0 or min(hp) < 0:
+            self.fail(node, "only zero padding along the sharded height can be folded into a halo")
+        pads[2 * pos] = pads[2 * pos + 1] = 0
+        node.args = (x, pads) + tuple(node.args[2:])
+        set_val(node)
+        self.hpad[node] = hp
+
+    # --- the three distributed rewrites -------------------------------------------------------------
+    def conv(self, node: fx.Node) -> None:
+        x, w, bias, stride, padding, dilation, groups = list(node.args) + [None] * (7 - len(node.args))
+        s, nd = self.sh[x], _val(x).dim()
+        if s.dim != nd - 2:
+            self.fail(node, "a convolution split along a dim other than height")
+        (stride, padding, dilation), kh = (_spatial(v, d, nd - 2) for v, d in
+                                           ((stride, 1), (padding, 0), (dilation, 1))), _val(w).shape[-2]
+        top, bottom = self.hpad.get(x, (0, 0))
+        sh, p_top, p_bot, k = stride[-2], padding[-2] + top, padding[-2] + bottom, dilation[-2] * (kh - 1) + 1
+        # rank j's rows [R_j, R_j+1) give output rows from R_j / sh: it needs p_top rows above (from rank
+        # j-1, or zeros at the top) and k - sh - p_top below (from rank j+1, or p_bot zeros at the bottom)
+        before, after = p_top, k - sh - p_top
+        if after < 0:
+            self.fail(node, f"kernel {kh} with stride {sh} skips rows between ranks")
+        starts = [sum(s.sizes[:j]) for j in range(self.world)]
+        outs = []
+        for j, n in enumerate(s.sizes):
+            b, a = vae_ops.halo_rows(j, self.world, before, after, p_top, p_bot)
+            if (j > 0 and before > s.sizes[j - 1]) or (j < self.world - 1 and after > s.sizes[j + 1]):
+                self.fail(node, f"rank extents {list(s.sizes)} are smaller than the halo ({before}, {after})")
+            if starts[j] % sh:
+                self.fail(node, f"rank {j} starts at row {starts[j]}, not a multiple of the stride {sh}")
+            outs.append((n + a + b - k) // sh + 1)
+        total = (sum(s.sizes) + p_top + p_bot - k) // sh + 1
+        if sum(outs) != total or any(outs[j] * sh != s.sizes[j] for j in range(self.world - 1)):
+            self.fail(node, f"the slabs {list(s.sizes)} do not map onto whole output rows")
+        old_shape = tuple(_val(node).shape)
+        if before or after or p_top or p_bot:
+            with self.g.inserting_before(node):
+                x = self.emit(_vae_ops.vae_halo_exchange.default,
+                              (x, s.dim, before, after, p_top, p_bot, self.group), like=node)
+            self.counts["halo_exchange"] += 1
+        padding[-2] = 0
+        node.args = (x, w, bias, stride, padding, dilation, 1 if groups is None else groups)
+        set_val(node)
+        if tuple(_val(node).shape) != old_shape or old_shape[s.dim] != outs[self.rank]:
+            self.fail(node, f"internal: halo conv gives {tuple(_val(node).shape)}, captured {old_shape}")
+        self.sh[node] = Shard(s.dim, tuple(outs))
+
+    def group_norm(self, node: fx.Node) -> None:
+        x, groups = node.args[0], int(node.args[1])
+        weight = node.args[2] if len(node.args) > 2 else None
+        bias = node.args[3] if len(node.args) > 3 else None
+        eps = float(node.args[4]) if len(node.args) > 4 else 1e-5
+        if self.sh[x].dim < 2:
+            self.fail(node, "group norm sharded along batch or channels")
+        with self.g.inserting_before(node):
+            st = self.emit(_vae_ops.vae_group_stats.default, (x, groups), like=node)
+            st = self.emit(c10d.all_reduce.default, (st, "sum", self.group), like=node)
+            st = self.emit(c10d.wait_tensor.default, (st,), like=node)
+            out = self.emit(_vae_ops.vae_group_norm_apply.default, (x, st, groups, weight, bias, eps), like=node)
+        node.replace_all_uses_with(out)
+        self.g.erase_node(node)
+        self.replaced[node] = out
+        self.sh[out] = self.sh[x]
+        self.counts["all_reduce"] += 1
+
+    def attention(self, node: fx.Node) -> None:
+        q, k, v = node.args[:3]
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+        tok = _val(q).dim() - 2
+        shards = [self.sh.get(a) for a in (q, k, v)]
+        if mask is not None or causal or any(s is None or s.dim != tok for s in shards) or len(set(shards)) != 1:
+            self.fail(node, "attention needs q, k, v sharded along tokens, no mask, not causal")
+        dk, dv = _val(k).shape[-1], _val(v).shape[-1]
+        if tuple(_val(k).shape[:-1]) != tuple(_val(v).shape[:-1]):
+            self.fail(node, "keys and values of different shapes")
+        with self.g.inserting_before(node):
+            kv = self.emit(aten.cat.default, ([k, v], -1), like=node)
+            kv = self.gather(kv, Shard(tok, shards[0].sizes))
+            kf = self.emit(aten.slice.Tensor, (kv, -1, 0, dk), like=node)
+            vf = self.emit(aten.slice.Tensor, (kv, -1, dk, dk + dv), like=node)
+        node.args = (q, kf, vf) + tuple(node.args[3:])
+        self.sh[node] = shards[0]
+        self.counts["attention_gathered"] += 1
+
+
+def shard_vae_graph(gm: fx.GraphModule, rows: Sequence[int], rank: int, group_name: str,
+                    reference: Optional[fx.GraphModule] = None) -> Dict[str, int]:
+    """Rewrite ``gm`` (captured on rank ``rank``'s slab of ``rows``) in place into the exact sharded graph
+    taking the full input; returns the inserted collectives by kind. ``reference``: the same call
+    captured on the full input; its shapes disambiguate and check the sharding of every node."""
+    ref = None
+    if reference is not None:
+        ops = [(n.name, n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        full = [(n.name, n.target) for n in reference.graph.nodes if n.op == "call_function"]
+        if ops != full:
+            raise NotImplementedError("VAE-P: the graph captured on one rank's rows differs from the one "
+                                      "captured on the full input (shape-dependent control flow)")
+        ref = {n.name: tuple(n.meta["val"].shape) for n in reference.graph.nodes
+               if isinstance(n.meta.get("val"), torch.Tensor)}
+    return _Rewriter(gm, rows, rank, group_name, ref).run()
+
+
+class _Call(torch.nn.Module):
+    """What is captured: ``vae.decode(z).sample`` or ``vae.encode(x).latent_dist.parameters``."""
+
+    def __init__(self, vae, kind: str):
+        super().__init__()
+        self.vae, self.kind = vae, kind
+
+    def forward(self, x):
+        if self.kind == "decode":
+            return self.vae.decode(x).sample
+        return self.vae.encode(x).latent_dist.parameters
+
+
+class ParallelVAE(torch.nn.Module):
+    """Drop-in for a diffusers VAE whose ``decode`` / ``encode`` run split over the ranks of ``group``.
+
+    Holds the original (``.vae``; ``.config``, ``.dtype``, ``.device`` and any other attribute are
+    forwarded to it) and one rewritten graph per (kind, input shape, dtype, device)."""
+
+    def __init__(self, vae: torch.nn.Module, group: dist.ProcessGroup):
+        super().__init__()
+        self.vae = vae
+        object.__setattr__(self, "_group", group)
+        object.__setattr__(self, "_graphs", {})
+        object.__setattr__(self, "_reports", {})
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["vae"], name)
+
+    @property
+    def config(self):
+        return self.vae.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vae.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.device
+
+    def graph(self, kind: str, x: torch.Tensor) -> fx.GraphModule:
+        """The rewritten graph for an input like ``x`` (captured on first use)."""
+        key = (kind, tuple(x.shape), x.dtype, x.device)
+        gm = self._graphs.get(key)
+        if gm is None:
+            if getattr(self.vae, "use_tiling", False):
+                raise ValueError("VAE-P replaces tiling: call vae.disable_tiling() before parallel_vae")
+            full = capture(_Call(self.vae, kind), (x,)).gm  # the single-process graph: reference shapes
+            full.graph.eliminate_dead_code()
+            hd, rank = x.dim() - 2, self._group.rank()
+            height, out_h = x.shape[hd], _val(full.graph.output_node().args[0][0]).shape[-2]
+            unit = height // out_h if out_h < height else 1  # encode: slabs of whole downsampled rows
+            if height % unit:
+                raise ValueError(f"VAE-P {kind}: height {height} is not a multiple of the downsampling {unit}")
+            rows = vae_ops.split_rows(height, self._group.size(), unit)
+            local = x.narrow(hd, sum(rows[:rank]), rows[rank]).contiguous()
+            gm = capture(_Call(self.vae, kind), (local,)).gm
+            gm.graph.eliminate_dead_code()
+            counts = shard_vae_graph(gm, rows, rank, self._group.group_name, reference=full)
+            gm.meta["vae_parallel"] = {"kind": kind, "rows": rows, "rank": rank, **counts}
+            self._reports[key] = {**vae_ops.activation_memory(full), **vae_ops.census(full)}
+            self._graphs[key] = gm
+        return gm
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor, return_dict: bool = True, generator=None):
+        sample = self.graph("decode", z)(z)[0]
+        if not return_dict:
+            return (sample,)
+        from diffusers.models.autoencoders.vae import DecoderOutput
+        return DecoderOutput(sample=sample)
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor, return_dict: bool = True):
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+        from diffusers.models.modeling_outputs import AutoencoderKLOutput
+        posterior = DiagonalGaussianDistribution(self.graph("encode", x)(x)[0])
+        if not return_dict:
+            return (posterior,)
+        return AutoencoderKLOutput(latent_dist=posterior)
+
+    def forward(self, sample: torch.Tensor, sample_posterior: bool = False, return_dict: bool = True,
+                generator: Optional[torch.Generator] = None):
+        posterior = self.encode(sample).latent_dist
+        z = posterior.sample(generator=generator) if sample_posterior else posterior.mode()
+        return self.decode(z, return_dict=return_dict)
+
+    def report(self) -> Dict[str, Any]:
+        """Per graph: rows per rank, inserted collectives, and activation bytes on this rank against the
+        same call captured on the full input (what one process would hold), from the graphs' shapes."""
+        out = {}
+        for key, gm in self._graphs.items():
+            mine, single = vae_ops.activation_memory(gm), self._reports[key]
+            out[f"{key[0]}{list(key[1])}"] = {
+                **gm.meta["vae_parallel"], "world_size": self._group.size(),
+                **{f"rank_{k}": v for k, v in mine.items()}, **{f"single_{k}": v for k, v in single.items()},
+                "peak_ratio": mine["peak_activation_bytes"] / max(1, single["peak_activation_bytes"])}
+        return out
+
+
+def parallel_vae(vae: torch.nn.Module, size: int, group: Optional[dist.ProcessGroup] = None):
+    """Split ``vae``'s decode / encode over ``size`` ranks of ``group`` (default: the world group).
+
+    ``size=1`` returns ``vae`` itself (nothing to split). Otherwise ``size`` must equal the group's size
+    and a process group must be initialised. The result is a :class:`ParallelVAE`; every rank must call
+    it with the same input, and every rank receives the full output."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"parallel_vae: size must be a positive int, got {size!r}")
+    if size == 1:
+        return vae
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"parallel_vae(size={size}) needs a torch.distributed process group: call "
+                           f"torch.distributed.init_process_group(...) on every rank first")
+    group = group if group is not None else dist.group.WORLD
+    if group.size() != size:
+        raise ValueError(f"parallel_vae: size={size}, but the process group has {group.size()} ranks; "
+                         f"pass size={group.size()} or a group of {size} ranks")
+    return ParallelVAE(vae, group)

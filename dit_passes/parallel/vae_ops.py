@@ -1,0 +1,337 @@
+"""Custom ops the VAE-parallel rewrite (:mod:`dit_passes.parallel.vae`) inserts into a captured graph.
+
+A VAE graph sharded along height runs each rank on a horizontal slab of every activation. Three kinds
+of node need more than the local slab; they become these ops (printed as ``dit_passes.vae_*``):
+
+* ``dit_passes::vae_halo_exchange`` -- before a convolution taller than one row: receive the boundary
+  rows the convolution window reaches into from the neighbouring ranks (point-to-point, one
+  ``batch_isend_irecv`` per call, like ``dit_passes::ring_exchange``), and pad with zero rows on the
+  global top / bottom edge only. The convolution then runs with no padding along height.
+* ``dit_passes::vae_group_stats`` + ``_c10d_functional.all_reduce`` + ``dit_passes::vae_group_norm_apply``
+  -- a group norm whose statistics are summed over the ranks. The stats op returns, per (batch,
+  group), ``[count, sum, sum of squares]`` in float64 built from a stable local ``var_mean``; after
+  the all-reduce the global mean and variance follow without cancellation, and the apply op normalises
+  the local slab. Exact up to float rounding.
+
+The all-gathers (attention keys/values, the output) are plain functional-collective nodes
+(``_c10d_functional.all_gather_into_tensor`` + ``wait_tensor``) emitted by the rewrite.
+
+Every other op runs unchanged on the slab; :func:`local_shard` says where the split dim of its output
+is (views, transposes, reductions over other dims, nearest upsampling...) or refuses the op.
+
+Groups are passed by name and resolved at call time, so a rewritten graph prints and deep-copies like
+an ATen graph. The ops have fake kernels: export / ``torch.compile`` see one opaque node each.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+__all__ = ["halo_exchange", "group_stats", "group_norm_apply", "halo_rows", "split_rows", "activation_memory",
+           "census", "Shard", "Refused", "local_shard"]
+
+aten = torch.ops.aten
+# ops whose output shares its input's storage (activation accounting)
+_ALIASES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+            aten.permute.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+            aten.expand.default, aten.alias.default, aten.detach.default, aten.dropout.default,
+            aten.chunk.default, operator.getitem}
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def halo_rows(rank: int, world: int, before: int, after: int, edge_before: int, edge_after: int) -> tuple:
+    """Rows added above and below this rank's slab by :func:`halo_exchange`."""
+    return (edge_before if rank == 0 else before, edge_after if rank == world - 1 else after)
+
+
+def _zeros_like_rows(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = n
+    return x.new_zeros(shape)
+
+
+@torch.library.custom_op("dit_passes::vae_halo_exchange", mutates_args=())
+def halo_exchange(x: torch.Tensor, dim: int, before: int, after: int, edge_before: int, edge_after: int,
+                  group_name: str) -> torch.Tensor:
+    """``x`` (this rank's slab along ``dim``) with ``before`` rows of the previous rank prepended and
+    ``after`` rows of the next rank appended; rank 0 prepends ``edge_before`` zero rows and the last
+    rank appends ``edge_after`` zero rows instead (the convolution's global padding). Every rank
+    passes the same arguments: rank r sends its first ``after`` rows to r - 1 and its last ``before``
+    rows to r + 1, all in one ``batch_isend_irecv``."""
+    group = _group(group_name)
+    rank, world = group.rank(), group.size()
+    top_n, bottom_n = halo_rows(rank, world, before, after, edge_before, edge_after)
+    top = _zeros_like_rows(x, dim, top_n)
+    bottom = _zeros_like_rows(x, dim, bottom_n)
+    length = x.shape[dim]
+    ops = []
+    if rank > 0:
+        prev = dist.get_global_rank(group, rank - 1)
+        if after:
+            ops.append(dist.P2POp(dist.isend, x.narrow(dim, 0, after).contiguous(), prev, group))
+        if before:
+            ops.append(dist.P2POp(dist.irecv, top, prev, group))
+    if rank < world - 1:
+        nxt = dist.get_global_rank(group, rank + 1)
+        if before:
+            ops.append(dist.P2POp(dist.isend, x.narrow(dim, length - before, before).contiguous(), nxt, group))
+        if after:
+            ops.append(dist.P2POp(dist.irecv, bottom, nxt, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    pieces = [p for p in (top, x, bottom) if p.shape[dim] > 0]
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else x.clone()
+
+
+@halo_exchange.register_fake
+def _(x, dim, before, after, edge_before, edge_after, group_name):
+    group = _group(group_name)
+    top_n, bottom_n = halo_rows(group.rank(), group.size(), before, after, edge_before, edge_after)
+    shape = list(x.shape)
+    shape[dim] += top_n + bottom_n
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("dit_passes::vae_group_stats", mutates_args=())
+def group_stats(x: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Per (batch, group) ``[count, sum, sum of squares]`` of the local ``x`` (N, C, *spatial), in
+    float64. Built from ``var_mean`` (stable two-pass) so that summing over ranks and recovering the
+    variance in float64 loses nothing measurable."""
+    n = x.shape[0]
+    xg = x.reshape(n, num_groups, -1)
+    if xg.dtype not in (torch.float32, torch.float64):
+        xg = xg.float()
+    count = xg.shape[-1]
+    var, mean = torch.var_mean(xg, dim=-1, correction=0)
+    mean, var = mean.double(), var.double()
+    total = mean * count
+    squares = (var + mean * mean) * count
+    return torch.stack([torch.full_like(total, float(count)), total, squares], dim=-1)
+
+
+@group_stats.register_fake
+def _(x, num_groups):
+    return x.new_empty((x.shape[0], num_groups, 3), dtype=torch.float64)
+
+
+@torch.library.custom_op("dit_passes::vae_group_norm_apply", mutates_args=())
+def group_norm_apply(x: torch.Tensor, stats: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """Normalise the local ``x`` with the global statistics ``stats`` (the all-reduced output of
+    :func:`group_stats`), then apply the per-channel affine ``weight`` / ``bias``."""
+    n, c = x.shape[0], x.shape[1]
+    count, total, squares = stats.unbind(-1)
+    mean = total / count
+    var = (squares / count - mean * mean).clamp_min(0.0)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rstd = torch.rsqrt(var + eps).to(compute)                       # (N, G)
+    mean = mean.to(compute)
+    per = c // num_groups
+    scale = rstd.repeat_interleave(per, dim=1)                      # (N, C)
+    shift = -mean.repeat_interleave(per, dim=1) * scale
+    if weight is not None:
+        scale = scale * weight.to(compute)
+        shift = shift * weight.to(compute)
+    if bias is not None:
+        shift = shift + bias.to(compute)
+    bshape = (n, c) + (1,) * (x.dim() - 2)
+    xc = x if x.dtype == compute else x.to(compute)
+    out = torch.addcmul(shift.reshape(bshape), xc, scale.reshape(bshape))
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+@group_norm_apply.register_fake
+def _(x, stats, num_groups, weight, bias, eps):
+    return torch.empty_like(x)
+
+
+# --- where the split dim goes through local ops -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Which dim of a value is split over the ranks, and every rank's extent along it."""
+    dim: int
+    sizes: Tuple[int, ...]
+
+
+class Refused(Exception):
+    """The op cannot run on the slabs as they are; the message says why."""
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+_LIKE_POINTWISE = {aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
+                   aten.contiguous.default, aten.alias.default, aten.detach.default, aten.clone.default,
+                   aten.expand_as.default, aten.expand.default, aten.zeros_like.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_REDUCTIONS = {aten.linalg_vector_norm.default: 2, aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten.amax.default: 1}
+_NEAREST = {aten.upsample_nearest2d.vec, aten._upsample_nearest_exact2d.vec}
+_SLICING = {aten.slice.Tensor: 1, aten.select.int: 1, aten.chunk.default: 2, aten.split.Tensor: 2,
+            aten.split_with_sizes.default: 2, aten.squeeze.dim: 1}
+
+
+def local_shard(node: fx.Node, sh: Dict[fx.Node, Shard], rank: int,
+                ref: Optional[Sequence[int]] = None) -> Optional[Shard]:
+    """The split of ``node``'s output (None: not split), for an op that runs unchanged on each rank's
+    slab (``sh``: the split of the inputs; ``ref``: the node's shape in the single-process graph).
+    Raises :class:`Refused` for an op that would need rows of other ranks."""
+    t, args = node.target, node.args
+    if t is aten.type_as.default:  # the other tensor only lends its dtype
+        return sh.get(args[0])
+    s = next(sh[a] for a in node.all_input_nodes if a in sh)
+    x = args[0]
+    ndim = _val(x).dim() if isinstance(x, fx.Node) and isinstance(_val(x), torch.Tensor) else 0
+    if t in _LIKE_POINTWISE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+        return _pointwise(node, sh)
+    if t in _VIEWS:
+        return _view(node, s, rank, ref)
+    if t is aten.transpose.int:
+        a, b = (int(d) % ndim for d in args[1:3])
+        return Shard(b if s.dim == a else a if s.dim == b else s.dim, s.sizes)
+    if t is aten.permute.default:
+        return Shard([int(d) % ndim for d in args[1]].index(s.dim), s.sizes)
+    if t is aten.unsqueeze.default:
+        return Shard(s.dim + (1 if int(args[1]) % (ndim + 1) <= s.dim else 0), s.sizes)
+    if t in _SLICING:
+        at = _SLICING[t]
+        d = int(args[at]) % ndim if len(args) > at else 0
+        if d == s.dim and not (t is aten.slice.Tensor and _val(node).shape[d] == _val(x).shape[d]):
+            raise Refused("it slices the split dim")
+        return Shard(s.dim - (1 if t in (aten.select.int, aten.squeeze.dim) and d < s.dim else 0), s.sizes)
+    if t is operator.getitem:
+        return s
+    if t in (aten.cat.default, aten.stack.default):
+        d = (int(args[1]) if len(args) > 1 else 0) % _val(node).dim()
+        if any(sh.get(a) != s for a in args[0]) or (t is aten.cat.default and d == s.dim):
+            raise Refused("cat along the split dim, or of split with unsplit tensors")
+        return Shard(s.dim + (1 if t is aten.stack.default and d <= s.dim else 0), s.sizes)
+    if t in _REDUCTIONS:
+        at = _REDUCTIONS[t]
+        dims = args[at] if len(args) > at and args[at] is not None else range(ndim)
+        dims = sorted({int(d) % ndim for d in (dims if isinstance(dims, (list, tuple, range)) else [dims])})
+        keep = bool(args[at + 1]) if len(args) > at + 1 else False
+        if s.dim in dims:
+            raise Refused("a reduction over the split dim")
+        return Shard(s.dim if keep else s.dim - sum(1 for d in dims if d < s.dim), s.sizes)
+    if t is aten.linear.default:
+        if s.dim == ndim - 1:
+            raise Refused("a linear over the split dim")
+        return s
+    if t in _NEAREST:
+        h_in, h_out = _val(x).shape[s.dim], _val(node).shape[s.dim]
+        scales = args[2] if len(args) > 2 else None
+        if s.dim != ndim - 2 or h_out % h_in or (scales and float(scales[0]) != h_out // h_in):
+            raise Refused("nearest upsampling along height is local only by an integer factor")
+        return Shard(s.dim, tuple(n * (h_out // h_in) for n in s.sizes))
+    raise Refused("an op this rewrite does not know to act locally on the split dim")
+
+
+def _pointwise(node: fx.Node, sh: Dict[fx.Node, Shard]) -> Shard:
+    out_ndim, shard = _val(node).dim(), None
+    tensors = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+    for a in tensors:
+        if a in sh:
+            s = Shard(sh[a].dim + out_ndim - _val(a).dim(), sh[a].sizes)
+            if shard is not None and s != shard:
+                raise Refused(f"inputs split differently ({shard} vs {s})")
+            shard = s
+    for a in tensors:
+        idx = shard.dim - (out_ndim - _val(a).dim())
+        if a not in sh and idx >= 0 and _val(a).shape[idx] != 1:
+            raise Refused(f"`{a.name}` is replicated but not broadcast along the split dim")
+    return shard
+
+
+def _view(node: fx.Node, s: Shard, rank: int, ref: Optional[Sequence[int]]) -> Shard:
+    # Rank j holds rows [start_j, start_j + n_j) of dim d: a contiguous range of the row-major flattening
+    # of dims d.. (outer dims unchanged). That range is again a slab of output dim e if the outer dims
+    # keep their product and the product of dims e+1.. divides every boundary. Size-1 dims make e
+    # ambiguous where this rank has one row: the single-process shape decides.
+    src, dst = list(_val(node.args[0]).shape), list(_val(node).shape)
+    pre, inner = math.prod(src[:s.dim]), math.prod(src[s.dim + 1:])
+    bounds = [sum(s.sizes[:j]) * inner for j in range(len(s.sizes) + 1)]
+    for e in [e for e in range(len(dst)) if math.prod(dst[:e]) == pre]:
+        inner_dst = math.prod(dst[e + 1:])
+        if all(b % inner_dst == 0 for b in bounds):
+            sizes = tuple((bounds[j + 1] - bounds[j]) // inner_dst for j in range(len(s.sizes)))
+            if sizes[rank] == dst[e] and (ref is None or list(ref) == dst[:e] + [sum(sizes)] + dst[e + 1:]):
+                return Shard(e, sizes)
+    raise Refused(f"a view {src} -> {dst} that does not keep the rank slabs of dim {s.dim} whole")
+
+
+# --- row split and graph accounting ---------------------------------------------------------------
+
+
+def split_rows(total: int, world: int, unit: int = 1) -> List[int]:
+    """Rows per rank: ``total`` split as evenly as possible in multiples of ``unit`` (the first ranks
+    take one unit more; a remainder below ``unit`` goes to the last rank)."""
+    units, rest = divmod(total, unit)
+    if units < world:
+        raise ValueError(f"VAE-P: height {total} is too small for {world} ranks"
+                         + (f" in blocks of {unit} rows" if unit > 1 else ""))
+    base, extra = divmod(units, world)
+    rows = [(base + (1 if r < extra else 0)) * unit for r in range(world)]
+    rows[-1] += rest
+    return rows
+
+
+def activation_memory(gm: fx.GraphModule) -> Dict[str, int]:
+    """Bytes from the graph's ``meta['val']``: the largest single activation and the peak of the live
+    activations in graph order (views share their base; attention adds its score matrix while it
+    runs). Parameters are not counted. An estimate of the allocator's peak, comparable across graphs."""
+    nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
+    pos = {n: i for i, n in enumerate(nodes)}
+    root: Dict[fx.Node, fx.Node] = {}
+    size: Dict[fx.Node, int] = {}
+    last: Dict[fx.Node, int] = {}
+    largest, extra = 0, {}
+    for n in nodes:
+        v = _val(n)
+        if n.op == "call_function" and n.target in _ALIASES and n.all_input_nodes:
+            root[n] = root.get(n.args[0], n.args[0]) if isinstance(n.args[0], fx.Node) else n
+        else:
+            root[n] = n
+            size[n] = sum(t.numel() * t.element_size() for t in (v if isinstance(v, (list, tuple)) else [v])
+                          if isinstance(t, torch.Tensor))
+            largest = max(largest, size[n])
+        if n.target is aten.scaled_dot_product_attention.default:
+            q, k = _val(n.args[0]), _val(n.args[1])
+            extra[n] = q.numel() // q.shape[-1] * k.shape[-2] * q.element_size()
+        for a in n.all_input_nodes:
+            if a in root:
+                last[root[a]] = max(last.get(root[a], 0), pos[n])
+    for o in gm.graph.output_node().all_input_nodes:
+        if o in root:
+            last[root[o]] = len(nodes)
+    live = peak = 0
+    ends: Dict[int, int] = collections.Counter()
+    for i, n in enumerate(nodes):
+        if root[n] is n:
+            live += size[n]
+            ends[last.get(n, i)] += size[n]
+        peak = max(peak, live + extra.get(n, 0))
+        live -= ends.pop(i, 0)
+    return {"largest_activation_bytes": largest, "peak_activation_bytes": peak}
+
+
+def census(gm: fx.GraphModule) -> Dict[str, int]:
+    """What the rewrite has to handle in a single-process graph."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return {"convs_taller_than_one_row": sum(1 for n in nodes if n.target in (aten.conv2d.default,
+                                             aten.conv3d.default) and _val(n.args[1]).shape[-2] > 1),
+            "group_norms": sum(1 for n in nodes if n.target is aten.group_norm.default),
+            "attentions": sum(1 for n in nodes if n.target is aten.scaled_dot_product_attention.default)}
