@@ -6,37 +6,16 @@ compares Ulysses(2) + DBCache with the single-process DBCache on the same model 
 """
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dit_passes import compile_dit, passes
 from dit_passes.models.zoo import build
 from dit_passes.testing import run_ranks
+from dit_passes.testing.counting import OpCounter
 
 STEPS = 8
 CFG = dict(Fn_compute_blocks=1, residual_diff_threshold=0.45, max_warmup_steps=2)
-
-
-class _Count(TorchDispatchMode):
-    supports_higher_order_operators = True  # torch.cond passes through: count inside the branch it takes
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.higher_order.cond:
-            pred, true_fn, false_fn, operands = args
-            self.counts["cond"] += 1
-            with self:
-                return (true_fn if bool(pred) else false_fn)(*operands)
-        for kind in ("all_reduce", "all_to_all_single", "all_gather_into_tensor"):
-            if kind in str(func):
-                self.counts[kind] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _loop(model, kwargs, counter=None):
@@ -62,7 +41,7 @@ def _rank_fn(rank, world):
     ref = _loop(single, kwargs)
     par = compile_dit(zm.model, passes=[passes.Ulysses(size=world), passes.DBCache(**CFG)])
     par.lower(**dict(kwargs, timestep=torch.full_like(kwargs["timestep"], 1000.0)))  # capture outside the count
-    counter = _Count()
+    counter = OpCounter(["all_reduce", "all_to_all_single", "all_gather_into_tensor"])
     out = _loop(par, kwargs, counter)
     summary = par.cache_summary(as_dict=True)[-1]
     return {"rel": ((out - ref).abs().max() / ref.abs().max()).item(),

@@ -115,6 +115,11 @@ def _attr(x) -> Optional[str]:
     return x.target if isinstance(x, fx.Node) and x.op == "get_attr" else None
 
 
+def is_adapter_path(path: str) -> bool:
+    """A PEFT adapter's projection (``...to_q.lora_A.default``): not a projection of the model itself."""
+    return any(part.startswith(("lora_", "lokr_", "loha_")) for part in path.split("."))
+
+
 def find_linears(gm: fx.GraphModule, fn_nodes: List[fx.Node], block_of: Dict[fx.Node, int],
                  blocks: List[Block]) -> List[LinearSite]:
     sites: List[LinearSite] = []
@@ -128,6 +133,9 @@ def find_linears(gm: fx.GraphModule, fn_nodes: List[fx.Node], block_of: Dict[fx.
         bi = block_of.get(n)
         if bi is None:
             roles[n] = "other"
+            continue
+        if is_adapter_path(n.meta.get("dit_module_path", "")):
+            roles[n] = "lora"  # an unfused adapter branch beside its base linear
             continue
         inside, dep = per_block[bi]
         slots, _ = _forward_reach(n, inside)

@@ -4,7 +4,8 @@ from ..cache.config import DBCacheConfig, TaylorSeerCalibratorConfig
 from .api import (CacheStats, FrontendState, disable_cache, enable_cache, load, quantize, refresh_context, steps_mask,
                   strify, summary)
 from .configs import SUPPORTED_QUANT_TYPES, ParallelismConfig, QuantizeConfig
+from .offload import layerwise_offload
 
 __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
            "CacheStats", "FrontendState", "DBCacheConfig", "TaylorSeerCalibratorConfig", "ParallelismConfig",
-           "QuantizeConfig", "SUPPORTED_QUANT_TYPES"]
+           "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "layerwise_offload"]

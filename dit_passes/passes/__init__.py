@@ -4,5 +4,6 @@ from .dbcache import DBCache
 from .quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
+from .offload import LayerwiseOffload
 
-__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel"]
+__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload"]

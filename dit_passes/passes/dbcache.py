@@ -41,7 +41,7 @@ from torch._guards import detect_fake_mode
 
 from ..analysis.blocks import get_structure
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult, graph_facts
-from .segments import MiddleSegment, cut_middle
+from .segments import MiddleSegment, cut_middle, keep_loads_with_blocks
 
 
 def _branch(gm: fx.GraphModule, seg: MiddleSegment, k: int, cached: bool) -> fx.GraphModule:
@@ -123,7 +123,8 @@ class DBCache(Pass):
             raise PassError(f"dbcache: Fn_compute_blocks + Bn_compute_blocks = {fn} + {bn} must be smaller than "
                             f"the number of blocks ({n}, lists {[(b.name, b.count) for b in s.block_lists]}), "
                             f"so that at least one middle block can be cached")
-        seg = cut_middle(gm, s, fn, bn)
+        relocated, outside = keep_loads_with_blocks(gm, s, fn, bn, graph_facts(gm).get("offload_loads", {}))
+        seg = cut_middle(gm, s, fn, bn, exclude=outside)
         k = len(seg.live_out)
         g = gm.graph
         mode = detect_fake_mode([a.meta["val"] for a in seg.live_in])
@@ -211,6 +212,7 @@ class DBCache(Pass):
         facts.setdefault("extra_outputs", []).append(
             (lambda rt, vals, _s=store, _g=graph_id: _s.outputs(_g, rt.context, vals), len(state_out) + 2))
         facts["dbcache"] = {"Fn": fn, "Bn": bn, "blocks": n, "middle_nodes": len(seg.nodes), "streams_cached": k}
-        counts = {"blocks_in_branch": n - fn - bn, "cond": 1, "state_tensors": len(state_in), "streams_cached": k}
+        counts = {"blocks_in_branch": n - fn - bn, "cond": 1, "state_tensors": len(state_in), "streams_cached": k,
+                  "offload_loads_moved": relocated}
         return PassResult(True, counts, f"blocks {fn}..{n - bn - 1} of {n} moved into a torch.cond branch "
                                         f"({len(seg.nodes)} nodes); {k} stream residual(s) cached; tag {self.config.strify()}")

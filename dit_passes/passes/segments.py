@@ -5,7 +5,7 @@ Used by the residual-cache pass. Pure analysis: nothing here edits the graph.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -60,13 +60,14 @@ def _match(targets: List[fx.Node], pool: List[fx.Node], what: str) -> Dict[fx.No
     return out
 
 
-def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int) -> MiddleSegment:
+def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int,
+               exclude: Set[fx.Node] = frozenset()) -> MiddleSegment:
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     blocks = s.blocks
     lo = pos[blocks[fn - 1].last] + 1
     hi = pos[blocks[len(blocks) - bn].first] if bn else pos[blocks[-1].last] + 1
-    middle = [n for n in nodes[lo:hi] if n.op == "call_function"]
+    middle = [n for n in nodes[lo:hi] if n.op == "call_function" and n not in exclude]
     inside = set(middle)
     live_in: List[fx.Node] = []
     for n in middle:
@@ -91,3 +92,29 @@ def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int) -> MiddleS
     image_at_cut = _match([image_in], streams_at_cut, "image stream")[image_in]
     return MiddleSegment(middle, live_in, live_out, before_of, blocks[0].first, image_in, image_at_cut)
 
+
+
+def keep_loads_with_blocks(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int,
+                           loads: Dict[fx.Node, int]) -> Tuple[int, Set[fx.Node]]:
+    """Keep each layerwise-offload load on the side of the cut its block is on: a middle block's load
+    moves into the middle (so a cached step never loads it); a Bn block's load issued inside the middle
+    stays where it is but is excluded from the cut (returned, for ``cut_middle(exclude=...)``), so it
+    still runs ahead of its block. A load goes together with the getitems that read it.
+    Returns ``(loads moved, nodes to exclude from the middle)``."""
+    blocks, n = s.blocks, len(s.blocks)
+    nodes = list(gm.graph.nodes)
+    pos = {x: i for i, x in enumerate(nodes)}
+    lo = pos[blocks[fn - 1].last] + 1
+    hi = pos[blocks[n - bn].first] if bn else pos[blocks[-1].last] + 1
+    moved, exclude = 0, set()
+    for load, index in loads.items():
+        if load not in pos:
+            continue
+        in_middle = fn <= index < n - bn
+        if in_middle and pos[load] < lo:
+            for x in [load, *load.users]:
+                nodes[lo].prepend(x)
+            moved += 1
+        elif not in_middle and lo <= pos[load] < hi:
+            exclude.update([load, *load.users])
+    return moved, exclude

@@ -87,6 +87,12 @@ class TensorParallel(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if self.size == 1:
             return PassResult(False, {}, "tensor_parallel size=1: no-op (weights and graph unchanged)")
+        adapters = [s.module_path for s in get_structure(gm).linears_with_role("lora")]
+        if adapters:
+            raise PassError(f"tensor_parallel: {len(adapters)} unfused LoRA adapter projection(s) in the graph (e.g. "
+                            f"{adapters[0]}); sharding the base weights would leave the adapters' products "
+                            f"unsharded. Fuse them first (pipe.fuse_lora(), or transformer.fuse_lora()), or use "
+                            f"context parallelism (Ulysses / Ring), which runs unfused LoRA as is")
         if not (dist.is_available() and dist.is_initialized()):
             raise PassError("tensor_parallel needs an initialised torch.distributed process group: call "
                             "torch.distributed.init_process_group(...) in each of the size processes first")
