@@ -15,7 +15,8 @@ Differences from the reference: all parallel sizes 1 is a logged no-op; ``enable
 False, as pipelines running CFG as two calls name them ``cache_context("cond" / "uncond")`` and each named context
 has its own cache state (the reference shares one state there); a second ``enable_cache`` raises (a wrapper from
 ``quantize`` / ``load`` is extended instead); ``use_ray=True`` runs the transformer on Ray workers
-(``pipe.transformer`` becomes a proxy, ``pipe(...)`` works unchanged); a whole-pipeline engine is returned only for
+(``pipe.transformer`` becomes a proxy, ``pipe(...)`` works unchanged; a bare transformer is also routed to the
+workers in place, as the reference's transformer wrapper does); a whole-pipeline engine is returned only for
 ``ray_transfer_fn`` with ``pipe_or_module=None``.
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ class FrontendState:
     restore: Any = None  # what disable_cache puts back: the original transformer, or the wrapper extended
     extra_restore: List[Tuple[str, Any]] = dataclasses.field(default_factory=list)  # (pipe attribute, original)
     engine: Any = None  # the RayEngine when the transformer runs on Ray workers
+    routed: Dict[str, Any] = dataclasses.field(default_factory=dict)  # _route_to_proxy: instance entries it replaced
 
     def cache_options(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
@@ -273,9 +275,26 @@ def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
     state.restore, state.engine = module, engine
     proxy.__dict__["_dit_frontend"] = state
     if owner is None:
+        _route_to_proxy(module, proxy, state)
         return proxy
     setattr(owner, attr, proxy)
     return owner
+
+
+_ROUTED = ("forward", "cache_context", "to", "cuda", "cpu", "_dit_frontend")
+_ABSENT = object()
+
+
+def _route_to_proxy(module: torch.nn.Module, proxy: Any, state: FrontendState) -> None:
+    """The reference's transformer wrapper changes the transformer it is given (its seed example does not assign
+    the result). On this instance only: calls go to the workers and ``.to()`` / ``.cuda()`` / ``.cpu()`` move
+    nothing, so ``pipe.to("cuda")`` leaves the main-process copy where it is. ``disable_cache`` undoes it."""
+    def keep(*_: Any, **__: Any) -> torch.nn.Module:
+        return module
+    # what the instance held before (another hook's forward, say), put back exactly by disable_cache
+    state.routed = {name: module.__dict__.get(name, _ABSENT) for name in _ROUTED}
+    module.__dict__.update(forward=proxy.forward, cache_context=proxy.cache_context, to=keep, cuda=keep, cpu=keep,
+                           _dit_frontend=state)
 
 
 def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig], cfg: Optional[DBCacheConfig],
@@ -302,6 +321,11 @@ def disable_cache(pipe_or_module: Any) -> Any:
             continue
         if state.engine is not None:
             state.engine.shutdown()
+            for name, before in state.routed.items():  # a bare transformer routed to the workers (_route_to_proxy)
+                if before is _ABSENT:
+                    state.restore.__dict__.pop(name, None)
+                else:
+                    state.restore.__dict__[name] = before
         if owner is not None:
             setattr(owner, attr, state.restore)
             for extra_attr, original in state.extra_restore:

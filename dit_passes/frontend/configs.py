@@ -250,7 +250,14 @@ class QuantizeConfig:
             if not dynamic and (self.calibrate_fn is None or self.serialize_to is None):
                 raise ValueError(f"{self.quant_type} (SVDQuant PTQ) needs calibrate_fn (runs the pipeline on a few "
                                  "prompts) and serialize_to (a directory); or use the '_dq' variant")
-        elif self.calibrate_fn is not None:
+        if self.serialize_to is not None:  # the reference's rule: a directory, or <dir>/<quant_type>.safetensors
+            path = os.fspath(self.serialize_to)
+            if path.endswith(".safetensors") and (os.path.basename(path) != f"{self.quant_type}.safetensors"
+                                                  or not os.path.dirname(path)):
+                raise ValueError(f"QuantizeConfig.serialize_to={path!r}: give a directory (the checkpoint is written "
+                                 f"as <dir>/{self.quant_type}.safetensors) or a file path <dir>/"
+                                 f"{self.quant_type}.safetensors")
+        if self.kind != "svdq" and self.calibrate_fn is not None:
             logger.info("QuantizeConfig.calibrate_fn is only used by SVDQuant PTQ; ignored for %s", self.quant_type)
 
     def is_ptq(self) -> bool:
