@@ -13,6 +13,8 @@ shapes. On CUDA, ``svdq_w4a4_linear`` calls the Triton kernels of ``dit_passes.k
 ``fused_act_quant(x2d, smooth_inv, lora_down) -> (qx_packed, ascale, lora_act)`` and
 ``w4a4_gemm(qx_packed, ascale, qweight, wscale, lora_act, lora_up, bias, out_dtype) -> [M, N]``, with an
 optional ``is_supported(x2d, qweight) -> bool``. Without it the reference runs. CPU never imports it.
+Before that, ``dit_passes.kernels.w4a4_cutlass_linear`` may take the call (CUTLASS fp8 groupwise GEMM on
+sm_90, bf16 activations): ``DIT_PASSES_W4A4_BACKEND=triton|cutlass|auto`` and its timing table decide.
 """
 from __future__ import annotations
 
@@ -29,7 +31,27 @@ from .fp8_int8 import FP8_GRANULARITIES, fp8_linear as _fp8_linear_impl, int8_li
 from .int4 import w4a4_linear_reference
 
 _KERNEL_MODULES = ("dit_passes.kernels.w4a4_triton", "kernels.w4a4_triton")
+_CUTLASS_MODULES = ("dit_passes.kernels.w4a4_cutlass_linear", "kernels.w4a4_cutlass_linear")
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _import_kernel_module(names, attrs, fallback: str) -> Optional[ModuleType]:
+    for name in names:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name.startswith(e.name):  # the module itself is absent
+                continue
+            warnings.warn(f"{name} needs a missing module ({e.name}); W4A4 runs {fallback} on CUDA")
+            return None
+        except ImportError as e:
+            warnings.warn(f"{name} failed to import ({e}); W4A4 runs {fallback} on CUDA")
+            return None
+        if name.startswith("kernels.") and not os.path.abspath(mod.__file__).startswith(_REPO_ROOT + os.sep):
+            continue
+        if all(hasattr(mod, f) for f in attrs):
+            return mod
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,22 +63,14 @@ def w4a4_kernel_module() -> Optional[ModuleType]:
     unrelated installed package of that name. Errors other than ImportError propagate: a broken
     kernel must be loud, not silently replaced.
     """
-    for name in _KERNEL_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name is not None and name.startswith(e.name):  # the module itself is absent
-                continue
-            warnings.warn(f"{name} needs a missing module ({e.name}); W4A4 runs the reference on CUDA")
-            return None
-        except ImportError as e:
-            warnings.warn(f"{name} failed to import ({e}); W4A4 runs the reference on CUDA")
-            return None
-        if name.startswith("kernels.") and not os.path.abspath(mod.__file__).startswith(_REPO_ROOT + os.sep):
-            continue
-        if all(hasattr(mod, f) for f in ("fused_act_quant", "w4a4_gemm")):
-            return mod
-    return None
+    return _import_kernel_module(_KERNEL_MODULES, ("fused_act_quant", "w4a4_gemm"), "the reference")
+
+
+@functools.lru_cache(maxsize=None)
+def w4a4_cutlass_module() -> Optional[ModuleType]:
+    """The CUTLASS W4A4 linear (``kernels/w4a4_cutlass_linear.py``: ``use_cutlass(x, qweight) -> bool``,
+    ``w4a4_linear(...)``), or None; its backend choice is ``DIT_PASSES_W4A4_BACKEND`` (see there)."""
+    return _import_kernel_module(_CUTLASS_MODULES, ("use_cutlass", "w4a4_linear"), "Triton")
 
 
 # ---------------------------------------------------------------------------------------------- W4A4
@@ -94,6 +108,10 @@ def svdq_w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tenso
 @svdq_w4a4_linear.register_kernel("cuda")
 def _svdq_w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
     _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
+    if os.environ.get("DIT_PASSES_W4A4_BACKEND", "auto").strip().lower() != "triton":
+        cutlass = w4a4_cutlass_module()
+        if cutlass is not None and cutlass.use_cutlass(x, qweight):
+            return cutlass.w4a4_linear(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
     return w4a4_linear_with_kernel(w4a4_kernel_module(), x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
 
 

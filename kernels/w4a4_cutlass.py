@@ -1,0 +1,510 @@
+"""W4A4 (SVDQuant) GEMM on Hopper through CUTLASS's FP8 groupwise-scaled GEMM (``w4a4_cutlass.cu``).
+
+Arithmetic (G = K / 64 groups)::
+
+    out[m, n] = bf16( sum_g ascale[m, g] * wscale[n, g] * dot_g(a[m, 64g:64g+64], w[n, 64g:64g+64]) + c[m, n] )
+
+* ``a`` [M, K] and ``w`` [N, K] are ``torch.float8_e4m3fn``, row-major (K contiguous), holding the int4
+  values -8..7 (exact in e4m3); a group's dot is an integer, |d| <= 4096, exact in fp32 accumulation.
+* ``ascale`` fp32 [M, G] with strides (1, M): M-major ("MN-major" in CUTLASS), element (m, g) at
+  ``ascale_storage[g * M + m]`` -- the layout the activation-quant kernel writes.
+* ``wscale`` fp32 [N, G] with strides (1, N): N-major (use :func:`group_major` once at load time).
+* ``c`` optional bf16 [M, N] row-major (low-rank branch + bias), added by the epilogue (beta = 1).
+* M >= 1 arbitrary, N % 16 == 0, K % 64 == 0; a, w, c must be 16-byte aligned.
+
+Why fp8: Hopper's wgmma has no int4 MMA, and CUTLASS's groupwise-scaled Hopper mainloop
+(``KernelTmaWarpSpecialized*FP8Blockwise``) exists only for fp8 inputs: it promotes each K-group's fp32
+partial sum into the accumulator with its two scales (FFMA). int4 values are exact in e4m3 and a group's
+dot is exact in fp32, so this is the W4A4 arithmetic up to fp32 rounding of the scaled sums.
+K-group 64 needs a one-header relaxation of CUTLASS 4.2.0 (its mainloop asserts a K granularity multiple
+of 128): :func:`build` puts a patched copy of that header first on the include path (see the .cu).
+
+Public API: :func:`is_available` (never raises), :func:`build`, :func:`built_library`, :func:`configs`,
+:func:`w4a4_gemm_fp8`, :func:`group_major`, :func:`find_cutlass_include`, :func:`find_nvcc`,
+:func:`resource_usage`. ``w4a4_cutlass_linear.py`` builds the whole SVDQuant linear on top.
+
+Environment: ``DIT_PASSES_CUTLASS_CACHE`` (build cache directory), ``DIT_PASSES_CUTLASS_INCLUDE``
+(a directory holding ``cutlass/`` and ``cute/``, instead of the pip package), ``CUDA_HOME``/``CUDA_PATH``
+(nvcc), ``DIT_PASSES_CUTLASS_JOBS`` (parallel nvcc), ``DIT_PASSES_CUTLASS_NVCC_FLAGS`` (extra flags),
+``DIT_PASSES_CUTLASS_CONFIG`` (forces the config of "auto").
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional
+
+import torch
+
+PIP_HINT = "pip install nvidia-cutlass==4.2.0.0"
+SOURCE = os.environ.get("DIT_PASSES_CUTLASS_SOURCE") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "w4a4_cutlass.cu")
+CONFIGS = ["coop_128x128", "pingpong_64x128", "coop_128x128_c2x1"]
+GROUP_K = 64
+NVCC_FLAGS = ["-std=c++17", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+              "-Xcompiler", "-fvisibility=hidden", "-DNDEBUG", "-Xptxas", "-v"]
+BUILD_LAYOUT = "one-object-per-config-v1"
+ABI_VERSION = 2
+
+_MAINLOOP = "cutlass/gemm/collective/sm90_mma_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp"
+# (old, new, expected count) text replacements making the patched header.
+_PATCH = [
+    ("#pragma once", "#pragma once\n#define W4A4_CUTLASS_PATCHED_SM90_BLOCKWISE 1", 1),
+    ('  static_assert(ScalePromotionInterval % 4 == 0, "ScalePromotionInterval must be a multiple of 4.");',
+     "  // [w4a4 patch] K-group 64 (interval 2) allowed; the fast path is keyed on interval == k-blocks per tile\n"
+     "  static constexpr int W4A4KBlocksPerTile = size<2>(TileShape{}) / tile_size<2>(TiledMma{});\n"
+     '  static_assert(ScalePromotionInterval % 2 == 0, "[w4a4 patch] ScalePromotionInterval must be a multiple of 2.");',
+     1),
+    ("ScalePromotionInterval != 4", "ScalePromotionInterval != W4A4KBlocksPerTile", 5),
+]
+
+ERROR_NAMES = dict(enumerate(("ok", "null device pointer", "bad problem shape", "misaligned pointer",
+                               "device is not sm_90", "can_implement failed", "workspace too small",
+                               "initialize failed", "run failed", "CUDA error", "C++ exception",
+                               "not compiled for sm_90a")))
+
+
+class CutlassUnavailable(RuntimeError):
+    """CUTLASS headers, nvcc, or a Hopper GPU are missing."""
+
+
+# ------------------------------------------------------------------------------------------------
+# discovery
+# ------------------------------------------------------------------------------------------------
+def _is_include_dir(d: Optional[str]) -> bool:
+    return bool(d) and os.path.isfile(os.path.join(d, "cutlass", "cutlass.h")) and \
+        os.path.isfile(os.path.join(d, "cute", "tensor.hpp"))
+
+
+def find_cutlass_include() -> str:
+    """The directory holding ``cutlass/`` and ``cute/`` headers: ``$DIT_PASSES_CUTLASS_INCLUDE``,
+    ``$CUTLASS_PATH/include``, or the ``nvidia-cutlass`` wheel's ``<site>/cutlass_library/source/include``
+    (``importlib.util.find_spec``, so ``pip install --target DIR`` + ``PYTHONPATH=DIR`` works, or the
+    distribution's file list)."""
+    env, cp = os.environ.get("DIT_PASSES_CUTLASS_INCLUDE"), os.environ.get("CUTLASS_PATH")
+    tried = ([env] if env else []) + ([os.path.join(cp, "include")] if cp else [])
+    try:
+        spec = importlib.util.find_spec("cutlass_library")
+    except (ImportError, ValueError):
+        spec = None
+    tried += [os.path.join(loc, "source", "include") for loc in (spec.submodule_search_locations or [])] if spec else []
+    for d in tried:
+        if _is_include_dir(d):
+            return os.path.abspath(d)
+    try:
+        from importlib import metadata
+        dist = metadata.distribution("nvidia-cutlass")
+        for f in dist.files or []:
+            if str(f).replace("\\", "/").endswith("source/include/cutlass/cutlass.h"):
+                d = os.path.dirname(os.path.dirname(str(dist.locate_file(f))))
+                if _is_include_dir(d):
+                    return os.path.abspath(d)
+    except Exception:  # noqa: BLE001 - metadata lookup is best effort
+        pass
+    raise CutlassUnavailable(
+        "CUTLASS headers not found (looked for cutlass/cutlass.h and cute/tensor.hpp in "
+        f"{tried or 'the cutlass_library package'}); install them with `{PIP_HINT}` "
+        "(or set DIT_PASSES_CUTLASS_INCLUDE to a directory holding cutlass/ and cute/)")
+
+
+def cutlass_version(include_dir: Optional[str] = None) -> str:
+    inc = include_dir or find_cutlass_include()
+    try:
+        txt = open(os.path.join(inc, "cutlass", "version.h")).read()
+        parts = [re.search(rf"#define CUTLASS_{k} (\d+)", txt) for k in ("MAJOR", "MINOR", "PATCH")]
+        return ".".join(p.group(1) for p in parts if p)
+    except OSError:
+        return "unknown"
+
+
+_NVCC_FALLBACKS = ("/usr/local/cuda/bin/nvcc",)
+
+
+def find_nvcc() -> str:
+    """``$CUDA_HOME/bin/nvcc``, ``$CUDA_PATH/bin/nvcc``, ``nvcc`` on PATH, ``/usr/local/cuda/bin/nvcc``."""
+    cands = [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    which = shutil.which("nvcc")
+    cands += ([which] if which else []) + list(_NVCC_FALLBACKS)
+    for c in cands:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise CutlassUnavailable(f"nvcc not found (tried {cands}); install the CUDA toolkit (12.4+, e.g. "
+                             "13.0) and set CUDA_HOME or put nvcc on PATH")
+
+
+def _nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()[-1] if out.strip() else "unknown"
+
+
+def _cache_root() -> str:
+    env = os.environ.get("DIT_PASSES_CUTLASS_CACHE")
+    if env:
+        return os.path.abspath(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dit_passes", "cutlass")
+
+
+def _patched_header(include_dir: str) -> str:
+    path = os.path.join(include_dir, _MAINLOOP)
+    try:
+        text = open(path).read()
+    except OSError as e:
+        raise CutlassUnavailable(f"{path} missing: this CUTLASS has no Hopper groupwise FP8 mainloop; "
+                                 f"`{PIP_HINT}`") from e
+    for old, new, count in _PATCH:
+        found = text.count(old)
+        if found != count:
+            raise CutlassUnavailable(
+                f"cannot patch {path}: expected {count} occurrence(s) of {old[:60]!r}, found {found} "
+                f"(the patch targets CUTLASS 4.2.0, found {cutlass_version(include_dir)}; `{PIP_HINT}`)")
+        text = text.replace(old, new)
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+# build + load
+# ------------------------------------------------------------------------------------------------
+_LIB = None
+_LIB_PATH: Optional[str] = None
+_AVAILABLE: Optional[bool] = None
+# The fields naming a build: a library is reused when all of them match (nvcc_version excepted where
+# this machine has no nvcc: a library built elsewhere from the same source, header and flags).
+_KEY_FIELDS = ("layout", "source_sha256", "header_sha256", "flags", "configs", "cutlass_version", "nvcc_version")
+
+
+def _manifest(include_dir: str, nvcc: Optional[str]):
+    extra = os.environ.get("DIT_PASSES_CUTLASS_NVCC_FLAGS", "").split()
+    header = _patched_header(include_dir)
+    man = {"layout": BUILD_LAYOUT, "source_sha256": hashlib.sha256(open(SOURCE, "rb").read()).hexdigest(),
+           "header_sha256": hashlib.sha256(header.encode()).hexdigest(), "flags": NVCC_FLAGS + extra,
+           "configs": list(CONFIGS), "cutlass_version": cutlass_version(include_dir),
+           "nvcc_version": _nvcc_version(nvcc) if nvcc else None}
+    key = hashlib.sha256(json.dumps([man[k] for k in _KEY_FIELDS]).encode()).hexdigest()[:20]
+    return key, man, header, extra
+
+
+def _find_built(key: str, man: dict) -> Optional[str]:
+    root = _cache_root()
+    so = os.path.join(root, key, "w4a4_cutlass.so")
+    if os.path.isfile(so):
+        return so
+    if man["nvcc_version"] is None and os.path.isdir(root):
+        for d in sorted(os.listdir(root)):
+            try:
+                other = json.load(open(os.path.join(root, d, "build.json")))
+            except (OSError, ValueError):
+                continue
+            so = os.path.join(root, d, "w4a4_cutlass.so")
+            if all(other.get(k) == man[k] for k in _KEY_FIELDS if k != "nvcc_version") and os.path.isfile(so):
+                return so
+    return None
+
+
+def built_library() -> Optional[str]:
+    """The cached library for this source / header / flags (see :func:`build`) or None; never compiles."""
+    try:
+        try:
+            nvcc = find_nvcc()
+        except CutlassUnavailable:
+            nvcc = None
+        key, man, _, _ = _manifest(find_cutlass_include(), nvcc)
+        return _find_built(key, man)
+    except Exception:  # noqa: BLE001 - a query
+        return None
+
+
+def build(verbose: bool = False, force: bool = False, jobs: Optional[int] = None) -> str:
+    """Compile ``w4a4_cutlass.cu`` (cached) and return the path of the shared library.
+
+    One nvcc per config (``-DW4A4_CONFIG_INDEX=i -c``, ``jobs`` (``$DIT_PASSES_CUTLASS_JOBS``) at a time),
+    one link, into ``$DIT_PASSES_CUTLASS_CACHE/<key>/`` (default ``~/.cache/dit_passes/cutlass``), key =
+    sha256 of source, patched header, flags, CUTLASS and nvcc versions, with ``build.json``, ``build.log``
+    (ptxas registers/spills), ``command.txt``. A C-ABI library (static cudart, no torch): a cache directory
+    built elsewhere with the same nvcc is reused as is; without nvcc, any build of the same source/flags.
+    """
+    include_dir = find_cutlass_include()
+    try:
+        nvcc = find_nvcc()
+    except CutlassUnavailable:
+        nvcc = None
+    key, man, header, extra = _manifest(include_dir, nvcc)
+    hit = None if force else _find_built(key, man)
+    if hit:
+        return hit
+    if nvcc is None:
+        find_nvcc()  # raises CutlassUnavailable naming what was tried
+    root = _cache_root()
+    out_dir = os.path.join(root, key)
+    so_path = os.path.join(out_dir, "w4a4_cutlass.so")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(root, key + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(so_path) and not force:
+            return so_path
+        t0 = time.time()
+        patched = os.path.join(out_dir, "patched_include")
+        hdr = os.path.join(patched, _MAINLOOP)
+        os.makedirs(os.path.dirname(hdr), exist_ok=True)
+        with open(hdr, "w") as f:
+            f.write(header)
+        tag = f"tmp{os.getpid()}"
+        objs = [os.path.join(out_dir, f"{name}.{tag}.o") for name in CONFIGS]
+        cmds = [[nvcc, *NVCC_FLAGS, *extra, f"-DW4A4_CONFIG_INDEX={i}", "-I" + patched, "-I" + include_dir,
+                 "-c", "-o", obj, SOURCE] for i, obj in enumerate(objs)]
+        tmp = so_path + "." + tag
+        link = [nvcc, "-shared", "-arch=sm_90a", "-o", tmp, *objs]
+        with open(os.path.join(out_dir, "command.txt"), "w") as f:
+            f.write("\n".join(" ".join(c) for c in cmds + [link]) + "\n")
+        if jobs is None:
+            jobs = int(os.environ.get("DIT_PASSES_CUTLASS_JOBS", "0")) or min(len(cmds), os.cpu_count() or 1)
+        if verbose:
+            print(f"[w4a4_cutlass] compiling {len(cmds)} configs, {jobs} at a time, into {out_dir}",
+                  file=sys.stderr, flush=True)
+        with ThreadPoolExecutor(max(1, jobs)) as ex:
+            procs = list(ex.map(lambda c: subprocess.run(c, capture_output=True, text=True), cmds))
+        if all(p.returncode == 0 for p in procs):
+            procs.append(subprocess.run(link, capture_output=True, text=True))
+        log = "".join(f"==== {' '.join(p.args[-4:])}\n{p.stdout}{p.stderr}" for p in procs)
+        with open(os.path.join(out_dir, "build.log"), "w") as f:
+            f.write(log)
+        for path in objs:
+            if os.path.exists(path):
+                os.remove(path)
+        if verbose:
+            print(log, file=sys.stderr, flush=True)
+        bad = [p for p in procs if p.returncode != 0]
+        if bad:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            text = bad[0].stdout + bad[0].stderr
+            errs = [ln for ln in text.splitlines() if "error" in ln.lower()][:20]
+            raise RuntimeError(f"nvcc failed (exit {bad[0].returncode}); log: {out_dir}/build.log\n"
+                               + "\n".join(errs or text.splitlines()[-40:]))
+        os.replace(tmp, so_path)
+        with open(os.path.join(out_dir, "build.json"), "w") as f:
+            json.dump({**man, "key": key, "build_s": round(time.time() - t0, 1), "jobs": jobs}, f, indent=1)
+    return so_path
+
+
+def _kernel_config(mangled: str) -> str:
+    # the device_kernel's mangled name carries the schedule and the mainloop's <Stages, ClusterShape>
+    if "Pingpong" in mangled:
+        return "pingpong_64x128"
+    m = re.search(r"BlockwiseFP8ILi\d+E.*?1CILi(\d+)E", mangled)
+    return "coop_128x128_c2x1" if (m and m.group(1) == "2") else "coop_128x128"
+
+
+def resource_usage(so_path: Optional[str] = None) -> Dict[str, Dict[str, int]]:
+    """Per config, the ptxas report of its kernel from the build log: registers, spill stores/loads,
+    stack bytes and the mainloop pipeline stages. Empty if there is no log."""
+    so_path = so_path or _LIB_PATH or build()
+    try:
+        log = open(os.path.join(os.path.dirname(so_path), "build.log")).read().splitlines()
+    except OSError:
+        return {}
+    out: Dict[str, Dict[str, int]] = {}
+    name = None
+    for ln in log:
+        m = re.search(r"Compiling entry function '([^']+)'", ln)
+        if m:
+            name = _kernel_config(m.group(1))
+            st = re.search(r"BlockwiseFP8ILi(\d+)E", m.group(1))
+            out[name] = {"stages": int(st.group(1)) if st else -1}
+            continue
+        if name is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ln)
+        if m:
+            out[name].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", ln)
+        if m:
+            out[name]["registers"] = int(m.group(1))
+    return out
+
+
+def _load():
+    global _LIB, _LIB_PATH
+    if _LIB is not None:
+        return _LIB
+    path = build()
+    lib = ctypes.CDLL(path)
+    vp, i32, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    for name in CONFIGS:
+        f = getattr(lib, f"w4a4_cutlass_gemm_{name}")
+        f.argtypes = [vp, vp, vp, vp, vp, vp, i32, i32, i32, vp, sz, vp]
+        f.restype = i32
+        g = getattr(lib, f"w4a4_cutlass_workspace_{name}")
+        g.argtypes = [i32, i32, i32]
+        g.restype = ctypes.c_int64
+    for name in ("w4a4_cutlass_configs", "w4a4_cutlass_last_error_detail"):
+        getattr(lib, name).restype = ctypes.c_char_p
+    lib.w4a4_cutlass_error_string.argtypes = [i32]
+    lib.w4a4_cutlass_error_string.restype = ctypes.c_char_p
+    lib.w4a4_cutlass_set_scheduler.argtypes = [i32, i32]
+    lib.w4a4_cutlass_set_scheduler.restype = i32
+    if lib.w4a4_cutlass_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI version {lib.w4a4_cutlass_abi_version()}, expected {ABI_VERSION}")
+    built = lib.w4a4_cutlass_configs().decode().split(",")
+    if built != CONFIGS:
+        raise RuntimeError(f"{path} exports configs {built}, the module expects {CONFIGS}")
+    _LIB, _LIB_PATH = lib, path
+    return lib
+
+
+def configs() -> List[str]:
+    """Names of the compiled tile configurations (valid ``config=`` values besides "auto")."""
+    return list(CONFIGS)
+
+
+def error_string(code: int) -> str:
+    if _LIB is not None:
+        return _LIB.w4a4_cutlass_error_string(int(code)).decode()
+    return ERROR_NAMES.get(int(code), "unknown error code")
+
+
+def is_available(build_if_needed: bool = True) -> bool:
+    """True when the kernel can run here: CUDA, a compute-capability-9.x GPU, CUTLASS headers, and the
+    library builds (nvcc; the first build takes minutes) or is already built, and loads. With
+    ``build_if_needed=False`` a missing library is not compiled (returns False). Never raises."""
+    global _AVAILABLE
+    if _AVAILABLE is not None:
+        return _AVAILABLE
+    try:
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+            return False
+        if not build_if_needed and _LIB is None and built_library() is None:
+            return False
+        _load()
+        _AVAILABLE = True
+    except Exception:  # noqa: BLE001 - is_available never raises
+        _AVAILABLE = False
+    return _AVAILABLE
+
+
+# ------------------------------------------------------------------------------------------------
+# the op
+# ------------------------------------------------------------------------------------------------
+_AUTO: Dict[tuple, str] = {}
+_WORKSPACE: Dict[tuple, int] = {}
+
+
+def set_scheduler(max_swizzle: int = 1, raster_order: str = "heuristic") -> None:
+    """Persistent tile order of every config: CUTLASS's ``max_swizzle_size`` (1, 2, 4, 8) and raster
+    order ("heuristic", "along_m", "along_n"). Process-wide; for benchmarks."""
+    orders = {"heuristic": 0, "along_m": 1, "along_n": 2}
+    if raster_order not in orders or max_swizzle not in (1, 2, 4, 8):
+        raise ValueError(f"max_swizzle must be 1, 2, 4 or 8 and raster_order one of {sorted(orders)}")
+    if _load().w4a4_cutlass_set_scheduler(int(max_swizzle), orders[raster_order]) != 0:
+        raise RuntimeError("w4a4_cutlass_set_scheduler rejected the options")
+
+
+def set_auto_config(M: int, N: int, K: int, name: str) -> None:
+    """Make config="auto" pick ``name`` for this (M, N, K) (e.g. from a benchmark)."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown config {name!r}; choose from {CONFIGS}")
+    _AUTO[(int(M), int(N), int(K))] = name
+
+
+def _auto_config(M: int, N: int, K: int, device: torch.device) -> str:
+    forced = os.environ.get("DIT_PASSES_CUTLASS_CONFIG")
+    if forced:
+        if forced not in CONFIGS:
+            raise ValueError(f"DIT_PASSES_CUTLASS_CONFIG={forced!r} is not one of {CONFIGS}")
+        return forced
+    if (M, N, K) in _AUTO:
+        return _AUTO[(M, N, K)]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = -(-M // 128) * -(-N // 128)
+    return "coop_128x128" if tiles >= sms else "pingpong_64x128"
+
+
+def group_major(scale: torch.Tensor) -> torch.Tensor:
+    """Same values, [rows, G] with strides (1, rows): the scale layout :func:`w4a4_gemm_fp8` expects."""
+    if scale.dim() != 2:
+        raise ValueError(f"scale must be 2-D [rows, K/64], got shape {tuple(scale.shape)}")
+    return scale.t().contiguous().t()
+
+
+def _is_group_major(s: torch.Tensor) -> bool:
+    rows, g = s.shape
+    return (rows <= 1 or s.stride(0) == 1) and (g <= 1 or s.stride(1) == rows)
+
+
+def w4a4_gemm_fp8(a_fp8: torch.Tensor, ascale: torch.Tensor, w_fp8: torch.Tensor, wscale: torch.Tensor,
+                  c: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+                  config: str = "auto") -> torch.Tensor:
+    """``out = bf16(sum_g ascale[:, g, None] * wscale[None, :, g] * (a_g @ w_g.T) + c)``; see the module doc.
+
+    a_fp8 [M, K] and w_fp8 [N, K] float8_e4m3fn contiguous; ascale [M, K/64] and wscale [N, K/64]
+    float32 with strides (1, rows) (:func:`group_major`); c None or bf16 [M, N] contiguous.
+    """
+    named = {"a_fp8": a_fp8, "ascale": ascale, "w_fp8": w_fp8, "wscale": wscale, **({"c": c} if c is not None else {})}
+    want = {"a_fp8": torch.float8_e4m3fn, "w_fp8": torch.float8_e4m3fn, "ascale": torch.float32,
+            "wscale": torch.float32, "c": torch.bfloat16}
+    for n, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != want[n]:
+            raise ValueError(f"{n} must be {want[n]}, got {t.dtype}")
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"out_dtype must be torch.bfloat16 (the only compiled epilogue), got {out_dtype}")
+    if a_fp8.dim() != 2 or w_fp8.dim() != 2:
+        raise ValueError(f"a_fp8 and w_fp8 must be 2-D, got {tuple(a_fp8.shape)} and {tuple(w_fp8.shape)}")
+    (M, K), (N, Kw) = a_fp8.shape, w_fp8.shape
+    if K != Kw:
+        raise ValueError(f"K mismatch: a_fp8 {tuple(a_fp8.shape)} vs w_fp8 {tuple(w_fp8.shape)}")
+    if K == 0 or K % GROUP_K or N % 16:
+        raise ValueError(f"K must be a positive multiple of {GROUP_K} and N a multiple of 16, got K={K}, N={N}")
+    for n, t, rows in (("ascale", ascale, M), ("wscale", wscale, N)):
+        if tuple(t.shape) != (rows, K // GROUP_K):
+            raise ValueError(f"{n} must have shape ({rows}, {K // GROUP_K}) = (rows, K/64), got {tuple(t.shape)}")
+        if not _is_group_major(t):
+            raise ValueError(f"{n} must have strides (1, {rows}) (group-major: G blocks of {rows} contiguous "
+                             f"floats), got {t.stride()}; convert once with group_major({n})")
+    if c is not None and tuple(c.shape) != (M, N):
+        raise ValueError(f"c must have shape ({M}, {N}), got {tuple(c.shape)}")
+    devs = {n: str(t.device) for n, t in named.items()}
+    if any(t.device.type != "cuda" for t in named.values()) or len(set(devs.values())) != 1:
+        raise ValueError(f"w4a4_gemm_fp8 needs CUDA tensors (an sm_90 GPU) on one device, got {devs}")
+    for n in ("a_fp8", "w_fp8", "c"):
+        if n in named and (not named[n].is_contiguous() or named[n].data_ptr() % 16):
+            raise ValueError(f"{n} must be contiguous (row-major) and 16-byte aligned (TMA), got strides "
+                             f"{named[n].stride()}")
+    if config != "auto" and config not in CONFIGS:
+        raise ValueError(f"unknown config {config!r}; choose 'auto' or one of {CONFIGS}")
+
+    device = a_fp8.device
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=device)
+    if M == 0:
+        return out
+    lib = _load()
+    name = _auto_config(M, N, K, device) if config == "auto" else config
+    with torch.cuda.device(device):
+        ws_key = (name, M, N, K, device.index)
+        ws_bytes = _WORKSPACE.get(ws_key)
+        if ws_bytes is None:
+            ws_bytes = _WORKSPACE[ws_key] = int(getattr(lib, f"w4a4_cutlass_workspace_{name}")(M, N, K))
+        if ws_bytes < 0:
+            raise RuntimeError(f"w4a4_cutlass workspace query failed: {error_string(-ws_bytes)}")
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device=device) if ws_bytes > 0 else None
+        stream = torch.cuda.current_stream(device).cuda_stream
+        code = getattr(lib, f"w4a4_cutlass_gemm_{name}")(
+            a_fp8.data_ptr(), ascale.data_ptr(), w_fp8.data_ptr(), wscale.data_ptr(),
+            c.data_ptr() if c is not None else None, out.data_ptr(), M, N, K,
+            ws.data_ptr() if ws is not None else None, ws_bytes, stream)
+    if code != 0:
+        detail = lib.w4a4_cutlass_last_error_detail().decode()
+        raise RuntimeError(f"w4a4_cutlass[{name}] M={M} N={N} K={K}: error {code}: {error_string(code)}"
+                           + (f" ({detail})" if detail else ""))
+    return out
