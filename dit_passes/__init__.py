@@ -31,7 +31,9 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
     call. ``dump_dir`` writes the graph after every pass; ``block_lists`` overrides block discovery's
     choice of the main stack (names of ModuleLists, e.g. ``["layers"]``). ``torch_compile``: keyword
     arguments of ``torch.compile`` applied to each lowered graph (``{}`` for the defaults: Inductor,
-    ``fullgraph=True``); the graph, cache branch included, then compiles as one.
+    ``fullgraph=True``); the graph, cache branch included, then compiles as one. With ``"regional": True``
+    in it, the other keys go to :class:`~dit_passes.passes.RegionalCompile` instead, which compiles each
+    distinct block program once and leaves the rest eager (a much shorter first generation).
     """
     compiled = CompiledDiT(model, passes, cleanup=cleanup, dump_dir=dump_dir, block_lists=block_lists,
                            torch_compile=torch_compile)

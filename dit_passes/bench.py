@@ -9,6 +9,8 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
 * ``dbcache_never`` / ``dbcache_always``: ``compile_dit`` with ``DBCache(F8B0, W8)``, eagerly;
 * ``compiled_*``: the same graphs through ``compile_dit(..., torch_compile={...})`` (Inductor), with the
   first generation's time (compile included) and the steady 28-step time;
+* ``compiled_regional_always``: ``dbcache_always`` with ``torch_compile={"regional": True, ...}``
+  (``passes.RegionalCompile``: one Inductor compile per distinct block program, the rest eager);
 * host time of capture + passes.
 
 ``--size full`` is the FLUX.1-dev configuration (11.9 B parameters, random bf16 weights, 1024² image =
@@ -36,7 +38,8 @@ TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=14, at
             axes_dims_rope=(4, 6, 6))
 SIZES = {"full": (FLUX_DEV, 4096, 512), "tiny": (TINY, 256, 32)}
 STEPS, WARMUP = 28, 8
-ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "compiled_never", "compiled_always")
+ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "compiled_never", "compiled_always",
+        "compiled_regional_always")
 
 
 def build_model(size: str, device: torch.device, dtype: torch.dtype):
@@ -106,6 +109,8 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any]) -> Dict[str, Ca
                                               torch_compile=compile_kwargs),
         "compiled_always": lambda: compile_dit(model, passes=[passes.DBCache(**s["always"])], example_inputs=ex,
                                                torch_compile=compile_kwargs),
+        "compiled_regional_always": lambda: compile_dit(model, passes=[passes.DBCache(**s["always"])], example_inputs=ex,
+                                                        torch_compile={**compile_kwargs, "regional": True}),
     }
 
 

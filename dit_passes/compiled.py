@@ -99,6 +99,19 @@ class CompiledDiT(torch.nn.Module):
         if torch_compile is not None and not isinstance(torch_compile, dict):
             raise TypeError(f"torch_compile must be a dict of torch.compile keyword arguments (e.g. "
                             f"{{'mode': 'max-autotune-no-cudagraphs'}}), got {type(torch_compile).__name__}")
+        self._regional = None  # torch_compile={"regional": True, ...}: a RegionalCompile pass, run after the others
+        if torch_compile is not None and torch_compile.get("regional"):
+            from .passes.regional_compile import RegionalCompile
+            if any(getattr(p, "name", None) == "regional_compile" for p in passes):
+                raise ValueError("torch_compile={'regional': True} adds passes.RegionalCompile; it is in passes=[...] "
+                                 "already: keep one")
+            self._regional = RegionalCompile(**{k: v for k, v in torch_compile.items() if k != "regional"})
+            torch_compile = None
+        elif torch_compile is not None:
+            torch_compile = {k: v for k, v in torch_compile.items() if k != "regional"}
+            if any(getattr(p, "name", None) == "regional_compile" for p in passes):
+                raise ValueError("passes.RegionalCompile compiles each block; torch_compile={...} would compile the "
+                                 "whole graph on top of it: drop one (or use torch_compile={'regional': True, ...})")
         self._torch_compile = torch_compile
         self._by_key: Dict[Any, LoweredGraph] = {}
         self._value_leaves: Dict[Any, List[int]] = {}  # signature -> leaves whose values key the graph
@@ -204,7 +217,7 @@ class CompiledDiT(torch.nn.Module):
         gm = captured.gm
         if self._block_lists:
             graph_facts(gm)["block_lists"] = self._block_lists
-        passes = ([Cleanup()] if self._cleanup else []) + self._passes
+        passes = ([Cleanup()] if self._cleanup else []) + self._passes + ([self._regional] if self._regional else [])
         dump = None if self._dump_dir is None else f"{self._dump_dir}/g{len(self._by_key)}"
         manager = PassManager(passes, dump_dir=dump)
         from .analysis.blocks import get_structure
@@ -260,7 +273,7 @@ class CompiledDiT(torch.nn.Module):
         residual-cache pass it is the structure the pass cut: the middle blocks now live in its branch."""
         from .analysis.blocks import get_structure
         gm = self._current().gm
-        cut = graph_facts(gm).get("structure_before_cache")
+        cut = graph_facts(gm).get("structure_before_cache") or graph_facts(gm).get("structure_before_regional")
         return cut if cut is not None else get_structure(gm)
 
     def explain(self, print_output: bool = True) -> str:

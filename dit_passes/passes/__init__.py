@@ -5,5 +5,6 @@ from .quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .offload import LayerwiseOffload
+from .regional_compile import RegionalCompile
 
-__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload"]
+__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile"]
