@@ -126,6 +126,8 @@ def _four_rank_cases(rank, world):
             results[(family, kind, "odd")] = _run_case(family, kind, world, batch=1, variant="odd_tokens")
     results[("qwenimage", "ulysses", "heads3")] = _run_case("qwenimage", "ulysses", world, batch=2,
                                                             overrides={"num_attention_heads": 3})
+    # USP(2 x 2) with 3 heads: the Ulysses degree does not divide them (padded heads), the ring part still rotates
+    results[("flux", "usp", "heads3")] = _run_case("flux", "usp", world, batch=1, overrides={"num_attention_heads": 3})
     return results, _errors_on_ranks(world)
 
 

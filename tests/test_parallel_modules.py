@@ -31,12 +31,14 @@ def _text_encoder(name):
                                       max_position_embeddings=64)).eval()
 
 
-def _controlnet():
+def _controlnet(heads=2):
+    """A tiny FluxControlNetModel with ``heads`` heads of ``32 // heads`` channels (tp must divide ``heads``)."""
     import diffusers
     torch.manual_seed(0)
+    rope = {2: (4, 6, 6), 4: (2, 2, 4)}[heads]
     m = diffusers.FluxControlNetModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
-                                      attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                      pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6)).eval()
+                                      attention_head_dim=32 // heads, num_attention_heads=heads, joint_attention_dim=32,
+                                      pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=rope).eval()
     with torch.no_grad():
         for p in m.parameters():
             if p.abs().max() == 0:  # ControlNet's zero-initialised output projections: make them count
