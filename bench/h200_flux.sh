@@ -12,6 +12,6 @@ cd /tmp  # not the repository root: its dit_passes/ lacks dit_passes.kernels (th
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 timeout 290 python3 -m dit_passes.bench --size full --rows compiled_regional_always --repeats 2 --out "$out/regional"
 echo "regional rc=$?"
-timeout 280 python3 "$repo/bench/flux_peers.py" --repeats 2 --out "$out" \
+timeout 330 python3 "$repo/bench/flux_peers.py" --repeats 2 --out "$out" \
   --rows fbcache_never,fbcache_always,dbcache_always,offload_always,cachedit_never,cachedit_always,torchcompile_never
 echo "peers rc=$?"

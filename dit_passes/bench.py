@@ -9,8 +9,9 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
 * ``dbcache_never`` / ``dbcache_always``: ``compile_dit`` with ``DBCache(F8B0, W8)``, eagerly;
 * ``compiled_*``: the same graphs through ``compile_dit(..., torch_compile={...})`` (Inductor), with the
   first generation's time (compile included) and the steady 28-step time;
-* ``compiled_regional_always``: ``dbcache_always`` with ``torch_compile={"regional": True, ...}``
-  (``passes.RegionalCompile``: one Inductor compile per distinct block program, the rest eager);
+* ``compiled_regional_never`` / ``compiled_regional_always``: ``dbcache_*`` with ``torch_compile={"regional":
+  True, ...}`` (``passes.RegionalCompile``: one Inductor compile per distinct block program, the rest eager);
+* ``--attention cudnn`` adds ``passes.AttentionBackend("cudnn")`` to every captured row (not ``eager``);
 * host time of capture + passes.
 
 ``--size full`` is the FLUX.1-dev configuration (11.9 B parameters, random bf16 weights, 1024² image =
@@ -39,7 +40,7 @@ TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=14, at
 SIZES = {"full": (FLUX_DEV, 4096, 512), "tiny": (TINY, 256, 32)}
 STEPS, WARMUP = 28, 8
 ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "compiled_never", "compiled_always",
-        "compiled_regional_always")
+        "compiled_regional_never", "compiled_regional_always")
 
 
 def build_model(size: str, device: torch.device, dtype: torch.dtype):
@@ -95,23 +96,22 @@ def schedules() -> Dict[str, Dict[str, Any]]:
             "always": dict(Fn_compute_blocks=8, max_warmup_steps=WARMUP, residual_diff_threshold=1.5)}
 
 
-def row_factories(model, inputs, compile_kwargs: Dict[str, Any]) -> Dict[str, Callable[[], Any]]:
+def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
+                  attention: Optional[str] = None) -> Dict[str, Callable[[], Any]]:
     from . import compile_dit, passes
     s = schedules()
     ex = {k: v for k, v in inputs.items()}
-    return {
-        "eager": lambda: model,
-        "graph": lambda: compile_dit(model, passes=[], example_inputs=ex),
-        "dbcache_never": lambda: compile_dit(model, passes=[passes.DBCache(**s["never"])], example_inputs=ex),
-        "dbcache_always": lambda: compile_dit(model, passes=[passes.DBCache(**s["always"])], example_inputs=ex),
-        "compiled_graph": lambda: compile_dit(model, passes=[], example_inputs=ex, torch_compile=compile_kwargs),
-        "compiled_never": lambda: compile_dit(model, passes=[passes.DBCache(**s["never"])], example_inputs=ex,
-                                              torch_compile=compile_kwargs),
-        "compiled_always": lambda: compile_dit(model, passes=[passes.DBCache(**s["always"])], example_inputs=ex,
-                                               torch_compile=compile_kwargs),
-        "compiled_regional_always": lambda: compile_dit(model, passes=[passes.DBCache(**s["always"])], example_inputs=ex,
-                                                        torch_compile={**compile_kwargs, "regional": True}),
-    }
+    regional = {**compile_kwargs, "regional": True}
+
+    def make(schedule: Optional[str], torch_compile: Optional[Dict[str, Any]] = None):
+        chosen = ([passes.DBCache(**s[schedule])] if schedule else []) + (
+            [passes.AttentionBackend(attention)] if attention else [])
+        return lambda: compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=torch_compile)
+
+    return {"eager": lambda: model, "graph": make(None), "dbcache_never": make("never"),
+            "dbcache_always": make("always"), "compiled_graph": make(None, compile_kwargs),
+            "compiled_never": make("never", compile_kwargs), "compiled_always": make("always", compile_kwargs),
+            "compiled_regional_never": make("never", regional), "compiled_regional_always": make("always", regional)}
 
 
 def measure_row(name: str, make: Callable[[], Any], inputs, repeats: int) -> Dict[str, Any]:
@@ -137,7 +137,8 @@ def derived(results: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def run(size: str, rows: List[str], out: str, repeats: int, compile_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+def run(size: str, rows: List[str], out: str, repeats: int, compile_kwargs: Dict[str, Any],
+        attention: Optional[str] = None) -> Dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if size == "full" and device.type != "cuda":
@@ -147,14 +148,15 @@ def run(size: str, rows: List[str], out: str, repeats: int, compile_kwargs: Dict
         raise SystemExit(f"unknown rows {unknown}; available: {', '.join(ROWS)}")
     results: Dict[str, Any] = {
         "size": size, "config": SIZES[size][0], "image_tokens": SIZES[size][1], "text_tokens": SIZES[size][2],
-        "steps": STEPS, "schedules": schedules(), "compile_kwargs": compile_kwargs, "device": str(device),
+        "steps": STEPS, "schedules": schedules(), "compile_kwargs": compile_kwargs, "attention": attention,
+        "device": str(device),
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__, "command": " ".join(sys.argv), "rows": {}}
     t0 = time.perf_counter()
     model = build_model(size, device, dtype)
     results["build_model_s"] = time.perf_counter() - t0
     inputs = make_inputs(size, device, dtype)
-    factories = row_factories(model, inputs, compile_kwargs)
+    factories = row_factories(model, inputs, compile_kwargs, attention)
     for name in rows:
         try:
             results["rows"][name] = measure_row(name, factories[name], inputs, repeats)
@@ -191,11 +193,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help=f"comma-separated rows (default: the eager ones); all: {','.join(ROWS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile-mode", default=None, help="torch.compile mode for the compiled_* rows")
+    p.add_argument("--attention", default=None, choices=("cudnn", "flash", "efficient", "math"),
+                   help="pin the attention kernel (passes.AttentionBackend) in the captured rows")
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)
     compile_kwargs = {} if args.compile_mode is None else {"mode": args.compile_mode}
     results = run(args.size, [r.strip() for r in args.rows.split(",") if r.strip()], args.out, args.repeats,
-                  compile_kwargs)
+                  compile_kwargs, args.attention)
     print(table(results))
     return 0
 

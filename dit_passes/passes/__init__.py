@@ -6,5 +6,6 @@ from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .offload import LayerwiseOffload
 from .regional_compile import RegionalCompile
+from .attention_backend import AttentionBackend
 
-__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile"]
+__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend"]
