@@ -5,12 +5,7 @@
 #   device tool: run(command="bash bench/h200_attention.sh", carry=[".whl"])   (.whl: ../shared/tools/device-wheels
 #   diffusers); results under $OUT/attention_backends.json and $OUT/{cudnn,flash,cudnn_autotune}/bench_flux_full.json
 set -u
-repo=$(pwd)
-out=${OUT:-$repo/out/bench}
-export PYTHONPATH=$(bash bench/device_stage.sh /tmp/dit_site) || exit 1
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)  # cold cache: the first generation counts the compile
-cd /tmp  # not the repository root: its dit_passes/ lacks dit_passes.kernels (the staged copy has it)
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+source bench/device_env.sh
 timeout 60 python3 "$repo/bench/attention_backends.py" --out "$out/attention_backends.json"; echo "backends rc=$?"
 rows=compiled_regional_never,compiled_regional_always
 timeout 150 python3 -m dit_passes.bench --size full --rows $rows --attention cudnn --repeats 2 --out "$out/cudnn"

@@ -4,12 +4,7 @@
 #   device tool: run(command="bash bench/h200_flux.sh", carry=[".whl"])   (.whl from ../shared/tools/device-wheels
 #   cache-dit==1.5.3 diffusers); results under $OUT/regional/bench_flux_full.json and $OUT/flux_peers.json
 set -u
-repo=$(pwd)
-out=${OUT:-$repo/out/bench}
-export PYTHONPATH=$(bash bench/device_stage.sh /tmp/dit_site) || exit 1
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)  # cold cache: the first generation counts the compile
-cd /tmp  # not the repository root: its dit_passes/ lacks dit_passes.kernels (the staged copy has it)
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+source bench/device_env.sh
 timeout 290 python3 -m dit_passes.bench --size full --rows compiled_regional_always --repeats 2 --out "$out/regional"
 echo "regional rc=$?"
 timeout 330 python3 "$repo/bench/flux_peers.py" --repeats 2 --out "$out" \

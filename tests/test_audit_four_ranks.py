@@ -20,32 +20,6 @@ from dit_passes.testing import run_ranks
 TOL = 1e-5
 
 
-def _hybrid_seed(rank, world):
-    import dit_passes as cache_dit
-    from test_frontend_parallel import _call, _pipeline
-
-    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=0.3, max_warmup_steps=2)
-    single = _pipeline()
-    cache_dit.enable_cache(single, cache_config=cache_dit.DBCacheConfig(**cfg))
-    ref = _call(single)
-    ref_cached = cache_dit.summary(single, logging=False)[0].cached_steps
-    pipe = _pipeline()
-    original_t5 = pipe.text_encoder_2
-    pc = cache_dit.ParallelismConfig(ulysses_size=2, tp_size=2, extra_parallel_modules=[pipe.text_encoder_2, pipe.vae])
-    cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(**cfg), parallelism_config=pc)
-    out = _call(pipe)
-    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        te_ref = original_t5(input_ids=ids).last_hidden_state
-        te_out = pipe.text_encoder_2(input_ids=ids).last_hidden_state
-    return {"rel": ((out - ref).abs().max() / ref.abs().max()).item(), "ref_cached": ref_cached,
-            "cached": cache_dit.summary(pipe, logging=False)[0].cached_steps,
-            "te_rel": ((te_out - te_ref).abs().max() / te_ref.abs().max()).item(),
-            "passes": [p.name for p in pipe.transformer.runtime.state["frontend"].passes],
-            "te_passes": [r.name for r in pipe.text_encoder_2._current().manager.records],
-            "vae_world": [v["world_size"] for v in pipe.vae.report().values()]}
-
-
 def _wan_vae(world):
     from test_vae_parallel import _rel, _tiny_wan
 
@@ -61,6 +35,7 @@ def _wan_vae(world):
 
 
 def _ranks(rank, world):
+    from test_frontend_parallel import _case as _frontend_case
     from test_parallel_modules import _controlnet, _run, _text_encoder
 
     from dit_passes import passes
@@ -70,7 +45,7 @@ def _ranks(rank, world):
     cn, kw = _controlnet(heads=4)
     out["tp"]["flux_controlnet"] = _run(cn, kw, [passes.TensorParallel(size=world)])
     out["wan_vae"] = _wan_vae(world)
-    out["hybrid"] = _hybrid_seed(rank, world)
+    out["hybrid"] = _frontend_case(world, "ulysses_x_tp")
     return out
 
 
@@ -105,4 +80,4 @@ def test_seed_hybrid_ulysses2_tp2_with_te_and_vae_parallel_four_ranks(four):
         assert r["cached"] and r["cached"] == r["ref_cached"], (rank, r)
         assert r["te_rel"] <= TOL and "tensor_parallel" in r["te_passes"], (rank, r)
         assert {"ulysses", "tensor_parallel", "dbcache"} <= set(r["passes"]), (rank, r)
-        assert r["vae_world"] == [4], (rank, r)
+        assert r["vae_world"] == [4] and r["restored"], (rank, r)  # and disable_cache gave the modules back

@@ -46,7 +46,8 @@ def _case(world, kind):
 
     pipe = _pipeline()
     original_t5, original_transformer, original_vae = pipe.text_encoder_2, pipe.transformer, pipe.vae
-    sizes = {"ulysses": dict(ulysses_size=world), "tp": dict(tp_size=world)}[kind]
+    sizes = {"ulysses": dict(ulysses_size=world), "tp": dict(tp_size=world),
+             "ulysses_x_tp": dict(ulysses_size=2, tp_size=world // 2)}[kind]
     pc = cache_dit.ParallelismConfig(extra_parallel_modules=[pipe.text_encoder_2, pipe.vae], **sizes)
     cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(**cfg), parallelism_config=pc)
     out = _call(pipe)
@@ -57,9 +58,10 @@ def _case(world, kind):
     te_passes = [r.name for r in pipe.text_encoder_2._current().manager.records]
     vae_report = pipe.vae.report()  # one decode graph, split over the ranks
     cached = cache_dit.summary(pipe, logging=False)[0].cached_steps
+    passes = [p.name for p in pipe.transformer.runtime.state["frontend"].passes]
     cache_dit.disable_cache(pipe)
     return {"rel": ((out - ref).abs().max() / ref.abs().max()).item(), "cached": cached, "ref_cached": ref_cached,
-            "te_rel": ((te_out - te_ref).abs().max() / te_ref.abs().max()).item(), "te_passes": te_passes,
+            "te_rel": ((te_out - te_ref).abs().max() / te_ref.abs().max()).item(), "te_passes": te_passes, "passes": passes,
             "vae_graphs": len(vae_report), "vae_world": [v["world_size"] for v in vae_report.values()],
             "restored": (pipe.text_encoder_2 is original_t5 and pipe.transformer is original_transformer
                          and pipe.vae is original_vae)}

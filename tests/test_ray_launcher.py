@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -26,6 +24,7 @@ from dit_passes.launch.ray_launcher import (RayEngine, RayLauncher, RayLauncherE
                                             RayWorkerError)
 from dit_passes.models.zoo import build  # noqa: E402
 from dit_passes.testing.pipelines import flux_pipeline  # noqa: E402
+from dit_passes.testing.ray_cluster import local_ray_cluster  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -53,42 +52,11 @@ def cp_passes(kind: str):
     return [] if kind == "none" else [{"ulysses": Ulysses, "ring": Ring}[kind](2)]
 
 
-def _session_processes(session_root: str) -> list:
-    """Processes whose command line names this module's Ray temp dir (raylet, gcs, workers, ...)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if session_root in cmd and int(pid) != os.getpid():
-            found.append(f"{pid}: {cmd[:120]}")
-    return found
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    temp_dir = tempfile.mkdtemp(prefix="rayt", dir="/tmp")
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     # tests/ on the workers' path: closures defined here reference this module's helpers by name
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR}})
-    try:
+    with local_ray_cluster(TESTS_DIR, prefix="rayt") as temp_dir:
         yield temp_dir
-    finally:
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = old
-        deadline = time.monotonic() + 15
-        while _session_processes(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _session_processes(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not left, f"Ray processes left behind: {left}"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch
 ray = pytest.importorskip("ray")
 from dit_passes.launch.ray_launcher import RayLauncher  # noqa: E402
 from dit_passes.passes.context_parallel import Ulysses  # noqa: E402
-from test_ray_launcher import _session_processes  # noqa: E402
+from dit_passes.testing.ray_cluster import wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -68,10 +67,7 @@ def test_launcher_owned_ray_runtime_env_and_clean_shutdown(tmp_path):
             engine.shutdown()
         torch.testing.assert_close(latents, reference, rtol=0, atol=1e-5)
         assert not ray.is_initialized(), "the launcher started Ray, so shutdown() must stop it"
-        deadline = time.monotonic() + 15
-        while _session_processes(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _session_processes(temp_dir), "Ray processes left behind"
+        assert not wait_gone(temp_dir), "Ray processes left behind"
         assert not os.path.exists(temp_dir), "the launcher's Ray temp dir was not removed"
     finally:
         sys.path.remove(str(user_dir))

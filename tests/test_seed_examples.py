@@ -61,11 +61,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
-import tempfile
 import textwrap
-import time
 
 import pytest
 import torch
@@ -324,32 +321,15 @@ def ray_cluster(tmp_path_factory):
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("a Ray cluster from another test is still running in this process")
-    from test_ray_launcher import _session_processes
+    from dit_passes.testing.ray_cluster import local_ray_cluster
     app = _user_module(tmp_path_factory.mktemp("app"), "seed_user_app", "AppFluxTransformer")
-    temp_dir = tempfile.mkdtemp(prefix="rays", dir="/tmp")
-    old_auth, old_cwd = os.environ.get("RAY_AUTH_MODE"), os.getcwd()
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.chdir(temp_dir)  # Ray puts the driver's cwd on the workers' path: the repo's kernels/ would shadow `kernels`
+    # ray.init outside the repository root: Ray puts the driver's cwd on the workers' path (its kernels/ would
+    # shadow the PyPI `kernels`)
     try:
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": app}})
+        with local_ray_cluster(app, prefix="rays", init_in_temp_dir=True):
+            yield app
     finally:
-        os.chdir(old_cwd)
-    try:
-        yield app
-    finally:
-        ray.shutdown()
-        if old_auth is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = old_auth
-        deadline = time.monotonic() + 15
-        while _session_processes(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _session_processes(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
         sys.modules.pop("seed_user_app", None)
-        assert not left, f"Ray processes left behind: {left}"
 
 
 @contextlib.contextmanager
