@@ -52,8 +52,14 @@ def _out_shape(q: torch.Tensor, v: torch.Tensor) -> List[int]:
     return [*q.shape[:-1], v.shape[-1]]
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.shape[d] > 1)
+def _has_layout(t: torch.Tensor, order: List[int]) -> bool:
+    """Is ``t`` dense in the dim order ``order`` (outermost first)? Size-1 dims may have any stride."""
+    expected = 1
+    for d in reversed(order):
+        if t.shape[d] > 1 and t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
 
 
 @torch.library.custom_op("dit_passes::sdpa_backend", mutates_args=())
@@ -68,10 +74,11 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
         raise RuntimeError(f"AttentionBackend: none of the backends [{backends}] runs this attention (q "
                            f"{tuple(q.shape)} {q.dtype} on {q.device}, mask {attn_mask is not None}); use "
                            f"AttentionBackend(..., fallback=True) to keep the other kernels behind it. {e}") from e
-    want = torch.empty_permuted(_out_shape(q, v), _layout_of(q), dtype=out.dtype, device=out.device)
-    if _same_layout(out, want):
+    order = _layout_of(q)
+    if _has_layout(out, order):
         return out
-    return want.copy_(out)  # a kernel with another output layout: the graph was traced with q's
+    # a kernel with another output layout: the graph was traced with q's
+    return torch.empty_permuted(_out_shape(q, v), order, dtype=out.dtype, device=out.device).copy_(out)
 
 
 @sdpa_backend.register_fake
