@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from .capture import annotate_module_paths
-from .infra.pass_base import Pass, PassContext, graph_facts
+from .infra.pass_base import Pass, PassContext
 from .infra.pass_manager import PassManager
 from .passes.cleanup import Cleanup
 

@@ -123,7 +123,7 @@ def measure_row(name: str, make: Callable[[], Any], inputs, repeats: int) -> Dic
     row = {"build_s": build_s, "first_generation_s": first, "generation_s": statistics.median(runs),
            "runs_s": runs, "step_ms": 1000 * statistics.median(runs) / STEPS}
     summary = getattr(module, "cache_summary", None)
-    if callable(summary) and "dbcache" in getattr(module, "runtime").state:
+    if callable(summary) and "dbcache" in getattr(module, "runtime").reports:
         row["cached_steps"] = len(module.cache_summary(as_dict=True)[-1]["cached_steps"])
     return row
 

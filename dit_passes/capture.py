@@ -31,6 +31,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from .infra.facts import StateIO, facts_of
+
 
 class CaptureError(RuntimeError):
     """torch.export could not trace the module with the given call."""
@@ -303,8 +305,7 @@ def _mutates(graph: fx.Graph) -> bool:
 
 def _install_scalar_guard(gm: fx.GraphModule, model: torch.nn.Module, n_user: int, n_flat: int,
                           scalars: List[Any]) -> None:
-    """The guard output (last) is checked at each call through CompiledDiT's extra-output protocol."""
-    from .infra.pass_base import graph_facts
+    """The guard output (last) is checked at each call through CompiledDiT's state-io protocol."""
 
     if n_flat != n_user + 1:
         raise CaptureError(f"internal: expected {n_user} outputs and one guard, got {n_flat} outputs")
@@ -319,9 +320,9 @@ def _install_scalar_guard(gm: fx.GraphModule, model: torch.nn.Module, n_user: in
                 f"in its forward), but this call computes {got.tolist()}; they depend on floating-point inputs, "
                 f"which are not part of the signature. Run this model eagerly, or keep those inputs fixed")
 
-    facts = graph_facts(gm)
-    facts["num_user_outputs"] = n_user
-    facts.setdefault("extra_outputs", []).append((check, 1))
+    facts = facts_of(gm)
+    facts.num_user_outputs = n_user
+    facts.state_io.append(StateIO(inputs=lambda runtime: (), outputs=check, num_outputs=1))
 
 
 def _leaf_names(kwargs: Dict[str, Any]) -> List[str]:

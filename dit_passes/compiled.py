@@ -21,25 +21,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .capture import Captured, bind_call, capture, signature_key, value_key
-from .infra.pass_base import Pass, PassContext, graph_facts
+from .analysis.blocks import get_structure
+from .infra.facts import facts_of
+from .infra.pass_base import Pass, PassContext
 from .infra.pass_manager import PassManager
+from .infra.phases import Phase
+from .infra.runtime import Runtime
 from .passes.cleanup import Cleanup
-
-
-class Runtime:
-    """State the caller can see and reset; passes store theirs under ``runtime.state[pass_name]``."""
-
-    def __init__(self) -> None:
-        self.context: str = "default"
-        self.state: Dict[str, Any] = {}
-        self.calls = 0
-
-    def new_generation(self) -> None:
-        """Tell every stateful pass that a new generation starts (serving: call between requests)."""
-        for st in self.state.values():
-            reset = getattr(st, "new_generation", None)
-            if reset is not None:
-                reset()
 
 
 @dataclasses.dataclass
@@ -52,26 +40,26 @@ class LoweredGraph:
     runner: Optional[Callable[..., Any]] = None  # what runs the graph: gm itself, or torch.compile(gm)
 
     def run(self, flat: List[torch.Tensor], runtime: Runtime) -> List[torch.Tensor]:
-        facts = graph_facts(self.gm)
-        extra_in: List[Callable[[Runtime], Sequence[torch.Tensor]]] = facts.get("extra_inputs", [])
-        extra_out: List[Callable[[Runtime, Sequence[torch.Tensor]], None]] = facts.get("extra_outputs", [])
+        facts = facts_of(self.gm)
         args = list(flat)
-        for fn in extra_in:
-            args.extend(fn(runtime))
+        for io in facts.state_io:
+            args.extend(io.inputs(runtime))
         run = self.runner if self.runner is not None else self.gm
-        if facts.get("inference_only") and torch.is_grad_enabled():
+        if facts.inference_only and torch.is_grad_enabled():
             # torch.cond's autograd rule re-traces both branches with fake tensors, which a graph whose
             # weights are real attributes cannot satisfy; a DiT step is inference anyway
             with torch.no_grad():
-                outs = list(run(*args))
+                outs = run(*args)
         else:
-            outs = list(run(*args))
-        n_user = facts.get("num_user_outputs", len(outs))
+            outs = run(*args)
+        if not facts.state_io:
+            return list(outs)
+        n_user = facts.num_user_outputs if facts.num_user_outputs is not None else len(outs)
         rest = outs[n_user:]
-        for fn, k in extra_out:
-            fn(runtime, rest[:k])
-            rest = rest[k:]
-        return outs[:n_user]
+        for io in facts.state_io:
+            io.outputs(runtime, rest[:io.num_outputs])
+            rest = rest[io.num_outputs:]
+        return list(outs[:n_user])
 
 
 def _output_class():
@@ -102,14 +90,14 @@ class CompiledDiT(torch.nn.Module):
         self._regional = None  # torch_compile={"regional": True, ...}: a RegionalCompile pass, run after the others
         if torch_compile is not None and torch_compile.get("regional"):
             from .passes.regional_compile import RegionalCompile
-            if any(getattr(p, "name", None) == "regional_compile" for p in passes):
-                raise ValueError("torch_compile={'regional': True} adds passes.RegionalCompile; it is in passes=[...] "
-                                 "already: keep one")
+            if any(p.phase is Phase.COMPILE for p in passes if isinstance(p, Pass)):
+                raise ValueError("torch_compile={'regional': True} adds passes.RegionalCompile; a compile-phase pass "
+                                 "is in passes=[...] already: keep one")
             self._regional = RegionalCompile(**{k: v for k, v in torch_compile.items() if k != "regional"})
             torch_compile = None
         elif torch_compile is not None:
             torch_compile = {k: v for k, v in torch_compile.items() if k != "regional"}
-            if any(getattr(p, "name", None) == "regional_compile" for p in passes):
+            if any(p.phase is Phase.COMPILE for p in passes if isinstance(p, Pass)):
                 raise ValueError("passes.RegionalCompile compiles each block; torch_compile={...} would compile the "
                                  "whole graph on top of it: drop one (or use torch_compile={'regional': True, ...})")
         self._torch_compile = torch_compile
@@ -161,7 +149,8 @@ class CompiledDiT(torch.nn.Module):
 
     def set_passes(self, passes: Sequence[Pass]) -> None:
         """Replace the pass list; every graph is lowered again at its next call. State passes keep in
-        ``runtime.state`` (process groups, quantized weights) stays; the residual-cache state is dropped."""
+        ``runtime.state`` (process groups, quantized weights) stays; state tied to the old graphs (the
+        residual cache's buffers) is dropped."""
         PassManager(list(passes))  # validate now
         self._passes = list(passes)
         self._by_key.clear()
@@ -169,34 +158,30 @@ class CompiledDiT(torch.nn.Module):
         self._last = None
         for name in list(self.graphs.keys()):
             del self.graphs[name]
-        self.runtime.state.pop("dbcache", None)
+        self.runtime.drop_lowering_state()
 
-    # -- residual cache reports ----------------------------------------------------------------
-    def _cache_store(self):
-        store = self.runtime.state.get("dbcache")
-        if store is None:
-            raise RuntimeError("this CompiledDiT has no residual cache: add passes.DBCache(...) to passes=[...] "
-                               "(and call it once) before asking for a cache summary")
-        return store
+    # -- what the passes report ----------------------------------------------------------------
+    def report(self, name: str) -> Any:
+        """The runtime report pass ``name`` registered (e.g. ``report("dbcache")``: the cache's decisions)."""
+        return self.runtime.report(name)
 
     def cache_summary(self, as_dict: bool = False):
         """Per generation: cached steps, residual diffs and their percentiles (one device sync)."""
-        store = self._cache_store()
+        try:
+            store = self.report("dbcache")
+        except KeyError:
+            raise RuntimeError("this CompiledDiT has no residual cache: add passes.DBCache(...) to passes=[...] "
+                               "(and call it once) before asking for a cache summary") from None
         return store.summary() if as_dict else store.summary_string()
 
     def fidelity_stats(self) -> Dict[str, Any]:
-        """The last generation's per-call decisions and the fraction of block work executed (for
-        :mod:`dit_passes.fidelity`); ``{}`` without a residual cache."""
-        if "dbcache" not in self.runtime.state:
-            return {}
-        out = self.runtime.state["dbcache"].last_generation()
-        info = graph_facts(self._current().gm).get("dbcache")
-        if info and out["step_cached"]:
-            always = info["Fn"] + info["Bn"]
-            middle = info["blocks"] - always
-            executed = [always + (0 if c else middle) for c in out["step_cached"]]
-            out["executed_block_fraction"] = sum(executed) / (len(executed) * info["blocks"])
-            out["cached_steps"] = sum(out["step_cached"])
+        """What the passes' reports say about the last generation's work (for :mod:`dit_passes.fidelity`):
+        the merged ``fidelity_stats()`` of every report that has one; ``{}`` if none does."""
+        out: Dict[str, Any] = {}
+        for report in self.runtime.reports.values():
+            stats = getattr(report, "fidelity_stats", None)
+            if stats is not None:
+                out.update(stats())
         return out
 
     # -- lowering ------------------------------------------------------------------------------
@@ -216,13 +201,12 @@ class CompiledDiT(torch.nn.Module):
             key = (base, value_key(kwargs, captured.value_leaves))
         gm = captured.gm
         if self._block_lists:
-            graph_facts(gm)["block_lists"] = self._block_lists
+            facts_of(gm).block_lists = self._block_lists
         passes = ([Cleanup()] if self._cleanup else []) + self._passes + ([self._regional] if self._regional else [])
         dump = None if self._dump_dir is None else f"{self._dump_dir}/g{len(self._by_key)}"
         manager = PassManager(passes, dump_dir=dump)
-        from .analysis.blocks import get_structure
-        graph_facts(gm)["structure_summary"] = get_structure(gm).summary()  # also: not-a-DiT fails here
-        ctx = PassContext(example_inputs=kwargs, runtime={"runtime": self.runtime, "graph_id": len(self._by_key)})
+        facts_of(gm).structure_summary = get_structure(gm).summary()  # also: not-a-DiT fails here
+        ctx = PassContext(example_inputs=kwargs, runtime=self.runtime, graph_id=len(self._by_key))
         manager.run(gm, ctx)
         # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph
         runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True, **self._torch_compile})
@@ -271,16 +255,15 @@ class CompiledDiT(torch.nn.Module):
     def structure(self):
         """The discovered structure of the current graph (re-derived if a pass invalidated it). After the
         residual-cache pass it is the structure the pass cut: the middle blocks now live in its branch."""
-        from .analysis.blocks import get_structure
         gm = self._current().gm
-        cut = graph_facts(gm).get("structure_before_cache") or graph_facts(gm).get("structure_before_regional")
+        cut = facts_of(gm).structure_at_cut
         return cut if cut is not None else get_structure(gm)
 
     def explain(self, print_output: bool = True) -> str:
         cur = self._current()
         text = (f"captured {type(self.original).__name__} in {cur.captured.seconds:.2f} s; "
                 f"{len(self._by_key)} signature(s) lowered\n"
-                + graph_facts(cur.gm).get("structure_summary", "") + "\n" + cur.manager.explain())
+                + facts_of(cur.gm).structure_summary + "\n" + cur.manager.explain())
         if print_output:
             print(text)
         return text

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import dit_passes
 from dit_passes import InductorPostGradPass, compile_dit
 from dit_passes.infra.pass_base import Pass, PassResult
+from dit_passes.infra.phases import Phase
 from dit_passes.models.zoo import build
 from dit_passes.passes import Cleanup
 
@@ -31,7 +32,8 @@ def _shape(s):
 
 class CountNodes(Pass):
     name = "count_nodes"
-    requires = ("structure",)
+    phase = Phase.ANALYSIS
+    reads = ("structure",)
 
     def run(self, gm, ctx):
         return PassResult(False, {"nodes": len(gm.graph.nodes)}, f"frontend={ctx.frontend}")

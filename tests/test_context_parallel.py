@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dit_passes import compile_dit
 from dit_passes.analysis.blocks import get_structure
 from dit_passes.capture import capture
-from dit_passes.infra.pass_base import PassContext, PassError, graph_facts
+from dit_passes.infra.facts import facts_of
+from dit_passes.infra.pass_base import PassContext, PassError
 from dit_passes.models.zoo import build
 from dit_passes.parallel.attention import even_shard_sizes
 from dit_passes.parallel.sequence_sharding import SequenceShardSpec, Sharded, analyze
@@ -65,7 +66,7 @@ def _run_case(family, kind, world, batch=2, variant="default", overrides=None):
         again = compiled(**inputs)[0]  # the graph is reusable: same result on a second call
     gm = compiled.graph_module
     record = compiled._current().manager.records[-1]
-    facts = graph_facts(gm)
+    facts = facts_of(gm)
     # every rank's output, gathered to rank 0 through the test itself: all ranks must agree
     outs = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(outs, out.contiguous())
@@ -80,9 +81,9 @@ def _run_case(family, kind, world, batch=2, variant="default", overrides=None):
         code_names=[name for name in ("ulysses_attention", "ring_attention", "usp_attention", "gather_sequence",
                                       "shard_sequence") if name in compiled.code],
         explain_has_counts=f"attention_replaced={record.result.counts['attention_replaced']}" in compiled.explain(print_output=False),
-        facts=(facts.get("parallel_group") is dist.group.WORLD or
-               sorted(dist.get_process_group_ranks(facts["parallel_group"])) == list(range(world)),
-               type(facts.get("mesh")).__name__),
+        facts=(facts.parallel_group is dist.group.WORLD or
+               sorted(dist.get_process_group_ranks(facts.parallel_group)) == list(range(world)),
+               type(facts.mesh).__name__),
     )
 
 

@@ -1,4 +1,4 @@
-"""PassManager: ordering constraints, verification naming the guilty pass, facts, explain() and dumps.
+"""PassManager: phase ordering, fact guards, verification naming the guilty pass, facts, explain() and dumps.
 
 The graphs are captured from a small two-block toy transformer (capture only needs an nn.Module), so
 every check runs on a real exported graph with real ``meta["val"]``.
@@ -16,8 +16,10 @@ from dit_passes import compile_dit
 from dit_passes.analysis.blocks import get_structure
 from dit_passes.capture import capture
 from dit_passes.infra.graph_utils import copy_meta, set_val
-from dit_passes.infra.pass_base import Pass, PassContext, PassError, PassResult, graph_facts
+from dit_passes.infra.facts import FactAccessError, StateIO, facts_of
+from dit_passes.infra.pass_base import Pass, PassContext, PassError, PassResult
 from dit_passes.infra.pass_manager import PassManager, order_passes
+from dit_passes.infra.phases import Phase
 
 aten = torch.ops.aten
 
@@ -69,6 +71,7 @@ def captured_gm(model, x) -> fx.GraphModule:
 class ReluToGelu(Pass):
     """Replaces every relu by gelu, propagating meta['val'] as the contract asks."""
     name = "relu_to_gelu"
+    phase = Phase.QUANTIZE
 
     def run(self, gm, ctx):
         n_done = 0
@@ -86,15 +89,15 @@ class ReluToGelu(Pass):
 
 class CountLinears(Pass):
     name = "count_linears"
-    run_after = ("relu_to_gelu",)
+    phase = Phase.ANALYSIS
 
     def run(self, gm, ctx):
         k = sum(1 for n in gm.graph.nodes if n.target is aten.linear.default)
         return PassResult(False, {"linears": k}, "analysis only")
 
 
-def named_pass(name, after=(), before=(), log=None):
-    cls = type(f"P_{name}", (Pass,), {"name": name, "run_after": tuple(after), "run_before": tuple(before)})
+def named_pass(name, phase, reads=(), writes=(), log=None):
+    cls = type(f"P_{name}", (Pass,), {"name": name, "phase": phase, "reads": tuple(reads), "writes": tuple(writes)})
 
     def run(self, gm, ctx):
         if log is not None:
@@ -105,18 +108,17 @@ def named_pass(name, after=(), before=(), log=None):
 
 
 # -- ordering --------------------------------------------------------------------------------------
-def test_order_run_after_and_run_before(toy):
+def test_order_by_phase(toy):
     log = []
-    a = named_pass("a", after=("c",), log=log)   # a after c
-    b = named_pass("b", log=log)
-    c = named_pass("c", log=log)
-    d = named_pass("d", before=("b",), log=log)  # d before b
+    a = named_pass("a", Phase.CACHE, log=log)
+    b = named_pass("b", Phase.QUANTIZE, log=log)
+    c = named_pass("c", Phase.SHARD_WEIGHTS, log=log)
+    d = named_pass("d", Phase.QUANTIZE, log=log)
     mgr = PassManager([a, b, c, d])
-    assert [p.name for p in mgr.passes] == ["c", "a", "d", "b"]
+    assert [p.name for p in mgr.passes] == ["c", "b", "d", "a"]  # one phase keeps the given order
     mgr.run(captured_gm(*toy))
-    assert log == ["c", "a", "d", "b"]
-    # constraints naming absent passes are ignored; unconstrained passes keep their given order
-    assert [p.name for p in order_passes([named_pass("x", after=("zzz",)), named_pass("y")])] == ["x", "y"]
+    assert log == ["c", "b", "d", "a"]
+    assert [p.name for p in order_passes([named_pass("x", Phase.CACHE), named_pass("y", Phase.CACHE)])] == ["x", "y"]
 
 
 def test_real_passes_ordered(toy):
@@ -124,16 +126,41 @@ def test_real_passes_ordered(toy):
     assert [p.name for p in mgr.passes] == ["relu_to_gelu", "count_linears"]
 
 
-def test_cycle_is_reported():
-    with pytest.raises(PassError, match=r"cycle.*'a'.*'b'|cycle.*'b'.*'a'"):
-        PassManager([named_pass("a", after=("b",)), named_pass("b", after=("a",)), named_pass("free")])
-    with pytest.raises(PassError, match="cycle"):
-        PassManager([named_pass("a", before=("b",)), named_pass("b", before=("a",))])
+def test_library_passes_order_by_phase():
+    from dit_passes import passes
+    given = [passes.RegionalCompile(backend="eager"), passes.DBCache(), passes.AttentionBackend("math"),
+             passes.LayerwiseOffload(), passes.Fp8Linear(), passes.Ulysses(2), passes.TensorParallel(2), passes.Cleanup()]
+    assert [p.name for p in PassManager(given).passes] == [
+        "cleanup", "tensor_parallel", "ulysses", "fp8_linear", "layerwise_offload", "attention_backend", "dbcache",
+        "regional_compile"]
+
+
+def test_unorderable_pipeline_is_reported():
+    # two passes of one phase writing one fact: the message names both and the fact
+    with pytest.raises(PassError, match=r"'a' and 'b' are both of phase QUANTIZE and both write graph fact\(s\) \['mesh'\]"):
+        PassManager([named_pass("a", Phase.QUANTIZE, writes=("mesh",)), named_pass("b", Phase.QUANTIZE, writes=("mesh",)),
+                     named_pass("free", Phase.CACHE)])
+    # a read that only a later phase writes
+    with pytest.raises(PassError, match=r"'early' \(phase QUANTIZE\) reads graph fact\(s\) \['cache_cut'\], which "
+                                        r"pass 'late' writes in the later phase CACHE"):
+        PassManager([named_pass("early", Phase.QUANTIZE, reads=("cache_cut",)),
+                     named_pass("late", Phase.CACHE, writes=("cache_cut",))])
+    from dit_passes import passes
+    with pytest.raises(PassError, match="'ulysses' and 'ring' are both of phase SHARD_SEQUENCE"):
+        PassManager([passes.Ulysses(2), passes.Ring(2)])
+
+
+def test_pass_without_phase_is_rejected():
+    class NoPhase(Pass):
+        name = "no_phase"
+    with pytest.raises(PassError, match="'no_phase' .*declares no phase.*SHARD_WEIGHTS"):
+        PassManager([NoPhase()])
 
 
 # -- verification names the pass that broke the graph ------------------------------------------------
 class EraseUsedNode(Pass):
     name = "erase_used"
+    phase = Phase.QUANTIZE
 
     def run(self, gm, ctx):
         lin = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
@@ -143,6 +170,7 @@ class EraseUsedNode(Pass):
 
 class InsertWithoutVal(Pass):
     name = "no_val"
+    phase = Phase.QUANTIZE
 
     def run(self, gm, ctx):
         n = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
@@ -154,6 +182,7 @@ class InsertWithoutVal(Pass):
 
 class UseBeforeDefinition(Pass):
     name = "use_before_def"
+    phase = Phase.QUANTIZE
 
     def run(self, gm, ctx):
         nodes = [n for n in gm.graph.nodes if n.target is aten.linear.default]
@@ -164,6 +193,7 @@ class UseBeforeDefinition(Pass):
 
 class ReturnsNothing(Pass):
     name = "returns_nothing"
+    phase = Phase.QUANTIZE
 
     def run(self, gm, ctx):
         return None
@@ -192,28 +222,26 @@ def test_non_pass_is_type_error(toy):
 # -- facts ----------------------------------------------------------------------------------------
 class NeedsStructure(Pass):
     name = "needs_structure"
-    requires = ("structure",)
+    phase = Phase.ANALYSIS
+    reads = ("structure",)
 
     def __init__(self, seen):
         self.seen = seen
 
     def run(self, gm, ctx):
-        self.seen.append(graph_facts(gm)["structure"])
-        return PassResult(False, {"blocks": len(graph_facts(gm)["structure"].blocks)})
+        self.seen.append(facts_of(gm).structure)
+        return PassResult(False, {"blocks": len(facts_of(gm).structure.blocks)})
 
 
 class InvalidatesStructure(ReluToGelu):
     name = "invalidating_rewrite"
+    writes = ("structure_summary",)
     invalidates = ("structure",)
-    provides = ("rewritten",)
-
-
-class NeedsUnknownFact(Pass):
-    name = "needs_unknown"
-    requires = ("quant_tables",)
 
     def run(self, gm, ctx):
-        return PassResult(False)
+        result = super().run(gm, ctx)
+        facts_of(gm).structure_summary = "rewritten"
+        return result
 
 
 def test_required_structure_is_derived_and_rederived_after_invalidation(toy):
@@ -221,18 +249,59 @@ def test_required_structure_is_derived_and_rederived_after_invalidation(toy):
     seen = []
     a, b = NeedsStructure(seen), NeedsStructure(seen)
     b.name = "needs_structure_again"
+    b.phase = Phase.ANALYSIS
+    mgr = PassManager([a, InvalidatesStructure(), b])
+    assert [p.name for p in mgr.passes] == ["invalidating_rewrite", "needs_structure", "needs_structure_again"]
+    a.phase = Phase.CLEANUP  # run one reader before the rewrite
     mgr = PassManager([a, InvalidatesStructure(), b])
     mgr.run(gm)
     assert len(seen) == 2 and seen[0] is not seen[1]  # re-derived on the rewritten graph
     assert [blk.path for blk in seen[1].blocks] == ["blocks.0", "blocks.1"]
     gelus = [n for n in seen[1].blocks[0].nodes if n.target is aten.gelu.default]
     assert len(gelus) == 1  # the fresh structure holds the new node, not the erased relu
-    assert graph_facts(gm)["rewritten"] is True
+    assert facts_of(gm).structure_summary == "rewritten"
 
 
-def test_missing_fact_names_pass_and_fact(toy):
-    with pytest.raises(PassError, match="'needs_unknown' requires graph fact 'quant_tables'"):
-        PassManager([NeedsUnknownFact()]).run(captured_gm(*toy))
+def test_unknown_fact_names_class_and_fact():
+    with pytest.raises(TypeError, match=r"NeedsUnknownFact.reads names unknown graph fact\(s\) \['quant_tables'\]"):
+        class NeedsUnknownFact(Pass):
+            name = "needs_unknown"
+            phase = Phase.ANALYSIS
+            reads = ("quant_tables",)
+
+
+class _Sneaky(Pass):
+    phase = Phase.ANALYSIS
+
+    def __init__(self, action):
+        self.action = action
+
+    def run(self, gm, ctx):
+        self.action(facts_of(gm))
+        return PassResult(False)
+
+
+@pytest.mark.parametrize("action,err,fragment", [
+    (lambda f: f.parallel_group, FactAccessError, "reads graph fact 'parallel_group' without declaring it"),
+    (lambda f: setattr(f, "tp_size", 2), FactAccessError, "assigns graph fact 'tp_size' without declaring it"),
+    (lambda f: f.offload_loads.update({"x": 0}), FactAccessError, "reads graph fact 'offload_loads'"),
+])
+def test_undeclared_fact_access_is_refused(toy, action, err, fragment):
+    with pytest.raises(err, match=f"pass 'pass' {fragment}"):
+        PassManager([_Sneaky(action)]).run(captured_gm(*toy))
+
+
+def test_undeclared_fact_mutation_is_caught_after_the_pass(toy):
+    class Appends(Pass):
+        name = "appends"
+        phase = Phase.CACHE
+        reads = ("state_io",)
+
+        def run(self, gm, ctx):
+            facts_of(gm).state_io.append(StateIO(lambda rt: (), lambda rt, v: None, 0))
+            return PassResult(False)
+    with pytest.raises(PassError, match=r"'appends' changed graph fact\(s\) \['state_io'\] without declaring"):
+        PassManager([Appends()]).run(captured_gm(*toy))
 
 
 # -- results, explain, dumps, semantics ----------------------------------------------------------------

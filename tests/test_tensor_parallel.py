@@ -124,7 +124,7 @@ def _case(family, world, group=None, modulation="replicate", fuse=False, **overr
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from dit_passes.infra.pass_base import graph_facts
+    from dit_passes.infra.facts import facts_of
     from dit_passes.models import zoo
 
     torch.manual_seed(0)
@@ -150,7 +150,7 @@ def _case(family, world, group=None, modulation="replicate", fuse=False, **overr
     # column-sharded weights really hold out/tp rows on this rank
     shapes_ok = all(gm.get_parameter(s.weight).shape[0] * tp == s.out_features for s in cols) and \
         all(gm.get_parameter(s.weight).shape[1] * tp == s.in_features for s in rows)
-    facts = graph_facts(gm)
+    facts = facts_of(gm)
     return {
         "err": ((out - ref).abs().max() / ref.abs().max()).item(),
         "counts": rec.result.counts, "report": rec.result.report,
@@ -160,8 +160,8 @@ def _case(family, world, group=None, modulation="replicate", fuse=False, **overr
         "expected_tp_bytes_before": col_bytes + row_bytes + row_bias,
         "shapes_ok": shapes_ok,
         "original_untouched": all(torch.equal(orig[k], v) for k, v in zm.model.state_dict().items()),
-        "tp_group_ok": facts.get("tp_group") is (group or dist.group.WORLD)
-        and facts.get("parallel_group") is not None,
+        "tp_group_ok": facts.tp_group is (group or dist.group.WORLD)
+        and facts.parallel_group is not None,
     }
 
 

@@ -2,7 +2,7 @@
 
 Contract
   requires: a captured graph (``meta["dit_module_path"]`` on call_function nodes, ``meta["val"]``).
-  provides: fact ``"structure"`` (:class:`~dit_passes.analysis.structure.DiTStructure`).
+  derives: fact ``structure`` (:class:`~dit_passes.analysis.structure.DiTStructure`).
 
 How (no per-model tables):
 1. Every module path ``<prefix>.<i>`` where ``<prefix>`` has at least two integer children of one class
@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from ..capture import module_class_of
-from ..infra.pass_base import PassContext, graph_facts
+from ..infra.facts import facts_of
 from ..infra.pass_manager import register_fact_provider
 from .linear_roles import find_attention, find_linears
 from .structure import Block, BlockList, DiTStructure
@@ -200,15 +200,9 @@ def _boundaries(blocks: List[Block], pos: Dict[fx.Node, int]) -> None:
 
 
 def get_structure(gm: fx.GraphModule) -> DiTStructure:
-    facts = graph_facts(gm)
-    if "structure" not in facts:
-        facts["structure"] = discover(gm, facts.get("block_lists"))
-    return facts["structure"]
+    """The graph's structure fact, discovered now if missing (or invalidated by a pass)."""
+    facts = facts_of(gm)
+    return facts.derived("structure", lambda: discover(gm, facts.block_lists))
 
 
-def _provide_structure(gm: fx.GraphModule, ctx: PassContext) -> None:
-    graph_facts(gm).pop("structure", None)
-    get_structure(gm)
-
-
-register_fact_provider("structure", _provide_structure)
+register_fact_provider("structure", get_structure)

@@ -23,18 +23,22 @@ NON_CFG, CFG = "non_cfg", "cfg"
 
 
 class CacheStore:
+    drop_on_relower = True  # its buffers belong to the lowered graphs (Runtime.drop_lowering_state)
+
     def __init__(self, config: Any, calibrator: Any = None, stats_capacity: int = 4096):
         self.config = config
         self.calibrator = calibrator
         self.stats = CacheStats(stats_capacity)
         self._programs: Dict[int, Tuple[CacheProgram, torch.device]] = {}
+        self._cuts: Dict[int, Any] = {}  # graph id -> infra.facts.CacheCut
         self._slots: Dict[Tuple[int, str], List[torch.Tensor]] = {}
         self._parity: Dict[int, int] = {}
         self._pending: Optional[Tuple[int, str]] = None
 
     # -- graph plumbing (called by CompiledDiT through the facts the pass registered) ------------
-    def register_graph(self, graph_id: int, program: CacheProgram, device: torch.device) -> None:
+    def register_graph(self, graph_id: int, program: CacheProgram, device: torch.device, cut: Any = None) -> None:
         self._programs[graph_id] = (program, device)
+        self._cuts[graph_id] = cut
 
     def _context(self, graph_id: int, context: str) -> str:
         if context != "default" or not self.config.enable_separate_cfg:
@@ -103,6 +107,17 @@ class CacheStore:
         last = recs[-1]["generation"]
         mine = [r for r in recs if r["generation"] == last]
         return {"step_cached": [r["cached"] for r in mine], "step_diffs": [r["diff"] for r in mine]}
+
+    def fidelity_stats(self) -> Dict[str, Any]:
+        """The last generation's decisions, plus the fraction of block work executed and the cached steps
+        (what :mod:`dit_passes.fidelity` reports beside the images)."""
+        out = self.last_generation()
+        cut = next((c for c in reversed(list(self._cuts.values())) if c is not None), None)
+        if cut is not None and out["step_cached"]:
+            executed = [cut.Fn + cut.Bn + (0 if c else cut.middle) for c in out["step_cached"]]
+            out["executed_block_fraction"] = sum(executed) / (len(executed) * cut.blocks)
+            out["cached_steps"] = sum(out["step_cached"])
+        return out
 
 
 __all__ = ["CacheStore"]

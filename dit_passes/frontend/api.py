@@ -308,7 +308,7 @@ def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig],
 
 def _worker_cache_summary(worker: Any) -> List[Dict[str, Any]]:  # runs on a Ray worker (run_on_workers)
     compiled = worker.compiled[0]
-    return compiled.cache_summary(as_dict=True) if "dbcache" in compiled.runtime.state else []
+    return compiled.cache_summary(as_dict=True) if "dbcache" in compiled.runtime.reports else []
 
 
 def disable_cache(pipe_or_module: Any) -> Any:
@@ -410,7 +410,7 @@ def summary(pipe_or_module: Any, details: bool = False, logging: bool = True, **
         if state.engine is not None:
             gens = state.engine.run_on_workers(_worker_cache_summary)[0] if state.cache_config is not None else []
         else:
-            gens = module.cache_summary(as_dict=True) if "dbcache" in module.runtime.state else []
+            gens = module.cache_summary(as_dict=True) if "dbcache" in module.runtime.reports else []
         st = stats_from_summary(gens, state)
         out.append(st)
         if logging:

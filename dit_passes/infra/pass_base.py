@@ -1,17 +1,17 @@
 """The pass contract: what every graph pass in dit_passes states and returns.
 
-Modelled on torch.fx's ``passes/infra`` (PassBase / PassResult), with the three things a DiT pass
-must also say about itself:
+Modelled on torch.fx's ``passes/infra`` (PassBase / PassResult), with what a DiT pass must also say
+about itself:
 
-* ``requires``   facts the graph must carry before the pass runs (e.g. ``"structure"``: block discovery
-                 has annotated the graph). The PassManager checks them and names the missing one.
-* ``provides``   facts the pass guarantees afterwards (e.g. ``"cache_branch"``).
-* ``invalidates`` facts the rewrite makes stale (``"structure"`` when nodes of blocks were replaced);
-                 the manager re-derives ``structure`` before the next pass that requires it.
+* ``phase``       where it runs (:class:`~dit_passes.infra.phases.Phase`); the PassManager orders by phase.
+* ``reads``       the graph facts (fields of :class:`~dit_passes.infra.facts.GraphFacts`) it reads; a derived
+                  one (``"structure"``) is re-discovered first if it is missing.
+* ``writes``      the facts it may assign or extend.
+* ``invalidates`` derived facts the rewrite makes stale (``"structure"`` when nodes of blocks were
+                  replaced); they are dropped after the pass and re-derived for the next reader.
 
 ``run`` mutates the GraphModule in place and returns a :class:`PassResult` with per-kind counts of what
 was rewritten and a one-paragraph human report; a pass that changes nothing says so (``changed=False``).
-Ordering constraints between passes are declared with ``run_after`` / ``run_before`` (pass names).
 """
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 import torch.fx as fx
+
+from .facts import check_fact_names
+from .phases import Phase
+from .runtime import Runtime
 
 
 @dataclasses.dataclass
@@ -38,13 +42,15 @@ class PassResult:
 class PassContext:
     """Shared, per-compilation information handed to every pass.
 
-    ``runtime`` is the object the compiled module exposes to the caller (cache state, collective
-    groups, quantization tables): passes that need per-request state register it there instead of on a
-    class or a global, so two compiled modules never share state.
+    ``runtime`` is the object the compiled module exposes to the caller: passes that need per-request
+    state keep it in ``runtime.state[<pass name>]`` and their reports in ``runtime.register_report``,
+    never on a class or a global, so two compiled modules never share state. ``graph_id`` numbers the
+    module's lowered graphs (one per input signature).
     """
 
     example_inputs: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    runtime: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    runtime: Runtime = dataclasses.field(default_factory=Runtime)
+    graph_id: int = 0
     # Which front end produced the graph: "export" (compile_dit) or "dynamo" (the torch.compile
     # backend). Passes that own parameters need to know whether weights are attributes or inputs.
     frontend: str = "export"
@@ -58,11 +64,17 @@ class Pass:
     """Base class of every dit_passes graph pass. Subclasses set the class attributes and ``run``."""
 
     name: str = "pass"
-    requires: Tuple[str, ...] = ()
-    provides: Tuple[str, ...] = ()
+    phase: Optional[Phase] = None
+    reads: Tuple[str, ...] = ()
+    writes: Tuple[str, ...] = ()
     invalidates: Tuple[str, ...] = ()
-    run_after: Tuple[str, ...] = ()
-    run_before: Tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for kind in ("reads", "writes", "invalidates"):
+            check_fact_names(cls.__name__, kind, getattr(cls, kind))
+        if cls.phase is not None and not isinstance(cls.phase, Phase):
+            raise TypeError(f"{cls.__name__}.phase must be a dit_passes.infra.phases.Phase, got {cls.phase!r}")
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__}.run is not implemented")
@@ -75,12 +87,3 @@ class Pass:
 
     def __repr__(self) -> str:
         return self.describe()
-
-
-def graph_facts(gm: fx.GraphModule) -> Dict[str, Any]:
-    """The dict of facts passes record on a graph (``gm.meta["dit_passes"]``)."""
-    return gm.meta.setdefault("dit_passes", {})
-
-
-def get_fact(gm: fx.GraphModule, key: str, default: Optional[Any] = None) -> Any:
-    return graph_facts(gm).get(key, default)

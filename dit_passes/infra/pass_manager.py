@@ -1,14 +1,18 @@
-"""PassManager: orders passes, runs them, verifies the graph after each, and keeps snapshots.
+"""PassManager: orders passes by phase, runs them, guards the graph facts, verifies the graph after each.
 
 Contract
-  requires: a GraphModule produced by :mod:`dit_passes.capture` (ATen ops, parameters as attributes).
-  guarantees: after each pass the graph lints, recompiles, every ``call_function`` node still carries
-  ``meta["val"]`` (shape propagation stays valid for the next pass), and every fact the next pass
-  requires is present (``structure`` is re-derived by block discovery when a pass invalidated it).
+  requires: a GraphModule produced by :mod:`dit_passes.capture` (ATen ops, parameters as attributes) and
+  passes that each declare a :class:`~dit_passes.infra.phases.Phase`.
+  guarantees: passes run in phase order (the user's order within a phase); a pipeline that no order
+  satisfies is rejected before anything runs, naming the passes and the facts. While a pass runs it can
+  read and assign only the facts it declared; afterwards no undeclared fact has changed, the graph lints
+  and recompiles, every ``call_function`` node still carries ``meta["val"]`` (shape propagation stays
+  valid for the next pass), and the derived facts it invalidated are dropped (re-derived for the next
+  reader).
 
-Each run is recorded as a :class:`PassRecord` (timing, counts, report, graph text before/after) so that
-``CompiledDiT.explain()`` can print what each pass required, what it changed and a unified diff, and
-``dump_dir`` writes the graph after every pass to disk (like vLLM's per-pass dumps).
+Each run is recorded as a :class:`PassRecord` (timing, counts, report, and the graph's code before and
+after: the string ``recompile`` produced anyway, so recording costs nothing) for ``explain()``;
+``dump_dir`` writes the readable graph after every pass (like vLLM's per-pass dumps), built only then.
 """
 from __future__ import annotations
 
@@ -20,15 +24,18 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch.fx as fx
 
-from .pass_base import Pass, PassContext, PassError, PassResult, graph_facts
+from .facts import DERIVED_FACTS, FactAccessError, facts_of
+from .pass_base import Pass, PassContext, PassError, PassResult
+from .phases import Phase
 
 
 @dataclasses.dataclass
 class PassRecord:
     name: str
     description: str
-    requires: tuple
-    provides: tuple
+    phase: str
+    reads: tuple
+    writes: tuple
     result: PassResult
     seconds: float
     before: str
@@ -42,47 +49,39 @@ class PassRecord:
         return "\n".join(lines)
 
 
-# Fact name -> function that (re)derives it on a graph. Block discovery registers "structure".
-_FACT_PROVIDERS: Dict[str, Callable[[fx.GraphModule, PassContext], None]] = {}
+# Derived fact name -> function that (re)derives it on a graph. Block discovery registers "structure".
+_FACT_PROVIDERS: Dict[str, Callable[[fx.GraphModule], None]] = {}
 
 
-def register_fact_provider(fact: str, fn: Callable[[fx.GraphModule, PassContext], None]) -> None:
+def register_fact_provider(fact: str, fn: Callable[[fx.GraphModule], None]) -> None:
+    if fact not in DERIVED_FACTS:
+        raise ValueError(f"{fact!r} is not a derived fact ({sorted(DERIVED_FACTS)})")
     _FACT_PROVIDERS[fact] = fn
 
 
 def order_passes(passes: Sequence[Pass]) -> List[Pass]:
-    """Stable topological order honouring ``run_after`` / ``run_before`` between the given passes.
-
-    A constraint naming a pass that is not in the list is ignored (it only orders passes present).
-    A cycle is an error naming the passes involved.
-    """
-    names = [p.name for p in passes]
-    edges = {i: set() for i in range(len(passes))}  # i must run before every j in edges[i]
-    for j, p in enumerate(passes):
-        for i, q in enumerate(passes):
-            if i == j:
-                continue
-            if q.name in p.run_after or p.name in q.run_before:
-                edges[i].add(j)
-    indeg = {j: 0 for j in edges}
-    for i in edges:
-        for j in edges[i]:
-            indeg[j] += 1
-    ready = [i for i in range(len(passes)) if indeg[i] == 0]
-    out: List[int] = []
-    while ready:
-        ready.sort()
-        i = ready.pop(0)
-        out.append(i)
-        for j in sorted(edges[i]):
-            indeg[j] -= 1
-            if indeg[j] == 0:
-                ready.append(j)
-    if len(out) != len(passes):
-        stuck = [names[i] for i in range(len(passes)) if i not in out]
-        raise PassError(f"pass ordering constraints form a cycle between {stuck}: check their "
-                        f"run_after / run_before declarations")
-    return [passes[i] for i in out]
+    """The passes in phase order (stable: the given order within a phase), after checking that the
+    order serves every declared read and that no two passes of one phase write the same fact."""
+    for p in passes:
+        if p.phase is None:
+            raise PassError(f"pass '{p.name}' ({type(p).__name__}) declares no phase: set its class attribute "
+                            f"phase = Phase.<one of {', '.join(ph.name for ph in Phase)}> "
+                            f"(from dit_passes.infra.phases import Phase)")
+    ordered = sorted(passes, key=lambda p: p.phase)
+    for i, p in enumerate(ordered):
+        for q in ordered[i + 1:]:
+            if q.phase == p.phase:
+                both = sorted(set(p.writes) & set(q.writes))
+                if both:
+                    raise PassError(f"passes '{p.name}' and '{q.name}' are both of phase {p.phase.name} and both "
+                                    f"write graph fact(s) {both}: one would overwrite the other. Keep one of them "
+                                    f"(e.g. USP(ulysses=, ring=) instead of Ulysses + Ring)")
+            late = sorted((set(p.reads) - DERIVED_FACTS) & set(q.writes))
+            if late and q.phase > p.phase:
+                raise PassError(f"pass '{p.name}' (phase {p.phase.name}) reads graph fact(s) {late}, which pass "
+                                f"'{q.name}' writes in the later phase {q.phase.name}: no order serves both. "
+                                f"Move '{p.name}' to a later phase, or drop one of them")
+    return ordered
 
 
 def verify_graph(gm: fx.GraphModule, after: str) -> None:
@@ -111,16 +110,31 @@ class PassManager:
         self.verify = verify
         self.records: List[PassRecord] = []
 
-    def _ensure_facts(self, gm: fx.GraphModule, ctx: PassContext, p: Pass) -> None:
-        facts = graph_facts(gm)
-        for fact in p.requires:
-            if fact in facts:
-                continue
-            provider = _FACT_PROVIDERS.get(fact)
-            if provider is None:
-                raise PassError(f"pass '{p.name}' requires graph fact '{fact}', which no earlier pass "
-                                f"provided (have: {sorted(facts)}); add the pass that provides it first")
-            provider(gm, ctx)
+    def _derive_reads(self, gm: fx.GraphModule, p: Pass) -> None:
+        facts = facts_of(gm)
+        for fact in set(p.reads) & DERIVED_FACTS:
+            if getattr(facts, fact) is None:
+                _FACT_PROVIDERS[fact](gm)
+
+    def _run_one(self, gm: fx.GraphModule, ctx: PassContext, p: Pass) -> PassResult:
+        facts = facts_of(gm)
+        snap = facts.snapshot()
+        facts.guard(p.name, frozenset(p.reads), frozenset(p.writes))
+        try:
+            result = p.run(gm, ctx)
+        except (PassError, FactAccessError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise PassError(f"pass '{p.name}' failed: {type(e).__name__}: {e}") from e
+        finally:
+            facts.guard(None)
+        undeclared = sorted(set(facts.changed_since(snap)) - set(p.writes))
+        if undeclared:
+            raise PassError(f"pass '{p.name}' changed graph fact(s) {undeclared} without declaring them in its "
+                            f"writes {list(p.writes)}")
+        if not isinstance(result, PassResult):
+            raise PassError(f"pass '{p.name}' returned {type(result).__name__}, expected PassResult")
+        return result
 
     def run(self, gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.GraphModule:
         ctx = ctx or PassContext()
@@ -128,28 +142,17 @@ class PassManager:
             os.makedirs(self.dump_dir, exist_ok=True)
             self._dump(gm, 0, "captured")
         for idx, p in enumerate(self.passes, start=1):
-            self._ensure_facts(gm, ctx, p)
-            before = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+            self._derive_reads(gm, p)
+            before = gm.code
             t0 = time.perf_counter()
-            try:
-                result = p.run(gm, ctx)
-            except PassError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise PassError(f"pass '{p.name}' failed: {type(e).__name__}: {e}") from e
+            result = self._run_one(gm, ctx, p)
             seconds = time.perf_counter() - t0
-            if not isinstance(result, PassResult):
-                raise PassError(f"pass '{p.name}' returned {type(result).__name__}, expected PassResult")
             if self.verify:
                 verify_graph(gm, p.name)
-            facts = graph_facts(gm)
             for fact in p.invalidates:
-                facts.pop(fact, None)
-            for fact in p.provides:
-                facts.setdefault(fact, True)
-            after = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-            self.records.append(PassRecord(p.name, p.describe(), p.requires, p.provides, result,
-                                           seconds, before, after))
+                object.__setattr__(facts_of(gm), fact, None)
+            self.records.append(PassRecord(p.name, p.describe(), p.phase.name, tuple(p.reads), tuple(p.writes),
+                                           result, seconds, before, gm.code))
             if self.dump_dir:
                 self._dump(gm, idx, p.name)
         return gm
@@ -164,8 +167,8 @@ class PassManager:
             return "no passes ran (passes=[]): the graph is the captured graph"
         out = []
         for r in self.records:
-            out.append(f"== {r.description}  [{r.seconds * 1e3:.1f} ms]")
-            out.append(f"   requires: {', '.join(r.requires) or '-'}; provides: {', '.join(r.provides) or '-'}")
+            out.append(f"== {r.description}  [{r.phase}, {r.seconds * 1e3:.1f} ms]")
+            out.append(f"   reads: {', '.join(r.reads) or '-'}; writes: {', '.join(r.writes) or '-'}")
             out.append(f"   result: {r.result}")
             d = r.diff()
             out.append("   diff:\n" + ("\n".join("   " + line for line in d.splitlines()) if d else "   (graph unchanged)"))

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..infra.pass_base import Pass, PassContext, PassResult
+from ..infra.phases import Phase
 
 aten = torch.ops.aten
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -88,9 +89,7 @@ def _(q, k, v, attn_mask, is_causal, scale, backends):
 
 class AttentionBackend(Pass):
     name = "attention_backend"
-    run_after = ("cleanup", "ulysses", "ring", "usp", "tensor_parallel", "svdquant_w4a4", "fp8_linear",
-                 "int8_linear", "layerwise_offload")
-    run_before = ("dbcache", "regional_compile")
+    phase = Phase.ATTENTION_KERNEL
 
     def __init__(self, backend: Union[str, Sequence[str]] = "cudnn", fallback: bool = True):
         prefer = [backend] if isinstance(backend, str) else list(backend)

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..infra.pass_base import Pass, PassContext, PassResult
+from ..infra.phases import Phase
 
 aten = torch.ops.aten
 _TO_OPS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.alias.default}
@@ -39,7 +40,7 @@ def _is_noop_to(n: fx.Node) -> bool:
 
 class Cleanup(Pass):
     name = "cleanup"
-    provides = ("clean",)
+    phase = Phase.CLEANUP
     invalidates = ("structure",)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

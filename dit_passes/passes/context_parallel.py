@@ -42,10 +42,9 @@ Ring ``size - 1`` K/V exchanges, USP both (4 all-to-alls on the Ulysses group, `
 exchanges on the Ring group); one all-gather per value leaving the block range. Uneven token counts
 are exact (``even_shard_sizes`` per segment). Cross-attention over replicated text (Wan) stays local.
 
-Contract: requires ``structure``; invalidates it (block nodes are replaced); runs before ``dbcache``.
-Records ``graph_facts(gm)["parallel_group"]`` (the group whose ranks share the sequence: the residual
-cache all-reduces its statistics over it) and ``graph_facts(gm)["mesh"]`` (the
-:class:`~dit_passes.parallel.mesh.ParallelMesh`). The graph is specialised to this rank. ``size=1``
+Contract: phase ``SHARD_SEQUENCE``; reads ``structure`` and invalidates it (block nodes are replaced).
+Writes the facts ``parallel_group`` (the group whose ranks share the sequence: the residual cache
+all-reduces its statistics over it) and ``mesh`` (the :class:`~dit_passes.parallel.mesh.ParallelMesh`). The graph is specialised to this rank. ``size=1``
 (``USP(1, 1)``) is a no-op that says so. Meshes are cached in the compiled module's runtime state, so
 a second input signature reuses the process groups.
 """
@@ -57,7 +56,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..analysis.blocks import get_structure
-from ..infra.pass_base import Pass, PassContext, PassError, PassResult, graph_facts
+from ..infra.facts import facts_of
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
 from ..parallel import sequence_ops as ops
 from ..parallel.mesh import ParallelMesh, factorisations
 from ..parallel.sequence_rewrite import apply_plan
@@ -73,9 +74,10 @@ def _check_size(name: str, value: Any) -> int:
 
 
 class _ContextParallel(Pass):
-    requires = ("structure",)
+    phase = Phase.SHARD_SEQUENCE
+    reads = ("structure",)
+    writes = ("parallel_group", "mesh")
     invalidates = ("structure",)
-    run_before = ("dbcache",)
     ring_size = 1
     ulysses_size = 1
     group: Optional[dist.ProcessGroup] = None  # the ranks that share the sequence (default: the world)
@@ -88,9 +90,7 @@ class _ContextParallel(Pass):
         return f"valid for {world} ranks: Ulysses(size={world}), Ring(size={world}), {pairs}"
 
     def _mesh(self, ctx: PassContext) -> ParallelMesh:
-        runtime = ctx.runtime.get("runtime")
-        store = runtime.state if runtime is not None and hasattr(runtime, "state") else ctx.runtime
-        meshes = store.setdefault("context_parallel_meshes", {})
+        meshes = ctx.runtime.state.setdefault("context_parallel_meshes", {})
         key = (self.ring_size, self.ulysses_size, None if self.group is None else self.group.group_name)
         if key not in meshes:  # collective: every rank lowers the same signatures in the same order
             meshes[key] = ParallelMesh((("ring", self.ring_size), ("ulysses", self.ulysses_size)), group=self.group)
@@ -113,9 +113,8 @@ class _ContextParallel(Pass):
         spec = SequenceShardSpec(world, mesh.global_rank)
         plan = analyze(gm, get_structure(gm), spec)
         counts = apply_plan(gm, plan, mesh.parent.group_name, self._builder(mesh))
-        facts = graph_facts(gm)
-        facts["parallel_group"] = mesh.parent
-        facts["mesh"] = mesh
+        facts = facts_of(gm)
+        facts.parallel_group, facts.mesh = mesh.parent, mesh
         n = counts["attention_replaced"]
         counts["all_to_all"] = 4 * n if self.ulysses_size > 1 else 0
         counts["ring_exchange"] = (self.ring_size - 1) * n

@@ -28,7 +28,7 @@ After::
 
 The state tensors travel as extra graph inputs and outputs (not buffers mutated inside the branch):
 ``torch.cond`` branches must be pure, and the caller-visible :class:`~dit_passes.cache.store.CacheStore`
-(``compiled.runtime.state["dbcache"]``) holds them per cache context (cond / uncond / CFG parity).
+(``compiled.runtime.state["dbcache"]``, also its report: ``compiled.report("dbcache")``) holds them per cache context (cond / uncond / CFG parity).
 """
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..analysis.blocks import get_structure
-from ..infra.pass_base import Pass, PassContext, PassError, PassResult, graph_facts
+from ..infra.facts import CacheCut, StateIO, facts_of
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
 from .segments import MiddleSegment, cut_middle, keep_loads_with_blocks
 
 
@@ -96,11 +98,10 @@ class DBCache(Pass):
     """The reference's DBCache (same field names and defaults as cache-dit's ``DBCacheConfig``)."""
 
     name = "dbcache"
-    requires = ("structure",)
-    provides = ("cache_branch",)
+    phase = Phase.CACHE
+    reads = ("structure", "offload_loads", "parallel_group", "num_user_outputs")
+    writes = ("num_user_outputs", "state_io", "inference_only", "structure_at_cut", "cache_cut")
     invalidates = ("structure",)
-    run_after = ("cleanup", "ulysses", "ring", "usp", "tensor_parallel", "svdquant_w4a4", "fp8_linear", "int8_linear",
-                 "quantize")
 
     def __init__(self, config=None, calibrator=None, **fields: Any):
         from ..cache.config import DBCacheConfig
@@ -123,7 +124,7 @@ class DBCache(Pass):
             raise PassError(f"dbcache: Fn_compute_blocks + Bn_compute_blocks = {fn} + {bn} must be smaller than "
                             f"the number of blocks ({n}, lists {[(b.name, b.count) for b in s.block_lists]}), "
                             f"so that at least one middle block can be cached")
-        relocated, outside = keep_loads_with_blocks(gm, s, fn, bn, graph_facts(gm).get("offload_loads", {}))
+        relocated, outside = keep_loads_with_blocks(gm, s, fn, bn, facts_of(gm).offload_loads)
         seg = cut_middle(gm, s, fn, bn, exclude=outside)
         k = len(seg.live_out)
         g = gm.graph
@@ -131,7 +132,7 @@ class DBCache(Pass):
         placeholders = [p for p in g.nodes if p.op == "placeholder"]
         timestep = next((p for p in placeholders if p.target == "timestep"), None)
 
-        group = graph_facts(gm).get("parallel_group")  # set by the context/tensor-parallel passes
+        group = facts_of(gm).parallel_group  # set by the context/tensor-parallel passes
         program = build_program(self.config, self.calibrator, image_residual=seg.image_at_cut.meta["val"],
                                 stream_residuals=[o.meta["val"] for o in seg.live_out],
                                 has_timestep=timestep is not None, group=group)
@@ -194,24 +195,24 @@ class DBCache(Pass):
             g.erase_node(node)
         out_node = g.output_node()
         user_outs = list(out_node.args[0])
-        facts = graph_facts(gm)
-        prev_user = facts.get("num_user_outputs", len(user_outs))
+        facts = facts_of(gm)
+        prev_user = facts.num_user_outputs if facts.num_user_outputs is not None else len(user_outs)
         out_node.args = (tuple(user_outs[:prev_user]) + tuple(user_outs[prev_user:]) + tuple(state_out) + (use_cache, diff),)
         g.eliminate_dead_code()
         gm.recompile()
 
-        runtime = ctx.runtime.get("runtime")
-        store = CacheStore(self.config, self.calibrator) if runtime is None else \
-            runtime.state.setdefault("dbcache", CacheStore(self.config, self.calibrator))
-        graph_id = ctx.runtime.get("graph_id", 0)
-        store.register_graph(graph_id, program, seg.image_at_cut.meta["val"].device)
-        facts["num_user_outputs"] = prev_user
-        facts["inference_only"] = True
-        facts["structure_before_cache"] = s
-        facts.setdefault("extra_inputs", []).append(lambda rt, _s=store, _g=graph_id: _s.inputs(_g, rt.context))
-        facts.setdefault("extra_outputs", []).append(
-            (lambda rt, vals, _s=store, _g=graph_id: _s.outputs(_g, rt.context, vals), len(state_out) + 2))
-        facts["dbcache"] = {"Fn": fn, "Bn": bn, "blocks": n, "middle_nodes": len(seg.nodes), "streams_cached": k}
+        cut = CacheCut(fn, bn, n, len(seg.nodes), k)
+        store = ctx.runtime.state.setdefault(self.name, CacheStore(self.config, self.calibrator))
+        ctx.runtime.register_report(self.name, store)
+        graph_id = ctx.graph_id
+        store.register_graph(graph_id, program, seg.image_at_cut.meta["val"].device, cut)
+        facts.num_user_outputs = prev_user
+        facts.inference_only = True
+        facts.structure_at_cut = s
+        facts.state_io.append(StateIO(inputs=lambda rt, _s=store, _g=graph_id: _s.inputs(_g, rt.context),
+                                      outputs=lambda rt, vals, _s=store, _g=graph_id: _s.outputs(_g, rt.context, vals),
+                                      num_outputs=len(state_out) + 2))
+        facts.cache_cut = cut
         counts = {"blocks_in_branch": n - fn - bn, "cond": 1, "state_tensors": len(state_in), "streams_cached": k,
                   "offload_loads_moved": relocated}
         return PassResult(True, counts, f"blocks {fn}..{n - bn - 1} of {n} moved into a torch.cond branch "

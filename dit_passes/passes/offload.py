@@ -1,8 +1,8 @@
 """LayerwiseOffload: block weights live on the offload device and are loaded just before their block runs.
 
-Requires: ``structure``. Provides: ``offload``. Runs after the parallel and quantization passes (it moves
-the weights they produced) and before ``dbcache``, whose cut carries each block's load into the branch
-with the block (so blocks the cache skips are never loaded).
+Phase ``OFFLOAD``: after the parallel and quantization phases (it moves the weights they produced) and
+before the cache, whose cut carries each block's load into the branch with the block (so blocks the
+cache skips are never loaded). Reads ``structure``; writes the fact ``offload_loads`` (load -> block).
 
 Before (block 1 of 3)::
 
@@ -35,7 +35,9 @@ import torch
 import torch.fx as fx
 
 from ..analysis.blocks import get_structure
-from ..infra.pass_base import Pass, PassContext, PassError, PassResult, graph_facts
+from ..infra.facts import facts_of
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
 
 # device -> CUDA copy streams: a process-wide pool of CUDA resources (like the caching allocator's), no
 # per-request state
@@ -90,12 +92,10 @@ def persistent_blocks(n: int, count: int, bins: int) -> List[int]:
 
 class LayerwiseOffload(Pass):
     name = "layerwise_offload"
-    requires = ("structure",)
-    provides = ("offload",)
+    phase = Phase.OFFLOAD
+    reads = ("structure", "offload_loads")
+    writes = ("offload_loads",)
     invalidates = ("structure",)  # new load nodes between the blocks
-    run_after = ("cleanup", "ulysses", "ring", "usp", "tensor_parallel", "svdquant_w4a4", "fp8_linear",
-                 "int8_linear")
-    run_before = ("dbcache",)
 
     def __init__(self, onload_device: Union[str, torch.device, None] = None, offload_device: Union[str, torch.device] = "cpu",
                  async_transfer: bool = False, transfer_buckets: int = 1, prefetch_limit: bool = False,
@@ -170,8 +170,7 @@ class LayerwiseOffload(Pass):
             moved += self._offload(gm, ws, pin)
         g.lint()
         gm.recompile()
-        facts = graph_facts(gm)
-        facts["offload_loads"] = loads  # the cache pass keeps each load with its block
+        facts_of(gm).offload_loads = loads  # the cache pass keeps each load with its block
         counts = {"blocks_offloaded": len(loads), "blocks_persistent": len(keep), "weights_offloaded": moved,
                   "prefetched_ahead": sum(1 for x in ahead_bytes if x)}
         return PassResult(bool(loads), counts, f"{len(loads)} of {len(s.blocks)} blocks load their weights onto "

@@ -54,7 +54,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..infra.pass_base import Pass, PassContext, PassError, PassResult, get_fact
+from ..analysis.blocks import get_structure
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
 from ..quant.calibrate import ActAbsMaxObserver
 from ..quant.fp8_int8 import FP8_GRANULARITIES, prepare_fp8, prepare_int8
 from ..quant.int4 import GROUP_SIZE
@@ -239,9 +241,9 @@ def _drop_attr(gm: fx.GraphModule, target: str) -> None:
 class _QuantizeLinears(Pass):
     """Shared flow of the three passes: select, (calibrate), prepare, (save), substitute."""
 
-    requires = ("structure",)
+    phase = Phase.QUANTIZE
+    reads = ("structure",)
     invalidates = ("structure",)
-    run_before = ("dbcache",)
     kind = ""
     needs_group_k = False
 
@@ -274,16 +276,13 @@ class _QuantizeLinears(Pass):
         raise NotImplementedError
 
     def _state(self, ctx: PassContext) -> Dict[str, Any]:
-        runtime = ctx.runtime.get("runtime") if isinstance(ctx.runtime, dict) else None
-        if runtime is None:  # PassManager used directly: nothing outlives this run
-            return {}
-        return runtime.state.setdefault(self.name, {})
+        return ctx.runtime.state.setdefault(self.name, {})
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if ctx.frontend != "export":
             raise PassError(f"{self.name} rewrites weights, which the {ctx.frontend!r} front end passes as graph "
                             "inputs: use compile_dit(model, passes=[...]) instead of the torch.compile backend")
-        structure = get_fact(gm, "structure")
+        structure = get_structure(gm)
         sites = select_linears(structure, self.include, self.exclude, self.filter_fn)
         notes: List[str] = []
         skipped = 0

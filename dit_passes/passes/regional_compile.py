@@ -64,7 +64,10 @@ from typing import Any, Collection, Dict, List, Tuple
 import torch
 import torch.fx as fx
 
-from ..infra.pass_base import Pass, PassContext, PassError, PassResult, graph_facts
+from ..analysis.blocks import get_structure
+from ..infra.facts import facts_of
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
 
 def block_path(node: fx.Node, lists: Collection[str]) -> str:
     """The ``<list>.<index>`` prefix of the node's module path for the outermost repeated list in ``lists``
@@ -247,9 +250,10 @@ class RegionalCompile(Pass):
     """Outline every repeated block into a call of a compiled template shared by equal blocks."""
 
     name = "regional_compile"
+    phase = Phase.COMPILE
+    reads = ("structure", "structure_at_cut")
+    writes = ("structure_at_cut",)
     invalidates = ("structure",)  # the blocks' nodes become calls: discovery no longer sees them
-    run_after = ("cleanup", "ulysses", "ring", "usp", "tensor_parallel", "svdquant_w4a4", "fp8_linear", "int8_linear",
-                 "layerwise_offload", "dbcache")
 
     def __init__(self, min_nodes: int = 4, **compile_kwargs: Any):
         unknown = sorted(set(compile_kwargs) - set(inspect.signature(torch.compile).parameters) - {"model"})
@@ -274,20 +278,15 @@ class RegionalCompile(Pass):
             raise PassError(f"regional_compile needs a compile_dit graph (weights as attributes); this graph comes "
                             f"from the {ctx.frontend!r} front end (torch.compile backend), which compiles the whole "
                             f"graph already: use compile_dit(model, passes=[..., passes.RegionalCompile()])")
-        facts = graph_facts(gm)
-        structure = facts.get("structure_before_cache") or facts.get("structure")
-        if structure is None:
-            from ..analysis.blocks import get_structure
-            structure = get_structure(gm)
-        if "structure_before_cache" not in facts:
-            facts["structure_before_regional"] = structure  # the blocks are calls afterwards
+        facts = facts_of(gm)
+        if facts.structure_at_cut is None:  # no cache branch took the blocks: they are calls afterwards
+            facts.structure_at_cut = get_structure(gm)
+        structure = facts.structure_at_cut
         # the repeated lists discovery saw (main stack and auxiliary ones such as refiners), each of one class
         lists = set(structure.candidates) | {bl.name for bl in structure.block_lists}
         # Templates are shared by every graph of one CompiledDiT (another signature with equal blocks reuses
         # them); the key holds the torch.compile arguments, so another configuration compiles its own.
-        runtime = ctx.runtime.get("runtime")
-        table: Dict[Tuple[Any, ...], Tuple[int, Any]] = (
-            runtime.state.setdefault("regional_compile", {}) if runtime is not None else {})
+        table: Dict[Tuple[Any, ...], Tuple[int, Any]] = ctx.runtime.state.setdefault(self.name, {})
         used: Dict[int, bool] = {}  # template id -> compiled for this graph (False: reused)
         counts = {"regions": 0, "templates": 0, "templates_reused": 0, "graphs": 0, "cats_folded": 0}
         for owner in self._graph_modules(gm):

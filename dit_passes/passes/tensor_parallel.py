@@ -1,10 +1,12 @@
 """TensorParallel: Megatron-style tensor parallelism of the transformer blocks, as a graph pass.
 
 Contract
-  requires: fact ``"structure"`` (block discovery's linear roles); parameters as ``get_attr`` attributes
+  phase ``SHARD_WEIGHTS`` (before anything replaces the aten linears and attention it reads).
+  reads: fact ``structure`` (block discovery's linear roles); parameters as ``get_attr`` attributes
   (the ``compile_dit`` / export front end); an initialised process group whose size is ``size``.
-  provides: ``"tensor_parallel"``; records ``graph_facts(gm)["tp_group"]`` and, if unset,
-  ``["parallel_group"]``. invalidates ``"structure"`` (head counts change).
+  writes: facts ``tp_group`` / ``tp_size`` and ``parallel_group`` (context parallelism, a later phase,
+  replaces the latter). invalidates ``structure``
+  (head counts change).
   guarantees: every rank passes the full inputs and gets the full (replicated) output.
 
 What is sharded how (from roles only, no per-model tables):
@@ -41,7 +43,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..analysis.blocks import get_structure
-from ..infra.pass_base import Pass, PassContext, PassError, PassResult, graph_facts
+from ..infra.facts import facts_of
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
 from ..parallel.tp_sharding import (GraphSharder, ShardingError, ShardSpec, check_divisible, linear_bytes,
                                     map_view_dim, split_dim, split_sizes)
 
@@ -66,13 +70,10 @@ class TensorParallel(Pass):
     """Shard the blocks' linears over ``size`` ranks of ``group`` (default: the world group)."""
 
     name = "tensor_parallel"
-    requires = ("structure",)
-    provides = ("tensor_parallel",)
+    phase = Phase.SHARD_WEIGHTS
+    reads = ("structure",)
+    writes = ("parallel_group", "tp_group", "tp_size")
     invalidates = ("structure",)
-    run_after = ("cleanup",)
-    # TP rewrites sdpa's inputs, so it runs before the context-parallel passes replace sdpa, before
-    # quantization replaces the linears, and before dbcache restructures the blocks.
-    run_before = ("ulysses", "ring", "usp", "dbcache", "svdquant_w4a4", "fp8_linear", "int8_linear")
 
     def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, modulation: str = "replicate"):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -119,10 +120,10 @@ class TensorParallel(Pass):
                     rewriter.shard_modulation(site)
         rewriter.repropagate()
         after, tp_after = linear_bytes(gm, block_sites), linear_bytes(gm, tp_sites)
-        facts = graph_facts(gm)
-        facts.setdefault("parallel_group", group)
-        facts["tp_group"] = group
-        facts["tp_size"] = self.size
+        facts = facts_of(gm)
+        # the cache's decision is agreed over the TP group; a context-parallel pass (a later phase) replaces it
+        # with the sequence group, whose ranks hold different tokens
+        facts.parallel_group, facts.tp_group, facts.tp_size = group, group, self.size
         row_sites = {s.node for s in structure.row_parallel_linears()}
         off_role = [n.meta.get("dit_module_path", n.name) for n in rewriter.row_nodes if n not in row_sites]
         unsharded_rows = [s.module_path for s in structure.row_parallel_linears() if s.node not in rewriter.row_nodes]

@@ -22,7 +22,9 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..infra.pass_base import Pass, PassContext, PassError, PassResult, get_fact
+from ..analysis.blocks import get_structure
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
 from ..passes.quantize import FORMAT, QUANT_KINDS, apply_quantized, graph_block_lists, place_tables, quant_signature, tensor_at
 from .serialize import QuantizedCheckpointError, load_quantized
 
@@ -86,9 +88,9 @@ class LoadQuantized(Pass):
     """
 
     name = "load_quantized"
-    requires = ("structure",)
+    phase = Phase.QUANTIZE
+    reads = ("structure",)
     invalidates = ("structure",)
-    run_before = ("dbcache",)
 
     def __init__(self, tensors: Dict[str, torch.Tensor], config: Dict[str, Any], source: str = ""):
         kind = config.get("kind")
@@ -120,7 +122,7 @@ class LoadQuantized(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if ctx.frontend != "export":
             raise PassError("loading quantized weights needs compile_dit / dit_passes.load (the export front end)")
-        structure = get_fact(gm, "structure")
+        structure = get_structure(gm)
         sites = [s for s in structure.linears if s.block is not None and s.module_path in self.tables]
         found = {s.module_path for s in sites}
         absent = [p for p in self.tables if p not in found]

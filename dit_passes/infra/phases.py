@@ -1,0 +1,36 @@
+"""The phases of a dit_passes pipeline: each pass declares one, and the PassManager runs them in this order.
+
+A phase says what kind of rewrite a pass makes, and the order follows from what each kind needs to
+see in the graph:
+
+* ``CLEANUP``: canonicalise the captured graph (drop export's metadata asserts and no-op casts).
+* ``SHARD_WEIGHTS``: tensor parallelism; it reads the aten ``linear`` and attention inputs, so it runs
+  before anything replaces them.
+* ``SHARD_SEQUENCE``: context parallelism (and VAE-P's spatial split); replaces aten attention with
+  distributed attention.
+* ``QUANTIZE``: replaces aten ``linear`` by quantized ops (after TP has sliced their weights).
+* ``OFFLOAD``: moves block weights off the device and inserts their loads.
+* ``ATTENTION_KERNEL``: pins the SDPA kernel of the aten attention nodes that remain.
+* ``CACHE``: moves a block range into a ``torch.cond`` branch (after everything that rewrites blocks).
+* ``COMPILE``: outlines blocks into compiled templates, top graph and cache branches alike.
+
+Two passes of one phase keep the order the user gave. No pass names another pass.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class Phase(enum.IntEnum):
+    CLEANUP = 0
+    SHARD_WEIGHTS = 10
+    SHARD_SEQUENCE = 20
+    QUANTIZE = 30
+    OFFLOAD = 40
+    ATTENTION_KERNEL = 50
+    CACHE = 60
+    COMPILE = 70
+    ANALYSIS = 100  # reads the graph only; runs after every rewrite
+
+
+__all__ = ["Phase"]

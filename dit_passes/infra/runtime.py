@@ -1,0 +1,47 @@
+"""Runtime: the per-module state a caller can see, reset and read reports from.
+
+One per ``CompiledDiT`` (``compiled.runtime``), handed to every pass as ``ctx.runtime``. Passes keep
+what must outlive one call under ``runtime.state[<pass name>]`` (cache buffers, process-group meshes,
+quantized weights, compiled templates) and register what a user reads back with
+``runtime.register_report(<pass name>, report)``; ``compiled.report(<pass name>)`` returns it. Two
+compiled modules never share a Runtime, and nothing lives on a class.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.context: str = "default"   # the pipeline's cache context ("cond" / "uncond")
+        self.state: Dict[str, Any] = {}
+        self.reports: Dict[str, Any] = {}
+        self.calls = 0
+
+    def new_generation(self) -> None:
+        """Tell every stateful pass that a new generation starts (serving: call between requests)."""
+        for st in self.state.values():
+            reset = getattr(st, "new_generation", None)
+            if reset is not None:
+                reset()
+
+    def register_report(self, name: str, report: Any) -> None:
+        self.reports[name] = report
+
+    def report(self, name: str) -> Any:
+        if name not in self.reports:
+            have = sorted(self.reports) or "none"
+            raise KeyError(f"no runtime report named {name!r} (registered: {have}); a pass registers its report "
+                           f"when it first lowers a graph: add the pass to passes=[...] and call the module once")
+        return self.reports[name]
+
+    def drop_lowering_state(self) -> None:
+        """Before the graphs are lowered again with other passes: drop the state (and report) of every
+        entry whose object sets ``drop_on_relower = True`` (cache buffers tied to the old graphs); keep the
+        rest (process groups, quantized weights)."""
+        for name in [k for k, v in self.state.items() if getattr(v, "drop_on_relower", False)]:
+            del self.state[name]
+            self.reports.pop(name, None)
+
+
+__all__ = ["Runtime"]
