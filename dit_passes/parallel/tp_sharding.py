@@ -149,9 +149,6 @@ def _segments_of(node: fx.Node, dim: int, full: int) -> List[int]:
     return [full]
 
 
-_TOUCHING = {aten.slice.Tensor: "slicing", aten.select.int: "selecting", aten.unbind.int: "unbind"}
-
-
 class TPRules(Propagation):
     """Hidden / head sharding: the shard spec of every value reached from a column-parallel output, and
     the rewrite (row-parallel linears, distributed RMSNorm, slices of replicated operands, gathers)."""
@@ -309,8 +306,9 @@ class TPRules(Propagation):
                 d = moved_dim(n, sx.dim)
                 return [sx.with_dim(d)] * len(n.meta["val"]) if t is aten.unbind.int else sx.with_dim(d)
             except Touches:
-                if t in _TOUCHING:
-                    raise ShardingError(f"{_TOUCHING[t]} along the sharded dim") from None
+                verb = {aten.slice.Tensor: "slicing", aten.select.int: "selecting", aten.unbind.int: "unbind"}.get(t)
+                if verb:  # other ops that touch the shard are all-gathered below
+                    raise ShardingError(f"{verb} along the sharded dim") from None
             except KeyError:
                 pass
         self._fallback(n, str(t))
