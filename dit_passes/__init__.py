@@ -17,7 +17,7 @@ from .infra.pass_base import Pass, PassContext, PassError, PassResult
 from .infra.pass_manager import PassManager
 from .analysis.blocks import NoRepeatedBlocksError, get_structure
 from . import passes  # noqa: F401  (dit_passes.passes.<PassName>)
-from .parallel.vae import parallel_vae  # noqa: F401  (VAE-P: dit_passes.parallel_vae(pipe.vae, size=2))
+from .passes.vae_parallel import parallel_vae  # noqa: F401  (VAE-P: dit_passes.parallel_vae(pipe.vae, size=2))
 
 __version__ = "0.1.0"
 

@@ -23,7 +23,7 @@ TOL = 1e-5
 def _wan_vae(world):
     from test_vae_parallel import _rel, _tiny_wan
 
-    from dit_passes.parallel.vae import parallel_vae
+    from dit_passes.passes.vae_parallel import parallel_vae
     vae = _tiny_wan()
     pv = parallel_vae(vae, world)
     z = torch.randn(1, 4, 2, 9, 8, generator=torch.Generator().manual_seed(3))  # 9 latent rows over 4 ranks

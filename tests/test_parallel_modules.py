@@ -83,7 +83,7 @@ def _two_ranks(rank, world):
 
 def _four_ranks(rank, world):
     from dit_passes.models.zoo import build
-    from dit_passes.parallel.hybrid import hybrid_passes
+    from dit_passes.passes.parallel_plan import hybrid_passes
     out = {}
     for family in ("flux", "wan"):
         zm = build(family)

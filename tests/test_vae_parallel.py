@@ -37,7 +37,7 @@ def _tiny_wan():
 
 
 def _wan_case(group, kind):
-    from dit_passes.parallel.vae import parallel_vae
+    from dit_passes.passes.vae_parallel import parallel_vae
     vae = _tiny_wan()
     x = torch.randn(WAN_LATENT if kind == "decode" else WAN_VIDEO, generator=torch.Generator().manual_seed(3))
     run = (lambda m: m.decode(x).sample) if kind == "decode" else (lambda m: m.encode(x).latent_dist.parameters)
@@ -84,7 +84,7 @@ def _rel(a, b):
 
 def _case(vae, group, z, x=None):
     """Decode ``z`` (and encode ``x`` if given) on ``group``; errors, output types, collective counts."""
-    from dit_passes.parallel.vae import parallel_vae
+    from dit_passes.passes.vae_parallel import parallel_vae
     pv = parallel_vae(vae, group.size(), group=group)
     out = {"forwarded": (pv.config is vae.config, pv.dtype, str(pv.device), pv.vae is vae,
                          pv.use_tiling is vae.use_tiling), "pv": pv,
@@ -115,7 +115,7 @@ def _case(vae, group, z, x=None):
 
 def _ranks(rank, world):
     import torch.distributed as dist
-    from dit_passes.parallel.vae import parallel_vae
+    from dit_passes.passes.vae_parallel import parallel_vae
 
     vae = _tiny_vae()
     z = torch.randn(LATENT, generator=torch.Generator().manual_seed(1))
@@ -188,7 +188,8 @@ def test_vae_decode_encode_exact_on_two_and_four_ranks():
 
 def test_parallel_vae_needs_a_process_group_and_size_one_is_a_no_op():
     import torch.distributed as dist
-    from dit_passes.parallel.vae import parallel_vae, split_rows
+    from dit_passes.parallel.vae import split_rows
+    from dit_passes.passes.vae_parallel import parallel_vae
 
     assert not dist.is_initialized()
     vae = torch.nn.Conv2d(1, 1, 3)  # not traced: the checks come first

@@ -242,11 +242,30 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
         owner = targets[0][0]
         if owner is None:
             raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
-        from ..parallel.extra_modules import parallelize_extra_modules
+        from ..passes.parallel_plan import parallelize_extra_modules
         _state_of(wrapped[0][2]).extra_restore = parallelize_extra_modules(
             owner, pc.extra_parallel_modules, pc.world_size(), pc.to_passes)
         logger.info("enable_cache(%s): passes %s", _name(attr, compiled), [p.name for p in _state_of(compiled).passes])
     return pipe_or_module if targets[0][0] is not None else wrapped[0][2]
+
+
+def _ray_launcher(pc: ParallelismConfig):
+    """The :class:`~dit_passes.launch.ray_launcher.RayLauncher` for ``use_ray=True`` (here, not in the
+    config: configs are plain data, the front end is the layer that may import the launcher)."""
+    from ..launch.ray_launcher import RayLauncher
+    n = pc.ray_num_workers or pc.world_size()
+    if pc.world_size() > 1 and n != pc.world_size():
+        raise ValueError(f"ParallelismConfig.ray_num_workers={n} differs from the parallel sizes' product "
+                         f"{pc.world_size()}")
+    if pc.ray_address:
+        raise NotImplementedError("ParallelismConfig.ray_address: call ray.init(address=...) yourself before "
+                                  "enable_cache; the launcher uses a running Ray as is")
+    if pc.ray_worker_options:
+        raise NotImplementedError("ParallelismConfig.ray_worker_options is not supported by RayLauncher")
+    if pc.ray_master_port:
+        logger.info("ParallelismConfig.ray_master_port is ignored: rank 0 picks a free port on its node")
+    return RayLauncher(world_size=n, runtime_env=pc.ray_runtime_env,
+                       ray_init_kwargs=dict(pc.ray_init_kwargs or {}))
 
 
 def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
@@ -259,7 +278,7 @@ def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
     pc.check_supported()
     state.passes = _worker_passes(None, q, state.cache_config, state.calibrator_config)  # validated here
     passes_fn = functools.partial(_worker_passes, pc, q, state.cache_config, state.calibrator_config)
-    launcher = pc.ray_launcher()
+    launcher = _ray_launcher(pc)
     if pc.ray_transfer_fn is not None:
         if pipe_or_module is not None:
             logger.warning("ray_transfer_fn is set: the workers build their own pipeline; the one given is unused")

@@ -32,12 +32,12 @@ class ParallelismConfig:
 
     Mapped: ``ulysses_size`` -> ``passes.Ulysses``, ``ring_size`` -> ``passes.Ring``, both -> ``passes.USP``,
     ``tp_size`` -> ``passes.TensorParallel``, on the current (torchrun-initialised) process group; ``use_ray``
-    -> :class:`~dit_passes.launch.ray_launcher.RayLauncher` (see ``dit_passes.frontend.api.enable_cache``).
+    -> :class:`~dit_passes.launch.ray_launcher.RayLauncher` (built by ``dit_passes.frontend.api``).
     Uneven sequence lengths are always exact here, so ``ulysses_anything`` needs nothing; the ring exchange
     is point-to-point and merges partial results in fp32 (``ring_rotate_method="p2p"``,
     ``ring_convert_to_fp32=True``). ``cp_plan`` / ``attention_backend`` are accepted and ignored (the plan
     is derived from the graph). CP together with TP builds both on one mesh
-    (:func:`~dit_passes.parallel.hybrid.hybrid_passes`). Not implemented (``NotImplementedError``):
+    (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). Not implemented (``NotImplementedError``):
     ``ulysses_float8``, ``ulysses_async``, ``extra_parallel_modules`` with ``use_ray``, other ring rotate
     methods.
     """
@@ -110,39 +110,9 @@ class ParallelismConfig:
     def to_passes(self) -> list:
         """The parallel passes for the current process group (empty when every size is 1). CP x TP builds the
         subgroups of a (cp, tp) mesh: a collective, every rank must call it."""
-        from ..passes import USP, Ring, TensorParallel, Ulysses
+        from ..passes.parallel_plan import parallel_passes
         self.check_supported()
-        u, r, t = self.sizes()
-        if t > 1 and u * r > 1:
-            from ..parallel.hybrid import hybrid_passes
-            return hybrid_passes(u, r, t)
-        out: list = []
-        if u > 1 and r > 1:
-            out.append(USP(u, r))
-        elif u > 1:
-            out.append(Ulysses(u))
-        elif r > 1:
-            out.append(Ring(r))
-        if t > 1:
-            out.append(TensorParallel(t))
-        return out
-
-    def ray_launcher(self):
-        """The :class:`~dit_passes.launch.ray_launcher.RayLauncher` for ``use_ray=True``."""
-        from ..launch.ray_launcher import RayLauncher
-        n = self.ray_num_workers or self.world_size()
-        if self.world_size() > 1 and n != self.world_size():
-            raise ValueError(f"ParallelismConfig.ray_num_workers={n} differs from the parallel sizes' product "
-                             f"{self.world_size()}")
-        if self.ray_address:
-            raise NotImplementedError("ParallelismConfig.ray_address: call ray.init(address=...) yourself before "
-                                      "enable_cache; the launcher uses a running Ray as is")
-        if self.ray_worker_options:
-            raise NotImplementedError("ParallelismConfig.ray_worker_options is not supported by RayLauncher")
-        if self.ray_master_port:
-            logger.info("ParallelismConfig.ray_master_port is ignored: rank 0 picks a free port on its node")
-        return RayLauncher(world_size=n, runtime_env=self.ray_runtime_env,
-                           ray_init_kwargs=dict(self.ray_init_kwargs or {}))
+        return parallel_passes(*self.sizes())
 
     def ray_transfer(self) -> Optional[str]:
         """RayLauncher's ``transfer=`` for ``ray_transfer_backend`` (None: its default)."""

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Tuple
 
-import torch
 import torch.fx as fx
 
-from ..infra.graph_utils import copy_meta, set_val
+from ..infra.graph_utils import copy_meta
 from . import sequence_ops as ops
-from .sequence_sharding import (AttentionDecision, Sharded, SequenceShardSpec, ShardingPlan, _Gather,
-                                _map_args, _Permute, _Slice)
+from .propagate import map_args as _map_args, repropagate
+from .sequence_sharding import AttentionDecision, Sharded, SequenceShardSpec, ShardingPlan, _Gather, _Permute, _Slice
 
 __all__ = ["AttentionBuilder", "apply_plan"]
 
@@ -128,7 +127,7 @@ def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_at
         n.replace_all_uses_with(gathered, delete_user_cb=lambda u: u not in region_set and u is not gathered)
         counts["outputs_gathered"] += 1
 
-    _repropagate(g, set(inserted) | set(plan.edits) | set(plan.layouts), shape_fns)
+    repropagate(g, set(inserted) | set(plan.edits) | set(plan.layouts), shape_fns)
     g.lint()
     gm.recompile()
     return counts
@@ -140,24 +139,3 @@ def _insert_gather(g: fx.Graph, node: fx.Node, layout: Sharded, spec: SequenceSh
         return new_node(ops.gather_sequence,
                         (node, layout.dim, group_name, list(spec.rank_lengths(layout.segments)),
                          *_runs_args(spec.inverse_runs(layout.segments))), node, ops.gather_sequence_shape)
-
-
-def _repropagate(g: fx.Graph, touched, shape_fns) -> None:
-    """Recompute meta['val'] (local shapes) of touched nodes and of everything whose input shape changed."""
-    changed: set = set()
-    for n in g.nodes:
-        if n.op != "call_function":
-            continue
-        if n in touched or any(a in changed for a in n.all_input_nodes):
-            old = n.meta.get("val")
-            set_val(n, shape_fns.get(n))
-            if not _same_shapes(old, n.meta["val"]):
-                changed.add(n)
-
-
-def _same_shapes(a, b) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return tuple(a.shape) == tuple(b.shape)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_shapes(x, y) for x, y in zip(a, b))
-    return a is None and b is None

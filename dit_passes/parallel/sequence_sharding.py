@@ -47,14 +47,17 @@ import torch.fx as fx
 
 from ..analysis.structure import DiTStructure
 from ..infra.pass_base import PassError
+from . import op_classes as oc
 from .attention import even_shard_sizes
+from .propagate import Placement, Touches, arg as _arg, is_tensor as _is_tensor_node, map_args as _map_args
+from .propagate import moved_dim, resize_view, shape as _shape, val as _val
 
 aten = torch.ops.aten
 Segment = Tuple[str, int]  # (segment id, full length)
 
 
 @dataclasses.dataclass(frozen=True)
-class Sharded:
+class Sharded(Placement):
     dim: int
     segments: Tuple[Segment, ...]
 
@@ -173,24 +176,6 @@ class ShardingPlan:
     exits: List[fx.Node]
 
 
-def _val(a):
-    return a.meta.get("val") if isinstance(a, fx.Node) else None
-
-
-def _is_tensor_node(a) -> bool:
-    return isinstance(_val(a), torch.Tensor)
-
-
-def _shape(a) -> Tuple[int, ...]:
-    return tuple(int(s) for s in _val(a).shape)
-
-
-def _arg(n: fx.Node, i: int, name: str, default: Any) -> Any:
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(name, default)
-
-
 def _prefix_map(in_shape, dim, out_shape) -> Optional[int]:
     """Output dim holding input ``dim`` whole under a row-major reshape (same size, same prefix)."""
     prefix, size, acc = math.prod(in_shape[:dim]), in_shape[dim], 1
@@ -199,35 +184,6 @@ def _prefix_map(in_shape, dim, out_shape) -> Optional[int]:
             return j
         acc *= s
     return None
-
-
-def _map_args(args, fn):
-    if isinstance(args, (list, tuple)):
-        return type(args)(_map_args(a, fn) for a in args)
-    if isinstance(args, dict):
-        return {k: _map_args(v, fn) for k, v in args.items()}
-    return fn(args)
-
-
-_SAME_AS_FIRST = {aten.type_as.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-                  aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-                  aten.dropout.default, aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
-                  aten.full_like.default, aten.rand_like.default, aten.randn_like.default, aten.lift_fresh_copy.default,
-                  # tensor parallelism's reductions run over the tp group, whose ranks hold the same tokens:
-                  # elementwise across ranks, so a token-sharded operand stays token-sharded
-                  torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default}
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-             aten.unflatten.int, aten.view_as_complex.default, aten.view_as_real.default, aten.unsqueeze.default,
-             aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
-_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
-               aten.std.correction, aten.var.dim, aten.std.dim}
-_SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
-_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default, aten.unbind.int}
-_NORMS = {aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default}
-_NONLOCAL_OPS = {aten.convolution.default, aten.conv2d.default, aten.conv3d.default, aten.group_norm.default,
-                 aten.mean.default, aten.sum.default, aten.cumsum.default, aten.index_select.default,
-                 aten.gather.default, aten.index.Tensor, aten.sort.default, aten.topk.default}
-SDPA = aten.scaled_dot_product_attention.default
 
 
 class _Analysis:
@@ -265,7 +221,7 @@ class _Analysis:
             if not any(isinstance(x, (Sharded, list)) for x in ins):
                 continue
             try:
-                out = self.attend(n) if n.target is SDPA else self.rule(n)
+                out = self.attend(n) if n.target is oc.SDPA else self.rule(n)
             except _NonLocal as why:
                 out = self.gather_inputs(n, str(why))
             self.layouts[n] = out
@@ -305,54 +261,26 @@ class _Analysis:
             args = (n.args[0], None, None) + tuple(n.args[3:])
             self.edit(n, args[:len(n.args)], {k: v for k, v in n.kwargs.items() if k not in ("size", "stride")})
             return None
-        if t in _NONLOCAL_OPS:
+        if t in oc.MIXING:
             raise _NonLocal(f"{t} mixes tokens")
-        if t in (aten.copy_.default, aten.copy.default) or (
-                isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+        if t in oc.COPIES or oc.is_pointwise(t):
             return self.pointwise(n)
-        if t is aten.slice_scatter.default:
-            return self.slice_scatter(n)
-        if t in _SAME_AS_FIRST:
-            return self.lay(n.args[0]) if isinstance(self.lay(n.args[0]), Sharded) else None
-        if t is aten.linear.default:
-            lay = self.lay(n.args[0])
-            if not isinstance(lay, Sharded) or lay.dim == _val(n.args[0]).dim() - 1:
-                raise _NonLocal("linear over the token dim")
-            return lay
-        if t in _NORMS:
-            return self.norm(n)
-        if t in _RESHAPES:
-            return self.reshape(n)
-        if t is aten.expand.default:
-            return self.expand(n)
-        if t is aten.permute.default:
-            lay = self.lay(n.args[0])
-            dims = [d % len(n.args[1]) for d in n.args[1]]
-            return Sharded(dims.index(lay.dim), lay.segments)
-        if t is aten.transpose.int:
-            lay, nd = self.lay(n.args[0]), _val(n.args[0]).dim()
-            a, b = n.args[1] % nd, n.args[2] % nd
-            return Sharded({a: b, b: a}.get(lay.dim, lay.dim), lay.segments)
-        if t in _REDUCTIONS:
-            return self.reduce(n)
-        if t in _SOFTMAX:
-            lay = self.lay(n.args[0])
-            if n.args[1] % _val(n.args[0]).dim() == lay.dim:
-                raise _NonLocal("softmax over the token dim")
-            return lay
-        if t in (aten.slice.Tensor, aten.narrow.default):
-            return self.slice(n)
-        if t is aten.select.int:
-            lay, d = self.lay(n.args[0]), n.args[1] % _val(n.args[0]).dim()
-            if d == lay.dim:
-                raise _NonLocal("select of one token")
-            return Sharded(lay.dim - (d < lay.dim), lay.segments)
-        if t in _SPLITS:
-            return self.split(n)
-        if t is aten.cat.default:
-            return self.cat(n)
-        if t is aten.stack.default:
-            return self.stack(n)
+        lay = self.lay(n.args[0])
+        if t in oc.LIKE_ARG0 or t in oc.ELEMENTWISE_COLLECTIVES:
+            return lay if isinstance(lay, Sharded) else None
+        if t is oc.LINEAR and not isinstance(lay, Sharded):
+            raise _NonLocal("linear over the token dim")
+        handler = _HANDLERS.get(t)
+        if handler is not None:
+            return handler(self, n)
+        if isinstance(lay, Sharded):
+            try:
+                out = lay.with_dim(moved_dim(n, lay.dim))
+                return [out] * 3 if t is aten.native_layer_norm.default else out
+            except Touches as why:
+                raise _NonLocal(str(why).replace("sharded dim", "token dim")) from None
+            except KeyError:
+                pass
         path = n.meta.get("dit_module_path", "") or "<top level>"
         raise PassError(f"context parallel: no sequence-sharding rule for op {t} at node '{n.name}' (module "
                         f"{path}), which reads a token-sharded value: the analysis cannot prove the op local. "
@@ -399,53 +327,26 @@ class _Analysis:
             raise _NonLocal("slice_scatter into the token dim or into a replicated tensor")
         return self.pointwise(n)
 
-    def norm(self, n):
-        lay, nd = self.lay(n.args[0]), _val(n.args[0]).dim()
-        if not isinstance(lay, Sharded) or lay.dim >= nd - len(n.args[1]):
-            raise _NonLocal("normalisation over the token dim")
-        return [lay, lay, lay] if n.target is aten.native_layer_norm.default else lay
-
     def reshape(self, n):
         x = n.args[0]
         lay, ins, outs = self.lay(x), _shape(x), _shape(n)
         j = _prefix_map(ins, lay.dim, outs)
         if j is None:
             raise _NonLocal(f"reshape {ins} -> {outs} merges or splits the token dim")
-        local = self.spec.local_length(lay.segments)
-        t = n.target
-        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-            new = list(outs)
-            new[j] = local
-            self.edit(n, (x, new) + tuple(n.args[2:]))
-        elif t is aten.unflatten.int:
-            d = n.args[1] % len(ins)
-            sizes = list(outs[d:d + len(n.args[2])])
-            if d <= j < d + len(sizes):
-                sizes[j - d] = local
-            self.edit(n, (x, n.args[1], sizes))
-        elif t is aten.squeeze.default:  # a local length of 1 must not be squeezed away
+        new = resize_view(n, j, self.spec.local_length(lay.segments))
+        if new is not None:
+            self.edit(n, new)
+        elif n.target is aten.squeeze.default:  # a local length of 1 must not be squeezed away
             self.edit(n, (x, [d for d, s in enumerate(ins) if s == 1]), target=aten.squeeze.dims)
         return Sharded(j, lay.segments)
 
     def expand(self, n):
-        x, sizes = n.args[0], list(n.args[1])
-        lay = self.lay(x)
-        j = lay.dim + len(sizes) - _val(x).dim()
-        if sizes[j] != -1:
-            sizes[j] = self.spec.local_length(lay.segments)
-        self.edit(n, (x, sizes) + tuple(n.args[2:]))
+        x, lay = n.args[0], self.lay(n.args[0])
+        j = lay.dim + len(n.args[1]) - _val(x).dim()
+        new = resize_view(n, j, self.spec.local_length(lay.segments))
+        if new is not None:
+            self.edit(n, new)
         return Sharded(j, lay.segments)
-
-    def reduce(self, n):
-        x = n.args[0]
-        lay, nd = self.lay(x), _val(x).dim()
-        dims = _arg(n, 1, "dim", None)
-        dims = list(range(nd)) if dims in (None, []) else [d % nd for d in ([dims] if isinstance(dims, int) else dims)]
-        if lay.dim in dims:
-            raise _NonLocal("reduction over the token dim")
-        keep = _arg(n, 2, "keepdim", False) if n.target not in (aten.var.correction, aten.std.correction) \
-            else n.kwargs.get("keepdim", False)
-        return Sharded(lay.dim if keep else lay.dim - sum(d < lay.dim for d in dims), lay.segments)
 
     def _segment_cut(self, lay: Sharded, cuts: Sequence[int], what: str) -> List[int]:
         """Indices into the segment boundaries for full-axis cut points (must all be boundaries)."""
@@ -566,6 +467,13 @@ class _Analysis:
         order = tuple(sorted(range(len(stride)), key=lambda d: (-stride[d], d)))
         self.attention.append(AttentionDecision(n, True, q, k, v, mask, n.kwargs.get("scale"), lq, order))
         return lq
+
+
+_HANDLERS = {**{t: _Analysis.reshape for t in oc.RESHAPES | oc.COMPLEX_VIEWS},
+             **{t: _Analysis.split for t in oc.SPLITS | {aten.unbind.int}},
+             aten.expand.default: _Analysis.expand, aten.slice.Tensor: _Analysis.slice,
+             aten.narrow.default: _Analysis.slice, aten.cat.default: _Analysis.cat, aten.stack.default: _Analysis.stack,
+             aten.slice_scatter.default: _Analysis.slice_scatter}
 
 
 def analyze(gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec) -> ShardingPlan:

@@ -6,26 +6,26 @@ for Flux single blocks' ``concat(attention, MLP)``, ``(inner, inner, inner)`` fo
 rank ``r`` of ``tp`` holds the ``r``-th contiguous chunk of **each** segment, concatenated in order.
 Every other dim is whole (replicated).
 
-The free functions only compute (no graph edits, no process groups). :class:`GraphSharder` holds the
-graph edits the tensor-parallel pass makes (sharded parameters, inserted slices / collectives, shape
-re-propagation); the propagation rules themselves live in :mod:`dit_passes.passes.tensor_parallel`.
+The free functions only compute (no graph edits, no process groups). :class:`TPRules` is the rule
+table of hidden / head sharding over the shared driver (:mod:`dit_passes.parallel.propagate`): sharded
+parameters, the spec of every value reached from a column-parallel output, inserted slices / collectives.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..infra.graph_utils import copy_meta
 from ..infra.pass_base import PassError
+from . import op_classes as oc
+from .propagate import Placement, Propagation, Touches, broadcast_dim, moved_dim, repropagate, resize_view
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 
 
 class ShardingError(ValueError):
@@ -33,7 +33,7 @@ class ShardingError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardSpec:
+class ShardSpec(Placement):
     dim: int                      # non-negative dim of the full tensor
     segments: Tuple[int, ...]     # full sizes of the concatenated segments along ``dim``
 
@@ -46,9 +46,6 @@ class ShardSpec:
 
     def local(self, tp: int) -> int:
         return self.full // tp
-
-    def with_dim(self, dim: int) -> "ShardSpec":
-        return ShardSpec(dim, self.segments)
 
 
 def check_divisible(segments: Sequence[int], tp: int, what: str) -> None:
@@ -107,13 +104,9 @@ def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, tp
     raise ShardingError(f"view {list(in_shape)} -> {list(out_shape)}: no output dim carries the sharded dim {dim}")
 
 
-_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default,
-           aten.split.sizes if hasattr(aten.split, "sizes") else aten.split_with_sizes.default}
-
-
 def split_sizes(node: fx.Node, full: int) -> Optional[Tuple[int, ...]]:
     """Piece sizes of a split/chunk node applied to a dim of ``full`` elements (None: not a split)."""
-    if node.target not in _SPLITS:
+    if node.target not in oc.SPLITS:
         return None
     arg = node.args[1]
     if node.target is aten.chunk.default:
@@ -156,35 +149,22 @@ def _segments_of(node: fx.Node, dim: int, full: int) -> List[int]:
     return [full]
 
 
-def linear_bytes(gm: fx.GraphModule, sites) -> int:
-    """Bytes of the weights and biases the graph module holds for ``sites`` (LinearSite list)."""
-    seen, total = set(), 0
-    for s in sites:
-        for name in (s.weight, s.bias):
-            if name is None or name in seen:
-                continue
-            seen.add(name)
-            try:
-                t = gm.get_parameter(name)
-            except AttributeError:
-                t = gm.get_buffer(name)
-            total += t.numel() * t.element_size()
-    return total
-
-
-class GraphSharder:
-    """Holds the shard spec of every sharded value and rewrites the graph node by node."""
+class TPRules(Propagation):
+    """Hidden / head sharding: the shard spec of every value reached from a column-parallel output, and
+    the rewrite (row-parallel linears, distributed RMSNorm, slices of replicated operands, gathers)."""
 
     def __init__(self, gm: fx.GraphModule, tp: int, rank: int, group: dist.ProcessGroup):
-        self.gm, self.g, self.tp, self.rank = gm, gm.graph, tp, rank
-        self.group_name = group.group_name
-        self.spec: Dict[fx.Node, Any] = {}          # node -> ShardSpec, or list of them for tuple values
+        super().__init__(gm, group.group_name, tp, rank)
+        self.tp = tp
         self.new_params: set = set()                 # attribute paths replaced by shards
-        self.inserted: set = set()
         self.row_nodes: List[fx.Node] = []
         self.fallback_ops: List[str] = []
-        self.counts = {k: 0 for k in ("column", "all_reduce", "norm_all_reduce", "all_gather", "fallback",
-                                       "views", "slices")}
+        self.counts.update({k: 0 for k in ("column", "all_reduce", "norm_all_reduce", "all_gather", "fallback",
+                                           "views", "slices")})
+
+    def _s(self, a) -> Optional[ShardSpec]:
+        s = self.place.get(a) if isinstance(a, fx.Node) else None
+        return s if isinstance(s, ShardSpec) else None
 
     # -- parameters ------------------------------------------------------------------------------
     def _replace_param(self, attr_node: fx.Node, dim: int, segments, users_ok: Sequence[fx.Node]) -> None:
@@ -197,37 +177,32 @@ class GraphSharder:
                             "shared (tied) weights are not supported")
         owner_path, _, leaf = path.rpartition(".")
         owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
-        full = getattr(owner, leaf)
-        shard = shard_along(full.detach(), dim, segments, self.rank, self.tp)
+        shard = shard_along(getattr(owner, leaf).detach(), dim, segments, self.rank, self.tp)
         # a new Parameter on the GraphModule's own submodule: the caller's model keeps its tensors
         setattr(owner, leaf, torch.nn.Parameter(shard, requires_grad=False))
         self.new_params.add(path)
-        mode = attr_node.meta["val"].fake_mode
-        attr_node.meta["val"] = mode.from_tensor(shard, static_shapes=True)
+        attr_node.meta["val"] = attr_node.meta["val"].fake_mode.from_tensor(shard, static_shapes=True)
+
+    def _shard_rows_of(self, n: fx.Node, segments, what: str, who: str = "tensor_parallel") -> None:
+        try:
+            check_divisible(segments, self.tp, what)
+        except ShardingError as e:
+            raise PassError(f"{who}: {e}") from None
+        for w in n.args[1:3]:
+            if w is not None:
+                self._replace_param(w, 0, segments, [n])
 
     def shard_column(self, site) -> None:
         n = site.node
         segments = output_segments(n)
-        try:
-            check_divisible(segments, self.tp, f"{site.role} linear {site.module_path}")
-        except ShardingError as e:
-            raise PassError(f"tensor_parallel: {e}") from None
-        self._replace_param(n.args[1], 0, segments, [n])
-        if len(n.args) > 2 and n.args[2] is not None:
-            self._replace_param(n.args[2], 0, segments, [n])
-        self.spec[n] = ShardSpec(n.meta["val"].dim() - 1, segments)
+        self._shard_rows_of(n, segments, f"{site.role} linear {site.module_path}")
+        self.place[n] = ShardSpec(n.meta["val"].dim() - 1, segments)
         self.counts["column"] += 1
 
     def shard_modulation(self, site) -> None:
         n = site.node
         out = int(n.meta["val"].shape[-1])
-        try:
-            check_divisible([out], self.tp, f"modulation linear {site.module_path}")
-        except ShardingError as e:
-            raise PassError(f"tensor_parallel(modulation='column'): {e}") from None
-        self._replace_param(n.args[1], 0, [out], [n])
-        if len(n.args) > 2 and n.args[2] is not None:
-            self._replace_param(n.args[2], 0, [out], [n])
+        self._shard_rows_of(n, [out], f"modulation linear {site.module_path}", "tensor_parallel(modulation='column')")
         users = list(n.users)
         full = self._gather(n, ShardSpec(n.meta["val"].dim() - 1, (out,)), n.next)
         for u in users:
@@ -235,72 +210,281 @@ class GraphSharder:
         self.counts["all_gather"] += 1
 
     # -- node insertion ---------------------------------------------------------------------------
-    def _call(self, target, args, kwargs=None, like: Optional[fx.Node] = None) -> fx.Node:
-        new = self.g.call_function(target, tuple(args), kwargs or {})
-        if like is not None:
-            copy_meta(new, like)
-        self.inserted.add(new)
-        return new
-
     def _local(self, x: fx.Node, dim: int, spec: ShardSpec, before: fx.Node) -> fx.Node:
         """Slice a replicated full tensor ``x`` to this rank's part along ``dim``."""
         with self.g.inserting_before(before):
             pieces, start = [], 0
             for s in spec.segments:
                 c = s // self.tp
-                pieces.append(self._call(aten.slice.Tensor, (x, dim, start + self.rank * c, start + (self.rank + 1) * c), like=before))
+                pieces.append(self.emit(aten.slice.Tensor, (x, dim, start + self.rank * c, start + (self.rank + 1) * c), like=before))
                 start += s
             self.counts["slices"] += 1
-            return pieces[0] if len(pieces) == 1 else self._call(aten.cat.default, (pieces, dim), like=before)
+            return pieces[0] if len(pieces) == 1 else self.emit(aten.cat.default, (pieces, dim), like=before)
 
     def _gather(self, x: fx.Node, spec: ShardSpec, before: fx.Node) -> fx.Node:
-        """All-gather sharded ``x`` back to the full tensor (inserted before ``before``)."""
-        full_shape = list(x.meta["val"].shape)  # still the full shape: meta is re-derived at the end
-        d, tp = spec.dim, self.tp
-        local_shape = list(full_shape)
-        local_shape[d] = spec.local(tp)
+        """All-gather sharded ``x`` back to the full tensor, segment-major (inserted before ``before``)."""
+        loc = spec.local_segments(self.tp)
+        runs = [(sum(loc[:i]), n) for i, n in enumerate(loc)] if len(loc) > 1 else None
         with self.g.inserting_before(before):
-            y = self._call(aten.movedim.int, (x, d, 0), like=before) if d else x
-            y = self._call(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, like=before)
-            y = self._call(c10d.all_gather_into_tensor.default, (y, tp, self.group_name), like=before)
-            y = self._call(c10d.wait_tensor.default, (y,), like=before)
-            rest = [s for i, s in enumerate(local_shape) if i != d]
-            if len(spec.segments) > 1:  # rank-major [seg0_r, seg1_r, ...] -> segment-major
-                loc = list(spec.local_segments(tp))
-                y = self._call(aten.reshape.default, (y, [tp, spec.local(tp)] + rest), like=before)
-                parts = self._call(aten.split_with_sizes.default, (y, loc, 1), like=before)
-                pieces = []
-                for j, lj in enumerate(loc):
-                    p = self._call(operator.getitem, (parts, j), like=before)
-                    pieces.append(self._call(aten.reshape.default, (p, [tp * lj] + rest), like=before))
-                y = self._call(aten.cat.default, (pieces, 0), like=before)
-            y = self._call(aten.movedim.int, (y, 0, d), like=before) if d else y
-        return y
-
-    def _all_reduce(self, x: fx.Node, like: fx.Node) -> fx.Node:
-        r = self._call(c10d.all_reduce.default, (x, "sum", self.group_name), like=like)
-        return self._call(c10d.wait_tensor.default, (r,), like=like)
+            return self.all_gather(x, spec.dim, [spec.local(self.tp)] * self.tp, before, runs)
 
     # -- propagation -----------------------------------------------------------------------------
+    def propagate(self) -> None:
+        def rule(n: fx.Node):
+            try:
+                return self.rule(n)
+            except ShardingError as e:
+                raise PassError(f"tensor_parallel: cannot shard node {n.name} ({n.target}) at "
+                                f"{n.meta.get('dit_module_path', '?')}: {e}") from None
+        self.walk(list(self.g.nodes), rule)
+        self._fallback(self.g.output_node(), "graph output")
+
     def repropagate(self) -> None:
-        """Recompute meta['val'] of every node whose inputs or arguments changed (graph order), running
-        its target on the fake inputs in the graph's fake mode (the one of the new parameters)."""
-        import torch.utils._pytree as pytree
+        """Local shapes of everything the rewrite touched, from the resharded parameters on."""
+        params = [n for n in self.g.nodes if n.op == "get_attr" and n.target in self.new_params]
+        repropagate(self.g, self.inserted | set(self.place), changed=params)
 
-        from ..infra.graph_utils import fake_of
+    def _fallback(self, n: fx.Node, what: str) -> None:
+        for a in list(n.all_input_nodes):
+            s = self._s(a)
+            if s is not None:
+                n.replace_input_with(a, self._gather(a, s, n))
+                self.counts["fallback"] += 1
+                self.fallback_ops.append(what)
 
-        dirty = set(self.inserted) | set(self.spec)
-        dirty |= {n for n in self.g.nodes if n.op == "get_attr" and n.target in self.new_params}
-        modes = [n.meta["val"].fake_mode for n in self.g.nodes
-                 if n.op in ("placeholder", "get_attr") and hasattr(n.meta.get("val"), "fake_mode")]
-        if not modes:
-            raise PassError("tensor_parallel: the graph carries no fake values to propagate shapes with")
-        for n in self.g.nodes:
-            if n.op == "get_attr" or n.op != "call_function" or n.meta.get("dit_no_val"):
+    def rule(self, n: fx.Node):  # noqa: C901 - one dispatch over op classes
+        t, args = n.target, n.args
+        x = args[0] if args else None
+        sx = self._s(x)
+        if t is oc.GETITEM:
+            src = self.place.get(x)
+            return src[args[1]] if isinstance(src, list) else None
+        if t is oc.LINEAR:
+            return self._linear(n, sx)
+        if sx is not None and t in oc.RESHAPES:
+            return self._view(n, sx)
+        if sx is not None and t in oc.COMPLEX_VIEWS:
+            if sx.dim >= x.meta["val"].dim() - (t is aten.view_as_complex.default):
+                raise ShardingError("complex view of the sharded last dim")
+            return sx  # only the trailing (real, imag) dim changes
+        if sx is not None and t is aten.expand.default:
+            od = broadcast_dim(n, x, sx.dim)
+            new = resize_view(n, od, sx.local(self.tp))
+            if new is not None:
+                n.args = new
+                self.counts["views"] += 1
+            return sx.with_dim(od)
+        if t is aten.type_as.default and sx is None:
+            return None  # a replicated value cast to a sharded one's dtype: argument 1 gives only the dtype
+        if sx is not None and t in oc.SPLITS:
+            return self._split(n, sx)
+        if t in (aten.cat.default, aten.stack.default):
+            return self._cat(n)
+        if t is oc.SDPA:
+            return self._sdpa(n)
+        if sx is not None and t is aten.rms_norm.default:
+            return self._rms_norm(n, sx)
+        if sx is not None and t in oc.LAYER_NORMS | {aten.group_norm.default}:
+            nd = len(args[1]) if t is not aten.group_norm.default else n.meta["val"].dim()
+            if sx.dim >= n.meta["val"].dim() - nd:
+                raise ShardingError(f"{t} normalises over the sharded hidden size; only RMSNorm over a sharded "
+                                    "dim is supported (run without TensorParallel for this model)")
+            return sx if t is not aten.native_layer_norm.default else [sx, None, None]
+        if sx is not None and t in oc.REDUCTIONS and oc.REDUCTIONS[t][1]:
+            return self._reduction(n, sx)
+        if t in oc.COPIES:
+            return self._pointwise(n, [0, 1])
+        if t is aten.slice_scatter.default:
+            dim = int(args[2] if len(args) > 2 else n.kwargs.get("dim", 0)) % n.meta["val"].dim()
+            if dim == (sx or self._s(args[1])).dim:
+                raise ShardingError("slice_scatter along the sharded dim")
+            return self._pointwise(n, [0, 1])
+        if oc.is_pointwise(t):
+            return self._pointwise(n, range(len(args)))
+        if sx is not None:
+            try:
+                d = moved_dim(n, sx.dim)
+                return [sx.with_dim(d)] * len(n.meta["val"]) if t is aten.unbind.int else sx.with_dim(d)
+            except Touches:
+                verb = {aten.slice.Tensor: "slicing", aten.select.int: "selecting", aten.unbind.int: "unbind"}.get(t)
+                if verb:  # other ops that touch the shard are all-gathered below
+                    raise ShardingError(f"{verb} along the sharded dim") from None
+            except KeyError:
+                pass
+        self._fallback(n, str(t))
+
+    def _linear(self, n: fx.Node, sx: Optional[ShardSpec]):
+        x, w = n.args[0], n.args[1]
+        if sx is None:
+            return self._fallback(n, "linear weight/bias from a sharded value")
+        if sx.dim != x.meta["val"].dim() - 1:
+            return sx  # linear over another dim: the shard passes through
+        if any(self._s(a) is not None for a in n.args[1:]):
+            return self._fallback(n, "linear weight from a sharded value")
+        in_features = int(w.meta["val"].shape[1])
+        if sx.full != in_features:
+            raise ShardingError(f"input sharded over {sx.full} features, the weight has {in_features}")
+        self._replace_param(w, 1, sx.segments, [n])
+        bias = n.args[2] if len(n.args) > 2 else None
+        with self.g.inserting_before(n.next):  # (inserting_after would stack new nodes in reverse order)
+            out = self.all_reduce(self.emit(aten.linear.default, (x, w), like=n), n)
+            if bias is not None:
+                out = self.emit(aten.add.Tensor, (out, bias), like=n)  # full bias, once, after the sum
+        out.meta["val"] = n.meta["val"]  # full shape until repropagate(); later rules read it
+        n.replace_all_uses_with(out)
+        self.g.erase_node(n)
+        self.row_nodes.append(n)  # the original node: compared with the structure's row-parallel sites
+        self.counts["all_reduce"] += 1
+
+    def _view(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
+        in_shape, out_shape = list(n.args[0].meta["val"].shape), list(n.meta["val"].shape)
+        k = map_view_dim(in_shape, out_shape, sx.dim, self.tp)
+        if len(sx.segments) > 1 and in_shape[sx.dim] != out_shape[k]:
+            raise ShardingError(f"a view that splits or merges a dim made of {len(sx.segments)} sharded "
+                                f"segments {list(sx.segments)}")
+        new = resize_view(n, k, out_shape[k] // self.tp)
+        if new is not None:
+            n.args = new
+            self.counts["views"] += 1
+        return ShardSpec(k, sx.segments if len(sx.segments) > 1 else (out_shape[k],))
+
+    def _split(self, n: fx.Node, sx: ShardSpec):
+        x, dim = n.args[0], split_dim(n)
+        sizes = split_sizes(n, int(x.meta["val"].shape[dim]))
+        if dim != sx.dim:
+            return [sx] * len(sizes)
+        # each piece must be a run of whole segments
+        pieces, segs, acc, cur = [], list(sx.segments), 0, []
+        for size in sizes:
+            while acc < size and segs:
+                cur.append(segs.pop(0))
+                acc += cur[-1]
+            if acc != size:
+                raise ShardingError(f"split sizes {list(sizes)} cut through the sharded segments {list(sx.segments)}")
+            pieces.append(ShardSpec(dim, tuple(cur)))
+            acc, cur = 0, []
+        local = [p.local(self.tp) for p in pieces]
+        if n.target is aten.chunk.default:
+            if len(set(local)) != 1:
+                raise ShardingError(f"chunk into unequal local pieces {local}")
+        else:
+            n.args = (x, local if n.target is not aten.split.Tensor or len(set(local)) > 1 else local[0]) + tuple(n.args[2:])
+            self.counts["views"] += 1
+        return pieces
+
+    def _cat(self, n: fx.Node) -> ShardSpec:
+        tensors = list(n.args[0])
+        dim = int(n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
+        ref = next(self._s(a) for a in tensors if self._s(a) is not None)
+        dim %= tensors[0].meta["val"].dim() + (n.target is aten.stack.default)
+        along = n.target is aten.cat.default and dim == ref.dim
+        segs, new = [], []
+        for a in tensors:
+            s = self._s(a)
+            if s is None and along:  # a replicated piece becomes one more sharded segment
+                s = ShardSpec(dim, (int(a.meta["val"].shape[dim]),))
+                check_divisible(s.segments, self.tp, f"replicated input {a.name} of a cat along the shard")
+                a = self._local(a, dim, s, n)
+            elif s is None:
+                a = self._local(a, ref.dim, ref, n)
+            elif s != ref and not along:
+                raise ShardingError(f"cat/stack of values sharded differently: {s} vs {ref}")
+            segs.extend(s.segments if s is not None else ())
+            new.append(a)
+        n.args = (new,) + tuple(n.args[1:])
+        if along:
+            return ShardSpec(dim, tuple(segs))
+        return ref.with_dim(ref.dim + (n.target is aten.stack.default and dim <= ref.dim))
+
+    def _sdpa(self, n: fx.Node) -> ShardSpec:
+        q, k, v = n.args[:3]
+        specs = [self._s(a) for a in (q, k, v)]
+        if any(s is not None and s.dim != 1 for s in specs):
+            raise ShardingError(f"attention needs q, k, v sharded over heads (dim 1), got {specs}")
+        for a, s in zip((q, k, v), specs):
+            if s is None:  # a replicated q/k/v (computed outside the sharded linears): take the local heads
+                heads = int(a.meta["val"].shape[1])
+                check_divisible([heads], self.tp, f"attention input {a.name}")
+                n.replace_input_with(a, self._local(a, 1, ShardSpec(1, (heads,)), n))
+        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+        if isinstance(mask, fx.Node):
+            mv = mask.meta["val"]
+            hd = mv.dim() - 3
+            if self._s(mask) is None and hd >= 0 and int(mv.shape[hd]) > 1:
+                n.replace_input_with(mask, self._local(mask, hd, ShardSpec(hd, (int(mv.shape[hd]),)), n))
+        return specs[0] or ShardSpec(1, (int(q.meta["val"].shape[1]),))
+
+    def _rms_norm(self, n: fx.Node, sx: ShardSpec) -> Optional[ShardSpec]:
+        x, shape = n.args[0], list(n.args[1])
+        weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
+        eps = n.args[3] if len(n.args) > 3 else n.kwargs.get("eps")
+        xv = x.meta["val"]
+        first = xv.dim() - len(shape)
+        if sx.dim < first:  # per-head norm: the sharded dim is not normalised over
+            return sx
+        # Distributed RMSNorm (the norm covers the sharded hidden): sum of squares over the local part,
+        # one all-reduce, division by the full count; same op order as aten.rms_norm.
+        low = xv.dtype in (torch.float16, torch.bfloat16)
+        eps = torch.finfo(torch.float32 if low else xv.dtype).eps if eps is None else eps
+        emit = self.emit
+        with self.g.inserting_before(n):
+            xf = emit(aten._to_copy.default, (x,), {"dtype": torch.float32}, like=n) if low else x
+            ss = emit(aten.sum.dim_IntList, (emit(aten.pow.Tensor_Scalar, (xf, 2), like=n),
+                                             list(range(first, xv.dim())), True), like=n)
+            ms = emit(aten.div.Tensor, (self.all_reduce(ss, n), math.prod(int(s) for s in shape)), like=n)
+            r = emit(aten.rsqrt.default, (emit(aten.add.Tensor, (ms, eps), like=n),), like=n)
+            y = emit(aten.type_as.default, (emit(aten.mul.Tensor, (xf, r), like=n), x), like=n)
+            if weight is not None:
+                wd = sx.dim - first
+                y = emit(aten.mul.Tensor, (y, self._local(weight, wd, ShardSpec(wd, sx.segments), n)), like=n)
+        y.meta["val"] = n.meta["val"]  # full shape until repropagate(); later rules read it
+        n.replace_all_uses_with(y)
+        self.g.erase_node(n)
+        self.place[y] = sx
+        self.counts["norm_all_reduce"] += 1
+
+    def _reduction(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
+        """Reduction over some dims: local if the sharded dim is kept, else completed by an all-reduce
+        (a decomposed RMSNorm over the full hidden: mean of squares = sum of the ranks' means / tp)."""
+        try:
+            return sx.with_dim(moved_dim(n, sx.dim))
+        except Touches:
+            pass
+        users = list(n.users)
+        with self.g.inserting_before(n.next):
+            out = self.all_reduce(n, n, oc.REDUCTIONS[n.target][1])
+            if n.target is aten.mean.dim:
+                out = self.emit(aten.div.Tensor, (out, self.tp), like=n)
+        out.meta["val"] = n.meta["val"]
+        for u in users:
+            u.replace_input_with(n, out)
+        self.inserted.add(n)  # recompute its (local) shape
+        self.counts["norm_all_reduce"] += 1
+
+    def _pointwise(self, n: fx.Node, positions):
+        """Broadcasting op: sharded inputs must agree; replicated full-size operands are sliced."""
+        nd = n.meta["val"].dim()
+        ref = None
+        for i in positions:
+            a = n.args[i]
+            s = self._s(a)
+            if s is not None:
+                s = s.with_dim(broadcast_dim(n, a, s.dim))
+                if ref is not None and ref != s:
+                    raise ShardingError(f"operands sharded differently: {ref} vs {s}")
+                ref = s
+        if ref is None:
+            return self._fallback(n, f"{n.target} with a sharded non-tensor-position input")
+        new = list(n.args)
+        for i in positions:
+            a = new[i]
+            if not isinstance(a, fx.Node) or self._s(a) is not None or not isinstance(a.meta.get("val"), torch.Tensor):
                 continue
-            if n not in dirty and not any(a in dirty for a in n.all_input_nodes):
-                continue
-            dirty.add(n)
-            args, kwargs = pytree.tree_map(fake_of, (n.args, n.kwargs))
-            with modes[0]:
-                n.meta["val"] = n.target(*args, **kwargs)
+            av = a.meta["val"]
+            d = ref.dim - (nd - av.dim())
+            if d >= 0 and int(av.shape[d]) != 1:
+                if n.target is aten.copy_.default and i == 0:  # would write a shard into a full tensor
+                    raise ShardingError("in-place copy of a sharded value into a replicated tensor")
+                new[i] = self._local(a, d, ref.with_dim(d), n)
+        n.args = tuple(new)
+        return ref

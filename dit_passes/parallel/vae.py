@@ -1,11 +1,11 @@
 """VAE-P: exact spatial parallelism for diffusers VAEs (``AutoencoderKL``, ``AutoencoderKLWan``), decode and encode.
 
-    vae = dit_passes.parallel_vae(pipe.vae, size=2)   # after init_process_group; pipe.vae = vae
-
-Every rank gets the same full latent (or image / video). ``vae.decode(z).sample`` (or
-``vae.encode(x).latent_dist.parameters``) is captured with ``torch.export`` twice: on the full input
-(the single-process reference) and on this rank's slab of rows, which is rewritten so that the local
-computation is exactly the single-process one:
+This module is the rule table of row sharding over the shared driver (:mod:`dit_passes.parallel.propagate`);
+the pass is :class:`dit_passes.passes.vae_parallel.VAEParallel` and the drop-in module
+``dit_passes.parallel_vae(pipe.vae, size=2)``. Every rank gets the same full latent (or image / video);
+``vae.decode(z).sample`` (or ``vae.encode(x).latent_dist.parameters``) is captured twice: on the full
+input (the single-process reference) and on this rank's slab of rows, which is rewritten so that the
+local computation is exactly the single-process one:
 
 * entry: ``aten.slice`` of the full input along height (rows split as evenly as possible; uneven
   allowed; for encode in multiples of the downsampling factor);
@@ -25,26 +25,27 @@ against the reference shapes; an op that would mix rows in a way the rewrite doe
 """
 from __future__ import annotations
 
-import collections
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
-from dit_passes.capture import capture
-from dit_passes.infra.graph_utils import copy_meta, set_val
-from dit_passes.parallel import vae_ops
+from ..infra.graph_utils import set_val
+from ..infra.pass_base import PassError
+from . import op_classes as oc
+from . import vae_ops
+from .propagate import Propagation
 
-__all__ = ["ParallelVAE", "parallel_vae", "shard_vae_graph"]
+__all__ = ["VAEShardingError", "shard_vae_graph", "split_rows"]
 split_rows = vae_ops.split_rows
 
-aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+aten, c10d = oc.aten, oc.c10d
 _vae_ops = torch.ops.dit_passes
-_CONVS = (aten.conv2d.default, aten.conv3d.default)
-
 Shard, _val = vae_ops.Shard, vae_ops._val
+
+
+class VAEShardingError(PassError, NotImplementedError):
+    """An op VAE-P cannot run on row slabs (a PassError for the pass manager, NotImplementedError as before)."""
 
 
 def _spatial(v: Any, default: int, n: int) -> List[int]:
@@ -53,28 +54,22 @@ def _spatial(v: Any, default: int, n: int) -> List[int]:
     return [int(i) for i in (v * n if len(v) == 1 else v)]
 
 
-class _Rewriter:
+class VAERules(Propagation):
     """Rewrites a graph captured on this rank's slab into the sharded, exact graph (see module doc)."""
 
     def __init__(self, gm: fx.GraphModule, rows: Sequence[int], rank: int, group_name: str,
                  reference: Optional[Dict[str, Tuple[int, ...]]] = None):
-        self.gm, self.g, self.ref = gm, gm.graph, reference or {}
-        self.rows, self.rank, self.world, self.group = tuple(rows), rank, len(rows), group_name
-        self.sh: Dict[fx.Node, Shard] = {}                 # sharded values
+        super().__init__(gm, group_name, len(rows), rank)
+        self.ref, self.rows, self.sh = reference or {}, tuple(rows), self.place  # sh: row-split values
         self.hpad: Dict[fx.Node, Tuple[int, int]] = {}      # pads whose height part a conv must absorb
-        self.counts: collections.Counter = collections.Counter()
         self.replaced: Dict[fx.Node, fx.Node] = {}
 
     def fail(self, node: fx.Node, why: str) -> None:
         where = node.meta.get("dit_module_path", "?")
-        raise NotImplementedError(f"VAE-P cannot shard `{node.format_node()}` (module {where!r}): {why}")
+        raise VAEShardingError(f"VAE-P cannot shard `{node.format_node()}` (module {where!r}): {why}")
 
-    def emit(self, target, args, like: Optional[fx.Node] = None) -> fx.Node:
-        node = self.g.call_function(target, tuple(args))
-        if like is not None:
-            copy_meta(node, like)
-        set_val(node)
-        return node
+    def emit(self, target, args, kwargs=None, like: Optional[fx.Node] = None, with_val: bool = True) -> fx.Node:
+        return super().emit(target, args, kwargs, like, with_val)
 
     # --- entry / exit -------------------------------------------------------------------------------
     def run(self) -> Dict[str, int]:
@@ -82,7 +77,7 @@ class _Rewriter:
         ph = placeholders[0]
         local = _val(ph)
         if len(placeholders) != 1 or local.dim() not in (4, 5):
-            raise NotImplementedError(f"VAE-P splits one (N, C, [T,] H, W) input, the graph takes "
+            raise VAEShardingError(f"VAE-P splits one (N, C, [T,] H, W) input, the graph takes "
                                       f"{[tuple(_val(p).shape) for p in placeholders]}")
         start, hd = sum(self.rows[:self.rank]), local.dim() - 2
         with self.g.inserting_after(ph):
@@ -94,9 +89,8 @@ class _Rewriter:
             ph.meta["val"] = local.new_empty(shape)
         set_val(entry)
         self.sh[entry] = Shard(hd, self.rows)
-        for node in list(self.g.nodes):
-            if node.op == "call_function" and node is not entry:
-                self.visit(node)
+        self.inserted.add(entry)
+        self.walk(list(self.g.nodes), self.visit)
         out = self.g.output_node()
         with self.g.inserting_before(out):
             out.args = (tuple(self.gather(o, self.sh[o]) if o in self.sh else o for o in out.args[0]),)
@@ -107,23 +101,8 @@ class _Rewriter:
 
     def gather(self, x: fx.Node, s: Shard) -> fx.Node:
         """All-gather ``x`` along ``s.dim`` (one collective; uneven extents padded then trimmed)."""
-        big, mine = max(s.sizes), s.sizes[self.rank]
-        y = x
-        if mine < big:
-            pad = [0, 0] * (_val(x).dim() - 1 - s.dim) + [0, big - mine]
-            y = self.emit(aten.constant_pad_nd.default, (y, pad, 0.0), like=x)
-        y = self.emit(aten.contiguous.default, (y,), like=x)
-        y = self.emit(c10d.all_gather_into_tensor.default, (y, self.world, self.group), like=x)
-        y = self.emit(c10d.wait_tensor.default, (y,), like=x)
-        n0 = _val(x).shape[0]
-        pieces = []
-        for j, size in enumerate(s.sizes):
-            p = self.emit(aten.slice.Tensor, (y, 0, j * n0, (j + 1) * n0), like=x)
-            if size < big:
-                p = self.emit(aten.slice.Tensor, (p, s.dim, 0, size), like=x)
-            pieces.append(p)
         self.counts["all_gather"] += 1
-        return self.emit(aten.cat.default, (pieces, s.dim), like=x)
+        return self.all_gather(x, s.dim, s.sizes, like=x, with_val=True)
 
     # --- per node ----------------------------------------------------------------------------------
     def visit(self, node: fx.Node) -> None:
@@ -142,17 +121,17 @@ class _Rewriter:
     def _visit(self, node: fx.Node) -> None:
         ins = [a for a in node.all_input_nodes if a in self.sh]
         t = node.target
-        if any(a in self.hpad for a in node.all_input_nodes) and t not in _CONVS:
+        if any(a in self.hpad for a in node.all_input_nodes) and t not in oc.CONVS:
             self.fail(node, "it consumes a height padding that only a following convolution can absorb")
         if not ins or t is aten._assert_tensor_metadata.default:
             return
-        if t in _CONVS:
+        if t in oc.CONVS:
             return self.conv(node)
         if t is aten.group_norm.default:
             return self.group_norm(node)
-        if t is aten.scaled_dot_product_attention.default:
+        if t is oc.SDPA:
             return self.attention(node)
-        if t in (aten.pad.default, aten.constant_pad_nd.default):
+        if t in oc.PADS:
             return self.pad(node)
         try:
             s = vae_ops.local_shard(node, self.sh, self.rank, self.ref.get(node.name))
@@ -267,132 +246,8 @@ def shard_vae_graph(gm: fx.GraphModule, rows: Sequence[int], rank: int, group_na
         ops = [(n.name, n.target) for n in gm.graph.nodes if n.op == "call_function"]
         full = [(n.name, n.target) for n in reference.graph.nodes if n.op == "call_function"]
         if ops != full:
-            raise NotImplementedError("VAE-P: the graph captured on one rank's rows differs from the one "
+            raise VAEShardingError("VAE-P: the graph captured on one rank's rows differs from the one "
                                       "captured on the full input (shape-dependent control flow)")
         ref = {n.name: tuple(n.meta["val"].shape) for n in reference.graph.nodes
                if isinstance(n.meta.get("val"), torch.Tensor)}
-    return _Rewriter(gm, rows, rank, group_name, ref).run()
-
-
-class _Call(torch.nn.Module):
-    """What is captured: ``vae.decode(z).sample`` or ``vae.encode(x).latent_dist.parameters``."""
-
-    def __init__(self, vae, kind: str):
-        super().__init__()
-        self.vae, self.kind = vae, kind
-
-    def forward(self, x):
-        if self.kind == "decode":
-            return self.vae.decode(x).sample
-        return self.vae.encode(x).latent_dist.parameters
-
-
-class ParallelVAE(torch.nn.Module):
-    """Drop-in for a diffusers VAE whose ``decode`` / ``encode`` run split over the ranks of ``group``.
-
-    Holds the original (``.vae``; ``.config``, ``.dtype``, ``.device`` and any other attribute are
-    forwarded to it) and one rewritten graph per (kind, input shape, dtype, device)."""
-
-    def __init__(self, vae: torch.nn.Module, group: dist.ProcessGroup):
-        super().__init__()
-        self.vae = vae
-        object.__setattr__(self, "_group", group)
-        object.__setattr__(self, "_graphs", {})
-        object.__setattr__(self, "_reports", {})
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["vae"], name)
-
-    @property
-    def config(self):
-        return self.vae.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.vae.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.vae.device
-
-    def graph(self, kind: str, x: torch.Tensor) -> fx.GraphModule:
-        """The rewritten graph for an input like ``x`` (captured on first use)."""
-        key = (kind, tuple(x.shape), x.dtype, x.device)
-        gm = self._graphs.get(key)
-        if gm is None:
-            if getattr(self.vae, "use_tiling", False):
-                raise ValueError("VAE-P replaces tiling: call vae.disable_tiling() before parallel_vae")
-            full = capture(_Call(self.vae, kind), (x,)).gm  # the single-process graph: reference shapes
-            full.graph.eliminate_dead_code()
-            hd, rank = x.dim() - 2, self._group.rank()
-            height, out_h = x.shape[hd], _val(full.graph.output_node().args[0][0]).shape[-2]
-            unit = height // out_h if out_h < height else 1  # encode: slabs of whole downsampled rows
-            if height % unit:
-                raise ValueError(f"VAE-P {kind}: height {height} is not a multiple of the downsampling {unit}")
-            rows = vae_ops.split_rows(height, self._group.size(), unit)
-            local = x.narrow(hd, sum(rows[:rank]), rows[rank]).contiguous()
-            gm = capture(_Call(self.vae, kind), (local,)).gm
-            gm.graph.eliminate_dead_code()
-            counts = shard_vae_graph(gm, rows, rank, self._group.group_name, reference=full)
-            gm.meta["vae_parallel"] = {"kind": kind, "rows": rows, "rank": rank, **counts}
-            self._reports[key] = {**vae_ops.activation_memory(full), **vae_ops.census(full)}
-            self._graphs[key] = gm
-        return gm
-
-    @torch.no_grad()
-    def decode(self, z: torch.Tensor, return_dict: bool = True, generator=None):
-        sample = self.graph("decode", z)(z)[0]
-        if not return_dict:
-            return (sample,)
-        from diffusers.models.autoencoders.vae import DecoderOutput
-        return DecoderOutput(sample=sample)
-
-    @torch.no_grad()
-    def encode(self, x: torch.Tensor, return_dict: bool = True):
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-        from diffusers.models.modeling_outputs import AutoencoderKLOutput
-        posterior = DiagonalGaussianDistribution(self.graph("encode", x)(x)[0])
-        if not return_dict:
-            return (posterior,)
-        return AutoencoderKLOutput(latent_dist=posterior)
-
-    def forward(self, sample: torch.Tensor, sample_posterior: bool = False, return_dict: bool = True,
-                generator: Optional[torch.Generator] = None):
-        posterior = self.encode(sample).latent_dist
-        z = posterior.sample(generator=generator) if sample_posterior else posterior.mode()
-        return self.decode(z, return_dict=return_dict)
-
-    def report(self) -> Dict[str, Any]:
-        """Per graph: rows per rank, inserted collectives, and activation bytes on this rank against the
-        same call captured on the full input (what one process would hold), from the graphs' shapes."""
-        out = {}
-        for key, gm in self._graphs.items():
-            mine, single = vae_ops.activation_memory(gm), self._reports[key]
-            out[f"{key[0]}{list(key[1])}"] = {
-                **gm.meta["vae_parallel"], "world_size": self._group.size(),
-                **{f"rank_{k}": v for k, v in mine.items()}, **{f"single_{k}": v for k, v in single.items()},
-                "peak_ratio": mine["peak_activation_bytes"] / max(1, single["peak_activation_bytes"])}
-        return out
-
-
-def parallel_vae(vae: torch.nn.Module, size: int, group: Optional[dist.ProcessGroup] = None):
-    """Split ``vae``'s decode / encode over ``size`` ranks of ``group`` (default: the world group).
-
-    ``size=1`` returns ``vae`` itself (nothing to split). Otherwise ``size`` must equal the group's size
-    and a process group must be initialised. The result is a :class:`ParallelVAE`; every rank must call
-    it with the same input, and every rank receives the full output."""
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"parallel_vae: size must be a positive int, got {size!r}")
-    if size == 1:
-        return vae
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"parallel_vae(size={size}) needs a torch.distributed process group: call "
-                           f"torch.distributed.init_process_group(...) on every rank first")
-    group = group if group is not None else dist.group.WORLD
-    if group.size() != size:
-        raise ValueError(f"parallel_vae: size={size}, but the process group has {group.size()} ranks; "
-                         f"pass size={group.size()} or a group of {size} ranks")
-    return ParallelVAE(vae, group)
+    return VAERules(gm, rows, rank, group_name, ref).run()

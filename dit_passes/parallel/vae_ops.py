@@ -27,22 +27,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from . import op_classes as oc
+from .propagate import Placement, Touches, moved_dim
+
 __all__ = ["halo_exchange", "group_stats", "group_norm_apply", "halo_rows", "split_rows", "activation_memory",
            "census", "Shard", "Refused", "local_shard"]
 
 aten = torch.ops.aten
-# ops whose output shares its input's storage (activation accounting)
-_ALIASES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-            aten.permute.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
-            aten.expand.default, aten.alias.default, aten.detach.default, aten.dropout.default,
-            aten.chunk.default, operator.getitem}
 
 
 def _group(name: str) -> dist.ProcessGroup:
@@ -160,7 +157,7 @@ def _(x, stats, num_groups, weight, bias, eps):
 
 
 @dataclasses.dataclass(frozen=True)
-class Shard:
+class Shard(Placement):
     """Which dim of a value is split over the ranks, and every rank's extent along it."""
     dim: int
     sizes: Tuple[int, ...]
@@ -174,16 +171,6 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
-_LIKE_POINTWISE = {aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
-                   aten.contiguous.default, aten.alias.default, aten.detach.default, aten.clone.default,
-                   aten.expand_as.default, aten.expand.default, aten.zeros_like.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_REDUCTIONS = {aten.linalg_vector_norm.default: 2, aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten.amax.default: 1}
-_NEAREST = {aten.upsample_nearest2d.vec, aten._upsample_nearest_exact2d.vec}
-_SLICING = {aten.slice.Tensor: 1, aten.select.int: 1, aten.chunk.default: 2, aten.split.Tensor: 2,
-            aten.split_with_sizes.default: 2, aten.squeeze.dim: 1}
-
-
 def local_shard(node: fx.Node, sh: Dict[fx.Node, Shard], rank: int,
                 ref: Optional[Sequence[int]] = None) -> Optional[Shard]:
     """The split of ``node``'s output (None: not split), for an op that runs unchanged on each rank's
@@ -194,49 +181,32 @@ def local_shard(node: fx.Node, sh: Dict[fx.Node, Shard], rank: int,
         return sh.get(args[0])
     s = next(sh[a] for a in node.all_input_nodes if a in sh)
     x = args[0]
-    ndim = _val(x).dim() if isinstance(x, fx.Node) and isinstance(_val(x), torch.Tensor) else 0
-    if t in _LIKE_POINTWISE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+    if t in oc.LIKE_ARG0 or t in oc.EXPANDS or oc.is_pointwise(t):
         return _pointwise(node, sh)
-    if t in _VIEWS:
+    if t in oc.SIZE_VIEWS:
         return _view(node, s, rank, ref)
-    if t is aten.transpose.int:
-        a, b = (int(d) % ndim for d in args[1:3])
-        return Shard(b if s.dim == a else a if s.dim == b else s.dim, s.sizes)
-    if t is aten.permute.default:
-        return Shard([int(d) % ndim for d in args[1]].index(s.dim), s.sizes)
-    if t is aten.unsqueeze.default:
-        return Shard(s.dim + (1 if int(args[1]) % (ndim + 1) <= s.dim else 0), s.sizes)
-    if t in _SLICING:
-        at = _SLICING[t]
-        d = int(args[at]) % ndim if len(args) > at else 0
-        if d == s.dim and not (t is aten.slice.Tensor and _val(node).shape[d] == _val(x).shape[d]):
-            raise Refused("it slices the split dim")
-        return Shard(s.dim - (1 if t in (aten.select.int, aten.squeeze.dim) and d < s.dim else 0), s.sizes)
-    if t is operator.getitem:
+    if t is oc.GETITEM:
         return s
     if t in (aten.cat.default, aten.stack.default):
         d = (int(args[1]) if len(args) > 1 else 0) % _val(node).dim()
         if any(sh.get(a) != s for a in args[0]) or (t is aten.cat.default and d == s.dim):
             raise Refused("cat along the split dim, or of split with unsplit tensors")
         return Shard(s.dim + (1 if t is aten.stack.default and d <= s.dim else 0), s.sizes)
-    if t in _REDUCTIONS:
-        at = _REDUCTIONS[t]
-        dims = args[at] if len(args) > at and args[at] is not None else range(ndim)
-        dims = sorted({int(d) % ndim for d in (dims if isinstance(dims, (list, tuple, range)) else [dims])})
-        keep = bool(args[at + 1]) if len(args) > at + 1 else False
-        if s.dim in dims:
-            raise Refused("a reduction over the split dim")
-        return Shard(s.dim if keep else s.dim - sum(1 for d in dims if d < s.dim), s.sizes)
-    if t is aten.linear.default:
-        if s.dim == ndim - 1:
-            raise Refused("a linear over the split dim")
-        return s
-    if t in _NEAREST:
+    if t in oc.NEAREST_UPSAMPLES:
         h_in, h_out = _val(x).shape[s.dim], _val(node).shape[s.dim]
         scales = args[2] if len(args) > 2 else None
-        if s.dim != ndim - 2 or h_out % h_in or (scales and float(scales[0]) != h_out // h_in):
+        if s.dim != _val(x).dim() - 2 or h_out % h_in or (scales and float(scales[0]) != h_out // h_in):
             raise Refused("nearest upsampling along height is local only by an integer factor")
         return Shard(s.dim, tuple(n * (h_out // h_in) for n in s.sizes))
+    if x in sh:
+        try:
+            return s.with_dim(moved_dim(node, s.dim))
+        except Touches as why:
+            if t is aten.slice.Tensor and _val(node).shape[s.dim] == _val(x).shape[s.dim]:
+                return s  # a slice that keeps the whole split dim
+            raise Refused(str(why).replace("sharded", "split")) from None
+        except KeyError:
+            pass
     raise Refused("an op this rewrite does not know to act locally on the split dim")
 
 
@@ -301,7 +271,7 @@ def activation_memory(gm: fx.GraphModule) -> Dict[str, int]:
     largest, extra = 0, {}
     for n in nodes:
         v = _val(n)
-        if n.op == "call_function" and n.target in _ALIASES and n.all_input_nodes:
+        if n.op == "call_function" and n.target in oc.ALIASES and n.all_input_nodes:
             root[n] = root.get(n.args[0], n.args[0]) if isinstance(n.args[0], fx.Node) else n
         else:
             root[n] = n
@@ -331,7 +301,6 @@ def activation_memory(gm: fx.GraphModule) -> Dict[str, int]:
 def census(gm: fx.GraphModule) -> Dict[str, int]:
     """What the rewrite has to handle in a single-process graph."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    return {"convs_taller_than_one_row": sum(1 for n in nodes if n.target in (aten.conv2d.default,
-                                             aten.conv3d.default) and _val(n.args[1]).shape[-2] > 1),
+    return {"convs_taller_than_one_row": sum(1 for n in nodes if n.target in oc.CONVS and _val(n.args[1]).shape[-2] > 1),
             "group_norms": sum(1 for n in nodes if n.target is aten.group_norm.default),
             "attentions": sum(1 for n in nodes if n.target is aten.scaled_dot_product_attention.default)}

@@ -7,5 +7,6 @@ from .tensor_parallel import TensorParallel
 from .offload import LayerwiseOffload
 from .regional_compile import RegionalCompile
 from .attention_backend import AttentionBackend
+from .vae_parallel import VAEParallel
 
-__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend"]
+__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend", "VAEParallel"]

@@ -108,7 +108,7 @@ class _ContextParallel(Pass):
         if total != world:
             raise PassError(f"{self.describe()} shards over {total} ranks, but the process group has world size "
                             f"{world}; {self._usage(world)} (for a hybrid with tensor parallelism, pass the "
-                            f"context-parallel subgroup: dit_passes.parallel.hybrid.hybrid_passes)")
+                            f"context-parallel subgroup: dit_passes.passes.parallel_plan.hybrid_passes)")
         mesh = self._mesh(ctx)
         spec = SequenceShardSpec(world, mesh.global_rank)
         plan = analyze(gm, get_structure(gm), spec)

@@ -1,0 +1,57 @@
+"""The op taxonomy every sharding rule table reads (tensor, sequence and VAE parallelism): each class once.
+
+A class groups ATen overloads that a placement rule treats alike (where the sharded dim goes, which
+argument holds the dims / sizes). The rule tables (:mod:`dit_passes.parallel.tp_sharding`,
+:mod:`dit_passes.parallel.sequence_sharding`, :mod:`dit_passes.parallel.vae`) decide what each class
+does to their placement; :mod:`dit_passes.parallel.propagate` holds the dim arithmetic shared by all.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+SDPA = aten.scaled_dot_product_attention.default
+LINEAR = aten.linear.default
+GETITEM = operator.getitem
+# views whose argument 1 is the full output size list
+SIZE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# every op that only re-indexes a value row-major (same elements, same order)
+RESHAPES = SIZE_VIEWS | {aten.flatten.using_ints, aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim,
+                         aten.squeeze.dims, aten.squeeze.default}
+COMPLEX_VIEWS = {aten.view_as_complex.default, aten.view_as_real.default}
+# output shaped like argument 0; other tensor arguments (type_as's) lend only a dtype
+LIKE_ARG0 = {aten.dropout.default, aten.type_as.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+             aten.to.device, aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+             aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+             aten.rand_like.default, aten.randn_like.default, aten.lift_fresh_copy.default}
+# tensor parallelism's collectives run over ranks that hold the same tokens: elementwise for sequence sharding
+ELEMENTWISE_COLLECTIVES = {c10d.all_reduce.default, c10d.wait_tensor.default}
+EXPANDS = {aten.expand.default, aten.expand_as.default}
+COPIES = {aten.copy_.default, aten.copy.default}
+# reduction -> (position of its dims argument, the collective that completes it across shards, or None)
+REDUCTIONS = {aten.sum.dim_IntList: (1, "sum"), aten.mean.dim: (1, "sum"), aten.amax.default: (1, "max"),
+              aten.amin.default: (1, "min"), aten.var.correction: (1, None), aten.std.correction: (1, None),
+              aten.var.dim: (1, None), aten.std.dim: (1, None), aten.linalg_vector_norm.default: (2, None)}
+SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
+# (x, sizes or count, dim): pieces along dim
+SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.split.sizes, aten.chunk.default}
+LAYER_NORMS = {aten.layer_norm.default, aten.native_layer_norm.default}
+CONVS = {aten.conv2d.default, aten.conv3d.default}
+NEAREST_UPSAMPLES = {aten.upsample_nearest2d.vec, aten._upsample_nearest_exact2d.vec}
+PADS = {aten.pad.default, aten.constant_pad_nd.default}
+# ops that mix every position of a dim (or gather by index): never local on a sharded dim
+MIXING = CONVS | {aten.convolution.default, aten.group_norm.default, aten.mean.default, aten.sum.default,
+                  aten.cumsum.default, aten.index_select.default, aten.gather.default, aten.index.Tensor,
+                  aten.sort.default, aten.topk.default}
+# ops whose output shares its input's storage (activation accounting)
+ALIASES = SIZE_VIEWS | {aten.transpose.int, aten.permute.default, aten.slice.Tensor, aten.select.int,
+                        aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.alias.default,
+                        aten.detach.default, aten.dropout.default, aten.chunk.default, operator.getitem}
+
+
+def is_pointwise(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags

@@ -1,0 +1,215 @@
+"""The propagation driver the three sharding rule tables share (tensor, sequence and VAE parallelism).
+
+A *placement* says which dim of a value is split over the ranks and how (a rule table's dataclass with a
+``dim`` field: :class:`~dit_passes.parallel.tp_sharding.ShardSpec` hidden / head shards,
+:class:`~dit_passes.parallel.sequence_sharding.Sharded` token segments,
+:class:`~dit_passes.parallel.vae_ops.Shard` row slabs). :class:`Propagation` walks the graph in order,
+keeps the placement of every value, asks its rule table (``rule(node)``) what each op whose inputs are
+placed does, and records the rewrite: inserted nodes, edited arguments, counts. The helpers below are
+the parts every table needs: where a dim goes through ops that do not touch it (:func:`moved_dim`),
+the dims of a reduction, view size arguments with a local extent, one all-gather along a dim (uneven
+shards and segment-major order), and ``meta["val"]`` recomputed for what changed.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..infra.graph_utils import copy_meta, set_val
+from . import op_classes as oc
+
+aten, c10d = oc.aten, oc.c10d
+
+
+class Touches(Exception):
+    """The op acts on the sharded dim itself (the rule table decides what that means)."""
+
+
+class Placement:
+    """Mixin of the rule tables' frozen placement dataclasses (each has a ``dim`` field)."""
+
+    def with_dim(self, dim: int):
+        return dataclasses.replace(self, dim=dim)
+
+
+def val(a: Any) -> Any:
+    return a.meta.get("val") if isinstance(a, fx.Node) else None
+
+
+def shape(a: fx.Node) -> Tuple[int, ...]:
+    return tuple(int(s) for s in val(a).shape)
+
+
+def is_tensor(a: Any) -> bool:
+    return isinstance(val(a), torch.Tensor)
+
+
+def arg(n: fx.Node, i: int, name: str, default: Any) -> Any:
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
+def map_args(args, fn):
+    if isinstance(args, (list, tuple)):
+        return type(args)(map_args(a, fn) for a in args)
+    if isinstance(args, dict):
+        return {k: map_args(v, fn) for k, v in args.items()}
+    return fn(args)
+
+
+def reduction_dims(n: fx.Node) -> Tuple[List[int], bool]:
+    """(reduced dims of argument 0, keepdim) of a :data:`~op_classes.REDUCTIONS` node."""
+    at = oc.REDUCTIONS[n.target][0]
+    nd = val(n.args[0]).dim()
+    dims = arg(n, at, "dim", None)
+    dims = list(range(nd)) if dims in (None, []) else [int(d) % nd for d in ([dims] if isinstance(dims, int) else dims)]
+    kw_only = n.target in (aten.var.correction, aten.std.correction)
+    return dims, bool(n.kwargs.get("keepdim", False) if kw_only else arg(n, at + 1, "keepdim", False))
+
+
+def moved_dim(n: fx.Node, dim: int) -> int:
+    """Where dim ``dim`` of argument 0 is in ``n``'s output(s), for ops that move it without reading
+    across it; raises :class:`Touches` when ``n`` reduces, slices, splits or mixes along ``dim``, and
+    ``KeyError`` for an op outside these classes."""
+    t, args, nd = n.target, n.args, val(n.args[0]).dim()
+    if t in oc.LIKE_ARG0 or t in oc.ELEMENTWISE_COLLECTIVES:
+        return dim
+    if t is aten.permute.default:
+        return [int(p) % nd for p in args[1]].index(dim)
+    if t is aten.transpose.int:
+        a, b = (int(v) % nd for v in args[1:3])
+        return b if dim == a else a if dim == b else dim
+    if t is aten.unsqueeze.default:
+        return dim + (int(args[1]) % (nd + 1) <= dim)
+    if t in oc.REDUCTIONS:
+        dims, keep = reduction_dims(n)
+        if dim in dims:
+            raise Touches("reduction over the sharded dim")
+        return dim if keep else dim - sum(d < dim for d in dims)
+    drops = (aten.select.int, aten.unbind.int, aten.squeeze.dim)  # remove their dim argument
+    if t in oc.SOFTMAX or t in drops or t in (aten.slice.Tensor, aten.narrow.default):
+        d = int(arg(n, 1, "dim", 0)) % nd
+        if d == dim:
+            raise Touches(f"{'softmax over' if t in oc.SOFTMAX else 'indexing along'} the sharded dim")
+        return dim - (d < dim and t in drops)
+    if t in oc.SPLITS:
+        if int(arg(n, 2, "dim", 0)) % nd == dim:
+            raise Touches("split along the sharded dim")
+        return dim
+    if t is oc.LINEAR:
+        if dim == nd - 1:
+            raise Touches("linear over the sharded dim")
+        return dim
+    if t in oc.LAYER_NORMS or t is aten.rms_norm.default:
+        if dim >= nd - len(args[1]):
+            raise Touches("normalisation over the sharded dim")
+        return dim
+    raise KeyError(t)
+
+
+def broadcast_dim(n: fx.Node, a: fx.Node, dim: int) -> int:
+    """Output dim of ``n`` that input ``a``'s dim ``dim`` is aligned with under broadcasting."""
+    return dim + val(n).dim() - val(a).dim()
+
+
+def resize_view(n: fx.Node, k: int, local: int) -> Optional[tuple]:
+    """``n``'s arguments with the size of output dim ``k`` set to ``local`` (view / reshape / unflatten /
+    expand; a ``-1`` stays), or None when nothing needs rewriting."""
+    x, t = n.args[0], n.target
+    if t in oc.SIZE_VIEWS or t is aten.expand.default:
+        sizes = list(n.args[1])
+        if sizes[k] == -1 or sizes[k] == local:
+            return None
+        sizes[k] = local
+        return (x, sizes) + tuple(n.args[2:])
+    if t is aten.unflatten.int:
+        d, sizes = int(n.args[1]) % val(x).dim(), list(n.args[2])
+        if not d <= k < d + len(sizes) or sizes[k - d] == -1:
+            return None
+        sizes[k - d] = local
+        return (x, n.args[1], sizes)
+    return None
+
+
+def same_shapes(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return tuple(a.shape) == tuple(b.shape)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_shapes(x, y) for x, y in zip(a, b))
+    return a is None and b is None
+
+
+def repropagate(g: fx.Graph, touched: Set[fx.Node], shape_fns: Optional[Dict[fx.Node, Callable]] = None,
+                changed: Sequence[fx.Node] = ()) -> None:
+    """Recompute ``meta["val"]`` (local shapes) of the ``touched`` nodes and of every node an input of
+    which changed shape (``changed``: nodes, e.g. resharded parameters, already changed)."""
+    shape_fns, changed = shape_fns or {}, set(changed)
+    for n in g.nodes:
+        if n.op != "call_function" or n.meta.get("dit_no_val"):
+            continue
+        if n in touched or any(a in changed for a in n.all_input_nodes):
+            old = n.meta.get("val")
+            set_val(n, shape_fns.get(n))
+            if not same_shapes(old, n.meta["val"]):
+                changed.add(n)
+
+
+class Propagation:
+    """Placements of the values of one graph and the nodes the rewrite inserted (see the module doc)."""
+
+    def __init__(self, gm: fx.GraphModule, group_name: str, world: int, rank: int):
+        self.gm, self.g = gm, gm.graph
+        self.group, self.world, self.rank = group_name, world, rank
+        self.place: Dict[fx.Node, Any] = {}
+        self.inserted: Set[fx.Node] = set()
+        self.counts: collections.Counter = collections.Counter()
+
+    def emit(self, target, args, kwargs=None, like: Optional[fx.Node] = None, with_val: bool = False) -> fx.Node:
+        """A new call at the current insertion point, with ``like``'s module path (and its own
+        ``meta["val"]`` now if ``with_val``; otherwise :func:`repropagate` computes it)."""
+        node = self.g.call_function(target, tuple(args), kwargs or {})
+        if like is not None:
+            copy_meta(node, like)
+        self.inserted.add(node)
+        return set_val(node) if with_val else node
+
+    def walk(self, nodes: Sequence[fx.Node], rule: Callable[[fx.Node], Any]) -> None:
+        """``rule(n)`` for each call of ``nodes`` (in order) that reads a placed value; a non-None
+        result is ``n``'s placement."""
+        for n in nodes:
+            if n.op != "call_function" or n in self.inserted or not any(a in self.place for a in n.all_input_nodes):
+                continue
+            out = rule(n)
+            if out is not None:
+                self.place[n] = out
+
+    def all_reduce(self, x: fx.Node, like: fx.Node, op: str = "sum", with_val: bool = False) -> fx.Node:
+        r = self.emit(c10d.all_reduce.default, (x, op, self.group), like=like, with_val=with_val)
+        return self.emit(c10d.wait_tensor.default, (r,), like=like, with_val=with_val)
+
+    def all_gather(self, x: fx.Node, dim: int, sizes: Sequence[int], like: fx.Node,
+                   runs: Optional[Sequence[Tuple[int, int]]] = None, with_val: bool = False) -> fx.Node:
+        """The full value of ``x`` (rank ``r`` holds ``sizes[r]`` along ``dim``): one
+        ``all_gather_into_tensor`` of the shards padded to the largest, then the pieces in order;
+        ``runs`` (default: every rank's whole shard) lists ``(start, length)`` within each shard, all
+        ranks' piece of a run before the next run (a value made of segments, each sharded)."""
+        big, mine, emit = max(sizes), sizes[self.rank], self.emit
+        y = x
+        if mine < big:
+            pad = [0, 0] * (val(x).dim() - 1 - dim) + [0, big - mine]
+            y = emit(aten.constant_pad_nd.default, (y, pad, 0.0), like=like, with_val=with_val)
+        y = emit(aten.contiguous.default, (y,), like=like, with_val=with_val)
+        y = emit(c10d.all_gather_into_tensor.default, (y, self.world, self.group), like=like, with_val=with_val)
+        y = emit(c10d.wait_tensor.default, (y,), like=like, with_val=with_val)
+        n0, pieces = big if dim == 0 else int(val(x).shape[0]), []  # each rank's rows in the gathered dim 0
+        for start, length in runs or [(0, None)]:
+            for j, size in enumerate(sizes):
+                p = emit(aten.slice.Tensor, (y, 0, j * n0, (j + 1) * n0), like=like, with_val=with_val)
+                stop = size if length is None else start + length
+                if start or stop < big:
+                    p = emit(aten.slice.Tensor, (p, dim, start, stop), like=like, with_val=with_val)
+                pieces.append(p)
+        return emit(aten.cat.default, (pieces, dim), like=like, with_val=with_val)

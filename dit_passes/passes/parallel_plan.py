@@ -1,0 +1,116 @@
+"""The one place that turns parallel sizes into passes: ``parallel_passes(ulysses, ring, tp, group)``.
+
+The front end (``ParallelismConfig.to_passes()``), :func:`hybrid_passes` and extra-module parallelism
+all build their passes here, so the Ulysses / Ring / USP choice is made once:
+
+* ``ulysses > 1`` and ``ring > 1`` -> ``USP(ulysses, ring)``; only one of them -> ``Ulysses`` / ``Ring``;
+* ``tp > 1`` -> ``TensorParallel(tp)``;
+* context x tensor parallel on one device mesh, tp innermost (as TorchTitan and the reference place it):
+  global rank ``g`` has tp coordinate ``g % tp`` and context-parallel coordinate ``g // tp``. Ranks with
+  the same cp coordinate hold the same sequence shard and split the weights; ranks with the same tp
+  coordinate hold the same weight shard and split the sequence. Each pass gets its own subgroup::
+
+    [Ulysses(2, group=<ranks {0,2} or {1,3}>), TensorParallel(2, group=<ranks {0,1} or {2,3}>)]   # 4 ranks
+
+TE-P / VAE-P / CN-P (``ParallelismConfig(extra_parallel_modules=[...])``, :func:`parallelize_extra_modules`):
+each module is replaced on that pipeline instance only: a VAE (``decode`` and a ``latent_channels``
+config) by :func:`~dit_passes.passes.vae_parallel.parallel_vae` over the whole group; a ControlNet
+(repeated DiT blocks, like its transformer) by the transformer's own parallel passes; anything else
+(text encoders: T5, Llama, Qwen, ...) by ``TensorParallel`` over the whole group, since a text
+encoder's sequence is short and its weights are what weigh.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..infra.pass_base import Pass
+from ..parallel.mesh import ParallelMesh
+from .context_parallel import USP, Ring, Ulysses
+from .tensor_parallel import TensorParallel
+from .vae_parallel import parallel_vae
+
+__all__ = ["hybrid_passes", "parallel_passes", "parallelize_extra_modules", "parallelize_module"]
+
+
+def _check_sizes(who: str, **sizes: int) -> None:
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{who}: {name} must be a positive int, got {v!r}")
+
+
+def _check_world(who: str, ulysses: int, ring: int, tp: int, group: Optional[dist.ProcessGroup]) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{who} needs an initialised torch.distributed process group "
+                           "(torch.distributed.init_process_group in each rank first)")
+    world = dist.get_world_size(group)
+    if ulysses * ring * tp != world:
+        raise ValueError(f"{who}: ulysses × ring × tp = {ulysses} × {ring} × {tp} = {ulysses * ring * tp} "
+                         f"ranks, but the group has {world}")
+
+
+def parallel_passes(ulysses: int = 1, ring: int = 1, tp: int = 1,
+                    group: Optional[dist.ProcessGroup] = None) -> List[Pass]:
+    """The parallel passes for ``ulysses × ring × tp`` ranks of ``group`` (default: the world); sizes of
+    1 drop their pass. Context and tensor parallelism together build the subgroups of a (cp, tp) mesh:
+    a collective, every rank calls it with the same sizes; one kind alone needs no process group yet."""
+    _check_sizes("parallel_passes", ulysses=ulysses, ring=ring, tp=tp)
+    cp_group = tp_group = group
+    if tp > 1 and ulysses * ring > 1:
+        _check_world("parallel_passes", ulysses, ring, tp, group)
+        mesh = ParallelMesh((("cp", ulysses * ring), ("tp", tp)), group=group)
+        cp_group, tp_group = mesh.group("cp"), mesh.group("tp")
+    passes: List[Pass] = []
+    if ulysses > 1 and ring > 1:
+        passes.append(USP(ulysses=ulysses, ring=ring, group=cp_group))
+    elif ulysses > 1:
+        passes.append(Ulysses(ulysses, group=cp_group))
+    elif ring > 1:
+        passes.append(Ring(ring, group=cp_group))
+    if tp > 1:
+        passes.append(TensorParallel(tp, group=tp_group))
+    return passes
+
+
+def hybrid_passes(ulysses: int = 1, ring: int = 1, tp: int = 1,
+                  group: Optional[dist.ProcessGroup] = None) -> List[Pass]:
+    """:func:`parallel_passes`, checking first that a process group of ``ulysses × ring × tp`` ranks exists."""
+    _check_sizes("hybrid_passes", ulysses=ulysses, ring=ring, tp=tp)
+    _check_world("hybrid_passes", ulysses, ring, tp, group)
+    return parallel_passes(ulysses, ring, tp, group)
+
+
+def _is_vae(module: Any) -> bool:
+    config = getattr(module, "config", None)
+    return callable(getattr(module, "decode", None)) and config is not None and "latent_channels" in config
+
+
+def parallelize_module(module: torch.nn.Module, size: int, transformer_passes: Callable[[], list],
+                       group: Optional[dist.ProcessGroup] = None) -> torch.nn.Module:
+    """The parallel replacement of one extra module (see the module docstring for the rule)."""
+    from .. import compile_dit
+
+    if _is_vae(module):
+        return parallel_vae(module, size, group=group)
+    if "controlnet" in type(module).__name__.lower():
+        return compile_dit(module, passes=transformer_passes())
+    return compile_dit(module, passes=parallel_passes(tp=size, group=group))
+
+
+def parallelize_extra_modules(pipe: Any, modules: Sequence[Any], size: int, transformer_passes: Callable[[], list],
+                              group: Optional[dist.ProcessGroup] = None) -> List[Tuple[str, Any]]:
+    """Replace each of ``modules`` (components of ``pipe``) by its parallel version; returns
+    ``[(attribute, original), ...]`` so the caller can put the originals back."""
+    components = {id(v): k for k, v in getattr(pipe, "components", {}).items() if v is not None}
+    missing = [type(m).__name__ for m in modules if id(m) not in components]
+    if missing:
+        raise ValueError(f"extra_parallel_modules: {missing} are not components of this pipeline "
+                         f"({sorted(getattr(pipe, 'components', {}))}); pass e.g. [pipe.text_encoder, pipe.vae]")
+    replaced: List[Tuple[str, Any]] = []
+    for module in modules:
+        attr = components[id(module)]
+        setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group))
+        replaced.append((attr, module))
+    return replaced
