@@ -23,7 +23,7 @@ from dit_passes.models.zoo import build
 from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4, calibrate_linears
 from dit_passes.quant.calibrate import collect_linear_act_absmax
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, int8_linear_reference, prepare_fp8, prepare_int8
-from dit_passes.quant.loading import load
+from dit_passes import load
 from dit_passes.quant.serialize import QuantizedCheckpointError
 from dit_passes.quant.svdquant import prepare_svdquant, smoothing_vector, svdq_w4a4_linear_reference
 
