@@ -13,7 +13,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.fx as fx
 
-import dit_passes.quant.ops  # noqa: F401  (registers torch.ops.dit_passes.*)
+import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
 
 
 def linear_pattern(x, weight, bias):
