@@ -13,10 +13,7 @@ from dit_passes.quant import dispatch, fp8_int8, int4
 from dit_passes.quant.fp8_int8 import (fp8_linear_reference, int8_linear_reference, prepare_fp8, prepare_int8,
                                        quantize_int8_rows)
 
-try:
-    from dit_passes.patterns import quant_linear as QL
-except ImportError:  # source checkout: patterns/ is a top-level folder
-    from patterns import quant_linear as QL
+from dit_passes.patterns import quant_linear as QL
 
 torch.set_num_threads(1)
 

@@ -61,10 +61,7 @@ from ..quant.serialize import save_quantized
 from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
 from ..quant.svdquant import SMOOTH_MODES, prepare_svdquant
 
-try:  # installed: patterns/ lives inside the dit_passes namespace
-    from dit_passes.patterns.quant_linear import QUANT_KINDS, replace_linear_node
-except ImportError:  # source checkout without the package installed: patterns/ is a top-level folder
-    from patterns.quant_linear import QUANT_KINDS, replace_linear_node
+from ..patterns.quant_linear import QUANT_KINDS, replace_linears
 
 ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "other")
 DEFAULT_EXCLUDE = ("modulation",)
@@ -134,11 +131,13 @@ def calibrate_linears(weights: Dict[str, torch.Tensor], calibrate_fn: Callable[[
 # --------------------------------------------------------------------------------- substitution
 def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, Dict[str, torch.Tensor]],
                     kind: str) -> Dict[str, int]:
-    """Replace every site whose module path has a table by the ``kind`` op; drop the dead weights from
-    ``gm`` (the user's module keeps its own). Returns counts per role and bytes before / after."""
+    """Replace every site whose module path has a table by the ``kind`` op (the fx patterns of
+    ``dit_passes.patterns.quant_linear``); drop the dead weights from ``gm`` (the user's module keeps its
+    own). Returns counts per role and bytes before / after."""
     counts: Dict[str, int] = {}
     bytes_before = bytes_after = 0
     seen = set()
+    targets = {}
     for site in sites:
         table = tables.get(site.module_path)
         if table is None:
@@ -153,8 +152,11 @@ def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, 
                 # The op's bias buffer takes the original's name (<path>.bias): the same values, so any
                 # other reader of that attribute is unaffected; the parameter itself leaves the graph.
                 _drop_attr(gm, site.bias)
-        replace_linear_node(gm, site.node, kind, table, site.module_path)
-        counts[f"replaced_{site.role}"] = counts.get(f"replaced_{site.role}", 0) + 1
+        targets[site.node] = (site.module_path, table)
+    roles = {site.node: site.role for site in sites}
+    for match in replace_linears(gm, kind, targets):
+        role = roles[match.nodes_map[match.anchor]]
+        counts[f"replaced_{role}"] = counts.get(f"replaced_{role}", 0) + 1
     gm.graph.eliminate_dead_code()
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for site in sites:
