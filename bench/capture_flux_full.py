@@ -1,6 +1,6 @@
 """Host time to capture the full FLUX.1-dev-size transformer (meta device: no weights, no compute).
 
-    PYTHONPATH=. .venv/bin/python bench/capture_flux_full.py [--out bench/results]
+    .venv/bin/python bench/capture_flux_full.py [--out bench/results]
 
 Builds FluxTransformer2DModel with the FLUX.1-dev config on ``torch.device("meta")`` in bf16, with the
 inputs of a 1024x1024 generation (4096 image tokens, 512 text tokens), and times
@@ -24,7 +24,7 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
                 guidance_embeds=True, axes_dims_rope=(16, 56, 56))
 IMAGE_TOKENS, TEXT_TOKENS = 4096, 512   # 1024x1024: (1024/8/2)^2 packed latent tokens; T5 max length
 TARGET_S = 20.0
-COMMAND = "PYTHONPATH=. .venv/bin/python bench/capture_flux_full.py"
+COMMAND = ".venv/bin/python bench/capture_flux_full.py"
 
 
 def build_meta(dtype=torch.bfloat16):

@@ -1,8 +1,9 @@
 """Device check + benchmark of the CUTLASS W4A4 (fp8 groupwise) GEMM, kernels/w4a4_cutlass.{cu,py}.
 
 Needs CUDA on an sm_90 GPU, nvcc (CUDA_HOME / PATH / /usr/local/cuda) and the nvidia-cutlass headers
-(``pip install --target /tmp/site nvidia-cutlass==4.2.0.0`` + ``PYTHONPATH=/tmp/site``). Run from the
-repo root with ``PYTHONPATH=<repo root>:/tmp/site python bench/cutlass_w4a4_check.py``.
+(``pip install --target /tmp/site nvidia-cutlass==4.2.0.0`` + ``PYTHONPATH=/tmp/site``), and dit_passes
+installed (``pip install --no-deps --no-build-isolation -e .``). Run from the repo root with
+``PYTHONPATH=/tmp/site python bench/cutlass_w4a4_check.py``.
 
 For each shape (FLUX M=4608 with K x N in 3072x3072, 3072x12288, 12288x3072, 15360x3072, plus the odd
 M=777, K=192, N=256) and each compiled config:
@@ -19,8 +20,6 @@ script continues with the next case.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -36,13 +35,8 @@ MAX_SETS = 512
 
 
 def _load_module():
-    try:
-        return importlib.import_module("dit_passes.kernels.w4a4_cutlass")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location("w4a4_cutlass", os.path.join(REPO, "kernels", "w4a4_cutlass.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+    from dit_passes.kernels import w4a4_cutlass
+    return w4a4_cutlass
 
 
 def _err(e: BaseException) -> str:

@@ -1,7 +1,8 @@
 """One-call H200 benchmark of the SVDQuant W4A4 linear: CUTLASS fp8-groupwise path vs Triton.
 
+    pip install --no-deps --no-build-isolation -e .       # once: dit_passes installed (editable)
     export DIT_PASSES_CUTLASS_CACHE=$PWD/.cutlass_build   # a carried prebuilt library is reused
-    PYTHONPATH=$PWD:/tmp/site OUT=/some/dir python3 bench/cutlass_w4a4_e2e.py
+    PYTHONPATH=/tmp/site OUT=/some/dir python3 bench/cutlass_w4a4_e2e.py   # /tmp/site: nvidia-cutlass
 
 Stages (each guarded; ``$OUT/cutlass_w4a4_e2e.json`` is rewritten after every one; stages are skipped
 once ``BUDGET_S`` is spent):
@@ -20,7 +21,6 @@ once ``BUDGET_S`` is spent):
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -37,13 +37,6 @@ ROTATE_BYTES = 256 << 20
 BUDGET_S = float(os.environ.get("W4A4_BENCH_BUDGET_S", "240"))
 DEVICE = "cuda"  # (a CPU smoke test of this script swaps it, with the interpreter and tiny shapes)
 T0 = time.time()
-
-
-def _by_path(name, rel):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, rel))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _err(e):
@@ -187,10 +180,10 @@ def main() -> int:
                       "triton": triton.__version__, "python": sys.version.split()[0]}
 
     def imports():
-        from dit_passes.quant import int4, ops
-        L = ops.w4a4_cutlass_module() or _by_path("w4a4_cutlass_linear", "kernels/w4a4_cutlass_linear.py")
+        from dit_passes.kernels import w4a4_cutlass_linear as L
+        from dit_passes.quant import dispatch as D, int4
         res["modules"] = {"linear": L.__file__, "int4": int4.__file__}
-        return L, int4, ops
+        return L, int4, D
 
     def build(C):
         prebuilt = C.built_library()
@@ -206,7 +199,7 @@ def main() -> int:
             pass
 
     def check(C):
-        chk = _by_path("cutlass_w4a4_check", "bench/cutlass_w4a4_check.py")
+        import cutlass_w4a4_check as chk  # the sibling script (bench/ is sys.path[0])
         r = chk.run_checks(C, chk.SHAPES, os.path.join(out_dir, "cutlass_w4a4.json"))
         if r.get("fatal"):
             raise RuntimeError("; ".join(r["errors"])[:500])
@@ -218,7 +211,7 @@ def main() -> int:
     mods = stage("import", imports)
     if mods is None:
         return 1
-    L, int4, ops = mods
+    L, int4, D = mods
     stage("build", lambda: build(L.C))
     best = stage("cutlass checks", lambda: check(L.C)) or {}
     for k, n in SHAPES:
@@ -240,20 +233,21 @@ def main() -> int:
         if not entries:
             raise RuntimeError("no timings: no table written")
         meta = {"device": res.get("env", {}).get("device"), "written_by": "bench/cutlass_w4a4_e2e.py"}
-        res["table"] = {"entries": entries, "paths": [L.write_table(entries, os.path.join(out_dir, "w4a4_backend_table.json"), **meta),
-                                                      L.write_table(entries, L.table_path(), **meta)]}
+        res["table"] = {"entries": entries, "paths": [D.write_table(entries, os.path.join(out_dir, "w4a4_backend_table.json"), **meta),
+                                                      D.write_table(entries, D.table_path(), **meta)]}
 
     stage("backend table", table)
 
     def dispatch():
-        os.environ[L.BACKEND_ENV] = "auto"
-        os.environ[L.TABLE_ENV] = os.path.join(out_dir, "w4a4_backend_table.json")
-        L.reset()
+        os.environ[D.BACKEND_ENV] = "auto"
+        os.environ[D.TABLE_ENV] = os.path.join(out_dir, "w4a4_backend_table.json")
+        D.reset()
         s = make_set(int4, M_TOKENS, 3072, 3072, 99)
         args = (s["x"], s["qw"], s["wscale"], s["ld"], s["lu"], s["si"], s["bias"])
         got = torch.ops.dit_passes.svdq_w4a4_linear(*args)
-        choice = "cutlass" if L.use_cutlass(s["x"], s["qw"]) else "triton"
-        want = L.w4a4_linear(*args) if choice == "cutlass" else L.T.w4a4_linear(*args)
+        choice = "cutlass" if D.use_cutlass(s["x"], s["qw"]) else "triton"
+        config = D.cutlass_config(M_TOKENS, 3072, 3072)
+        want = L.w4a4_linear(*args, config=config) if choice == "cutlass" else L.T.w4a4_linear(*args)
         res["dispatch"] = {"choice_3072x3072": choice, "op_equals_choice": bool(torch.equal(got, want))}
 
     stage("dispatch", dispatch)

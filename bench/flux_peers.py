@@ -1,7 +1,7 @@
 """The FLUX.1-dev-size cache table's peers, measured in the same run as our rows: cache-dit, diffusers'
 FirstBlockCache, and our layerwise offload (with DBCache) against no offload.
 
-Run on a CUDA machine with dit_passes importable (installed, or staged by ``bench/device_stage.sh``) and
+Run on a CUDA machine with dit_passes importable (installed: ``pip install --no-deps .``, as ``bench/device_env.sh`` does) and
 diffusers and cache-dit too (e.g. as wheels carried by ``../shared/tools/device-wheels cache-dit==1.5.3``)::
 
     python bench/flux_peers.py --rows cachedit_never,cachedit_always,fbcache_never,fbcache_always,dbcache_always,offload_always --out $OUT

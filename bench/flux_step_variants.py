@@ -2,7 +2,7 @@
 
 Run from the repository root on a CUDA machine (diffusers installed, dit_passes importable):
 
-    PYTHONPATH=$PWD OUT=/some/dir python bench/flux_step_variants.py [--rows bf16,svdq_r32,fp8_per_row] [--attention]
+    OUT=/some/dir python bench/flux_step_variants.py [--rows bf16,svdq_r32,fp8_per_row] [--attention]
 
 Rows (all eager, one denoising step at 1024², batch 1, the inputs of ``dit_passes.bench``):
 
@@ -85,7 +85,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/flux_step_variants.py needs a CUDA GPU")
-    sys.path.insert(0, REPO)
     from dit_passes import compile_dit
     from dit_passes.bench import build_model, make_inputs
     from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4

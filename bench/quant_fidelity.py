@@ -1,6 +1,6 @@
 """Image fidelity of the quantization passes on the trained digits DiT (PSNR / SSIM vs the fp32 model).
 
-    PYTHONPATH=. .venv/bin/python bench/quant_fidelity.py [--steps 28] [--seeds 0 1 2] [--out bench/results]
+    .venv/bin/python bench/quant_fidelity.py [--steps 28] [--seeds 0 1 2] [--out bench/results]
 
 Samples the trained digits FluxPipeline (dit_passes.models.digits, 4 double + 8 single blocks, hidden
 size 64) with the unquantized transformer and with every config below, same seeds and labels (one image
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-COMMAND = "PYTHONPATH=. .venv/bin/python bench/quant_fidelity.py"
+COMMAND = ".venv/bin/python bench/quant_fidelity.py"
 CALIB_SEED = 1000
 
 

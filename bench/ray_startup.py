@@ -7,7 +7,7 @@ reads each worker's memory from /proc (peak RSS = VmHWM; RssAnon = private pages
 shared with Ray's object store) and shuts down. A "baseline" row (factory path, the tiny zoo model)
 gives the footprint of a worker with torch + diffusers imported and almost no weights.
 
-    PYTHONPATH=. .venv/bin/python bench/ray_startup.py [--out bench/results/ray_startup]
+    .venv/bin/python bench/ray_startup.py [--out bench/results/ray_startup]
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def main() -> None:
     for transfer in ("object_store", "snapshot", "factory"):
         rows.append(measure("scaled flux", transfer, reference, scaled=True))
         print(json.dumps(rows[-1]), flush=True)
-    result = {"command": "PYTHONPATH=. .venv/bin/python bench/ray_startup.py " + " ".join(sys.argv[1:]),
+    result = {"command": ".venv/bin/python bench/ray_startup.py " + " ".join(sys.argv[1:]),
               "host": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
               "ray": ray.__version__, "weights_mib": round(weights / (1 << 20), 1), "model": MODEL, "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

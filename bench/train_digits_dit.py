@@ -20,16 +20,12 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dit_passes.models import digits  # noqa: E402
+from dit_passes.models import digits  # dit_passes installed (`pip install -e .`)
 
 
 def cosine_lr(step: int, total: int, base: float, warmup: int) -> float:

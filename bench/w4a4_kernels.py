@@ -1,9 +1,10 @@
 """W4A4 Triton kernels on the FLUX linear shapes (M = 4608 tokens): correctness, then timings.
 
-Run from the repository root on a CUDA machine:
+Run from the repository root on a CUDA machine, dit_passes installed (``pip install --no-deps
+--no-build-isolation -e .``):
 
-    PYTHONPATH=$PWD OUT=/some/dir python bench/w4a4_kernels.py          # all four shapes
-    PYTHONPATH=$PWD python bench/w4a4_kernels.py --shapes 3072x3072     # one shape (K x N)
+    OUT=/some/dir python bench/w4a4_kernels.py          # all four shapes
+    python bench/w4a4_kernels.py --shapes 3072x3072     # one shape (K x N)
 
 For each K x N: (1) correctness against a PyTorch oracle of the spec (packed activations and scales
 bit-exact, the integer GEMM part exact on a 256 x 256 sub-block with unit scales and a zero low-rank
@@ -18,7 +19,6 @@ the table last. A failing measurement is recorded as an error and the others sti
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -35,16 +35,9 @@ ROTATE_BYTES = 256 << 20  # buffers per timing: enough sets to exceed the 50 MB 
 
 
 def load_kernels():
-    """The kernel module: the installed package if present, else the file in this checkout."""
-    try:
-        import dit_passes.kernels.w4a4_triton as mod  # noqa: PLC0415
-        return mod
-    except Exception:  # package not installed (or its __init__ needs absent deps): load by path
-        path = os.path.join(REPO, "kernels", "w4a4_triton.py")
-        spec = importlib.util.spec_from_file_location("w4a4_triton", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+    """The kernel module (dit_passes installed: ``pip install --no-deps --no-build-isolation -e .``)."""
+    from dit_passes.kernels import w4a4_triton
+    return w4a4_triton
 
 
 # ------------------------------------------------------------------------------------------ oracle

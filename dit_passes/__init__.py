@@ -6,6 +6,19 @@
 """
 from __future__ import annotations
 
+import importlib.util as _importlib_util
+import os as _os
+
+# The one check of the package layout, before anything else is imported: kernels/ and patterns/ are top-level
+# folders of the repository that only an install (regular or editable) maps to dit_passes.kernels /
+# dit_passes.patterns.
+if _importlib_util.find_spec("dit_passes.kernels") is None or _importlib_util.find_spec("dit_passes.patterns") is None:
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    raise ImportError(f"dit_passes was imported from {_root} without dit_passes.kernels / dit_passes.patterns: "
+                      f"this source checkout is not installed. Run `pip install -e .` in {_root} (with the "
+                      "dependencies already present: `pip install --no-deps --no-build-isolation -e .`). With a "
+                      "regular install, do not put the repository root on sys.path (use `python -P`).")
+
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch

@@ -1,12 +1,11 @@
-"""The SVDQuant W4A4 linear through the CUTLASS fp8 groupwise GEMM (``w4a4_cutlass.py``), and the
-per-shape choice between it and the Triton GEMM (``w4a4_triton.py``).
+"""The SVDQuant W4A4 linear through the CUTLASS fp8 groupwise GEMM (``w4a4_cutlass.py``).
 
 One call of :func:`w4a4_linear` (x bf16 [..., K], the arguments of ``int4.w4a4_linear_reference``):
 
-1. :func:`fused_act_quant_e4m3` -- one Triton pass over x, the arithmetic of ``w4a4_triton.fused_act_quant``
-   (smoothing, per-token per-64-group scales, rint/clamp to -8..7, low-rank down projection, split-K
-   partial sums) but the int4 values are written as float8_e4m3fn bytes [M, K] (exact) instead of packed
-   nibbles; ascale fp32 [M, K/64] with strides (1, M), the layout the GEMM reads;
+1. :func:`fused_act_quant_e4m3` -- ``w4a4_triton.fused_act_quant(..., e4m3=True)``: the same single pass
+   over x as the Triton path (smoothing, per-token per-64-group scales, rint/clamp to -8..7, low-rank down
+   projection, split-K partial sums), the int4 values written as float8_e4m3fn bytes [M, K] (exact)
+   instead of packed nibbles; ascale fp32 [M, K/64] with strides (1, M), the layout the GEMM reads;
 2. :func:`weight_e4m3` -- the packed int4 weight [N, K/2] (stored: 0.28x bf16 bytes) unpacked to e4m3
    [N, K] and wscale bf16 [N, K/64] to fp32 group-major, one memory-bound Triton pass per call, or once
    per weight with ``DIT_PASSES_W4A4_CUTLASS_WEIGHT_CACHE=1`` (keeps 1 byte/weight more, and a
@@ -16,107 +15,30 @@ One call of :func:`w4a4_linear` (x bf16 [..., K], the arguments of ``int4.w4a4_l
    bf16 once before the final bf16 rounding: the only arithmetic difference from the reference besides
    fp32 summation order).
 
-Backend choice (:func:`use_cutlass`, called by ``dit_passes.quant.ops`` on CUDA):
-``DIT_PASSES_W4A4_BACKEND`` = ``triton`` | ``cutlass`` (builds the library if needed) | ``auto`` (default:
-CUTLASS only when its library is already built and loads, then per shape from the timing table
-``$DIT_PASSES_W4A4_TABLE`` (default ``<cutlass cache>/w4a4_backend_table.json``, written by
-``bench/cutlass_w4a4_e2e.py``): the entry of the same (N, K) with the nearest M -- its backend and
-CUTLASS tile config; CUTLASS with the default config without one).
+When this path runs instead of the Triton GEMM (``DIT_PASSES_W4A4_BACKEND``, the timing table, the device)
+and with which tile config is decided in one place, ``dit_passes.quant.dispatch``.
 Only bf16 activations, K % 64 == 0, N % 16 == 0 on a compute-capability-9 GPU take the CUTLASS path.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
-import warnings
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-try:  # package import (dit_passes.kernels / kernels) or loaded by file path (bench, tests)
-    from . import w4a4_cutlass as C
-    from . import w4a4_triton as T
-    from .w4a4_autotune import act_quant_configs, interpreting
-except ImportError:  # pragma: no cover - loaded as a top-level module by file path
-    import importlib.util as _ilu
+from . import w4a4_cutlass as C
+from . import w4a4_triton as T
+from .w4a4_autotune import interpreting
 
-    def _sibling(name):
-        spec = _ilu.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py"))
-        mod = _ilu.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-    C, T, _A = _sibling("w4a4_cutlass"), _sibling("w4a4_triton"), _sibling("w4a4_autotune")
-    act_quant_configs, interpreting = _A.act_quant_configs, _A.interpreting
-
-_round_to_bf16_rne = T._round_to_bf16_rne
+_round_to_bf16_rne = T._round_to_bf16_rne  # Triton resolves jit helpers through this module's globals
+_int4_to_e4m3_bits = T._int4_to_e4m3_bits
 GROUP = 64
-BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
 WEIGHT_CACHE_ENV = "DIT_PASSES_W4A4_CUTLASS_WEIGHT_CACHE"
-BACKENDS = ("auto", "triton", "cutlass")
 
 
 # ------------------------------------------------------------------------------------------ kernels
-
-
-@triton.jit
-def _int4_to_e4m3_bits(q):
-    """int32 values in [-8, 7] -> their float8_e4m3fn bit patterns (uint8), by integer arithmetic on the
-    fp32 bits (exponent rebias 127 -> 7, top 3 mantissa bits), identical in the interpreter."""
-    a = tl.abs(q)
-    bits = a.to(tl.float32).to(tl.int32, bitcast=True)
-    e = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)
-    e = tl.where(a == 0, 0, e) | tl.where(q < 0, 0x80, 0)
-    return e.to(tl.uint8)
-
-
-@triton.autotune(configs=act_quant_configs(), key=["M_BUCKET", "K", "R_PAD", "SPLIT"])
-@triton.jit
-def _act_quant_e4m3_kernel(x_ptr, si_ptr, ld_ptr, q_ptr, as_ptr, la_ptr,
-                           M, K, R, GROUPS_PER_SPLIT, M_BUCKET, SPLIT,
-                           s_xm, s_qm, s_asg, s_ldr, s_las, s_lam,
-                           STATIC_TRIP: tl.constexpr, HAS_LORA: tl.constexpr, R_PAD: tl.constexpr,
-                           DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr):
-    # w4a4_triton._fused_act_quant_kernel with e4m3 bytes [M, K] out instead of packed nibbles.
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    rows = offs_m.to(tl.int64)
-    offs_c = tl.arange(0, 64)
-    offs_r = tl.arange(0, R_PAD)
-    lora = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
-    for i in range(0, STATIC_TRIP if STATIC_TRIP > 0 else GROUPS_PER_SPLIT):
-        g = pid_k * GROUPS_PER_SPLIT + i
-        g_ok = g < K // 64
-        mg = m_mask & g_ok
-        cols = g * 64 + offs_c
-        x = tl.load(x_ptr + rows[:, None] * s_xm + cols[None, :], mask=mg[:, None], other=0.0)
-        xs = x.to(tl.float32) * tl.load(si_ptr + cols, mask=(offs_c < 64) & g_ok, other=0.0)[None, :]
-        scale = tl.math.div_rn(tl.max(tl.abs(xs), axis=1), 7.0)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        y = tl.math.div_rn(xs, scale[:, None])
-        y = (y + 12582912.0) - 12582912.0  # rint, half to even
-        q = tl.minimum(tl.maximum(y, -8.0), 7.0).to(tl.int32)
-        tl.store(q_ptr + rows[:, None] * s_qm + cols[None, :], _int4_to_e4m3_bits(q), mask=mg[:, None])
-        tl.store(as_ptr + g * s_asg + rows, scale, mask=mg)
-        if HAS_LORA:
-            ld = tl.load(ld_ptr + offs_r[:, None] * s_ldr + cols[None, :], mask=((offs_r < R) & g_ok)[:, None],
-                         other=0.0)
-            if x_ptr.dtype.element_ty == tl.bfloat16:
-                xa32 = _round_to_bf16_rne(xs)
-            else:
-                xa32 = xs.to(x_ptr.dtype.element_ty).to(tl.float32)
-            if DOT_F32:
-                lora = tl.dot(xa32, tl.trans(ld.to(tl.float32)), lora, input_precision="ieee")
-            else:
-                lora = tl.dot(xa32.to(x_ptr.dtype.element_ty), tl.trans(ld), lora)
-    if HAS_LORA:
-        la = la_ptr + pid_k * s_las + rows[:, None] * s_lam + offs_r[None, :]
-        tl.store(la, lora, mask=m_mask[:, None] & (offs_r < R)[None, :])
 
 
 @triton.jit
@@ -174,44 +96,9 @@ def _lowrank_up_kernel(la_ptr, lu_ptr, b_ptr, c_ptr, M, N, R, s_lam, s_lun, s_cm
 
 def fused_act_quant_e4m3(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, *,
                          split_k: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One pass over x [..., K]: ``(a float8_e4m3fn [M, K] (int4 values), ascale fp32 [M, K/64] strides
-    (1, M), lora_act fp32 [M, r])``; same arithmetic and arguments as ``w4a4_triton.fused_act_quant``."""
-    if x.dtype not in T._ACT_DTYPES:
-        raise TypeError(f"fused_act_quant_e4m3: x must be one of {T._ACT_DTYPES}, got {x.dtype}")
-    k = x.shape[-1] if x.dim() else 0
-    if k == 0 or k % GROUP:
-        raise ValueError(f"fused_act_quant_e4m3: K = x.shape[-1] must be a positive multiple of {GROUP}, "
-                         f"got shape {tuple(x.shape)}")
-    if smooth_inv.shape != (k,):
-        raise ValueError(f"fused_act_quant_e4m3: smooth_inv must have shape ({k},), got {tuple(smooth_inv.shape)}")
-    if lora_down.dim() != 2 or lora_down.shape[1] != k or lora_down.dtype not in T._ACT_DTYPES:
-        raise ValueError(f"fused_act_quant_e4m3: lora_down must be a float [rank, {k}] tensor, got "
-                         f"{lora_down.dtype} {tuple(lora_down.shape)}")
-    dev = T._check_device("fused_act_quant_e4m3", x, smooth_inv, lora_down)
-    x2 = T._last_contiguous(x.reshape(-1, k))
-    m, ng, r = x2.shape[0], k // GROUP, lora_down.shape[0]
-    a8 = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
-    ascale = torch.empty((ng, m), dtype=torch.float32, device=dev).t()
-    if m == 0:
-        return a8, ascale, torch.zeros((0, r), dtype=torch.float32, device=dev)
-    if split_k is None:  # ~4 programs per multiprocessor with 32-row tiles (as fused_act_quant)
-        split_k = -(-4 * T._num_sms(dev) // triton.cdiv(m, 32))
-    gps = triton.cdiv(ng, max(1, min(int(split_k), ng)))
-    split = triton.cdiv(ng, gps)
-    partial = torch.empty((split, m, r), dtype=torch.float32, device=dev)
-    si = smooth_inv.to(torch.float32).contiguous()
-    ld = T._last_contiguous(lora_down)
-    dot_f32 = interpreting() or not (ld.dtype == x2.dtype and x2.dtype != torch.float32)
-    q = a8.view(torch.uint8)
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]), split)
-
-    _act_quant_e4m3_kernel[grid](
-        x2, si, ld, q, ascale, partial, m, k, r, gps, T._bucket(m), split,
-        x2.stride(0), q.stride(0), ascale.stride(1), ld.stride(0), partial.stride(0), partial.stride(1),
-        STATIC_TRIP=gps if interpreting() else 0, HAS_LORA=r > 0, R_PAD=T._r_pad(r), DOT_F32=dot_f32)
-    return a8, ascale, (partial[0] if split == 1 else partial.sum(0))
+    """``(a float8_e4m3fn [M, K] (int4 values), ascale fp32 [M, K/64] strides (1, M), lora_act fp32 [M, r])``:
+    ``w4a4_triton.fused_act_quant(..., e4m3=True)``, the one activation-quantization pass."""
+    return T.fused_act_quant(x, smooth_inv, lora_down, split_k=split_k, e4m3=True)
 
 
 def unpack_weight_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -295,7 +182,9 @@ def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lo
                 config: str = "auto", cache_weights: Optional[bool] = None,
                 gemm: Optional[Callable] = None) -> torch.Tensor:
     """The SVDQuant W4A4 linear through the CUTLASS GEMM: x bf16 [..., K] -> bf16 [..., N] (arguments of
-    ``int4.w4a4_linear_reference``). ``gemm`` replaces ``w4a4_gemm_fp8`` (tests: the reference)."""
+    ``int4.w4a4_linear_reference``). ``config``: a tile config of ``w4a4_cutlass.CONFIGS`` or "auto" (its
+    heuristic; ``dit_passes.quant.dispatch`` passes the timing table's choice). ``gemm`` replaces
+    ``w4a4_gemm_fp8`` (tests: the reference)."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"w4a4_linear (CUTLASS): x must be bfloat16 (the compiled epilogue), got {x.dtype}")
     k, n, r = x.shape[-1], qweight.shape[0], lora_down.shape[0]
@@ -306,119 +195,7 @@ def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lo
     w8, wsc = weight_e4m3(qweight, wscale, cache_weights)
     c = lowrank_up_bias(lora_act if r else None, lora_up if r else None, bias, a8.shape[0], n, a8.device)
     if gemm is None:
-        if config == "auto" and not os.environ.get("DIT_PASSES_CUTLASS_CONFIG") and (a8.shape[0], n, k) not in C._AUTO:
-            e = table_entry(a8.shape[0], n, k)
-            config = e[2] if e is not None and e[2] else "auto"
         out = C.w4a4_gemm_fp8(a8, ascale, w8, wsc, c, config=config)
     else:
         out = gemm(a8, ascale, w8, wsc, c)
     return out.reshape(*x.shape[:-1], n)
-
-
-# ---------------------------------------------------------------------------------- backend choice
-
-
-def backend_setting() -> str:
-    s = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    if s not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={s!r}: expected one of {BACKENDS}")
-    return s
-
-
-def table_path() -> str:
-    return os.environ.get(TABLE_ENV) or os.path.join(C._cache_root(), "w4a4_backend_table.json")
-
-
-_TABLES: Dict[tuple, Dict[tuple, list]] = {}
-
-
-def _table(path: str) -> Dict[tuple, list]:
-    try:
-        stamp = (path, os.stat(path).st_mtime_ns)
-    except OSError:
-        return {}
-    if stamp not in _TABLES:
-        out: Dict[tuple, list] = {}
-        try:
-            for e in json.load(open(path)).get("entries", []):
-                if e.get("backend") in ("triton", "cutlass"):
-                    cfg = e.get("config") if e.get("config") in C.CONFIGS else None
-                    out.setdefault((int(e["N"]), int(e["K"])), []).append((int(e["M"]), e["backend"], cfg))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            warnings.warn(f"ignoring the W4A4 backend table {path}: {err}")
-        _TABLES[stamp] = out
-    return _TABLES[stamp]
-
-
-def table_entry(m: int, n: int, k: int, path: Optional[str] = None) -> Optional[tuple]:
-    """The timing table's ``(M, backend, cutlass config or None)`` for this (N, K) with the nearest M
-    (log scale), or None."""
-    rows = _table(path or table_path()).get((int(n), int(k)))
-    if not rows:
-        return None
-    return min(rows, key=lambda e: abs(math.log(max(e[0], 1)) - math.log(max(m, 1))))
-
-
-def table_choice(m: int, n: int, k: int, path: Optional[str] = None) -> Optional[str]:
-    """The timing table's backend for this shape (:func:`table_entry`), or None."""
-    e = table_entry(m, n, k, path)
-    return None if e is None else e[1]
-
-
-def write_table(entries, path: Optional[str] = None, **meta) -> str:
-    """Write ``{"entries": [{"M", "N", "K", "backend", ...timings}], **meta}`` (the bench does)."""
-    path = path or table_path()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({**meta, "entries": list(entries)}, f, indent=1)
-    return path
-
-
-def cutlass_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Shape, dtype and device the CUTLASS path handles (not whether its library is present)."""
-    return (x.dtype == torch.bfloat16 and x.is_cuda and qweight.is_cuda and qweight.dtype == torch.uint8
-            and qweight.dim() == 2 and x.shape[-1] % GROUP == 0 and x.shape[-1] == 2 * qweight.shape[1]
-            and qweight.shape[0] % 16 == 0 and torch.cuda.get_device_capability(x.device)[0] == 9)
-
-
-_READY: Dict[bool, bool] = {}
-_WARNED = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg)
-
-
-def cutlass_ready(build_if_needed: bool) -> bool:
-    """``w4a4_cutlass.is_available``, memoised here (a negative answer too, until :func:`reset`)."""
-    if build_if_needed not in _READY:
-        _READY[build_if_needed] = C.is_available(build_if_needed=build_if_needed)
-    return _READY[build_if_needed]
-
-
-def reset() -> None:
-    """Forget the memoised library availability and tables (after a build, or a new table)."""
-    _READY.clear()
-    _TABLES.clear()
-    C._AVAILABLE = None
-
-
-def use_cutlass(x: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether ``dit_passes::svdq_w4a4_linear`` should run this call through :func:`w4a4_linear`."""
-    setting = backend_setting()
-    if setting == "triton":
-        return False
-    if not cutlass_supported(x, qweight):
-        if setting == "cutlass" and x.is_cuda:
-            _warn_once(f"{BACKEND_ENV}=cutlass: this linear (x {x.dtype} K={x.shape[-1]}, N={qweight.shape[0]}) "
-                       "needs bf16, K % 64 == 0, N % 16 == 0 on an sm_90 GPU; it runs on Triton")
-        return False
-    if not cutlass_ready(build_if_needed=setting == "cutlass"):
-        if setting == "cutlass":
-            _warn_once(f"{BACKEND_ENV}=cutlass but the CUTLASS library is unavailable (headers: `{C.PIP_HINT}`, "
-                       "nvcc); W4A4 runs on Triton")
-        return False
-    m = x.numel() // max(x.shape[-1], 1)
-    return setting == "cutlass" or table_choice(m, qweight.shape[0], x.shape[-1]) in (None, "cutlass")

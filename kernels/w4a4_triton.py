@@ -47,16 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # package import (dit_passes.kernels) or the file loaded by path (bench, tests)
-    from .w4a4_autotune import act_quant_configs, gemm_configs, interpreting
-except ImportError:  # pragma: no cover - loaded as a top-level module by file path
-    import importlib.util as _ilu
-    import os as _os
-    _spec = _ilu.spec_from_file_location(
-        "w4a4_autotune", _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "w4a4_autotune.py"))
-    _mod = _ilu.module_from_spec(_spec)
-    _spec.loader.exec_module(_mod)
-    act_quant_configs, gemm_configs, interpreting = _mod.act_quant_configs, _mod.gemm_configs, _mod.interpreting
+from .w4a4_autotune import act_quant_configs, gemm_configs, interpreting
 
 GROUP = 64
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,14 +65,27 @@ def _round_to_bf16_rne(v):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.autotune(configs=act_quant_configs(), key=["M_BUCKET", "K", "R_PAD", "SPLIT"])
+@triton.jit
+def _int4_to_e4m3_bits(q):
+    """int32 values in [-8, 7] -> their float8_e4m3fn bit patterns (uint8), by integer arithmetic on the
+    fp32 bits (exponent rebias 127 -> 7, top 3 mantissa bits), identical in the interpreter."""
+    a = tl.abs(q)
+    bits = a.to(tl.float32).to(tl.int32, bitcast=True)
+    e = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)
+    e = tl.where(a == 0, 0, e) | tl.where(q < 0, 0x80, 0)
+    return e.to(tl.uint8)
+
+
+@triton.autotune(configs=act_quant_configs(), key=["M_BUCKET", "K", "R_PAD", "SPLIT", "E4M3"])
 @triton.jit
 def _fused_act_quant_kernel(x_ptr, si_ptr, ld_ptr, q_ptr, as_ptr, la_ptr,
                             M, K, R, GROUPS_PER_SPLIT, M_BUCKET, SPLIT,
                             s_xm, s_qm, s_asm, s_asg, s_ldr, s_las, s_lam,
                             STATIC_TRIP: tl.constexpr, HAS_LORA: tl.constexpr, R_PAD: tl.constexpr,
-                            DOT_F32: tl.constexpr,
+                            DOT_F32: tl.constexpr, E4M3: tl.constexpr,
                             BLOCK_M: tl.constexpr):
+    # E4M3 (the CUTLASS GEMM's input): the int4 values go out as float8_e4m3fn bytes [M, K] (exact), else
+    # packed two per byte [M, K/2] (the Triton GEMM's input). Everything else is the same pass.
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -108,9 +112,12 @@ def _fused_act_quant_kernel(x_ptr, si_ptr, ld_ptr, q_ptr, as_ptr, la_ptr,
         y = tl.math.div_rn(xs, scale[:, None])
         y = (y + 12582912.0) - 12582912.0  # rint, half to even (see module docstring)
         q = tl.minimum(tl.maximum(y, -8.0), 7.0).to(tl.int32)
-        q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_M, 32, 2]))
-        packed = ((q_even & 0xF) | ((q_odd & 0xF) << 4)).to(tl.uint8)
-        tl.store(q_ptr + rows[:, None] * s_qm + (g * 32 + offs_b)[None, :], packed, mask=mg[:, None])
+        if E4M3:
+            tl.store(q_ptr + rows[:, None] * s_qm + cols[None, :], _int4_to_e4m3_bits(q), mask=mg[:, None])
+        else:
+            q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_M, 32, 2]))
+            packed = ((q_even & 0xF) | ((q_odd & 0xF) << 4)).to(tl.uint8)
+            tl.store(q_ptr + rows[:, None] * s_qm + (g * 32 + offs_b)[None, :], packed, mask=mg[:, None])
         tl.store(as_ptr + rows * s_asm + g * s_asg, scale, mask=mg)
         if HAS_LORA:
             ld = tl.load(ld_ptr + offs_r[:, None] * s_ldr + cols[None, :], mask=((offs_r < R) & g_ok)[:, None],
@@ -254,31 +261,36 @@ def _num_sms(dev: torch.device) -> int:
 
 
 def fused_act_quant(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, *,
-                    split_k: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    split_k: Optional[int] = None, e4m3: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One pass over x: smoothing, per-token per-group int4 quantization, packing, low-rank down projection.
 
     x [..., K] (fp32/bf16/fp16, K % 64 == 0), smooth_inv [K] (fp32), lora_down [r, K] (r may be 0).
     Returns ``(qx_packed uint8 [M, K/2], ascale fp32 [M, K/64], lora_act fp32 [M, r])`` with
-    M = prod(x.shape[:-1]). ``ascale`` is a view with strides (1, M) (K/64-major storage, for coalesced
-    GEMM loads); ``.contiguous()`` it if row-major storage is needed. ``split_k`` (default: chosen from M
-    and the multiprocessor count) splits the K-groups over programs; it changes only the summation
+    M = prod(x.shape[:-1]); with ``e4m3=True`` the first is ``float8_e4m3fn [M, K]`` holding the int4 values
+    (exact), the CUTLASS GEMM's operand. ``ascale`` is a view with strides (1, M) (K/64-major storage, for
+    coalesced GEMM loads); ``.contiguous()`` it if row-major storage is needed. ``split_k`` (default: chosen
+    from M and the multiprocessor count) splits the K-groups over programs; it changes only the summation
     order of ``lora_act``.
     """
+    name = "fused_act_quant_e4m3" if e4m3 else "fused_act_quant"
     if x.dtype not in _ACT_DTYPES:
-        raise TypeError(f"fused_act_quant: x must be one of {_ACT_DTYPES}, got {x.dtype}")
+        raise TypeError(f"{name}: x must be one of {_ACT_DTYPES}, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] % GROUP != 0 or x.shape[-1] == 0:
-        raise ValueError(f"fused_act_quant: K = x.shape[-1] must be a positive multiple of {GROUP}, got shape "
+        raise ValueError(f"{name}: K = x.shape[-1] must be a positive multiple of {GROUP}, got shape "
                          f"{tuple(x.shape)}; pad the input features or keep this linear unquantized")
     k = x.shape[-1]
     if smooth_inv.shape != (k,):
-        raise ValueError(f"fused_act_quant: smooth_inv must have shape ({k},), got {tuple(smooth_inv.shape)}")
+        raise ValueError(f"{name}: smooth_inv must have shape ({k},), got {tuple(smooth_inv.shape)}")
     if lora_down.dim() != 2 or lora_down.shape[1] != k or lora_down.dtype not in _ACT_DTYPES:
-        raise ValueError(f"fused_act_quant: lora_down must be a float [rank, {k}] tensor, got "
+        raise ValueError(f"{name}: lora_down must be a float [rank, {k}] tensor, got "
                          f"{lora_down.dtype} {tuple(lora_down.shape)}")
-    dev = _check_device("fused_act_quant", x, smooth_inv, lora_down)
+    dev = _check_device(name, x, smooth_inv, lora_down)
     x2 = _last_contiguous(x.reshape(-1, k))
     m, ng, r = x2.shape[0], k // GROUP, lora_down.shape[0]
-    qx = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+    if e4m3:
+        qx = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
+    else:
+        qx = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
     ascale = torch.empty((ng, m), dtype=torch.float32, device=dev).t()
     if m == 0:
         return qx, ascale, torch.zeros((0, r), dtype=torch.float32, device=dev)
@@ -293,15 +305,16 @@ def fused_act_quant(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.
     # 16-bit operands use the 16-bit tensor-core dot; the interpreter's dot cannot multiply bf16 (it sees
     # raw bits), so there both are upcast (exact) and only the summation order differs from the GPU.
     dot_f32 = interpreting() or not (ld.dtype == x2.dtype and x2.dtype != torch.float32)
+    q = qx.view(torch.uint8)  # the kernel stores bytes (e4m3 bit patterns or packed nibbles)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]), split)
 
     _fused_act_quant_kernel[grid](
-        x2, si, ld, qx, ascale, partial, m, k, r, gps, _bucket(m), split,
-        x2.stride(0), qx.stride(0), ascale.stride(0), ascale.stride(1), ld.stride(0),
+        x2, si, ld, q, ascale, partial, m, k, r, gps, _bucket(m), split,
+        x2.stride(0), q.stride(0), ascale.stride(0), ascale.stride(1), ld.stride(0),
         partial.stride(0), partial.stride(1),
-        STATIC_TRIP=gps if interpreting() else 0, HAS_LORA=r > 0, R_PAD=_r_pad(r), DOT_F32=dot_f32)
+        STATIC_TRIP=gps if interpreting() else 0, HAS_LORA=r > 0, R_PAD=_r_pad(r), DOT_F32=dot_f32, E4M3=e4m3)
     lora_act = partial[0] if split == 1 else partial.sum(0)
     return qx, ascale, lora_act
 

@@ -1,19 +1,34 @@
-"""Quantized-linear substitution: the ``aten.linear`` pattern and its quantized replacements.
+"""Quantized-linear substitution as fx patterns: the ``aten.linear`` pattern and one replacement per quant kind.
 
-Written in the style of Inductor's pattern matcher (plain functions whose traced graphs are the
-pattern and the replacement). A replacement takes the pattern's ``x`` plus the quantized tensors, in
-the order of ``QUANT_KINDS[kind].tensor_args``; :func:`replace_linear_node` performs the substitution
-on an exported graph (registering the tensors as buffers reached by ``get_attr``).
+The pattern and the replacements are plain PyTorch functions. :func:`replace_linears` traces them
+(``torch.fx.symbolic_trace``) and rewrites a graph with torch.fx's subgraph rewriter
+(``torch.fx.subgraph_rewriter.replace_pattern_with_filters``): every match of :func:`linear_pattern`
+(or :func:`linear_pattern_no_bias`) whose linear node was selected is replaced by the traced replacement of
+the kind, its tensor arguments bound to per-linear buffers of the graph module reached by ``get_attr``.
+
+Per match (before -> after)::
+
+    y = torch.ops.aten.linear.default(x, w, b)
+    ->  qw = self.<prefix>.qweight; ws = self.<prefix>.wscale; ...; b2 = self.<prefix>.bias
+        y = torch.ops.dit_passes.svdq_w4a4_linear.default(x, qw, ws, ld, lu, si, b2)
+
+A replacement takes the pattern's ``x`` plus the quantized tensors in the order of
+``QUANT_KINDS[kind].tensor_args`` (``bias`` may be absent: None). Every inserted node gets ``meta["val"]``
+when the graph carries fake values; the op node also the replaced node's ``nn_module_stack`` /
+``dit_module_path`` / ``stack_trace`` and ``meta["dit_pattern"]`` (the name of the pattern it replaced).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch.fx.subgraph_rewriter import ReplacedPatterns, replace_pattern_with_filters
 
-import dit_passes.quant.ops  # noqa: F401  (registers torch.ops.dit_passes.*)
+import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
+from dit_passes.infra.graph_utils import set_val
 
 
 def linear_pattern(x, weight, bias):
@@ -42,74 +57,117 @@ def int8_replacement(x, qweight, wscale, bias):
 
 @dataclass(frozen=True)
 class QuantKind:
-    """How to call one quantized op: the replacement and the names of its tensor arguments after x
-    (the keys of the prepared weight's ``tensors()``; ``bias`` may be absent)."""
+    """One quantized linear: its replacement function, the op it calls and the names of its tensor arguments
+    after x (the keys of the prepared weight's ``tensors()``; ``bias`` may be absent)."""
 
     replacement: Callable
     op: torch._ops.OpOverload
     tensor_args: Tuple[str, ...]
-    const_args: Tuple[str, ...] = ()
 
 
 _8BIT_ARGS = ("qweight", "wscale", "bias")
 QUANT_KINDS: Dict[str, QuantKind] = {
     "svdq_w4a4": QuantKind(svdq_w4a4_replacement, torch.ops.dit_passes.svdq_w4a4_linear.default,
                            ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias")),
-    "fp8_per_row": QuantKind(fp8_per_row_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,
-                             ("per_row",)),
-    "fp8_per_tensor": QuantKind(fp8_per_tensor_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,
-                                ("per_tensor",)),
+    "fp8_per_row": QuantKind(fp8_per_row_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS),
+    "fp8_per_tensor": QuantKind(fp8_per_tensor_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS),
     "int8_per_row": QuantKind(int8_replacement, torch.ops.dit_passes.int8_linear.default, _8BIT_ARGS),
 }
+PATTERNS = (linear_pattern, linear_pattern_no_bias)
+_META_KEYS = ("nn_module_stack", "dit_module_path", "stack_trace")
 
 
-def _is_linear(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (torch.ops.aten.linear.default, torch.nn.functional.linear)
+@functools.lru_cache(maxsize=None)
+def traced(fn: Callable) -> fx.GraphModule:
+    """``fn`` traced by ``torch.fx.symbolic_trace`` (once per function)."""
+    return fx.symbolic_trace(fn)
+
+
+# A target: the linear node -> (attribute prefix of its buffers, {tensor arg name: tensor}).
+Targets = Dict[fx.Node, Tuple[str, Dict[str, torch.Tensor]]]
+
+
+def replace_linears(gm: fx.GraphModule, kind: str, targets: Targets) -> List[ReplacedPatterns]:
+    """Replace every ``aten.linear`` node of ``targets`` by the quantized op ``kind`` (module docstring).
+
+    The tensors become buffers ``<prefix>.<name>`` of ``gm``; the original weights stay attributes (remove
+    them and dead ``get_attr`` nodes afterwards to free memory). Returns the rewriter's matches, one per
+    target; a target that is not an ``aten.linear`` matching the pattern is refused before any rewrite.
+    """
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"unknown quantized linear kind {kind!r}; one of {sorted(QUANT_KINDS)}")
+    spec = QUANT_KINDS[kind]
+    for node, (_, tensors) in targets.items():
+        if node.op != "call_function" or node.target != torch.ops.aten.linear.default:
+            raise ValueError(f"{node.format_node()} is not an aten.linear node")
+        missing = [a for a in spec.tensor_args if a != "bias" and a not in tensors]
+        if missing:
+            raise KeyError(f"{kind} needs tensors {missing}; got {sorted(tensors)}")
+    replacement = traced(spec.replacement)
+    done: List[ReplacedPatterns] = []
+    for pattern in PATTERNS:
+        def selected(match, original_graph, pattern_graph) -> bool:
+            return match.returning_nodes[0] in targets
+
+        def build(match, original_graph, pattern_graph) -> fx.Graph:
+            prefix, tensors = targets[match.returning_nodes[0]]
+            return _replacement_graph(gm, replacement, pattern_graph, prefix, tensors, spec)
+
+        matches = replace_pattern_with_filters(gm, traced(pattern), match_filters=[selected],
+                                               replacement_callback=build)
+        for m in matches:
+            _finish_meta(m, pattern.__name__, spec)
+        done += matches
+    if len(done) != len(targets):
+        raise ValueError(f"{len(targets) - len(done)} selected linear node(s) did not match the aten.linear pattern")
+    return done
 
 
 def replace_linear_node(gm: fx.GraphModule, node: fx.Node, kind: str, tensors: Dict[str, torch.Tensor],
                         attr_prefix: str) -> fx.Node:
-    """Replace the ``aten.linear`` ``node`` of ``gm`` by the quantized op ``kind`` on ``tensors``.
+    """:func:`replace_linears` for one node; returns the new op node."""
+    (match,) = replace_linears(gm, kind, {node: (attr_prefix, tensors)})
+    return next(n for n in match.replacements if n.op == "call_function")
 
-    The tensors become buffers ``<attr_prefix>.<name>`` of ``gm`` (e.g. ``transformer_blocks.0.attn.to_q.
-    qweight``); the new node copies the old node's metadata and gets ``meta["val"]`` from the op's fake
-    implementation when the graph carries fake values. The original weight stays an attribute: remove
-    it (and dead get_attr nodes) afterwards to free memory. Returns the new node.
-    """
-    if kind not in QUANT_KINDS:
-        raise ValueError(f"unknown quantized linear kind {kind!r}; one of {sorted(QUANT_KINDS)}")
-    if not _is_linear(node):
-        raise ValueError(f"{node.format_node()} is not an aten.linear node")
-    spec = QUANT_KINDS[kind]
-    missing = [a for a in spec.tensor_args if a != "bias" and a not in tensors]
-    if missing:
-        raise KeyError(f"{kind} needs tensors {missing}; got {sorted(tensors)}")
-    x = node.args[0]
-    with gm.graph.inserting_before(node):
-        args = [x]
-        for name in spec.tensor_args:
-            t: Optional[torch.Tensor] = tensors.get(name)
-            if t is None:
-                args.append(None)
-                continue
-            target = f"{attr_prefix}.{name}"
-            _register_buffer(gm, target, t)
-            get = gm.graph.get_attr(target)
-            if "val" in node.meta:
-                get.meta["val"] = _fake_like(node, t)
-            args.append(get)
-        # The replacement function is a single op call: insert that call directly.
-        new = gm.graph.call_function(spec.op, tuple(args) + spec.const_args)
-    for k in ("nn_module_stack", "dit_module_path", "stack_trace"):
-        if k in node.meta:
-            new.meta[k] = node.meta[k]
-    if "val" in node.meta:
-        from dit_passes.infra.graph_utils import set_val
 
-        set_val(new)
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
-    return new
+def _replacement_graph(gm: fx.GraphModule, replacement: fx.GraphModule, pattern_graph: fx.Graph, prefix: str,
+                       tensors: Dict[str, torch.Tensor], spec: QuantKind) -> fx.Graph:
+    """The kind's traced replacement with its tensor arguments as ``get_attr`` of new buffers; its
+    placeholders are the pattern's (x, weight[, bias]), as the rewriter binds them."""
+    g = fx.Graph()
+    inputs = [g.placeholder(n.name) for n in pattern_graph.nodes if n.op == "placeholder"]
+    x_ph, *tensor_phs = [n for n in replacement.graph.nodes if n.op == "placeholder"]
+    val_map: Dict[fx.Node, Optional[fx.Node]] = {x_ph: inputs[0]}
+    for ph, name in zip(tensor_phs, spec.tensor_args):
+        t = tensors.get(name)
+        if t is None:
+            val_map[ph] = None
+            continue
+        _register_buffer(gm, f"{prefix}.{name}", t)
+        val_map[ph] = g.get_attr(f"{prefix}.{name}")
+    g.output(g.graph_copy(replacement.graph, val_map))
+    return g
+
+
+def _finish_meta(match: ReplacedPatterns, pattern_name: str, spec: QuantKind) -> None:
+    old = match.nodes_map[match.anchor]  # the replaced linear (erased, its meta still readable)
+    has_val = "val" in old.meta
+    for new in match.replacements:
+        if new.op == "get_attr" and has_val:
+            new.meta["val"] = _fake_like(old, _attr(new.graph.owning_module, new.target))
+    for new in match.replacements:
+        if new.op == "call_function" and new.target == spec.op:
+            new.meta.update({k: old.meta[k] for k in _META_KEYS if k in old.meta})
+            new.meta["dit_pattern"] = pattern_name
+            if has_val:
+                set_val(new)
+
+
+def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    mod = gm
+    for p in target.split("."):
+        mod = getattr(mod, p)
+    return mod
 
 
 def _register_buffer(gm: fx.GraphModule, target: str, t: torch.Tensor) -> None:

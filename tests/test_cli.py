@@ -70,8 +70,9 @@ def test_demo_fidelity_and_bench_commands_run(tmp_path, capsys):
 
 
 def test_console_entry_runs_as_a_process():
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-m", "dit_passes.cli", "inspect", "sd3"], capture_output=True,
-                       text=True, env=env, cwd=ROOT, timeout=120)
+    # The installed package (the one mechanism); -P keeps the repository root off sys.path, where its kernels/
+    # folder would shadow the PyPI package `kernels` that transformers imports.
+    r = subprocess.run([sys.executable, "-P", "-m", "dit_passes.cli", "inspect", "sd3"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "block lists: transformer_blocks x2" in r.stdout

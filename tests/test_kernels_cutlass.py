@@ -9,8 +9,6 @@ The CUDA tests need an sm_90 GPU, nvcc and the nvidia-cutlass headers (the first
 from __future__ import annotations
 
 import ctypes
-import importlib
-import importlib.util
 import json
 import os
 import re
@@ -24,23 +22,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dit_passes.kernels import w4a4_cutlass as C  # noqa: E402
+from dit_passes.kernels import w4a4_cutlass_linear as L  # noqa: E402
+from dit_passes.quant import dispatch as D  # noqa: E402
 
-
-def _load(name):
-    try:
-        return importlib.import_module(f"dit_passes.kernels.{name}")
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "kernels", f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-
-C = _load("w4a4_cutlass")
-L = _load("w4a4_cutlass_linear")
-if L.C is not C:  # loaded by path: use the linear module's own CUTLASS module everywhere
-    C = L.C
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -429,41 +414,40 @@ def test_weight_cache_opt_in(monkeypatch):
 
 # ------------------------------------------------------------------------------------- backend choice
 def test_backend_setting_and_table(tmp_path, monkeypatch):
-    monkeypatch.delenv(L.BACKEND_ENV, raising=False)
-    assert L.backend_setting() == "auto"
-    monkeypatch.setenv(L.BACKEND_ENV, " Triton ")
-    assert L.backend_setting() == "triton"
-    monkeypatch.setenv(L.BACKEND_ENV, "cublas")
+    monkeypatch.delenv(D.BACKEND_ENV, raising=False)
+    assert D.backend_setting() == "auto"
+    monkeypatch.setenv(D.BACKEND_ENV, " Triton ")
+    assert D.backend_setting() == "triton"
+    monkeypatch.setenv(D.BACKEND_ENV, "cublas")
     with pytest.raises(ValueError, match="DIT_PASSES_W4A4_BACKEND"):
-        L.backend_setting()
-    path = L.write_table([{"M": 4608, "N": 3072, "K": 3072, "backend": "cutlass", "config": "pingpong_64x128"},
+        D.backend_setting()
+    path = D.write_table([{"M": 4608, "N": 3072, "K": 3072, "backend": "cutlass", "config": "pingpong_64x128"},
                           {"M": 256, "N": 3072, "K": 3072, "backend": "triton"},
                           {"M": 4608, "N": 12288, "K": 3072, "backend": "bogus"}], str(tmp_path / "t.json"), device="x")
-    monkeypatch.setenv(L.TABLE_ENV, path)
-    assert L.table_choice(4096, 3072, 3072) == "cutlass" and L.table_choice(300, 3072, 3072) == "triton"
-    assert L.table_entry(8192, 3072, 3072) == (4608, "cutlass", "pingpong_64x128")
-    assert L.table_choice(4608, 12288, 3072) is None and L.table_choice(4608, 64, 64) is None
+    monkeypatch.setenv(D.TABLE_ENV, path)
+    assert D.table_choice(4096, 3072, 3072) == "cutlass" and D.table_choice(300, 3072, 3072) == "triton"
+    assert D.table_entry(8192, 3072, 3072) == (4608, "cutlass", "pingpong_64x128")
+    assert D.table_choice(4608, 12288, 3072) is None and D.table_choice(4608, 64, 64) is None
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring"):
-        assert L.table_choice(1, 1, 1, str(tmp_path / "bad.json")) is None
-    monkeypatch.setenv(L.TABLE_ENV, str(tmp_path / "missing.json"))
-    assert L.table_choice(4608, 3072, 3072) is None
+        assert D.table_choice(1, 1, 1, str(tmp_path / "bad.json")) is None
+    monkeypatch.setenv(D.TABLE_ENV, str(tmp_path / "missing.json"))
+    assert D.table_choice(4608, 3072, 3072) is None
 
 
 def test_cpu_never_takes_the_cutlass_path(monkeypatch):
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     qw = torch.zeros(16, 64, dtype=torch.uint8)
     for setting in ("auto", "cutlass", "triton"):
-        monkeypatch.setenv(L.BACKEND_ENV, setting)
-        assert L.use_cutlass(x, qw) is False
-    assert not L.cutlass_supported(x, qw)
+        monkeypatch.setenv(D.BACKEND_ENV, setting)
+        assert D.use_cutlass(x, qw) is False
+    assert not D.cutlass_supported(x, qw)
 
 
 @needs_ref
 def test_ops_module_discovery():
-    from dit_passes.quant import ops
-    mod = ops.w4a4_cutlass_module()
-    assert mod is not None and hasattr(mod, "use_cutlass") and hasattr(mod, "w4a4_linear")
+    mod = D.w4a4_cutlass_module()
+    assert mod is not None and hasattr(D, "use_cutlass") and hasattr(mod, "w4a4_linear")
 
 
 # ------------------------------------------------------------------------------------- GPU: the linear
@@ -476,7 +460,7 @@ def test_cutlass_linear_matches_reference_and_dispatch(monkeypatch):
     emu = L.w4a4_linear(*args, gemm=L.w4a4_gemm_fp8_reference)
     assert (out.float() - emu.float()).abs().max().item() <= 2 ** -7 * emu.float().abs().max().item()
     assert (out.float() - ref.float()).norm().item() <= 4e-3 * ref.float().norm().item()
-    monkeypatch.setenv(L.BACKEND_ENV, "cutlass")
-    L.reset()
-    assert L.use_cutlass(args[0], args[1])
+    monkeypatch.setenv(D.BACKEND_ENV, "cutlass")
+    D.reset()
+    assert D.use_cutlass(args[0], args[1])
     assert torch.equal(torch.ops.dit_passes.svdq_w4a4_linear(*args), out)

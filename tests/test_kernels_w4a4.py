@@ -7,8 +7,6 @@ references when it imports.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 
 import torch
@@ -18,20 +16,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dit_passes.kernels import w4a4_triton as K  # noqa: E402
 
-
-def _load_kernels():
-    try:
-        return importlib.import_module("dit_passes.kernels.w4a4_triton")
-    except ImportError:  # package mapping unavailable: load the file itself
-        spec = importlib.util.spec_from_file_location("w4a4_triton", os.path.join(REPO, "kernels", "w4a4_triton.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-
-K = _load_kernels()
 try:
     from dit_passes.quant import int4 as quant_int4
     from dit_passes.quant.svdquant import SVDQuantWeight, svdq_w4a4_linear_reference

@@ -9,14 +9,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dit_passes.quant as Q
-from dit_passes.quant import fp8_int8, int4, ops
+from dit_passes.quant import dispatch, fp8_int8, int4
 from dit_passes.quant.fp8_int8 import (fp8_linear_reference, int8_linear_reference, prepare_fp8, prepare_int8,
                                        quantize_int8_rows)
 
-try:
-    from dit_passes.patterns import quant_linear as QL
-except ImportError:  # source checkout: patterns/ is a top-level folder
-    from patterns import quant_linear as QL
+from dit_passes.patterns import quant_linear as QL
 
 torch.set_num_threads(1)
 
@@ -306,11 +303,11 @@ def test_kernel_dispatch_hook_contract():
         return Q.fused_act_quant_reference(x2d, s_inv, down)
 
     fake_kernel = types.SimpleNamespace(fused_act_quant=fused, w4a4_gemm=Q.w4a4_gemm_reference)
-    out = ops.w4a4_linear_with_kernel(fake_kernel, x, *args)
+    out = dispatch.w4a4_linear_with_kernel(fake_kernel, x, *args)
     assert calls == [(3, 128)] and torch.equal(out, Q.svdq_w4a4_linear_reference(x, q))
     declining = types.SimpleNamespace(fused_act_quant=None, w4a4_gemm=None, is_supported=lambda *_: False)
-    assert torch.equal(ops.w4a4_linear_with_kernel(declining, x, *args), out)
-    assert torch.equal(ops.w4a4_linear_with_kernel(None, x, *args), out)
+    assert torch.equal(dispatch.w4a4_linear_with_kernel(declining, x, *args), out)
+    assert torch.equal(dispatch.w4a4_linear_with_kernel(None, x, *args), out)
 
 
 def test_replace_linear_node_in_exported_graph():
@@ -415,7 +412,7 @@ def test_cuda_w4a4_matches_cpu_reference():
     ref = Q.svdq_w4a4_linear_reference(xb, q).float()
     out = torch.ops.dit_passes.svdq_w4a4_linear(xb.cuda(), *(t for t in (qc.qweight, qc.wscale, qc.lora_down,
                                                    qc.lora_up, qc.smooth_inv, qc.bias))).float().cpu()
-    kernel = ops.w4a4_kernel_module()
+    kernel = dispatch.w4a4_kernel_module()
     print("W4A4 kernel module:", kernel, "max |cuda - cpu ref|:", (out - ref).abs().max().item())
     # Reference on CUDA: only the low-rank matmul's summation order differs (1 bf16 ulp);
     # a Triton kernel may contract multiply-adds, so it gets the same relative bound.

@@ -23,7 +23,7 @@ from dit_passes.models.zoo import build
 from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4, calibrate_linears
 from dit_passes.quant.calibrate import collect_linear_act_absmax
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, int8_linear_reference, prepare_fp8, prepare_int8
-from dit_passes.quant.loading import load
+from dit_passes import load
 from dit_passes.quant.serialize import QuantizedCheckpointError
 from dit_passes.quant.svdquant import prepare_svdquant, smoothing_vector, svdq_w4a4_linear_reference
 
@@ -89,6 +89,28 @@ def rel(a, b):
 
 def calib_inputs(zm):
     return [zm.make_inputs(seed=s) for s in (10, 11)]
+
+
+def test_quantize_pass_rewrites_through_the_traced_patterns(flux):
+    """Every linear the pass replaces is a match of the traced aten.linear pattern of patterns/quant_linear.py,
+    rewritten by torch.fx's subgraph rewriter (which tags the op node with the pattern it replaced)."""
+    from collections import Counter
+
+    from dit_passes.patterns import quant_linear as QL
+
+    zm, _ = flux
+    compiled = compile_dit(zm.model, passes=[Int8Linear()], example_inputs=zm.make_inputs())
+    res = last_result(compiled)
+    ops = [n for n in compiled.graph_module.graph.nodes
+           if n.op == "call_function" and n.target is torch.ops.dit_passes.int8_linear.default]
+    expected = block_linears(zm.model)
+    with_bias = sum(m.bias is not None for _, m in expected.values())
+    by_pattern = Counter(n.meta.get("dit_pattern") for n in ops)
+    assert by_pattern == +Counter({"linear_pattern": with_bias, "linear_pattern_no_bias": len(expected) - with_bias})
+    assert sum(by_pattern.values()) == res.counts["replaced"] == len(expected)
+    assert [n.target for n in QL.traced(QL.linear_pattern).graph.nodes if n.op == "call_function"] == \
+        [torch.ops.aten.linear.default]
+    assert all("val" in n.meta for n in compiled.graph_module.graph.nodes if n.op in ("get_attr", "call_function"))
 
 
 def test_dq_replaces_expected_linears_and_matches_reference(flux):

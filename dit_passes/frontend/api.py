@@ -35,6 +35,7 @@ from ..cache.steps_mask import steps_mask
 from ..compiled import CompiledDiT
 from ..infra.pass_manager import PassManager
 from ..passes import DBCache
+from ..passes.load_quantized import LoadQuantized
 from .configs import ParallelismConfig, QuantizeConfig, calibrate
 
 logger = logging.getLogger("dit_passes")
@@ -473,16 +474,19 @@ def quantize(module: torch.nn.Module, quant_config: Optional[QuantizeConfig] = N
 def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, **kwargs: Any) -> CompiledDiT:
     """The reference's ``cache_dit.load(transformer, path)``: a CompiledDiT with the saved quantized linears.
     ``path``: the ``serialize_to`` directory or its ``<quant_type>.safetensors`` file. A wrapper from
-    ``quantize`` / ``enable_cache`` is unwrapped to its original module first."""
-    from ..quant.loading import LoadQuantized, load as _load
+    ``quantize`` / ``enable_cache`` is unwrapped to its original module first; ``passes=[...]`` run after the
+    substitution, other keyword arguments go to ``compile_dit``. Raises
+    :class:`~dit_passes.quant.serialize.QuantizedCheckpointError` for a missing, corrupted or mismatching
+    checkpoint."""
+    from .. import compile_dit
     path = os.fspath(path)
     if path.endswith(".safetensors"):
         quant_type = quant_type or os.path.basename(path)[:-len(".safetensors")]
         path = os.path.dirname(path) or "."
     original = module.original if isinstance(module, CompiledDiT) else module
     extra = list(kwargs.pop("passes", ()))
-    compiled = _load(original, path, quant_type, passes=extra, **kwargs)
-    loader = next(p for p in compiled.passes if isinstance(p, LoadQuantized))
+    loader = LoadQuantized.from_checkpoint(original, path, quant_type)
+    compiled = compile_dit(original, passes=[loader, *extra], **kwargs)
     compiled.runtime.state[FRONTEND] = FrontendState(None, None, None, None, [loader, *extra], restore=original)
     return compiled
 

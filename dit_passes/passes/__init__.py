@@ -2,6 +2,7 @@
 from .cleanup import Cleanup
 from .dbcache import DBCache
 from .quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
+from .load_quantized import LoadQuantized
 from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .offload import LayerwiseOffload
@@ -9,4 +10,5 @@ from .regional_compile import RegionalCompile
 from .attention_backend import AttentionBackend
 from .vae_parallel import VAEParallel
 
-__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend", "VAEParallel"]
+__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "LoadQuantized", "Ulysses", "Ring", "USP",
+           "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend", "VAEParallel"]

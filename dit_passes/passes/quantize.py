@@ -1,8 +1,8 @@
 """Quantization passes: the linears of the repeated blocks become W4A4 (SVDQuant), fp8 or int8 custom ops.
 
-Requires: ``structure`` (block discovery), a graph from ``compile_dit`` (weights are attributes; the
-Dynamo front end passes them as inputs and is refused). Invalidates: ``structure`` (the linear nodes
-it lists are gone). Runs before ``dbcache``.
+Phase ``QUANTIZE`` (after the sharding phases, before offload and the cache). Reads ``structure`` (block
+discovery) from a graph of ``compile_dit`` (weights are attributes; the Dynamo front end passes them as
+inputs and is refused). Invalidates ``structure`` (the linear nodes it lists are gone).
 
 Before (one eligible linear)::
 
@@ -46,7 +46,6 @@ the original module (and its weights) alive; free those only if nothing else nee
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -61,17 +60,13 @@ from ..quant.calibrate import ActAbsMaxObserver
 from ..quant.fp8_int8 import FP8_GRANULARITIES, prepare_fp8, prepare_int8
 from ..quant.int4 import GROUP_SIZE
 from ..quant.serialize import save_quantized
+from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
 from ..quant.svdquant import SMOOTH_MODES, prepare_svdquant
 
-try:  # installed: patterns/ lives inside the dit_passes namespace
-    from dit_passes.patterns.quant_linear import QUANT_KINDS, replace_linear_node
-except ImportError:  # source checkout without the package installed: patterns/ is a top-level folder
-    from patterns.quant_linear import QUANT_KINDS, replace_linear_node
+from ..patterns.quant_linear import QUANT_KINDS, replace_linears
 
 ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "other")
 DEFAULT_EXCLUDE = ("modulation",)
-FORMAT = "dit_passes.quantized_linears.v1"
-_FINGERPRINT_SAMPLES = 4096
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -106,50 +101,6 @@ def select_linears(structure, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=N
     return out
 
 
-# ------------------------------------------------------------------------- signature / fingerprint
-def tensor_at(root: torch.nn.Module, target: str) -> Optional[torch.Tensor]:
-    """The tensor attribute at dotted ``target`` of ``root``, or None."""
-    *parents, leaf = target.split(".")
-    mod = root
-    for p in parents:
-        mod = getattr(mod, p, None)
-        if mod is None:
-            return None
-    t = getattr(mod, leaf, None)
-    return t if isinstance(t, torch.Tensor) else None
-
-
-def _fingerprint(h, path: str, w: torch.Tensor) -> None:
-    """Hash a fixed strided sample of ``w`` in bf16: exact on any device, equal for fp32 and bf16 copies."""
-    flat = w.detach().reshape(-1)
-    step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
-    sample = flat[::step][:_FINGERPRINT_SAMPLES].to(torch.bfloat16).cpu().view(torch.int16)
-    h.update(f"{path}:{list(w.shape)}:".encode())
-    h.update(sample.numpy().tobytes())
-
-
-def quant_signature(root: torch.nn.Module, paths: Sequence[str], block_lists: Dict[str, Dict[str, Any]]
-                    ) -> Dict[str, Any]:
-    """Signature the saved file is checked against: block lists (class, count), the quantized linears'
-    shapes, and a fingerprint of their original weights. ``root`` is the user's model or the captured
-    graph: both hold the weights under the same module paths (``<path>.weight`` / ``<path>.bias``)."""
-    linears: Dict[str, Dict[str, Any]] = {}
-    h = hashlib.sha256()
-    for path in sorted(paths):  # the sidecar stores them sorted (JSON sort_keys)
-        w = tensor_at(root, f"{path}.weight")
-        if w is None or w.dim() != 2:
-            raise ValueError(f"no linear weight at '{path}.weight' in {type(root).__name__}")
-        linears[path] = {"out_features": int(w.shape[0]), "in_features": int(w.shape[1]),
-                         "bias": tensor_at(root, f"{path}.bias") is not None}
-        _fingerprint(h, path, w)
-    return {"block_lists": block_lists, "linears": linears, "weights_sha256": h.hexdigest()}
-
-
-def graph_block_lists(structure) -> Dict[str, Dict[str, Any]]:
-    # class names without their module: the file stays valid when diffusers moves a class
-    return {bl.name: {"cls": bl.cls.rsplit(".", 1)[-1], "count": int(bl.count)} for bl in structure.block_lists}
-
-
 # ---------------------------------------------------------------------------------- calibration
 class _LinearInputObserver(TorchFunctionMode):
     """Records the input abs-max of ``F.linear`` calls whose weight is one of ``weights`` (by identity)."""
@@ -180,24 +131,15 @@ def calibrate_linears(weights: Dict[str, torch.Tensor], calibrate_fn: Callable[[
 
 
 # --------------------------------------------------------------------------------- substitution
-# Floating tensors that follow the activation dtype; scales keep their stored dtype (bf16 / fp32).
-ACT_DTYPE_FIELDS = ("lora_down", "lora_up", "bias")
-
-
-def place_tables(tables: Dict[str, Dict[str, torch.Tensor]], weight: torch.Tensor
-                 ) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``tables`` on ``weight``'s device, the activation-dtype fields in its dtype (no copy when they are)."""
-    return {p: {f: t.to(weight.device, weight.dtype if f in ACT_DTYPE_FIELDS else t.dtype) for f, t in tab.items()}
-            for p, tab in tables.items()}
-
-
 def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, Dict[str, torch.Tensor]],
                     kind: str) -> Dict[str, int]:
-    """Replace every site whose module path has a table by the ``kind`` op; drop the dead weights from
-    ``gm`` (the user's module keeps its own). Returns counts per role and bytes before / after."""
+    """Replace every site whose module path has a table by the ``kind`` op (the fx patterns of
+    ``dit_passes.patterns.quant_linear``); drop the dead weights from ``gm`` (the user's module keeps its
+    own). Returns counts per role and bytes before / after."""
     counts: Dict[str, int] = {}
     bytes_before = bytes_after = 0
     seen = set()
+    targets = {}
     for site in sites:
         table = tables.get(site.module_path)
         if table is None:
@@ -212,8 +154,11 @@ def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, 
                 # The op's bias buffer takes the original's name (<path>.bias): the same values, so any
                 # other reader of that attribute is unaffected; the parameter itself leaves the graph.
                 _drop_attr(gm, site.bias)
-        replace_linear_node(gm, site.node, kind, table, site.module_path)
-        counts[f"replaced_{site.role}"] = counts.get(f"replaced_{site.role}", 0) + 1
+        targets[site.node] = (site.module_path, table)
+    roles = {site.node: site.role for site in sites}
+    for match in replace_linears(gm, kind, targets):
+        role = roles[match.nodes_map[match.anchor]]
+        counts[f"replaced_{role}"] = counts.get(f"replaced_{role}", 0) + 1
     gm.graph.eliminate_dead_code()
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for site in sites:

@@ -6,8 +6,9 @@ a zero scale becomes 1; values are ``(t / scale).clamp(-448, 448)`` cast to ``fl
 int8 (per row only): scale = amax / 127, ``q = clamp(rint(t / scale), -127, 127)`` (symmetric).
 Output: ``dot(q_x, q_w) * sx[m] * sw[n] + bias`` in fp32, cast to x.dtype.
 
-The fp8 CUDA path uses ``torch._scaled_mm`` where the hardware and shapes allow it (sm_89+, K and N
-multiples of 16; row-wise scales only with bf16 output); every other case runs the reference.
+The CUDA paths (fp8: ``torch._scaled_mm``, int8: ``torch._int_mm``) run where ``dit_passes.quant.dispatch``
+allows them (fp8: sm_89+, K and N multiples of 16, row-wise scales only with bf16 output); every other
+case runs the reference.
 """
 from __future__ import annotations
 
@@ -129,26 +130,10 @@ def fp8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.T
     return _finish(acc, bias, x, n)
 
 
-def _scaled_mm_usable(x: torch.Tensor, qweight: torch.Tensor, per_row: bool) -> bool:
-    if x.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return False
-    if torch.cuda.get_device_capability(x.device) < (8, 9):
-        return False
-    n, k = qweight.shape
-    if k % 16 or n % 16:
-        return False
-    # Row-wise scaling in cuBLASLt is only wired for bf16 output.
-    return x.dtype == torch.bfloat16 if per_row else x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-
-
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-               bias: Optional[torch.Tensor] = None, granularity: str = "per_row") -> torch.Tensor:
-    """fp8 linear: ``torch._scaled_mm`` on capable CUDA devices, else :func:`fp8_linear_reference`."""
-    if granularity not in FP8_GRANULARITIES:
-        raise ValueError(f"fp8 granularity must be one of {FP8_GRANULARITIES}, got {granularity!r}")
+def fp8_linear_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, granularity: str = "per_row") -> torch.Tensor:
+    """fp8 linear through ``torch._scaled_mm`` (cuBLASLt), for the inputs ``dispatch.fp8_backend`` sends here."""
     per_row = granularity == "per_row"
-    if not _scaled_mm_usable(x, qweight, per_row):
-        return fp8_linear_reference(x, qweight, wscale, bias, granularity)
     _check_linear_args(x, qweight, wscale, per_row)
     n, k = qweight.shape
     qx, sx = quantize_fp8(x.reshape(-1, k), granularity)
@@ -162,25 +147,24 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
     return _finish(out.float(), bias, x, n)
 
 
-def _int_dot(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
-    """Exact int32 [M, N] = qx [M, K] int8 @ qw [N, K].T."""
-    m, k = qx.shape
-    n = qw.shape[0]
+def _int_dot(qx: torch.Tensor, qw: torch.Tensor, int_mm: bool) -> torch.Tensor:
+    """Exact int32 [M, N] = qx [M, K] int8 @ qw [N, K].T (``torch._int_mm`` when ``int_mm``)."""
+    if int_mm:
+        return torch._int_mm(qx, qw.t())
     if qx.device.type == "cpu":
         return qx.to(torch.int32) @ qw.to(torch.int32).t()
-    if qx.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0:
-        return torch._int_mm(qx, qw.t())
     # fp64 is exact here: |sum| <= 127**2 * K < 2**53 for any realistic K.
     return (qx.double() @ qw.double().t()).to(torch.int32)
 
 
 def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """int8 per-row dynamic linear: x [..., K] -> [..., N] in x.dtype; int32 accumulation."""
+                          bias: Optional[torch.Tensor] = None, *, int_mm: bool = False) -> torch.Tensor:
+    """int8 per-row dynamic linear: x [..., K] -> [..., N] in x.dtype; int32 accumulation, through
+    ``torch._int_mm`` with ``int_mm`` (CUDA; ``dispatch.int8_backend`` decides)."""
     _check_linear_args(x, qweight, wscale, per_row=True)
     if qweight.dtype != torch.int8:
         raise TypeError(f"int8 linear needs an int8 weight, got {qweight.dtype}")
     n, k = qweight.shape
     qx, sx = quantize_int8_rows(x.reshape(-1, k))
-    acc = _int_dot(qx, qweight).float() * sx.unsqueeze(1) * wscale.float().unsqueeze(0)
+    acc = _int_dot(qx, qweight, int_mm).float() * sx.unsqueeze(1) * wscale.float().unsqueeze(0)
     return _finish(acc, bias, x, n)

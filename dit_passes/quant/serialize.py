@@ -130,7 +130,13 @@ def _first_structure_mismatch(saved: Dict[str, Any], expected: Dict[str, Any]) -
     return None
 
 
-def _find_quant_type(path_dir: str) -> str:
+def find_quant_type(path_dir: str, quant_type: Optional[str] = None) -> str:
+    """``quant_type``, or the one checkpoint ``path_dir`` holds (refused when it holds none or several)."""
+    if not os.path.isdir(path_dir):
+        raise QuantizedCheckpointError(f"quantized checkpoint directory {path_dir!r} does not exist; quantize first "
+                                       "with serialize_to=<that directory>")
+    if quant_type is not None:
+        return quant_type
     names = sorted(f[:-5] for f in os.listdir(path_dir)
                    if f.endswith(".json") and os.path.exists(os.path.join(path_dir, f[:-5] + ".safetensors")))
     if len(names) != 1:
@@ -147,9 +153,7 @@ def load_quantized(path_dir: str, expected_structure_signature: Dict[str, Any], 
     the structure signature differs (naming the first mismatching linear), the tensors differ from the
     sidecar's list, or a key of ``expected_config`` differs from the saved config.
     """
-    if not os.path.isdir(path_dir):
-        raise QuantizedCheckpointError(f"quantized checkpoint directory {path_dir} does not exist")
-    quant_type = quant_type or _find_quant_type(path_dir)
+    quant_type = find_quant_type(path_dir, quant_type or None)
     st_path, js_path = _paths(path_dir, quant_type)
     for p in (st_path, js_path):
         if not os.path.exists(p):

@@ -1,4 +1,4 @@
-"""Quantized linears as ``torch.library`` custom ops (namespace ``dit_passes``).
+"""The quantized-linear ``torch.library`` custom ops (namespace ``dit_passes``), all registered here.
 
 Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exportable and compilable):
 
@@ -7,70 +7,25 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 * ``dit_passes::fp8_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias, str granularity) -> Tensor``
 * ``dit_passes::int8_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor``
 
-Every op has an any-device reference implementation and a fake (meta) implementation that checks
-shapes. On CUDA, ``svdq_w4a4_linear`` calls the Triton kernels of ``dit_passes.kernels.w4a4_triton``
-(in a source checkout: the top-level ``kernels/w4a4_triton.py``) when that module imports:
-``fused_act_quant(x2d, smooth_inv, lora_down) -> (qx_packed, ascale, lora_act)`` and
-``w4a4_gemm(qx_packed, ascale, qweight, wscale, lora_act, lora_up, bias, out_dtype) -> [M, N]``, with an
-optional ``is_supported(x2d, qweight) -> bool``. Without it the reference runs. CPU never imports it.
-Before that, ``dit_passes.kernels.w4a4_cutlass_linear`` may take the call (CUTLASS fp8 groupwise GEMM on
-sm_90, bf16 activations): ``DIT_PASSES_W4A4_BACKEND=triton|cutlass|auto`` and its timing table decide.
+Each op has three implementations: the reference (any device; the op's body), the fake (meta: checks the
+shapes, allocates the output) and the CUDA one, which asks ``dispatch.py`` which backend runs (W4A4:
+CUTLASS, Triton or the reference; fp8: ``torch._scaled_mm`` or the reference; int8: ``torch._int_mm``
+or the reference).
+
+The other ``dit_passes::`` ops stay with their subsystems, each next to the only code that emits it:
+``onload`` (passes/offload.py), ``sdpa_backend`` (passes/attention_backend.py), ``ring_exchange``
+(parallel/collectives.py), ``vae_halo_exchange`` / ``vae_group_stats`` / ``vae_group_norm_apply``
+(parallel/vae_ops.py).
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import os
-import warnings
-from types import ModuleType
 from typing import Optional
 
 import torch
 
-from .fp8_int8 import FP8_GRANULARITIES, fp8_linear as _fp8_linear_impl, int8_linear_reference
+from . import dispatch
+from .fp8_int8 import FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference
 from .int4 import w4a4_linear_reference
-
-_KERNEL_MODULES = ("dit_passes.kernels.w4a4_triton", "kernels.w4a4_triton")
-_CUTLASS_MODULES = ("dit_passes.kernels.w4a4_cutlass_linear", "kernels.w4a4_cutlass_linear")
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _import_kernel_module(names, attrs, fallback: str) -> Optional[ModuleType]:
-    for name in names:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name is not None and name.startswith(e.name):  # the module itself is absent
-                continue
-            warnings.warn(f"{name} needs a missing module ({e.name}); W4A4 runs {fallback} on CUDA")
-            return None
-        except ImportError as e:
-            warnings.warn(f"{name} failed to import ({e}); W4A4 runs {fallback} on CUDA")
-            return None
-        if name.startswith("kernels.") and not os.path.abspath(mod.__file__).startswith(_REPO_ROOT + os.sep):
-            continue
-        if all(hasattr(mod, f) for f in attrs):
-            return mod
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def w4a4_kernel_module() -> Optional[ModuleType]:
-    """The W4A4 kernel module, or None when it is absent or its dependencies (triton) are missing.
-
-    Memoised because the answer cannot change within a process and a failed import costs a file-system
-    search. The source-checkout name ``kernels`` is only accepted from this repository, never from an
-    unrelated installed package of that name. Errors other than ImportError propagate: a broken
-    kernel must be loud, not silently replaced.
-    """
-    return _import_kernel_module(_KERNEL_MODULES, ("fused_act_quant", "w4a4_gemm"), "the reference")
-
-
-@functools.lru_cache(maxsize=None)
-def w4a4_cutlass_module() -> Optional[ModuleType]:
-    """The CUTLASS W4A4 linear (``kernels/w4a4_cutlass_linear.py``: ``use_cutlass(x, qweight) -> bool``,
-    ``w4a4_linear(...)``), or None; its backend choice is ``DIT_PASSES_W4A4_BACKEND`` (see there)."""
-    return _import_kernel_module(_CUTLASS_MODULES, ("use_cutlass", "w4a4_linear"), "Triton")
 
 
 # ---------------------------------------------------------------------------------------------- W4A4
@@ -108,23 +63,7 @@ def svdq_w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tenso
 @svdq_w4a4_linear.register_kernel("cuda")
 def _svdq_w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
     _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
-    if os.environ.get("DIT_PASSES_W4A4_BACKEND", "auto").strip().lower() != "triton":
-        cutlass = w4a4_cutlass_module()
-        if cutlass is not None and cutlass.use_cutlass(x, qweight):
-            return cutlass.w4a4_linear(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
-    return w4a4_linear_with_kernel(w4a4_kernel_module(), x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
-
-
-def w4a4_linear_with_kernel(kernel: Optional[ModuleType], x, qweight, wscale, lora_down, lora_up, smooth_inv,
-                            bias) -> torch.Tensor:
-    """Run the W4A4 linear through ``kernel``'s two functions (the contract in the module docstring);
-    the reference when ``kernel`` is None or its ``is_supported`` declines these inputs."""
-    x2d = x.reshape(-1, x.shape[-1]).contiguous()
-    if kernel is None or (hasattr(kernel, "is_supported") and not kernel.is_supported(x2d, qweight)):
-        return w4a4_linear_reference(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
-    qx, ascale, lora_act = kernel.fused_act_quant(x2d, smooth_inv, lora_down)
-    out = kernel.w4a4_gemm(qx, ascale, qweight, wscale, lora_act, lora_up, bias, x.dtype)
-    return out.reshape(*x.shape[:-1], qweight.shape[0])
+    return dispatch.w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
 
 
 @svdq_w4a4_linear.register_fake
@@ -148,34 +87,47 @@ def _check_8bit_shapes(op: str, x, qweight, wscale, bias, per_row: bool) -> None
         raise ValueError(f"dit_passes::{op}: bias must be [{n}], got {list(bias.shape)}")
 
 
-def _check_granularity(granularity: str) -> None:
+def _check_fp8(x, qweight, wscale, bias, granularity: str) -> None:
     if granularity not in FP8_GRANULARITIES:
         raise ValueError(f"dit_passes::fp8_linear: granularity must be one of {FP8_GRANULARITIES}, "
                          f"got {granularity!r}")
+    _check_8bit_shapes("fp8_linear", x, qweight, wscale, bias, granularity == "per_row")
 
 
 @torch.library.custom_op("dit_passes::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: Optional[torch.Tensor],
                granularity: str) -> torch.Tensor:
-    """fp8 e4m3 linear with dynamic activation scales (``torch._scaled_mm`` on capable CUDA)."""
-    _check_granularity(granularity)
-    _check_8bit_shapes("fp8_linear", x, qweight, wscale, bias, granularity == "per_row")
-    return _fp8_linear_impl(x, qweight, wscale, bias, granularity)
+    """fp8 e4m3 linear with dynamic activation scales, reference implementation (any device)."""
+    _check_fp8(x, qweight, wscale, bias, granularity)
+    return fp8_linear_reference(x, qweight, wscale, bias, granularity)
+
+
+@fp8_linear.register_kernel("cuda")
+def _fp8_linear_cuda(x, qweight, wscale, bias, granularity):
+    _check_fp8(x, qweight, wscale, bias, granularity)
+    if dispatch.fp8_backend(x, qweight, granularity) == "scaled_mm":
+        return fp8_linear_scaled_mm(x, qweight, wscale, bias, granularity)
+    return fp8_linear_reference(x, qweight, wscale, bias, granularity)
 
 
 @fp8_linear.register_fake
 def _fp8_linear_fake(x, qweight, wscale, bias, granularity):
-    _check_granularity(granularity)
-    _check_8bit_shapes("fp8_linear", x, qweight, wscale, bias, granularity == "per_row")
+    _check_fp8(x, qweight, wscale, bias, granularity)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 @torch.library.custom_op("dit_passes::int8_linear", mutates_args=())
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """int8 per-row dynamic linear (int32 accumulation; ``torch._int_mm`` on CUDA)."""
+    """int8 per-row dynamic linear (int32 accumulation), reference implementation (any device)."""
     _check_8bit_shapes("int8_linear", x, qweight, wscale, bias, True)
     return int8_linear_reference(x, qweight, wscale, bias)
+
+
+@int8_linear.register_kernel("cuda")
+def _int8_linear_cuda(x, qweight, wscale, bias):
+    _check_8bit_shapes("int8_linear", x, qweight, wscale, bias, True)
+    return int8_linear_reference(x, qweight, wscale, bias, int_mm=dispatch.int8_backend(x, qweight) == "int_mm")
 
 
 @int8_linear.register_fake

@@ -1,0 +1,95 @@
+"""LoadQuantized: substitute a saved quantization's tensors into the graph (no calibration).
+
+The rewrite of the quantization passes (``passes/quantize.py``) with the tensors read from their
+``serialize_to`` directory instead of prepared now; ``dit_passes.load(model, path)`` builds it with
+:meth:`LoadQuantized.from_checkpoint`, which verifies the files against the model before anything is
+captured (``dit_passes.quant.loading``).
+
+Requires: ``structure``. Invalidates: ``structure``. Runs before ``dbcache``. Counts: as the quantization
+passes (``replaced``, ``replaced_<role>``, ``bytes_before``, ``bytes_after``).
+
+Before / after: see ``passes/quantize.py`` (the same graph change), e.g. for a W4A4 checkpoint::
+
+    q = torch.ops.aten.linear.default(norm_x, w, b)
+    ->  q = torch.ops.dit_passes.svdq_w4a4_linear.default(norm_x, qw, ws, ld, lu, si, b)
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.fx as fx
+
+from ..analysis.blocks import get_structure
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
+from ..quant.loading import read_checkpoint
+from ..quant.serialize import QuantizedCheckpointError
+from ..quant.signature import graph_block_lists, place_tables, quant_signature, tensor_at
+from .quantize import QUANT_KINDS, apply_quantized
+
+
+class LoadQuantized(Pass):
+    """Substitute stored quantized tensors into the graph (the rewrite of the quantization passes).
+
+    ``tensors``: ``{"<linear path>.<field>": tensor}``; ``config``: the saved config (``kind`` picks the op).
+    Every stored linear must be found as an ``aten.linear`` of a block in the graph.
+    """
+
+    name = "load_quantized"
+    phase = Phase.QUANTIZE
+    reads = ("structure",)
+    invalidates = ("structure",)
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], config: Dict[str, Any], source: str = ""):
+        kind = config.get("kind")
+        if kind not in QUANT_KINDS:
+            raise QuantizedCheckpointError(f"{source}: unknown quantized kind {kind!r}; this library writes "
+                                           f"{sorted(QUANT_KINDS)}")
+        self.kind, self.config, self.source = kind, dict(config), source
+        self.tables: Dict[str, Dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            path, field = name.rsplit(".", 1)
+            self.tables.setdefault(path, {})[field] = t
+        need = [a for a in QUANT_KINDS[kind].tensor_args if a != "bias"]
+        for path, tab in self.tables.items():
+            missing = [a for a in need if a not in tab]
+            if missing:
+                raise QuantizedCheckpointError(f"{source}: linear {path} lacks tensors {missing}; re-quantize")
+        self._placed: Dict[Any, Dict[str, Dict[str, torch.Tensor]]] = {}
+
+    @classmethod
+    def from_checkpoint(cls, model: torch.nn.Module, path, quant_type: Optional[str] = None) -> "LoadQuantized":
+        """The pass for the checkpoint in directory ``path``, verified against ``model`` (see
+        ``dit_passes.quant.loading.read_checkpoint`` for what is checked and raised)."""
+        tensors, config, source = read_checkpoint(model, path, quant_type)
+        return cls(tensors, config, source=source)
+
+    def config_items(self) -> Dict[str, Any]:
+        return {"quant_type": self.config.get("quant_type"), "source": self.source}
+
+    def _on(self, weight: torch.Tensor) -> Dict[str, Dict[str, torch.Tensor]]:
+        # One copy per (device, dtype), shared by every signature's graph.
+        key = (weight.device, weight.dtype)
+        if key not in self._placed:
+            self._placed[key] = place_tables(self.tables, weight)
+        return self._placed[key]
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        if ctx.frontend != "export":
+            raise PassError("loading quantized weights needs compile_dit / dit_passes.load (the export front end)")
+        structure = get_structure(gm)
+        sites = [s for s in structure.linears if s.block is not None and s.module_path in self.tables]
+        found = {s.module_path for s in sites}
+        absent = [p for p in self.tables if p not in found]
+        if absent:
+            raise PassError(f"{self.source}: stored linears not found among the graph's block linears: {absent[:5]}")
+        sig = quant_signature(gm, list(self.tables), graph_block_lists(structure))
+        if sig["weights_sha256"] != self.config.get("_weights_sha256", sig["weights_sha256"]):
+            raise PassError(f"{self.source}: the model's weights changed since dit_passes.load checked them")
+        weight = tensor_at(gm, sites[0].weight)  # device and dtype the stored tensors follow
+        counts = apply_quantized(gm, sites, self._on(weight), self.kind)
+        ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
+        return PassResult(True, counts, f"{self.config.get('quant_type')} loaded from {self.source}: "
+                                        f"{counts['replaced']} linear node(s); {counts['bytes_before']} -> "
+                                        f"{counts['bytes_after']} bytes ({ratio:.2f}x)")

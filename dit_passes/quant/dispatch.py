@@ -1,0 +1,229 @@
+"""Which implementation runs each quantized op: the one place that reads the backend setting, the device and
+the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kernels`` decide nothing).
+
+* ``dit_passes::svdq_w4a4_linear`` on CUDA, :func:`use_cutlass` then :func:`w4a4_linear_with_kernel`:
+  ``DIT_PASSES_W4A4_BACKEND`` = ``triton`` | ``cutlass`` (builds the CUTLASS library if needed) | ``auto``
+  (default: CUTLASS only when its library is already built and loads, then per shape from the timing table
+  ``$DIT_PASSES_W4A4_TABLE`` (default ``<cutlass cache>/w4a4_backend_table.json``, written by
+  ``bench/cutlass_w4a4_e2e.py``): the entry of the same (N, K) with the nearest M -- its backend and
+  CUTLASS tile config (:func:`cutlass_config`); CUTLASS with the default config without one). Only bf16
+  activations, K % 64 == 0, N % 16 == 0 on a compute-capability-9 GPU take the CUTLASS path. Otherwise the
+  Triton kernels (``dit_passes.kernels.w4a4_triton``, sm_80+) when they import, else the reference.
+* ``dit_passes::fp8_linear`` on CUDA, :func:`fp8_backend`: ``torch._scaled_mm`` on sm_89+ with K and N
+  multiples of 16 (row-wise scales only with bf16 activations), else the reference.
+* ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
+  of 8, else the exact reference dot.
+
+The kernel modules are imported on first use (never on CPU); an ImportError there (e.g. triton missing)
+warns and falls back, any other error propagates: a broken kernel must be loud, not silently replaced.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import math
+import os
+import warnings
+from types import ModuleType
+from typing import Dict, Optional
+
+import torch
+
+from .int4 import w4a4_linear_reference
+
+BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
+BACKENDS = ("auto", "triton", "cutlass")
+GROUP = 64
+
+
+# ------------------------------------------------------------------------------------ kernel modules
+def _import_kernel(name: str, fallback: str) -> Optional[ModuleType]:
+    try:
+        return importlib.import_module(f"dit_passes.kernels.{name}")
+    except ImportError as e:
+        warnings.warn(f"dit_passes.kernels.{name} failed to import ({e}); W4A4 runs {fallback} on CUDA")
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def w4a4_kernel_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.w4a4_triton`` (``fused_act_quant``, ``w4a4_gemm``, ``is_supported``), or None when
+    its dependencies (triton) are missing. Memoised: the answer cannot change within a process."""
+    return _import_kernel("w4a4_triton", "the reference")
+
+
+@functools.lru_cache(maxsize=None)
+def w4a4_cutlass_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.w4a4_cutlass_linear`` (``w4a4_linear``), or None."""
+    return _import_kernel("w4a4_cutlass_linear", "Triton")
+
+
+def _cutlass_gemm() -> ModuleType:
+    # The GEMM's loader module imports no triton: usable for the table and availability on any machine.
+    return importlib.import_module("dit_passes.kernels.w4a4_cutlass")
+
+
+# ---------------------------------------------------------------------------------------------- W4A4
+def w4a4_linear_with_kernel(kernel: Optional[ModuleType], x, qweight, wscale, lora_down, lora_up, smooth_inv,
+                            bias) -> torch.Tensor:
+    """The W4A4 linear through ``kernel``'s two functions (``fused_act_quant(x2d, smooth_inv, lora_down) ->
+    (qx_packed, ascale, lora_act)``, ``w4a4_gemm(qx, ascale, qweight, wscale, lora_act, lora_up, bias,
+    out_dtype)``); the reference when ``kernel`` is None or its ``is_supported(x2d, qweight)`` declines."""
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    if kernel is None or (hasattr(kernel, "is_supported") and not kernel.is_supported(x2d, qweight)):
+        return w4a4_linear_reference(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
+    qx, ascale, lora_act = kernel.fused_act_quant(x2d, smooth_inv, lora_down)
+    out = kernel.w4a4_gemm(qx, ascale, qweight, wscale, lora_act, lora_up, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def backend_setting() -> str:
+    s = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if s not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={s!r}: expected one of {BACKENDS}")
+    return s
+
+
+def table_path() -> str:
+    return os.environ.get(TABLE_ENV) or os.path.join(_cutlass_gemm()._cache_root(), "w4a4_backend_table.json")
+
+
+_TABLES: Dict[tuple, Dict[tuple, list]] = {}
+
+
+def _table(path: str) -> Dict[tuple, list]:
+    try:
+        stamp = (path, os.stat(path).st_mtime_ns)
+    except OSError:
+        return {}
+    if stamp not in _TABLES:
+        out: Dict[tuple, list] = {}
+        configs = _cutlass_gemm().CONFIGS
+        try:
+            for e in json.load(open(path)).get("entries", []):
+                if e.get("backend") in ("triton", "cutlass"):
+                    cfg = e.get("config") if e.get("config") in configs else None
+                    out.setdefault((int(e["N"]), int(e["K"])), []).append((int(e["M"]), e["backend"], cfg))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            warnings.warn(f"ignoring the W4A4 backend table {path}: {err}")
+        _TABLES[stamp] = out
+    return _TABLES[stamp]
+
+
+def table_entry(m: int, n: int, k: int, path: Optional[str] = None) -> Optional[tuple]:
+    """The timing table's ``(M, backend, cutlass config or None)`` for this (N, K) with the nearest M
+    (log scale), or None."""
+    rows = _table(path or table_path()).get((int(n), int(k)))
+    if not rows:
+        return None
+    return min(rows, key=lambda e: abs(math.log(max(e[0], 1)) - math.log(max(m, 1))))
+
+
+def table_choice(m: int, n: int, k: int, path: Optional[str] = None) -> Optional[str]:
+    """The timing table's backend for this shape (:func:`table_entry`), or None."""
+    e = table_entry(m, n, k, path)
+    return None if e is None else e[1]
+
+
+def write_table(entries, path: Optional[str] = None, **meta) -> str:
+    """Write ``{"entries": [{"M", "N", "K", "backend", ...timings}], **meta}`` (the bench does)."""
+    path = path or table_path()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**meta, "entries": list(entries)}, f, indent=1)
+    return path
+
+
+def cutlass_config(m: int, n: int, k: int) -> str:
+    """The CUTLASS tile config for this shape: ``DIT_PASSES_CUTLASS_CONFIG`` or a ``set_auto_config`` entry
+    (both applied by the GEMM's "auto"), else the timing table's config, else "auto"."""
+    gemm = _cutlass_gemm()
+    if os.environ.get("DIT_PASSES_CUTLASS_CONFIG") or (m, n, k) in gemm._AUTO:
+        return "auto"
+    e = table_entry(m, n, k)
+    return e[2] if e is not None and e[2] else "auto"
+
+
+def cutlass_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Shape, dtype and device the CUTLASS path handles (not whether its library is present)."""
+    return (x.dtype == torch.bfloat16 and x.is_cuda and qweight.is_cuda and qweight.dtype == torch.uint8
+            and qweight.dim() == 2 and x.shape[-1] % GROUP == 0 and x.shape[-1] == 2 * qweight.shape[1]
+            and qweight.shape[0] % 16 == 0 and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+_READY: Dict[bool, bool] = {}
+_WARNED = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg)
+
+
+def cutlass_ready(build_if_needed: bool) -> bool:
+    """``w4a4_cutlass.is_available``, memoised here (a negative answer too, until :func:`reset`)."""
+    if build_if_needed not in _READY:
+        _READY[build_if_needed] = _cutlass_gemm().is_available(build_if_needed=build_if_needed)
+    return _READY[build_if_needed]
+
+
+def reset() -> None:
+    """Forget the memoised library availability and tables (after a build, or a new table)."""
+    _READY.clear()
+    _TABLES.clear()
+    _cutlass_gemm()._AVAILABLE = None
+
+
+def use_cutlass(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether ``dit_passes::svdq_w4a4_linear`` runs this call through the CUTLASS linear."""
+    setting = backend_setting()
+    if setting == "triton":
+        return False
+    if not cutlass_supported(x, qweight):
+        if setting == "cutlass" and x.is_cuda:
+            _warn_once(f"{BACKEND_ENV}=cutlass: this linear (x {x.dtype} K={x.shape[-1]}, N={qweight.shape[0]}) "
+                       "needs bf16, K % 64 == 0, N % 16 == 0 on an sm_90 GPU; it runs on Triton")
+        return False
+    if not cutlass_ready(build_if_needed=setting == "cutlass"):
+        if setting == "cutlass":
+            _warn_once(f"{BACKEND_ENV}=cutlass but the CUTLASS library is unavailable (headers: "
+                       f"`{_cutlass_gemm().PIP_HINT}`, nvcc); W4A4 runs on Triton")
+        return False
+    if w4a4_cutlass_module() is None:
+        return False
+    m = x.numel() // max(x.shape[-1], 1)
+    return setting == "cutlass" or table_choice(m, qweight.shape[0], x.shape[-1]) in (None, "cutlass")
+
+
+def w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias) -> torch.Tensor:
+    """The CUDA implementation of ``dit_passes::svdq_w4a4_linear``: CUTLASS, Triton or the reference."""
+    if use_cutlass(x, qweight):
+        m, n, k = x.numel() // x.shape[-1], qweight.shape[0], x.shape[-1]
+        return w4a4_cutlass_module().w4a4_linear(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias,
+                                                 config=cutlass_config(m, n, k))
+    return w4a4_linear_with_kernel(w4a4_kernel_module(), x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
+
+
+# ------------------------------------------------------------------------------------------ fp8 / int8
+def fp8_backend(x: torch.Tensor, qweight: torch.Tensor, granularity: str) -> str:
+    """``"scaled_mm"`` where ``torch._scaled_mm`` handles the call, else ``"reference"``."""
+    if x.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return "reference"
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return "reference"
+    n, k = qweight.shape
+    if k % 16 or n % 16:
+        return "reference"
+    # Row-wise scaling in cuBLASLt is only wired for bf16 output.
+    ok = x.dtype == torch.bfloat16 if granularity == "per_row" else x.dtype in (torch.bfloat16, torch.float16,
+                                                                                 torch.float32)
+    return "scaled_mm" if ok else "reference"
+
+
+def int8_backend(x: torch.Tensor, qweight: torch.Tensor) -> str:
+    """``"int_mm"`` where ``torch._int_mm`` handles the call, else ``"reference"`` (exact int32 / fp64 dot)."""
+    n, k = qweight.shape
+    m = x.numel() // max(k, 1)
+    return "int_mm" if x.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0 else "reference"

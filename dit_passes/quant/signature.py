@@ -1,0 +1,69 @@
+"""What a saved quantization is checked against, and how its tensors are placed: shared by the quantization
+passes (which write it) and loading (which checks it).
+
+* :func:`quant_signature` -- the block lists (class, count), every quantized linear's shape and bias, and a
+  fingerprint of its original weights; computed the same from the user's model and from a captured graph
+  (both hold the weights under the same module paths);
+* :func:`place_tables` -- the per-linear tensors on the model's device, the activation-dtype fields in its dtype.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+FORMAT = "dit_passes.quantized_linears.v1"
+_FINGERPRINT_SAMPLES = 4096
+# Floating tensors that follow the activation dtype; scales keep their stored dtype (bf16 / fp32).
+ACT_DTYPE_FIELDS = ("lora_down", "lora_up", "bias")
+
+
+def tensor_at(root: torch.nn.Module, target: str) -> Optional[torch.Tensor]:
+    """The tensor attribute at dotted ``target`` of ``root``, or None."""
+    *parents, leaf = target.split(".")
+    mod = root
+    for p in parents:
+        mod = getattr(mod, p, None)
+        if mod is None:
+            return None
+    t = getattr(mod, leaf, None)
+    return t if isinstance(t, torch.Tensor) else None
+
+
+def _fingerprint(h, path: str, w: torch.Tensor) -> None:
+    """Hash a fixed strided sample of ``w`` in bf16: exact on any device, equal for fp32 and bf16 copies."""
+    flat = w.detach().reshape(-1)
+    step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
+    sample = flat[::step][:_FINGERPRINT_SAMPLES].to(torch.bfloat16).cpu().view(torch.int16)
+    h.update(f"{path}:{list(w.shape)}:".encode())
+    h.update(sample.numpy().tobytes())
+
+
+def quant_signature(root: torch.nn.Module, paths: Sequence[str], block_lists: Dict[str, Dict[str, Any]]
+                    ) -> Dict[str, Any]:
+    """Signature the saved file is checked against: block lists (class, count), the quantized linears'
+    shapes, and a fingerprint of their original weights. ``root`` is the user's model or the captured
+    graph: both hold the weights under the same module paths (``<path>.weight`` / ``<path>.bias``)."""
+    linears: Dict[str, Dict[str, Any]] = {}
+    h = hashlib.sha256()
+    for path in sorted(paths):  # the sidecar stores them sorted (JSON sort_keys)
+        w = tensor_at(root, f"{path}.weight")
+        if w is None or w.dim() != 2:
+            raise ValueError(f"no linear weight at '{path}.weight' in {type(root).__name__}")
+        linears[path] = {"out_features": int(w.shape[0]), "in_features": int(w.shape[1]),
+                         "bias": tensor_at(root, f"{path}.bias") is not None}
+        _fingerprint(h, path, w)
+    return {"block_lists": block_lists, "linears": linears, "weights_sha256": h.hexdigest()}
+
+
+def graph_block_lists(structure) -> Dict[str, Dict[str, Any]]:
+    # class names without their module: the file stays valid when diffusers moves a class
+    return {bl.name: {"cls": bl.cls.rsplit(".", 1)[-1], "count": int(bl.count)} for bl in structure.block_lists}
+
+
+def place_tables(tables: Dict[str, Dict[str, torch.Tensor]], weight: torch.Tensor
+                 ) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``tables`` on ``weight``'s device, the activation-dtype fields in its dtype (no copy when they are)."""
+    return {p: {f: t.to(weight.device, weight.dtype if f in ACT_DTYPE_FIELDS else t.dtype) for f, t in tab.items()}
+            for p, tab in tables.items()}

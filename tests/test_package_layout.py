@@ -1,0 +1,80 @@
+"""kernels/ and patterns/ reach Python only as dit_passes.kernels / dit_passes.patterns, through an install.
+
+One mechanism: the package is installed (regular or editable); a bare source checkout fails at
+``import dit_passes`` with one error that says to ``pip install -e .``; the top-level folder kernels/ never
+poses as the PyPI package ``kernels``. Also: quant/ and kernels/ import nothing from the upper layers.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import dit_passes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UPPER = ("passes", "compiled", "frontend", "launch", "cli")
+
+
+def _run(code: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, cwd="/",
+                          timeout=120)
+
+
+def test_installed_package_maps_the_top_level_folders():
+    import dit_passes.kernels
+    import dit_passes.patterns
+
+    assert os.path.dirname(dit_passes.kernels.__file__) == os.path.join(REPO, "kernels") or \
+        not dit_passes.__file__.startswith(REPO)  # a regular install holds its own copy
+    assert dit_passes.patterns.__name__ == "dit_passes.patterns"
+
+
+def test_kernels_init_does_no_sys_modules_manipulation():
+    src = open(os.path.join(REPO, "kernels", "__init__.py")).read()
+    names = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+    attrs = {n.attr for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Attribute)}
+    imports = {a.name for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert "sys" not in names | imports and "modules" not in attrs and "exec_module" not in attrs
+    for path in ("dit_passes/quant/dispatch.py", "dit_passes/quant/custom_ops.py", "dit_passes/passes/quantize.py",
+                 "kernels/w4a4_cutlass_linear.py", "kernels/w4a4_triton.py"):
+        text = open(os.path.join(REPO, path)).read()
+        assert "spec_from_file_location" not in text and "_sibling" not in text, path
+
+
+def test_bare_checkout_fails_with_one_clear_error():
+    # -S: no site-packages (hence no editable finder, no install), -P: no cwd; only the repository root.
+    r = _run(f"import sys; sys.path[:] = [{REPO!r}] + [p for p in sys.path if 'site-packages' not in p]; "
+             "import dit_passes", "-S", "-P")
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: dit_passes was imported from") and "pip install -e ." in last, r.stderr
+
+
+def test_top_level_kernels_is_never_this_folder():
+    r = _run(f"import sys; sys.path.insert(0, {REPO!r}); import kernels", "-P")
+    assert r.returncode != 0 and "shadows the PyPI package 'kernels'" in r.stderr and "python -P" in r.stderr
+
+
+def test_lower_layers_import_no_upper_layer():
+    bad = []
+    for top in ("dit_passes/quant", "kernels", "patterns"):
+        for name in sorted(os.listdir(os.path.join(REPO, top))):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(REPO, top, name)
+            for node in ast.walk(ast.parse(open(path).read())):
+                mods = []
+                if isinstance(node, ast.ImportFrom):
+                    base = "." * node.level + (node.module or "")
+                    mods = [base] + [f"{base}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    mods = [a.name for a in node.names]
+                for m in mods:
+                    parts = m.lstrip(".").split(".")
+                    rel_upper = m.startswith("..") and parts[0] in UPPER
+                    abs_upper = parts[0] == "dit_passes" and len(parts) > 1 and parts[1] in UPPER
+                    if rel_upper or abs_upper or (m == ".." and top != "patterns"):
+                        bad.append(f"{top}/{name}: {m}")
+    assert not bad, bad
