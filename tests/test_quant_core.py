@@ -426,7 +426,7 @@ def test_cuda_fp8_scaled_mm_and_int8_int_mm():
     x = torch.randn(64, 512, generator=g).to(torch.bfloat16).cuda()
     for gran in ("per_row", "per_tensor"):
         f = prepare_fp8(w.cuda(), b.cuda(), gran)
-        assert fp8_int8._scaled_mm_usable(x, f.qweight, gran == "per_row") == (
+        assert (dispatch.fp8_backend(x, f.qweight, gran) == "scaled_mm") == (
             torch.cuda.get_device_capability() >= (8, 9))
         fast = torch.ops.dit_passes.fp8_linear(x, f.qweight, f.wscale, f.bias, gran).float()
         ref = fp8_linear_reference(x, f.qweight, f.wscale, f.bias, gran).float()
