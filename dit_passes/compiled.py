@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .capture import Captured, bind_call, capture, signature_key, value_key
+from .infra.graph_runner import GraphRunner
 from .infra.pass_base import Pass, PassContext, graph_facts
 from .infra.pass_manager import PassManager
 from .passes.cleanup import Cleanup
@@ -49,7 +50,7 @@ class LoweredGraph:
     gm: fx.GraphModule
     captured: Captured
     manager: PassManager
-    runner: Optional[Callable[..., Any]] = None  # what runs the graph: gm itself, or torch.compile(gm)
+    runner: Optional[Callable[..., Any]] = None  # what runs the graph: GraphRunner(gm), or torch.compile(gm)
 
     def run(self, flat: List[torch.Tensor], runtime: Runtime) -> List[torch.Tensor]:
         facts = graph_facts(self.gm)
@@ -225,7 +226,8 @@ class CompiledDiT(torch.nn.Module):
         ctx = PassContext(example_inputs=kwargs, runtime={"runtime": self.runtime, "graph_id": len(self._by_key)})
         manager.run(gm, ctx)
         # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph
-        runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True, **self._torch_compile})
+        runner = (GraphRunner(gm) if self._torch_compile is None
+                  else torch.compile(gm, **{"fullgraph": True, **self._torch_compile}))
         lowered = LoweredGraph(gm, captured, manager, runner)
         self.graphs[f"g{len(self._by_key)}"] = gm
         self._by_key[key] = lowered
