@@ -50,7 +50,12 @@ class LoweredGraph:
     gm: fx.GraphModule
     captured: Captured
     manager: PassManager
-    runner: Optional[Callable[..., Any]] = None  # what runs the graph: GraphRunner(gm), or torch.compile(gm)
+    runner: Optional[Callable[..., Any]] = None  # torch.compile(gm) when asked for; None: run eagerly
+    eager: Optional[GraphRunner] = None  # the eager path: gm's graph without FX's per-node overhead
+
+    def __post_init__(self) -> None:
+        if self.eager is None:
+            self.eager = GraphRunner(self.gm)
 
     def run(self, flat: List[torch.Tensor], runtime: Runtime) -> List[torch.Tensor]:
         facts = graph_facts(self.gm)
@@ -59,7 +64,7 @@ class LoweredGraph:
         args = list(flat)
         for fn in extra_in:
             args.extend(fn(runtime))
-        run = self.runner if self.runner is not None else self.gm
+        run = self.runner if self.runner is not None else self.eager
         if facts.get("inference_only") and torch.is_grad_enabled():
             # torch.cond's autograd rule re-traces both branches with fake tensors, which a graph whose
             # weights are real attributes cannot satisfy; a DiT step is inference anyway
@@ -226,8 +231,7 @@ class CompiledDiT(torch.nn.Module):
         ctx = PassContext(example_inputs=kwargs, runtime={"runtime": self.runtime, "graph_id": len(self._by_key)})
         manager.run(gm, ctx)
         # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph
-        runner = (GraphRunner(gm) if self._torch_compile is None
-                  else torch.compile(gm, **{"fullgraph": True, **self._torch_compile}))
+        runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True, **self._torch_compile})
         lowered = LoweredGraph(gm, captured, manager, runner)
         self.graphs[f"g{len(self._by_key)}"] = gm
         self._by_key[key] = lowered
