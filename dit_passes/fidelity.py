@@ -150,7 +150,7 @@ def _write_grid(rows: Sequence[tuple[str, torch.Tensor]], path: Path, scale: int
     h, w = rows[0][1].shape[-2], rows[0][1].shape[-1] + 1  # +1: a dark-gray column between samples
     font = ImageFont.load_default()
     probe = ImageDraw.Draw(Image.new("L", (1, 1)))
-    margin = 8 + max(int(probe.textlength(name, font=font)) for name, _ in rows)  # the longest label, whole
+    margin = 14 + max(int(probe.textlength(name, font=font)) for name, _ in rows)  # the longest label, whole
     row_h = h * scale + gap
     canvas = Image.new("L", (margin + n * w * scale, len(rows) * row_h - gap), color=64)  # gray: gaps show
     draw = ImageDraw.Draw(canvas)
