@@ -345,11 +345,17 @@ def _flatten_codegen(gm: fx.GraphModule, input_names: List[str]) -> None:
             g.erase_node(n)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
-    # export's unlifted module checks every call against the traced input tree: passes add inputs
-    for key, hook in list(gm._forward_pre_hooks.items()):
-        if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
-            del gm._forward_pre_hooks[key]
-            gm._forward_pre_hooks_with_kwargs.pop(key, None)
+    # export's unlifted module checks every call against the traced input tree (passes add inputs), and
+    # wraps every call in hooks that register nn.Module-typed inputs with pytree (ours are all tensors):
+    # drop them, so that a call is the graph's code and nothing else
+    for hooks in (gm._forward_pre_hooks, gm._forward_hooks):
+        for key, hook in list(hooks.items()):
+            if (getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook"
+                    or getattr(hook, "__qualname__", "").startswith("_create_stateful_graph_module.")):
+                del hooks[key]
+                gm._forward_pre_hooks_with_kwargs.pop(key, None)
+                gm._forward_hooks_with_kwargs.pop(key, None)
+                gm._forward_hooks_always_called.pop(key, None)
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     if len(placeholders) != len(input_names):
         raise CaptureError(f"export produced {len(placeholders)} inputs for {len(input_names)} tensor "

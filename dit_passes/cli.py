@@ -16,10 +16,10 @@ import importlib
 import sys
 from typing import Dict, List, Optional, Sequence
 
-# subcommand -> module whose ``main(argv)`` implements it
+# subcommand -> "module" whose ``main(argv)`` implements it (or "module:function")
 DELEGATED = {
     "demo": ("dit_passes.demo", "run the end-to-end demo"),
-    "fidelity": ("dit_passes.fidelity", "compare a compiled pipeline's images with the original's"),
+    "fidelity": ("dit_passes.demo:fidelity_main", "compare a compiled pipeline's images with the original's"),
     "bench": ("dit_passes.bench", "time a compiled transformer against the original"),
 }
 
@@ -81,7 +81,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_delegated(command: str, argv: Sequence[str]) -> int:
-    module_name, _ = DELEGATED[command]
+    target, _ = DELEGATED[command]
+    module_name, _, function = target.partition(":")
+    function = function or "main"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -90,9 +92,9 @@ def cmd_delegated(command: str, argv: Sequence[str]) -> int:
         print(f"dit-passes {command}: not available in this installation ({module_name} does not exist yet)",
               file=sys.stderr)
         return 2
-    main_fn = getattr(module, "main", None)
+    main_fn = getattr(module, function, None)
     if main_fn is None:
-        print(f"dit-passes {command}: {module_name} has no main(argv) function", file=sys.stderr)
+        print(f"dit-passes {command}: {module_name} has no {function}(argv) function", file=sys.stderr)
         return 2
     return int(main_fn(list(argv)) or 0)
 

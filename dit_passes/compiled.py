@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from .capture import Captured, bind_call, capture, signature_key, value_key
 from .analysis.blocks import get_structure
 from .infra.facts import facts_of
+from .infra.graph_runner import GraphRunner
 from .infra.pass_base import Pass, PassContext
 from .infra.pass_manager import PassManager
 from .infra.phases import Phase
@@ -37,14 +38,19 @@ class LoweredGraph:
     gm: fx.GraphModule
     captured: Captured
     manager: PassManager
-    runner: Optional[Callable[..., Any]] = None  # what runs the graph: gm itself, or torch.compile(gm)
+    runner: Optional[Callable[..., Any]] = None  # torch.compile(gm) when asked for; None: run eagerly
+    eager: Optional[GraphRunner] = None  # the eager path: gm's graph without FX's per-node overhead
+
+    def __post_init__(self) -> None:
+        if self.eager is None:
+            self.eager = GraphRunner(self.gm)
 
     def run(self, flat: List[torch.Tensor], runtime: Runtime) -> List[torch.Tensor]:
         facts = facts_of(self.gm)
         args = list(flat)
         for io in facts.state_io:
             args.extend(io.inputs(runtime))
-        run = self.runner if self.runner is not None else self.gm
+        run = self.runner if self.runner is not None else self.eager
         if facts.inference_only and torch.is_grad_enabled():
             # torch.cond's autograd rule re-traces both branches with fake tensors, which a graph whose
             # weights are real attributes cannot satisfy; a DiT step is inference anyway

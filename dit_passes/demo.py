@@ -4,77 +4,117 @@ The demo samples the trained FluxTransformer2DModel (``dit_passes/assets``) thro
 FluxPipeline, once with the original transformer and once per cache configuration (each a
 ``compile_dit(transformer, passes=[passes.DBCache(...)])`` dropped into the pipeline), and reports PSNR /
 SSIM against the uncached images, the fraction of transformer-block work executed, the cached steps and
-wall time. It writes a PNG grid (baseline row, then one row per configuration), a plot of per-step
-diffs and decisions, and a JSON report.
+the steady-state speedup (each config's capture and passes are timed on their own line, before). It
+writes a PNG grid (baseline row, then one row per configuration), a plot of per-step diffs and decisions
+(with matplotlib), and a JSON report.
 
     dit-passes demo                               # the default DBCache, a steps-mask preset, TaylorSeer
+    dit-passes demo --device cuda                 # on the GPU
     dit-passes fidelity --configs dbcache,fast_mask_taylorseer --seeds 0 1 2 --steps 28 --out out/fid
+
+Layering: this module (the commands) uses :mod:`dit_passes.fidelity` (the harness) and
+:mod:`dit_passes.cache.presets` (the configurations); neither imports it.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from . import compile_dit, passes
-from .cache.config import TaylorSeerCalibratorConfig
-from .cache.steps_mask import steps_mask
+from .cache.presets import DEMO_PRESETS, cache_presets
+from .fidelity import run_fidelity
+
+DEMO_CONFIGS = DEMO_PRESETS
 
 
 def presets(steps: int) -> Dict[str, Callable[[torch.nn.Module], torch.nn.Module]]:
-    """Named cache configurations for a run of ``steps`` denoising steps (the digits DiT has 12 blocks)."""
+    """name -> ``original -> compile_dit(original, passes=[DBCache(preset)])`` for every cache preset."""
+    def make(preset):
+        return lambda model: compile_dit(model, passes=[passes.DBCache(config=preset.config,
+                                                                       calibrator=preset.calibrator)])
 
-    def dbcache(calibrator=None, **fields):
-        return lambda model: compile_dit(model, passes=[passes.DBCache(calibrator=calibrator, **fields)])
-
-    fast = dict(Fn_compute_blocks=1, steps_computation_mask=steps_mask(total_steps=steps, mask_policy="fast"),
-                steps_computation_policy="static")
-    ultra = dict(fast, steps_computation_mask=steps_mask(total_steps=steps, mask_policy="ultra"))
-    return {
-        # cache-dit's defaults: F8B0, 8 warm-up steps, threshold 0.08
-        "dbcache": dbcache(),
-        "dbcache_F1B0_R0.24": dbcache(Fn_compute_blocks=1, residual_diff_threshold=0.24, max_warmup_steps=4),
-        "fast_mask": dbcache(**fast),
-        "fast_mask_taylorseer": dbcache(TaylorSeerCalibratorConfig(taylorseer_order=1), **fast),
-        "ultra_mask_taylorseer": dbcache(TaylorSeerCalibratorConfig(taylorseer_order=1), **ultra),
-    }
-
-
-DEMO_CONFIGS = ("dbcache", "fast_mask", "fast_mask_taylorseer")
+    return {name: make(p) for name, p in cache_presets(steps).items()}
 
 
 def format_table(report: dict) -> str:
-    head = ("| config | PSNR mean (min) dB | SSIM mean | blocks executed | cached steps | wall s | speedup | "
-            "speedup after the first run |\n|---|---|---|---|---|---|---|---|")
-    rows = [head, f"| baseline | - | - | 100% | 0 | {report['baseline']['wall_s']:.2f} | 1.00x | 1.00x |"]
+    head = ("| config | PSNR mean (min) dB | SSIM mean | blocks executed | cached steps | wall s | speedup |\n"
+            "|---|---|---|---|---|---|---|")
+    rows = [head, f"| baseline | - | - | 100% | 0 | {report['baseline']['wall_s']:.2f} | 1.00x |"]
     for name, r in report["configs"].items():
         st = r["stats_mean"]
         frac = st.get("executed_block_fraction")
         rows.append(f"| {name} | {r['psnr_mean']:.2f} ({r['psnr_min']:.2f}) | {r['ssim_mean']:.4f} | "
                     f"{'-' if frac is None else f'{100 * frac:.1f}%'} | {st.get('cached_steps', 0):.1f} | "
-                    f"{r['wall_s']:.2f} | {r['speedup']:.2f}x | {r['steady_speedup']:.2f}x |")
+                    f"{r['wall_s']:.2f} | {r['speedup']:.2f}x |")
     return "\n".join(rows)
 
 
-def run(configs: Sequence[str], seeds: Sequence[int], labels: Sequence[int], steps: int, out: str,
-        true_cfg_scale: float = 1.0) -> dict:
-    from .fidelity import run_fidelity
+def takeaway(report: dict) -> str:
+    """One line: the fastest config that keeps PSNR >= 30 dB, and the most faithful one."""
+    configs = report["configs"]
+    if not configs:
+        return ""
 
+    def psnr(name):
+        p = configs[name]["psnr_mean"]
+        return p if math.isfinite(p) else float("inf")
+
+    def describe(name):
+        p = configs[name]["psnr_mean"]
+        return f"{name} runs {configs[name]['speedup']:.2f}x the uncached speed at " + \
+            (f"{p:.1f} dB PSNR" if math.isfinite(p) else "identical images")
+
+    good = [n for n in configs if psnr(n) >= 30.0] or list(configs)
+    fastest = max(good, key=lambda n: configs[n]["speedup"])
+    faithful = max(configs, key=psnr)
+    line = f"Takeaway: {describe(fastest)}"
+    if faithful != fastest:
+        line += f"; the most faithful, {describe(faithful)}"
+    return line + "."
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("dit-passes demo: --device cuda, but torch sees no CUDA device "
+                         f"(torch {torch.__version__}); use --device cpu")
+    return dev
+
+
+def _device_line(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"device: {dev} ({torch.cuda.get_device_name(dev)})"
+    return f"device: cpu ({torch.get_num_threads()} threads)"
+
+
+def run(configs: Sequence[str], seeds: Sequence[int], labels: Sequence[int], steps: int, out: str,
+        true_cfg_scale: float = 1.0, device: str = "cpu") -> dict:
     table = presets(steps)
     unknown = [c for c in configs if c not in table]
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}; available: {', '.join(table)}")
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    dev = _device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    print(f"# trained digits DiT (FluxTransformer2DModel, 12 blocks) through FluxPipeline, {steps} steps, "
+          f"{len(seeds)} seed(s) x {len(labels)} label(s), true CFG {true_cfg_scale}; {_device_line(dev)}",
+          flush=True)
     t0 = time.perf_counter()
     report = run_fidelity({c: table[c] for c in configs}, seeds=seeds, labels=labels, steps=steps, out_dir=out,
-                          true_cfg_scale=true_cfg_scale)
-    print(f"# trained digits DiT (FluxTransformer2DModel, 12 blocks) through FluxPipeline, {steps} steps, "
-          f"{len(seeds)} seed(s) x {len(labels)} label(s), true CFG {true_cfg_scale}")
+                          true_cfg_scale=true_cfg_scale, device=dev)
+    report["device"] = str(dev)
+    for name, r in report["configs"].items():
+        print(f"capture + passes, {name}: {r['capture_s']:.2f} s (once per input shape; not in the times below)")
     print(format_table(report))
-    print(f"grid: {report['grid']}\nplot: {report['plot']}\nreport: {report['report']}  "
-          f"({time.perf_counter() - t0:.1f} s in all)")
+    print(takeaway(report))
+    plot = f"plot: {report['plot']}\n" if report["plot"] else ""
+    print(f"grid: {report['grid']}\n{plot}report: {report['report']}  ({time.perf_counter() - t0:.1f} s in all)")
     return report
 
 
@@ -88,6 +128,7 @@ def build_parser(prog: str, default_configs: Sequence[str]) -> argparse.Argument
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--true-cfg-scale", type=float, default=1.0,
                    help="> 1: true CFG with the null class (two transformer calls per step)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda when present)")
     p.add_argument("--out", default="out/demo")
     return p
 
@@ -96,8 +137,13 @@ def main(argv: Optional[List[str]] = None, prog: str = "dit-passes demo",
          default_configs: Sequence[str] = DEMO_CONFIGS) -> int:
     args = build_parser(prog, default_configs).parse_args(argv)
     if args.list:
-        print("\n".join(presets(args.steps)))
+        print("\n".join(f"{name}: {p.summary}" for name, p in cache_presets(args.steps).items()))
         return 0
     run([c.strip() for c in args.configs.split(",") if c.strip()], args.seeds, args.labels, args.steps, args.out,
-        args.true_cfg_scale)
+        args.true_cfg_scale, args.device)
     return 0
+
+
+def fidelity_main(argv: Optional[List[str]] = None) -> int:
+    """``dit-passes fidelity``: the demo's harness with every preset by default (see ``--list``)."""
+    return main(argv, prog="dit-passes fidelity", default_configs=tuple(cache_presets(28)))

@@ -198,7 +198,8 @@ def test_run_fidelity_orders_configs_and_writes_outputs(pipe_cond, tmp_path):
     assert len(res["noise_large"]["stats"]) == 2 and res["noise_large"]["stats"][0]["calls"] == 10
     assert res["noise_large"]["stats_mean"]["noise_scale"] == pytest.approx(0.3)
     grid = Image.open(report["grid"])
-    assert grid.height == 4 * digits.IMAGE_SIZE * 3  # baseline + 3 configs, 3x upscaled
+    # baseline + 3 configs, upscaled GRID_SCALE times, GRID_GAP pixels between rows
+    assert grid.height == 4 * digits.IMAGE_SIZE * fidelity.GRID_SCALE + 3 * fidelity.GRID_GAP
     assert report["plot"] is not None and Image.open(report["plot"]).width > 100
     saved = json.loads((tmp_path / fidelity.REPORT_NAME).read_text())
     assert saved["configs"]["identity"]["psnr_mean"] == "inf"

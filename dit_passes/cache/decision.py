@@ -21,7 +21,7 @@ written on computed steps only. Every state tensor is replaced with ``torch.wher
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -40,6 +40,20 @@ _DIRECTIONS = ("decreasing", "increasing", "none")
 
 def _scalar(value, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((), value, dtype=dtype, device=like.device)
+
+
+Static = Union[bool, torch.Tensor]  # a check's answer: known when the graph is built (bool) or on device
+
+
+def _as_tensor(value: Static, like: torch.Tensor) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.full((), value, dtype=torch.bool, device=like.device)
+
+
+def _reset_to(t: torch.Tensor, reset: torch.Tensor, keep: torch.Tensor, init) -> torch.Tensor:
+    """``init`` where ``reset``, else ``t`` (one kernel; a bool stays bool)."""
+    if t.dtype == torch.bool:
+        return t & keep if not init else t | reset
+    return torch.where(reset, init, t)
 
 
 def _timestep_value(timestep, like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -110,33 +124,38 @@ def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheCon
         refresh = due & ~new_gen
         reset = new_gen | refresh
         s["refreshed"] = torch.where(new_gen, torch.zeros_like(s["refreshed"]), s["refreshed"] | refresh)
+    keep = ~reset
     for k, (dt, init) in SCALARS.items():
-        if k not in _KEEP_ON_RESET:
-            s[k] = torch.where(reset, _scalar(init, dev_like, dt), s[k])
+        if k not in _KEEP_ON_RESET and k != "step":
+            s[k] = _reset_to(s[k], reset, keep, init)
     for k in state:
         if k.endswith("_valid"):  # TaylorSeer ladders: nothing defined after a reset
-            s[k] = torch.where(reset, torch.zeros_like(s[k]), s[k])
-    s["gen"] = s["gen"] + reset.to(torch.int64)
-    step = torch.where(reset, torch.zeros_like(calls_done), calls_done)
+            s[k] = torch.where(reset, 0, s[k])
+    s["gen"] = s["gen"] + reset  # int64 + bool: int64
+    step = torch.where(reset, 0, calls_done)
     s["step"] = step
     if t is not None:
         s["last_t"] = t
 
     # A compute step breaks the run of cached steps (mark_step_begin).
-    s["continuous"] = torch.where(s["last_cached_step"] != step - 1, torch.zeros_like(s["continuous"]),
-                                  s["continuous"])
+    s["continuous"] = torch.where(s["last_cached_step"] != step - 1, 0, s["continuous"])
 
     # -- the checks, first match wins ----------------------------------------------------------------------
-    decided = torch.zeros((), dtype=torch.bool, device=dev_like.device)
-    result = torch.zeros_like(decided)
+    # ``decided`` / ``result`` are Python bools while no check has answered on the device (most checks are
+    # static for a given config: they fold away here instead of costing a kernel per call).
+    decided: Static = False
+    result: Static = False
+    true = True
 
-    def settle(cond: torch.Tensor, value: bool) -> None:
+    def settle(cond: Static, value: bool) -> None:
         nonlocal decided, result
+        if decided is True:
+            return
         if value:
-            result = result | (~decided & cond)
-        decided = decided | cond
+            take = cond if decided is False else (~decided & cond if cond is not True else ~decided)
+            result = take if result is False else result | take
+        decided = cond if decided is False or cond is True else decided | cond
 
-    true = torch.ones_like(decided)
     w = config.warmup_limit()
     if w > 0:
         settle((step < w) & (step % config.warmup_interval == 0), False)
@@ -158,11 +177,20 @@ def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheCon
         settle(true, False)
     settle(~s["has_prev"], False)
 
-    record = ~decided  # the call reaches `similarity`
     r_prev = s["R_prev"]
+    if decided is True:  # statically never reaches `similarity` (e.g. threshold <= 0): no diff to compute
+        use_cache = _as_tensor(result, dev_like)
+        s["cached_count"] = s["cached_count"] + use_cache
+        s["continuous"] = s["continuous"] + use_cache
+        s["last_cached_step"] = torch.where(use_cache, step, s["last_cached_step"])
+        s["R_prev"] = torch.where(use_cache, r_prev, fn_residual.to(r_prev.dtype))
+        s["has_prev"] = s["has_prev"] | ~use_cache
+        s["use_cache"] = use_cache
+        return use_cache, s, _scalar(float("nan"), dev_like, torch.float64)
+    record = _as_tensor(True, dev_like) if decided is False else ~decided  # the call reaches `similarity`
     if threshold >= 1.0:
         diff = _scalar(-1.0, dev_like, torch.float64)
-        similar = true
+        similar = True
     else:
         num = (r_prev - fn_residual).abs().mean()
         den = r_prev.abs().mean()
@@ -175,19 +203,24 @@ def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheCon
             diff = torch.where(same_step, partner["diff"], diff)
         similar = diff < threshold
     # Calls that reach the similarity test take its answer; the others keep the earlier check's answer.
-    use_cache = torch.where(record, similar, result)
+    if similar is True:
+        use_cache = record if result is False else record | result
+    elif result is False:
+        use_cache = record & similar
+    else:
+        use_cache = torch.where(record, similar, result)
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
     s["diff"] = torch.where(record, diff, s["diff"])
     s["diff_step"] = torch.where(record, step, s["diff_step"])
     s["acc_diff"] = torch.where(record & (diff > 0.0), s["acc_diff"] + diff, s["acc_diff"])
-    s["cached_count"] = s["cached_count"] + use_cache.to(torch.int64)
-    s["continuous"] = s["continuous"] + use_cache.to(torch.int64)
+    s["cached_count"] = s["cached_count"] + use_cache  # int64 + bool: int64
+    s["continuous"] = s["continuous"] + use_cache
     s["last_cached_step"] = torch.where(use_cache, step, s["last_cached_step"])
     s["R_prev"] = torch.where(use_cache, r_prev, fn_residual.to(r_prev.dtype))
     s["has_prev"] = s["has_prev"] | ~use_cache
     s["use_cache"] = use_cache
-    out_diff = torch.where(record, diff, _scalar(float("nan"), dev_like, torch.float64))
+    out_diff = torch.where(record, diff, float("nan"))
     return use_cache, s, out_diff
 
 

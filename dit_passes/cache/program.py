@@ -57,7 +57,7 @@ class Decide(torch.nn.Module):
 
     def forward(self, fn_residual: torch.Tensor, timestep: torch.Tensor, *flat: torch.Tensor):
         p = self.program
-        names = [s.name for s in p.state_spec]
+        names = p.names
         state = dict(zip(names, flat[:len(names)]))
         partner = dict(zip(PARTNER_KEYS, flat[len(names):])) if p.uses_partner else None
         allreduce = _group_mean_pair(p.group) if p.group is not None and p.group.size() > 1 else None
@@ -74,7 +74,7 @@ class Commit(torch.nn.Module):
 
     def forward(self, use_cache: torch.Tensor, *flat: torch.Tensor):
         p = self.program
-        names = [s.name for s in p.state_spec]
+        names = p.names
         values, state = flat[:p.num_streams], dict(zip(names, flat[p.num_streams:]))
         new = update_after_branch(state, use_cache, values, p.calibrator)
         return tuple(new[n] for n in names)
@@ -88,6 +88,9 @@ class CacheProgram:
     num_streams: int
     has_timestep: bool
     group: object = None  # torch.distributed ProcessGroup whose ranks must agree, or None
+
+    def __post_init__(self) -> None:
+        self.names: Tuple[str, ...] = tuple(s.name for s in self.state_spec)  # state order, built once
 
     @property
     def uses_partner(self) -> bool:

@@ -48,8 +48,8 @@ class CacheStats:
             self._rows = torch.full((self.capacity, len(self._COLS)), float("nan"), dtype=torch.float64,
                                     device=self.device if self.device is not None else step.device)
         cached = state["use_cache"] if use_cache is None else use_cache
-        row = torch.stack([state["gen"].to(torch.float64), step.to(torch.float64), cached.to(torch.float64),
-                           state["diff"].to(torch.float64), (state["diff_step"] == step).to(torch.float64)])
+        # one stack: it promotes the int64 / bool / float64 scalars to the row's float64
+        row = torch.stack([state["gen"], step, cached, state["diff"].to(torch.float64), state["diff_step"] == step])
         pos = self._count % self.capacity
         self._rows[pos].copy_(row, non_blocking=True)
         self._contexts[pos] = context

@@ -73,7 +73,7 @@ class CacheStore:
         state, use_cache = list(values[:n]), values[n]
         self._slots[key] = state
         self.stats.record(key[1] if len(self._programs) == 1 else f"{key[1]}@g{graph_id}",
-                          dict(zip([s.name for s in program.state_spec], state)), use_cache)
+                          dict(zip(program.names, state)), use_cache)
 
     # -- caller API ----------------------------------------------------------------------------
     def new_generation(self) -> None:
