@@ -38,7 +38,6 @@ analysis (:func:`analyze`, pure); :mod:`dit_passes.parallel.sequence_rewrite` ap
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -50,7 +49,7 @@ from ..infra.pass_base import PassError
 from . import op_classes as oc
 from .attention import even_shard_sizes
 from .propagate import Placement, Touches, arg as _arg, is_tensor as _is_tensor_node, map_args as _map_args
-from .propagate import moved_dim, resize_view, shape as _shape, val as _val
+from .propagate import agree, aligned_dim, moved_dim, resize_view, segment_cut, shape as _shape, val as _val, view_dims
 
 aten = torch.ops.aten
 Segment = Tuple[str, int]  # (segment id, full length)
@@ -176,16 +175,6 @@ class ShardingPlan:
     exits: List[fx.Node]
 
 
-def _prefix_map(in_shape, dim, out_shape) -> Optional[int]:
-    """Output dim holding input ``dim`` whole under a row-major reshape (same size, same prefix)."""
-    prefix, size, acc = math.prod(in_shape[:dim]), in_shape[dim], 1
-    for j, s in enumerate(out_shape):
-        if acc == prefix and s == size:
-            return j
-        acc *= s
-    return None
-
-
 class _Analysis:
     def __init__(self, gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec):
         self.gm, self.s, self.spec = gm, structure, spec
@@ -289,26 +278,17 @@ class _Analysis:
     # -- rules ---------------------------------------------------------------------------------
     def _agree(self, n):
         """(output dim, segments) every sharded input maps to; replicated full-length inputs sliced."""
-        out_nd = _val(n).dim()
-        found = None
-        for a in n.all_input_nodes:
-            lay = self.lay(a)
-            if isinstance(lay, Sharded):
-                key = (lay.dim + out_nd - _val(a).dim(), lay.segments)
-                if found is not None and found != key:
-                    raise _NonLocal(f"operands sharded differently ({found} vs {key})")
-                found = key
-        od, segs = found
-        full = sum(m for _, m in segs)
+        found = agree(n, lambda a: self.lay(a) if isinstance(self.lay(a), Sharded) else None, n.all_input_nodes,
+                      _NonLocal)
+        od, segs = found.dim, found.segments
 
         def fix(a):
-            if _is_tensor_node(a) and self.lay(a) is None:
-                j = od - (out_nd - _val(a).dim())
-                if j >= 0 and _shape(a)[j] != 1:
-                    if _shape(a)[j] != full:
-                        raise _NonLocal(f"operand '{a.name}' has {_shape(a)[j]} along the token dim, not {full}")
-                    return _Slice(a, j, segs)
-            return a
+            j = None if self.lay(a) is not None else aligned_dim(n, a, od)
+            if j is None:
+                return a
+            if _shape(a)[j] != found.full_length:
+                raise _NonLocal(f"operand '{a.name}' has {_shape(a)[j]} along the token dim, not {found.full_length}")
+            return _Slice(a, j, segs)
         return od, segs, fix
 
     def pointwise(self, n):
@@ -330,7 +310,7 @@ class _Analysis:
     def reshape(self, n):
         x = n.args[0]
         lay, ins, outs = self.lay(x), _shape(x), _shape(n)
-        j = _prefix_map(ins, lay.dim, outs)
+        j = next((e for e, _ in view_dims(ins, outs, lay.dim, [0]) if outs[e] == ins[lay.dim]), None)
         if j is None:
             raise _NonLocal(f"reshape {ins} -> {outs} merges or splits the token dim")
         new = resize_view(n, j, self.spec.local_length(lay.segments))
@@ -348,17 +328,13 @@ class _Analysis:
             self.edit(n, new)
         return Sharded(j, lay.segments)
 
-    def _segment_cut(self, lay: Sharded, cuts: Sequence[int], what: str) -> List[int]:
+    @staticmethod
+    def _segment_cut(lay: Sharded, cuts: Sequence[int], what: str) -> List[int]:
         """Indices into the segment boundaries for full-axis cut points (must all be boundaries)."""
-        bounds = [0]
-        for _, m in lay.segments:
-            bounds.append(bounds[-1] + m)
-        out = []
-        for c in cuts:
-            if c not in bounds:
-                raise _NonLocal(f"{what} cuts the token dim at {c}, inside a segment (boundaries {bounds})")
-            out.append(bounds.index(c) if not out else len(bounds) - 1 - bounds[::-1].index(c))
-        return out
+        idx = segment_cut([m for _, m in lay.segments], cuts)
+        if idx is None:
+            raise _NonLocal(f"{what} cuts the token dim at {list(cuts)}, not at segment boundaries {lay.segments}")
+        return idx
 
     def slice(self, n):
         x = n.args[0]

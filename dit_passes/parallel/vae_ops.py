@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,7 +33,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from . import op_classes as oc
-from .propagate import Placement, Touches, moved_dim
+from .propagate import Placement, Touches, agree, aligned_dim, moved_dim, view_dims
 
 __all__ = ["halo_exchange", "group_stats", "group_norm_apply", "halo_rows", "split_rows", "activation_memory",
            "census", "Shard", "Refused", "local_shard"]
@@ -211,35 +210,22 @@ def local_shard(node: fx.Node, sh: Dict[fx.Node, Shard], rank: int,
 
 
 def _pointwise(node: fx.Node, sh: Dict[fx.Node, Shard]) -> Shard:
-    out_ndim, shard = _val(node).dim(), None
     tensors = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+    shard = agree(node, sh.get, tensors, Refused)
     for a in tensors:
-        if a in sh:
-            s = Shard(sh[a].dim + out_ndim - _val(a).dim(), sh[a].sizes)
-            if shard is not None and s != shard:
-                raise Refused(f"inputs split differently ({shard} vs {s})")
-            shard = s
-    for a in tensors:
-        idx = shard.dim - (out_ndim - _val(a).dim())
-        if a not in sh and idx >= 0 and _val(a).shape[idx] != 1:
+        if a not in sh and aligned_dim(node, a, shard.dim) is not None:
             raise Refused(f"`{a.name}` is replicated but not broadcast along the split dim")
     return shard
 
 
 def _view(node: fx.Node, s: Shard, rank: int, ref: Optional[Sequence[int]]) -> Shard:
-    # Rank j holds rows [start_j, start_j + n_j) of dim d: a contiguous range of the row-major flattening
-    # of dims d.. (outer dims unchanged). That range is again a slab of output dim e if the outer dims
-    # keep their product and the product of dims e+1.. divides every boundary. Size-1 dims make e
-    # ambiguous where this rank has one row: the single-process shape decides.
+    # the rank slabs stay slabs of an output dim (propagate.view_dims); size-1 dims make it ambiguous
+    # where this rank has one row: the single-process shape decides
     src, dst = list(_val(node.args[0]).shape), list(_val(node).shape)
-    pre, inner = math.prod(src[:s.dim]), math.prod(src[s.dim + 1:])
-    bounds = [sum(s.sizes[:j]) * inner for j in range(len(s.sizes) + 1)]
-    for e in [e for e in range(len(dst)) if math.prod(dst[:e]) == pre]:
-        inner_dst = math.prod(dst[e + 1:])
-        if all(b % inner_dst == 0 for b in bounds):
-            sizes = tuple((bounds[j + 1] - bounds[j]) // inner_dst for j in range(len(s.sizes)))
-            if sizes[rank] == dst[e] and (ref is None or list(ref) == dst[:e] + [sum(sizes)] + dst[e + 1:]):
-                return Shard(e, sizes)
+    for e, cuts in view_dims(src, dst, s.dim, [sum(s.sizes[:j]) for j in range(len(s.sizes) + 1)]):
+        sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+        if sizes[rank] == dst[e] and (ref is None or list(ref) == dst[:e] + [sum(sizes)] + dst[e + 1:]):
+            return Shard(e, sizes)
     raise Refused(f"a view {src} -> {dst} that does not keep the rank slabs of dim {s.dim} whole")
 
 
