@@ -1,14 +1,10 @@
-"""The propagation driver the three sharding rule tables share (tensor, sequence and VAE parallelism).
-
-A *placement* says which dim of a value is split over the ranks and how (a rule table's dataclass with a
-``dim`` field: :class:`~dit_passes.parallel.tp_sharding.ShardSpec` hidden / head shards,
-:class:`~dit_passes.parallel.sequence_sharding.Sharded` token segments,
-:class:`~dit_passes.parallel.vae_ops.Shard` row slabs). :class:`Propagation` walks the graph in order,
-keeps the placement of every value, asks its rule table (``rule(node)``) what each op whose inputs are
-placed does, and records the rewrite: inserted nodes, edited arguments, counts. The helpers below are
-the parts every table needs: where a dim goes through ops that do not touch it (:func:`moved_dim`),
-the dims of a reduction, view size arguments with a local extent, one all-gather along a dim (uneven
-shards and segment-major order), and ``meta["val"]`` recomputed for what changed.
+"""The propagation driver the three rule tables share (TP, sequence, VAE-P): one ``Placement`` per value
+(a rule table's dataclass with a ``dim``), :class:`Propagation` walking the graph in order and
+recording inserted nodes / counts, and the rules that are the same for every placement: where a dim
+goes through ops that do not touch it (:func:`moved_dim`), broadcasting agreement (:func:`agree`,
+:func:`aligned_dim`), the one view-mapping rule (:func:`view_dims`), cuts at segment boundaries
+(:func:`segment_cut`), split sizes, view size rewriting, one (uneven, segment-major) all-gather, and
+``meta["val"]`` recomputed for what changed.
 """
 from __future__ import annotations
 

@@ -1,39 +1,17 @@
-"""Sequence sharding by dataflow analysis: which values of a captured DiT carry the token dimension,
-and the local (per-rank) graph that computes this rank's tokens of them.
+"""Sequence sharding (Ulysses, Ring, USP): the rule table that finds which values of a captured DiT carry
+the token dim, and what this rank's local graph computes.
 
-Layouts. Every value of the block range is either *replicated* (``None``: every rank holds the whole
-tensor) or :class:`Sharded` ``(dim, segments)``: along ``dim`` this rank holds, for each segment
-``(id, full_length)`` in order, its ``even_shard_sizes(full_length, world)[rank]`` tokens of that
-segment. Flux's joint attention concatenates text and image: its local q/k/v are ``[text shard,
-image shard]``, so the ranks' shards concatenate to a *permutation* of the global sequence, which
-attention does not see as long as q, k, v, rotary tables and masks are permuted alike.
-
-Rules (forward, in graph order, from the residual streams entering block 0, token dim 1):
-
-* pointwise ops (``torch.Tag.pointwise``), ``copy_``, casts, clones, ``*_like``: the sharded operands
-  must agree (dim, segments) after broadcasting; a replicated operand whose aligned dim has the full
-  length (rotary cos/sin, per-token masks) is sliced locally to the same segments (no communication);
-* ``linear`` (token dim not the feature dim), ``layer_norm`` / ``rms_norm`` over trailing feature dims,
-  reductions and softmax over other dims, ``permute`` / ``transpose`` / ``unsqueeze`` / ``squeeze``;
-* ``view`` / ``reshape`` / ``flatten`` / ``unflatten`` / ``view_as_complex|real`` keep the token dim if an
-  output dim has the same size and the same product of preceding dims (row-major: the element order
-  along it is unchanged); their size arguments are rewritten with the local length; ``expand`` too;
-* ``cat`` along the token dim concatenates segments (a replicated operand becomes a new segment);
-  ``slice`` / ``narrow`` / ``split`` / ``chunk`` along it must cut at segment boundaries (Flux single
-  blocks split text and image back) and are rewritten with local offsets;
-* ``scaled_dot_product_attention`` with q, k, v sharded alike on dim 2 -> the pass's distributed
-  attention (a replicated full mask is permuted to the shards' order, locally); q sharded with k, v
-  replicated (cross-attention over the text) stays local SDPA;
-* known non-local cases (a reshape merging the token dim, a reduction or a softmax over it, a slice
-  inside a segment, differently sharded operands, causal attention) gather the sharded inputs first
-  (``gather_sequence``) and run replicated; an op with a sharded input that no rule knows raises
-  :class:`~dit_passes.infra.pass_base.PassError` naming the op and the node;
-* values leaving the block range are gathered (one ``all_gather``, uneven shards allowed, reordered
-  back to the original token order); everything after runs replicated.
-
-Shapes stay static: the rewritten graph is specialised to this rank (uneven shards differ by rank),
-and ``meta["val"]`` of every changed node is recomputed with the local shapes. This module is the
-analysis (:func:`analyze`, pure); :mod:`dit_passes.parallel.sequence_rewrite` applies its plan.
+A value is replicated (``None``) or :class:`Sharded` ``(dim, segments)``: for each segment
+``(id, full_length)`` in order, this rank holds its ``even_shard_sizes(full_length, world)[rank]``
+tokens. Flux's joint attention concatenates text and image, so the ranks' shards concatenate to a
+*permutation* of the sequence, which attention does not see as long as q, k, v, rotary tables and
+masks are permuted alike. From the residual streams entering block 0 (token dim 1), the shared rules
+(:mod:`~dit_passes.parallel.propagate`: broadcasting, views, cuts at segment boundaries) apply; what
+is specific here: SDPA with q, k, v sharded alike becomes the pass's distributed attention (a full
+mask is permuted to the shards' order), q sharded over replicated k, v stays local SDPA; a known
+non-local op gathers its sharded inputs and runs replicated; an op no rule knows raises a PassError
+naming it; values leaving the block range are gathered back to the original order. :func:`analyze`
+is pure; :mod:`dit_passes.parallel.sequence_rewrite` applies its plan.
 """
 from __future__ import annotations
 

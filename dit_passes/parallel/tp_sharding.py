@@ -1,14 +1,10 @@
-"""Tensor-parallel sharding helpers: shard specs, weight slicing, view-dim mapping, segment discovery.
+"""Tensor-parallel rule table (hidden / head sharding) over the shared driver.
 
-A :class:`ShardSpec` says how a rank's local tensor relates to the full one: along ``dim`` the full
-extent is a concatenation of ``segments`` (e.g. one segment ``(H*D,)`` for a q projection, ``(32, 128)``
-for Flux single blocks' ``concat(attention, MLP)``, ``(inner, inner, inner)`` for a fused QKV), and
-rank ``r`` of ``tp`` holds the ``r``-th contiguous chunk of **each** segment, concatenated in order.
-Every other dim is whole (replicated).
-
-The free functions only compute (no graph edits, no process groups). :class:`TPRules` is the rule
-table of hidden / head sharding over the shared driver (:mod:`dit_passes.parallel.propagate`): sharded
-parameters, the spec of every value reached from a column-parallel output, inserted slices / collectives.
+A :class:`ShardSpec` ``(dim, segments)``: the full extent along ``dim`` is a concatenation of
+``segments`` (one for a q projection, three for a fused QKV, ``(attention, MLP)`` for Flux single
+blocks) and rank ``r`` holds the ``r``-th chunk of each, concatenated. Specific here: column-parallel
+weight slicing, row-parallel linears (+ all-reduce, bias after), distributed RMSNorm, heads of SDPA,
+slices of replicated operands, all-gather fallback.
 """
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
-"""VAE-P: exact spatial parallelism for diffusers VAEs (``AutoencoderKL``, ``AutoencoderKLWan``), decode and encode.
+"""VAE-P rule table: exact spatial (row) parallelism of a diffusers VAE graph over the shared driver.
 
-This module is the rule table of row sharding over the shared driver (:mod:`dit_passes.parallel.propagate`);
-the pass is :class:`dit_passes.passes.vae_parallel.VAEParallel` and the drop-in module
-``dit_passes.parallel_vae(pipe.vae, size=2)``. Every rank gets the same full latent (or image / video);
-``vae.decode(z).sample`` (or ``vae.encode(x).latent_dist.parameters``) is captured twice: on the full
-input (the single-process reference) and on this rank's slab of rows, which is rewritten so that the
-local computation is exactly the single-process one:
-
-* entry: ``aten.slice`` of the full input along height (rows split as evenly as possible; uneven
-  allowed; for encode in multiples of the downsampling factor);
-* every convolution (2-D or 3-D) taller than one row: ``dit_passes.vae_halo_exchange`` first (the rows
-  its window reaches into from the neighbouring ranks; zero rows only on the global top / bottom), then
-  the conv with no height padding. An explicit zero pad before it (stride-2 downsampling's
-  ``F.pad(x, (0, 1, 0, 1))``, Wan's causal-conv pad) folds its height part into the exchange;
-* every group norm: ``dit_passes.vae_group_stats`` -> ``all_reduce`` -> ``dit_passes.vae_group_norm_apply``
-  (global statistics, local normalisation); Wan's RMS norms (over channels) stay local;
-* nearest upsampling by an integer factor, 1x1 convs, linears, pointwise ops, time caches: local;
-* attention over the H*W tokens: keys and values (one tensor) all-gathered along tokens, local queries;
-* exit: one all-gather of the output along height.
-
-The split dim of every value and each rank's extent there are propagated through the graph and checked
-against the reference shapes; an op that would mix rows in a way the rewrite does not model raises
-``NotImplementedError`` naming it.
+The graph is captured on this rank's slab of rows (and, for checking, on the full input); the rewrite
+makes it take the full input and compute exactly the single-process result. Specific to row slabs
+(the shared rules do the rest, :mod:`~dit_passes.parallel.propagate` / :func:`vae_ops.local_shard`):
+entry slice; a conv taller than one row gets a ``vae_halo_exchange`` and no height padding (a zero
+pad before it folds in); a group norm gets global statistics (``vae_group_stats`` -> all_reduce ->
+``vae_group_norm_apply``); attention all-gathers keys and values; the output is all-gathered. Every
+node's split is checked against the reference shapes; an op that would mix rows is refused by name.
 """
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
-"""Custom ops the VAE-parallel rewrite (:mod:`dit_passes.parallel.vae`) inserts into a captured graph.
-
-A VAE graph sharded along height runs each rank on a horizontal slab of every activation. Three kinds
-of node need more than the local slab; they become these ops (printed as ``dit_passes.vae_*``):
-
-* ``dit_passes::vae_halo_exchange`` -- before a convolution taller than one row: receive the boundary
-  rows the convolution window reaches into from the neighbouring ranks (point-to-point, one
-  ``batch_isend_irecv`` per call, like ``dit_passes::ring_exchange``), and pad with zero rows on the
-  global top / bottom edge only. The convolution then runs with no padding along height.
-* ``dit_passes::vae_group_stats`` + ``_c10d_functional.all_reduce`` + ``dit_passes::vae_group_norm_apply``
-  -- a group norm whose statistics are summed over the ranks. The stats op returns, per (batch,
-  group), ``[count, sum, sum of squares]`` in float64 built from a stable local ``var_mean``; after
-  the all-reduce the global mean and variance follow without cancellation, and the apply op normalises
-  the local slab. Exact up to float rounding.
-
-The all-gathers (attention keys/values, the output) are plain functional-collective nodes
-(``_c10d_functional.all_gather_into_tensor`` + ``wait_tensor``) emitted by the rewrite.
-
-Every other op runs unchanged on the slab; :func:`local_shard` says where the split dim of its output
-is (views, transposes, reductions over other dims, nearest upsampling...) or refuses the op.
-
-Groups are passed by name and resolved at call time, so a rewritten graph prints and deep-copies like
-an ATen graph. The ops have fake kernels: export / ``torch.compile`` see one opaque node each.
+"""The custom ops VAE-P inserts (``dit_passes::vae_halo_exchange``: neighbours' boundary rows, zeros on
+the global edges, one ``batch_isend_irecv``; ``vae_group_stats`` / ``vae_group_norm_apply``: float64
+``[count, sum, sum of squares]`` per (batch, group), all-reduced, then local normalisation), where the
+split dim goes through ops that run unchanged on a slab (:func:`local_shard`), the row split and the
+activation accounting of the report.
 """
 from __future__ import annotations
 
@@ -33,16 +15,13 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from . import op_classes as oc
+from .collectives import resolve_group
 from .propagate import Placement, Touches, agree, aligned_dim, moved_dim, view_dims
 
 __all__ = ["halo_exchange", "group_stats", "group_norm_apply", "halo_rows", "split_rows", "activation_memory",
            "census", "Shard", "Refused", "local_shard"]
 
 aten = torch.ops.aten
-
-
-def _group(name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(name)
 
 
 def halo_rows(rank: int, world: int, before: int, after: int, edge_before: int, edge_after: int) -> tuple:
@@ -64,7 +43,7 @@ def halo_exchange(x: torch.Tensor, dim: int, before: int, after: int, edge_befor
     rank appends ``edge_after`` zero rows instead (the convolution's global padding). Every rank
     passes the same arguments: rank r sends its first ``after`` rows to r - 1 and its last ``before``
     rows to r + 1, all in one ``batch_isend_irecv``."""
-    group = _group(group_name)
+    group = resolve_group(group_name)
     rank, world = group.rank(), group.size()
     top_n, bottom_n = halo_rows(rank, world, before, after, edge_before, edge_after)
     top = _zeros_like_rows(x, dim, top_n)
@@ -92,7 +71,7 @@ def halo_exchange(x: torch.Tensor, dim: int, before: int, after: int, edge_befor
 
 @halo_exchange.register_fake
 def _(x, dim, before, after, edge_before, edge_after, group_name):
-    group = _group(group_name)
+    group = resolve_group(group_name)
     top_n, bottom_n = halo_rows(group.rank(), group.size(), before, after, edge_before, edge_after)
     shape = list(x.shape)
     shape[dim] += top_n + bottom_n
