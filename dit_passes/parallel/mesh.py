@@ -14,11 +14,18 @@ from typing import Mapping, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["MeshError", "ParallelMesh", "factorisations"]
+__all__ = ["MeshError", "ParallelMesh", "check_ranks", "factorisations"]
 
 
 class MeshError(ValueError):
     """The requested mesh does not fit the process group (or no group is initialised)."""
+
+
+def check_ranks(what: str, value) -> int:
+    """``value`` if it is a positive int (a number of ranks), else ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int (number of ranks), got {value!r}")
+    return value
 
 
 def factorisations(world_size: int, ndims: int) -> list[tuple[int, ...]]:

@@ -38,17 +38,11 @@ from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..parallel import sequence_ops as ops
-from ..parallel.mesh import ParallelMesh, factorisations
+from ..parallel.mesh import ParallelMesh, check_ranks, factorisations
 from ..parallel.sequence_rewrite import apply_plan
 from ..parallel.sequence_sharding import AttentionDecision, SequenceShardSpec, analyze
 
 __all__ = ["Ulysses", "Ring", "USP"]
-
-
-def _check_size(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int (number of ranks), got {value!r}")
-    return value
 
 
 class _ContextParallel(Pass):
@@ -123,7 +117,7 @@ class Ulysses(_ContextParallel):
 
     def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
         self.group = group
-        self.ulysses_size = _check_size("Ulysses(size)", size)
+        self.ulysses_size = check_ranks("Ulysses(size)", size)
 
     def config_items(self) -> Dict[str, Any]:
         return {"size": self.ulysses_size}
@@ -137,7 +131,7 @@ class Ring(_ContextParallel):
 
     def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
         self.group = group
-        self.ring_size = _check_size("Ring(size)", size)
+        self.ring_size = check_ranks("Ring(size)", size)
 
     def config_items(self) -> Dict[str, Any]:
         return {"size": self.ring_size}
@@ -151,8 +145,8 @@ class USP(_ContextParallel):
 
     def __init__(self, ulysses: int, ring: int, group: Optional[dist.ProcessGroup] = None):
         self.group = group
-        self.ulysses_size = _check_size("USP(ulysses)", ulysses)
-        self.ring_size = _check_size("USP(ring)", ring)
+        self.ulysses_size = check_ranks("USP(ulysses)", ulysses)
+        self.ring_size = check_ranks("USP(ring)", ring)
 
     def config_items(self) -> Dict[str, Any]:
         return {"ulysses": self.ulysses_size, "ring": self.ring_size}

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..infra.pass_base import Pass
-from ..parallel.mesh import ParallelMesh
+from ..parallel.mesh import ParallelMesh, check_ranks
 from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .vae_parallel import parallel_vae
@@ -22,8 +22,7 @@ __all__ = ["hybrid_passes", "parallel_passes", "parallelize_extra_modules", "par
 
 def _check_sizes(who: str, **sizes: int) -> None:
     for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{who}: {name} must be a positive int, got {v!r}")
+        check_ranks(f"{who}: {name}", v)
 
 
 def _check_world(who: str, ulysses: int, ring: int, tp: int, group: Optional[dist.ProcessGroup]) -> None:

@@ -31,6 +31,7 @@ from ..analysis.blocks import get_structure
 from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
+from ..parallel.mesh import check_ranks
 from ..parallel.tp_sharding import TPRules
 
 
@@ -44,8 +45,7 @@ class TensorParallel(Pass):
     invalidates = ("structure",)
 
     def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, modulation: str = "replicate"):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"TensorParallel(size=...) needs a positive int, got {size!r}")
+        check_ranks("TensorParallel(size)", size)
         if modulation not in ("replicate", "column"):
             raise ValueError(f"TensorParallel(modulation=...) is 'replicate' or 'column', got {modulation!r}")
         self.size, self.group, self.modulation = size, group, modulation

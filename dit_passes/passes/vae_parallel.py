@@ -33,6 +33,7 @@ from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.pass_manager import PassManager
 from ..infra.phases import Phase
 from ..parallel import vae_ops
+from ..parallel.mesh import check_ranks
 from ..parallel.vae import shard_vae_graph
 
 __all__ = ["ParallelVAE", "VAEParallel", "parallel_vae"]
@@ -47,8 +48,7 @@ class VAEParallel(Pass):
 
     def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, *, rows: Optional[Sequence[int]] = None,
                  reference: Optional[fx.GraphModule] = None):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"VAEParallel: size must be a positive int, got {size!r}")
+        check_ranks("VAEParallel(size)", size)
         self.size, self.group, self.reference = size, group, reference
         self.rows = None if rows is None else [int(r) for r in rows]
 
@@ -177,8 +177,7 @@ def parallel_vae(vae: torch.nn.Module, size: int, group: Optional[dist.ProcessGr
     ``size=1`` returns ``vae`` itself (nothing to split). Otherwise ``size`` must equal the group's size
     and a process group must be initialised. The result is a :class:`ParallelVAE`; every rank must call
     it with the same input, and every rank receives the full output."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"parallel_vae: size must be a positive int, got {size!r}")
+    check_ranks("parallel_vae(size)", size)
     if size == 1:
         return vae
     if not (dist.is_available() and dist.is_initialized()):
