@@ -62,21 +62,15 @@ def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_at
     def materialise(m):
         if isinstance(m, fx.Node):
             return stream_shard.get(m, m)
-        if isinstance(m, _Slice):
-            key = ("slice", m.node, m.dim, m.segments)
-            if key not in cache:
+        if isinstance(m, (_Slice, _Permute)):  # markers are frozen dataclasses: one node per distinct marker
+            if m not in cache:
+                slice_ = isinstance(m, _Slice)
+                op, dims, runs = ((ops.shard_sequence, m.dim, spec.local_runs(m.segments)) if slice_ else
+                                  (ops.permute_sequence, list(m.dims), spec.permutation_runs(m.segments)))
                 with point_after(m.node):
-                    cache[key] = new_node(ops.shard_sequence, (m.node, m.dim, *_runs_args(spec.local_runs(m.segments))), m.node)
-                counts["operands_sliced"] += 1
-            return cache[key]
-        if isinstance(m, _Permute):
-            key = ("perm", m.node, m.dims, m.segments)
-            if key not in cache:
-                with point_after(m.node):
-                    cache[key] = new_node(ops.permute_sequence,
-                                          (m.node, list(m.dims), *_runs_args(spec.permutation_runs(m.segments))), m.node)
-                counts["masks_permuted"] += 1
-            return cache[key]
+                    cache[m] = new_node(op, (m.node, dims, *_runs_args(runs)), m.node)
+                counts["operands_sliced" if slice_ else "masks_permuted"] += 1
+            return cache[m]
         if isinstance(m, _Gather):
             if m.node in stream_shard:
                 return m.node  # the full stream is still there

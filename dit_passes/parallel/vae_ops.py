@@ -1,14 +1,12 @@
 """The custom ops VAE-P inserts (``dit_passes::vae_halo_exchange``: neighbours' boundary rows, zeros on
 the global edges, one ``batch_isend_irecv``; ``vae_group_stats`` / ``vae_group_norm_apply``: float64
-``[count, sum, sum of squares]`` per (batch, group), all-reduced, then local normalisation), where the
-split dim goes through ops that run unchanged on a slab (:func:`local_shard`), the row split and the
-activation accounting of the report.
+``[count, sum, sum of squares]`` per (batch, group), all-reduced, then local normalisation), the row
+split and the activation accounting of the report.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,10 +14,10 @@ import torch.fx as fx
 
 from . import op_classes as oc
 from .collectives import resolve_group
-from .propagate import Placement, Touches, agree, aligned_dim, moved_dim, view_dims
+from .propagate import val as _val
 
 __all__ = ["halo_exchange", "group_stats", "group_norm_apply", "halo_rows", "split_rows", "activation_memory",
-           "census", "Shard", "Refused", "local_shard"]
+           "census"]
 
 aten = torch.ops.aten
 
@@ -129,86 +127,6 @@ def group_norm_apply(x: torch.Tensor, stats: torch.Tensor, num_groups: int, weig
 @group_norm_apply.register_fake
 def _(x, stats, num_groups, weight, bias, eps):
     return torch.empty_like(x)
-
-
-# --- where the split dim goes through local ops -----------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard(Placement):
-    """Which dim of a value is split over the ranks, and every rank's extent along it."""
-    dim: int
-    sizes: Tuple[int, ...]
-
-
-class Refused(Exception):
-    """The op cannot run on the slabs as they are; the message says why."""
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
-def local_shard(node: fx.Node, sh: Dict[fx.Node, Shard], rank: int,
-                ref: Optional[Sequence[int]] = None) -> Optional[Shard]:
-    """The split of ``node``'s output (None: not split), for an op that runs unchanged on each rank's
-    slab (``sh``: the split of the inputs; ``ref``: the node's shape in the single-process graph).
-    Raises :class:`Refused` for an op that would need rows of other ranks."""
-    t, args = node.target, node.args
-    if t is aten.type_as.default:  # the other tensor only lends its dtype
-        return sh.get(args[0])
-    s = next(sh[a] for a in node.all_input_nodes if a in sh)
-    x = args[0]
-    if t in oc.LIKE_ARG0 or t in oc.EXPANDS or oc.is_pointwise(t):
-        return _pointwise(node, sh)
-    if t in oc.SIZE_VIEWS:
-        return _view(node, s, rank, ref)
-    if t is oc.GETITEM:
-        return s
-    if t in (aten.cat.default, aten.stack.default):
-        d = (int(args[1]) if len(args) > 1 else 0) % _val(node).dim()
-        if any(sh.get(a) != s for a in args[0]) or (t is aten.cat.default and d == s.dim):
-            raise Refused("cat along the split dim, or of split with unsplit tensors")
-        return Shard(s.dim + (1 if t is aten.stack.default and d <= s.dim else 0), s.sizes)
-    if t in oc.NEAREST_UPSAMPLES:
-        h_in, h_out = _val(x).shape[s.dim], _val(node).shape[s.dim]
-        scales = args[2] if len(args) > 2 else None
-        if s.dim != _val(x).dim() - 2 or h_out % h_in or (scales and float(scales[0]) != h_out // h_in):
-            raise Refused("nearest upsampling along height is local only by an integer factor")
-        return Shard(s.dim, tuple(n * (h_out // h_in) for n in s.sizes))
-    if x in sh:
-        try:
-            return s.with_dim(moved_dim(node, s.dim))
-        except Touches as why:
-            if t is aten.slice.Tensor and _val(node).shape[s.dim] == _val(x).shape[s.dim]:
-                return s  # a slice that keeps the whole split dim
-            raise Refused(str(why).replace("sharded", "split")) from None
-        except KeyError:
-            pass
-    raise Refused("an op this rewrite does not know to act locally on the split dim")
-
-
-def _pointwise(node: fx.Node, sh: Dict[fx.Node, Shard]) -> Shard:
-    tensors = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-    shard = agree(node, sh.get, tensors, Refused)
-    for a in tensors:
-        if a not in sh and aligned_dim(node, a, shard.dim) is not None:
-            raise Refused(f"`{a.name}` is replicated but not broadcast along the split dim")
-    return shard
-
-
-def _view(node: fx.Node, s: Shard, rank: int, ref: Optional[Sequence[int]]) -> Shard:
-    # the rank slabs stay slabs of an output dim (propagate.view_dims); size-1 dims make it ambiguous
-    # where this rank has one row: the single-process shape decides
-    src, dst = list(_val(node.args[0]).shape), list(_val(node).shape)
-    for e, cuts in view_dims(src, dst, s.dim, [sum(s.sizes[:j]) for j in range(len(s.sizes) + 1)]):
-        sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
-        if sizes[rank] == dst[e] and (ref is None or list(ref) == dst[:e] + [sum(sizes)] + dst[e + 1:]):
-            return Shard(e, sizes)
-    raise Refused(f"a view {src} -> {dst} that does not keep the rank slabs of dim {s.dim} whole")
-
-
-# --- row split and graph accounting ---------------------------------------------------------------
 
 
 def split_rows(total: int, world: int, unit: int = 1) -> List[int]:

@@ -34,10 +34,10 @@ from ..infra.pass_manager import PassManager
 from ..infra.phases import Phase
 from ..parallel import vae_ops
 from ..parallel.mesh import check_ranks
+from ..parallel.propagate import val as _val
 from ..parallel.vae import shard_vae_graph
 
 __all__ = ["ParallelVAE", "VAEParallel", "parallel_vae"]
-_val = vae_ops._val
 
 
 class VAEParallel(Pass):
