@@ -45,14 +45,16 @@ class ShardSpec(Placement):
         return self.full // tp
 
 
+def divisors(n: int) -> List[int]:
+    return [t for t in range(1, n + 1) if n % t == 0]
+
+
 def check_divisible(segments: Sequence[int], tp: int, what: str) -> None:
     """Raise :class:`ShardingError` naming ``what`` unless every segment divides by ``tp``."""
     bad = [s for s in segments if s % tp]
     if bad:
-        g = math.gcd(*segments)
-        valid = [t for t in range(1, g + 1) if g % t == 0]
         raise ShardingError(f"{what}: size(s) {list(segments)} are not divisible by tp={tp}; "
-                            f"tensor-parallel sizes that divide them: {valid}")
+                            f"tensor-parallel sizes that divide them: {divisors(math.gcd(*segments))}")
 
 
 def shard_along(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, tp: int) -> torch.Tensor:

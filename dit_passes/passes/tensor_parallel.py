@@ -22,7 +22,7 @@ AdaLN modulation linears stay replicated (``modulation="column"``: rows sharded,
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -32,7 +32,7 @@ from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..parallel.mesh import check_ranks
-from ..parallel.tp_sharding import TPRules
+from ..parallel.tp_sharding import TPRules, divisors
 
 
 class TensorParallel(Pass):
@@ -131,10 +131,6 @@ def linear_bytes(gm: fx.GraphModule, sites) -> int:
     return total
 
 
-def _divisors(n: int) -> List[int]:
-    return [t for t in range(1, n + 1) if n % t == 0]
-
-
 def _check_heads(structure, tp: int) -> None:
     heads = {}
     for a in structure.attention:
@@ -145,4 +141,4 @@ def _check_heads(structure, tp: int) -> None:
     if bad:
         g = math.gcd(*[h for v in heads.values() for h in v])
         raise PassError(f"tensor_parallel size={tp}: attention head counts (q, kv) {sorted(set(bad.values()))} "
-                        f"are not divisible by {tp} (e.g. at {next(iter(bad))}); valid sizes: {_divisors(g)}")
+                        f"are not divisible by {tp} (e.g. at {next(iter(bad))}); valid sizes: {divisors(g)}")
