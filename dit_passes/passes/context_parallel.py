@@ -109,32 +109,29 @@ class _ContextParallel(Pass):
         return build
 
 
-class Ulysses(_ContextParallel):
+class _OneAxis(_ContextParallel):
+    """Context parallelism over ``size`` ranks of one kind: sets ``<name>_size``."""
+
+    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
+        self.group = group
+        setattr(self, f"{self.name}_size", check_ranks(f"{type(self).__name__}(size)", size))
+
+    def config_items(self) -> Dict[str, Any]:
+        return {"size": getattr(self, f"{self.name}_size")}
+
+
+class Ulysses(_OneAxis):
     """DeepSpeed-Ulysses sequence parallelism over ``size`` ranks (all-to-all heads <-> sequence)."""
 
     name = "ulysses"
     attention_groups = ("ulysses",)
 
-    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
-        self.group = group
-        self.ulysses_size = check_ranks("Ulysses(size)", size)
 
-    def config_items(self) -> Dict[str, Any]:
-        return {"size": self.ulysses_size}
-
-
-class Ring(_ContextParallel):
+class Ring(_OneAxis):
     """Ring attention over ``size`` ranks (K/V blocks rotate, log-sum-exp merge)."""
 
     name = "ring"
     attention_groups = ("ring",)
-
-    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
-        self.group = group
-        self.ring_size = check_ranks("Ring(size)", size)
-
-    def config_items(self) -> Dict[str, Any]:
-        return {"size": self.ring_size}
 
 
 class USP(_ContextParallel):
