@@ -1,36 +1,17 @@
 """Sequence-parallel attention: Ulysses, Ring and USP (Ulysses inside Ring).
 
-Common contract of :func:`ulysses_attention`, :func:`ring_attention`, :func:`usp_attention`:
+Contract of :func:`ulysses_attention`, :func:`ring_attention`, :func:`usp_attention`: ``q``, ``k``,
+``v`` are ``[B, H, S_local, D]`` (``v`` may have its own head dim; K/V heads repeated for GQA), the
+sequence sharded over the group in rank order with ``seq_sizes`` (static, one per rank, each >= 1;
+uneven allowed). The result is this rank's ``[B, H, S_local, Dv]`` rows of attention over the **full**
+sequence in ``q.dtype``, equal to SDPA on the gathered sequence except that a fully masked query row
+gives 0. ``attn_mask`` (bool or additive, broadcastable to ``[B|1, H|1, Sq, Sk]``) is either the
+replicated full mask (``Sk = S``, ``Sq`` in ``{1, S}``) or a sharded key-padding mask (``Sk = S_local``,
+``Sq = 1``; all-gathered once per call). ``scale`` defaults to ``1/sqrt(D)``.
 
-* ``q``, ``k``, ``v``: ``[B, H, S_local, D]`` (``v`` may have its own head dim), the sequence dim
-  sharded over the group in rank order; ``seq_sizes`` (static ints, one per rank, each >= 1) gives
-  every rank's ``S_local``, so uneven shards (13 tokens on 4 ranks: ``(4, 3, 3, 3)``) are exact.
-  ``k``/``v`` have the same heads as ``q`` (repeat K/V heads before calling for GQA).
-* result: this rank's ``[B, H, S_local, Dv]`` rows of ``softmax(q k^T * scale + mask) v`` over the
-  **full** sequence, in ``q.dtype``; equal to ``F.scaled_dot_product_attention`` on the gathered
-  sequence, except that a query row with every key masked gives 0 (flash-kernel convention)
-  where SDPA's math path gives NaN.
-* ``attn_mask`` (bool: True = attend, or float: added to the scores), 4-D or broadcastable to it,
-  ``[B|1, H|1, Sq, Sk]``, in one of two layouts:
-
-  - **replicated full mask**: ``Sk = S`` (full sequence) and ``Sq`` in ``{1, S}``; every rank
-    passes the same tensor (QwenImage's ``[B,1,1,S]`` key padding or ``[B,1,S,S]``);
-  - **sharded key-padding mask**: ``Sk = S_local`` and ``Sq = 1``, sharded like K/V; it is
-    all-gathered once per call (one extra ``all_gather`` per group stage).
-* ``scale``: softmax scale, ``1/sqrt(D)`` when None.
-* ``counter``: optional :class:`~dit_passes.parallel.collectives.CollectiveCounter` (eager only).
-
-Communication per call (world > 1; a size-1 group communicates nothing):
-
-* Ulysses: exactly 4 ``all_to_all_single`` (q, k, v, out); they are kept separate (not fused into
-  one q/k/v all-to-all) so each is one functional op on a contiguous buffer.
-* Ring: exactly ``world - 1`` :func:`ring_exchange` calls, each moving K and V together.
-* USP: 4 all-to-alls on the Ulysses group + ``ring_size - 1`` exchanges on the Ring group.
-
-Traceability: all-to-alls and all-gathers are functional collectives; the ring exchange is the
-custom op ``dit_passes::ring_exchange``; everything else is ATen, so the three functions trace with
-``torch.compile(fullgraph=True)``. Group ranks and ``seq_sizes`` are read as Python ints, so a
-traced graph is specialised to one rank (shapes differ across ranks with uneven shards anyway).
+Communication (world > 1): Ulysses exactly 4 ``all_to_all_single`` (q, k, v, out); Ring ``world - 1``
+:func:`ring_exchange` calls (K and V together); USP both, on its two groups. Everything traces with
+``torch.compile(fullgraph=True)``; ranks and ``seq_sizes`` are static, so a trace is per rank.
 """
 
 from __future__ import annotations
@@ -44,15 +25,8 @@ import torch.nn.functional as F
 
 from dit_passes.parallel.collectives import CollectiveCounter, all_gather, all_to_all_single, ring_exchange
 
-__all__ = [
-    "attention_with_lse",
-    "even_shard_sizes",
-    "gather_sequence",
-    "ring_attention",
-    "shard_sequence",
-    "ulysses_attention",
-    "usp_attention",
-]
+__all__ = ["attention_with_lse", "even_shard_sizes", "gather_sequence", "ring_attention", "shard_sequence",
+           "ulysses_attention", "usp_attention"]
 
 
 # --- sharding helpers ------------------------------------------------------------------------------
@@ -83,14 +57,8 @@ def shard_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: S
     return x.narrow(dim, _offsets(sizes)[rank], sizes[rank])
 
 
-def gather_sequence(
-    x: torch.Tensor,
-    dim: int,
-    group: dist.ProcessGroup,
-    sizes: Sequence[int],
-    *,
-    counter: CollectiveCounter | None = None,
-) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Sequence[int], *,
+                    counter: CollectiveCounter | None = None) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full tensor on every rank (one all_gather)."""
     sizes = _check_sizes(sizes, group, "gather_sequence")
     return all_gather(x, dim, group, sizes, counter=counter)
@@ -123,14 +91,8 @@ def _math_attention_with_lse(q, k, v, attn_mask, scale):
     return torch.matmul(weights, v.float()), lse
 
 
-def attention_with_lse(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Local attention returning ``(out, lse)``: ``out`` ``[B,H,Sq,Dv]``, ``lse`` fp32 ``[B,H,Sq]``
     = ``logsumexp_k(q k^T * scale + mask)`` (-inf for fully masked rows, whose ``out`` is 0).
 
@@ -256,17 +218,9 @@ def _ulysses(q, k, v, mask, group, sizes, scale, local_attention: Callable, coun
     return back[:, :heads]
 
 
-def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group: dist.ProcessGroup,
-    seq_sizes: Sequence[int],
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    counter: CollectiveCounter | None = None,
-) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup,
+                      seq_sizes: Sequence[int], attn_mask: torch.Tensor | None = None, scale: float | None = None,
+                      counter: CollectiveCounter | None = None) -> torch.Tensor:
     """Ulysses (DeepSpeed) sequence-parallel attention; see the module docstring for the contract.
 
     Heads not divisible by the group size are zero-padded and the padded outputs dropped."""
@@ -313,17 +267,9 @@ def _ring(q, k, v, mask, group, sizes, scale, counter):
     return out.to(q.dtype)
 
 
-def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group: dist.ProcessGroup,
-    seq_sizes: Sequence[int],
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    counter: CollectiveCounter | None = None,
-) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup,
+                   seq_sizes: Sequence[int], attn_mask: torch.Tensor | None = None, scale: float | None = None,
+                   counter: CollectiveCounter | None = None) -> torch.Tensor:
     """Ring attention: K/V rotate around the group (``world - 1`` exchanges), partial results are
     merged by log-sum-exp in fp32. See the module docstring for the contract."""
     sizes = _check_sizes(seq_sizes, group, "ring_attention")
@@ -336,18 +282,9 @@ def ring_attention(
 # --- USP ---------------------------------------------------------------------------------------------
 
 
-def usp_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    ulysses_group: dist.ProcessGroup,
-    ring_group: dist.ProcessGroup,
-    seq_sizes: Sequence[int],
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    counter: CollectiveCounter | None = None,
-) -> torch.Tensor:
+def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group: dist.ProcessGroup,
+                  ring_group: dist.ProcessGroup, seq_sizes: Sequence[int], attn_mask: torch.Tensor | None = None,
+                  scale: float | None = None, counter: CollectiveCounter | None = None) -> torch.Tensor:
     """Unified sequence parallelism: Ulysses over ``ulysses_group`` inside Ring over ``ring_group``.
 
     The sequence is sharded over ``ring_size * ulysses_size`` ranks; ``seq_sizes[i]`` is the shard
@@ -357,10 +294,8 @@ def usp_attention(
     """
     ring_size, ulysses_size = ring_group.size(), ulysses_group.size()
     if len(seq_sizes) != ring_size * ulysses_size:
-        raise ValueError(
-            f"usp_attention: seq_sizes {list(seq_sizes)} need ring_size * ulysses_size = "
-            f"{ring_size} * {ulysses_size} entries"
-        )
+        raise ValueError(f"usp_attention: seq_sizes {list(seq_sizes)} need ring_size * ulysses_size = "
+                         f"{ring_size} * {ulysses_size} entries")
     ring_rank, ulysses_rank = ring_group.rank(), ulysses_group.rank()
     inner = [int(s) for s in seq_sizes[ring_rank * ulysses_size : (ring_rank + 1) * ulysses_size]]
     inner = _check_sizes(inner, ulysses_group, "usp_attention")

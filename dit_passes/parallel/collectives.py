@@ -1,21 +1,9 @@
-"""Collectives used by the parallel attention functions and passes.
-
-All but :func:`ring_exchange` are thin wrappers over ``torch.distributed._functional_collectives``
-(funcol): they return new tensors instead of mutating, so Dynamo / ``torch.export`` trace them into
-the graph as ``_c10d_functional.*`` ops, Inductor can schedule their waits, and
-``torch.distributed.tensor.debug.CommDebugMode`` counts them (as ``c10d_functional.<op>``).
-
-:func:`ring_exchange` is point-to-point, which has no functional collective on every supported torch
-(2.11-2.13). It is wrapped as the custom op ``dit_passes::ring_exchange`` whose eager kernel calls
-``torch.distributed.batch_isend_irecv``; being a registered op with a fake (shape) kernel, it is one
-opaque node to Dynamo / export, so ``torch.compile(fullgraph=True)`` works on code that calls it.
-CommDebugMode does not count it: pass a :class:`CollectiveCounter`.
-
-Every wrapper takes an optional ``counter``: when given, it records one call of that kind. The
-counter is a plain Python object meant for eager tests; inside ``torch.compile`` pass ``None``
-(mutating it there would be a traced side effect) and count ops in the graph instead.
-
-Groups are ``torch.distributed.ProcessGroup`` objects (e.g. ``ParallelMesh.group("ulysses")``).
+"""Collectives of the parallel attention functions and passes: functional collectives (``funcol``:
+traced by Dynamo / export as ``_c10d_functional.*`` ops, counted by ``CommDebugMode``) and
+:func:`ring_exchange`, point-to-point, wrapped as the custom op ``dit_passes::ring_exchange`` (one
+opaque node with a fake kernel). Each takes an optional eager-only :class:`CollectiveCounter`; inside
+``torch.compile`` pass ``None`` and count graph ops instead. Graph-inserted ops name their group and
+resolve it at call time (:func:`resolve_group`).
 """
 
 from __future__ import annotations
@@ -27,13 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-__all__ = [
-    "CollectiveCounter",
-    "all_gather",
-    "all_reduce",
-    "all_to_all_single",
-    "ring_exchange",
-]
+__all__ = ["CollectiveCounter", "all_gather", "all_reduce", "all_to_all_single", "ring_exchange"]
 
 
 class CollectiveCounter:
@@ -59,6 +41,11 @@ class CollectiveCounter:
         return f"CollectiveCounter({dict(self.counts)})"
 
 
+def resolve_group(name: str) -> dist.ProcessGroup:
+    """The process group a graph-inserted op names (``group.group_name``)."""
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
 def _count(counter: CollectiveCounter | None, kind: str) -> None:
     if counter is not None:
         counter.add(kind)
@@ -78,48 +65,31 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 _funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
-def all_to_all_single(
-    x: torch.Tensor,
-    output_split_sizes: Sequence[int] | None,
-    input_split_sizes: Sequence[int] | None,
-    group: dist.ProcessGroup,
-    *,
-    counter: CollectiveCounter | None = None,
-) -> torch.Tensor:
+def all_to_all_single(x: torch.Tensor, output_split_sizes: Sequence[int] | None,
+                      input_split_sizes: Sequence[int] | None, group: dist.ProcessGroup, *,
+                      counter: CollectiveCounter | None = None) -> torch.Tensor:
     """Split ``x`` along dim 0 by ``input_split_sizes`` (rank order), send chunk j to rank j,
     return the received chunks concatenated along dim 0 (``output_split_sizes[j]`` rows from rank
     j). ``None`` for both means equal splits. Uneven splits allowed; sizes must be static ints."""
     if (output_split_sizes is None) != (input_split_sizes is None):
-        raise ValueError(
-            "all_to_all_single: give both output_split_sizes and input_split_sizes, or neither "
-            f"(got output={output_split_sizes!r}, input={input_split_sizes!r})"
-        )
+        raise ValueError("all_to_all_single: give both output_split_sizes and input_split_sizes, or neither "
+                         f"(got output={output_split_sizes!r}, input={input_split_sizes!r})")
     world = group.size()
     if input_split_sizes is not None:
         if len(input_split_sizes) != world or len(output_split_sizes) != world:
-            raise ValueError(
-                f"all_to_all_single: split sizes need one entry per rank of the group ({world}), "
-                f"got input={list(input_split_sizes)}, output={list(output_split_sizes)}"
-            )
+            raise ValueError(f"all_to_all_single: split sizes need one entry per rank of the group ({world}), "
+                             f"got input={list(input_split_sizes)}, output={list(output_split_sizes)}")
         if sum(input_split_sizes) != x.shape[0]:
-            raise ValueError(
-                f"all_to_all_single: input_split_sizes {list(input_split_sizes)} sum to "
-                f"{sum(input_split_sizes)}, but x has {x.shape[0]} rows along dim 0"
-            )
+            raise ValueError(f"all_to_all_single: input_split_sizes {list(input_split_sizes)} sum to "
+                             f"{sum(input_split_sizes)}, but x has {x.shape[0]} rows along dim 0")
         input_split_sizes = list(input_split_sizes)
         output_split_sizes = list(output_split_sizes)
     _count(counter, "all_to_all")
     return _wait(funcol.all_to_all_single(x.contiguous(), output_split_sizes, input_split_sizes, group))
 
 
-def all_gather(
-    x: torch.Tensor,
-    dim: int,
-    group: dist.ProcessGroup,
-    sizes: Sequence[int] | None = None,
-    *,
-    counter: CollectiveCounter | None = None,
-) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Sequence[int] | None = None, *,
+               counter: CollectiveCounter | None = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order.
 
     ``sizes`` (one per rank, static) gives each rank's extent along ``dim`` when they differ: the
@@ -136,10 +106,8 @@ def all_gather(
         raise ValueError(f"all_gather: sizes {sizes} need one entry per rank of the group ({world})")
     rank = group.rank()
     if x.shape[dim] != sizes[rank]:
-        raise ValueError(
-            f"all_gather: rank {rank} holds {x.shape[dim]} along dim {dim}, but sizes[{rank}] = "
-            f"{sizes[rank]} (sizes={sizes})"
-        )
+        raise ValueError(f"all_gather: rank {rank} holds {x.shape[dim]} along dim {dim}, but sizes[{rank}] = "
+                         f"{sizes[rank]} (sizes={sizes})")
     biggest = max(sizes)
     if min(sizes) == biggest:
         _count(counter, "all_gather")
@@ -157,13 +125,7 @@ def all_gather(
     return torch.cat(pieces, dim=dim)
 
 
-def all_reduce(
-    x: torch.Tensor,
-    group: dist.ProcessGroup,
-    op: str = "sum",
-    *,
-    counter: CollectiveCounter | None = None,
-) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum", *, counter: CollectiveCounter | None = None) -> torch.Tensor:
     """Elementwise reduction of ``x`` over the group; ``op`` is ``"sum"`` or ``"avg"``.
 
     ``"avg"`` is a sum divided by the group size (gloo has no native average)."""
@@ -181,7 +143,7 @@ def all_reduce(
 def _ring_exchange_op(tensors: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
     """Send each tensor to the next rank of the group and return those received from the previous
     one (same shapes). All sends/receives of one call go in one ``batch_isend_irecv``."""
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+    group = resolve_group(group_name)
     world = group.size()
     rank = group.rank()
     send_to = dist.get_global_rank(group, (rank + 1) % world)
@@ -201,12 +163,8 @@ def _(tensors, group_name):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
 
 
-def ring_exchange(
-    tensors: Sequence[torch.Tensor],
-    group: dist.ProcessGroup,
-    *,
-    counter: CollectiveCounter | None = None,
-) -> list[torch.Tensor]:
+def ring_exchange(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *,
+                  counter: CollectiveCounter | None = None) -> list[torch.Tensor]:
     """Ring shift: send each tensor to rank ``(r + 1) % world`` of ``group`` and return the
     tensors received from rank ``(r - 1) % world`` (same shapes and dtypes on every rank).
 

@@ -1,19 +1,10 @@
-"""``ParallelMesh``: named parallel dimensions over an initialised torch.distributed group.
+"""``ParallelMesh``: named parallel dims over an initialised torch.distributed group.
 
-A mesh is an ordered list of named dims with sizes, e.g. ``(("ring", 2), ("ulysses", 2), ("tp", 1))``,
-whose product is the group's size. Ranks are laid out row-major: the **last dim is innermost**
-(its members are consecutive ranks), so put ``tp`` last: tensor-parallel traffic is the heaviest and
-should stay on the closest devices. Size-1 dims are allowed (the dim is "off").
-
-For rank ``g`` (position in the parent group) with coordinates ``(c0, c1, ..., cn)``:
-``g = ((c0 * s1 + c1) * s2 + c2) ...``. ``mesh.group(name)`` is the ProcessGroup of the ranks that
-differ from this one only along ``name``; ``mesh.rank(name)`` is this rank's coordinate there
-(= its rank in that group).
-
-Built with ``torch.distributed.device_mesh.init_device_mesh`` when the parent is the default
-(world) group, which also exposes ``mesh.device_mesh`` for DTensor users; over a sub-group it builds
-the per-dim groups with ``new_group(..., use_local_synchronization=True)`` and ``device_mesh`` is
-None. Construction is collective: every rank of the parent group must build the same mesh.
+Dims are ordered ``(name, size)`` pairs whose product is the group's size, laid out row-major: the
+**last dim is innermost** (consecutive ranks; put ``tp`` last). ``mesh.group(name)`` is the group of
+the ranks that differ from this one only along ``name``, ``mesh.rank(name)`` this rank's coordinate.
+Over the world group it uses ``init_device_mesh`` (``mesh.device_mesh`` for DTensor users), over a
+subgroup ``new_group(..., use_local_synchronization=True)``. Construction is collective.
 """
 
 from __future__ import annotations
@@ -23,11 +14,18 @@ from typing import Mapping, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["MeshError", "ParallelMesh", "factorisations"]
+__all__ = ["MeshError", "ParallelMesh", "check_ranks", "factorisations"]
 
 
 class MeshError(ValueError):
     """The requested mesh does not fit the process group (or no group is initialised)."""
+
+
+def check_ranks(what: str, value) -> int:
+    """``value`` if it is a positive int (a number of ranks), else ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int (number of ranks), got {value!r}")
+    return value
 
 
 def factorisations(world_size: int, ndims: int) -> list[tuple[int, ...]]:
@@ -70,28 +68,19 @@ class ParallelMesh:
         group: parent ProcessGroup; the default (world) group when None.
     """
 
-    def __init__(
-        self,
-        dims: Mapping[str, int] | Sequence[tuple[str, int]],
-        *,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
+    def __init__(self, dims: Mapping[str, int] | Sequence[tuple[str, int]], *, group: dist.ProcessGroup | None = None) -> None:
         self.names, self.sizes = _normalise_dims(dims)
         if not (dist.is_available() and dist.is_initialized()):
-            raise MeshError(
-                "ParallelMesh needs an initialised torch.distributed process group: call "
-                "torch.distributed.init_process_group(...) first (or use "
-                "dit_passes.testing.run_ranks in tests)"
-            )
+            raise MeshError("ParallelMesh needs an initialised torch.distributed process group: call "
+                            "torch.distributed.init_process_group(...) first (or use "
+                            "dit_passes.testing.run_ranks in tests)")
         parent = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(parent)
         if math.prod(self.sizes) != world:
             valid = factorisations(world, len(self.sizes))
             shown = ", ".join(str(v) for v in valid[:12]) + (" ..." if len(valid) > 12 else "")
-            raise MeshError(
-                f"mesh {dict(zip(self.names, self.sizes))} has {math.prod(self.sizes)} ranks but the "
-                f"process group has {world}; sizes for {self.names} whose product is {world}: {shown}"
-            )
+            raise MeshError(f"mesh {dict(zip(self.names, self.sizes))} has {math.prod(self.sizes)} ranks but the "
+                            f"process group has {world}; sizes for {self.names} whose product is {world}: {shown}")
         self.parent = parent
         self.world_size = world
         self.global_rank = dist.get_rank(parent)

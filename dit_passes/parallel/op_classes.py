@@ -1,9 +1,4 @@
-"""The op taxonomy every sharding rule table reads (tensor, sequence and VAE parallelism): each class once.
-
-A class groups ATen overloads that a placement rule treats alike (where the sharded dim goes, which
-argument holds the dims / sizes). The rule tables (:mod:`dit_passes.parallel.tp_sharding`,
-:mod:`dit_passes.parallel.sequence_sharding`, :mod:`dit_passes.parallel.vae`) decide what each class
-does to their placement; :mod:`dit_passes.parallel.propagate` holds the dim arithmetic shared by all.
+"""The op taxonomy every sharding rule table reads: each class of ATen overloads once.
 """
 from __future__ import annotations
 

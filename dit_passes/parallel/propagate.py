@@ -1,19 +1,16 @@
-"""The propagation driver the three sharding rule tables share (tensor, sequence and VAE parallelism).
-
-A *placement* says which dim of a value is split over the ranks and how (a rule table's dataclass with a
-``dim`` field: :class:`~dit_passes.parallel.tp_sharding.ShardSpec` hidden / head shards,
-:class:`~dit_passes.parallel.sequence_sharding.Sharded` token segments,
-:class:`~dit_passes.parallel.vae_ops.Shard` row slabs). :class:`Propagation` walks the graph in order,
-keeps the placement of every value, asks its rule table (``rule(node)``) what each op whose inputs are
-placed does, and records the rewrite: inserted nodes, edited arguments, counts. The helpers below are
-the parts every table needs: where a dim goes through ops that do not touch it (:func:`moved_dim`),
-the dims of a reduction, view size arguments with a local extent, one all-gather along a dim (uneven
-shards and segment-major order), and ``meta["val"]`` recomputed for what changed.
+"""The propagation driver the three rule tables share (TP, sequence, VAE-P): one ``Placement`` per value
+(a rule table's dataclass with a ``dim``), :class:`Propagation` walking the graph in order and
+recording inserted nodes / counts, and the rules that are the same for every placement: where a dim
+goes through ops that do not touch it (:func:`moved_dim`), broadcasting agreement (:func:`agree`,
+:func:`aligned_dim`), the one view-mapping rule (:func:`view_dims`), cuts at segment boundaries
+(:func:`segment_cut`), split sizes, view size rewriting, one (uneven, segment-major) all-gather, and
+``meta["val"]`` recomputed for what changed.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -132,6 +129,65 @@ def resize_view(n: fx.Node, k: int, local: int) -> Optional[tuple]:
         sizes[k - d] = local
         return (x, n.args[1], sizes)
     return None
+
+
+def split_sizes(n: fx.Node, full: int) -> Tuple[int, ...]:
+    """Piece sizes of a :data:`~op_classes.SPLITS` node applied to a dim of ``full`` elements."""
+    a = n.args[1]
+    if n.target is aten.chunk.default or isinstance(a, int):
+        c = -(-full // int(a)) if n.target is aten.chunk.default else int(a)
+        return tuple([c] * (full // c) + ([full % c] if full % c else []))
+    return tuple(int(s) for s in a)
+
+
+def split_dim(n: fx.Node) -> int:
+    return int(arg(n, 2, "dim", 0)) % val(n.args[0]).dim()
+
+
+def segment_cut(lengths: Sequence[int], cuts: Sequence[int]) -> Optional[List[int]]:
+    """Indices into the boundaries of consecutive segments of ``lengths`` at the cut points ``cuts``
+    (a later cut takes the last of equal boundaries); None when a cut falls inside a segment."""
+    bounds = [0]
+    for m in lengths:
+        bounds.append(bounds[-1] + m)
+    if any(c not in bounds for c in cuts):
+        return None
+    return [bounds.index(c) if not i else len(bounds) - 1 - bounds[::-1].index(c) for i, c in enumerate(cuts)]
+
+
+def view_dims(src: Sequence[int], dst: Sequence[int], dim: int, cuts: Sequence[int]):
+    """The one view-mapping rule: output dims ``e`` of a row-major reshape ``src -> dst`` on which the
+    pieces of input ``dim`` between ``cuts`` stay whole slabs (the dims before ``e`` keep the product of
+    those before ``dim``; the product of those after ``e`` divides every cut, counted in elements),
+    each with the cuts along ``e``, innermost candidates last."""
+    pre, inner = math.prod(src[:dim]), math.prod(src[dim + 1:])
+    for e in range(len(dst)):
+        step = math.prod(dst[e + 1:])
+        if math.prod(dst[:e]) == pre and all(c * inner % step == 0 for c in cuts):
+            yield e, [c * inner // step for c in cuts]
+
+
+def agree(n: fx.Node, place_of: Callable[[Any], Any], inputs: Sequence[Any], error: Callable[[str], Exception]):
+    """The placement of a broadcasting op's output: every placed input's, moved to the output's dims
+    (they must be equal, else ``error``); None when no input is placed."""
+    nd, ref = val(n).dim(), None
+    for a in inputs:
+        p = place_of(a)
+        if p is not None:
+            p = p.with_dim(p.dim + nd - val(a).dim())
+            if ref is not None and p != ref:
+                raise error(f"operands sharded differently ({ref} vs {p})")
+            ref = p
+    return ref
+
+
+def aligned_dim(n: fx.Node, a: Any, dim: int) -> Optional[int]:
+    """The dim of tensor operand ``a`` aligned with output dim ``dim`` of broadcasting op ``n``, None
+    when ``a`` is not a tensor or is broadcast (size 1 or absent) along it."""
+    if not is_tensor(a):
+        return None
+    j = dim - val(n).dim() + val(a).dim()
+    return j if j >= 0 and shape(a)[j] != 1 else None
 
 
 def same_shapes(a, b) -> bool:

@@ -1,44 +1,19 @@
-"""Graph-callable wrappers the context-parallel passes insert (``call_function`` targets).
+"""Graph-callable wrappers the context-parallel passes insert (``shard_sequence``, ``permute_sequence``,
+``gather_sequence``, ``ulysses_attention``, ``ring_attention``, ``usp_attention``).
 
-Every function takes only tensors plus static constants (ints, int lists, a float scale and process
-group *names*), so a rewritten graph prints, pickles and deep-copies like any ATen graph, and its
-node names say what runs: ``shard_sequence``, ``permute_sequence``, ``gather_sequence``,
-``ulysses_attention``, ``ring_attention``, ``usp_attention``.
-
-Runs: a sequence layout is described by *runs* ``(starts, lengths)`` along one dim: the result is the
-concatenation of ``x.narrow(dim, start, length)`` in order. :func:`shard_sequence` takes this rank's
-runs of a full (replicated) tensor, :func:`permute_sequence` reorders a full tensor into the order the
-ranks' shards concatenate to (masks), :func:`gather_sequence` all-gathers the shards and reorders the
-result back into the original order. The runs are computed statically by
-:mod:`dit_passes.parallel.sequence_sharding`.
-
-Groups are passed by name and resolved at call time (``torch.distributed`` keeps the registry), as
-``dit_passes::ring_exchange`` does. ``*_shape`` functions give the output of each wrapper on fake
-tensors (no collective), for ``meta["val"]``.
+They take tensors plus static constants (run lists ``(starts, lengths)`` along one dim: the result is
+the concatenation of ``x.narrow(dim, start, length)``, process group *names* resolved at call time),
+so a rewritten graph prints, pickles and deep-copies like an ATen graph. ``*_shape`` give the output
+on fake tensors, for ``meta["val"]``.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from dit_passes.parallel import attention as _attn
-
-__all__ = [
-    "gather_sequence",
-    "gather_sequence_shape",
-    "permute_sequence",
-    "ring_attention",
-    "shard_sequence",
-    "attention_shape",
-    "ulysses_attention",
-    "usp_attention",
-]
-
-
-def _group(name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(name)
+from . import attention as _attn
+from .collectives import resolve_group
 
 
 def _take_runs(x: torch.Tensor, dim: int, starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
@@ -64,7 +39,7 @@ def gather_sequence(x: torch.Tensor, dim: int, group_name: str, rank_lengths: Se
                     starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     """All-gather the shards along ``dim`` (one ``all_gather``, uneven ``rank_lengths`` allowed), then
     reorder by the runs (empty runs: the gathered order is already the original one)."""
-    full = _attn.gather_sequence(x, dim, _group(group_name), list(rank_lengths))
+    full = _attn.gather_sequence(x, dim, resolve_group(group_name), list(rank_lengths))
     return _take_runs(full, dim, starts, lengths) if len(starts) else full
 
 
@@ -84,28 +59,27 @@ def _in_order(out: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     return out.permute(order).contiguous().permute(inverse)
 
 
+# the attention functions of :mod:`~dit_passes.parallel.attention` on named groups, output in ``out_order``
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       group_name: str, seq_sizes: Sequence[int], scale: Optional[float],
                       out_order: Sequence[int]) -> torch.Tensor:
-    """:func:`dit_passes.parallel.attention.ulysses_attention` on the named group, output in ``out_order`` memory."""
-    return _in_order(_attn.ulysses_attention(q, k, v, group=_group(group_name), seq_sizes=list(seq_sizes),
-                                   attn_mask=attn_mask, scale=scale), out_order)
+    return _in_order(_attn.ulysses_attention(q, k, v, group=resolve_group(group_name), seq_sizes=list(seq_sizes),
+                                             attn_mask=attn_mask, scale=scale), out_order)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                    group_name: str, seq_sizes: Sequence[int], scale: Optional[float],
-                      out_order: Sequence[int]) -> torch.Tensor:
-    """:func:`dit_passes.parallel.attention.ring_attention` on the named group, output in ``out_order`` memory."""
-    return _in_order(_attn.ring_attention(q, k, v, group=_group(group_name), seq_sizes=list(seq_sizes),
-                                attn_mask=attn_mask, scale=scale), out_order)
+                   out_order: Sequence[int]) -> torch.Tensor:
+    return _in_order(_attn.ring_attention(q, k, v, group=resolve_group(group_name), seq_sizes=list(seq_sizes),
+                                          attn_mask=attn_mask, scale=scale), out_order)
 
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                   ulysses_group_name: str, ring_group_name: str, seq_sizes: Sequence[int],
                   scale: Optional[float], out_order: Sequence[int]) -> torch.Tensor:
-    """:func:`dit_passes.parallel.attention.usp_attention` on the named groups, output in ``out_order`` memory."""
-    return _in_order(_attn.usp_attention(q, k, v, ulysses_group=_group(ulysses_group_name), ring_group=_group(ring_group_name),
-                               seq_sizes=list(seq_sizes), attn_mask=attn_mask, scale=scale), out_order)
+    return _in_order(_attn.usp_attention(q, k, v, ulysses_group=resolve_group(ulysses_group_name),
+                                         ring_group=resolve_group(ring_group_name), seq_sizes=list(seq_sizes),
+                                         attn_mask=attn_mask, scale=scale), out_order)
 
 
 def attention_shape(q, k, v, attn_mask, *static):

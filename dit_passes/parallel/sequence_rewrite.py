@@ -1,18 +1,8 @@
-"""The rewrite half of sequence sharding: turn a :class:`~dit_passes.parallel.sequence_sharding.ShardingPlan`
-into the local graph of this rank.
-
-What it inserts (``call_function`` nodes on :mod:`dit_passes.parallel.sequence_ops`):
-
-* ``shard_sequence`` for each residual stream entering block 0 (before block 0, prologue path) and for
-  each replicated operand a sharded op reads with the full token length (right after the operand's
-  definition, with its module path, so block ranges stay contiguous; cached per operand and layout);
-* ``permute_sequence`` for replicated full attention masks (into the shards' order, local);
-* the distributed attention node (built by the pass's callback) in place of each SDPA node;
-* ``gather_sequence`` for each value leaving the block range (after the last block node, epilogue
-  path) and for the sharded inputs of non-local ops (right after the sharded value).
-
-Then ``meta["val"]`` of every inserted, edited or shape-changed node is recomputed (local shapes), the
-graph is linted and recompiled.
+"""The rewrite half of sequence sharding: a :class:`~dit_passes.parallel.sequence_sharding.ShardingPlan`
+applied to the graph. Inserts ``shard_sequence`` for the streams entering block 0 (prologue) and for
+replicated full-length operands (after their definition, cached), ``permute_sequence`` for masks, the
+distributed attention in place of each SDPA, and ``gather_sequence`` for values leaving the block range
+(epilogue) or read by non-local ops; then recomputes ``meta["val"]``.
 """
 from __future__ import annotations
 
@@ -72,21 +62,15 @@ def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_at
     def materialise(m):
         if isinstance(m, fx.Node):
             return stream_shard.get(m, m)
-        if isinstance(m, _Slice):
-            key = ("slice", m.node, m.dim, m.segments)
-            if key not in cache:
+        if isinstance(m, (_Slice, _Permute)):  # markers are frozen dataclasses: one node per distinct marker
+            if m not in cache:
+                slice_ = isinstance(m, _Slice)
+                op, dims, runs = ((ops.shard_sequence, m.dim, spec.local_runs(m.segments)) if slice_ else
+                                  (ops.permute_sequence, list(m.dims), spec.permutation_runs(m.segments)))
                 with point_after(m.node):
-                    cache[key] = new_node(ops.shard_sequence, (m.node, m.dim, *_runs_args(spec.local_runs(m.segments))), m.node)
-                counts["operands_sliced"] += 1
-            return cache[key]
-        if isinstance(m, _Permute):
-            key = ("perm", m.node, m.dims, m.segments)
-            if key not in cache:
-                with point_after(m.node):
-                    cache[key] = new_node(ops.permute_sequence,
-                                          (m.node, list(m.dims), *_runs_args(spec.permutation_runs(m.segments))), m.node)
-                counts["masks_permuted"] += 1
-            return cache[key]
+                    cache[m] = new_node(op, (m.node, dims, *_runs_args(runs)), m.node)
+                counts["operands_sliced" if slice_ else "masks_permuted"] += 1
+            return cache[m]
         if isinstance(m, _Gather):
             if m.node in stream_shard:
                 return m.node  # the full stream is still there

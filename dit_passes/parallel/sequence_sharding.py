@@ -1,44 +1,21 @@
-"""Sequence sharding by dataflow analysis: which values of a captured DiT carry the token dimension,
-and the local (per-rank) graph that computes this rank's tokens of them.
+"""Sequence sharding (Ulysses, Ring, USP): the rule table that finds which values of a captured DiT carry
+the token dim, and what this rank's local graph computes.
 
-Layouts. Every value of the block range is either *replicated* (``None``: every rank holds the whole
-tensor) or :class:`Sharded` ``(dim, segments)``: along ``dim`` this rank holds, for each segment
-``(id, full_length)`` in order, its ``even_shard_sizes(full_length, world)[rank]`` tokens of that
-segment. Flux's joint attention concatenates text and image: its local q/k/v are ``[text shard,
-image shard]``, so the ranks' shards concatenate to a *permutation* of the global sequence, which
-attention does not see as long as q, k, v, rotary tables and masks are permuted alike.
-
-Rules (forward, in graph order, from the residual streams entering block 0, token dim 1):
-
-* pointwise ops (``torch.Tag.pointwise``), ``copy_``, casts, clones, ``*_like``: the sharded operands
-  must agree (dim, segments) after broadcasting; a replicated operand whose aligned dim has the full
-  length (rotary cos/sin, per-token masks) is sliced locally to the same segments (no communication);
-* ``linear`` (token dim not the feature dim), ``layer_norm`` / ``rms_norm`` over trailing feature dims,
-  reductions and softmax over other dims, ``permute`` / ``transpose`` / ``unsqueeze`` / ``squeeze``;
-* ``view`` / ``reshape`` / ``flatten`` / ``unflatten`` / ``view_as_complex|real`` keep the token dim if an
-  output dim has the same size and the same product of preceding dims (row-major: the element order
-  along it is unchanged); their size arguments are rewritten with the local length; ``expand`` too;
-* ``cat`` along the token dim concatenates segments (a replicated operand becomes a new segment);
-  ``slice`` / ``narrow`` / ``split`` / ``chunk`` along it must cut at segment boundaries (Flux single
-  blocks split text and image back) and are rewritten with local offsets;
-* ``scaled_dot_product_attention`` with q, k, v sharded alike on dim 2 -> the pass's distributed
-  attention (a replicated full mask is permuted to the shards' order, locally); q sharded with k, v
-  replicated (cross-attention over the text) stays local SDPA;
-* known non-local cases (a reshape merging the token dim, a reduction or a softmax over it, a slice
-  inside a segment, differently sharded operands, causal attention) gather the sharded inputs first
-  (``gather_sequence``) and run replicated; an op with a sharded input that no rule knows raises
-  :class:`~dit_passes.infra.pass_base.PassError` naming the op and the node;
-* values leaving the block range are gathered (one ``all_gather``, uneven shards allowed, reordered
-  back to the original token order); everything after runs replicated.
-
-Shapes stay static: the rewritten graph is specialised to this rank (uneven shards differ by rank),
-and ``meta["val"]`` of every changed node is recomputed with the local shapes. This module is the
-analysis (:func:`analyze`, pure); :mod:`dit_passes.parallel.sequence_rewrite` applies its plan.
+A value is replicated (``None``) or :class:`Sharded` ``(dim, segments)``: for each segment
+``(id, full_length)`` in order, this rank holds its ``even_shard_sizes(full_length, world)[rank]``
+tokens. Flux's joint attention concatenates text and image, so the ranks' shards concatenate to a
+*permutation* of the sequence, which attention does not see as long as q, k, v, rotary tables and
+masks are permuted alike. From the residual streams entering block 0 (token dim 1), the shared rules
+(:mod:`~dit_passes.parallel.propagate`: broadcasting, views, cuts at segment boundaries) apply; what
+is specific here: SDPA with q, k, v sharded alike becomes the pass's distributed attention (a full
+mask is permuted to the shards' order), q sharded over replicated k, v stays local SDPA; a known
+non-local op gathers its sharded inputs and runs replicated; an op no rule knows raises a PassError
+naming it; values leaving the block range are gathered back to the original order. :func:`analyze`
+is pure; :mod:`dit_passes.parallel.sequence_rewrite` applies its plan.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -50,7 +27,7 @@ from ..infra.pass_base import PassError
 from . import op_classes as oc
 from .attention import even_shard_sizes
 from .propagate import Placement, Touches, arg as _arg, is_tensor as _is_tensor_node, map_args as _map_args
-from .propagate import moved_dim, resize_view, shape as _shape, val as _val
+from .propagate import agree, aligned_dim, moved_dim, resize_view, segment_cut, shape as _shape, val as _val, view_dims
 
 aten = torch.ops.aten
 Segment = Tuple[str, int]  # (segment id, full length)
@@ -176,16 +153,6 @@ class ShardingPlan:
     exits: List[fx.Node]
 
 
-def _prefix_map(in_shape, dim, out_shape) -> Optional[int]:
-    """Output dim holding input ``dim`` whole under a row-major reshape (same size, same prefix)."""
-    prefix, size, acc = math.prod(in_shape[:dim]), in_shape[dim], 1
-    for j, s in enumerate(out_shape):
-        if acc == prefix and s == size:
-            return j
-        acc *= s
-    return None
-
-
 class _Analysis:
     def __init__(self, gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec):
         self.gm, self.s, self.spec = gm, structure, spec
@@ -289,26 +256,17 @@ class _Analysis:
     # -- rules ---------------------------------------------------------------------------------
     def _agree(self, n):
         """(output dim, segments) every sharded input maps to; replicated full-length inputs sliced."""
-        out_nd = _val(n).dim()
-        found = None
-        for a in n.all_input_nodes:
-            lay = self.lay(a)
-            if isinstance(lay, Sharded):
-                key = (lay.dim + out_nd - _val(a).dim(), lay.segments)
-                if found is not None and found != key:
-                    raise _NonLocal(f"operands sharded differently ({found} vs {key})")
-                found = key
-        od, segs = found
-        full = sum(m for _, m in segs)
+        found = agree(n, lambda a: self.lay(a) if isinstance(self.lay(a), Sharded) else None, n.all_input_nodes,
+                      _NonLocal)
+        od, segs = found.dim, found.segments
 
         def fix(a):
-            if _is_tensor_node(a) and self.lay(a) is None:
-                j = od - (out_nd - _val(a).dim())
-                if j >= 0 and _shape(a)[j] != 1:
-                    if _shape(a)[j] != full:
-                        raise _NonLocal(f"operand '{a.name}' has {_shape(a)[j]} along the token dim, not {full}")
-                    return _Slice(a, j, segs)
-            return a
+            j = None if self.lay(a) is not None else aligned_dim(n, a, od)
+            if j is None:
+                return a
+            if _shape(a)[j] != found.full_length:
+                raise _NonLocal(f"operand '{a.name}' has {_shape(a)[j]} along the token dim, not {found.full_length}")
+            return _Slice(a, j, segs)
         return od, segs, fix
 
     def pointwise(self, n):
@@ -330,7 +288,7 @@ class _Analysis:
     def reshape(self, n):
         x = n.args[0]
         lay, ins, outs = self.lay(x), _shape(x), _shape(n)
-        j = _prefix_map(ins, lay.dim, outs)
+        j = next((e for e, _ in view_dims(ins, outs, lay.dim, [0]) if outs[e] == ins[lay.dim]), None)
         if j is None:
             raise _NonLocal(f"reshape {ins} -> {outs} merges or splits the token dim")
         new = resize_view(n, j, self.spec.local_length(lay.segments))
@@ -348,17 +306,13 @@ class _Analysis:
             self.edit(n, new)
         return Sharded(j, lay.segments)
 
-    def _segment_cut(self, lay: Sharded, cuts: Sequence[int], what: str) -> List[int]:
+    @staticmethod
+    def _segment_cut(lay: Sharded, cuts: Sequence[int], what: str) -> List[int]:
         """Indices into the segment boundaries for full-axis cut points (must all be boundaries)."""
-        bounds = [0]
-        for _, m in lay.segments:
-            bounds.append(bounds[-1] + m)
-        out = []
-        for c in cuts:
-            if c not in bounds:
-                raise _NonLocal(f"{what} cuts the token dim at {c}, inside a segment (boundaries {bounds})")
-            out.append(bounds.index(c) if not out else len(bounds) - 1 - bounds[::-1].index(c))
-        return out
+        idx = segment_cut([m for _, m in lay.segments], cuts)
+        if idx is None:
+            raise _NonLocal(f"{what} cuts the token dim at {list(cuts)}, not at segment boundaries {lay.segments}")
+        return idx
 
     def slice(self, n):
         x = n.args[0]

@@ -1,14 +1,10 @@
-"""Tensor-parallel sharding helpers: shard specs, weight slicing, view-dim mapping, segment discovery.
+"""Tensor-parallel rule table (hidden / head sharding) over the shared driver.
 
-A :class:`ShardSpec` says how a rank's local tensor relates to the full one: along ``dim`` the full
-extent is a concatenation of ``segments`` (e.g. one segment ``(H*D,)`` for a q projection, ``(32, 128)``
-for Flux single blocks' ``concat(attention, MLP)``, ``(inner, inner, inner)`` for a fused QKV), and
-rank ``r`` of ``tp`` holds the ``r``-th contiguous chunk of **each** segment, concatenated in order.
-Every other dim is whole (replicated).
-
-The free functions only compute (no graph edits, no process groups). :class:`TPRules` is the rule
-table of hidden / head sharding over the shared driver (:mod:`dit_passes.parallel.propagate`): sharded
-parameters, the spec of every value reached from a column-parallel output, inserted slices / collectives.
+A :class:`ShardSpec` ``(dim, segments)``: the full extent along ``dim`` is a concatenation of
+``segments`` (one for a q projection, three for a fused QKV, ``(attention, MLP)`` for Flux single
+blocks) and rank ``r`` holds the ``r``-th chunk of each, concatenated. Specific here: column-parallel
+weight slicing, row-parallel linears (+ all-reduce, bias after), distributed RMSNorm, heads of SDPA,
+slices of replicated operands, all-gather fallback.
 """
 from __future__ import annotations
 
@@ -23,7 +19,8 @@ import torch.fx as fx
 
 from ..infra.pass_base import PassError
 from . import op_classes as oc
-from .propagate import Placement, Propagation, Touches, broadcast_dim, moved_dim, repropagate, resize_view
+from .propagate import (Placement, Propagation, Touches, agree, aligned_dim, broadcast_dim, moved_dim, repropagate,
+                        resize_view, segment_cut, split_dim, split_sizes, view_dims)
 
 aten = torch.ops.aten
 
@@ -48,14 +45,16 @@ class ShardSpec(Placement):
         return self.full // tp
 
 
+def divisors(n: int) -> List[int]:
+    return [t for t in range(1, n + 1) if n % t == 0]
+
+
 def check_divisible(segments: Sequence[int], tp: int, what: str) -> None:
     """Raise :class:`ShardingError` naming ``what`` unless every segment divides by ``tp``."""
     bad = [s for s in segments if s % tp]
     if bad:
-        g = math.gcd(*segments)
-        valid = [t for t in range(1, g + 1) if g % t == 0]
         raise ShardingError(f"{what}: size(s) {list(segments)} are not divisible by tp={tp}; "
-                            f"tensor-parallel sizes that divide them: {valid}")
+                            f"tensor-parallel sizes that divide them: {divisors(math.gcd(*segments))}")
 
 
 def shard_along(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, tp: int) -> torch.Tensor:
@@ -71,57 +70,17 @@ def shard_along(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, t
 
 
 def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, tp: int) -> int:
-    """The output dim of a reshape ``in_shape -> out_shape`` that carries input ``dim``'s sharding.
-
-    A rank's contiguous chunk of ``dim`` stays a rectangular block after the view only when ``dim`` is
-    the outermost non-trivial dim of its group of merged/split dims, and the outermost non-trivial
-    output dim of that group is divisible by ``tp`` (e.g. ``(B, S, H*D) -> (B, S, H, D)`` shards H;
-    ``(B, S, H, D) -> (B, S, H*D)`` shards the merged dim). Otherwise :class:`ShardingError`.
-    """
-    def prefix(shape):
-        out = [1]
-        for s in shape:
-            out.append(out[-1] * int(s))
-        return out
-
-    pi, po = prefix(in_shape), prefix(out_shape)
-    if pi[-1] != po[-1]:
-        raise ShardingError(f"view {list(in_shape)} -> {list(out_shape)} changes the element count")
-    po_set = set(po)
-    a = max(t for t in range(dim + 1) if pi[t] in po_set)
-    if a != dim:
-        raise ShardingError(f"view {list(in_shape)} -> {list(out_shape)} merges dims before the sharded dim "
-                            f"{dim} into it: the shard would not be contiguous")
-    start = min(s for s in range(len(po)) if po[s] == pi[dim])
-    stop = min(t for t in range(dim + 1, len(pi)) if pi[t] in po_set)
-    end = max(s for s in range(len(po)) if po[s] == pi[stop])
-    for k in range(start, end):
-        if int(out_shape[k]) != 1:
-            if int(out_shape[k]) % tp:
-                raise ShardingError(f"view {list(in_shape)} -> {list(out_shape)}: output dim {k} of size "
-                                    f"{out_shape[k]} carries the shard but is not divisible by tp={tp}")
-            return k
-    raise ShardingError(f"view {list(in_shape)} -> {list(out_shape)}: no output dim carries the sharded dim {dim}")
-
-
-def split_sizes(node: fx.Node, full: int) -> Optional[Tuple[int, ...]]:
-    """Piece sizes of a split/chunk node applied to a dim of ``full`` elements (None: not a split)."""
-    if node.target not in oc.SPLITS:
-        return None
-    arg = node.args[1]
-    if node.target is aten.chunk.default:
-        n = int(arg)
-        c = -(-full // n)
-        sizes = [c] * (full // c) + ([full % c] if full % c else [])
-        return tuple(sizes)
-    if isinstance(arg, int):
-        return tuple([arg] * (full // arg) + ([full % arg] if full % arg else []))
-    return tuple(int(s) for s in arg)
-
-
-def split_dim(node: fx.Node) -> int:
-    d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    return int(d) % node.args[0].meta["val"].dim()
+    """The output dim of a reshape that carries input ``dim``'s even shard (:func:`~propagate.view_dims`;
+    e.g. ``(B, S, H*D) -> (B, S, H, D)`` shards H), else :class:`ShardingError`."""
+    src, dst = [int(v) for v in in_shape], [int(v) for v in out_shape]
+    what = f"view {src} -> {dst}"
+    if math.prod(src) != math.prod(dst):
+        raise ShardingError(f"{what} changes the element count")
+    for e, _ in view_dims(src, dst, dim, [src[dim] * r // tp for r in range(tp + 1)]):
+        return e
+    if all(math.prod(dst[:e]) != math.prod(src[:dim]) for e in range(len(dst))):
+        raise ShardingError(f"{what} merges dims before the sharded dim {dim} into it: the shard would not be contiguous")
+    raise ShardingError(f"{what}: the output dim that carries the shard is not divisible by tp={tp}")
 
 
 def output_segments(linear: fx.Node) -> Tuple[int, ...]:
@@ -138,9 +97,9 @@ def output_segments(linear: fx.Node) -> Tuple[int, ...]:
 
 def _segments_of(node: fx.Node, dim: int, full: int) -> List[int]:
     for u in node.users:
-        sizes = split_sizes(u, full)
-        if sizes is None or split_dim(u) != dim:
+        if u.target not in oc.SPLITS or split_dim(u) != dim:
             continue
+        sizes = split_sizes(u, full)
         out: List[int] = []
         pieces = {g.args[1]: g for g in u.users if g.target is operator.getitem}
         for i, s in enumerate(sizes):
@@ -353,16 +312,10 @@ class TPRules(Propagation):
         sizes = split_sizes(n, int(x.meta["val"].shape[dim]))
         if dim != sx.dim:
             return [sx] * len(sizes)
-        # each piece must be a run of whole segments
-        pieces, segs, acc, cur = [], list(sx.segments), 0, []
-        for size in sizes:
-            while acc < size and segs:
-                cur.append(segs.pop(0))
-                acc += cur[-1]
-            if acc != size:
-                raise ShardingError(f"split sizes {list(sizes)} cut through the sharded segments {list(sx.segments)}")
-            pieces.append(ShardSpec(dim, tuple(cur)))
-            acc, cur = 0, []
+        idx = segment_cut(sx.segments, [sum(sizes[:i]) for i in range(len(sizes) + 1)])
+        if idx is None:
+            raise ShardingError(f"split sizes {list(sizes)} cut through the sharded segments {list(sx.segments)}")
+        pieces = [ShardSpec(dim, sx.segments[i:j]) for i, j in zip(idx, idx[1:])]
         local = [p.local(self.tp) for p in pieces]
         if n.target is aten.chunk.default:
             if len(set(local)) != 1:
@@ -463,28 +416,15 @@ class TPRules(Propagation):
 
     def _pointwise(self, n: fx.Node, positions):
         """Broadcasting op: sharded inputs must agree; replicated full-size operands are sliced."""
-        nd = n.meta["val"].dim()
-        ref = None
-        for i in positions:
-            a = n.args[i]
-            s = self._s(a)
-            if s is not None:
-                s = s.with_dim(broadcast_dim(n, a, s.dim))
-                if ref is not None and ref != s:
-                    raise ShardingError(f"operands sharded differently: {ref} vs {s}")
-                ref = s
+        ref = agree(n, self._s, [n.args[i] for i in positions], ShardingError)
         if ref is None:
             return self._fallback(n, f"{n.target} with a sharded non-tensor-position input")
         new = list(n.args)
         for i in positions:
-            a = new[i]
-            if not isinstance(a, fx.Node) or self._s(a) is not None or not isinstance(a.meta.get("val"), torch.Tensor):
-                continue
-            av = a.meta["val"]
-            d = ref.dim - (nd - av.dim())
-            if d >= 0 and int(av.shape[d]) != 1:
+            d = None if self._s(new[i]) is not None else aligned_dim(n, new[i], ref.dim)
+            if d is not None:
                 if n.target is aten.copy_.default and i == 0:  # would write a shard into a full tensor
                     raise ShardingError("in-place copy of a sharded value into a replicated tensor")
-                new[i] = self._local(a, d, ref.with_dim(d), n)
+                new[i] = self._local(new[i], d, ref.with_dim(d), n)
         n.args = tuple(new)
         return ref

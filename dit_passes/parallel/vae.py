@@ -1,30 +1,16 @@
-"""VAE-P: exact spatial parallelism for diffusers VAEs (``AutoencoderKL``, ``AutoencoderKLWan``), decode and encode.
+"""VAE-P rule table: exact spatial (row) parallelism of a diffusers VAE graph over the shared driver.
 
-This module is the rule table of row sharding over the shared driver (:mod:`dit_passes.parallel.propagate`);
-the pass is :class:`dit_passes.passes.vae_parallel.VAEParallel` and the drop-in module
-``dit_passes.parallel_vae(pipe.vae, size=2)``. Every rank gets the same full latent (or image / video);
-``vae.decode(z).sample`` (or ``vae.encode(x).latent_dist.parameters``) is captured twice: on the full
-input (the single-process reference) and on this rank's slab of rows, which is rewritten so that the
-local computation is exactly the single-process one:
-
-* entry: ``aten.slice`` of the full input along height (rows split as evenly as possible; uneven
-  allowed; for encode in multiples of the downsampling factor);
-* every convolution (2-D or 3-D) taller than one row: ``dit_passes.vae_halo_exchange`` first (the rows
-  its window reaches into from the neighbouring ranks; zero rows only on the global top / bottom), then
-  the conv with no height padding. An explicit zero pad before it (stride-2 downsampling's
-  ``F.pad(x, (0, 1, 0, 1))``, Wan's causal-conv pad) folds its height part into the exchange;
-* every group norm: ``dit_passes.vae_group_stats`` -> ``all_reduce`` -> ``dit_passes.vae_group_norm_apply``
-  (global statistics, local normalisation); Wan's RMS norms (over channels) stay local;
-* nearest upsampling by an integer factor, 1x1 convs, linears, pointwise ops, time caches: local;
-* attention over the H*W tokens: keys and values (one tensor) all-gathered along tokens, local queries;
-* exit: one all-gather of the output along height.
-
-The split dim of every value and each rank's extent there are propagated through the graph and checked
-against the reference shapes; an op that would mix rows in a way the rewrite does not model raises
-``NotImplementedError`` naming it.
+The graph is captured on this rank's slab of rows (and, for checking, on the full input); the rewrite
+makes it take the full input and compute exactly the single-process result. Specific to row slabs
+(the shared rules do the rest, :mod:`~dit_passes.parallel.propagate`, :meth:`VAERules.local`):
+entry slice; a conv taller than one row gets a ``vae_halo_exchange`` and no height padding (a zero
+pad before it folds in); a group norm gets global statistics (``vae_group_stats`` -> all_reduce ->
+``vae_group_norm_apply``); attention all-gathers keys and values; the output is all-gathered. Every
+node's split is checked against the reference shapes; an op that would mix rows is refused by name.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,14 +20,20 @@ from ..infra.graph_utils import set_val
 from ..infra.pass_base import PassError
 from . import op_classes as oc
 from . import vae_ops
-from .propagate import Propagation
+from .propagate import Placement, Propagation, Touches, agree, aligned_dim, moved_dim, val as _val, view_dims
 
 __all__ = ["VAEShardingError", "shard_vae_graph", "split_rows"]
 split_rows = vae_ops.split_rows
 
 aten, c10d = oc.aten, oc.c10d
 _vae_ops = torch.ops.dit_passes
-Shard, _val = vae_ops.Shard, vae_ops._val
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard(Placement):
+    """Which dim of a value is split over the ranks, and every rank's extent along it."""
+    dim: int
+    sizes: Tuple[int, ...]
 
 
 class VAEShardingError(PassError, NotImplementedError):
@@ -64,9 +56,12 @@ class VAERules(Propagation):
         self.hpad: Dict[fx.Node, Tuple[int, int]] = {}      # pads whose height part a conv must absorb
         self.replaced: Dict[fx.Node, fx.Node] = {}
 
-    def fail(self, node: fx.Node, why: str) -> None:
+    def error(self, node: fx.Node, why: str) -> VAEShardingError:
         where = node.meta.get("dit_module_path", "?")
-        raise VAEShardingError(f"VAE-P cannot shard `{node.format_node()}` (module {where!r}): {why}")
+        return VAEShardingError(f"VAE-P cannot shard `{node.format_node()}` (module {where!r}): {why}")
+
+    def fail(self, node: fx.Node, why: str) -> None:
+        raise self.error(node, why)
 
     def emit(self, target, args, kwargs=None, like: Optional[fx.Node] = None, with_val: bool = True) -> fx.Node:
         return super().emit(target, args, kwargs, like, with_val)
@@ -133,12 +128,59 @@ class VAERules(Propagation):
             return self.attention(node)
         if t in oc.PADS:
             return self.pad(node)
-        try:
-            s = vae_ops.local_shard(node, self.sh, self.rank, self.ref.get(node.name))
-        except vae_ops.Refused as e:
-            self.fail(node, str(e))
+        s = self.local(node)
         if s is not None:
             self.sh[node] = s
+
+    def local(self, node: fx.Node) -> Optional[Shard]:
+        """The split of the output of an op that runs unchanged on each rank's slab (None: not split);
+        refuses an op that would need rows of other ranks."""
+        t, args, sh = node.target, node.args, self.sh
+        if t is aten.type_as.default:  # the other tensor only lends its dtype
+            return sh.get(args[0])
+        s, x = next(sh[a] for a in node.all_input_nodes if a in sh), args[0]
+        if t in oc.LIKE_ARG0 or t in oc.EXPANDS or oc.is_pointwise(t):
+            tensors = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+            shard = agree(node, sh.get, tensors, lambda why: self.error(node, why))
+            for a in tensors:
+                if a not in sh and aligned_dim(node, a, shard.dim) is not None:
+                    self.fail(node, f"`{a.name}` is replicated but not broadcast along the split dim")
+            return shard
+        if t in oc.SIZE_VIEWS:
+            return self.view(node, s)
+        if t is oc.GETITEM:
+            return s
+        if t in (aten.cat.default, aten.stack.default):
+            d = (int(args[1]) if len(args) > 1 else 0) % _val(node).dim()
+            if any(sh.get(a) != s for a in args[0]) or (t is aten.cat.default and d == s.dim):
+                self.fail(node, "cat along the split dim, or of split with unsplit tensors")
+            return Shard(s.dim + (1 if t is aten.stack.default and d <= s.dim else 0), s.sizes)
+        if t in oc.NEAREST_UPSAMPLES:
+            h_in, h_out = _val(x).shape[s.dim], _val(node).shape[s.dim]
+            scales = args[2] if len(args) > 2 else None
+            if s.dim != _val(x).dim() - 2 or h_out % h_in or (scales and float(scales[0]) != h_out // h_in):
+                self.fail(node, "nearest upsampling along height is local only by an integer factor")
+            return Shard(s.dim, tuple(n * (h_out // h_in) for n in s.sizes))
+        if x in sh:
+            try:
+                return s.with_dim(moved_dim(node, s.dim))
+            except Touches as why:
+                if t is aten.slice.Tensor and _val(node).shape[s.dim] == _val(x).shape[s.dim]:
+                    return s  # a slice that keeps the whole split dim
+                self.fail(node, str(why).replace("sharded", "split"))
+            except KeyError:
+                pass
+        self.fail(node, "an op this rewrite does not know to act locally on the split dim")
+
+    def view(self, node: fx.Node, s: Shard) -> Shard:
+        # the rank slabs stay slabs of an output dim (propagate.view_dims); size-1 dims make it ambiguous
+        # where this rank has one row: the single-process shape decides
+        src, dst, ref = list(_val(node.args[0]).shape), list(_val(node).shape), self.ref.get(node.name)
+        for e, cuts in view_dims(src, dst, s.dim, [sum(s.sizes[:j]) for j in range(len(s.sizes) + 1)]):
+            sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+            if sizes[self.rank] == dst[e] and (ref is None or list(ref) == dst[:e] + [sum(sizes)] + dst[e + 1:]):
+                return Shard(e, sizes)
+        self.fail(node, f"a view {src} -> {dst} that does not keep the rank slabs of dim {s.dim} whole")
 
     def pad(self, node: fx.Node) -> None:
         x, pads = node.args[0], [int(p) for p in node.args[1]]

@@ -1,49 +1,25 @@
-"""Custom ops the VAE-parallel rewrite (:mod:`dit_passes.parallel.vae`) inserts into a captured graph.
-
-A VAE graph sharded along height runs each rank on a horizontal slab of every activation. Three kinds
-of node need more than the local slab; they become these ops (printed as ``dit_passes.vae_*``):
-
-* ``dit_passes::vae_halo_exchange`` -- before a convolution taller than one row: receive the boundary
-  rows the convolution window reaches into from the neighbouring ranks (point-to-point, one
-  ``batch_isend_irecv`` per call, like ``dit_passes::ring_exchange``), and pad with zero rows on the
-  global top / bottom edge only. The convolution then runs with no padding along height.
-* ``dit_passes::vae_group_stats`` + ``_c10d_functional.all_reduce`` + ``dit_passes::vae_group_norm_apply``
-  -- a group norm whose statistics are summed over the ranks. The stats op returns, per (batch,
-  group), ``[count, sum, sum of squares]`` in float64 built from a stable local ``var_mean``; after
-  the all-reduce the global mean and variance follow without cancellation, and the apply op normalises
-  the local slab. Exact up to float rounding.
-
-The all-gathers (attention keys/values, the output) are plain functional-collective nodes
-(``_c10d_functional.all_gather_into_tensor`` + ``wait_tensor``) emitted by the rewrite.
-
-Every other op runs unchanged on the slab; :func:`local_shard` says where the split dim of its output
-is (views, transposes, reductions over other dims, nearest upsampling...) or refuses the op.
-
-Groups are passed by name and resolved at call time, so a rewritten graph prints and deep-copies like
-an ATen graph. The ops have fake kernels: export / ``torch.compile`` see one opaque node each.
+"""The custom ops VAE-P inserts (``dit_passes::vae_halo_exchange``: neighbours' boundary rows, zeros on
+the global edges, one ``batch_isend_irecv``; ``vae_group_stats`` / ``vae_group_norm_apply``: float64
+``[count, sum, sum of squares]`` per (batch, group), all-reduced, then local normalisation), the row
+split and the activation accounting of the report.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
 from . import op_classes as oc
-from .propagate import Placement, Touches, moved_dim
+from .collectives import resolve_group
+from .propagate import val as _val
 
 __all__ = ["halo_exchange", "group_stats", "group_norm_apply", "halo_rows", "split_rows", "activation_memory",
-           "census", "Shard", "Refused", "local_shard"]
+           "census"]
 
 aten = torch.ops.aten
-
-
-def _group(name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(name)
 
 
 def halo_rows(rank: int, world: int, before: int, after: int, edge_before: int, edge_after: int) -> tuple:
@@ -65,7 +41,7 @@ def halo_exchange(x: torch.Tensor, dim: int, before: int, after: int, edge_befor
     rank appends ``edge_after`` zero rows instead (the convolution's global padding). Every rank
     passes the same arguments: rank r sends its first ``after`` rows to r - 1 and its last ``before``
     rows to r + 1, all in one ``batch_isend_irecv``."""
-    group = _group(group_name)
+    group = resolve_group(group_name)
     rank, world = group.rank(), group.size()
     top_n, bottom_n = halo_rows(rank, world, before, after, edge_before, edge_after)
     top = _zeros_like_rows(x, dim, top_n)
@@ -93,7 +69,7 @@ def halo_exchange(x: torch.Tensor, dim: int, before: int, after: int, edge_befor
 
 @halo_exchange.register_fake
 def _(x, dim, before, after, edge_before, edge_after, group_name):
-    group = _group(group_name)
+    group = resolve_group(group_name)
     top_n, bottom_n = halo_rows(group.rank(), group.size(), before, after, edge_before, edge_after)
     shape = list(x.shape)
     shape[dim] += top_n + bottom_n
@@ -151,99 +127,6 @@ def group_norm_apply(x: torch.Tensor, stats: torch.Tensor, num_groups: int, weig
 @group_norm_apply.register_fake
 def _(x, stats, num_groups, weight, bias, eps):
     return torch.empty_like(x)
-
-
-# --- where the split dim goes through local ops -----------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard(Placement):
-    """Which dim of a value is split over the ranks, and every rank's extent along it."""
-    dim: int
-    sizes: Tuple[int, ...]
-
-
-class Refused(Exception):
-    """The op cannot run on the slabs as they are; the message says why."""
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
-def local_shard(node: fx.Node, sh: Dict[fx.Node, Shard], rank: int,
-                ref: Optional[Sequence[int]] = None) -> Optional[Shard]:
-    """The split of ``node``'s output (None: not split), for an op that runs unchanged on each rank's
-    slab (``sh``: the split of the inputs; ``ref``: the node's shape in the single-process graph).
-    Raises :class:`Refused` for an op that would need rows of other ranks."""
-    t, args = node.target, node.args
-    if t is aten.type_as.default:  # the other tensor only lends its dtype
-        return sh.get(args[0])
-    s = next(sh[a] for a in node.all_input_nodes if a in sh)
-    x = args[0]
-    if t in oc.LIKE_ARG0 or t in oc.EXPANDS or oc.is_pointwise(t):
-        return _pointwise(node, sh)
-    if t in oc.SIZE_VIEWS:
-        return _view(node, s, rank, ref)
-    if t is oc.GETITEM:
-        return s
-    if t in (aten.cat.default, aten.stack.default):
-        d = (int(args[1]) if len(args) > 1 else 0) % _val(node).dim()
-        if any(sh.get(a) != s for a in args[0]) or (t is aten.cat.default and d == s.dim):
-            raise Refused("cat along the split dim, or of split with unsplit tensors")
-        return Shard(s.dim + (1 if t is aten.stack.default and d <= s.dim else 0), s.sizes)
-    if t in oc.NEAREST_UPSAMPLES:
-        h_in, h_out = _val(x).shape[s.dim], _val(node).shape[s.dim]
-        scales = args[2] if len(args) > 2 else None
-        if s.dim != _val(x).dim() - 2 or h_out % h_in or (scales and float(scales[0]) != h_out // h_in):
-            raise Refused("nearest upsampling along height is local only by an integer factor")
-        return Shard(s.dim, tuple(n * (h_out // h_in) for n in s.sizes))
-    if x in sh:
-        try:
-            return s.with_dim(moved_dim(node, s.dim))
-        except Touches as why:
-            if t is aten.slice.Tensor and _val(node).shape[s.dim] == _val(x).shape[s.dim]:
-                return s  # a slice that keeps the whole split dim
-            raise Refused(str(why).replace("sharded", "split")) from None
-        except KeyError:
-            pass
-    raise Refused("an op this rewrite does not know to act locally on the split dim")
-
-
-def _pointwise(node: fx.Node, sh: Dict[fx.Node, Shard]) -> Shard:
-    out_ndim, shard = _val(node).dim(), None
-    tensors = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-    for a in tensors:
-        if a in sh:
-            s = Shard(sh[a].dim + out_ndim - _val(a).dim(), sh[a].sizes)
-            if shard is not None and s != shard:
-                raise Refused(f"inputs split differently ({shard} vs {s})")
-            shard = s
-    for a in tensors:
-        idx = shard.dim - (out_ndim - _val(a).dim())
-        if a not in sh and idx >= 0 and _val(a).shape[idx] != 1:
-            raise Refused(f"`{a.name}` is replicated but not broadcast along the split dim")
-    return shard
-
-
-def _view(node: fx.Node, s: Shard, rank: int, ref: Optional[Sequence[int]]) -> Shard:
-    # Rank j holds rows [start_j, start_j + n_j) of dim d: a contiguous range of the row-major flattening
-    # of dims d.. (outer dims unchanged). That range is again a slab of output dim e if the outer dims
-    # keep their product and the product of dims e+1.. divides every boundary. Size-1 dims make e
-    # ambiguous where this rank has one row: the single-process shape decides.
-    src, dst = list(_val(node.args[0]).shape), list(_val(node).shape)
-    pre, inner = math.prod(src[:s.dim]), math.prod(src[s.dim + 1:])
-    bounds = [sum(s.sizes[:j]) * inner for j in range(len(s.sizes) + 1)]
-    for e in [e for e in range(len(dst)) if math.prod(dst[:e]) == pre]:
-        inner_dst = math.prod(dst[e + 1:])
-        if all(b % inner_dst == 0 for b in bounds):
-            sizes = tuple((bounds[j + 1] - bounds[j]) // inner_dst for j in range(len(s.sizes)))
-            if sizes[rank] == dst[e] and (ref is None or list(ref) == dst[:e] + [sum(sizes)] + dst[e + 1:]):
-                return Shard(e, sizes)
-    raise Refused(f"a view {src} -> {dst} that does not keep the rank slabs of dim {s.dim} whole")
-
-
-# --- row split and graph accounting ---------------------------------------------------------------
 
 
 def split_rows(total: int, world: int, unit: int = 1) -> List[int]:

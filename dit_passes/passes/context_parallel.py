@@ -1,31 +1,20 @@
 """Context (sequence) parallelism as graph rewrites: ``Ulysses(size)``, ``Ring(size)``, ``USP(ulysses, ring)``.
 
-One process per device, the process group initialised (torchrun, Ray, or
-``dit_passes.testing.run_ranks``); every rank passes the full inputs and gets the full output::
-
-    compiled = compile_dit(transformer, passes=[passes.Ulysses(size=2)])
-    out = compiled(**full_inputs)
-
-What the rewrite does (no per-model plan: :mod:`dit_passes.parallel.sequence_sharding` derives which
-values carry the token dim from the graph): the residual streams entering block 0 are sliced to this
-rank's tokens, everything in the block range runs on the local tokens (rotary tables and masks are
-sliced or permuted locally), each attention over the sharded sequence becomes the distributed
-attention, and the streams leaving the block range are all-gathered. Zoo Flux (16 image + 8 text
+Contract: phase ``SHARD_SEQUENCE``; reads ``structure`` and invalidates it; writes the facts
+``parallel_group`` (the ranks that share the sequence: the residual cache all-reduces over it) and
+``mesh``. Every rank passes the full inputs and gets the full output; the graph is specialised to
+this rank; ``size=1`` is a no-op that says so. The rules (which values carry the token dim, no
+per-model plan) are :mod:`dit_passes.parallel.sequence_sharding`. Zoo Flux (16 image + 8 text
 tokens), before::
 
-    linear_7: "f32[1, 8, 32]" = aten.linear(encoder_hidden_states, ...)          # text stream
-    layer_norm: "f32[1, 16, 32]" = aten.layer_norm(linear, [32], ...)           # block 0, image stream
     cat_7: "f32[1, 24, 2, 16]" = aten.cat([rms_norm_2, rms_norm], 1)             # joint [text, image]
     mul_13: "f32[1, 24, 2, 16]" = aten.mul(cat_7, unsqueeze_9)                   # rotary cos
     scaled_dot_product_attention: "f32[1, 2, 24, 16]" = aten.scaled_dot_product_attention(permute, ...)
     slice_8: "f32[1, 16, 32]" = aten.slice(add_39, 1, 8, 9223372036854775807)    # image, last block
-    layer_norm_10: "f32[1, 16, 32]" = aten.layer_norm(slice_8, [32], ...)       # epilogue
 
 after ``Ulysses(size=2)``, rank 0::
 
     shard_sequence: "f32[1, 8, 32]" = shard_sequence(linear, 1, [0], [8])       # 8 of 16 image tokens
-    shard_sequence_1: "f32[1, 4, 32]" = shard_sequence(linear_7, 1, [0], [4])   # 4 of 8 text tokens
-    layer_norm: "f32[1, 8, 32]" = aten.layer_norm(shard_sequence, [32], ...)
     cat_7: "f32[1, 12, 2, 16]" = aten.cat([rms_norm_2, rms_norm], 1)             # [text shard, image shard]
     shard_sequence_2: "f32[1, 12, 1, 16]" = shard_sequence(unsqueeze_9, 1, [0, 8], [4, 8])  # same layout
     mul_13: "f32[1, 12, 2, 16]" = aten.mul(cat_7, shard_sequence_2)
@@ -33,20 +22,9 @@ after ``Ulysses(size=2)``, rank 0::
                                                               [12, 12], None, [0, 2, 1, 3])
     slice_8: "f32[1, 8, 32]" = aten.slice(add_39, 1, 4, 12, 1)                  # local segment boundary
     gather_sequence: "f32[1, 16, 32]" = gather_sequence(slice_8, 1, '0', [8, 8], [], [])   # 1 all_gather
-    layer_norm_10: "f32[1, 16, 32]" = aten.layer_norm(gather_sequence, [32], ...)
 
-(wrapper arguments: group name, per-rank token counts, scale, memory order of SDPA's output.)
-
-Per attention: Ulysses 4 all-to-alls (q, k, v, out; heads not divisible by the size are padded),
-Ring ``size - 1`` K/V exchanges, USP both (4 all-to-alls on the Ulysses group, ``ring - 1``
-exchanges on the Ring group); one all-gather per value leaving the block range. Uneven token counts
-are exact (``even_shard_sizes`` per segment). Cross-attention over replicated text (Wan) stays local.
-
-Contract: phase ``SHARD_SEQUENCE``; reads ``structure`` and invalidates it (block nodes are replaced).
-Writes the facts ``parallel_group`` (the group whose ranks share the sequence: the residual cache
-all-reduces its statistics over it) and ``mesh`` (the :class:`~dit_passes.parallel.mesh.ParallelMesh`). The graph is specialised to this rank. ``size=1``
-(``USP(1, 1)``) is a no-op that says so. Meshes are cached in the compiled module's runtime state, so
-a second input signature reuses the process groups.
+Per attention: Ulysses 4 all-to-alls, Ring ``size - 1`` K/V exchanges, USP both; one all-gather per
+value leaving the block range. Meshes are cached in the runtime state (a new signature reuses them).
 """
 from __future__ import annotations
 
@@ -60,17 +38,11 @@ from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..parallel import sequence_ops as ops
-from ..parallel.mesh import ParallelMesh, factorisations
+from ..parallel.mesh import ParallelMesh, check_ranks, factorisations
 from ..parallel.sequence_rewrite import apply_plan
 from ..parallel.sequence_sharding import AttentionDecision, SequenceShardSpec, analyze
 
 __all__ = ["Ulysses", "Ring", "USP"]
-
-
-def _check_size(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int (number of ranks), got {value!r}")
-    return value
 
 
 class _ContextParallel(Pass):
@@ -78,8 +50,8 @@ class _ContextParallel(Pass):
     reads = ("structure",)
     writes = ("parallel_group", "mesh")
     invalidates = ("structure",)
-    ring_size = 1
-    ulysses_size = 1
+    ring_size = ulysses_size = 1
+    attention_groups: Tuple[str, ...] = ()  # mesh dims of the attention wrapper's group arguments
     group: Optional[dist.ProcessGroup] = None  # the ranks that share the sequence (default: the world)
 
     def config_items(self) -> Dict[str, Any]:
@@ -128,78 +100,61 @@ class _ContextParallel(Pass):
         return PassResult(True, counts, report)
 
     def _builder(self, mesh: ParallelMesh):
-        raise NotImplementedError
+        """Inserts the wrapper named like the pass, on the mesh groups it names, for each attention."""
+        op = getattr(ops, f"{self.name}_attention")
+        groups = [mesh.group(d).group_name for d in self.attention_groups]
+
+        def build(g: fx.Graph, d: AttentionDecision, qkvm: Tuple, sizes: Tuple[int, ...]) -> fx.Node:
+            return g.call_function(op, (*qkvm, *groups, list(sizes), d.scale, list(d.out_order)))
+        return build
 
 
-class Ulysses(_ContextParallel):
+class _OneAxis(_ContextParallel):
+    """Context parallelism over ``size`` ranks of one kind: sets ``<name>_size``."""
+
+    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
+        self.group = group
+        setattr(self, f"{self.name}_size", check_ranks(f"{type(self).__name__}(size)", size))
+
+    def config_items(self) -> Dict[str, Any]:
+        return {"size": getattr(self, f"{self.name}_size")}
+
+
+class Ulysses(_OneAxis):
     """DeepSpeed-Ulysses sequence parallelism over ``size`` ranks (all-to-all heads <-> sequence)."""
 
     name = "ulysses"
-
-    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
-        self.group = group
-        self.ulysses_size = _check_size("Ulysses(size)", size)
-
-    def config_items(self) -> Dict[str, Any]:
-        return {"size": self.ulysses_size}
-
-    def _builder(self, mesh: ParallelMesh):
-        group = mesh.group("ulysses").group_name
-
-        def build(g: fx.Graph, d: AttentionDecision, qkvm: Tuple, sizes: Tuple[int, ...]) -> fx.Node:
-            return g.call_function(ops.ulysses_attention, (*qkvm, group, list(sizes), d.scale, list(d.out_order)))
-        return build
+    attention_groups = ("ulysses",)
 
 
-class Ring(_ContextParallel):
+class Ring(_OneAxis):
     """Ring attention over ``size`` ranks (K/V blocks rotate, log-sum-exp merge)."""
 
     name = "ring"
-
-    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None):
-        self.group = group
-        self.ring_size = _check_size("Ring(size)", size)
-
-    def config_items(self) -> Dict[str, Any]:
-        return {"size": self.ring_size}
-
-    def _builder(self, mesh: ParallelMesh):
-        group = mesh.group("ring").group_name
-
-        def build(g: fx.Graph, d: AttentionDecision, qkvm: Tuple, sizes: Tuple[int, ...]) -> fx.Node:
-            return g.call_function(ops.ring_attention, (*qkvm, group, list(sizes), d.scale, list(d.out_order)))
-        return build
+    attention_groups = ("ring",)
 
 
 class USP(_ContextParallel):
     """Unified sequence parallelism: Ulysses (inner, consecutive ranks) inside Ring, ``ulysses * ring`` ranks."""
 
     name = "usp"
+    attention_groups = ("ulysses", "ring")
 
     def __init__(self, ulysses: int, ring: int, group: Optional[dist.ProcessGroup] = None):
         self.group = group
-        self.ulysses_size = _check_size("USP(ulysses)", ulysses)
-        self.ring_size = _check_size("USP(ring)", ring)
+        self.ulysses_size = check_ranks("USP(ulysses)", ulysses)
+        self.ring_size = check_ranks("USP(ring)", ring)
 
     def config_items(self) -> Dict[str, Any]:
         return {"ulysses": self.ulysses_size, "ring": self.ring_size}
 
-    def _builder(self, mesh: ParallelMesh):
-        ug, rg = mesh.group("ulysses").group_name, mesh.group("ring").group_name
-
-        def build(g: fx.Graph, d: AttentionDecision, qkvm: Tuple, sizes: Tuple[int, ...]) -> fx.Node:
-            return g.call_function(ops.usp_attention, (*qkvm, ug, rg, list(sizes), d.scale, list(d.out_order)))
-        return build
-
 
 def describe_collectives(gm: fx.GraphModule) -> Dict[str, int]:
     """Count the context-parallel nodes in a graph by kind (what a printed graph shows)."""
-    kinds = {ops.ulysses_attention: "ulysses_attention", ops.ring_attention: "ring_attention",
-             ops.usp_attention: "usp_attention", ops.gather_sequence: "gather_sequence",
-             ops.shard_sequence: "shard_sequence", ops.permute_sequence: "permute_sequence"}
+    kinds = {getattr(ops, k): k for k in ("ulysses_attention", "ring_attention", "usp_attention", "gather_sequence",
+                                          "shard_sequence", "permute_sequence")}
     out: Dict[str, int] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in kinds:
             out[kinds[n.target]] = out.get(kinds[n.target], 0) + 1
     return out
-

@@ -1,23 +1,8 @@
-"""The one place that turns parallel sizes into passes: ``parallel_passes(ulysses, ring, tp, group)``.
-
-The front end (``ParallelismConfig.to_passes()``), :func:`hybrid_passes` and extra-module parallelism
-all build their passes here, so the Ulysses / Ring / USP choice is made once:
-
-* ``ulysses > 1`` and ``ring > 1`` -> ``USP(ulysses, ring)``; only one of them -> ``Ulysses`` / ``Ring``;
-* ``tp > 1`` -> ``TensorParallel(tp)``;
-* context x tensor parallel on one device mesh, tp innermost (as TorchTitan and the reference place it):
-  global rank ``g`` has tp coordinate ``g % tp`` and context-parallel coordinate ``g // tp``. Ranks with
-  the same cp coordinate hold the same sequence shard and split the weights; ranks with the same tp
-  coordinate hold the same weight shard and split the sequence. Each pass gets its own subgroup::
-
-    [Ulysses(2, group=<ranks {0,2} or {1,3}>), TensorParallel(2, group=<ranks {0,1} or {2,3}>)]   # 4 ranks
-
-TE-P / VAE-P / CN-P (``ParallelismConfig(extra_parallel_modules=[...])``, :func:`parallelize_extra_modules`):
-each module is replaced on that pipeline instance only: a VAE (``decode`` and a ``latent_channels``
-config) by :func:`~dit_passes.passes.vae_parallel.parallel_vae` over the whole group; a ControlNet
-(repeated DiT blocks, like its transformer) by the transformer's own parallel passes; anything else
-(text encoders: T5, Llama, Qwen, ...) by ``TensorParallel`` over the whole group, since a text
-encoder's sequence is short and its weights are what weigh.
+"""The one place that turns parallel sizes into passes (``parallel_passes``): USP when ulysses and ring
+are both > 1, else Ulysses / Ring; TensorParallel for tp > 1; both together on a (cp, tp) mesh, tp
+innermost (rank ``g``: tp coordinate ``g % tp``), each pass with its own subgroup. Extra modules
+(:func:`parallelize_extra_modules`): a VAE -> :func:`parallel_vae`, a ControlNet -> the transformer's
+passes, anything else (text encoders) -> TensorParallel over the whole group.
 """
 from __future__ import annotations
 
@@ -27,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..infra.pass_base import Pass
-from ..parallel.mesh import ParallelMesh
+from ..parallel.mesh import ParallelMesh, check_ranks
 from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .vae_parallel import parallel_vae
@@ -37,8 +22,7 @@ __all__ = ["hybrid_passes", "parallel_passes", "parallelize_extra_modules", "par
 
 def _check_sizes(who: str, **sizes: int) -> None:
     for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{who}: {name} must be a positive int, got {v!r}")
+        check_ranks(f"{who}: {name}", v)
 
 
 def _check_world(who: str, ulysses: int, ring: int, tp: int, group: Optional[dist.ProcessGroup]) -> None:

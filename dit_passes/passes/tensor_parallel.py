@@ -1,41 +1,28 @@
 """TensorParallel: Megatron-style tensor parallelism of the transformer blocks, as a graph pass.
 
-Contract
-  phase ``SHARD_WEIGHTS`` (before anything replaces the aten linears and attention it reads).
-  reads: fact ``structure`` (block discovery's linear roles); parameters as ``get_attr`` attributes
-  (the ``compile_dit`` / export front end); an initialised process group whose size is ``size``.
-  writes: facts ``tp_group`` / ``tp_size`` and ``parallel_group`` (context parallelism, a later phase,
-  replaces the latter). invalidates ``structure``
-  (head counts change).
-  guarantees: every rank passes the full inputs and gets the full (replicated) output.
+Contract: phase ``SHARD_WEIGHTS``; reads fact ``structure`` (linear roles) and invalidates it (head
+counts change); writes ``tp_group`` / ``tp_size`` / ``parallel_group``. Needs the export front end
+(parameters as ``get_attr``) and a process group of ``size`` ranks; every rank passes the full inputs
+and gets the full output; ``size=1`` is a no-op. Rules: :mod:`dit_passes.parallel.tp_sharding`.
 
-What is sharded how (from roles only, no per-model tables):
-* column-parallel (``q``/``k``/``v``/``qkv``/``mlp_up`` in blocks): weight rows and bias sliced at pass
-  time; a fused projection (QKV, gated MLP, Flux2's QKV+MLP) is sliced per component, the components
-  being the pieces the graph splits its output into (``tp_sharding.output_segments``).
-* the sharded values are then followed through the graph (views, permutes, pointwise ops, RoPE, cat,
-  split, attention over the local heads): reshape/view/unflatten/expand size arguments that carried the
-  head count or the hidden size are rewritten (heads -> heads/tp, hidden -> hidden/tp).
-* row-parallel: every linear that consumes a value sharded along its input features (``attn_out``,
-  ``mlp_down``, Flux single blocks' ``proj`` over concat(attention, MLP), sliced consistently with both
-  pieces): weight columns sliced, ``linear(x, w_shard)`` + one all-reduce (sum) + the *full* bias added
-  after the reduction (exact: the bias is added once, never divided).
-* per-head norms (RMSNorm over head_dim) stay local; an RMSNorm over the sharded hidden size (Wan's
-  norm_q/norm_k over all heads) becomes a distributed RMSNorm: local sum of squares, one all-reduce of a
-  (B, S, 1) tensor, division by the full size. A LayerNorm/GroupNorm over the sharded dim is refused.
-* replicated tensors meeting a sharded one at full size (a full-width scale, a per-head mask) are sliced
-  to the local part; an op the pass does not know gets its sharded inputs all-gathered (correct, slow;
-  counted as ``fallback_all_gather`` and named in the report).
-* AdaLN modulation linears: replicated by default (``modulation="column"``: rows sharded, output
-  all-gathered). The modulation input is one (B, C) vector per sample, so its linear is cheap next to the
-  per-token ones while an all-gather costs a latency per call; see tests / report for the measurement.
+Column-parallel linears (``q``/``k``/``v``/``qkv``/``mlp_up``; a fused projection per component) get
+their weight rows sliced; the shards are followed through the graph; a linear over a sharded input
+becomes row-parallel. Before / after (rank 0 of 2)::
 
-size=1 is a documented no-op (nothing changes, no process group is needed).
+    linear: "f32[1, 16, 64]" = aten.linear(x, to_q.weight, to_q.bias)          # to_q: 64 -> 64
+    view: "f32[1, 16, 4, 16]" = aten.view(linear, [1, 16, 4, 16])
+    linear_3: "f32[1, 16, 64]" = aten.linear(attn, to_out.weight, to_out.bias)
+
+    linear: "f32[1, 16, 32]" = aten.linear(x, to_q.weight, to_q.bias)          # rows 0..31
+    view: "f32[1, 16, 2, 16]" = aten.view(linear, [1, 16, 2, 16])              # local heads
+    linear_3 = aten.linear(attn, to_out.weight) -> all_reduce -> wait_tensor -> add(., to_out.bias)
+
+AdaLN modulation linears stay replicated (``modulation="column"``: rows sharded, output all-gathered).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -44,7 +31,8 @@ from ..analysis.blocks import get_structure
 from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
-from ..parallel.tp_sharding import TPRules
+from ..parallel.mesh import check_ranks
+from ..parallel.tp_sharding import TPRules, divisors
 
 
 class TensorParallel(Pass):
@@ -57,8 +45,7 @@ class TensorParallel(Pass):
     invalidates = ("structure",)
 
     def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, modulation: str = "replicate"):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"TensorParallel(size=...) needs a positive int, got {size!r}")
+        check_ranks("TensorParallel(size)", size)
         if modulation not in ("replicate", "column"):
             raise ValueError(f"TensorParallel(modulation=...) is 'replicate' or 'column', got {modulation!r}")
         self.size, self.group, self.modulation = size, group, modulation
@@ -144,10 +131,6 @@ def linear_bytes(gm: fx.GraphModule, sites) -> int:
     return total
 
 
-def _divisors(n: int) -> List[int]:
-    return [t for t in range(1, n + 1) if n % t == 0]
-
-
 def _check_heads(structure, tp: int) -> None:
     heads = {}
     for a in structure.attention:
@@ -158,4 +141,4 @@ def _check_heads(structure, tp: int) -> None:
     if bad:
         g = math.gcd(*[h for v in heads.values() for h in v])
         raise PassError(f"tensor_parallel size={tp}: attention head counts (q, kv) {sorted(set(bad.values()))} "
-                        f"are not divisible by {tp} (e.g. at {next(iter(bad))}); valid sizes: {_divisors(g)}")
+                        f"are not divisible by {tp} (e.g. at {next(iter(bad))}); valid sizes: {divisors(g)}")

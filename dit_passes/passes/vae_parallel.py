@@ -2,23 +2,14 @@
 
     vae = dit_passes.parallel_vae(pipe.vae, size=2)   # after init_process_group; pipe.vae = vae
 
-Contract
-  input: the graph of ``vae.decode(z).sample`` (or ``vae.encode(x).latent_dist.parameters``) captured
-  on this rank's slab of rows (``rows``: every rank's height, :func:`~dit_passes.parallel.vae_ops.split_rows`),
-  optionally with ``reference``: the same call captured on the full input (its shapes check every
-  node's split). An initialised process group of ``size`` ranks.
-  output: the graph takes the full input and returns the full output on every rank; its local
-  computation is exactly the single-process one (rules: :mod:`dit_passes.parallel.vae`).
-  counts: ``halo_exchange``, ``all_reduce`` (group norms), ``all_gather`` (attention K/V, output),
-  ``attention_gathered``. An op that would mix rows is refused by name (``VAEShardingError``, a
-  ``PassError`` that is also a ``NotImplementedError``).
-
-Before (rank 0 of 2, latent height 4, slab of 2 rows)::
+Contract: phase ``SHARD_SEQUENCE``; input the graph captured on this rank's slab of ``rows`` (and
+``reference``, the same call on the full input, whose shapes check every node); output: the graph
+takes the full input and returns the full output on every rank (rules: :mod:`dit_passes.parallel.vae`).
+Counts ``halo_exchange``, ``all_reduce``, ``all_gather``, ``attention_gathered``; an op that would mix
+rows raises ``VAEShardingError`` (a PassError and a NotImplementedError). Before / after (rank 0 of 2)::
 
     conv2d: "f32[1, 8, 2, 4]" = aten.conv2d(z, w, b, [1, 1], [1, 1])
     group_norm: "f32[1, 8, 2, 4]" = aten.group_norm(conv2d, 4, ...)
-
-after::
 
     slice_1: "f32[1, 4, 2, 4]" = aten.slice(z, 2, 0, 2)                   # z is the full latent now
     vae_halo_exchange = dit_passes.vae_halo_exchange(slice_1, 2, 1, 1, 1, 1, '0')
@@ -26,9 +17,8 @@ after::
     vae_group_stats -> all_reduce -> wait_tensor -> vae_group_norm_apply   # global statistics
     ... all_gather_into_tensor -> wait_tensor -> cat                       # the full output
 
-:class:`ParallelVAE` / :func:`parallel_vae` are the drop-in module: they capture both graphs per input
-signature and run this pass through the :class:`~dit_passes.infra.pass_manager.PassManager`
-(verified; ``ParallelVAE.explain()``).
+:class:`ParallelVAE` / :func:`parallel_vae`: the drop-in module (both captures per input signature,
+this pass run by a PassManager, ``explain()``).
 """
 from __future__ import annotations
 
@@ -43,10 +33,11 @@ from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.pass_manager import PassManager
 from ..infra.phases import Phase
 from ..parallel import vae_ops
+from ..parallel.mesh import check_ranks
+from ..parallel.propagate import val as _val
 from ..parallel.vae import shard_vae_graph
 
 __all__ = ["ParallelVAE", "VAEParallel", "parallel_vae"]
-_val = vae_ops._val
 
 
 class VAEParallel(Pass):
@@ -57,8 +48,7 @@ class VAEParallel(Pass):
 
     def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, *, rows: Optional[Sequence[int]] = None,
                  reference: Optional[fx.GraphModule] = None):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"VAEParallel: size must be a positive int, got {size!r}")
+        check_ranks("VAEParallel(size)", size)
         self.size, self.group, self.reference = size, group, reference
         self.rows = None if rows is None else [int(r) for r in rows]
 
@@ -113,18 +103,6 @@ class ParallelVAE(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["vae"], name)
-
-    @property
-    def config(self):
-        return self.vae.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.vae.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.vae.device
 
     def graph(self, kind: str, x: torch.Tensor) -> fx.GraphModule:
         """The rewritten graph for an input like ``x`` (captured on first use)."""
@@ -199,8 +177,7 @@ def parallel_vae(vae: torch.nn.Module, size: int, group: Optional[dist.ProcessGr
     ``size=1`` returns ``vae`` itself (nothing to split). Otherwise ``size`` must equal the group's size
     and a process group must be initialised. The result is a :class:`ParallelVAE`; every rank must call
     it with the same input, and every rank receives the full output."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"parallel_vae: size must be a positive int, got {size!r}")
+    check_ranks("parallel_vae(size)", size)
     if size == 1:
         return vae
     if not (dist.is_available() and dist.is_initialized()):
