@@ -14,8 +14,8 @@ graph, one Python function where
   ``load_state_dict`` and re-assigned buffers are seen; nothing is copied or cached);
 * an ATen ``OpOverload`` is called through its C++ entry point (``op._op``, what ``__call__`` does);
 * ``getitem`` is a subscript;
-* ``torch.ops.higher_order.cond(pred, t, f, ops)`` is ``t(*ops) if pred else f(*ops)`` with each branch
-  a GraphRunner: what the eager kernel of ``cond`` does (``bool(pred)``, then the branch);
+* ``torch.ops.higher_order.cond(pred, t, f, ops)`` stays the operator (dispatch modes see it: tests count
+  the conditionals taken), its branches are GraphRunners;
 * values are dropped after their last use, as FX's code does (same peak memory).
 
 The runner regenerates itself when the graph module was recompiled since (a pass or a user edited the
@@ -124,10 +124,6 @@ def _generate(gm: fx.GraphModule):
             t = n.target
             if t is operator.getitem and not n.kwargs:
                 line = f"{v} = {fmt(n.args[0])}[{fmt(n.args[1])}]"
-            elif t is _COND and not n.kwargs and len(n.args) == 4:
-                pred, t_fn, f_fn, ops = n.args
-                ops = fmt(tuple(ops))
-                line = f"{v} = {fmt(t_fn)}(*{ops}) if {fmt(pred)} else {fmt(f_fn)}(*{ops})"
             else:
                 fn = t._op if type(t) is torch._ops.OpOverload else t
                 line = f"{v} = {bind(fn, '_f')}({call_args(n.args, n.kwargs)})"
