@@ -1,11 +1,24 @@
-"""dit_passes.kernels: the Triton and CUTLASS kernels.
+"""dit_passes.kernels: the Triton and CUTLASS kernels (this folder is installed under the dit_passes namespace).
 
-This top-level folder is installed as ``dit_passes.kernels`` (pyproject.toml's ``package-dir``; an editable
-install maps it too), and is only importable under that name: run ``pip install -e .`` in a source checkout.
+When the repository root is on sys.path (a script or a Ray worker started there), ``import kernels`` would find
+this folder instead of the PyPI package ``kernels`` that transformers imports. Imported under that top-level
+name, this module therefore loads the installed package in its own place: the import system hands back whatever
+``sys.modules["kernels"]`` holds once this file has run, so the importer gets the real package (or the usual
+ModuleNotFoundError when it is not installed), never these files.
 """
-if __name__ != "dit_passes.kernels":
-    # The repository root is on sys.path (`python -m ...` or a script started there): `import kernels` found
-    # this folder instead of the PyPI package `kernels` that transformers imports.
-    raise ImportError(f"{__file__} is dit_passes.kernels, found as top-level {__name__!r} because the repository "
-                      "root is on sys.path, where it shadows the PyPI package 'kernels': run Python with -P "
-                      "(e.g. `python -P -m pytest`) or from another directory", name=__name__)
+if __name__ == "kernels":
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is None:
+        del sys.modules["kernels"]
+        raise ModuleNotFoundError("No module named 'kernels' (the folder kernels/ here is dit_passes.kernels)",
+                                  name="kernels")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module
+    _spec.loader.exec_module(_module)

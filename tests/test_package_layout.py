@@ -1,8 +1,8 @@
 """kernels/ and patterns/ reach Python only as dit_passes.kernels / dit_passes.patterns, through an install.
 
 One mechanism: the package is installed (regular or editable); a bare source checkout fails at
-``import dit_passes`` with one error that says to ``pip install -e .``; the top-level folder kernels/ never
-poses as the PyPI package ``kernels``. Also: quant/ and kernels/ import nothing from the upper layers.
+``import dit_passes`` with one error that says to ``pip install -e .``; imported as top-level ``kernels`` (the
+repository root on sys.path), the folder hands the name over to the PyPI package that transformers imports. Also: quant/ and kernels/ import nothing from the upper layers.
 """
 from __future__ import annotations
 
@@ -30,12 +30,11 @@ def test_installed_package_maps_the_top_level_folders():
     assert dit_passes.patterns.__name__ == "dit_passes.patterns"
 
 
-def test_kernels_init_does_no_sys_modules_manipulation():
+def test_no_loader_workarounds_besides_the_top_level_hand_over():
+    # kernels/__init__.py touches sys.modules only under the top-level name `kernels` (the hand-over below);
+    # nothing else loads our files by path
     src = open(os.path.join(REPO, "kernels", "__init__.py")).read()
-    names = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
-    attrs = {n.attr for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Attribute)}
-    imports = {a.name for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-    assert "sys" not in names | imports and "modules" not in attrs and "exec_module" not in attrs
+    assert src.count('if __name__ == "kernels":') == 1
     for path in ("dit_passes/quant/dispatch.py", "dit_passes/quant/custom_ops.py", "dit_passes/passes/quantize.py",
                  "kernels/w4a4_cutlass_linear.py", "kernels/w4a4_triton.py"):
         text = open(os.path.join(REPO, path)).read()
@@ -52,5 +51,8 @@ def test_bare_checkout_fails_with_one_clear_error():
 
 
 def test_top_level_kernels_is_never_this_folder():
-    r = _run(f"import sys; sys.path.insert(0, {REPO!r}); import kernels", "-P")
-    assert r.returncode != 0 and "shadows the PyPI package 'kernels'" in r.stderr and "python -P" in r.stderr
+    # the repository root on sys.path (a script or a Ray worker started there): `import kernels`, as transformers
+    # does, gets the PyPI package, not this folder
+    r = _run(f"import sys; sys.path.insert(0, {REPO!r}); import kernels; print(kernels.__file__)", "-P")
+    assert r.returncode == 0, r.stderr
+    assert not r.stdout.strip().startswith(os.path.join(REPO, "kernels")), r.stdout
