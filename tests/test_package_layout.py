@@ -2,7 +2,7 @@
 
 One mechanism: the package is installed (regular or editable); a bare source checkout fails at
 ``import dit_passes`` with one error that says to ``pip install -e .``; imported as top-level ``kernels`` (the
-repository root on sys.path), the folder hands the name over to the PyPI package that transformers imports. Also: quant/ and kernels/ import nothing from the upper layers.
+repository root on sys.path), the folder hands the name over to the PyPI package that transformers imports.
 """
 from __future__ import annotations
 
