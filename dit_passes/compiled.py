@@ -50,12 +50,7 @@ class LoweredGraph:
         args = list(flat)
         for io in facts.state_io:
             args.extend(io.inputs(runtime))
-        if self.runner is not None:
-            run = self.runner
-        elif torch.compiler.is_compiling():
-            run = self.gm  # a torch.compile around the module traces FX's plain forward, not the generated runner
-        else:
-            run = self.eager
+        run = self.runner if self.runner is not None else self.eager
         if facts.inference_only and torch.is_grad_enabled():
             # torch.cond's autograd rule re-traces both branches with fake tensors, which a graph whose
             # weights are real attributes cannot satisfy; a DiT step is inference anyway
