@@ -28,7 +28,6 @@ import torch.fx as fx
 
 from ..capture import module_class_of
 from ..infra.facts import facts_of
-from ..infra.pass_manager import register_fact_provider
 from .linear_roles import find_attention, find_linears
 from .structure import Block, BlockList, DiTStructure
 
@@ -205,4 +204,3 @@ def get_structure(gm: fx.GraphModule) -> DiTStructure:
     return facts.derived("structure", lambda: discover(gm, facts.block_lists))
 
 
-register_fact_provider("structure", get_structure)

@@ -144,7 +144,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 FACT_NAMES: FrozenSet[str] = frozenset(f.name for f in dataclasses.fields(GraphFacts))
-# Facts a provider re-derives when a reader finds them missing (analysis.blocks registers "structure").
+# Facts re-derived on demand when a reader finds them missing (analysis.blocks.get_structure for "structure").
 DERIVED_FACTS: FrozenSet[str] = frozenset({"structure"})
 
 

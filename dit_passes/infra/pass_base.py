@@ -5,7 +5,7 @@ about itself:
 
 * ``phase``       where it runs (:class:`~dit_passes.infra.phases.Phase`); the PassManager orders by phase.
 * ``reads``       the graph facts (fields of :class:`~dit_passes.infra.facts.GraphFacts`) it reads; a derived
-                  one (``"structure"``) is re-discovered first if it is missing.
+                  one (``"structure"``) is re-discovered when the pass first reads it while it is missing.
 * ``writes``      the facts it may assign or extend.
 * ``invalidates`` derived facts the rewrite makes stale (``"structure"`` when nodes of blocks were
                   replaced); they are dropped after the pass and re-derived for the next reader.

@@ -20,7 +20,7 @@ import dataclasses
 import difflib
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch.fx as fx
 
@@ -47,16 +47,6 @@ class PassRecord:
         if len(lines) > max_lines:
             lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more diff lines)"]
         return "\n".join(lines)
-
-
-# Derived fact name -> function that (re)derives it on a graph. Block discovery registers "structure".
-_FACT_PROVIDERS: Dict[str, Callable[[fx.GraphModule], None]] = {}
-
-
-def register_fact_provider(fact: str, fn: Callable[[fx.GraphModule], None]) -> None:
-    if fact not in DERIVED_FACTS:
-        raise ValueError(f"{fact!r} is not a derived fact ({sorted(DERIVED_FACTS)})")
-    _FACT_PROVIDERS[fact] = fn
 
 
 def order_passes(passes: Sequence[Pass]) -> List[Pass]:
@@ -110,12 +100,6 @@ class PassManager:
         self.verify = verify
         self.records: List[PassRecord] = []
 
-    def _derive_reads(self, gm: fx.GraphModule, p: Pass) -> None:
-        facts = facts_of(gm)
-        for fact in set(p.reads) & DERIVED_FACTS:
-            if getattr(facts, fact) is None:
-                _FACT_PROVIDERS[fact](gm)
-
     def _run_one(self, gm: fx.GraphModule, ctx: PassContext, p: Pass) -> PassResult:
         facts = facts_of(gm)
         snap = facts.snapshot()
@@ -142,7 +126,6 @@ class PassManager:
             os.makedirs(self.dump_dir, exist_ok=True)
             self._dump(gm, 0, "captured")
         for idx, p in enumerate(self.passes, start=1):
-            self._derive_reads(gm, p)
             before = gm.code
             t0 = time.perf_counter()
             result = self._run_one(gm, ctx, p)
