@@ -44,25 +44,35 @@ class LoweredGraph:
     def __post_init__(self) -> None:
         if self.eager is None:
             self.eager = GraphRunner(self.gm)
+        # The facts the call path needs, read once here: the guarded GraphFacts is for passes, and an outer
+        # torch.compile cannot trace its __getattribute__ (it would fall back to eager for the whole call).
+        facts = facts_of(self.gm)
+        self.state_io = list(facts.state_io)
+        self.inference_only = facts.inference_only
+        self.num_user_outputs = facts.num_user_outputs
 
     def run(self, flat: List[torch.Tensor], runtime: Runtime) -> List[torch.Tensor]:
-        facts = facts_of(self.gm)
         args = list(flat)
-        for io in facts.state_io:
+        for io in self.state_io:
             args.extend(io.inputs(runtime))
-        run = self.runner if self.runner is not None else self.eager
-        if facts.inference_only and torch.is_grad_enabled():
+        if self.runner is not None:
+            run = self.runner
+        elif torch.compiler.is_compiling():
+            run = self.gm  # under an outer torch.compile: FX's plain forward, which Dynamo traces in one frame
+        else:
+            run = self.eager
+        if self.inference_only and torch.is_grad_enabled():
             # torch.cond's autograd rule re-traces both branches with fake tensors, which a graph whose
             # weights are real attributes cannot satisfy; a DiT step is inference anyway
             with torch.no_grad():
                 outs = run(*args)
         else:
             outs = run(*args)
-        if not facts.state_io:
+        if not self.state_io:
             return list(outs)
-        n_user = facts.num_user_outputs if facts.num_user_outputs is not None else len(outs)
+        n_user = self.num_user_outputs if self.num_user_outputs is not None else len(outs)
         rest = outs[n_user:]
-        for io in facts.state_io:
+        for io in self.state_io:
             io.outputs(runtime, rest[:io.num_outputs])
             rest = rest[io.num_outputs:]
         return list(outs[:n_user])

@@ -229,8 +229,9 @@ class NeedsStructure(Pass):
         self.seen = seen
 
     def run(self, gm, ctx):
-        self.seen.append(facts_of(gm).structure)
-        return PassResult(False, {"blocks": len(facts_of(gm).structure.blocks)})
+        structure = get_structure(gm)  # derived on first read, again after an invalidating pass
+        self.seen.append(structure)
+        return PassResult(False, {"blocks": len(structure.blocks)})
 
 
 class InvalidatesStructure(ReluToGelu):
