@@ -102,11 +102,11 @@ def test_conditioner_rejects_bad_labels(pipe_cond):
 
 def test_sampling_is_deterministic_per_seed(pipe_cond):
     pipe, _ = pipe_cond
-    labels = list(range(10))
-    a = digits.sample(pipe, labels, seed=3)
-    b = digits.sample(pipe, labels, seed=3)
-    c = digits.sample(pipe, labels, seed=4)
-    assert a.shape == (10, 1, digits.IMAGE_SIZE, digits.IMAGE_SIZE) and a.dtype == torch.float32
+    labels = [0, 4, 7, 9]
+    a = digits.sample(pipe, labels, seed=3, steps=8)
+    b = digits.sample(pipe, labels, seed=3, steps=8)
+    c = digits.sample(pipe, labels, seed=4, steps=8)
+    assert a.shape == (4, 1, digits.IMAGE_SIZE, digits.IMAGE_SIZE) and a.dtype == torch.float32
     assert 0.0 <= a.min() and a.max() <= 1.0
     assert torch.equal(a, b)
     assert (a - c).abs().max() > 0.1  # another seed is another image, not just rounding

@@ -112,7 +112,7 @@ def test_text_encoders_and_controlnet_tensor_parallel_two_ranks():
 
 @pytest.mark.multiproc
 def test_ulysses_times_tp_hybrid_four_ranks():
-    results = run_ranks(_four_ranks, 4, timeout=300)
+    results = run_ranks(_four_ranks, 4, timeout=400)
     for rank, res in enumerate(results):
         for family in ("flux", "wan"):
             r = res[family]

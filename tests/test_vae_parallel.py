@@ -136,7 +136,7 @@ def _ranks(rank, world):
 
 @pytest.mark.multiproc
 def test_vae_decode_encode_exact_on_two_and_four_ranks():
-    results = run_ranks(_ranks, 4, timeout=240)
+    results = run_ranks(_ranks, 4, timeout=400)
     for rank, res in enumerate(results):
         for case, size in (("world", 4), ("pair", 2)):
             r = res[case]
