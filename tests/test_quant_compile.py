@@ -34,8 +34,8 @@ LOW_BIT = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 
 
 def quantized_nodes(graph: torch.fx.Graph) -> int:
-    """Nodes of a compiled (Dynamo) graph that compute quantized arithmetic: a quantized-linear op, or a cast
-    to a low-bit dtype (the activation quantization the fp8 forms write as plain ops)."""
+    """Nodes of a graph that compute quantized arithmetic: a quantized-linear op, or a cast to a low-bit dtype
+    (the activation quantization of the fp8 graph forms, plain ATen ops)."""
     return sum(1 for n in graph.nodes if n.op == "call_function"
                and (n.target in QUANT_OPS or n.kwargs.get("dtype") in LOW_BIT))
 
@@ -66,7 +66,7 @@ def uncompiled(flux):
     return out
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4"])  # per_tensor: regional only (CPU time)
 def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
     zm, kw = flux
     ref, replaced = uncompiled[method]
@@ -93,7 +93,7 @@ def test_regional_compile_fullgraph(flux, uncompiled, method):
     assert cnt.frame_count == 2  # one frame per template: no graph break inside a block
     # every quantized linear runs inside a compiled template (each template stands for two blocks)
     assert 2 * sum(quantized_nodes(g.graph) for g in cnt.graphs) >= replaced
-    assert not any(n.target in QUANT_OPS for n in c.graph_module.graph.nodes)  # none left in the eager graph
+    assert quantized_nodes(c.graph_module.graph) == 0  # none left in the eager graph around the templates
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
