@@ -17,7 +17,10 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
 * ``fp8`` / ``fp8_fast_accum``: ``Fp8Linear(exclude=())`` on every block linear, the AdaLN modulation ones included
   (per-channel e4m3 weights, per-token e4m3 activations quantized in the graph, ``_scaled_mm``), with
   ``DIT_PASSES_FP8_FAST_ACCUM`` = 0 / 1;
-* ``svdq_w4_op``: ``SVDQuantW4A4(rank=32, dynamic=True)`` through its custom op (``DIT_PASSES_W4A4_BACKEND=auto``:
+* ``svdq_w4_fp8`` / ``svdq_w4_fp8_fast_accum``: ``SVDQuantW4A4(rank=32, dynamic=True)`` written as W4A8 on fp8
+  tensor cores (``DIT_PASSES_W4A4_BACKEND=fp8``: the packed int4 weights expanded to e4m3 once per call with the
+  group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16);
+* ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 (``DIT_PASSES_W4A4_BACKEND=auto``:
   CUTLASS when its library is built -- ``DIT_PASSES_CUTLASS_CACHE`` -- else the Triton kernels, slow).
 
 Each row: ``first_call_s`` (capture, passes, Inductor), ``step_ms`` (median of ``--repeats`` after two warm-ups),
@@ -27,8 +30,10 @@ Each row: ``first_call_s`` (capture, passes, Inductor), ``step_ms`` (median of `
 
 Per linear (``linear_ms``), M = 4608, the four FLUX shapes K x N: ``bf16_mm`` (``torch.mm``), ``fp8`` /
 ``fp8_fast_accum`` (the pass's graph form compiled alone: activation quantization included), ``fp8_gemm``
-(``_scaled_mm`` on pre-quantized operands), ``svdq_op`` (rank 32, smoothing calibrated on the same activations);
-each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
+(``_scaled_mm`` on pre-quantized operands), ``svdq_fp8`` / ``svdq_fp8_fast_accum`` (rank 32, smoothing calibrated
+on the same activations; the W4A8 form compiled alone, weight expansion and low-rank branch included;
+``rel_err_w4a4_reference``: true W4A4's error on the same weights), ``w4_expand`` (the int4 -> e4m3 weight expansion
+alone), ``svdq_op`` (the custom op; not by default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
 with 1% outlier channels, weights as ``nn.Linear`` initialises them; bias included; ``bf16_mm``'s error is
 ``F.linear``'s, its time ``torch.mm``'s).
 Writes ``h200_quant_step.json`` / ``.md`` to ``--out`` after every row; rows not started within ``--budget-s``
@@ -53,8 +58,10 @@ TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers
                    num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True,
                    axes_dims_rope=(8, 12, 12))
 TINY = dict(img=64, txt=8, m=72, shapes=((64, 64), (64, 256), (256, 64), (320, 64)))
-ROWS = ("bf16", "fp8", "fp8_fast_accum", "svdq_w4_op")
-LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_op")
+ROWS = ("bf16", "fp8", "fp8_fast_accum", "svdq_w4_fp8", "svdq_w4_fp8_fast_accum", "svdq_w4_op")
+DEFAULT_ROWS = ROWS[:-1]
+LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_fp8", "svdq_fp8_fast_accum", "w4_expand", "svdq_op")
+DEFAULT_LINEARS = LINEARS[:-1]
 RANK = 32
 
 
@@ -82,10 +89,13 @@ def row_specs():
     from dit_passes.quant import dispatch
 
     exact, fast = {dispatch.FAST_ACCUM_ENV: "0"}, {dispatch.FAST_ACCUM_ENV: "1"}
+    w4a8 = {dispatch.BACKEND_ENV: "fp8"}
     return {
         "bf16": (lambda: [], {}),
         "fp8": (lambda: [Fp8Linear(exclude=())], exact),
         "fp8_fast_accum": (lambda: [Fp8Linear(exclude=())], fast),
+        "svdq_w4_fp8": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **exact}),
+        "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
         "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "auto", **exact}),
     }
 
@@ -168,10 +178,18 @@ def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, 
 
 
 # ------------------------------------------------------------------------------------------------ linears
+def svdq(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
+    """SVDQuant r32 of one linear, PTQ: smoothing from these activations' per-channel abs-max."""
+    from dit_passes.quant import prepare_svdquant
+
+    return prepare_svdquant(w, b, act_absmax=x.float().abs().amax(0), rank=RANK, smooth="act", dtype=x.dtype)
+
+
 def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
     """name -> (x, w, b) -> zero-argument callable computing the quantized linear (or None: not on this device)."""
-    from dit_passes.quant import dispatch, prepare_fp8, prepare_svdquant
-    from dit_passes.quant.graph_forms import LinearShape, fp8_linear_form, fp8_quantize
+    from dit_passes.quant import dispatch, prepare_fp8
+    from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, fp8_quantize, svdq_fp8_linear_form,
+                                              w4_to_e4m3)
 
     backend = "eager" if tiny else "inductor"
 
@@ -198,15 +216,30 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
         qwt, sw = f.qweight.t(), f.wscale.reshape(1, -1)
         return lambda: torch._scaled_mm(qx, qwt, scale_a=sx, scale_b=sw, bias=f.bias, out_dtype=x.dtype)
 
-    def svdq(x, w, b):  # PTQ: smoothing from these activations' channel abs-max
-        return prepare_svdquant(w, b, act_absmax=x.float().abs().amax(0), rank=RANK, smooth="act", dtype=x.dtype)
-
     def svdq_op(x, w, b):
         q = svdq(x, w, b)
         args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias)
         return lambda: torch.ops.dit_passes.svdq_w4a4_linear(x, *args)
 
+    def svdq_fp8(fast: bool):
+        def build(x, w, b):
+            q = svdq(x, w, b)
+            n, k = w.shape
+            gemm = dispatch.fp8_gemm_backend(x, n, k, "per_row")
+            shape = LinearShape.of(x, n, k, q.bias, q.wscale, rank=q.rank)
+            args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias)
+            fn = torch.compile(lambda t: svdq_fp8_linear_form(t, *args, shape, gemm, fast and gemm == "scaled_mm"),
+                               backend=backend, fullgraph=True)
+            return lambda: fn(x)
+        return build
+
+    def w4_expand(x, w, b):
+        q = svdq(x, w, b)
+        fn = torch.compile(lambda: w4_to_e4m3(q.qweight, q.wscale, q.N, q.K), backend=backend, fullgraph=True)
+        return fn
+
     return {"bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
+            "svdq_fp8": svdq_fp8(False), "svdq_fp8_fast_accum": svdq_fp8(True), "w4_expand": w4_expand,
             "svdq_op": svdq_op}
 
 
@@ -230,11 +263,21 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                 if fn is None:
                     continue
                 ms = median_ms(fn, args.linear_repeats, device, warmup=3)
+                if name == "w4_expand":  # memory-bound: packed int4 + scales read, e4m3 written
+                    res[name] = {"ms": ms, "gb_per_s": (n * k // 2 + n * k) / (ms * 1e6)}
+                    continue
                 y = torch.nn.functional.linear(x, w, b) if name == "bf16_mm" else fn()
                 res[name] = {"ms": ms, "tflops": 2 * m * n * k / (ms * 1e9), "rel_err_vs_fp32": rel_err(y.float(), ref)}
+            if any(d.startswith("svdq") for d in res):  # true W4A4 on the same weights, for the error only
+                from dit_passes.quant import svdq_w4a4_linear_reference
+                r4 = rel_err(svdq_w4a4_linear_reference(x, svdq(x, w, b)).float(), ref)
+                for d in res:
+                    if d.startswith("svdq"):
+                        res[d]["rel_err_w4a4_reference"] = r4
             base = res.get("bf16_mm", {}).get("ms")
             for v in res.values():
-                v["speedup_vs_bf16_mm"] = base / v["ms"] if base else None
+                if "tflops" in v:
+                    v["speedup_vs_bf16_mm"] = base / v["ms"] if base else None
         out[key] = res
         log("linear", key, {d: round(v["ms"], 4) for d, v in res.items()})
         cleanup(device)
@@ -274,14 +317,24 @@ def markdown(r: Dict[str, Any]) -> str:
             lines += ["", f"{k}: {r[k]}"]
     if r.get("linears"):
         designs = sorted({d for res in r["linears"].values() for d in res}, key=lambda d: (LINEARS + (d,)).index(d))
-        lines += ["", f"Per linear, M = {r['linear_m']}: ms (TFLOP/s, speedup vs bf16 mm, rel. err vs fp32)", "",
+        lines += ["", f"Per linear, M = {r['linear_m']}: ms (TFLOP/s, speedup vs bf16 mm, rel. err vs fp32; for SVDQuant "
+                  "also true W4A4's rel. err on the same weights)", "",
                   "| design | " + " | ".join(r["linears"]) + " |", "|---|" + "---|" * len(r["linears"])]
         for d in designs:
             cells = []
             for res in r["linears"].values():
                 v = res.get(d)
-                cells.append("" if v is None else f"{v['ms']:.3f} ({v['tflops']:.0f}, {v['speedup_vs_bf16_mm']:.2f}x, "
-                                                  f"{v['rel_err_vs_fp32']:.2e})")
+                if v is None:
+                    cells.append("")
+                    continue
+                extra = [f"{v['tflops']:.0f}" if "tflops" in v else f"{v['gb_per_s']:.0f} GB/s"]
+                if v.get("speedup_vs_bf16_mm") is not None:
+                    extra.append(f"{v['speedup_vs_bf16_mm']:.2f}x")
+                if "rel_err_vs_fp32" in v:
+                    extra.append(f"{v['rel_err_vs_fp32']:.2e}")
+                if "rel_err_w4a4_reference" in v:
+                    extra.append(f"W4A4 {v['rel_err_w4a4_reference']:.2e}")
+                cells.append(f"{v['ms']:.3f} ({', '.join(extra)})")
             lines.append(f"| {d} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -311,8 +364,9 @@ def build_model(config: Dict[str, Any], device: torch.device):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small model on the CPU, backend 'eager'")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"step rows, of {ROWS}")
-    ap.add_argument("--linears", default=",".join(LINEARS), help=f"per-linear designs, of {LINEARS} ('' for none)")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"step rows, of {ROWS}")
+    ap.add_argument("--linears", default=",".join(DEFAULT_LINEARS),
+                    help=f"per-linear designs, of {LINEARS} ('' for none)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--linear-repeats", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=240.0, help="start no step row after this many seconds")

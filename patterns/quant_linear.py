@@ -41,7 +41,7 @@ from torch.fx.subgraph_rewriter import ReplacedPatterns, replace_pattern_with_fi
 import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
 from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
-from dit_passes.quant.graph_forms import LinearShape, fp8_linear_form
+from dit_passes.quant.graph_forms import LinearShape, fp8_linear_form, svdq_fp8_linear_form
 
 
 def linear_pattern(x, weight, bias):
@@ -86,6 +86,24 @@ def _fp8_inline(granularity: str) -> Callable:
     return choose
 
 
+@functools.lru_cache(maxsize=None)
+def svdq_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape) -> Callable:
+    """SVDQuant's W4A8 graph form (fp8 tensor cores) for one shape and GEMM, as a replacement."""
+    def svdq_fp8_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
+        return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum)
+    return svdq_fp8_form
+
+
+def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
+    qweight = tensors["qweight"]
+    if dispatch.svdq_form(x_val, qweight) != "fp8":
+        return None
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    gemm = dispatch.fp8_gemm_backend(x_val, n, k, "per_row")
+    shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=tensors["lora_down"].shape[0])
+    return svdq_fp8_form_replacement(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
+
+
 @dataclass(frozen=True)
 class QuantKind:
     """One quantized linear: its replacement function, the op it calls and the names of its tensor arguments
@@ -102,7 +120,7 @@ class QuantKind:
 _8BIT_ARGS = ("qweight", "wscale", "bias")
 QUANT_KINDS: Dict[str, QuantKind] = {
     "svdq_w4a4": QuantKind(svdq_w4a4_replacement, torch.ops.dit_passes.svdq_w4a4_linear.default,
-                           ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias")),
+                           ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias"), _svdq_inline),
     "fp8_per_row": QuantKind(fp8_per_row_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,
                              _fp8_inline("per_row")),
     "fp8_per_tensor": QuantKind(fp8_per_tensor_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,

@@ -17,16 +17,17 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from dit_passes import compile_dit, passes
 from dit_passes.models.zoo import build
 from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
-from dit_passes.quant import prepare_fp8, prepare_int8, prepare_svdquant
+from dit_passes.quant import dispatch, prepare_fp8, prepare_int8, prepare_svdquant
 
 torch.set_num_threads(1)
 
 FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
-METHODS = {
-    "int8": lambda: Int8Linear(),
-    "fp8_per_row": lambda: Fp8Linear("per_row"),
-    "fp8_per_tensor": lambda: Fp8Linear("per_tensor"),
-    "svdq_w4a4": lambda: SVDQuantW4A4(rank=8, dynamic=True),
+METHODS = {  # name -> (pass, dispatch settings while the graph is written)
+    "int8": (lambda: Int8Linear(), {}),
+    "fp8_per_row": (lambda: Fp8Linear("per_row"), {}),
+    "fp8_per_tensor": (lambda: Fp8Linear("per_tensor"), {}),
+    "svdq_w4a4": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {}),  # the custom op (reference W4A4 on CPU)
+    "svdq_w4a8_fp8": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {dispatch.BACKEND_ENV: "fp8"}),  # graph form
 }
 QUANT_OPS = {torch.ops.dit_passes.svdq_w4a4_linear.default, torch.ops.dit_passes.fp8_linear.default,
              torch.ops.dit_passes.int8_linear.default}
@@ -45,6 +46,15 @@ def _run(module, kw):
         return module(**kw)[0]
 
 
+def _lowered(zm, kw, method, passes_after=(), **compile_kw):
+    """compile_dit(...) of ``method`` lowered now, under its dispatch settings (read when the graph is written)."""
+    make, env = METHODS[method]
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        return compile_dit(zm.model, passes=[make(), *passes_after], example_inputs=kw, **compile_kw)
+
+
 def _replaced(compiled) -> int:
     return next(r.result.counts["replaced"] for r in compiled._current().manager.records if r.name != "cleanup")
 
@@ -60,19 +70,20 @@ def uncompiled(flux):
     """{method: (output, replaced linears)} of the uncompiled quantized graphs."""
     zm, kw = flux
     out = {}
-    for name, make in METHODS.items():
-        c = compile_dit(zm.model, passes=[make()])
+    for name in METHODS:
+        c = _lowered(zm, kw, name)
         out[name] = (_run(c, kw), _replaced(c))
     return out
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4"])  # per_tensor: regional only (CPU time)
+# per_tensor and the SVDQuant fp8 form (the larger graph): regional only, to keep the file under a minute
+@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4"])
 def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
     zm, kw = flux
     ref, replaced = uncompiled[method]
     assert replaced == 34  # every block linear but the AdaLN ones
     cnt = CompileCounterWithBackend("aot_eager")
-    c = compile_dit(zm.model, passes=[METHODS[method]()], torch_compile={"backend": cnt, "fullgraph": True})
+    c = _lowered(zm, kw, method, torch_compile={"backend": cnt, "fullgraph": True})
     out = _run(c, kw)
     assert cnt.frame_count == 1 and len(cnt.graphs) == 1  # one graph, no break
     assert quantized_nodes(cnt.graphs[0].graph) >= replaced
@@ -86,7 +97,7 @@ def test_regional_compile_fullgraph(flux, uncompiled, method):
     zm, kw = flux
     ref, replaced = uncompiled[method]
     cnt = CompileCounterWithBackend("aot_eager")
-    c = compile_dit(zm.model, passes=[METHODS[method](), passes.RegionalCompile(backend=cnt)])
+    c = _lowered(zm, kw, method, [passes.RegionalCompile(backend=cnt)])
     out = _run(c, kw)
     counts = next(r.result.counts for r in c._current().manager.records if r.name == "regional_compile")
     assert counts["regions"] == 4 and counts["templates"] == 2  # 2 double + 2 single blocks, one template each kind

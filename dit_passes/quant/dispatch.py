@@ -2,7 +2,8 @@
 the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kernels`` decide nothing).
 
 * ``dit_passes::svdq_w4a4_linear`` on CUDA, :func:`use_cutlass` then :func:`w4a4_linear_with_kernel`:
-  ``DIT_PASSES_W4A4_BACKEND`` = ``triton`` | ``cutlass`` (builds the CUTLASS library if needed) | ``auto``
+  ``DIT_PASSES_W4A4_BACKEND`` = ``triton`` | ``cutlass`` (builds the CUTLASS library if needed) | ``fp8`` (the
+  linears are written as a graph form instead, below; an op that still runs does as ``auto``) | ``auto``
   (default: CUTLASS only when its library is already built and loads, then per shape from the timing table
   ``$DIT_PASSES_W4A4_TABLE`` (default ``<cutlass cache>/w4a4_backend_table.json``, written by
   ``bench/cutlass_w4a4_e2e.py``): the entry of the same (N, K) with the nearest M -- its backend and
@@ -13,7 +14,10 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   multiples of 16 (row-wise scales only with bf16 activations), else the reference.
 * The graph forms (``graph_forms.py``: plain ATen ops written into the graph by the quantize passes, decided when
   the graph is written, from x's fake value): the fp8 linears' GEMM is :func:`fp8_gemm_backend` (the same rule
-  as :func:`fp8_backend`), with ``use_fast_accum`` where ``DIT_PASSES_FP8_FAST_ACCUM=1`` (:func:`fp8_fast_accum`).
+  as :func:`fp8_backend`), with ``use_fast_accum`` where ``DIT_PASSES_FP8_FAST_ACCUM=1`` (:func:`fp8_fast_accum`);
+  SVDQuant's linears are written as the custom op (true W4A4, above) unless ``DIT_PASSES_W4A4_BACKEND=fp8``
+  (:func:`svdq_form`): then as W4A8 on fp8 tensor cores (``graph_forms.svdq_fp8_linear_form``), on any device
+  (its GEMM follows :func:`fp8_gemm_backend`: the reference on CPU).
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -37,7 +41,7 @@ from .int4 import w4a4_linear_reference
 
 BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
 FAST_ACCUM_ENV = "DIT_PASSES_FP8_FAST_ACCUM"
-BACKENDS = ("auto", "triton", "cutlass")
+BACKENDS = ("auto", "triton", "cutlass", "fp8")
 GROUP = 64
 
 
@@ -239,6 +243,13 @@ def fp8_fast_accum() -> bool:
     if s not in ("0", "1", "false", "true", ""):
         raise ValueError(f"{FAST_ACCUM_ENV}={s!r}: expected 0 or 1")
     return s in ("1", "true")
+
+
+def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
+    """How an SVDQuant linear is written into the graph: ``"fp8"`` (W4A8 on fp8 tensor cores, plain ATen ops) when
+    ``DIT_PASSES_W4A4_BACKEND=fp8``, else ``"op"`` (``dit_passes::svdq_w4a4_linear``: true W4A4, the reference
+    numerics, and the choice for GPUs with 4-bit tensor cores)."""
+    return "fp8" if backend_setting() == "fp8" else "op"
 
 
 def int8_backend(x: torch.Tensor, qweight: torch.Tensor) -> str:

@@ -16,6 +16,21 @@ fp8 linear, :func:`fp8_linear_form` (the numerics of ``fp8_int8.fp8_linear_refer
     "scaled_mm":  y = _scaled_mm(qx, qweight.T, sx, wscale [1, N], bias, out_dtype=x.dtype, use_fast_accum)
     "reference":  y = x.dtype(float(qx) @ float(qweight).T * sx * wscale + float(bias))
     y.view(*lead, N)
+
+SVDQuant weights on fp8 tensor cores, :func:`svdq_fp8_linear_form` (W4A8: the stored SVDQuant tensors, the
+activations per token in e4m3 instead of per 64-group in int4)::
+
+    xs = float(x.reshape(M, K)) * smooth_inv
+    sx, qx = the per-token e4m3 quantization of xs (as above)
+    w8, sw = w4_to_e4m3(qweight, wscale)     # once per call: int4 * group scale, rescaled per row, rounded to e4m3
+    y = GEMM(qx, sx, w8, sw, bias)            # as above, out in x.dtype
+    y = y + x.dtype(xs) @ lora_down.T @ lora_up.T     # low-rank branch in the activation dtype (addmm: one rounding)
+
+:func:`w4_to_e4m3`: ``sw[n] = 8 * max_g wscale[n, g] / 448`` maps the largest possible value (|q| <= 8) to e4m3's
+largest, and ``w8[n, k] = e4m3(q[n, k] * (wscale[n, k // 64] / sw[n]))`` is the one new rounding: e4m3 keeps 4
+significant bits, an int4 times a group-scale ratio needs up to 3 + 24 (the fp32 ratio). The other differences from
+the W4A4 reference are the activations (e4m3 per token: finer than int4 per group of 64) and the low-rank product
+rounded to the activation dtype before it is added.
 """
 from __future__ import annotations
 
@@ -25,17 +40,20 @@ from typing import Optional, Tuple
 import torch
 
 from .fp8_int8 import FP8_DTYPE, FP8_MAX
+from .int4 import GROUP_SIZE
 
 aten = torch.ops.aten
 GEMMS = ("scaled_mm", "reference")
 _F32 = torch.float32
+W4_MAX = 8.0  # largest |int4| value: -8
 
 
 @dataclass(frozen=True)
 class LinearShape:
     """The constants a form is specialised on: x's leading dims, K, N, x's dtype (the output's), whether there is
     a bias and whether it goes into ``_scaled_mm``'s epilogue (a bf16 / fp16 bias of the output dtype; otherwise
-    it is added in fp32 after the GEMM), whether the weight scale needs a cast to fp32."""
+    it is added in fp32 after the GEMM), whether the weight scale needs a cast to fp32, the rank of a low-rank
+    branch (SVDQuant; 0: none)."""
 
     lead: Tuple[int, ...]
     k: int
@@ -44,13 +62,16 @@ class LinearShape:
     has_bias: bool = False
     bias_in_epilogue: bool = False
     cast_wscale: bool = False
+    rank: int = 0
 
     @classmethod
-    def of(cls, x: torch.Tensor, n: int, k: int, bias: Optional[torch.Tensor], wscale: torch.Tensor) -> "LinearShape":
-        """The shape of a linear [K -> N] on ``x`` (a real or fake tensor) with this bias and weight scale."""
+    def of(cls, x: torch.Tensor, n: int, k: int, bias: Optional[torch.Tensor], wscale: torch.Tensor,
+           rank: int = 0) -> "LinearShape":
+        """The shape of a linear [K -> N] on ``x`` (a real or fake tensor) with this bias and weight scale; the
+        weight scale is per row (fp8: needs fp32) or per group (SVDQuant: cast by :func:`w4_to_e4m3`)."""
         epilogue = bias is not None and bias.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
         return cls(tuple(int(d) for d in x.shape[:-1]), int(k), int(n), x.dtype, bias is not None, epilogue,
-                   wscale.dtype != _F32)
+                   wscale.dtype != _F32 and wscale.dim() <= 1, int(rank))
 
     @property
     def m(self) -> int:
@@ -111,4 +132,34 @@ def fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor
     per_row = granularity == "per_row"
     qx, sx = fp8_quantize(aten._to_copy.default(_rows(x, shape), dtype=_F32), per_row)
     y = fp8_gemm(qx, sx, qweight, wscale, bias if shape.has_bias else None, shape, per_row, gemm, fast_accum)
+    return _unrows(y, shape)
+
+
+def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed int4 [N, K/2] (even k in the low nibble) and bf16 group scales [N, K/64] -> (e4m3 [N, K],
+    fp32 row scale [N]) with ``float(e4m3) * sw[n] ~= q * wscale`` (module docstring)."""
+    p = aten._to_copy.default(qweight, dtype=torch.int32)
+    lo = aten.sub.Tensor(aten.bitwise_xor.Scalar(aten.bitwise_and.Scalar(p, 15), 8), 8)  # sign-extended nibbles
+    hi = aten.sub.Tensor(aten.bitwise_xor.Scalar(aten.bitwise_and.Scalar(aten.bitwise_right_shift.Tensor_Scalar(
+        p, 4), 15), 8), 8)
+    q = aten.view.default(aten.stack.default([lo, hi], 2), [n, k // GROUP_SIZE, GROUP_SIZE])
+    ws = aten._to_copy.default(wscale, dtype=_F32)                                  # [N, G]
+    sw = aten.div.Tensor(aten.mul.Tensor(aten.amax.default(ws, [1], True), W4_MAX), FP8_MAX)   # [N, 1]
+    ratio = aten.unsqueeze.default(aten.div.Tensor(ws, sw), 2)                      # [N, G, 1]
+    w = aten.clamp.default(aten.mul.Tensor(aten._to_copy.default(q, dtype=_F32), ratio), -FP8_MAX, FP8_MAX)
+    w8 = aten._to_copy.default(aten.view.default(w, [n, k]), dtype=FP8_DTYPE)
+    return w8, aten.view.default(sw, [n])
+
+
+def svdq_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
+                         lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
+                         shape: LinearShape, gemm: str, fast_accum: bool = False) -> torch.Tensor:
+    """SVDQuant's stored tensors on fp8 tensor cores (module docstring): x [*lead, K] -> [*lead, N]."""
+    xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
+    qx, sx = fp8_quantize(xs, per_row=True)
+    w8, sw = w4_to_e4m3(qweight, wscale, shape.n, shape.k)
+    y = fp8_gemm(qx, sx, w8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
+    if shape.rank:
+        lora_act = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))
+        y = aten.addmm.default(y, lora_act, aten.t.default(lora_up))
     return _unrows(y, shape)
