@@ -24,6 +24,7 @@ e.g. for ``fp8_per_row`` on an H200::
         qx = aten._to_copy(aten.clamp(xf / sx, -448, 448), dtype=float8_e4m3fn)
         y = aten.view(aten._scaled_mm(qx, aten.t(qw), sx, aten.view(ws, [1, N]), b2, None, bfloat16, False), [B, S, N])
 
+Equal inserted nodes are merged (the forms are pure ATen ops): linears reading one activation quantize it once.
 Every inserted node gets ``meta["val"]`` when the graph carries fake values; every inserted call also the replaced
 node's ``nn_module_stack`` / ``dit_module_path`` / ``stack_trace`` and ``meta["dit_pattern"]`` (the name of the
 pattern it replaced); the node that takes the linear's place also ``meta["dit_quant"]`` (the kind).
@@ -173,9 +174,39 @@ def replace_linears(gm: fx.GraphModule, kind: str, targets: Targets) -> List[Rep
         for m in matches:
             _finish_meta(m, pattern.__name__, kind)
         done += matches
+    _share_equal_nodes(gm.graph, {n for m in done for n in m.replacements if n.op == "call_function"})
     if len(done) != len(targets):
         raise ValueError(f"{len(targets) - len(done)} selected linear node(s) did not match the aten.linear pattern")
     return done
+
+
+def _frozen(v):
+    return tuple(_frozen(a) for a in v) if isinstance(v, (list, tuple)) else v
+
+
+def _block_of(n: fx.Node) -> str:
+    """``transformer_blocks.3`` of ``transformer_blocks.3.attn.to_q`` (up to the first list index)."""
+    parts = n.meta.get("dit_module_path", "").split(".")
+    i = next((i for i, p in enumerate(parts) if p.isdigit()), len(parts) - 1)
+    return ".".join(parts[:i + 1])
+
+
+def _share_equal_nodes(graph: fx.Graph, inserted: set) -> int:
+    """Merge inserted nodes of one block that compute the same op on the same arguments (the graph forms are pure
+    ATen ops): linears reading one activation (q, k and v) then quantize it once. Never across blocks, so each
+    block keeps its own program. Returns the number of nodes removed."""
+    seen: Dict[tuple, fx.Node] = {}
+    removed = 0
+    for n in list(graph.nodes):
+        if n not in inserted:
+            continue
+        key = (_block_of(n), n.target, _frozen(n.args), _frozen(tuple(sorted(n.kwargs.items()))))
+        first = seen.setdefault(key, n)
+        if first is not n:
+            n.replace_all_uses_with(first)
+            graph.erase_node(n)
+            removed += 1
+    return removed
 
 
 def replacement_for(spec: QuantKind, node: fx.Node, tensors: Dict[str, torch.Tensor]) -> Callable:

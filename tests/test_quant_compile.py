@@ -67,12 +67,12 @@ def flux():
 
 @pytest.fixture(scope="module")
 def uncompiled(flux):
-    """{method: (output, replaced linears)} of the uncompiled quantized graphs."""
+    """{method: (output, replaced linears, quantized nodes)} of the uncompiled quantized graphs."""
     zm, kw = flux
     out = {}
     for name in METHODS:
         c = _lowered(zm, kw, name)
-        out[name] = (_run(c, kw), _replaced(c))
+        out[name] = (_run(c, kw), _replaced(c), quantized_nodes(c.graph_module.graph))
     return out
 
 
@@ -80,13 +80,13 @@ def uncompiled(flux):
 @pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4"])
 def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
     zm, kw = flux
-    ref, replaced = uncompiled[method]
-    assert replaced == 34  # every block linear but the AdaLN ones
+    ref, replaced, quantized = uncompiled[method]
+    assert replaced == 34 and quantized > 0  # every block linear but the AdaLN ones
     cnt = CompileCounterWithBackend("aot_eager")
     c = _lowered(zm, kw, method, torch_compile={"backend": cnt, "fullgraph": True})
     out = _run(c, kw)
     assert cnt.frame_count == 1 and len(cnt.graphs) == 1  # one graph, no break
-    assert quantized_nodes(cnt.graphs[0].graph) >= replaced
+    assert quantized_nodes(cnt.graphs[0].graph) == quantized  # all the quantized arithmetic is compiled
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     _run(c, kw)
     assert cnt.frame_count == 1  # no recompilation
@@ -95,15 +95,15 @@ def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_regional_compile_fullgraph(flux, uncompiled, method):
     zm, kw = flux
-    ref, replaced = uncompiled[method]
+    ref, _, quantized = uncompiled[method]
     cnt = CompileCounterWithBackend("aot_eager")
     c = _lowered(zm, kw, method, [passes.RegionalCompile(backend=cnt)])
     out = _run(c, kw)
     counts = next(r.result.counts for r in c._current().manager.records if r.name == "regional_compile")
     assert counts["regions"] == 4 and counts["templates"] == 2  # 2 double + 2 single blocks, one template each kind
     assert cnt.frame_count == 2  # one frame per template: no graph break inside a block
-    # every quantized linear runs inside a compiled template (each template stands for two blocks)
-    assert 2 * sum(quantized_nodes(g.graph) for g in cnt.graphs) >= replaced
+    # all the quantized arithmetic runs inside the compiled templates (each template stands for two blocks)
+    assert 2 * sum(quantized_nodes(g.graph) for g in cnt.graphs) == quantized
     assert quantized_nodes(c.graph_module.graph) == 0  # none left in the eager graph around the templates
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
