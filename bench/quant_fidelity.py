@@ -75,9 +75,9 @@ def pass_result(module):
 def quantized_linears(module):
     gm = module.graph_module
     out = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and str(n.target).startswith("dit_passes."):
-            out.setdefault(str(n.target), []).append(n.meta.get("dit_module_path"))
+    for n in gm.graph.nodes:  # the node that took a linear's place: an op, or the last node of a graph form
+        if n.op == "call_function" and n.meta.get("dit_quant"):
+            out.setdefault(n.meta["dit_quant"], []).append(n.meta.get("dit_module_path"))
     return out
 
 

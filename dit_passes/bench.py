@@ -52,6 +52,13 @@ def build_model(size: str, device: torch.device, dtype: torch.dtype):
 
 def make_inputs(size: str, device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:
     config, img, txt = SIZES[size]
+    return flux_inputs(config, img, txt, device, dtype)
+
+
+def flux_inputs(config: Dict[str, Any], img: int, txt: int, device: torch.device, dtype: torch.dtype
+                ) -> Dict[str, Any]:
+    """One FLUX call (batch 1): ``img`` image tokens on a square grid, ``txt`` text tokens, seeded random latents
+    and embeddings, guidance 3.5."""
     g = torch.Generator(device=device).manual_seed(0)
     side = int(img ** 0.5)
     ids = torch.zeros(side, side, 3, device=device)

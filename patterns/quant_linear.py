@@ -13,9 +13,21 @@ Per match (before -> after)::
         y = torch.ops.dit_passes.svdq_w4a4_linear.default(x, qw, ws, ld, lu, si, b2)
 
 A replacement takes the pattern's ``x`` plus the quantized tensors in the order of
-``QUANT_KINDS[kind].tensor_args`` (``bias`` may be absent: None). Every inserted node gets ``meta["val"]``
-when the graph carries fake values; the op node also the replaced node's ``nn_module_stack`` /
-``dit_module_path`` / ``stack_trace`` and ``meta["dit_pattern"]`` (the name of the pattern it replaced).
+``QUANT_KINDS[kind].tensor_args`` (``bias`` may be absent: None). A kind with an ``inline`` chooser is written as
+a graph form instead of its op where x's fake value is known: the chooser (``dispatch.py`` decides the GEMM)
+returns the replacement, plain ATen ops from ``dit_passes.quant.graph_forms`` specialised on the linear's shapes,
+e.g. for ``fp8_per_row`` on an H200::
+
+    ->  qw = self.<prefix>.qweight; ws = self.<prefix>.wscale; b2 = self.<prefix>.bias
+        xf = aten._to_copy(aten.reshape(x, [M, K]), dtype=float32)
+        sx = aten.where.ScalarSelf(aten.eq(s, 0), 1.0, s)  where  s = aten.amax(aten.abs(xf), [1], True) / 448
+        qx = aten._to_copy(aten.clamp(xf / sx, -448, 448), dtype=float8_e4m3fn)
+        y = aten.view(aten._scaled_mm(qx, aten.t(qw), sx, aten.view(ws, [1, N]), b2, None, bfloat16, False), [B, S, N])
+
+Equal inserted nodes are merged (the forms are pure ATen ops): linears reading one activation quantize it once.
+Every inserted node gets ``meta["val"]`` when the graph carries fake values; every inserted call also the replaced
+node's ``nn_module_stack`` / ``dit_module_path`` / ``stack_trace`` and ``meta["dit_pattern"]`` (the name of the
+pattern it replaced); the node that takes the linear's place also ``meta["dit_quant"]`` (the kind).
 """
 from __future__ import annotations
 
@@ -29,6 +41,8 @@ from torch.fx.subgraph_rewriter import ReplacedPatterns, replace_pattern_with_fi
 
 import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
 from dit_passes.infra.graph_utils import set_val
+from dit_passes.quant import dispatch
+from dit_passes.quant.graph_forms import LinearShape, fp8_linear_form, svdq_fp8_linear_form
 
 
 def linear_pattern(x, weight, bias):
@@ -55,22 +69,63 @@ def int8_replacement(x, qweight, wscale, bias):
     return torch.ops.dit_passes.int8_linear.default(x, qweight, wscale, bias)
 
 
+@functools.lru_cache(maxsize=None)
+def fp8_form_replacement(granularity: str, gemm: str, fast_accum: bool, shape: LinearShape) -> Callable:
+    """The fp8 linear's graph form for one shape and GEMM, as a replacement (the same function object for equal
+    arguments, so each is traced once)."""
+    def fp8_form(x, qweight, wscale, bias):
+        return fp8_linear_form(x, qweight, wscale, bias, shape, granularity, gemm, fast_accum)
+    return fp8_form
+
+
+def _fp8_inline(granularity: str) -> Callable:
+    def choose(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Callable:
+        n, k = tensors["qweight"].shape
+        gemm = dispatch.fp8_gemm_backend(x_val, n, k, granularity)
+        shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"])
+        return fp8_form_replacement(granularity, gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
+    return choose
+
+
+@functools.lru_cache(maxsize=None)
+def svdq_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape) -> Callable:
+    """SVDQuant's W4A8 graph form (fp8 tensor cores) for one shape and GEMM, as a replacement."""
+    def svdq_fp8_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
+        return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum)
+    return svdq_fp8_form
+
+
+def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
+    qweight = tensors["qweight"]
+    if dispatch.svdq_form(x_val, qweight) != "fp8":
+        return None
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    gemm = dispatch.fp8_gemm_backend(x_val, n, k, "per_row")
+    shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=tensors["lora_down"].shape[0])
+    return svdq_fp8_form_replacement(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
+
+
 @dataclass(frozen=True)
 class QuantKind:
     """One quantized linear: its replacement function, the op it calls and the names of its tensor arguments
-    after x (the keys of the prepared weight's ``tensors()``; ``bias`` may be absent)."""
+    after x (the keys of the prepared weight's ``tensors()``; ``bias`` may be absent). ``inline``, when set:
+    ``(x's fake value, tensors) -> replacement or None``, the graph form to write instead of the op (None: the
+    op)."""
 
     replacement: Callable
     op: torch._ops.OpOverload
     tensor_args: Tuple[str, ...]
+    inline: Optional[Callable[[torch.Tensor, Dict[str, torch.Tensor]], Optional[Callable]]] = None
 
 
 _8BIT_ARGS = ("qweight", "wscale", "bias")
 QUANT_KINDS: Dict[str, QuantKind] = {
     "svdq_w4a4": QuantKind(svdq_w4a4_replacement, torch.ops.dit_passes.svdq_w4a4_linear.default,
-                           ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias")),
-    "fp8_per_row": QuantKind(fp8_per_row_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS),
-    "fp8_per_tensor": QuantKind(fp8_per_tensor_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS),
+                           ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias"), _svdq_inline),
+    "fp8_per_row": QuantKind(fp8_per_row_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,
+                             _fp8_inline("per_row")),
+    "fp8_per_tensor": QuantKind(fp8_per_tensor_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,
+                                _fp8_inline("per_tensor")),
     "int8_per_row": QuantKind(int8_replacement, torch.ops.dit_passes.int8_linear.default, _8BIT_ARGS),
 }
 PATTERNS = (linear_pattern, linear_pattern_no_bias)
@@ -103,31 +158,72 @@ def replace_linears(gm: fx.GraphModule, kind: str, targets: Targets) -> List[Rep
         missing = [a for a in spec.tensor_args if a != "bias" and a not in tensors]
         if missing:
             raise KeyError(f"{kind} needs tensors {missing}; got {sorted(tensors)}")
-    replacement = traced(spec.replacement)
     done: List[ReplacedPatterns] = []
     for pattern in PATTERNS:
         def selected(match, original_graph, pattern_graph) -> bool:
             return match.returning_nodes[0] in targets
 
         def build(match, original_graph, pattern_graph) -> fx.Graph:
-            prefix, tensors = targets[match.returning_nodes[0]]
+            node = match.returning_nodes[0]
+            prefix, tensors = targets[node]
+            replacement = traced(replacement_for(spec, node, tensors))
             return _replacement_graph(gm, replacement, pattern_graph, prefix, tensors, spec)
 
         matches = replace_pattern_with_filters(gm, traced(pattern), match_filters=[selected],
                                                replacement_callback=build)
         for m in matches:
-            _finish_meta(m, pattern.__name__, spec)
+            _finish_meta(m, pattern.__name__, kind)
         done += matches
+    _share_equal_nodes(gm.graph, {n for m in done for n in m.replacements if n.op == "call_function"})
     if len(done) != len(targets):
         raise ValueError(f"{len(targets) - len(done)} selected linear node(s) did not match the aten.linear pattern")
     return done
 
 
+def _frozen(v):
+    return tuple(_frozen(a) for a in v) if isinstance(v, (list, tuple)) else v
+
+
+def _block_of(n: fx.Node) -> str:
+    """``transformer_blocks.3`` of ``transformer_blocks.3.attn.to_q`` (up to the first list index)."""
+    parts = n.meta.get("dit_module_path", "").split(".")
+    i = next((i for i, p in enumerate(parts) if p.isdigit()), len(parts) - 1)
+    return ".".join(parts[:i + 1])
+
+
+def _share_equal_nodes(graph: fx.Graph, inserted: set) -> int:
+    """Merge inserted nodes of one block that compute the same op on the same arguments (the graph forms are pure
+    ATen ops): linears reading one activation (q, k and v) then quantize it once. Never across blocks, so each
+    block keeps its own program. Returns the number of nodes removed."""
+    seen: Dict[tuple, fx.Node] = {}
+    removed = 0
+    for n in list(graph.nodes):
+        if n not in inserted:
+            continue
+        key = (_block_of(n), n.target, _frozen(n.args), _frozen(tuple(sorted(n.kwargs.items()))))
+        first = seen.setdefault(key, n)
+        if first is not n:
+            n.replace_all_uses_with(first)
+            graph.erase_node(n)
+            removed += 1
+    return removed
+
+
+def replacement_for(spec: QuantKind, node: fx.Node, tensors: Dict[str, torch.Tensor]) -> Callable:
+    """The replacement of the linear ``node``: the kind's graph form where it has one and x's fake value is known,
+    else the op's."""
+    x_val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if spec.inline is None or not isinstance(x_val, torch.Tensor):
+        return spec.replacement
+    return spec.inline(x_val, tensors) or spec.replacement
+
+
 def replace_linear_node(gm: fx.GraphModule, node: fx.Node, kind: str, tensors: Dict[str, torch.Tensor],
                         attr_prefix: str) -> fx.Node:
-    """:func:`replace_linears` for one node; returns the new op node."""
+    """:func:`replace_linears` for one node; returns the node that takes its place (the op, or the last node of
+    the graph form)."""
     (match,) = replace_linears(gm, kind, {node: (attr_prefix, tensors)})
-    return next(n for n in match.replacements if n.op == "call_function")
+    return [n for n in match.replacements if n.op == "call_function"][-1]
 
 
 def _replacement_graph(gm: fx.GraphModule, replacement: fx.GraphModule, pattern_graph: fx.Graph, prefix: str,
@@ -149,18 +245,21 @@ def _replacement_graph(gm: fx.GraphModule, replacement: fx.GraphModule, pattern_
     return g
 
 
-def _finish_meta(match: ReplacedPatterns, pattern_name: str, spec: QuantKind) -> None:
+def _finish_meta(match: ReplacedPatterns, pattern_name: str, kind: str) -> None:
     old = match.nodes_map[match.anchor]  # the replaced linear (erased, its meta still readable)
     has_val = "val" in old.meta
     for new in match.replacements:
         if new.op == "get_attr" and has_val:
             new.meta["val"] = _fake_like(old, _attr(new.graph.owning_module, new.target))
-    for new in match.replacements:
-        if new.op == "call_function" and new.target == spec.op:
-            new.meta.update({k: old.meta[k] for k in _META_KEYS if k in old.meta})
-            new.meta["dit_pattern"] = pattern_name
-            if has_val:
-                set_val(new)
+    # the rewriter lists the replacements in the order graph_copy inserted them: topological, so each node's
+    # inputs have their values before set_val runs it
+    calls = [n for n in match.replacements if n.op == "call_function"]
+    for new in calls:
+        new.meta.update({k: old.meta[k] for k in _META_KEYS if k in old.meta})
+        new.meta["dit_pattern"] = pattern_name
+        if has_val:
+            set_val(new)
+    calls[-1].meta["dit_quant"] = kind
 
 
 def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Quantization passes: the linears of the repeated blocks become W4A4 (SVDQuant), fp8 or int8 custom ops.
+"""Quantization passes: the linears of the repeated blocks become W4A4 (SVDQuant) or int8 custom ops, or fp8 ATen ops.
 
 Phase ``QUANTIZE`` (after the sharding phases, before offload and the cache). Reads ``structure`` (block
 discovery) from a graph of ``compile_dit`` (weights are attributes; the Dynamo front end passes them as
@@ -10,8 +10,10 @@ Before (one eligible linear)::
     b = self.transformer_blocks.0.attn.to_q.bias
     q = torch.ops.aten.linear.default(norm_x, w, b)
 
-After (SVDQuantW4A4; Fp8Linear / Int8Linear call ``dit_passes.fp8_linear`` / ``int8_linear`` on
-``qweight, wscale, bias``)::
+After (SVDQuantW4A4; Int8Linear calls ``dit_passes.int8_linear`` on ``qweight, wscale, bias``; Fp8Linear writes
+plain ATen ops instead of an op -- the per-token e4m3 quantization of x, then ``aten._scaled_mm(qx, qweight.T,
+sx, wscale, bias)`` on an sm_89+ GPU or the dequantized fp32 matmul elsewhere (``quant/graph_forms.py``,
+``patterns/quant_linear.py``) -- so that torch.compile fuses the quantization into x's producer)::
 
     qw = self.transformer_blocks.0.attn.to_q.qweight        # uint8 [N, K/2], two int4 per byte
     ws = self.transformer_blocks.0.attn.to_q.wscale         # bf16 [N, K/64]
@@ -303,7 +305,9 @@ class SVDQuantW4A4(_QuantizeLinears):
     gives activation-aware smoothing ``s = act_absmax**alpha / w_absmax**(1-alpha)``; ``serialize_to``
     (a directory) is required and receives ``svdq_int4_r<rank>.safetensors`` + ``.json``. DQ
     (``dynamic=True``): no calibration, smoothing from the weights only (``smooth="weight"``) unless
-    ``smooth`` says otherwise; ``serialize_to`` optional (``svdq_int4_r<rank>_dq``)."""
+    ``smooth`` says otherwise; ``serialize_to`` optional (``svdq_int4_r<rank>_dq``). The linears call
+    ``dit_passes.svdq_w4a4_linear`` (true W4A4), or with ``DIT_PASSES_W4A4_BACKEND=fp8`` are written as W4A8 on fp8
+    tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors, the Hopper design)."""
 
     name = "svdquant_w4a4"
     kind = "svdq_w4a4"
@@ -368,7 +372,8 @@ class SVDQuantW4A4(_QuantizeLinears):
 
 
 class Fp8Linear(_QuantizeLinears):
-    """fp8 e4m3 weights, dynamic fp8 activations (per token and row, or one scale each: ``granularity``)."""
+    """fp8 e4m3 weights, dynamic fp8 activations (per token and row, or one scale each: ``granularity``), written
+    as plain ATen ops (module docstring). ``exclude=()`` also takes the AdaLN modulation linears."""
 
     name = "fp8_linear"
 

@@ -2,7 +2,8 @@
 the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kernels`` decide nothing).
 
 * ``dit_passes::svdq_w4a4_linear`` on CUDA, :func:`use_cutlass` then :func:`w4a4_linear_with_kernel`:
-  ``DIT_PASSES_W4A4_BACKEND`` = ``triton`` | ``cutlass`` (builds the CUTLASS library if needed) | ``auto``
+  ``DIT_PASSES_W4A4_BACKEND`` = ``triton`` | ``cutlass`` (builds the CUTLASS library if needed) | ``fp8`` (the
+  linears are written as a graph form instead, below; an op that still runs does as ``auto``) | ``auto``
   (default: CUTLASS only when its library is already built and loads, then per shape from the timing table
   ``$DIT_PASSES_W4A4_TABLE`` (default ``<cutlass cache>/w4a4_backend_table.json``, written by
   ``bench/cutlass_w4a4_e2e.py``): the entry of the same (N, K) with the nearest M -- its backend and
@@ -11,6 +12,12 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   Triton kernels (``dit_passes.kernels.w4a4_triton``, sm_80+) when they import, else the reference.
 * ``dit_passes::fp8_linear`` on CUDA, :func:`fp8_backend`: ``torch._scaled_mm`` on sm_89+ with K and N
   multiples of 16 (row-wise scales only with bf16 activations), else the reference.
+* The graph forms (``graph_forms.py``: plain ATen ops written into the graph by the quantize passes, decided when
+  the graph is written, from x's fake value): the fp8 linears' GEMM is :func:`fp8_gemm_backend` (the same rule
+  as :func:`fp8_backend`), with ``use_fast_accum`` where ``DIT_PASSES_FP8_FAST_ACCUM=1`` (:func:`fp8_fast_accum`);
+  SVDQuant's linears are written as the custom op (true W4A4, above) unless ``DIT_PASSES_W4A4_BACKEND=fp8``
+  (:func:`svdq_form`): then as W4A8 on fp8 tensor cores (``graph_forms.svdq_fp8_linear_form``), on any device
+  (its GEMM follows :func:`fp8_gemm_backend`: the reference on CPU).
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -33,7 +40,8 @@ import torch
 from .int4 import w4a4_linear_reference
 
 BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
-BACKENDS = ("auto", "triton", "cutlass")
+FAST_ACCUM_ENV = "DIT_PASSES_FP8_FAST_ACCUM"
+BACKENDS = ("auto", "triton", "cutlass", "fp8")
 GROUP = 64
 
 
@@ -209,17 +217,39 @@ def w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias) -
 # ------------------------------------------------------------------------------------------ fp8 / int8
 def fp8_backend(x: torch.Tensor, qweight: torch.Tensor, granularity: str) -> str:
     """``"scaled_mm"`` where ``torch._scaled_mm`` handles the call, else ``"reference"``."""
+    n, k = qweight.shape
+    return fp8_gemm_backend(x, n, k, granularity)
+
+
+def fp8_gemm_backend(x: torch.Tensor, n: int, k: int, granularity: str) -> str:
+    """The GEMM of an fp8 linear [K -> N] on activations like ``x`` (a real or fake tensor): ``"scaled_mm"`` on
+    an sm_89+ GPU with K and N multiples of 16 (row-wise scales: bf16 activations only), else ``"reference"``."""
     if x.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return "reference"
     if torch.cuda.get_device_capability(x.device) < (8, 9):
         return "reference"
-    n, k = qweight.shape
     if k % 16 or n % 16:
         return "reference"
     # Row-wise scaling in cuBLASLt is only wired for bf16 output.
     ok = x.dtype == torch.bfloat16 if granularity == "per_row" else x.dtype in (torch.bfloat16, torch.float16,
                                                                                  torch.float32)
     return "scaled_mm" if ok else "reference"
+
+
+def fp8_fast_accum() -> bool:
+    """``DIT_PASSES_FP8_FAST_ACCUM=1``: ``_scaled_mm`` with ``use_fast_accum`` (sm_90's fp8 MMA accumulates in
+    reduced precision between promotions: faster, slightly less exact). Default off."""
+    s = os.environ.get(FAST_ACCUM_ENV, "0").strip().lower()
+    if s not in ("0", "1", "false", "true", ""):
+        raise ValueError(f"{FAST_ACCUM_ENV}={s!r}: expected 0 or 1")
+    return s in ("1", "true")
+
+
+def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
+    """How an SVDQuant linear is written into the graph: ``"fp8"`` (W4A8 on fp8 tensor cores, plain ATen ops) when
+    ``DIT_PASSES_W4A4_BACKEND=fp8``, else ``"op"`` (``dit_passes::svdq_w4a4_linear``: true W4A4, the reference
+    numerics, and the choice for GPUs with 4-bit tensor cores)."""
+    return "fp8" if backend_setting() == "fp8" else "op"
 
 
 def int8_backend(x: torch.Tensor, qweight: torch.Tensor) -> str:

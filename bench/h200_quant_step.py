@@ -1,0 +1,443 @@
+"""The FLUX.1-dev-size step on one H200: compiled bf16 against the quantization passes, in one process (issue 22).
+
+Run on the GPU machine from the repository root with dit_passes installed (diffusers is not needed: the model is
+``dit_passes.models.flux_plain.FluxDiT``, FLUX.1-dev's configuration with random bf16 weights)::
+
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . \\
+        && PYTHONPATH=/tmp/site python3 bench/h200_quant_step.py --out "$OUT"
+
+and on a CPU, end to end on a small model (backend "eager")::
+
+    python bench/h200_quant_step.py --tiny --out /tmp/h200_quant_step
+
+Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compile_dit`` plus ``RegionalCompile``
+(Inductor) on every row, each lowered, compiled, timed and freed before the next:
+
+* ``bf16``: no quantization;
+* ``fp8`` / ``fp8_fast_accum``: ``Fp8Linear(exclude=())`` on every block linear, the AdaLN modulation ones included
+  (per-channel e4m3 weights, per-token e4m3 activations quantized in the graph, ``_scaled_mm``), with
+  ``DIT_PASSES_FP8_FAST_ACCUM`` = 0 / 1;
+* ``svdq_w4_fp8`` / ``svdq_w4_fp8_fast_accum``: ``SVDQuantW4A4(rank=32, dynamic=True)`` written as W4A8 on fp8
+  tensor cores (``DIT_PASSES_W4A4_BACKEND=fp8``: the packed int4 weights expanded to e4m3 once per call with the
+  group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16);
+* ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 (``DIT_PASSES_W4A4_BACKEND=auto``:
+  CUTLASS when its library is built -- ``DIT_PASSES_CUTLASS_CACHE`` -- else the Triton kernels, slow).
+
+Each row: ``first_call_s`` (capture, passes, Inductor), ``step_ms`` (median of ``--repeats`` after two warm-ups),
+``rel_err_vs_bf16`` (output, Frobenius), ``weights_gib`` (tensors the lowered graph holds), ``original_only_gib``
+(the original module's weights CompiledDiT keeps besides), ``peak_gib`` (allocated, over the timed steps).
+``bf16_compiled_ms``, ``fp8_compiled_ms`` and ``svdq_w4_compiled_ms`` summarise them (the fastest fp8 / SVDQuant
+W4 r32 row, named by ``fp8_design`` / ``svdq_w4_design``); ``step_ms`` has every row's.
+
+Per linear (``linear_ms``), M = 4608, the four FLUX shapes K x N: ``bf16_mm`` (``torch.mm``), ``fp8`` /
+``fp8_fast_accum`` (the pass's graph form compiled alone: activation quantization included), ``fp8_gemm``
+(``_scaled_mm`` on pre-quantized operands), ``svdq_fp8`` / ``svdq_fp8_fast_accum`` (rank 32, smoothing calibrated
+on the same activations; the W4A8 form compiled alone, weight expansion and low-rank branch included;
+``rel_err_w4a4_reference``: true W4A4's error on the same weights), ``w4_expand`` (the int4 -> e4m3 weight expansion
+alone), ``svdq_op`` (the custom op; not by default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
+with 1% outlier channels, weights as ``nn.Linear`` initialises them; bias included; ``bf16_mm``'s error is
+``F.linear``'s, its time ``torch.mm``'s).
+Writes ``h200_quant_step.json`` / ``.md`` to ``--out`` after every row; rows not started within ``--budget-s``
+are skipped (the device call has a time limit).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+
+FULL = dict(img=4096, txt=512, m=4608, shapes=((3072, 3072), (3072, 12288), (12288, 3072), (15360, 3072)))
+TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
+                   num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True,
+                   axes_dims_rope=(8, 12, 12))
+TINY = dict(img=64, txt=8, m=72, shapes=((64, 64), (64, 256), (256, 64), (320, 64)))
+ROWS = ("bf16", "fp8", "fp8_fast_accum", "svdq_w4_fp8", "svdq_w4_fp8_fast_accum", "svdq_w4_op")
+DEFAULT_ROWS = ROWS[:-1]
+LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_fp8", "svdq_fp8_fast_accum", "w4_expand", "svdq_op")
+DEFAULT_LINEARS = LINEARS[:-1]
+RANK = 32
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+@contextlib.contextmanager
+def environ(values: Dict[str, str]):
+    """The dispatch settings of one row (read when the graph is written and, for custom ops, at each call)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def row_specs():
+    from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
+    from dit_passes.quant import dispatch
+
+    exact, fast = {dispatch.FAST_ACCUM_ENV: "0"}, {dispatch.FAST_ACCUM_ENV: "1"}
+    w4a8 = {dispatch.BACKEND_ENV: "fp8"}
+    return {
+        "bf16": (lambda: [], {}),
+        "fp8": (lambda: [Fp8Linear(exclude=())], exact),
+        "fp8_fast_accum": (lambda: [Fp8Linear(exclude=())], fast),
+        "svdq_w4_fp8": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **exact}),
+        "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
+        "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "auto", **exact}),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
+def gib(n: float) -> float:
+    return n / 2**30
+
+
+def cleanup(device: torch.device) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------------------- steps
+def tensor_bytes(tensors) -> Dict[int, int]:
+    """{data_ptr: bytes}, each storage once."""
+    return {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+
+
+def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, device) -> Dict[str, Any]:
+    from dit_passes import compile_dit
+
+    compile_kwargs = {"backend": "eager"} if args.tiny else {}
+    with environ(env), torch.no_grad():
+        t0 = time.perf_counter()
+        compiled = compile_dit(model, passes=make_passes(), torch_compile={"regional": True, **compile_kwargs})
+        out = compiled(**kw)[0]
+        sync(device)
+        first = time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        ms = median_ms(lambda: compiled(**kw), args.repeats, device)
+        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+        gm = compiled.graph_module
+        held = tensor_bytes(list(gm.parameters()) + list(gm.buffers()))
+        original = tensor_bytes(model.parameters())
+        records = compiled._current().manager.records
+        row = {"first_call_s": first, "step_ms": ms,
+               "rel_err_vs_bf16": 0.0 if ref is None else rel_err(out.float(), ref),
+               "weights_gib": gib(sum(held.values())),
+               "original_only_gib": gib(sum(b for p, b in original.items() if p not in held)),
+               "peak_gib": gib(peak), "env": env,
+               "passes": {r.name: r.result.report for r in records if r.name != "cleanup"}}
+    del compiled
+    cleanup(device)
+    return row, out.float()
+
+
+# ------------------------------------------------------------------------------------------------ linears
+def svdq(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
+    """SVDQuant r32 of one linear, PTQ: smoothing from these activations' per-channel abs-max."""
+    from dit_passes.quant import prepare_svdquant
+
+    return prepare_svdquant(w, b, act_absmax=x.float().abs().amax(0), rank=RANK, smooth="act", dtype=x.dtype)
+
+
+def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
+    """name -> (x, w, b) -> zero-argument callable computing the quantized linear (or None: not on this device)."""
+    from dit_passes.quant import dispatch, prepare_fp8
+    from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, fp8_quantize, svdq_fp8_linear_form,
+                                              w4_to_e4m3)
+
+    backend = "eager" if tiny else "inductor"
+
+    def bf16_mm(x, w, b):
+        wt = w.t()
+        return lambda: torch.mm(x, wt)
+
+    def fp8(fast: bool):
+        def build(x, w, b):
+            f = prepare_fp8(w, b)
+            n, k = w.shape
+            gemm = dispatch.fp8_gemm_backend(x, n, k, "per_row")
+            shape = LinearShape.of(x, n, k, f.bias, f.wscale)
+            fn = torch.compile(lambda t: fp8_linear_form(t, f.qweight, f.wscale, f.bias, shape, "per_row", gemm,
+                                                         fast and gemm == "scaled_mm"), backend=backend, fullgraph=True)
+            return lambda: fn(x)
+        return build
+
+    def fp8_gemm(x, w, b):
+        if dispatch.fp8_gemm_backend(x, w.shape[0], w.shape[1], "per_row") != "scaled_mm":
+            return None
+        f = prepare_fp8(w, b)
+        qx, sx = fp8_quantize(x.float(), per_row=True)
+        qwt, sw = f.qweight.t(), f.wscale.reshape(1, -1)
+        return lambda: torch._scaled_mm(qx, qwt, scale_a=sx, scale_b=sw, bias=f.bias, out_dtype=x.dtype)
+
+    def svdq_op(x, w, b):
+        q = svdq(x, w, b)
+        args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias)
+        return lambda: torch.ops.dit_passes.svdq_w4a4_linear(x, *args)
+
+    def svdq_fp8(fast: bool):
+        def build(x, w, b):
+            q = svdq(x, w, b)
+            n, k = w.shape
+            gemm = dispatch.fp8_gemm_backend(x, n, k, "per_row")
+            shape = LinearShape.of(x, n, k, q.bias, q.wscale, rank=q.rank)
+            args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias)
+            fn = torch.compile(lambda t: svdq_fp8_linear_form(t, *args, shape, gemm, fast and gemm == "scaled_mm"),
+                               backend=backend, fullgraph=True)
+            return lambda: fn(x)
+        return build
+
+    def w4_expand(x, w, b):
+        q = svdq(x, w, b)
+        fn = torch.compile(lambda: w4_to_e4m3(q.qweight, q.wscale, q.N, q.K), backend=backend, fullgraph=True)
+        return fn
+
+    return {"bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
+            "svdq_fp8": svdq_fp8(False), "svdq_fp8_fast_accum": svdq_fp8(True), "w4_expand": w4_expand,
+            "svdq_op": svdq_op}
+
+
+def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, Any]]:
+    build = linear_designs(device, args.tiny)
+    m = sizes["m"]
+    out: Dict[str, Dict[str, Any]] = {}
+    for k, n in sizes["shapes"]:
+        g = torch.Generator(device=device).manual_seed(k * 7 + n)
+        # activations with a few outlier channels (as DiT activations have), weights as nn.Linear initialises them
+        x = torch.randn(m, k, device=device, generator=g) * (1 + 8 * (torch.rand(k, device=device, generator=g) > 0.99))
+        x = x.to(torch.bfloat16)
+        w = ((torch.rand(n, k, device=device, generator=g) * 2 - 1) * k ** -0.5).to(torch.bfloat16)
+        b = ((torch.rand(n, device=device, generator=g) * 2 - 1) * k ** -0.5).to(torch.bfloat16)
+        ref = x.float() @ w.float().t() + b.float()
+        key = f"{k}x{n}"
+        res: Dict[str, Any] = {}
+        with torch.no_grad():
+            for name in designs:
+                fn = build[name](x, w, b)
+                if fn is None:
+                    continue
+                ms = median_ms(fn, args.linear_repeats, device, warmup=3)
+                if name == "w4_expand":  # memory-bound: packed int4 + scales read, e4m3 written
+                    res[name] = {"ms": ms, "gb_per_s": (n * k // 2 + n * k) / (ms * 1e6)}
+                    continue
+                y = torch.nn.functional.linear(x, w, b) if name == "bf16_mm" else fn()
+                res[name] = {"ms": ms, "tflops": 2 * m * n * k / (ms * 1e9), "rel_err_vs_fp32": rel_err(y.float(), ref)}
+            if any(d.startswith("svdq") for d in res):  # true W4A4 on the same weights, for the error only
+                from dit_passes.quant import svdq_w4a4_linear_reference
+                r4 = rel_err(svdq_w4a4_linear_reference(x, svdq(x, w, b)).float(), ref)
+                for d in res:
+                    if d.startswith("svdq"):
+                        res[d]["rel_err_w4a4_reference"] = r4
+            base = res.get("bf16_mm", {}).get("ms")
+            for v in res.values():
+                if "tflops" in v:
+                    v["speedup_vs_bf16_mm"] = base / v["ms"] if base else None
+        out[key] = res
+        log("linear", key, {d: round(v["ms"], 4) for d, v in res.items()})
+        cleanup(device)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def summarize(r: Dict[str, Any]) -> None:
+    rows = r["rows"]
+    r["step_ms"] = {name: row["step_ms"] for name, row in rows.items()}
+    if "bf16" in rows:
+        r["bf16_compiled_ms"] = rows["bf16"]["step_ms"]
+    svdq = {n: v["step_ms"] for n, v in rows.items() if n.startswith("svdq_w4")}
+    if svdq:
+        best = min(svdq, key=svdq.get)
+        r["svdq_w4_compiled_ms"], r["svdq_w4_design"] = svdq[best], best
+    fp8 = {n: v["step_ms"] for n, v in rows.items() if n.startswith("fp8")}
+    if fp8:
+        best = min(fp8, key=fp8.get)
+        r["fp8_compiled_ms"], r["fp8_design"] = fp8[best], best
+    if "bf16" in rows:
+        r["speedup_vs_bf16"] = {n: rows["bf16"]["step_ms"] / v["step_ms"] for n, v in rows.items()}
+    r["linear_ms"] = {shape: {d: v["ms"] for d, v in res.items()} for shape, res in r.get("linears", {}).items()}
+
+
+def targets(r: Dict[str, Any]) -> List[str]:
+    """Issue 22's targets, each with what this run measured."""
+    out = []
+    sp = r.get("speedup_vs_bf16", {})
+    for key, design, goal in (("fp8", r.get("fp8_design"), 1.32), ("svdq_w4", r.get("svdq_w4_design"), 1.25)):
+        if design in sp:
+            got = sp[design]
+            out.append(f"{key} step >= {goal}x compiled bf16: {got:.3f}x ({design}) -- {'met' if got >= goal else 'missed'}")
+    per = {shape: max((v["speedup_vs_bf16_mm"] or 0 for d, v in res.items() if d.startswith("svdq") and "tflops" in v),
+                      default=None) for shape, res in r.get("linears", {}).items()}
+    if per and all(v is not None for v in per.values()):
+        ok = all(v >= 1.3 for v in per.values())
+        out.append("svdq W4 linear >= 1.3x bf16 mm on each shape: "
+                   + ", ".join(f"{s} {v:.2f}x" for s, v in per.items()) + f" -- {'met' if ok else 'missed'}")
+    return out or ["(no rows to compare)"]
+
+
+def markdown(r: Dict[str, Any]) -> str:
+    lines = [f"# FLUX.1-dev-size step, quantization rows ({r['device']}, torch {r['torch']})", "",
+             f"`{r['command']}`; {r['tokens']}; RegionalCompile ({r['compile']}) on every row.", "",
+             "| row | step ms | vs bf16 | rel. err vs bf16 | weights GiB | original kept GiB | peak GiB | first call s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, v in r["rows"].items():
+        sp = r.get("speedup_vs_bf16", {}).get(name)
+        lines.append(f"| {name} | {v['step_ms']:.2f} | {'' if sp is None else f'{sp:.3f}x'} | "
+                     f"{v['rel_err_vs_bf16']:.4f} | {v['weights_gib']:.2f} | {v['original_only_gib']:.2f} | "
+                     f"{v['peak_gib']:.2f} | {v['first_call_s']:.1f} |")
+    for k in ("skipped", "errors"):
+        if r.get(k):
+            lines += ["", f"{k}: {r[k]}"]
+    lines += ["", "Against issue 22's targets:", ""] + [f"- {t}" for t in targets(r)]
+    if r.get("linears"):
+        designs = sorted({d for res in r["linears"].values() for d in res}, key=lambda d: (LINEARS + (d,)).index(d))
+        lines += ["", f"Per linear, M = {r['linear_m']}: ms (TFLOP/s, speedup vs bf16 mm, rel. err vs fp32; for SVDQuant "
+                  "also true W4A4's rel. err on the same weights)", "",
+                  "| design | " + " | ".join(r["linears"]) + " |", "|---|" + "---|" * len(r["linears"])]
+        for d in designs:
+            cells = []
+            for res in r["linears"].values():
+                v = res.get(d)
+                if v is None:
+                    cells.append("")
+                    continue
+                extra = [f"{v['tflops']:.0f}" if "tflops" in v else f"{v['gb_per_s']:.0f} GB/s"]
+                if v.get("speedup_vs_bf16_mm") is not None:
+                    extra.append(f"{v['speedup_vs_bf16_mm']:.2f}x")
+                if "rel_err_vs_fp32" in v:
+                    extra.append(f"{v['rel_err_vs_fp32']:.2e}")
+                if "rel_err_w4a4_reference" in v:
+                    extra.append(f"W4A4 {v['rel_err_w4a4_reference']:.2e}")
+                cells.append(f"{v['ms']:.3f} ({', '.join(extra)})")
+            lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def save(r: Dict[str, Any], out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    summarize(r)
+    with open(os.path.join(out, "h200_quant_step.json"), "w") as f:
+        json.dump(r, f, indent=1)
+    with open(os.path.join(out, "h200_quant_step.md"), "w") as f:
+        f.write(markdown(r))
+
+
+def build_model(config: Dict[str, Any], device: torch.device):
+    from dit_passes.models.flux_plain import FluxDiT
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialise in bf16: no fp32 copy of 12 B parameters
+    try:
+        with torch.device(device):
+            return FluxDiT(**config).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="small model on the CPU, backend 'eager'")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"step rows, of {ROWS}")
+    ap.add_argument("--linears", default=",".join(DEFAULT_LINEARS),
+                    help=f"per-linear designs, of {LINEARS} ('' for none)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--linear-repeats", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=200.0, help="start no step row after this many seconds")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    designs = [d for d in args.linears.split(",") if d]
+    unknown = sorted(set(rows) - set(ROWS)) + sorted(set(designs) - set(LINEARS))
+    if unknown:
+        ap.error(f"unknown rows / designs {unknown}")
+    t_start = time.perf_counter()
+    from dit_passes.bench import FLUX_DEV, flux_inputs
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    config, sizes = (TINY_CONFIG, TINY) if args.tiny else (FLUX_DEV, FULL)
+    torch.set_num_threads(min(torch.get_num_threads(), 2) if args.tiny else torch.get_num_threads())
+    r: Dict[str, Any] = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "torch": torch.__version__,
+                         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                         "config": dict(config), "tokens": f"{sizes['img']} image + {sizes['txt']} text tokens, batch 1",
+                         "compile": "backend eager" if args.tiny else "Inductor, default mode",
+                         "linear_m": sizes["m"], "rows": {}, "skipped": [], "errors": {}}
+    if designs:
+        r["linears"] = linear_rows(sizes, designs, args, device)
+        save(r, args.out)
+    model = build_model(config, device)
+    kw = flux_inputs(config, sizes["img"], sizes["txt"], device, torch.bfloat16)
+    specs = row_specs()
+    ref = None
+    for name in (["bf16"] if "bf16" not in rows else []) + rows:  # bf16 first: the reference output
+        if time.perf_counter() - t_start > args.budget_s:
+            r["skipped"].append(name)
+            continue
+        make_passes, env = specs[name]
+        try:
+            row, out = step_row(name, make_passes, env, model, kw, ref, args, device)
+        except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
+            r["errors"][name] = f"{type(e).__name__}: {str(e)[:500]}"
+            log(name, "FAILED", r["errors"][name])
+            cleanup(device)
+            continue
+        if ref is None:
+            ref = out
+        if name in rows:
+            r["rows"][name] = row
+            log(name, {k: v for k, v in row.items() if k not in ("passes", "env")})
+        save(r, args.out)
+    r["total_s"] = time.perf_counter() - t_start
+    save(r, args.out)
+    log(markdown(r))
+    return 0 if not r["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

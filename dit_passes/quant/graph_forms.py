@@ -1,0 +1,165 @@
+"""Quantized linears as plain ATen functions: what the quantize passes write into the graph in place of an opaque
+custom op, so that ``torch.compile`` sees the activation quantization (Inductor fuses it into the kernel that
+produces the activation) and the GEMM (``aten._scaled_mm``, bias in its epilogue).
+
+Every function here calls ``torch.ops.aten.*`` overloads only and takes its shapes as Python constants
+(:class:`LinearShape`), so ``torch.fx.symbolic_trace`` of it yields ATen ``call_function`` nodes, the form of the
+captured graph, and calling it eagerly runs the very same arithmetic (which is how the CPU tests check it).
+Which GEMM runs (``"scaled_mm"``: ``torch._scaled_mm`` on fp8 tensor cores; ``"reference"``: the dequantized
+matmul in fp32, any device) is decided by ``dispatch.py`` when the graph is written.
+
+fp8 linear, :func:`fp8_linear_form` (the numerics of ``fp8_int8.fp8_linear_reference``)::
+
+    xf = float(x.reshape(M, K))
+    sx = amax|xf| / 448 per token [M, 1] ("per_row") or over all of x [] ("per_tensor"); a zero scale becomes 1
+    qx = e4m3(clamp(xf / sx, -448, 448))
+    "scaled_mm":  y = _scaled_mm(qx, qweight.T, sx, wscale [1, N], bias, out_dtype=x.dtype, use_fast_accum)
+    "reference":  y = x.dtype(float(qx) @ float(qweight).T * sx * wscale + float(bias))
+    y.view(*lead, N)
+
+SVDQuant weights on fp8 tensor cores, :func:`svdq_fp8_linear_form` (W4A8: the stored SVDQuant tensors, the
+activations per token in e4m3 instead of per 64-group in int4)::
+
+    xs = float(x.reshape(M, K)) * smooth_inv
+    sx, qx = the per-token e4m3 quantization of xs (as above)
+    w8, sw = w4_to_e4m3(qweight, wscale)     # once per call: int4 * group scale, rescaled per row, rounded to e4m3
+    y = GEMM(qx, sx, w8, sw, bias)            # as above, out in x.dtype
+    y = y + x.dtype(xs) @ lora_down.T @ lora_up.T     # low-rank branch in the activation dtype (addmm: one rounding)
+
+:func:`w4_to_e4m3`: ``sw[n] = 8 * max_g wscale[n, g] / 448`` maps the largest possible value (|q| <= 8) to e4m3's
+largest, and ``w8[n, k] = e4m3(q[n, k] * (wscale[n, k // 64] / sw[n]))`` is the one new rounding: e4m3 keeps 4
+significant bits, an int4 times a group-scale ratio needs up to 3 + 24 (the fp32 ratio). The other differences from
+the W4A4 reference are the activations (e4m3 per token: finer than int4 per group of 64) and the low-rank product
+rounded to the activation dtype before it is added.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .fp8_int8 import FP8_DTYPE, FP8_MAX
+from .int4 import GROUP_SIZE
+
+aten = torch.ops.aten
+GEMMS = ("scaled_mm", "reference")
+_F32 = torch.float32
+W4_MAX = 8.0  # largest |int4| value: -8
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """The constants a form is specialised on: x's leading dims, K, N, x's dtype (the output's), whether there is
+    a bias and whether it goes into ``_scaled_mm``'s epilogue (a bf16 / fp16 bias of the output dtype; otherwise
+    it is added in fp32 after the GEMM), whether the weight scale needs a cast to fp32, the rank of a low-rank
+    branch (SVDQuant; 0: none)."""
+
+    lead: Tuple[int, ...]
+    k: int
+    n: int
+    dtype: torch.dtype
+    has_bias: bool = False
+    bias_in_epilogue: bool = False
+    cast_wscale: bool = False
+    rank: int = 0
+
+    @classmethod
+    def of(cls, x: torch.Tensor, n: int, k: int, bias: Optional[torch.Tensor], wscale: torch.Tensor,
+           rank: int = 0) -> "LinearShape":
+        """The shape of a linear [K -> N] on ``x`` (a real or fake tensor) with this bias and weight scale; the
+        weight scale is per row (fp8: needs fp32) or per group (SVDQuant: cast by :func:`w4_to_e4m3`)."""
+        epilogue = bias is not None and bias.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
+        return cls(tuple(int(d) for d in x.shape[:-1]), int(k), int(n), x.dtype, bias is not None, epilogue,
+                   wscale.dtype != _F32 and wscale.dim() <= 1, int(rank))
+
+    @property
+    def m(self) -> int:
+        out = 1
+        for d in self.lead:
+            out *= d
+        return out
+
+
+def _rows(x: torch.Tensor, shape: LinearShape) -> torch.Tensor:
+    return x if len(shape.lead) == 1 else aten.reshape.default(x, [shape.m, shape.k])
+
+
+def _unrows(y: torch.Tensor, shape: LinearShape) -> torch.Tensor:
+    return y if len(shape.lead) == 1 else aten.view.default(y, [*shape.lead, shape.n])
+
+
+def fp8_quantize(xf: torch.Tensor, per_row: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [M, K] -> (e4m3 [M, K], fp32 scale [M, 1] per token, or [] over the tensor)."""
+    a = aten.abs.default(xf)
+    amax = aten.amax.default(a, [1], True) if per_row else aten.amax.default(a)
+    scale = aten.div.Tensor(amax, FP8_MAX)
+    scale = aten.where.ScalarSelf(aten.eq.Scalar(scale, 0), 1.0, scale)
+    q = aten.clamp.default(aten.div.Tensor(xf, scale), -FP8_MAX, FP8_MAX)
+    return aten._to_copy.default(q, dtype=FP8_DTYPE), scale
+
+
+def fp8_gemm(qx: torch.Tensor, sx: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+             bias: Optional[torch.Tensor], shape: LinearShape, per_row: bool, gemm: str,
+             fast_accum: bool = False) -> torch.Tensor:
+    """[M, N] in ``shape.dtype`` = (qx [M, K] * sx) @ (qweight [N, K] * wscale).T + bias, through ``gemm``."""
+    ws = aten._to_copy.default(wscale, dtype=_F32) if shape.cast_wscale else wscale
+    if gemm == "scaled_mm":
+        sw = aten.view.default(ws, [1, shape.n]) if per_row else ws
+        epi = bias if shape.bias_in_epilogue else None
+        # qweight [N, K] row-major: its transpose is the column-major [K, N] operand cuBLASLt / CUTLASS want
+        y = aten._scaled_mm.default(qx, aten.t.default(qweight), sx, sw, epi, None, shape.dtype, fast_accum)
+        if shape.has_bias and epi is None:
+            y = aten._to_copy.default(aten.add.Tensor(aten._to_copy.default(y, dtype=_F32),
+                                                      aten._to_copy.default(bias, dtype=_F32)), dtype=shape.dtype)
+        return y
+    if gemm != "reference":
+        raise ValueError(f"fp8 GEMM must be one of {GEMMS}, got {gemm!r}")
+    acc = aten.mm.default(aten._to_copy.default(qx, dtype=_F32),
+                          aten.t.default(aten._to_copy.default(qweight, dtype=_F32)))
+    if per_row:
+        acc = aten.mul.Tensor(aten.mul.Tensor(acc, sx), ws)
+    else:
+        acc = aten.mul.Tensor(acc, aten.mul.Tensor(sx, aten.view.default(ws, [])))
+    if shape.has_bias:
+        acc = aten.add.Tensor(acc, aten._to_copy.default(bias, dtype=_F32))
+    return aten._to_copy.default(acc, dtype=shape.dtype)
+
+
+def fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: Optional[torch.Tensor],
+                    shape: LinearShape, granularity: str, gemm: str, fast_accum: bool = False) -> torch.Tensor:
+    """The fp8 linear x [*lead, K] -> [*lead, N] (module docstring); ``bias`` is read only if ``shape.has_bias``."""
+    per_row = granularity == "per_row"
+    qx, sx = fp8_quantize(aten._to_copy.default(_rows(x, shape), dtype=_F32), per_row)
+    y = fp8_gemm(qx, sx, qweight, wscale, bias if shape.has_bias else None, shape, per_row, gemm, fast_accum)
+    return _unrows(y, shape)
+
+
+def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed int4 [N, K/2] (even k in the low nibble) and bf16 group scales [N, K/64] -> (e4m3 [N, K],
+    fp32 row scale [N]) with ``float(e4m3) * sw[n] ~= q * wscale`` (module docstring)."""
+    p = aten._to_copy.default(qweight, dtype=torch.int32)
+    lo = aten.sub.Tensor(aten.bitwise_xor.Scalar(aten.bitwise_and.Scalar(p, 15), 8), 8)  # sign-extended nibbles
+    hi = aten.sub.Tensor(aten.bitwise_xor.Scalar(aten.bitwise_and.Scalar(aten.bitwise_right_shift.Tensor_Scalar(
+        p, 4), 15), 8), 8)
+    q = aten.view.default(aten.stack.default([lo, hi], 2), [n, k // GROUP_SIZE, GROUP_SIZE])
+    ws = aten._to_copy.default(wscale, dtype=_F32)                                  # [N, G]
+    sw = aten.div.Tensor(aten.mul.Tensor(aten.amax.default(ws, [1], True), W4_MAX), FP8_MAX)   # [N, 1]
+    ratio = aten.unsqueeze.default(aten.div.Tensor(ws, sw), 2)                      # [N, G, 1]
+    w = aten.clamp.default(aten.mul.Tensor(aten._to_copy.default(q, dtype=_F32), ratio), -FP8_MAX, FP8_MAX)
+    w8 = aten._to_copy.default(aten.view.default(w, [n, k]), dtype=FP8_DTYPE)
+    return w8, aten.view.default(sw, [n])
+
+
+def svdq_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
+                         lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
+                         shape: LinearShape, gemm: str, fast_accum: bool = False) -> torch.Tensor:
+    """SVDQuant's stored tensors on fp8 tensor cores (module docstring): x [*lead, K] -> [*lead, N]."""
+    xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
+    qx, sx = fp8_quantize(xs, per_row=True)
+    w8, sw = w4_to_e4m3(qweight, wscale, shape.n, shape.k)
+    y = fp8_gemm(qx, sx, w8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
+    if shape.rank:
+        lora_act = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))
+        y = aten.addmm.default(y, lora_act, aten.t.default(lora_up))
+    return _unrows(y, shape)

@@ -1,0 +1,136 @@
+"""Quantized graphs under ``torch.compile(fullgraph=True)`` (CPU, ``aot_eager``).
+
+For each quantization pass: the graph compiles whole (``compile_dit(..., torch_compile={...})``) and per block
+(``passes.RegionalCompile``) with no graph break (``fullgraph=True`` raises on one; the counting backend sees
+exactly one frame per compiled graph / template), the quantized arithmetic is inside the compiled graphs (not
+left eager around them), and the outputs equal the uncompiled quantized graph's. Every quantized custom op
+passes ``torch.library.opcheck`` (schema, fake implementation, AOT dispatch with dynamic shapes).
+
+Tiny zoo Flux with hidden size 64 (2 heads x 32) so that W4A4 (K % 64 == 0) takes every block linear.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from dit_passes import compile_dit, passes
+from dit_passes.models.zoo import build
+from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
+from dit_passes.quant import dispatch, prepare_fp8, prepare_int8, prepare_svdquant
+
+torch.set_num_threads(1)
+
+FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
+METHODS = {  # name -> (pass, dispatch settings while the graph is written)
+    "int8": (lambda: Int8Linear(), {}),
+    "fp8_per_row": (lambda: Fp8Linear("per_row"), {}),
+    "fp8_per_tensor": (lambda: Fp8Linear("per_tensor"), {}),
+    "svdq_w4a4": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {}),  # the custom op (reference W4A4 on CPU)
+    "svdq_w4a8_fp8": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {dispatch.BACKEND_ENV: "fp8"}),  # graph form
+}
+QUANT_OPS = {torch.ops.dit_passes.svdq_w4a4_linear.default, torch.ops.dit_passes.fp8_linear.default,
+             torch.ops.dit_passes.int8_linear.default}
+LOW_BIT = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+
+
+def quantized_nodes(graph: torch.fx.Graph) -> int:
+    """Nodes of a graph that compute quantized arithmetic: a quantized-linear op, or a cast to a low-bit dtype
+    (the activation quantization of the fp8 graph forms, plain ATen ops)."""
+    return sum(1 for n in graph.nodes if n.op == "call_function"
+               and (n.target in QUANT_OPS or n.kwargs.get("dtype") in LOW_BIT))
+
+
+def _run(module, kw):
+    with torch.no_grad():
+        return module(**kw)[0]
+
+
+def _lowered(zm, kw, method, passes_after=(), **compile_kw):
+    """compile_dit(...) of ``method`` lowered now, under its dispatch settings (read when the graph is written)."""
+    make, env = METHODS[method]
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        return compile_dit(zm.model, passes=[make(), *passes_after], example_inputs=kw, **compile_kw)
+
+
+def _replaced(compiled) -> int:
+    return next(r.result.counts["replaced"] for r in compiled._current().manager.records if r.name != "cleanup")
+
+
+@pytest.fixture(scope="module")
+def flux():
+    zm = build("flux", **FLUX64)
+    return zm, zm.make_inputs()
+
+
+@pytest.fixture(scope="module")
+def uncompiled(flux):
+    """{method: (output, replaced linears, quantized nodes)} of the uncompiled quantized graphs."""
+    zm, kw = flux
+    out = {}
+    for name in METHODS:
+        c = _lowered(zm, kw, name)
+        out[name] = (_run(c, kw), _replaced(c), quantized_nodes(c.graph_module.graph))
+    return out
+
+
+# per_tensor and the SVDQuant fp8 form (the larger graph): regional only, to keep the file under a minute
+@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4"])
+def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
+    zm, kw = flux
+    ref, replaced, quantized = uncompiled[method]
+    assert replaced == 34 and quantized > 0  # every block linear but the AdaLN ones
+    cnt = CompileCounterWithBackend("aot_eager")
+    c = _lowered(zm, kw, method, torch_compile={"backend": cnt, "fullgraph": True})
+    out = _run(c, kw)
+    assert cnt.frame_count == 1 and len(cnt.graphs) == 1  # one graph, no break
+    assert quantized_nodes(cnt.graphs[0].graph) == quantized  # all the quantized arithmetic is compiled
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    _run(c, kw)
+    assert cnt.frame_count == 1  # no recompilation
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_regional_compile_fullgraph(flux, uncompiled, method):
+    zm, kw = flux
+    ref, _, quantized = uncompiled[method]
+    cnt = CompileCounterWithBackend("aot_eager")
+    c = _lowered(zm, kw, method, [passes.RegionalCompile(backend=cnt)])
+    out = _run(c, kw)
+    counts = next(r.result.counts for r in c._current().manager.records if r.name == "regional_compile")
+    assert counts["regions"] == 4 and counts["templates"] == 2  # 2 double + 2 single blocks, one template each kind
+    assert cnt.frame_count == 2  # one frame per template: no graph break inside a block
+    # all the quantized arithmetic runs inside the compiled templates (each template stands for two blocks)
+    assert 2 * sum(quantized_nodes(g.graph) for g in cnt.graphs) == quantized
+    assert quantized_nodes(c.graph_module.graph) == 0  # none left in the eager graph around the templates
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def _op_cases():
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(48, 128, generator=g), torch.randn(48, generator=g), torch.randn(2, 5, 128, generator=g)
+    s = prepare_svdquant(w, b, rank=4, smooth="weight")
+    f, ft, i = prepare_fp8(w, b), prepare_fp8(w, b, "per_tensor"), prepare_int8(w, b)
+    return {
+        "svdq_w4a4": (torch.ops.dit_passes.svdq_w4a4_linear.default,
+                      (x, s.qweight, s.wscale, s.lora_down, s.lora_up, s.smooth_inv, s.bias)),
+        "svdq_w4a4_no_bias": (torch.ops.dit_passes.svdq_w4a4_linear.default,
+                              (x, s.qweight, s.wscale, s.lora_down, s.lora_up, s.smooth_inv, None)),
+        "fp8_per_row": (torch.ops.dit_passes.fp8_linear.default, (x, f.qweight, f.wscale, f.bias, "per_row")),
+        "fp8_per_tensor": (torch.ops.dit_passes.fp8_linear.default, (x, ft.qweight, ft.wscale, None, "per_tensor")),
+        "int8": (torch.ops.dit_passes.int8_linear.default, (x, i.qweight, i.wscale, i.bias)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_op_cases()))
+def test_quantized_custom_ops_pass_opcheck(case):
+    op, args = _op_cases()[case]
+    # opcheck's schema test compares inputs with arithmetic that fp8 tensors lack: the other checks for those
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic") if case.startswith("fp8") else \
+        ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(op, args, test_utils=utils)  # raises on a missing or wrong fake implementation
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert fake.shape == (2, 5, 48) and fake.dtype == args[0].dtype
