@@ -1,0 +1,361 @@
+"""Tiny configs of the other DiT classes of diffusers, for the coverage matrix (``dit-passes coverage``).
+
+The curated families (``zoo_image`` / ``zoo_video``) are what the test suite builds; the ones here widen the
+zoo to the rest of diffusers' transformer classes, each at the same size (2 heads x 16 channels, 2 blocks
+per list) with the options that change the graph turned on where they are cheap (rotary embeddings, masks,
+GQA, guidance / style / size conditioning, temporal blocks). Their inputs follow the matching pipeline's call.
+``dit_passes.models.diffusers_zoo`` lists every transformer class of the installed diffusers and maps each
+to the families here, so a class without one shows as "no config".
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from diffusers.models.embeddings import get_1d_rotary_pos_embed, get_2d_rotary_pos_embed
+
+from dit_passes.models.zoo_common import (
+    FamilySpec,
+    cfg_rows,
+    grid_ids,
+    image_text_tokens,
+    text_mask,
+    text_rows,
+    timestep_rows,
+)
+
+HEADS = 2
+HEAD_DIM = 16
+DIM = HEADS * HEAD_DIM  # 32
+TEXT_DIM = 32
+ROPE_3AXES = (4, 6, 6)
+
+_IMAGE_SIZES = {"default": {"grid": (4, 4), "text": 8}, "alt_resolution": {"grid": (6, 4), "text": 8}}
+_VIDEO_SIZES = {"default": {"grid": (2, 4, 4), "text": 8}, "alt_resolution": {"grid": (3, 4, 4), "text": 8}}
+
+
+def _grid_tokens(config: Mapping[str, Any], sizes: Mapping[str, Any]) -> dict:
+    n = 1
+    for d in sizes["grid"]:
+        n *= d
+    return image_text_tokens(n, sizes["text"])
+
+
+def _family(name, class_name, config, inputs, block_list_keys, streams, video=False, **extra) -> FamilySpec:
+    """A FamilySpec with the shared size tables; ``extra`` passes the rarer fields through."""
+    return FamilySpec(
+        name=name, class_name=class_name, config=config, inputs=inputs,
+        sizes_by_variant=extra.pop("sizes_by_variant", _VIDEO_SIZES if video else _IMAGE_SIZES),
+        tokens=_grid_tokens, expected={"streams": streams}, pipeline_class=extra.pop("pipeline_class", None),
+        block_list_keys=block_list_keys, **extra)
+
+
+def _latent_2d(config, batch, sizes, gen, p=None):
+    h, w = sizes["grid"]
+    p = config["patch_size"] if p is None else p
+    return cfg_rows(gen, batch, config["in_channels"], h * p, w * p)
+
+
+def _latent_3d(config, batch, sizes, gen, pt=1, p=2, channels_first=True):
+    f, h, w = sizes["grid"]
+    if channels_first:
+        return cfg_rows(gen, batch, config["in_channels"], f * pt, h * p, w * p)
+    return cfg_rows(gen, batch, f * pt, config["in_channels"], h * p, w * p)
+
+
+# ------------------------------------------------------------------------------------ flux-like (ids)
+def _packed_ids_inputs(text_key="joint_attention_dim", pooled=False, guidance=None):
+    def inputs(config, batch, sizes, gen):
+        h, w = sizes["grid"]
+        text = sizes["text"]
+        out = {
+            "hidden_states": cfg_rows(gen, batch, h * w, config["in_channels"]),
+            "encoder_hidden_states": text_rows(gen, batch, text, config[text_key]),
+            "timestep": timestep_rows(gen, batch, 1.0),
+            "img_ids": grid_ids(1, h, w),
+            "txt_ids": torch.zeros(text, 3),
+            "return_dict": False,
+        }
+        if pooled:
+            out["pooled_projections"] = text_rows(gen, batch, config["pooled_projection_dim"])
+        if guidance is not None:
+            out["guidance"] = torch.full((batch,), guidance)
+        return out
+    return inputs
+
+
+_DUAL_SINGLE = {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}
+
+BRIA = _family("bria", "BriaTransformer2DModel",
+               dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=HEAD_DIM,
+                    num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM, axes_dims_rope=list(ROPE_3AXES)),
+               _packed_ids_inputs(), _DUAL_SINGLE, 2, pipeline_class="BriaPipeline")
+
+LONGCAT_IMAGE = _family("longcat_image", "LongCatImageTransformer2DModel",
+                        dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
+                             attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM,
+                             pooled_projection_dim=TEXT_DIM, axes_dims_rope=list(ROPE_3AXES)),
+                        _packed_ids_inputs(), _DUAL_SINGLE, 2)
+
+OVIS_IMAGE = _family("ovis_image", "OvisImageTransformer2DModel",
+                     dict(patch_size=1, in_channels=16, out_channels=16, num_layers=2, num_single_layers=2,
+                          attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM,
+                          axes_dims_rope=ROPE_3AXES),
+                     _packed_ids_inputs(), _DUAL_SINGLE, 2)
+
+
+# ------------------------------------------------------------------------------------------ auraflow
+def _auraflow_inputs(config, batch, sizes, gen):
+    return {
+        "hidden_states": _latent_2d(config, batch, sizes, gen),
+        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["joint_attention_dim"]),
+        "timestep": timestep_rows(gen, batch, 1.0),
+        "return_dict": False,
+    }
+
+
+AURAFLOW = _family("auraflow", "AuraFlowTransformer2DModel",
+                   dict(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2, num_single_dit_layers=2,
+                        attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM,
+                        caption_projection_dim=DIM, out_channels=4, pos_embed_max_size=64),
+                   _auraflow_inputs,
+                   {"joint_transformer_blocks": "num_mmdit_layers", "single_transformer_blocks": "num_single_dit_layers"},
+                   2, pipeline_class="AuraFlowPipeline")
+
+
+# ----------------------------------------------------------------------------------------------- dit
+def _dit_inputs(config, batch, sizes, gen):
+    return {
+        "hidden_states": _latent_2d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1000.0).round().long(),
+        "class_labels": torch.arange(batch, dtype=torch.long) % config["num_embeds_ada_norm"],
+        "return_dict": False,
+    }
+
+
+DIT = _family("dit", "DiTTransformer2DModel",
+              dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=8, num_layers=2,
+                   sample_size=8, patch_size=2, num_embeds_ada_norm=10),
+              _dit_inputs, {"transformer_blocks": "num_layers"}, 1, pipeline_class="DiTPipeline",
+              # the model unpatchifies a square token grid
+              sizes_by_variant={"default": {"grid": (4, 4), "text": 0}, "alt_resolution": {"grid": (6, 6), "text": 0}})
+
+
+# ---------------------------------------------------------------------------------------- hunyuandit
+def _hunyuandit_inputs(config, batch, sizes, gen):
+    h, w = sizes["grid"]
+    text, text_t5 = config["text_len"], config["text_len_t5"]
+    cos, sin = get_2d_rotary_pos_embed(config["attention_head_dim"], ((0, 0), (h, w)), (h, w), use_real=True)
+    return {
+        "hidden_states": _latent_2d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["cross_attention_dim"]),
+        "text_embedding_mask": text_mask(batch, text, torch.long),
+        "encoder_hidden_states_t5": text_rows(gen, batch, text_t5, config["cross_attention_dim_t5"]),
+        "text_embedding_mask_t5": text_mask(batch, text_t5, torch.long),
+        "image_meta_size": torch.tensor([[16.0, 16.0, 16.0, 16.0, 0.0, 0.0]]).expand(batch, 6).contiguous(),
+        "style": torch.zeros(batch, dtype=torch.long),
+        "image_rotary_emb": (cos.float(), sin.float()),
+        "return_dict": False,
+    }
+
+
+HUNYUANDIT = _family("hunyuandit", "HunyuanDiT2DModel",
+                     dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, patch_size=2,
+                          sample_size=8, hidden_size=DIM, num_layers=4, cross_attention_dim=TEXT_DIM,
+                          cross_attention_dim_t5=TEXT_DIM, pooled_projection_dim=TEXT_DIM, text_len=8, text_len_t5=8,
+                          use_style_cond_and_image_meta_size=True),
+                     _hunyuandit_inputs, {"blocks": "num_layers"}, 1, pipeline_class="HunyuanDiTPipeline")
+
+
+# --------------------------------------------------------------------------------------- cogview 3/4
+def _cogview_inputs(config, batch, sizes, gen):
+    return {
+        "hidden_states": _latent_2d(config, batch, sizes, gen),
+        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["text_embed_dim"]),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "original_size": torch.tensor([[64.0, 64.0]]).expand(batch, 2).contiguous(),
+        "target_size": torch.tensor([[64.0, 64.0]]).expand(batch, 2).contiguous(),
+        "crop_coords": torch.zeros(batch, 2),
+        "return_dict": False,
+    }
+
+
+_COGVIEW = dict(patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=HEAD_DIM,
+                num_attention_heads=HEADS, text_embed_dim=TEXT_DIM, time_embed_dim=DIM, condition_dim=8,
+                pos_embed_max_size=16, sample_size=8)
+COGVIEW3PLUS = _family("cogview3plus", "CogView3PlusTransformer2DModel", _COGVIEW, _cogview_inputs,
+                       {"transformer_blocks": "num_layers"}, 2, pipeline_class="CogView3PlusPipeline")
+COGVIEW4 = _family("cogview4", "CogView4Transformer2DModel", dict(_COGVIEW, rope_axes_dim=(16, 16)), _cogview_inputs,
+                   {"transformer_blocks": "num_layers"}, 2, pipeline_class="CogView4Pipeline")
+
+
+# ------------------------------------------------------------------------------------ wan-like video
+def _wan_like_inputs(config, batch, sizes, gen):
+    return {
+        "hidden_states": _latent_3d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["text_dim"]),
+        "return_dict": False,
+    }
+
+
+_WAN_LIKE = dict(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4,
+                 out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64)
+SKYREELS_V2 = _family("skyreels_v2", "SkyReelsV2Transformer3DModel", _WAN_LIKE, _wan_like_inputs,
+                      {"blocks": "num_layers"}, 1, video=True, pipeline_class="SkyReelsV2Pipeline")
+CHRONOEDIT = _family("chronoedit", "ChronoEditTransformer3DModel", dict(_WAN_LIKE, rope_temporal_skip_len=2),
+                     _wan_like_inputs, {"blocks": "num_layers"}, 1, video=True)
+
+
+# --------------------------------------------------------------------------------------- latte (t/s)
+def _latte_inputs(config, batch, sizes, gen):
+    return {
+        "hidden_states": _latent_3d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        # LattePipeline passes no text mask (the model would not repeat one over the frames)
+        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["caption_channels"]),
+        "return_dict": False,
+    }
+
+
+LATTE = _family("latte", "LatteTransformer3DModel",
+                dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=8,
+                     num_layers=2, cross_attention_dim=DIM, patch_size=2, sample_size=8,
+                     activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+                     norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=TEXT_DIM, video_length=2),
+                _latte_inputs, {"transformer_blocks": "num_layers", "temporal_transformer_blocks": "num_layers"}, 1,
+                video=True, sizes_by_variant={"default": {"grid": (2, 4, 4), "text": 8},
+                                              "alt_resolution": {"grid": (2, 6, 4), "text": 8}},
+                pipeline_class="LattePipeline")
+
+
+# ---------------------------------------------------------------------------------------- allegro
+def _allegro_inputs(config, batch, sizes, gen):
+    return {
+        "hidden_states": _latent_3d(config, batch, sizes, gen),
+        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["caption_channels"]),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "encoder_attention_mask": text_mask(batch, sizes["text"], torch.long),
+        "return_dict": False,
+    }
+
+
+ALLEGRO = _family("allegro", "AllegroTransformer3DModel",
+                  dict(patch_size=2, patch_size_t=1, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+                       in_channels=4, out_channels=4, num_layers=2, cross_attention_dim=DIM, sample_height=8,
+                       sample_width=8, sample_frames=2, caption_channels=TEXT_DIM),
+                  _allegro_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
+                  pipeline_class="AllegroPipeline")
+
+
+# ----------------------------------------------------------------------------------------- mochi
+def _mochi_inputs(config, batch, sizes, gen):
+    text = sizes["text"]
+    return {
+        "hidden_states": _latent_3d(config, batch, sizes, gen),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["text_embed_dim"]),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "encoder_attention_mask": text_mask(batch, text, torch.long),
+        "return_dict": False,
+    }
+
+
+MOCHI = _family("mochi", "MochiTransformer3DModel",
+                dict(patch_size=2, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, num_layers=2,
+                     pooled_projection_dim=TEXT_DIM, in_channels=4, text_embed_dim=TEXT_DIM, time_embed_dim=DIM,
+                     max_sequence_length=8),
+                _mochi_inputs, {"transformer_blocks": "num_layers"}, 2, video=True, pipeline_class="MochiPipeline")
+
+
+# ------------------------------------------------------------------------------------- stable audio
+def _stable_audio_inputs(config, batch, sizes, gen):
+    (length,) = sizes["grid"]
+    # StableAudioPipeline: half-dim rotary table over the latent frames plus the global token
+    rotary = get_1d_rotary_pos_embed(config["attention_head_dim"] // 2, length + 1, use_real=True,
+                                     repeat_interleave_real=False)
+    return {
+        "hidden_states": cfg_rows(gen, batch, config["in_channels"], length),
+        "timestep": timestep_rows(gen, batch, 1.0),
+        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["cross_attention_dim"]),
+        "global_hidden_states": text_rows(gen, batch, 1, config["global_states_input_dim"]),
+        "rotary_embedding": rotary,
+        "return_dict": False,
+    }
+
+
+STABLE_AUDIO = _family("stable_audio", "StableAudioDiTModel",
+                       dict(sample_size=16, in_channels=4, num_layers=2, attention_head_dim=HEAD_DIM,
+                            num_attention_heads=HEADS, num_key_value_attention_heads=1, out_channels=4,
+                            cross_attention_dim=DIM, time_proj_dim=DIM, global_states_input_dim=DIM,
+                            cross_attention_input_dim=DIM),
+                       _stable_audio_inputs, {"transformer_blocks": "num_layers"}, 1,
+                       sizes_by_variant={"default": {"grid": (16,), "text": 8},
+                                         "alt_resolution": {"grid": (24,), "text": 8}},
+                       pipeline_class="StableAudioPipeline")
+
+
+# ---------------------------------------------------------------------------------------- sana video
+def _sana_video_inputs(config, batch, sizes, gen):
+    text = sizes["text"]
+    return {
+        "hidden_states": _latent_3d(config, batch, sizes, gen),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["caption_channels"]),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "encoder_attention_mask": text_mask(batch, text, torch.long),
+        "return_dict": False,
+    }
+
+
+SANA_VIDEO = _family("sana_video", "SanaVideoTransformer3DModel",
+                     dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+                          num_layers=2, num_cross_attention_heads=HEADS, cross_attention_head_dim=HEAD_DIM,
+                          cross_attention_dim=DIM, caption_channels=TEXT_DIM, sample_size=8, patch_size=(1, 2, 2),
+                          rope_max_seq_len=64),
+                     _sana_video_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
+                     pipeline_class="SanaVideoPipeline")
+
+
+# ------------------------------------------------------------------------------------ hunyuan image
+def _hunyuanimage_inputs(config, batch, sizes, gen):
+    text = sizes["text"]
+    return {
+        "hidden_states": _latent_2d(config, batch, sizes, gen, p=1),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["text_embed_dim"]),
+        "encoder_attention_mask": text_mask(batch, text, torch.long),
+        "return_dict": False,
+    }
+
+
+HUNYUANIMAGE = _family("hunyuanimage", "HunyuanImageTransformer2DModel",
+                       dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+                            num_layers=2, num_single_layers=2, num_refiner_layers=2, patch_size=(1, 1),
+                            text_embed_dim=TEXT_DIM, rope_axes_dim=(8, 8)),
+                       _hunyuanimage_inputs, _DUAL_SINGLE, 2,
+                       aux_list_keys={"context_embedder.token_refiner.refiner_blocks": "num_refiner_layers"},
+                       pipeline_class="HunyuanImagePipeline")
+
+
+# -------------------------------------------------------------------------------------------- cosmos
+def _cosmos_inputs(config, batch, sizes, gen):
+    # concat_padding_mask=False: the padding mask goes through torchvision, which the zoo does not need
+    return {
+        "hidden_states": _latent_3d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1.0),
+        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["text_embed_dim"]),
+        "return_dict": False,
+    }
+
+
+COSMOS = _family("cosmos", "CosmosTransformer3DModel",
+                 dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+                      num_layers=2, text_embed_dim=TEXT_DIM, adaln_lora_dim=8, max_size=(8, 16, 16),
+                      patch_size=(1, 2, 2), rope_scale=(1.0, 1.0, 1.0), encoder_hidden_states_channels=TEXT_DIM,
+                      crossattn_proj_in_channels=TEXT_DIM, concat_padding_mask=False),
+                 _cosmos_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
+                 pipeline_class="CosmosTextToWorldPipeline")
+
+
+MORE_FAMILIES = (BRIA, LONGCAT_IMAGE, OVIS_IMAGE, AURAFLOW, DIT, HUNYUANDIT, COGVIEW3PLUS, COGVIEW4, SKYREELS_V2,
+                 CHRONOEDIT, LATTE, ALLEGRO, MOCHI, STABLE_AUDIO, SANA_VIDEO, HUNYUANIMAGE, COSMOS)
