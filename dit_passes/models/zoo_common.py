@@ -53,8 +53,12 @@ class FamilySpec:
     # run one eager forward at build: the model fills a lazy cache on its first call, and a first call
     # under torch.export would cache *fake* tensors into the model (breaking later eager calls)
     warm_up: bool = False
+    # (heads, head_dim) from the config, for a class whose config has no heads field
+    heads_of: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
 
     def heads_and_head_dim(self, config: Mapping[str, Any]) -> tuple[int, int]:
+        if self.heads_of is not None:
+            return self.heads_of(config)
         heads = int(config[self.heads_key])
         if self.head_dim_key is not None:
             return heads, int(config[self.head_dim_key])

@@ -357,5 +357,168 @@ COSMOS = _family("cosmos", "CosmosTransformer3DModel",
                  pipeline_class="CosmosTextToWorldPipeline")
 
 
+# --------------------------------------------------------------------------------- wan vace (control)
+def _wan_vace_inputs(config, batch, sizes, gen):
+    f, h, w = sizes["grid"]
+    out = _wan_like_inputs(config, batch, sizes, gen)
+    out["control_hidden_states"] = cfg_rows(gen, batch, config["vace_in_channels"], f, h * 2, w * 2)
+    out["control_hidden_states_scale"] = torch.ones(len(config["vace_layers"]))
+    return out
+
+
+WAN_VACE = _family("wan_vace", "WanVACETransformer3DModel", dict(_WAN_LIKE, vace_layers=[0, 1], vace_in_channels=8),
+                   _wan_vace_inputs, {"blocks": "num_layers"}, 1, video=True, pipeline_class="WanVACEPipeline")
+
+
+# ----------------------------------------------------------------------------------------------- prx
+def _prx_inputs(config, batch, sizes, gen):
+    text = sizes["text"]
+    return {
+        "hidden_states": _latent_2d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1.0),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["context_in_dim"]),
+        "attention_mask": text_mask(batch, text, torch.bool),
+        "return_dict": False,
+    }
+
+
+PRX = _family("prx", "PRXTransformer2DModel",
+              dict(in_channels=4, patch_size=2, context_in_dim=TEXT_DIM, hidden_size=DIM, mlp_ratio=2.0,
+                   num_heads=HEADS, depth=2, axes_dim=[8, 8]),
+              _prx_inputs, {"blocks": "depth"}, 1, heads_key="num_heads", head_dim_key=None, hidden_key="hidden_size",
+              pipeline_class="PRXPipeline")
+
+
+# --------------------------------------------------------------------------------------------- flux3
+def _flux3_inputs(config, batch, sizes, gen):
+    h, w = sizes["grid"]
+    text = sizes["text"]
+    txt_ids = torch.zeros(text, 4)
+    txt_ids[:, 3] = torch.arange(text, dtype=torch.float32)
+    return {
+        "hidden_states": cfg_rows(gen, batch, h * w, config["in_channels"]),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["joint_attention_dim"]),
+        "timestep": timestep_rows(gen, batch, 1.0),
+        "img_ids": grid_ids(1, h, w, extra_axes=1),
+        "txt_ids": txt_ids,
+        "return_dict": False,
+    }
+
+
+FLUX3 = _family("flux3", "Flux3Transformer2DModel",
+                dict(in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=HEAD_DIM,
+                     num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM, timestep_channels=32,
+                     axes_dims_rope=(4, 4, 4, 4)),
+                _flux3_inputs, {"mode_blocks.image": "num_layers", "txt_mode_blocks": "num_layers",
+                                "single_transformer_blocks": "num_single_layers"}, 2)
+
+
+# ------------------------------------------------------------------------------------ hunyuanvideo 1.5
+def _hunyuanvideo15_inputs(config, batch, sizes, gen):
+    text = sizes["text"]
+    return {
+        "hidden_states": _latent_3d(config, batch, sizes, gen, p=1),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["text_embed_dim"]),
+        "encoder_attention_mask": text_mask(batch, text, torch.long),
+        "encoder_hidden_states_2": text_rows(gen, batch, text, config["text_embed_2_dim"]),
+        "encoder_attention_mask_2": text_mask(batch, text, torch.long),
+        # the text-to-video pipeline passes zero image embeddings
+        "image_embeds": torch.zeros(batch, 4, config["image_embed_dim"]),
+        "return_dict": False,
+    }
+
+
+HUNYUANVIDEO15 = _family("hunyuanvideo15", "HunyuanVideo15Transformer3DModel",
+                         dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+                              num_layers=2, num_refiner_layers=2, patch_size=1, text_embed_dim=TEXT_DIM,
+                              text_embed_2_dim=TEXT_DIM, image_embed_dim=TEXT_DIM, rope_axes_dim=ROPE_3AXES,
+                              task_type="t2v"),
+                         _hunyuanvideo15_inputs, {"transformer_blocks": "num_layers"}, 2, video=True,
+                         aux_list_keys={"context_embedder.token_refiner.refiner_blocks": "num_refiner_layers"},
+                         pipeline_class="HunyuanVideo15Pipeline")
+
+
+# ---------------------------------------------------------------------------------------- ernie image
+def _ernie_image_inputs(config, batch, sizes, gen):
+    text = sizes["text"]
+    return {
+        "hidden_states": _latent_2d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "text_bth": text_rows(gen, batch, text, config["text_in_dim"]),
+        "text_lens": torch.tensor([text, text - 2][:batch]),
+        "return_dict": False,
+    }
+
+
+ERNIE_IMAGE = _family("ernie_image", "ErnieImageTransformer2DModel",
+                      dict(hidden_size=DIM, num_attention_heads=HEADS, num_layers=2, ffn_hidden_size=64, in_channels=4,
+                           out_channels=4, patch_size=1, text_in_dim=TEXT_DIM, rope_axes_dim=ROPE_3AXES),
+                      _ernie_image_inputs, {"layers": "num_layers"}, 1, head_dim_key=None, hidden_key="hidden_size")
+
+
+# ------------------------------------------------------------------------------------- nucleus (MoE)
+def _nucleusmoe_inputs(config, batch, sizes, gen):
+    h, w = sizes["grid"]
+    text = sizes["text"]
+    return {
+        "hidden_states": cfg_rows(gen, batch, h * w, config["in_channels"]),
+        "img_shapes": [(1, h, w)] * batch,
+        "encoder_hidden_states": text_rows(gen, batch, text, config["joint_attention_dim"]),
+        "encoder_hidden_states_mask": text_mask(batch, text, torch.long),
+        "timestep": timestep_rows(gen, batch, 1.0),
+        "return_dict": False,
+    }
+
+
+NUCLEUSMOE = _family("nucleusmoe", "NucleusMoEImageTransformer2DModel",
+                     dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=HEAD_DIM,
+                          num_attention_heads=HEADS, num_key_value_heads=1, joint_attention_dim=TEXT_DIM,
+                          axes_dims_rope=ROPE_3AXES, dense_moe_strategy="leave_first_block_dense", num_experts=4,
+                          moe_intermediate_dim=32, capacity_factors=[2.0, 2.0]),
+                     _nucleusmoe_inputs, {"transformer_blocks": "num_layers"}, 2, pipeline_class="NucleusMoEImagePipeline")
+
+
+# ------------------------------------------------------------------------------------------ consisid
+def _consisid_inputs(config, batch, sizes, gen):
+    from dit_passes.models.zoo_video import _cogvideox_inputs
+    return _cogvideox_inputs(config, batch, sizes, gen)
+
+
+CONSISID = _family("consisid", "ConsisIDTransformer3DModel",
+                   dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
+                        time_embed_dim=DIM, text_embed_dim=TEXT_DIM, num_layers=2, sample_width=8, sample_height=8,
+                        sample_frames=5, patch_size=2, max_text_seq_length=8, use_rotary_positional_embeddings=True),
+                   _consisid_inputs, {"transformer_blocks": "num_layers"}, 2, video=True,
+                   pipeline_class="ConsisIDPipeline")
+
+
+# -------------------------------------------------------------------------------------- kandinsky 5
+def _kandinsky5_inputs(config, batch, sizes, gen):
+    f, h, w = sizes["grid"]
+    text = sizes["text"]
+    return {
+        # Kandinsky5T2VPipeline: channels-last (B, F, H, W, C) latents
+        "hidden_states": cfg_rows(gen, batch, f, h * 2, w * 2, config["in_visual_dim"]),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["in_text_dim"]),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "pooled_projections": text_rows(gen, batch, config["in_text_dim2"]),
+        "visual_rope_pos": [torch.arange(f), torch.arange(h), torch.arange(w)],
+        "text_rope_pos": torch.arange(text),
+        "return_dict": False,
+    }
+
+
+KANDINSKY5 = _family("kandinsky5", "Kandinsky5Transformer3DModel",
+                     dict(in_visual_dim=4, in_text_dim=TEXT_DIM, in_text_dim2=TEXT_DIM, time_dim=DIM, out_visual_dim=4,
+                          patch_size=(1, 2, 2), model_dim=DIM, ff_dim=64, num_text_blocks=2, num_visual_blocks=2,
+                          axes_dims=ROPE_3AXES),
+                     _kandinsky5_inputs, {"visual_transformer_blocks": "num_visual_blocks"}, 1, video=True,
+                     # heads of sum(axes_dims) channels
+                     heads_of=lambda c: (c["model_dim"] // sum(c["axes_dims"]), sum(c["axes_dims"])),
+                     pipeline_class="Kandinsky5T2VPipeline")
+
+
 MORE_FAMILIES = (BRIA, LONGCAT_IMAGE, OVIS_IMAGE, AURAFLOW, DIT, HUNYUANDIT, COGVIEW3PLUS, COGVIEW4, SKYREELS_V2,
-                 CHRONOEDIT, LATTE, ALLEGRO, MOCHI, STABLE_AUDIO, SANA_VIDEO, HUNYUANIMAGE, COSMOS)
+                 CHRONOEDIT, LATTE, ALLEGRO, MOCHI, STABLE_AUDIO, SANA_VIDEO, HUNYUANIMAGE, COSMOS, WAN_VACE, PRX, FLUX3,
+                 HUNYUANVIDEO15, ERNIE_IMAGE, NUCLEUSMOE, CONSISID, KANDINSKY5)
