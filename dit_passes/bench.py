@@ -1,6 +1,6 @@
 """``dit-passes bench``: the residual cache's step times against the uncached transformer.
 
-Runs a FluxTransformer2DModel through a toy 28-step Euler loop (the timestep falls, the latents move with
+Runs the zoo's Flux transformer class through a toy 28-step Euler loop (the timestep falls, the latents move with
 the output) under the same forced schedules for every system: threshold 0 (never cache) and "always
 cache after 8 warm-up steps" (threshold >= 1). Rows:
 
@@ -44,10 +44,10 @@ ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "
 
 
 def build_model(size: str, device: torch.device, dtype: torch.dtype):
-    from diffusers import FluxTransformer2DModel
+    from .models.zoo import model_class
     torch.manual_seed(0)
     with torch.device(device):
-        return FluxTransformer2DModel(**SIZES[size][0]).to(dtype).eval().requires_grad_(False)
+        return model_class("flux")(**SIZES[size][0]).to(dtype).eval().requires_grad_(False)
 
 
 def make_inputs(size: str, device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:

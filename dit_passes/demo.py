@@ -1,6 +1,6 @@
 """``dit-passes demo`` / ``dit-passes fidelity``: residual caching on the embedded trained digits DiT.
 
-The demo samples the trained FluxTransformer2DModel (``dit_passes/assets``) through diffusers'
+The demo samples the trained Flux transformer (``dit_passes/assets``) through diffusers'
 FluxPipeline, once with the original transformer and once per cache configuration (each a
 ``compile_dit(transformer, passes=[passes.DBCache(...)])`` dropped into the pipeline), and reports PSNR /
 SSIM against the uncached images, the fraction of transformer-block work executed, the cached steps and
@@ -102,7 +102,7 @@ def run(configs: Sequence[str], seeds: Sequence[int], labels: Sequence[int], ste
     dev = _device(device)
     if dev.type == "cpu":
         torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    print(f"# trained digits DiT (FluxTransformer2DModel, 12 blocks) through FluxPipeline, {steps} steps, "
+    print(f"# trained digits DiT (Flux transformer, 12 blocks) through FluxPipeline, {steps} steps, "
           f"{len(seeds)} seed(s) x {len(labels)} label(s), true CFG {true_cfg_scale}; {_device_line(dev)}",
           flush=True)
     t0 = time.perf_counter()

@@ -41,7 +41,7 @@ from dit_passes.models.zoo_image import IMAGE_FAMILIES
 from dit_passes.models.zoo_more import MORE_FAMILIES
 from dit_passes.models.zoo_video import VIDEO_FAMILIES
 
-__all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ZooModel", "build", "config_for", "class_name_of"]
+__all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ZooModel", "build", "config_for", "class_name_of", "model_class"]
 
 _CURATED = IMAGE_FAMILIES + VIDEO_FAMILIES
 _SPECS: MappingProxyType = MappingProxyType({s.name: s for s in _CURATED + MORE_FAMILIES})
@@ -84,6 +84,11 @@ def class_name_of(family: str) -> str:
     if family not in _SPECS:
         raise KeyError(f"unknown zoo family {family!r}; known families: {', '.join(ALL_FAMILIES)}")
     return _SPECS[family].class_name
+
+
+def model_class(family: str) -> type:
+    """The diffusers model class of ``family`` (code outside the zoo builds other sizes with it, naming no class)."""
+    return getattr(diffusers, _spec(family).class_name)
 
 
 def config_for(family: str) -> dict:

@@ -519,6 +519,85 @@ KANDINSKY5 = _family("kandinsky5", "Kandinsky5Transformer3DModel",
                      pipeline_class="Kandinsky5T2VPipeline")
 
 
+# ----------------------------------------------------------------- helios / anyflow (wan-like video)
+def _anyflow_inputs(config, batch, sizes, gen):
+    out = _wan_like_inputs(config, batch, sizes, gen)
+    # AnyFlow's pipeline hands frames first, (B, F, C, H, W), with one timestep per frame, (B, F)
+    out["hidden_states"] = out["hidden_states"].transpose(1, 2).contiguous()
+    frames = out["hidden_states"].shape[1]
+    out["timestep"] = out["timestep"][:, None].expand(-1, frames).contiguous()
+    out["r_timestep"] = out["timestep"] * 0.5
+    return out
+
+
+HELIOS = _family("helios", "HeliosTransformer3DModel",
+                 dict({k: v for k, v in _WAN_LIKE.items() if k != "rope_max_seq_len"}, rope_dim=ROPE_3AXES),
+                 _wan_like_inputs, {"blocks": "num_layers"}, 1, video=True, pipeline_class="HeliosPipeline")
+ANYFLOW = _family("anyflow", "AnyFlowTransformer3DModel", _WAN_LIKE, _anyflow_inputs, {"blocks": "num_layers"}, 1,
+                  video=True)
+
+
+# -------------------------------------------------------------------------------------- motif video
+def _motif_video_inputs(config, batch, sizes, gen):
+    text = sizes["text"]
+    return {
+        "hidden_states": _latent_3d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["text_embed_dim"]),
+        "encoder_attention_mask": text_mask(batch, text, torch.long),
+        "return_dict": False,
+    }
+
+
+MOTIF_VIDEO = _family("motif_video", "MotifVideoTransformer3DModel",
+                      dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+                           num_layers=2, num_single_layers=2, patch_size=2, text_embed_dim=TEXT_DIM,
+                           rope_axes_dim=ROPE_3AXES),
+                      _motif_video_inputs, _DUAL_SINGLE, 2, video=True)
+
+
+# ------------------------------------------------------------------------------------- audio (1-D)
+_AUDIO_SIZES = {"default": {"grid": (16,), "text": 8}, "alt_resolution": {"grid": (24,), "text": 8}}
+
+
+def _longcat_audio_inputs(config, batch, sizes, gen):
+    (length,) = sizes["grid"]
+    text = sizes["text"]
+    return {
+        "hidden_states": cfg_rows(gen, batch, length, config["latent_dim"]),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["dit_text_dim"]),
+        "encoder_attention_mask": text_mask(batch, text, torch.bool),
+        "timestep": timestep_rows(gen, batch, 1.0),
+        "return_dict": False,
+    }
+
+
+LONGCAT_AUDIO = _family("longcat_audio", "LongCatAudioDiTTransformer",
+                        dict(dit_dim=DIM, dit_depth=4, dit_heads=HEADS, dit_text_dim=TEXT_DIM, latent_dim=8,
+                             use_latent_condition=False),
+                        _longcat_audio_inputs, {"blocks": "dit_depth"}, 1, sizes_by_variant=_AUDIO_SIZES,
+                        heads_key="dit_heads", head_dim_key=None, hidden_key="dit_dim")
+
+
+def _stable_audio3_inputs(config, batch, sizes, gen):
+    (length,) = sizes["grid"]
+    return {
+        "hidden_states": cfg_rows(gen, batch, config["io_channels"], length),
+        "timestep": timestep_rows(gen, batch, 1.0),
+        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["cond_token_dim"]),
+        "global_hidden_states": text_rows(gen, batch, config["global_cond_dim"]),
+        "return_dict": False,
+    }
+
+
+STABLE_AUDIO3 = _family("stable_audio3", "StableAudio3DiTModel",
+                        dict(io_channels=8, embed_dim=DIM, depth=2, num_heads=HEADS, cond_token_dim=TEXT_DIM,
+                             global_cond_dim=TEXT_DIM, timestep_features_dim=DIM, num_memory_tokens=4),
+                        _stable_audio3_inputs, {"transformer_blocks": "depth"}, 1, sizes_by_variant=_AUDIO_SIZES,
+                        heads_key="num_heads", head_dim_key=None, hidden_key="embed_dim")
+
+
 MORE_FAMILIES = (BRIA, LONGCAT_IMAGE, OVIS_IMAGE, AURAFLOW, DIT, HUNYUANDIT, COGVIEW3PLUS, COGVIEW4, SKYREELS_V2,
                  CHRONOEDIT, LATTE, ALLEGRO, MOCHI, STABLE_AUDIO, SANA_VIDEO, HUNYUANIMAGE, COSMOS, WAN_VACE, PRX, FLUX3,
-                 HUNYUANVIDEO15, ERNIE_IMAGE, NUCLEUSMOE, CONSISID, KANDINSKY5)
+                 HUNYUANVIDEO15, ERNIE_IMAGE, NUCLEUSMOE, CONSISID, KANDINSKY5, HELIOS, ANYFLOW, MOTIF_VIDEO,
+                 LONGCAT_AUDIO, STABLE_AUDIO3)

@@ -1,0 +1,132 @@
+"""``dit-passes coverage`` (dit_passes/coverage.py) and the diffusers class listing (models/diffusers_zoo.py).
+
+The local columns run on three cheap classes and must be exact; a class without a zoo config shows as
+"no config"; no module of dit_passes outside the zoo names a diffusers transformer class.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import diffusers
+import pytest
+import torch
+
+from dit_passes import coverage
+from dit_passes.infra.pass_base import Pass, PassError
+from dit_passes.infra.phases import Phase
+from dit_passes.models import zoo
+from dit_passes.models.diffusers_zoo import EXCLUDED, ClassRow, coverage_rows, transformer_classes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHEAP = ("flux", "wan", "dit")
+
+
+def test_listing_comes_from_diffusers_and_covers_every_class_once():
+    from diffusers.models.modeling_utils import ModelMixin
+    classes = transformer_classes()
+    assert classes and all(issubclass(c, ModelMixin) for c in classes.values())
+    rows = coverage_rows()
+    names = [r.class_name for r in rows]
+    assert len(names) == len(set(names))
+    assert set(classes) <= set(names)
+    # every exclusion names a class this diffusers has or had; every zoo family maps to its class's row
+    assert set(EXCLUDED) & set(classes), "the exclusion table names none of this diffusers' classes"
+    by_family = {f: r.class_name for r in rows for f in r.families}
+    assert set(by_family) == set(zoo.ALL_FAMILIES)
+    assert all(by_family[f] == zoo.class_name_of(f) for f in by_family)
+    assert not any(r.families and r.excluded for r in rows), "a zoo family builds an excluded class"
+    # the curated test zoo plus the coverage-only configs exist in this diffusers
+    for f in zoo.FAMILIES + zoo.MORE_FAMILIES_HERE:
+        assert hasattr(diffusers, zoo.class_name_of(f)), f
+
+
+def test_no_diffusers_class_named_outside_the_zoo():
+    names = set(transformer_classes())
+    pattern = re.compile(r"\b(" + "|".join(sorted(names)) + r")\b")
+    hits = []
+    for path in sorted((ROOT / "dit_passes").rglob("*.py")):
+        if path.relative_to(ROOT / "dit_passes").parts[0] == "models":
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            for m in pattern.finditer(line):
+                hits.append(f"{path.relative_to(ROOT)}:{lineno}: {m.group(1)}")
+    assert not hits, "diffusers transformer classes named outside dit_passes/models:\n" + "\n".join(hits)
+
+
+@pytest.fixture(scope="module")
+def local_matrix():
+    torch.set_num_threads(1)
+    rows = coverage.select_rows(list(CHEAP)) + [ClassRow("NotAZooClass2DModel", "tests", ())]
+    return coverage.build_matrix(rows, coverage.LOCAL_COLUMNS, parallel=False, timeout=60)
+
+
+def test_local_columns_exact_on_cheap_classes(local_matrix):
+    rows = {r["family"]: r for r in local_matrix["rows"]}
+    assert set(CHEAP) <= set(rows)
+    for family in CHEAP:
+        for column in coverage.LOCAL_COLUMNS:
+            cell = rows[family]["cells"][column]
+            assert cell["status"] == "exact", (family, column, cell)
+    assert local_matrix["summary"]["capture"]["exact"] == len(CHEAP)
+    assert local_matrix["columns"] == list(coverage.LOCAL_COLUMNS)
+
+
+def test_class_without_config_shows_no_config(local_matrix, tmp_path):
+    row = next(r for r in local_matrix["rows"] if r["class"] == "NotAZooClass2DModel")
+    assert row["family"] is None
+    assert {c["status"] for c in row["cells"].values()} == {"no config"}
+    assert set(row["cells"]) == set(coverage.LOCAL_COLUMNS)
+    assert local_matrix["summary"]["dbcache"]["no config"] == 1
+    md = coverage.to_markdown(local_matrix, "dit-passes coverage --test")
+    assert "| NotAZooClass2DModel | - | no config |" in md
+    assert "## Excluded classes" in md and "PriorTransformer" in md
+    text = coverage.to_text(local_matrix)
+    assert "NotAZooClass2DModel (no config)" in text
+    json.dumps(local_matrix)  # the JSON file is the same dict
+
+
+class _Refuses(Pass):
+    """Stands in for a pass whose analysis cannot prove its rewrite: refuses before anything runs."""
+    name = "refuses"
+    phase = Phase.ANALYSIS
+
+    def run(self, gm, ctx):
+        raise PassError("refuses: cannot prove the rewrite")
+
+
+def test_cells_classify_refusals_and_errors():
+    def refuse(zm, inputs, reference):
+        coverage._compile(zm.model, lambda: [_Refuses()], inputs)
+
+    def crash(zm, inputs, reference):
+        raise IndexError("boom")
+
+    def wrong(zm, inputs, reference):
+        coverage._within(coverage._max_rel(reference[0] * 1.1, reference[0]), coverage.TOLERANCE, "x")
+
+    cell = coverage.run_cell("dit", refuse, 30)
+    assert cell.status == "refused" and "cannot prove the rewrite" in cell.detail, cell
+    cell = coverage.run_cell("dit", crash, 30)
+    assert (cell.status, cell.detail) == ("error", "IndexError: boom")
+    cell = coverage.run_cell("dit", wrong, 30)
+    assert cell.status == "error" and "max relative error" in cell.detail
+
+
+def test_cell_timeout_is_an_error():
+    import time
+
+    def slow(zm, inputs, reference):
+        time.sleep(5)
+
+    cell = coverage.run_cell("dit", slow, 0.5)
+    assert cell.status == "error" and "CellTimeout" in cell.detail and cell.seconds < 4
+
+
+def test_cli_arguments(capsys):
+    from dit_passes.cli import main
+    assert main(["coverage", "--columns", "capture,nope"]) == 2
+    assert "unknown column(s) ['nope']" in capsys.readouterr().err
+    assert main(["coverage", "--families", "not_a_family"]) == 2
+    assert "unknown families / classes ['not_a_family']" in capsys.readouterr().err
