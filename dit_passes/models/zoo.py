@@ -10,6 +10,10 @@ inputs from their own ``seed``), small (2 heads x 16 channels, 2 blocks per list
     out = zm.model(**kwargs)                # tuple, as return_dict=False
     zm.expected["block_lists"]              # {"transformer_blocks": 2, "single_transformer_blocks": 2}
 
+``FAMILIES`` are the curated families every test builds (``zoo_image`` / ``zoo_video``); ``MORE_FAMILIES_HERE``
+the coverage-only ones (``zoo_more``: the rest of diffusers' DiT classes, for ``dit-passes coverage``), built
+the same way by ``build``; ``diffusers_zoo.coverage_rows()`` maps every transformer class of diffusers to them.
+
 ``expected`` holds what a correct capture must find:
 
 * ``block_lists``: main-stack ``nn.ModuleList`` paths -> length, in execution order;

@@ -597,7 +597,75 @@ STABLE_AUDIO3 = _family("stable_audio3", "StableAudio3DiTModel",
                         heads_key="num_heads", head_dim_key=None, hidden_key="embed_dim")
 
 
+# ------------------------------------------------------------------------------------- lumina-next
+def _lumina_next_inputs(config, batch, sizes, gen):
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
+    text = sizes["text"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "hidden_states": _latent_2d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1.0),
+        "encoder_hidden_states": text_rows(gen, batch, text, config["cross_attention_dim"]),
+        "encoder_mask": text_mask(batch, text, torch.long),
+        # LuminaPipeline: a (384, 384) complex table; 16 x 16 covers the zoo's grids
+        "image_rotary_emb": get_2d_rotary_pos_embed_lumina(head_dim, 16, 16),
+        "cross_attention_kwargs": {},  # the blocks unpack it with **
+        "return_dict": False,
+    }
+
+
+LUMINA_NEXT = _family("lumina_next", "LuminaNextDiT2DModel",
+                      dict(sample_size=8, patch_size=2, in_channels=4, hidden_size=DIM, num_layers=2,
+                           num_attention_heads=HEADS, num_kv_heads=1, multiple_of=16, learn_sigma=True, qk_norm=True,
+                           cross_attention_dim=TEXT_DIM),
+                      _lumina_next_inputs, {"layers": "num_layers"}, 1, head_dim_key=None, hidden_key="hidden_size",
+                      pipeline_class="LuminaPipeline")
+
+
+# --------------------------------------------------------------------------------------- hidream (MoE)
+def _hidream_inputs(config, batch, sizes, gen):
+    text = sizes["text"]
+    n_llama = len(config["llama_layers"])
+    return {
+        "hidden_states": _latent_2d(config, batch, sizes, gen),
+        "timesteps": timestep_rows(gen, batch, 1000.0),
+        "encoder_hidden_states_t5": text_rows(gen, batch, text, config["caption_channels"][0]),
+        # HiDreamImagePipeline: the llama hidden states of every layer, (layers, B, T, D)
+        "encoder_hidden_states_llama3": text_rows(gen, batch, n_llama, text, config["caption_channels"][1])
+        .transpose(0, 1).contiguous(),
+        "pooled_embeds": text_rows(gen, batch, config["text_emb_dim"]),
+        "return_dict": False,
+    }
+
+
+HIDREAM = _family("hidream", "HiDreamImageTransformer2DModel",
+                  dict(patch_size=2, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=HEAD_DIM,
+                       num_attention_heads=HEADS, caption_channels=[TEXT_DIM, TEXT_DIM], text_emb_dim=TEXT_DIM,
+                       num_routed_experts=2, num_activated_experts=1, axes_dims_rope=ROPE_3AXES, max_resolution=(16, 16),
+                       llama_layers=[0, 1, 2, 3]),
+                  _hidream_inputs, {"double_stream_blocks": "num_layers", "single_stream_blocks": "num_single_layers"},
+                  2, pipeline_class="HiDreamImagePipeline")
+
+
+# ----------------------------------------------------------------------------------------- easyanimate
+def _easyanimate_inputs(config, batch, sizes, gen):
+    return {
+        "hidden_states": _latent_3d(config, batch, sizes, gen),
+        "timestep": timestep_rows(gen, batch, 1000.0),
+        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["text_embed_dim"]),
+        "return_dict": False,
+    }
+
+
+EASYANIMATE = _family("easyanimate", "EasyAnimateTransformer3DModel",
+                      dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
+                           patch_size=2, sample_width=8, sample_height=8, num_layers=2, mmdit_layers=2,
+                           time_embed_dim=DIM, text_embed_dim=TEXT_DIM),
+                      _easyanimate_inputs, {"transformer_blocks": "num_layers"}, 2, video=True,
+                      pipeline_class="EasyAnimatePipeline")
+
+
 MORE_FAMILIES = (BRIA, LONGCAT_IMAGE, OVIS_IMAGE, AURAFLOW, DIT, HUNYUANDIT, COGVIEW3PLUS, COGVIEW4, SKYREELS_V2,
                  CHRONOEDIT, LATTE, ALLEGRO, MOCHI, STABLE_AUDIO, SANA_VIDEO, HUNYUANIMAGE, COSMOS, WAN_VACE, PRX, FLUX3,
                  HUNYUANVIDEO15, ERNIE_IMAGE, NUCLEUSMOE, CONSISID, KANDINSKY5, HELIOS, ANYFLOW, MOTIF_VIDEO,
-                 LONGCAT_AUDIO, STABLE_AUDIO3)
+                 LONGCAT_AUDIO, STABLE_AUDIO3, LUMINA_NEXT, HIDREAM, EASYANIMATE)
