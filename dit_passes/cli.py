@@ -51,10 +51,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import torch
 
     from . import compile_dit
-    from .models.zoo import FAMILIES, build
+    from .models.zoo import FAMILIES, MORE_FAMILIES_HERE, build
 
-    if args.model not in FAMILIES:
-        print(f"dit-passes: unknown model {args.model!r}; zoo families: {', '.join(FAMILIES)}", file=sys.stderr)
+    if args.model not in FAMILIES + MORE_FAMILIES_HERE:
+        print(f"dit-passes: unknown model {args.model!r}; zoo families: {', '.join(FAMILIES + MORE_FAMILIES_HERE)}",
+              file=sys.stderr)
         return 2
     names = _parse_passes(args.passes)
     known = available_passes()

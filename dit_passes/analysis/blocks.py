@@ -105,14 +105,27 @@ def discover(gm: fx.GraphModule, block_lists: Optional[List[str]] = None) -> DiT
 
     blocks: List[Block] = []
     lists: List[BlockList] = []
+    owned: List[List[fx.Node]] = []
     for prefix in chain:
         idxs = sorted(groups[prefix])
         lists.append(BlockList(prefix, next(iter(cands[prefix].values())), len(idxs)))
         for i in idxs:
-            ns = groups[prefix][i]
-            lo, hi = min(pos[n] for n in ns), max(pos[n] for n in ns)
-            region = [n for n in nodes[lo:hi + 1] if n.op == "call_function"]
-            blocks.append(Block(len(blocks), f"{prefix}.{i}", prefix, region, [], [], []))
+            owned.append(groups[prefix][i])
+            blocks.append(Block(len(blocks), f"{prefix}.{i}", prefix, [], [], [], []))
+    # A block is the run of its nodes up to where the next block starts: a later call of one of its
+    # submodules from outside the stack (DiT's final layer reuses block 0's timestep embedder) belongs to
+    # the code that makes it (the epilogue), not to the block. Strays inside the stack keep the whole range
+    # (an interleaving, refused below).
+    firsts = [min(pos[n] for n in ns) for ns in owned]
+    following = sorted(firsts)
+    his = []
+    for ns, lo in zip(owned, firsts):
+        nxt = next((f for f in following if f > lo), len(nodes))
+        his.append(max(pos[n] for n in ns if pos[n] < nxt))
+    stack_end = max(his)
+    for b, ns, lo, hi in zip(blocks, owned, firsts, his):
+        strays = [n for n in ns if hi < pos[n] <= stack_end]
+        b.nodes = [n for n in nodes[lo:(stack_end if strays else hi) + 1] if n.op == "call_function"]
     blocks.sort(key=lambda b: pos[b.first])
     for i, b in enumerate(blocks):
         b.index = i

@@ -57,8 +57,21 @@ def _branch(gm: fx.GraphModule, seg: MiddleSegment, k: int, cached: bool) -> fx.
     res_in = [g.placeholder(f"residual_{i}") for i in range(k)]
     for r, o in zip(res_in, seg.live_out):
         r.meta["val"] = o.meta["val"]
+    def base(o: fx.Node):
+        """The node the residual of ``o`` is taken against (None: ``o`` is cached whole)."""
+        b = seg.before_of[o]
+        if len(b.parts) == 1:
+            return env[b.parts[0]]
+        if not b.parts:
+            return None
+        return g.call_function(torch.ops.aten.cat.default, ([env[p] for p in b.parts], b.dim))
+
     if cached:
-        outs = [g.call_function(torch.ops.aten.add.Tensor, (env[seg.before_of[o]], r)) for o, r in zip(seg.live_out, res_in)]
+        outs = []
+        for o, r in zip(seg.live_out, res_in):
+            against = base(o)
+            outs.append(g.call_function(torch.ops.aten.clone.default, (r,)) if against is None
+                        else g.call_function(torch.ops.aten.add.Tensor, (against, r)))
         res = [g.call_function(torch.ops.aten.clone.default, (r,)) for r in res_in]  # outputs may not alias inputs
     else:
         from ..infra.graph_utils import _share_attr
@@ -77,7 +90,11 @@ def _branch(gm: fx.GraphModule, seg: MiddleSegment, k: int, cached: bool) -> fx.
         # single blocks end with a slice of the joint sequence) is copied to a fresh contiguous tensor
         outs = [g.call_function(torch.ops.aten.clone.default, (env[o],), {"memory_format": torch.contiguous_format})
                 if _is_view_like(o) else env[o] for o in seg.live_out]
-        res = [g.call_function(torch.ops.aten.sub.Tensor, (env[o], env[seg.before_of[o]])) for o in seg.live_out]
+        res = []
+        for o in seg.live_out:
+            against = base(o)
+            res.append(g.call_function(torch.ops.aten.clone.default, (env[o],)) if against is None
+                       else g.call_function(torch.ops.aten.sub.Tensor, (env[o], against)))
     g.output(tuple(outs + res))
     return fx.GraphModule(root, g, class_name="DBCacheCached" if cached else "DBCacheCompute")
 
@@ -213,7 +230,11 @@ class DBCache(Pass):
                                       outputs=lambda rt, vals, _s=store, _g=graph_id: _s.outputs(_g, rt.context, vals),
                                       num_outputs=len(state_out) + 2))
         facts.cache_cut = cut
+        bases = [len(b.parts) for b in seg.before_of.values()]
         counts = {"blocks_in_branch": n - fn - bn, "cond": 1, "state_tensors": len(state_in), "streams_cached": k,
+                  # leaving streams that are the join of entering ones (a hand-over inside the range), and
+                  # those with no entering stream of their shape, cached whole
+                  "streams_joined": sum(p > 1 for p in bases), "streams_cached_whole": sum(p == 0 for p in bases),
                   "offload_loads_moved": relocated}
         return PassResult(True, counts, f"blocks {fn}..{n - bn - 1} of {n} moved into a torch.cond branch "
                                         f"({len(seg.nodes)} nodes); {k} stream residual(s) cached; tag {self.config.strify()}")

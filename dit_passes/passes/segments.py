@@ -14,12 +14,23 @@ from ..analysis.structure import DiTStructure
 from ..infra.pass_base import PassError
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamBase:
+    """What a stream leaving the middle is the residual against: one stream entering the middle (``parts`` of
+    one), the concatenation along ``dim`` of entering streams where the middle joins them (a dual- to
+    single-stream hand-over inside the range: the joint sequence against the streams it was made of), or
+    nothing (``parts == ()``: no entering stream has its shape, so the leaving value itself is cached)."""
+
+    parts: Tuple[fx.Node, ...]
+    dim: int = 1
+
+
 @dataclasses.dataclass
 class MiddleSegment:
     nodes: List[fx.Node]              # the middle blocks (and glue between them), graph order
     live_in: List[fx.Node]            # values the middle reads: streams at the cut + side inputs
     live_out: List[fx.Node]           # middle values read after it (the streams leaving)
-    before_of: Dict[fx.Node, fx.Node]  # live_out -> the same stream's value entering the middle
+    before_of: Dict[fx.Node, StreamBase]  # live_out -> what it is a residual against
     range_start: fx.Node              # first node of block 0
     image_in: fx.Node                 # image stream entering block 0
     image_at_cut: fx.Node             # image stream after the Fn blocks
@@ -60,6 +71,58 @@ def _match(targets: List[fx.Node], pool: List[fx.Node], what: str) -> Dict[fx.No
     return out
 
 
+def _joined(t: fx.Node, middle: List[fx.Node], streams: List[fx.Node]) -> StreamBase:
+    """The entering streams that ``t`` (a leaving value of another shape) is the join of: the first
+    concatenation in the middle with ``t``'s shape whose every input has exactly one entering stream of its
+    own shape (the streams keep their shapes through the blocks before a hand-over). Else ``StreamBase(())``."""
+    want = tuple(t.meta["val"].shape)
+    for n in middle:
+        if n.target is not torch.ops.aten.cat.default or tuple(n.meta["val"].shape) != want:
+            continue
+        inputs, dim = n.args[0], (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
+        parts = []
+        for x in inputs:
+            same = [p for p in streams if isinstance(x, fx.Node) and _same_kind(x, p)]
+            if len(same) > 1:  # streams of one shape (as many text as image tokens): follow the residual adds
+                same = [p for p in same if p is _residual_source(x, set(middle), same)]
+            if len(same) != 1 or same[0] in parts:
+                break
+            parts.append(same[0])
+        else:
+            return StreamBase(tuple(parts), dim % len(want))
+    return StreamBase(())
+
+
+def _residual_source(x: fx.Node, middle: Set[fx.Node], streams: List[fx.Node]):
+    """The stream ``x`` continues: walk back through the residual adds (``x = x + f(x)``: the first operand)
+    and through ops with a single input of ``x``'s shape; None where the walk is ambiguous."""
+    seen = 0
+    while x not in streams and x in middle and seen < 10000:
+        seen += 1
+        if x.target is torch.ops.aten.add.Tensor and isinstance(x.args[0], fx.Node):
+            x = x.args[0]
+            continue
+        same = [a for a in x.all_input_nodes if _same_kind(a, x)]
+        if len(same) != 1:
+            return None
+        x = same[0]
+    return x if x in streams else None
+
+
+def _bases(leaving: List[fx.Node], middle: List[fx.Node], streams: List[fx.Node]) -> Dict[fx.Node, StreamBase]:
+    """Each leaving value's base: a same-shape entering stream (in order), else the streams it joins."""
+    used: set = set()
+    out = {}
+    for t in leaving:
+        cands = [p for p in streams if p not in used and _same_kind(t, p)]
+        if cands:
+            used.add(cands[0])
+            out[t] = StreamBase((cands[0],))
+        else:
+            out[t] = _joined(t, middle, streams)
+    return out
+
+
 def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int,
                exclude: Set[fx.Node] = frozenset()) -> MiddleSegment:
     nodes = list(gm.graph.nodes)
@@ -80,7 +143,7 @@ def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int,
         raise PassError(f"dbcache: values crossing the cached range are not tensors: {bad}")
     start = pos[blocks[0].first]
     streams_at_cut = [a for a in live_in if pos[a] >= start]
-    before_of = _match(live_out, streams_at_cut, "stream leaving the middle blocks")
+    before_of = _bases(live_out, middle, streams_at_cut)
 
     ins = blocks[0].stream_inputs
     if not ins:
