@@ -101,8 +101,27 @@ def _flat_values(x: Any) -> List[Any]:
     return [v for item in x for v in _flat_values(item)] if isinstance(x, list) else [x]
 
 
+_NONZERO = (torch.nonzero, torch.Tensor.nonzero)
+
+
+def _is_nonzero_call(func, args, kwargs) -> bool:
+    """``nonzero(x)`` returning one index tensor (not ``as_tuple``): its length is data-dependent."""
+    as_tuple = (kwargs or {}).get("as_tuple", args[1] if len(args) > 1 and isinstance(args[1], bool) else False)
+    return func in _NONZERO and not as_tuple
+
+
+def _bool_mask_index(func, args) -> int | None:
+    """Position of the boolean-mask tensor in ``x[..., mask, ...]`` (a data-dependent number of rows), else None."""
+    if func is not torch.Tensor.__getitem__ or len(args) < 2:
+        return None
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    masks = [i for i, x in enumerate(index) if isinstance(x, torch.Tensor) and x.dtype == torch.bool]
+    return masks[0] if len(masks) == 1 else None
+
+
 class _ScalarRecorder(TorchFunctionMode):
-    """Eager run: records, in call order, every Python scalar read from a tensor (item / tolist)."""
+    """Eager run: records, in call order, every Python scalar read from a tensor (item / tolist / bool) and
+    the length of every ``nonzero`` result (a data-dependent size)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,27 +129,46 @@ class _ScalarRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.item:
+        if func is torch.Tensor.item or func is torch.Tensor.__bool__:
             self.values.append(out)
         elif func is torch.Tensor.tolist:
             self.values.extend(_flat_values(out))  # FakeTensor.tolist reads them one item() each
+        elif _is_nonzero_call(func, args, kwargs):
+            self.values.append(int(out.shape[0]))
+        elif _bool_mask_index(func, args) is not None:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            self.values.append(int(index[_bool_mask_index(func, args)].sum()))
         return out
 
 
 class _ScalarReplay(TorchFunctionMode):
-    """Tracing: answers each ``item()`` with the eager value, keeping the traced tensor as a guard."""
+    """Tracing: answers each ``item()`` / ``bool()`` with the eager value, keeping the traced tensor as a guard;
+    a ``nonzero`` becomes ``nonzero_static`` of the eager length, guarded by the count of non-zeros."""
 
     def __init__(self, values: Sequence[Any]) -> None:
         super().__init__()
         self.values = list(values)
         self.sources: List[torch.Tensor] = []
 
+    def _next(self, source: torch.Tensor) -> Any:
+        if len(self.sources) >= len(self.values):
+            raise CaptureError("the traced model reads more tensor scalars than its eager run did")
+        self.sources.append(source)
+        return self.values[len(self.sources) - 1]
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.item:
-            if len(self.sources) >= len(self.values):
-                raise CaptureError("the traced model reads more tensor scalars than its eager run did")
-            self.sources.append(args[0])
-            return self.values[len(self.sources) - 1]
+        if func is torch.Tensor.item or func is torch.Tensor.__bool__:
+            return self._next(args[0])
+        if _is_nonzero_call(func, args, kwargs):
+            x = args[0]
+            count = (x != 0).sum()
+            return torch.nonzero_static(x, size=int(self._next(count)))
+        at = _bool_mask_index(func, args)
+        if at is not None:  # x[mask] == x[rows of nonzero(mask)], with the eager count of rows
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            mask = index[at]
+            rows = torch.nonzero_static(mask, size=int(self._next(mask.sum()))).unbind(1)
+            return args[0][index[:at] + tuple(rows) + index[at + 1:]]
         return func(*args, **(kwargs or {}))
 
 
@@ -219,6 +257,17 @@ class _CallWithConstants(torch.nn.Module):
         return rec.values
 
 
+def _data_dependent_shape(gm: fx.GraphModule) -> str | None:
+    """The first node whose shape holds an unbacked (data-dependent) size, described; None if there is none."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and free_unbacked_symbols(val.shape):
+            where = n.meta.get("stack_trace", "").strip().splitlines()[-2:] if n.meta.get("stack_trace") else []
+            return f"node {n.name} {tuple(val.shape)}" + (f" at {' / '.join(w.strip() for w in where)}" if where else "")
+    return None
+
+
 def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, Any] | None = None) -> Captured:
     import time
 
@@ -249,6 +298,9 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
     try:
         with torch.inference_mode(False), torch.no_grad():
             ep = torch.export.export(wrapper, tensors, strict=False)
+        dynamic = _data_dependent_shape(ep.graph_module)
+        if dynamic is not None:  # traced, but with token counts read from the inputs' values (masks)
+            raise CaptureError(f"the graph has data-dependent shapes ({dynamic}); the passes need static ones")
     except Exception as e:  # noqa: BLE001
         first_error = e
         try:  # data-dependent Python? retry specialised on the eager run's scalars
@@ -261,8 +313,12 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
             try:
                 with torch.inference_mode(False), torch.no_grad():
                     ep = torch.export.export(wrapper, tensors, strict=False)
+                dynamic = _data_dependent_shape(ep.graph_module)
+                if dynamic is not None:
+                    raise CaptureError(f"the graph still has data-dependent shapes after specialising on the "
+                                       f"call's values ({dynamic}); the passes need static ones")
             except Exception as e2:  # noqa: BLE001
-                first_error = e2
+                first_error, ep = e2, None
         if ep is None:
             e = first_error
             raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
