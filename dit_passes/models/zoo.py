@@ -131,6 +131,20 @@ def _make_inputs(spec: FamilySpec, config: dict, batch: int = 1, variant: str = 
     return spec.inputs(MappingProxyType(config), batch, spec.sizes_by_variant[variant], gen)
 
 
+def _init_uninitialized(model: torch.nn.Module, again: Callable[[], torch.nn.Module], seed: int) -> None:
+    """Draw the parameters a class leaves uninitialised (``torch.empty`` experts, left to a checkpoint load):
+    a second build from the same seed differs exactly there. Redrawn from ``seed``, scaled by 1/sqrt(fan-in),
+    so every build of a family is identical (ranks build their own copy)."""
+    torch.manual_seed(seed)
+    other = dict(again().named_parameters())
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.numel() and not torch.equal(p, other[name]):
+                fan_in = p.shape[-1] if p.dim() > 1 else p.numel()
+                p.copy_(torch.randn(p.shape, generator=gen) / fan_in ** 0.5)
+
+
 def build(family: str, seed: int = 0, **overrides: Any) -> ZooModel:
     """Build the tiny ``family`` model with weights drawn from ``seed`` (fp32, CPU, eval mode).
 
@@ -144,6 +158,7 @@ def build(family: str, seed: int = 0, **overrides: Any) -> ZooModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
         model = cls(**config)
+        _init_uninitialized(model, lambda: cls(**config), int(seed))
     # diffusers builds fp32 CPU modules already; no .to(dtype), which would warn about and override
     # the classes' keep-in-fp32 lists for nothing
     model.eval()
