@@ -104,6 +104,16 @@ def moved_dim(n: fx.Node, dim: int) -> int:
         if dim >= nd - len(args[1]):
             raise Touches("normalisation over the sharded dim")
         return dim
+    if t is aten.repeat.default:  # (x, repeats): leading repeats add dims; GQA repeats K/V heads this way
+        lead = len(args[1]) - nd
+        if int(args[1][lead + dim]) != 1:
+            raise Touches("repeat along the sharded dim")
+        return dim + lead
+    if t is aten.repeat_interleave.self_int:  # (x, repeats, dim=None): no dim flattens x first
+        d = arg(n, 2, "dim", None)
+        if d is None or int(d) % nd == dim:
+            raise Touches("repeat_interleave along the sharded dim")
+        return dim
     raise KeyError(t)
 
 
