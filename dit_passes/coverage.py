@@ -29,7 +29,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree

@@ -4,15 +4,16 @@ The curated families (``zoo_image`` / ``zoo_video``) are what the test suite bui
 zoo to the rest of diffusers' transformer classes, each at the same size (2 heads x 16 channels, 2 blocks
 per list) with the options that change the graph turned on where they are cheap (rotary embeddings, masks,
 GQA, guidance / style / size conditioning, temporal blocks). Their inputs follow the matching pipeline's call.
-``dit_passes.models.diffusers_zoo`` lists every transformer class of the installed diffusers and maps each
+Image families here, video and audio ones in ``zoo_more_av``. ``dit_passes.models.diffusers_zoo`` lists every transformer class of the installed diffusers and maps each
 to the families here, so a class without one shows as "no config".
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import torch
-from diffusers.models.embeddings import get_1d_rotary_pos_embed, get_2d_rotary_pos_embed
+from diffusers.models.embeddings import get_2d_rotary_pos_embed
 
 from dit_passes.models.zoo_common import (
     FamilySpec,
@@ -61,6 +62,23 @@ def _latent_3d(config, batch, sizes, gen, pt=1, p=2, channels_first=True):
     if channels_first:
         return cfg_rows(gen, batch, config["in_channels"], f * pt, h * p, w * p)
     return cfg_rows(gen, batch, f * pt, config["in_channels"], h * p, w * p)
+
+
+def _text_inputs(text_key, t_scale=1000.0, mask=torch.long, latent=_latent_3d):
+    """The common call: latents, a timestep, text embeddings (``config[text_key]`` wide) and, unless ``mask`` is
+    None, a text mask of that dtype as ``encoder_attention_mask``."""
+    def inputs(config, batch, sizes, gen):
+        text = sizes["text"]
+        out = {
+            "hidden_states": latent(config, batch, sizes, gen),
+            "timestep": timestep_rows(gen, batch, t_scale),
+            "encoder_hidden_states": text_rows(gen, batch, text, config[text_key]),
+        }
+        if mask is not None:
+            out["encoder_attention_mask"] = text_mask(batch, text, mask)
+        out["return_dict"] = False
+        return out
+    return inputs
 
 
 # ------------------------------------------------------------------------------------ flux-like (ids)
@@ -190,142 +208,8 @@ COGVIEW4 = _family("cogview4", "CogView4Transformer2DModel", dict(_COGVIEW, rope
                    {"transformer_blocks": "num_layers"}, 2, pipeline_class="CogView4Pipeline")
 
 
-# ------------------------------------------------------------------------------------ wan-like video
-def _wan_like_inputs(config, batch, sizes, gen):
-    return {
-        "hidden_states": _latent_3d(config, batch, sizes, gen),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["text_dim"]),
-        "return_dict": False,
-    }
-
-
-_WAN_LIKE = dict(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4,
-                 out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64)
-SKYREELS_V2 = _family("skyreels_v2", "SkyReelsV2Transformer3DModel", _WAN_LIKE, _wan_like_inputs,
-                      {"blocks": "num_layers"}, 1, video=True, pipeline_class="SkyReelsV2Pipeline")
-CHRONOEDIT = _family("chronoedit", "ChronoEditTransformer3DModel", dict(_WAN_LIKE, rope_temporal_skip_len=2),
-                     _wan_like_inputs, {"blocks": "num_layers"}, 1, video=True)
-
-
-# --------------------------------------------------------------------------------------- latte (t/s)
-def _latte_inputs(config, batch, sizes, gen):
-    return {
-        "hidden_states": _latent_3d(config, batch, sizes, gen),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        # LattePipeline passes no text mask (the model would not repeat one over the frames)
-        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["caption_channels"]),
-        "return_dict": False,
-    }
-
-
-LATTE = _family("latte", "LatteTransformer3DModel",
-                dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=8,
-                     num_layers=2, cross_attention_dim=DIM, patch_size=2, sample_size=8,
-                     activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
-                     norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=TEXT_DIM, video_length=2),
-                _latte_inputs, {"transformer_blocks": "num_layers", "temporal_transformer_blocks": "num_layers"}, 1,
-                video=True, sizes_by_variant={"default": {"grid": (2, 4, 4), "text": 8},
-                                              "alt_resolution": {"grid": (2, 6, 4), "text": 8}},
-                pipeline_class="LattePipeline")
-
-
-# ---------------------------------------------------------------------------------------- allegro
-def _allegro_inputs(config, batch, sizes, gen):
-    return {
-        "hidden_states": _latent_3d(config, batch, sizes, gen),
-        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["caption_channels"]),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        "encoder_attention_mask": text_mask(batch, sizes["text"], torch.long),
-        "return_dict": False,
-    }
-
-
-ALLEGRO = _family("allegro", "AllegroTransformer3DModel",
-                  dict(patch_size=2, patch_size_t=1, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
-                       in_channels=4, out_channels=4, num_layers=2, cross_attention_dim=DIM, sample_height=8,
-                       sample_width=8, sample_frames=2, caption_channels=TEXT_DIM),
-                  _allegro_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
-                  pipeline_class="AllegroPipeline")
-
-
-# ----------------------------------------------------------------------------------------- mochi
-def _mochi_inputs(config, batch, sizes, gen):
-    text = sizes["text"]
-    return {
-        "hidden_states": _latent_3d(config, batch, sizes, gen),
-        "encoder_hidden_states": text_rows(gen, batch, text, config["text_embed_dim"]),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        "encoder_attention_mask": text_mask(batch, text, torch.long),
-        "return_dict": False,
-    }
-
-
-MOCHI = _family("mochi", "MochiTransformer3DModel",
-                dict(patch_size=2, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, num_layers=2,
-                     pooled_projection_dim=TEXT_DIM, in_channels=4, text_embed_dim=TEXT_DIM, time_embed_dim=DIM,
-                     max_sequence_length=8),
-                _mochi_inputs, {"transformer_blocks": "num_layers"}, 2, video=True, pipeline_class="MochiPipeline")
-
-
-# ------------------------------------------------------------------------------------- stable audio
-def _stable_audio_inputs(config, batch, sizes, gen):
-    (length,) = sizes["grid"]
-    # StableAudioPipeline: half-dim rotary table over the latent frames plus the global token
-    rotary = get_1d_rotary_pos_embed(config["attention_head_dim"] // 2, length + 1, use_real=True,
-                                     repeat_interleave_real=False)
-    return {
-        "hidden_states": cfg_rows(gen, batch, config["in_channels"], length),
-        "timestep": timestep_rows(gen, batch, 1.0),
-        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["cross_attention_dim"]),
-        "global_hidden_states": text_rows(gen, batch, 1, config["global_states_input_dim"]),
-        "rotary_embedding": rotary,
-        "return_dict": False,
-    }
-
-
-STABLE_AUDIO = _family("stable_audio", "StableAudioDiTModel",
-                       dict(sample_size=16, in_channels=4, num_layers=2, attention_head_dim=HEAD_DIM,
-                            num_attention_heads=HEADS, num_key_value_attention_heads=1, out_channels=4,
-                            cross_attention_dim=DIM, time_proj_dim=DIM, global_states_input_dim=DIM,
-                            cross_attention_input_dim=DIM),
-                       _stable_audio_inputs, {"transformer_blocks": "num_layers"}, 1,
-                       sizes_by_variant={"default": {"grid": (16,), "text": 8},
-                                         "alt_resolution": {"grid": (24,), "text": 8}},
-                       pipeline_class="StableAudioPipeline")
-
-
-# ---------------------------------------------------------------------------------------- sana video
-def _sana_video_inputs(config, batch, sizes, gen):
-    text = sizes["text"]
-    return {
-        "hidden_states": _latent_3d(config, batch, sizes, gen),
-        "encoder_hidden_states": text_rows(gen, batch, text, config["caption_channels"]),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        "encoder_attention_mask": text_mask(batch, text, torch.long),
-        "return_dict": False,
-    }
-
-
-SANA_VIDEO = _family("sana_video", "SanaVideoTransformer3DModel",
-                     dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
-                          num_layers=2, num_cross_attention_heads=HEADS, cross_attention_head_dim=HEAD_DIM,
-                          cross_attention_dim=DIM, caption_channels=TEXT_DIM, sample_size=8, patch_size=(1, 2, 2),
-                          rope_max_seq_len=64),
-                     _sana_video_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
-                     pipeline_class="SanaVideoPipeline")
-
-
 # ------------------------------------------------------------------------------------ hunyuan image
-def _hunyuanimage_inputs(config, batch, sizes, gen):
-    text = sizes["text"]
-    return {
-        "hidden_states": _latent_2d(config, batch, sizes, gen, p=1),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        "encoder_hidden_states": text_rows(gen, batch, text, config["text_embed_dim"]),
-        "encoder_attention_mask": text_mask(batch, text, torch.long),
-        "return_dict": False,
-    }
+_hunyuanimage_inputs = _text_inputs("text_embed_dim", latent=functools.partial(_latent_2d, p=1))
 
 
 HUNYUANIMAGE = _family("hunyuanimage", "HunyuanImageTransformer2DModel",
@@ -335,39 +219,6 @@ HUNYUANIMAGE = _family("hunyuanimage", "HunyuanImageTransformer2DModel",
                        _hunyuanimage_inputs, _DUAL_SINGLE, 2,
                        aux_list_keys={"context_embedder.token_refiner.refiner_blocks": "num_refiner_layers"},
                        pipeline_class="HunyuanImagePipeline")
-
-
-# -------------------------------------------------------------------------------------------- cosmos
-def _cosmos_inputs(config, batch, sizes, gen):
-    # concat_padding_mask=False: the padding mask goes through torchvision, which the zoo does not need
-    return {
-        "hidden_states": _latent_3d(config, batch, sizes, gen),
-        "timestep": timestep_rows(gen, batch, 1.0),
-        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["text_embed_dim"]),
-        "return_dict": False,
-    }
-
-
-COSMOS = _family("cosmos", "CosmosTransformer3DModel",
-                 dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
-                      num_layers=2, text_embed_dim=TEXT_DIM, adaln_lora_dim=8, max_size=(8, 16, 16),
-                      patch_size=(1, 2, 2), rope_scale=(1.0, 1.0, 1.0), encoder_hidden_states_channels=TEXT_DIM,
-                      crossattn_proj_in_channels=TEXT_DIM, concat_padding_mask=False),
-                 _cosmos_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
-                 pipeline_class="CosmosTextToWorldPipeline")
-
-
-# --------------------------------------------------------------------------------- wan vace (control)
-def _wan_vace_inputs(config, batch, sizes, gen):
-    f, h, w = sizes["grid"]
-    out = _wan_like_inputs(config, batch, sizes, gen)
-    out["control_hidden_states"] = cfg_rows(gen, batch, config["vace_in_channels"], f, h * 2, w * 2)
-    out["control_hidden_states_scale"] = torch.ones(len(config["vace_layers"]))
-    return out
-
-
-WAN_VACE = _family("wan_vace", "WanVACETransformer3DModel", dict(_WAN_LIKE, vace_layers=[0, 1], vace_in_channels=8),
-                   _wan_vace_inputs, {"blocks": "num_layers"}, 1, video=True, pipeline_class="WanVACEPipeline")
 
 
 # ----------------------------------------------------------------------------------------------- prx
@@ -413,32 +264,6 @@ FLUX3 = _family("flux3", "Flux3Transformer2DModel",
                                 "single_transformer_blocks": "num_single_layers"}, 2)
 
 
-# ------------------------------------------------------------------------------------ hunyuanvideo 1.5
-def _hunyuanvideo15_inputs(config, batch, sizes, gen):
-    text = sizes["text"]
-    return {
-        "hidden_states": _latent_3d(config, batch, sizes, gen, p=1),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        "encoder_hidden_states": text_rows(gen, batch, text, config["text_embed_dim"]),
-        "encoder_attention_mask": text_mask(batch, text, torch.long),
-        "encoder_hidden_states_2": text_rows(gen, batch, text, config["text_embed_2_dim"]),
-        "encoder_attention_mask_2": text_mask(batch, text, torch.long),
-        # the text-to-video pipeline passes zero image embeddings
-        "image_embeds": torch.zeros(batch, 4, config["image_embed_dim"]),
-        "return_dict": False,
-    }
-
-
-HUNYUANVIDEO15 = _family("hunyuanvideo15", "HunyuanVideo15Transformer3DModel",
-                         dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
-                              num_layers=2, num_refiner_layers=2, patch_size=1, text_embed_dim=TEXT_DIM,
-                              text_embed_2_dim=TEXT_DIM, image_embed_dim=TEXT_DIM, rope_axes_dim=ROPE_3AXES,
-                              task_type="t2v"),
-                         _hunyuanvideo15_inputs, {"transformer_blocks": "num_layers"}, 2, video=True,
-                         aux_list_keys={"context_embedder.token_refiner.refiner_blocks": "num_refiner_layers"},
-                         pipeline_class="HunyuanVideo15Pipeline")
-
-
 # ---------------------------------------------------------------------------------------- ernie image
 def _ernie_image_inputs(config, batch, sizes, gen):
     text = sizes["text"]
@@ -477,124 +302,6 @@ NUCLEUSMOE = _family("nucleusmoe", "NucleusMoEImageTransformer2DModel",
                           axes_dims_rope=ROPE_3AXES, dense_moe_strategy="leave_first_block_dense", num_experts=4,
                           moe_intermediate_dim=32, capacity_factors=[2.0, 2.0]),
                      _nucleusmoe_inputs, {"transformer_blocks": "num_layers"}, 2, pipeline_class="NucleusMoEImagePipeline")
-
-
-# ------------------------------------------------------------------------------------------ consisid
-def _consisid_inputs(config, batch, sizes, gen):
-    from dit_passes.models.zoo_video import _cogvideox_inputs
-    return _cogvideox_inputs(config, batch, sizes, gen)
-
-
-CONSISID = _family("consisid", "ConsisIDTransformer3DModel",
-                   dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
-                        time_embed_dim=DIM, text_embed_dim=TEXT_DIM, num_layers=2, sample_width=8, sample_height=8,
-                        sample_frames=5, patch_size=2, max_text_seq_length=8, use_rotary_positional_embeddings=True),
-                   _consisid_inputs, {"transformer_blocks": "num_layers"}, 2, video=True,
-                   pipeline_class="ConsisIDPipeline")
-
-
-# -------------------------------------------------------------------------------------- kandinsky 5
-def _kandinsky5_inputs(config, batch, sizes, gen):
-    f, h, w = sizes["grid"]
-    text = sizes["text"]
-    return {
-        # Kandinsky5T2VPipeline: channels-last (B, F, H, W, C) latents
-        "hidden_states": cfg_rows(gen, batch, f, h * 2, w * 2, config["in_visual_dim"]),
-        "encoder_hidden_states": text_rows(gen, batch, text, config["in_text_dim"]),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        "pooled_projections": text_rows(gen, batch, config["in_text_dim2"]),
-        "visual_rope_pos": [torch.arange(f), torch.arange(h), torch.arange(w)],
-        "text_rope_pos": torch.arange(text),
-        "return_dict": False,
-    }
-
-
-KANDINSKY5 = _family("kandinsky5", "Kandinsky5Transformer3DModel",
-                     dict(in_visual_dim=4, in_text_dim=TEXT_DIM, in_text_dim2=TEXT_DIM, time_dim=DIM, out_visual_dim=4,
-                          patch_size=(1, 2, 2), model_dim=DIM, ff_dim=64, num_text_blocks=2, num_visual_blocks=2,
-                          axes_dims=ROPE_3AXES),
-                     _kandinsky5_inputs, {"visual_transformer_blocks": "num_visual_blocks"}, 1, video=True,
-                     # heads of sum(axes_dims) channels
-                     heads_of=lambda c: (c["model_dim"] // sum(c["axes_dims"]), sum(c["axes_dims"])),
-                     pipeline_class="Kandinsky5T2VPipeline")
-
-
-# ----------------------------------------------------------------- helios / anyflow (wan-like video)
-def _anyflow_inputs(config, batch, sizes, gen):
-    out = _wan_like_inputs(config, batch, sizes, gen)
-    # AnyFlow's pipeline hands frames first, (B, F, C, H, W), with one timestep per frame, (B, F)
-    out["hidden_states"] = out["hidden_states"].transpose(1, 2).contiguous()
-    frames = out["hidden_states"].shape[1]
-    out["timestep"] = out["timestep"][:, None].expand(-1, frames).contiguous()
-    out["r_timestep"] = out["timestep"] * 0.5
-    return out
-
-
-HELIOS = _family("helios", "HeliosTransformer3DModel",
-                 dict({k: v for k, v in _WAN_LIKE.items() if k != "rope_max_seq_len"}, rope_dim=ROPE_3AXES),
-                 _wan_like_inputs, {"blocks": "num_layers"}, 1, video=True, pipeline_class="HeliosPipeline")
-ANYFLOW = _family("anyflow", "AnyFlowTransformer3DModel", _WAN_LIKE, _anyflow_inputs, {"blocks": "num_layers"}, 1,
-                  video=True)
-
-
-# -------------------------------------------------------------------------------------- motif video
-def _motif_video_inputs(config, batch, sizes, gen):
-    text = sizes["text"]
-    return {
-        "hidden_states": _latent_3d(config, batch, sizes, gen),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        "encoder_hidden_states": text_rows(gen, batch, text, config["text_embed_dim"]),
-        "encoder_attention_mask": text_mask(batch, text, torch.long),
-        "return_dict": False,
-    }
-
-
-MOTIF_VIDEO = _family("motif_video", "MotifVideoTransformer3DModel",
-                      dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
-                           num_layers=2, num_single_layers=2, patch_size=2, text_embed_dim=TEXT_DIM,
-                           rope_axes_dim=ROPE_3AXES),
-                      _motif_video_inputs, _DUAL_SINGLE, 2, video=True)
-
-
-# ------------------------------------------------------------------------------------- audio (1-D)
-_AUDIO_SIZES = {"default": {"grid": (16,), "text": 8}, "alt_resolution": {"grid": (24,), "text": 8}}
-
-
-def _longcat_audio_inputs(config, batch, sizes, gen):
-    (length,) = sizes["grid"]
-    text = sizes["text"]
-    return {
-        "hidden_states": cfg_rows(gen, batch, length, config["latent_dim"]),
-        "encoder_hidden_states": text_rows(gen, batch, text, config["dit_text_dim"]),
-        "encoder_attention_mask": text_mask(batch, text, torch.bool),
-        "timestep": timestep_rows(gen, batch, 1.0),
-        "return_dict": False,
-    }
-
-
-LONGCAT_AUDIO = _family("longcat_audio", "LongCatAudioDiTTransformer",
-                        dict(dit_dim=DIM, dit_depth=4, dit_heads=HEADS, dit_text_dim=TEXT_DIM, latent_dim=8,
-                             use_latent_condition=False),
-                        _longcat_audio_inputs, {"blocks": "dit_depth"}, 1, sizes_by_variant=_AUDIO_SIZES,
-                        heads_key="dit_heads", head_dim_key=None, hidden_key="dit_dim")
-
-
-def _stable_audio3_inputs(config, batch, sizes, gen):
-    (length,) = sizes["grid"]
-    return {
-        "hidden_states": cfg_rows(gen, batch, config["io_channels"], length),
-        "timestep": timestep_rows(gen, batch, 1.0),
-        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["cond_token_dim"]),
-        "global_hidden_states": text_rows(gen, batch, config["global_cond_dim"]),
-        "return_dict": False,
-    }
-
-
-STABLE_AUDIO3 = _family("stable_audio3", "StableAudio3DiTModel",
-                        dict(io_channels=8, embed_dim=DIM, depth=2, num_heads=HEADS, cond_token_dim=TEXT_DIM,
-                             global_cond_dim=TEXT_DIM, timestep_features_dim=DIM, num_memory_tokens=4),
-                        _stable_audio3_inputs, {"transformer_blocks": "depth"}, 1, sizes_by_variant=_AUDIO_SIZES,
-                        heads_key="num_heads", head_dim_key=None, hidden_key="embed_dim")
 
 
 # ------------------------------------------------------------------------------------- lumina-next
@@ -647,25 +354,7 @@ HIDREAM = _family("hidream", "HiDreamImageTransformer2DModel",
                   2, pipeline_class="HiDreamImagePipeline")
 
 
-# ----------------------------------------------------------------------------------------- easyanimate
-def _easyanimate_inputs(config, batch, sizes, gen):
-    return {
-        "hidden_states": _latent_3d(config, batch, sizes, gen),
-        "timestep": timestep_rows(gen, batch, 1000.0),
-        "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["text_embed_dim"]),
-        "return_dict": False,
-    }
 
 
-EASYANIMATE = _family("easyanimate", "EasyAnimateTransformer3DModel",
-                      dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
-                           patch_size=2, sample_width=8, sample_height=8, num_layers=2, mmdit_layers=2,
-                           time_embed_dim=DIM, text_embed_dim=TEXT_DIM),
-                      _easyanimate_inputs, {"transformer_blocks": "num_layers"}, 2, video=True,
-                      pipeline_class="EasyAnimatePipeline")
-
-
-MORE_FAMILIES = (BRIA, LONGCAT_IMAGE, OVIS_IMAGE, AURAFLOW, DIT, HUNYUANDIT, COGVIEW3PLUS, COGVIEW4, SKYREELS_V2,
-                 CHRONOEDIT, LATTE, ALLEGRO, MOCHI, STABLE_AUDIO, SANA_VIDEO, HUNYUANIMAGE, COSMOS, WAN_VACE, PRX, FLUX3,
-                 HUNYUANVIDEO15, ERNIE_IMAGE, NUCLEUSMOE, CONSISID, KANDINSKY5, HELIOS, ANYFLOW, MOTIF_VIDEO,
-                 LONGCAT_AUDIO, STABLE_AUDIO3, LUMINA_NEXT, HIDREAM, EASYANIMATE)
+MORE_IMAGE_FAMILIES = (BRIA, LONGCAT_IMAGE, OVIS_IMAGE, AURAFLOW, DIT, HUNYUANDIT, COGVIEW3PLUS, COGVIEW4,
+                       HUNYUANIMAGE, PRX, FLUX3, ERNIE_IMAGE, NUCLEUSMOE, LUMINA_NEXT, HIDREAM)
