@@ -1,0 +1,57 @@
+"""Capture of models whose token counts come from the inputs' values (masks): ``nonzero``, boolean-mask
+indexing and ``bool()`` of a traced tensor are specialised on the call's values and guarded (issue 20)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dit_passes import compile_dit
+from dit_passes.capture import capture
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.proj(x).tanh()
+
+
+class _MaskedTokens(torch.nn.Module):
+    """Keeps the tokens its mask selects (three ways), runs two blocks on them, scatters them back."""
+
+    def __init__(self, how: str, dim: int = 8):
+        super().__init__()
+        self.how = how
+        self.blocks = torch.nn.ModuleList([_Block(dim), _Block(dim)])
+
+    def forward(self, hidden_states, mask):
+        keep = mask[0] != 0
+        if self.how == "nonzero":
+            rows = torch.nonzero(keep).flatten()
+            x = hidden_states.index_select(1, rows)
+        else:
+            x = hidden_states[:, keep]
+        if self.how == "bool" and bool(keep.all()):
+            x = x * 2
+        for block in self.blocks:
+            x = block(x)
+        return (hidden_states.masked_scatter(keep[None, :, None].expand_as(hidden_states), x),)
+
+
+@pytest.mark.parametrize("how", ["nonzero", "mask_index", "bool"])
+def test_data_dependent_token_counts_are_specialised_and_guarded(how):
+    torch.manual_seed(0)
+    model = _MaskedTokens(how).eval()
+    x = torch.randn(1, 6, 8)
+    masks = [torch.tensor([[1, 1, 0, 1, 0, 1]]), torch.tensor([[1, 1, 1, 1, 1, 1]])]
+    captured = capture(model, (), {"hidden_states": x, "mask": masks[0]})
+    assert captured.baked_scalars, "the count of kept tokens is baked into the graph"
+    compiled = compile_dit(model)
+    with torch.no_grad():
+        for mask in masks + masks[:1]:  # another count: a second graph, keyed on the mask's values
+            ref = model(hidden_states=x, mask=mask)[0]
+            out = compiled(hidden_states=x, mask=mask)[0]
+            assert torch.equal(out, ref)
+    assert len(compiled.graphs) == 2
