@@ -130,3 +130,21 @@ def test_cli_arguments(capsys):
     assert "unknown column(s) ['nope']" in capsys.readouterr().err
     assert main(["coverage", "--families", "not_a_family"]) == 2
     assert "unknown families / classes ['not_a_family']" in capsys.readouterr().err
+
+
+def test_dbcache_cuts_across_a_dual_to_single_hand_over():
+    """Flux2 joins text and image before its single blocks: with Fn=1 the join is inside the cached range,
+    and the joint stream leaving it is cached against the concatenation of the two streams entering it."""
+    from dit_passes import compile_dit, passes
+    zm = zoo.build("flux2")
+    kw = zm.make_inputs()
+    compiled = compile_dit(zm.model, passes=[passes.DBCache(Fn_compute_blocks=1, residual_diff_threshold=1.0,
+                                                            max_warmup_steps=1)])
+    with torch.no_grad():
+        ref = zm.model(**kw)[0]
+        computed, cached = compiled(**kw)[0], compiled(**kw)[0]
+    counts = compiled._current().manager.records[-1].result.counts
+    assert (counts["streams_cached"], counts["streams_joined"], counts["streams_cached_whole"]) == (1, 1, 0)
+    assert compiled.report("dbcache").last_generation()["step_cached"] == [False, True]
+    assert coverage._max_rel(computed, ref) <= coverage.TOLERANCE
+    assert coverage._max_rel(cached, computed) <= coverage.TOLERANCE
