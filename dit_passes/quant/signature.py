@@ -13,6 +13,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from ..infra.ownership import RELEASED
+
 FORMAT = "dit_passes.quantized_linears.v1"
 _FINGERPRINT_SAMPLES = 4096
 # Floating tensors that follow the activation dtype; scales keep their stored dtype (bf16 / fp32).
@@ -29,6 +31,10 @@ def tensor_at(root: torch.nn.Module, target: str) -> Optional[torch.Tensor]:
             return None
     t = getattr(mod, leaf, None)
     return t if isinstance(t, torch.Tensor) else None
+
+
+class MetaWeightError(ValueError):
+    """A weight to fingerprint has no values (the meta device: released by a pass, or never loaded)."""
 
 
 def _fingerprint(h, path: str, w: torch.Tensor) -> None:
@@ -51,6 +57,12 @@ def quant_signature(root: torch.nn.Module, paths: Sequence[str], block_lists: Di
         w = tensor_at(root, f"{path}.weight")
         if w is None or w.dim() != 2:
             raise ValueError(f"no linear weight at '{path}.weight' in {type(root).__name__}")
+        if w.is_meta:
+            released = getattr(w, RELEASED, None)
+            why = f"released when it was {released[1]}" if released else "never loaded"
+            raise MetaWeightError(f"the weight at '{path}.weight' {list(w.shape)} is on the meta device ({why}): "
+                                  f"quantizing or checking a checkpoint needs its values. Load the model's weights "
+                                  f"(from_pretrained / load_state_dict), or compile with keep_original=True to keep them")
         linears[path] = {"out_features": int(w.shape[0]), "in_features": int(w.shape[1]),
                          "bias": tensor_at(root, f"{path}.bias") is not None}
         _fingerprint(h, path, w)
