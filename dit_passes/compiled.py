@@ -24,6 +24,7 @@ from .capture import Captured, bind_call, capture, signature_key, value_key
 from .analysis.blocks import get_structure
 from .infra.facts import facts_of
 from .infra.graph_runner import GraphRunner
+from .infra.memory import MemoryReport, memory_report, onloaded_tensors
 from .infra.pass_base import Pass, PassContext
 from .infra.pass_manager import PassManager
 from .infra.phases import Phase
@@ -289,6 +290,20 @@ class CompiledDiT(torch.nn.Module):
         gm = self._current().gm
         cut = facts_of(gm).structure_at_cut
         return cut if cut is not None else get_structure(gm)
+
+    def memory_report(self) -> MemoryReport:
+        """What this rank keeps resident: every distinct tensor storage reachable from this module (its graphs,
+        the original module, the runtime state and the passes) once, by kind (fp32 / bf16 dense, fp8, int8,
+        int4 packed, scales, low rank, offloaded to the host, runtime state) and by block; the weights passes
+        released (meta) apart. ``str(report)`` reads; ``report.as_dict()`` / ``report.entries`` for numbers."""
+        import torch.distributed as dist
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        try:
+            block_lists = [bl.name for bl in self.structure.block_lists]
+        except Exception:  # noqa: BLE001 - nothing lowered yet (or not analysable): the model's own lists
+            block_lists = [n for n, m in self.original.named_children() if isinstance(m, torch.nn.ModuleList)]
+        roots = [("graphs", self.graphs), ("original", self.original), ("compiled", self)]
+        return memory_report(roots, block_lists, rank, onloaded_tensors(self.graphs.values()))
 
     def explain(self, print_output: bool = True) -> str:
         cur = self._current()

@@ -2,8 +2,8 @@
 
 Independent of :meth:`CompiledDiT.memory_report`: it follows every Python reference (``gc.get_referents``)
 from the given roots, not the library's own idea of where tensors live, so a copy hidden in a cache, a pass
-object or a closure is found too. Modules, classes and functions are not entered (their globals reach the
-whole interpreter); fake and meta tensors hold no memory and are skipped.
+object or a closure is found too. Modules and classes are not entered, nor a function's globals unless
+``exec`` made it (they reach the whole interpreter); fake and meta tensors hold no memory and are skipped.
 """
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 
-_OPAQUE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.CodeType,
-           types.FrameType)
+_OPAQUE = (types.ModuleType, type, types.BuiltinFunctionType, types.CodeType, types.FrameType)
 
 
 def reachable_storages(*roots: object) -> Dict[Tuple[str, int], int]:
@@ -28,6 +27,10 @@ def reachable_storages(*roots: object) -> Dict[Tuple[str, int], int]:
         if id(obj) in seen or isinstance(obj, _OPAQUE):
             continue
         seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):  # its closure and defaults; globals only of exec'd code
+            exec_globals = [obj.__globals__] if "__name__" not in obj.__globals__ else []
+            stack.extend([*(obj.__closure__ or ()), *(obj.__defaults__ or ()), *exec_globals])
+            continue
         if isinstance(obj, torch.Tensor):
             if isinstance(obj, FakeTensor) or obj.is_meta:
                 continue
