@@ -201,7 +201,8 @@ def test_quantize_config_float8_per_row_puts_fp8_linears_in_the_graph():
     tr = tiny_flux()
     pipe = tiny_pipe(tr)
     baseline = run(pipe)
-    enable_cache(pipe, quantize_config=QuantizeConfig(quant_type="float8_per_row"))
+    # keep_original: disable_cache below gives the transformer back to be quantized again
+    enable_cache(pipe, quantize_config=QuantizeConfig(quant_type="float8_per_row"), keep_original=True)
     state = pipe.transformer.runtime.state["frontend"]
     assert state.cache_config is None and [p.name for p in state.passes] == ["fp8_linear"]  # the reference's rule
     got = run(pipe)
@@ -248,8 +249,9 @@ def test_quantize_ptq_calibrates_now_then_load_matches(tmp_path):
         calls.append(1)
         run(pipe, steps=2)
 
+    # keep_original: load() below checks the checkpoint against the original weights, which quantize would release
     pipe.transformer = quantize(pipe.transformer, quant_config=QuantizeConfig(
-        quant_type="svdq_int4_r8", calibrate_fn=calibrate_fn, serialize_to=str(tmp_path)))
+        quant_type="svdq_int4_r8", calibrate_fn=calibrate_fn, serialize_to=str(tmp_path)), keep_original=True)
     assert calls == [1] and (tmp_path / "svdq_int4_r8.safetensors").exists()  # written before quantize returned
     quantized = run(pipe, steps=2)
     assert "svdq_w4a4_linear" in pipe.transformer.code

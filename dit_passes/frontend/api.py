@@ -251,7 +251,7 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
             raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
         from ..passes.parallel_plan import parallelize_extra_modules
         _state_of(wrapped[0][2]).extra_restore = parallelize_extra_modules(
-            owner, pc.extra_parallel_modules, pc.world_size(), pc.to_passes)
+            owner, pc.extra_parallel_modules, pc.world_size(), pc.to_passes, keep_original=keep_original)
         logger.info("enable_cache(%s): passes %s", _name(attr, compiled), [p.name for p in _state_of(compiled).passes])
     return pipe_or_module if targets[0][0] is not None else wrapped[0][2]
 
@@ -342,16 +342,22 @@ def disable_cache(pipe_or_module: Any) -> Any:
     wrapper, the module it wrapped is returned. Ray workers started for it are shut down."""
     restored = []
     targets = _targets(pipe_or_module)
-    for _, attr, module in targets:  # refuse before anything is undone
+    for owner, attr, module in targets:  # refuse before anything is undone
         state = _state_of(module)
-        released = {} if state is None or isinstance(state.restore, CompiledDiT) else module.released
-        if released:
-            path, how = next(iter(released.items()))
-            raise RuntimeError(
-                f"disable_cache: {len(released)} weight(s) of {_name(attr, module)} were released when its passes "
-                f"replaced them (e.g. {path}: {how}); the original module holds meta tensors there and cannot run. "
-                f"Reload it (e.g. {type(module.original).__name__}.from_pretrained(...)) and assign it back, or call "
-                f"enable_cache(..., keep_original=True) to keep a full copy (memory: every replaced weight twice)")
+        if state is None:
+            continue
+        restores = [] if isinstance(state.restore, CompiledDiT) else [(attr, module)]
+        restores += [(a, getattr(owner, a, None)) for a, _ in state.extra_restore]  # text encoders' TP
+        for name, wrapper in restores:
+            released = wrapper.released if isinstance(wrapper, CompiledDiT) else {}
+            if released:
+                path, how = next(iter(released.items()))
+                raise RuntimeError(
+                    f"disable_cache: {len(released)} weight(s) of {_name(name, wrapper)} were released when its "
+                    f"passes replaced them (e.g. {path}: {how}); the original module holds meta tensors there and "
+                    f"cannot run. Reload it (e.g. {type(wrapper.original).__name__}.from_pretrained(...)) and assign "
+                    f"it back, or call enable_cache(..., keep_original=True) to keep a full copy (memory: every "
+                    f"replaced weight twice)")
     for owner, attr, module in targets:
         state = _state_of(module)
         if state is None:
