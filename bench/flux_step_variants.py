@@ -109,8 +109,8 @@ def main(argv=None) -> int:
     # every row quantizes the same model: keep_original=True keeps it whole for the next (its bf16 weights stay
     # resident, as in the figures recorded before weights were released by default)
     makers = {"bf16": lambda: model,
-              "svdq_r32": lambda: compile_dit(model, passes=[SVDQuantW4A4(rank=32, dynamic=True)], example_inputs=inputs,
-                                              keep_original=True),
+              "svdq_r32": lambda: compile_dit(model, passes=[SVDQuantW4A4(rank=32, dynamic=True)],
+                                              example_inputs=inputs, keep_original=True),
               "fp8_per_row": lambda: compile_dit(model, passes=[Fp8Linear("per_row")], example_inputs=inputs,
                                                  keep_original=True)}
     for name in [r for r in args.rows.split(",") if r]:

@@ -105,7 +105,8 @@ def _size(n: int) -> str:
 def _kind(name: str, t: torch.Tensor, via_module: bool) -> str:
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "qweight":
-        return {torch.uint8: "int4_packed", torch.int8: "int8"}.get(t.dtype, "fp8" if t.element_size() == 1 else "other")
+        packed = {torch.uint8: "int4_packed", torch.int8: "int8"}
+        return packed.get(t.dtype, "fp8" if t.element_size() == 1 else "other")
     if leaf in ("wscale", "smooth_inv") or leaf.endswith("scale"):
         return "scales"
     if leaf in ("lora_down", "lora_up"):

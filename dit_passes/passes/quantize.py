@@ -169,7 +169,8 @@ def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, 
         for attr in (site.weight, site.bias):
             if attr and attr not in used and site.module_path in tables:
                 table = tables[site.module_path]
-                ledger.drop(gm, attr, by=owner, how=how, replacement=table if attr == site.weight else table.get("bias"))
+                replacement = table if attr == site.weight else table.get("bias")
+                ledger.drop(gm, attr, by=owner, how=how, replacement=replacement)
     gm.recompile()
     counts["replaced"] = sum(v for k, v in counts.items() if k.startswith("replaced_"))
     counts["bytes_before"], counts["bytes_after"] = bytes_before, bytes_after

@@ -62,7 +62,8 @@ def quant_signature(root: torch.nn.Module, paths: Sequence[str], block_lists: Di
             why = f"released when it was {released[1]}" if released else "never loaded"
             raise MetaWeightError(f"the weight at '{path}.weight' {list(w.shape)} is on the meta device ({why}): "
                                   f"quantizing or checking a checkpoint needs its values. Load the model's weights "
-                                  f"(from_pretrained / load_state_dict), or compile with keep_original=True to keep them")
+                                  f"(from_pretrained / load_state_dict), or compile with keep_original=True to keep "
+                                  f"them")
         linears[path] = {"out_features": int(w.shape[0]), "in_features": int(w.shape[1]),
                          "bias": tensor_at(root, f"{path}.bias") is not None}
         _fingerprint(h, path, w)
