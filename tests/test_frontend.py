@@ -249,9 +249,8 @@ def test_quantize_ptq_calibrates_now_then_load_matches(tmp_path):
         calls.append(1)
         run(pipe, steps=2)
 
-    # keep_original: load() below checks the checkpoint against the original weights, which quantize would release
     pipe.transformer = quantize(pipe.transformer, quant_config=QuantizeConfig(
-        quant_type="svdq_int4_r8", calibrate_fn=calibrate_fn, serialize_to=str(tmp_path)), keep_original=True)
+        quant_type="svdq_int4_r8", calibrate_fn=calibrate_fn, serialize_to=str(tmp_path)))
     assert calls == [1] and (tmp_path / "svdq_int4_r8.safetensors").exists()  # written before quantize returned
     quantized = run(pipe, steps=2)
     assert "svdq_w4a4_linear" in pipe.transformer.code

@@ -156,8 +156,7 @@ def test_svdq_ptq_quantize_and_load(tmp_path):
     quant_config = cache_dit.QuantizeConfig(quant_type="svdq_int4_r32", calibrate_fn=calibrate_fn,
                                             serialize_to=str(tmp_path / "path"))
     original = pipe.transformer
-    # keep_original: load() below checks the checkpoint against the original weights, which quantize would release
-    pipe.transformer = cache_dit.quantize(pipe.transformer, quant_config, keep_original=True)
+    pipe.transformer = cache_dit.quantize(pipe.transformer, quant_config)
     assert calls == [0, 1] and (tmp_path / "path" / "svdq_int4_r32.safetensors").exists()
     output = call(pipe, steps=2)
     assert "svdq_w4a4_linear" in pipe.transformer.code

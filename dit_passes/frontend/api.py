@@ -499,8 +499,8 @@ def quantize(module: torch.nn.Module, quant_config: Optional[QuantizeConfig] = N
 def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, **kwargs: Any) -> CompiledDiT:
     """The reference's ``cache_dit.load(transformer, path)``: a CompiledDiT with the saved quantized linears.
     ``path``: the ``serialize_to`` directory or its ``<quant_type>.safetensors`` file. A wrapper from
-    ``quantize`` / ``enable_cache`` is unwrapped to its original module first (its weights must still be there:
-    ``keep_original=True``); ``passes=[...]`` run after the substitution, other keyword arguments go to
+    ``quantize`` / ``enable_cache`` is unwrapped to its original module first (weights its passes released are
+    fine where the checkpoint replaces them: their fingerprint sample was kept); ``passes=[...]`` run after the substitution, other keyword arguments go to
     ``compile_dit`` (``keep_original=True`` too). Raises
     :class:`~dit_passes.quant.serialize.QuantizedCheckpointError` for a missing, corrupted or mismatching
     checkpoint."""

@@ -28,6 +28,16 @@ from .pass_base import PassError
 
 STAND_IN = "_dit_passes_stand_in"   # attribute of a stand-in tensor: the target it stands for
 RELEASED = "_dit_passes_released"   # attribute of the meta tensor left in the model: (target, note)
+SAMPLE = "_dit_passes_sample"       # and its values' fixed sample (weight_sample), so a checkpoint can still be checked
+_SAMPLES = 4096
+
+
+def weight_sample(w: torch.Tensor) -> torch.Tensor:
+    """A fixed strided sample of ``w``'s values in bf16 bits (int16, CPU): what checkpoint fingerprints hash.
+    Kept on a released weight's meta tensor (8 KiB), so loading a checkpoint into the released model checks it."""
+    flat = w.detach().reshape(-1)
+    step = max(1, flat.numel() // _SAMPLES)
+    return flat[::step][:_SAMPLES].to(torch.bfloat16).cpu().view(torch.int16)
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,7 +148,7 @@ class WeightLedger:
         if not is_stand_in(t):
             return None
         name, index = getattr(t, STAND_IN)
-        return self.records[name][index]
+        return None if isinstance(index, str) else self.records[name][index]  # str: another module released it
 
     def reuse(self, rec: Released, *, by: Any, token: Any = None, like: Optional[torch.Tensor] = None) -> Any:
         """What ``rec`` recorded, for pass ``by`` lowering again (PassError unless the same pass with the same
@@ -190,6 +200,7 @@ class WeightLedger:
                 if isinstance(old, torch.nn.Parameter):
                     new = torch.nn.Parameter(new, requires_grad=False)
                 setattr(new, RELEASED, (rec.target, rec.note()))
+                setattr(new, SAMPLE, weight_sample(old))
             elif isinstance(old, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
                 new = torch.nn.Parameter(new, requires_grad=False)
             store[name] = new
@@ -209,12 +220,12 @@ class WeightLedger:
             if mark is None:
                 continue
             target, note = mark
-            if target not in self.records:
-                raise RuntimeError(f"{path + '.' if path else ''}{name} was released ({note}) by another compiled "
-                                   f"module: its full values are gone from this process. Reload the model and "
-                                   f"compile it again, or compile with keep_original=True to keep a full copy")
+            # released by another compiled module (e.g. load() into a quantized model): a stand-in as well, which
+            # is fine when this lowering's passes replace the weight again, and refused by check_graph if not
+            index = 0 if target in self.records else note
             swapped.append((store, name, meta))
-            store[name] = stand_in(meta.shape, meta.dtype, device, (target, 0), isinstance(meta, torch.nn.Parameter))
+            store[name] = stand_in(meta.shape, meta.dtype, device, (target, index), isinstance(meta, torch.nn.Parameter))
+            setattr(store[name], SAMPLE, getattr(meta, SAMPLE, None))  # a checkpoint check still sees its values
         try:
             yield len(swapped)
         finally:
@@ -233,8 +244,12 @@ class WeightLedger:
                 t = getattr(owner, leaf, None)
                 if is_stand_in(t):
                     name, index = getattr(t, STAND_IN)
-                    rec = self.records[name][index]
-                    raise PassError(refusal(rec, f"the passes of this lowering ({passes}) read it whole"))
+                    why = f"the passes of this lowering ({passes}) read it whole"
+                    if isinstance(index, str):  # released by another compiled module: only its note is known
+                        raise PassError(f"{name} was released when it was {index} by another compiled module; "
+                                        f"{why}. Its full values are gone from this process: reload the model and "
+                                        f"compile it again, or compile with keep_original=True to keep a full copy")
+                    raise PassError(refusal(self.records[name][index], why))
 
 
 def refusal(rec: Released, why: str) -> str:
@@ -245,4 +260,4 @@ def refusal(rec: Released, why: str) -> str:
             f"enable_cache to keep a full copy (memory: the whole model besides what the passes made)")
 
 
-__all__ = ["WeightLedger", "Released", "is_stand_in", "stand_in", "refusal", "STAND_IN", "RELEASED"]
+__all__ = ["WeightLedger", "Released", "is_stand_in", "stand_in", "refusal", "STAND_IN", "RELEASED", "SAMPLE", "weight_sample"]
