@@ -201,7 +201,8 @@ def test_quantize_config_float8_per_row_puts_fp8_linears_in_the_graph():
     tr = tiny_flux()
     pipe = tiny_pipe(tr)
     baseline = run(pipe)
-    enable_cache(pipe, quantize_config=QuantizeConfig(quant_type="float8_per_row"))
+    # keep_original: disable_cache below gives the transformer back to be quantized again
+    enable_cache(pipe, quantize_config=QuantizeConfig(quant_type="float8_per_row"), keep_original=True)
     state = pipe.transformer.runtime.state["frontend"]
     assert state.cache_config is None and [p.name for p in state.passes] == ["fp8_linear"]  # the reference's rule
     got = run(pipe)
