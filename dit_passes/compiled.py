@@ -234,7 +234,8 @@ class CompiledDiT(torch.nn.Module):
             return self._by_key[key]
         passes = ([Cleanup()] if self._cleanup else []) + self._passes + ([self._regional] if self._regional else [])
         ledger = self.runtime.weights
-        with ledger.stand_ins(self.original):  # weights released by an earlier lowering: shape-only stand-ins
+        loaded = [t for p in passes for t in p.loads_weights]
+        with ledger.stand_ins(self.original, loaded):  # weights released by an earlier lowering: shape-only stand-ins
             captured = capture(self.original, (), kwargs)
             if captured.value_leaves:
                 self._value_leaves[base] = captured.value_leaves

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -208,9 +208,13 @@ class WeightLedger:
         return changed
 
     @contextlib.contextmanager
-    def stand_ins(self, model: torch.nn.Module) -> Iterator[int]:
+    def stand_ins(self, model: torch.nn.Module, loaded: Iterable[str] = ()) -> Iterator[int]:
         """While lowering again: each released (meta) slot of ``model`` holds a stand-in of its shape and
-        dtype on the model's device; the meta tensors are put back afterwards. Yields how many."""
+        dtype on the model's device; the meta tensors are put back afterwards. Yields how many. A slot another
+        compiled module released gets one only if it is in ``loaded`` (targets a pass of this lowering replaces
+        from stored values without reading the old ones, as LoadQuantized does): any other pass would compute
+        from the stand-in's zeros, so that is refused."""
+        loaded = set(loaded)
         device = next((t.device for _, _, s, n in _slots(model) for t in (s[n],) if not t.is_meta),
                       torch.device("cpu"))
         swapped: List[Tuple[Dict[str, Any], str, torch.Tensor]] = []
@@ -220,9 +224,11 @@ class WeightLedger:
             if mark is None:
                 continue
             target, note = mark
-            # released by another compiled module (e.g. load() into a quantized model): a stand-in as well, which
-            # is fine when this lowering's passes replace the weight again, and refused by check_graph if not
-            index = 0 if target in self.records else note
+            if target not in self.records and target not in loaded:
+                raise RuntimeError(f"{path + '.' if path else ''}{name} was released ({note}) by another compiled "
+                                   f"module: its full values are gone from this process. Reload the model and "
+                                   f"compile it again, or compile with keep_original=True to keep a full copy")
+            index = 0 if target in self.records else note  # str: released by another module, loaded here
             swapped.append((store, name, meta))
             store[name] = stand_in(meta.shape, meta.dtype, device, (target, index), isinstance(meta, torch.nn.Parameter))
             setattr(store[name], SAMPLE, getattr(meta, SAMPLE, None))  # a checkpoint check still sees its values

@@ -57,6 +57,7 @@ class LoadQuantized(Pass):
             if missing:
                 raise QuantizedCheckpointError(f"{source}: linear {path} lacks tensors {missing}; re-quantize")
         self._placed: Dict[Any, Dict[str, Dict[str, torch.Tensor]]] = {}
+        self.loads_weights = tuple(f"{p}.weight" for p in self.tables)
 
     @classmethod
     def from_checkpoint(cls, model: torch.nn.Module, path, quant_type: Optional[str] = None) -> "LoadQuantized":
