@@ -1,9 +1,10 @@
 """Test-session wiring: how tests share the 2-core CI machine when pytest-xdist runs them on 2 workers.
 
-``.ci/test.sh`` runs ``pytest -n 2 --dist loadgroup``. Every test that starts its own processes (a local Ray
-cluster, 2-4 gloo ranks) is in ONE group, so such tests run one at a time on one worker: two of them at once
+``.ci/test.sh`` runs ``pytest -n 2 --dist loadgroup -m "not ray"``, then the Ray tests alone (``-m ray``, one
+process): a raylet must register within Ray's fixed 30 s, which it missed on 2 busy cores. In the first run every
+test that spawns gloo ranks is in ONE group, so such tests run one at a time on one worker: two of them at once
 would put 4-8 busy processes on 2 cores and run into their rank timeouts. The other worker keeps running
-single-process tests meanwhile.
+single-process tests meanwhile. Tests that start Ray get the ``ray`` marker here.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def _source(path: pathlib.Path) -> str:
     return _sources[path]
 
 
-def _group_of(item: pytest.Item) -> str:
+def _kind_of(item: pytest.Item) -> str:
+    """"ray" (starts a local Ray cluster), "ranks" (spawns gloo ranks) or ""."""
     if item.get_closest_marker("ray") is not None:
-        return "procs"
+        return "ray"
     src = _source(pathlib.Path(item.fspath))
     fn_src = getattr(item, "function", None)
     try:
@@ -33,14 +35,17 @@ def _group_of(item: pytest.Item) -> str:
     except (OSError, TypeError):
         body = ""
     if any(w in body for w in _RAY_WORDS) or pathlib.Path(item.fspath).name.startswith("test_ray"):
-        return "procs"
+        return "ray"
     if item.get_closest_marker("multiproc") is not None or any(w in src for w in _RANK_WORDS):
-        return "procs"
+        return "ranks"
     return ""
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the ray marker set here must be seen by it
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        group = _group_of(item)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+        kind = _kind_of(item)
+        if kind == "ray":
+            item.add_marker(pytest.mark.ray)
+        if kind:
+            item.add_marker(pytest.mark.xdist_group("procs"))
