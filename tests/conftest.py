@@ -41,11 +41,11 @@ def _kind_of(item: pytest.Item) -> str:
     return ""
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the ray marker set here must be seen by it
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        kind = _kind_of(item)
-        if kind == "ray":
-            item.add_marker(pytest.mark.ray)
-        if kind:
-            item.add_marker(pytest.mark.xdist_group("procs"))
+def pytest_itemcollected(item):
+    # marked as each test is collected: before any collection_modifyitems hook runs (`-m` selection, and
+    # xdist's, which turns the xdist_group marker into the node id's "@procs" suffix)
+    kind = _kind_of(item)
+    if kind == "ray":
+        item.add_marker(pytest.mark.ray)
+    if kind:
+        item.add_marker(pytest.mark.xdist_group("procs"))
