@@ -226,8 +226,7 @@ class WeightLedger:
             target, note = mark
             if target not in self.records and target not in loaded:
                 raise RuntimeError(f"{path + '.' if path else ''}{name} was released ({note}) by another compiled "
-                                   f"module: its full values are gone from this process. Reload the model and "
-                                   f"compile it again, or compile with keep_original=True to keep a full copy")
+                                   f"module. {_GONE}")
             index = 0 if target in self.records else note  # str: released by another module, loaded here
             swapped.append((store, name, meta))
             store[name] = stand_in(meta.shape, meta.dtype, device, (target, index), isinstance(meta, torch.nn.Parameter))
@@ -253,9 +252,13 @@ class WeightLedger:
                     why = f"the passes of this lowering ({passes}) read it whole"
                     if isinstance(index, str):  # released by another compiled module: only its note is known
                         raise PassError(f"{name} was released when it was {index} by another compiled module; "
-                                        f"{why}. Its full values are gone from this process: reload the model and "
-                                        f"compile it again, or compile with keep_original=True to keep a full copy")
+                                        f"{why}. {_GONE}")
                     raise PassError(refusal(self.records[name][index], why))
+
+
+# what to do about a weight whose values a pass released (another module's: only its note is known)
+_GONE = ("Its full values are gone from this process: reload the model and compile it again, or compile with "
+         "keep_original=True to keep a full copy")
 
 
 def refusal(rec: Released, why: str) -> str:
