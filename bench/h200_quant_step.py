@@ -411,7 +411,6 @@ def main(argv=None) -> int:
     if designs:
         r["linears"] = linear_rows(sizes, designs, args, device)
         save(r, args.out)
-    model = build_model(config, device)
     kw = flux_inputs(config, sizes["img"], sizes["txt"], device, torch.bfloat16)
     specs = row_specs()
     ref = None
@@ -420,13 +419,19 @@ def main(argv=None) -> int:
             r["skipped"].append(name)
             continue
         make_passes, env = specs[name]
+        # a fresh model per row (same seed, same weights): lowering releases the weights it replaces (each weight
+        # held once), so a model a quantized row lowered cannot be lowered again from its full weights
+        model = build_model(config, device)
         try:
             row, out = step_row(name, make_passes, env, model, kw, ref, args, device)
         except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
             r["errors"][name] = f"{type(e).__name__}: {str(e)[:500]}"
             log(name, "FAILED", r["errors"][name])
+            del model
             cleanup(device)
             continue
+        del model
+        cleanup(device)
         if ref is None:
             ref = out
         if name in rows:
