@@ -8,35 +8,33 @@ single-process tests meanwhile. Tests that start Ray get the ``ray`` marker here
 """
 from __future__ import annotations
 
+import inspect
+import os
 import pathlib
 
 import pytest
 
 _RAY_WORDS = ("ray_cluster", "RayLauncher", "use_ray=True", "import ray")
 _RANK_WORDS = ("run_ranks(",)
-_sources: dict = {}
-
-
-def _source(path: pathlib.Path) -> str:
-    if path not in _sources:
-        _sources[path] = path.read_text()
-    return _sources[path]
+def _body(fn) -> str:
+    try:
+        return inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        return ""
 
 
 def _kind_of(item: pytest.Item) -> str:
-    """"ray" (starts a local Ray cluster), "ranks" (spawns gloo ranks) or ""."""
+    """"ray" (starts a local Ray cluster), "ranks" (runs gloo ranks: in its body or one of its fixtures'),
+    or ""."""
     if item.get_closest_marker("ray") is not None:
         return "ray"
-    src = _source(pathlib.Path(item.fspath))
-    fn_src = getattr(item, "function", None)
-    try:
-        import inspect
-        body = inspect.getsource(fn_src) if fn_src is not None else ""
-    except (OSError, TypeError):
-        body = ""
+    body = _body(getattr(item, "function", None))
     if any(w in body for w in _RAY_WORDS) or pathlib.Path(item.fspath).name.startswith("test_ray"):
         return "ray"
-    if item.get_closest_marker("multiproc") is not None or any(w in src for w in _RANK_WORDS):
+    info = getattr(item, "_fixtureinfo", None)
+    fixtures = [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
+    if item.get_closest_marker("multiproc") is not None or any(
+            w in b for b in [body, *map(_body, fixtures)] for w in _RANK_WORDS):
         return "ranks"
     return ""
 
@@ -49,3 +47,9 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.ray)
     if kind:
         item.add_marker(pytest.mark.xdist_group("procs"))
+
+
+def pytest_collection_finish(session):
+    if os.environ.get("DIT_PASSES_SHOW_GROUPS") == "1":
+        for item in session.items:
+            print(_kind_of(item) or "-", item.nodeid)
