@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs dit_passes with its test dependencies.
+# Creates .venv (if missing) and installs dit_passes: with its test dependencies (`bash .ci/setup.sh`, the
+# default), or only what the library and the demo need (`bash .ci/setup.sh main`, what .ci/demo.sh uses).
 # On machines without CUDA, torch is pinned to the local CPU build (torch==2.13.0) through a
 # constraints file, so no multi-GB CUDA wheel is pulled in by any dependency.
 set -euo pipefail
@@ -13,4 +14,5 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   CONSTRAINTS=.ci/constraints-gpu.txt
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "torch==2.13.0" "triton==3.6.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e ".[dev]"
+if [ "${1:-dev}" = main ]; then TARGET="."; else TARGET=".[dev]"; fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e "$TARGET"

@@ -59,7 +59,7 @@ def make_configs(pipe, steps: int, workdir: str, built: dict):
 
     def config(name, make_pass):
         def build(original):
-            module = compile_dit(original, passes=[make_pass()])
+            module = compile_dit(original, passes=[make_pass()], keep_original=True)  # the next configs reuse it
             built[name] = module
             return module
         return build

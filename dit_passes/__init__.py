@@ -37,7 +37,8 @@ __version__ = "0.1.0"
 
 def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_inputs: Optional[Dict[str, Any]] = None,
                 dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None,
-                cleanup: bool = True, torch_compile: Optional[Dict[str, Any]] = None) -> CompiledDiT:
+                cleanup: bool = True, torch_compile: Optional[Dict[str, Any]] = None,
+                keep_original: bool = False) -> CompiledDiT:
     """Wrap ``model`` in a :class:`CompiledDiT` that runs ``passes`` on its captured graph.
 
     With ``example_inputs`` (the keyword arguments of one call) capture happens now; otherwise at the first
@@ -47,9 +48,14 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
     ``fullgraph=True``); the graph, cache branch included, then compiles as one. With ``"regional": True``
     in it, the other keys go to :class:`~dit_passes.passes.RegionalCompile` instead, which compiles each
     distinct block program once and leaves the rest eager (a much shorter first generation).
+
+    Weights a pass replaces (shards, quantized tables) leave ``model``: its parameters become meta tensors (or
+    the replacement itself, when shape and dtype match), so each weight is held once (``compiled.released``,
+    ``compiled.memory_report()``). ``keep_original=True`` keeps ``model`` whole instead, at the cost of a full
+    copy of every replaced weight besides what the passes made (then it can still run, be restored, reloaded).
     """
     compiled = CompiledDiT(model, passes, cleanup=cleanup, dump_dir=dump_dir, block_lists=block_lists,
-                           torch_compile=torch_compile)
+                           torch_compile=torch_compile, keep_original=keep_original)
     if example_inputs is not None:
         compiled.lower(**example_inputs)
     return compiled

@@ -5,7 +5,8 @@
     dit-passes demo ... | fidelity ... | bench ... | coverage ...   # delegated to dit_passes.<command>:main
 
 ``inspect`` builds a tiny zoo model (random weights, CPU), captures it with ``compile_dit`` and prints
-``structure.summary()``, the per-pass explain (counts and diff), and with ``--graph`` the graph after
+``structure.summary()``, the per-pass explain (counts and diff), the resident memory by kind and block
+(``memory_report()``), and with ``--graph`` the graph after
 the passes. ``demo`` / ``fidelity`` / ``bench`` import their module only when used, so a missing one
 gives a clear message instead of breaking the other commands.
 """
@@ -76,6 +77,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(compiled.structure.summary())
     print("## passes")
     print(lowered.manager.explain())
+    print("## memory")
+    print(compiled.memory_report())
     if args.graph:
         print("## graph")
         print(compiled.code)

@@ -24,6 +24,7 @@ from .capture import Captured, bind_call, capture, signature_key, value_key
 from .analysis.blocks import get_structure
 from .infra.facts import facts_of
 from .infra.graph_runner import GraphRunner
+from .infra.memory import MemoryReport, memory_report, onloaded_tensors
 from .infra.pass_base import Pass, PassContext
 from .infra.pass_manager import PassManager
 from .infra.phases import Phase
@@ -89,11 +90,13 @@ def _output_class():
 class CompiledDiT(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, passes: Sequence[Pass] = (), *, cleanup: bool = True,
                  dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None,
-                 torch_compile: Optional[Dict[str, Any]] = None):
+                 torch_compile: Optional[Dict[str, Any]] = None, keep_original: bool = False):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_dit expects an nn.Module (a diffusers transformer), got {type(model).__name__}")
         self.original = model
+        # False: the weights a pass replaces leave ``model`` (meta tensors in their place, DESIGN.md §14)
+        self.keep_original = bool(keep_original)
         self.graphs = torch.nn.ModuleDict()
         self.runtime = Runtime()
         self._passes = list(passes)
@@ -143,8 +146,26 @@ class CompiledDiT(torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        p = next(self.original.parameters(), None)
+        p = next((p for p in self.original.parameters() if not p.is_meta), None)  # meta: released weights
         return p.device if p is not None else torch.device("cpu")
+
+    def _apply(self, fn, recurse=True):
+        # ``.to(device)`` / ``.half()``: a released weight (meta, its values live in the graphs) takes the dtype
+        # and stays where it is
+        def apply(t: torch.Tensor) -> torch.Tensor:
+            if not t.is_meta:
+                return fn(t)
+            try:
+                return fn(t)
+            except NotImplementedError:
+                return t
+        return super()._apply(apply, recurse)
+
+    @property
+    def released(self) -> Dict[str, str]:
+        """``{weight path: how it was replaced}`` for the original's weights that passes replaced and that left
+        it (meta tensors now); empty with ``keep_original=True``."""
+        return {} if self.keep_original else self.runtime.weights.released_weights()
 
     @contextlib.contextmanager
     def cache_context(self, name: str) -> Iterator[None]:
@@ -211,19 +232,25 @@ class CompiledDiT(torch.nn.Module):
         key = base if value_leaves is None else (base, value_key(kwargs, value_leaves))
         if key in self._by_key:
             return self._by_key[key]
-        captured = capture(self.original, (), kwargs)
-        if captured.value_leaves:
-            self._value_leaves[base] = captured.value_leaves
-            key = (base, value_key(kwargs, captured.value_leaves))
-        gm = captured.gm
-        if self._block_lists:
-            facts_of(gm).block_lists = self._block_lists
         passes = ([Cleanup()] if self._cleanup else []) + self._passes + ([self._regional] if self._regional else [])
-        dump = None if self._dump_dir is None else f"{self._dump_dir}/g{len(self._by_key)}"
-        manager = PassManager(passes, dump_dir=dump)
-        facts_of(gm).structure_summary = get_structure(gm).summary()  # also: not-a-DiT fails here
-        ctx = PassContext(example_inputs=kwargs, runtime=self.runtime, graph_id=len(self._by_key))
-        manager.run(gm, ctx)
+        ledger = self.runtime.weights
+        loaded = [t for p in passes for t in p.loads_weights]
+        with ledger.stand_ins(self.original, loaded):  # weights released by an earlier lowering: shape-only stand-ins
+            captured = capture(self.original, (), kwargs)
+            if captured.value_leaves:
+                self._value_leaves[base] = captured.value_leaves
+                key = (base, value_key(kwargs, captured.value_leaves))
+            gm = captured.gm
+            if self._block_lists:
+                facts_of(gm).block_lists = self._block_lists
+            dump = None if self._dump_dir is None else f"{self._dump_dir}/g{len(self._by_key)}"
+            manager = PassManager(passes, dump_dir=dump)
+            facts_of(gm).structure_summary = get_structure(gm).summary()  # also: not-a-DiT fails here
+            ctx = PassContext(example_inputs=kwargs, runtime=self.runtime, graph_id=len(self._by_key))
+            manager.run(gm, ctx)
+            ledger.check_graph(gm, ", ".join(p.name for p in passes))
+        if not self.keep_original:
+            ledger.release_in(self.original)  # what the passes replaced leaves the user's module
         # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph
         runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True, **self._torch_compile})
         lowered = LoweredGraph(gm, captured, manager, runner)
@@ -274,6 +301,20 @@ class CompiledDiT(torch.nn.Module):
         gm = self._current().gm
         cut = facts_of(gm).structure_at_cut
         return cut if cut is not None else get_structure(gm)
+
+    def memory_report(self) -> MemoryReport:
+        """What this rank keeps resident: every distinct tensor storage reachable from this module (its graphs,
+        the original module, the runtime state and the passes) once, by kind (fp32 / bf16 dense, fp8, int8,
+        int4 packed, scales, low rank, offloaded to the host, runtime state) and by block; the weights passes
+        released (meta) apart. ``str(report)`` reads; ``report.as_dict()`` / ``report.entries`` for numbers."""
+        import torch.distributed as dist
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        try:
+            block_lists = [bl.name for bl in self.structure.block_lists]
+        except Exception:  # noqa: BLE001 - nothing lowered yet (or not analysable): the model's own lists
+            block_lists = [n for n, m in self.original.named_children() if isinstance(m, torch.nn.ModuleList)]
+        roots = [("graphs", self.graphs), ("original", self.original), ("compiled", self)]
+        return memory_report(roots, block_lists, rank, onloaded_tensors(self.graphs.values()))
 
     def explain(self, print_output: bool = True) -> str:
         cur = self._current()

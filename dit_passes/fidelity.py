@@ -257,6 +257,11 @@ def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Modu
             raise TypeError(f"config {name!r} returned {type(module).__name__}, expected an nn.Module")
         first_s = _first_call(pipe, module, seeds[0], labels, true_cfg_scale)
         imgs, secs, stats = _sample_all(pipe, module, seeds, labels, steps, true_cfg_scale)
+        released = [k for k, v in original.state_dict().items() if v.is_meta]
+        if released:
+            raise RuntimeError(f"config {name!r} released the original transformer's weights ({released[:3]}...: "
+                               f"its passes replaced them); the other configs compare with the original: build it "
+                               f"with compile_dit(..., keep_original=True)")
         changed = [k for k, v in original.state_dict().items() if not torch.equal(v, snapshot[k])]
         if changed:
             raise RuntimeError(f"config {name!r} modified the original transformer's weights "

@@ -1,46 +1,55 @@
 """Test-session wiring: how tests share the 2-core CI machine when pytest-xdist runs them on 2 workers.
 
-``.ci/test.sh`` runs ``pytest -n 2 --dist loadgroup``. Every test that starts its own processes (a local Ray
-cluster, 2-4 gloo ranks) is in ONE group, so such tests run one at a time on one worker: two of them at once
+``.ci/test.sh`` runs ``pytest -n 2 --dist loadgroup -m "not ray"``, then the Ray tests alone (``-m ray``, one
+process): a raylet must register within Ray's fixed 30 s, which it missed on 2 busy cores. In the first run every
+test that spawns gloo ranks is in ONE group, so such tests run one at a time on one worker: two of them at once
 would put 4-8 busy processes on 2 cores and run into their rank timeouts. The other worker keeps running
-single-process tests meanwhile.
+single-process tests meanwhile. Tests that start Ray get the ``ray`` marker here.
 """
 from __future__ import annotations
 
+import inspect
+import os
 import pathlib
 
 import pytest
 
 _RAY_WORDS = ("ray_cluster", "RayLauncher", "use_ray=True", "import ray")
 _RANK_WORDS = ("run_ranks(",)
-_sources: dict = {}
-
-
-def _source(path: pathlib.Path) -> str:
-    if path not in _sources:
-        _sources[path] = path.read_text()
-    return _sources[path]
-
-
-def _group_of(item: pytest.Item) -> str:
-    if item.get_closest_marker("ray") is not None:
-        return "procs"
-    src = _source(pathlib.Path(item.fspath))
-    fn_src = getattr(item, "function", None)
+def _body(fn) -> str:
     try:
-        import inspect
-        body = inspect.getsource(fn_src) if fn_src is not None else ""
+        return inspect.getsource(fn) if fn is not None else ""
     except (OSError, TypeError):
-        body = ""
+        return ""
+
+
+def _kind_of(item: pytest.Item) -> str:
+    """"ray" (starts a local Ray cluster), "ranks" (runs gloo ranks: in its body or one of its fixtures'),
+    or ""."""
+    if item.get_closest_marker("ray") is not None:
+        return "ray"
+    body = _body(getattr(item, "function", None))
     if any(w in body for w in _RAY_WORDS) or pathlib.Path(item.fspath).name.startswith("test_ray"):
-        return "procs"
-    if item.get_closest_marker("multiproc") is not None or any(w in src for w in _RANK_WORDS):
-        return "procs"
+        return "ray"
+    info = getattr(item, "_fixtureinfo", None)
+    fixtures = [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
+    if item.get_closest_marker("multiproc") is not None or any(
+            w in b for b in [body, *map(_body, fixtures)] for w in _RANK_WORDS):
+        return "ranks"
     return ""
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = _group_of(item)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_itemcollected(item):
+    # marked as each test is collected: before any collection_modifyitems hook runs (`-m` selection, and
+    # xdist's, which turns the xdist_group marker into the node id's "@procs" suffix)
+    kind = _kind_of(item)
+    if kind == "ray":
+        item.add_marker(pytest.mark.ray)
+    if kind:
+        item.add_marker(pytest.mark.xdist_group("procs"))
+
+
+def pytest_collection_finish(session):
+    if os.environ.get("DIT_PASSES_SHOW_GROUPS") == "1":
+        for item in session.items:
+            print(_kind_of(item) or "-", item.nodeid)

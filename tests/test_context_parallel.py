@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -116,13 +118,22 @@ def _two_rank_cases(rank, world):
 
 
 def _four_rank_cases(rank, world):
-    # 4 ranks on 2 cores is slow: what 4 ranks add over 2 is the 2 x 2 USP mesh, uneven shards over 4 and
-    # heads that the Ulysses degree does not divide; every family and kind already ran on 2 ranks.
+    # 4 ranks on 2 cores is slow: in CI, what 4 ranks add over 2 (the 2 x 2 USP mesh, uneven shards over 4,
+    # heads that the Ulysses degree does not divide); every family and kind already ran on 2 ranks.
+    # DIT_PASSES_FULL_SWEEP=1 runs every family under every kind on 4 ranks as well.
+    full = os.environ.get("DIT_PASSES_FULL_SWEEP") == "1"
     results = {}
-    for family in ("flux", "qwenimage", "wan"):  # joint attention, masks, cross-attention left local
+    for family in (FAMILIES if full else ("flux", "qwenimage", "wan")):  # joint attention, masks, cross-attention
         results[(family, "usp", "default")] = _run_case(family, "usp", world)
-    for kind in ("ulysses", "ring", "usp"):
-        results[("flux", kind, "odd")] = _run_case("flux", kind, world, batch=1, variant="odd_tokens")
+    for family in (("sd3", "qwenimage", "hunyuanvideo") if full else ()):  # flux and wan: odd lengths below
+        for kind in ("ulysses", "ring"):
+            results[(family, kind, "default")] = _run_case(family, kind, world)
+    for family in (("flux", "wan") if full else ("flux",)):
+        for kind in ("ulysses", "ring", "usp"):
+            results[(family, kind, "odd")] = _run_case(family, kind, world, batch=1, variant="odd_tokens")
+    if full:
+        results[("qwenimage", "ulysses", "heads3")] = _run_case("qwenimage", "ulysses", world, batch=2,
+                                                                overrides={"num_attention_heads": 3})
     # USP(2 x 2) with 3 heads: the Ulysses degree does not divide them (padded heads), the ring part still rotates
     results[("flux", "usp", "heads3")] = _run_case("flux", "usp", world, batch=1, overrides={"num_attention_heads": 3})
     return results, _errors_on_ranks(world)
@@ -184,6 +195,8 @@ def test_four_ranks_usp_and_uneven(four_ranks):
     cases = set(four_ranks[0][0])
     assert {(f, "usp", "default") for f in ("flux", "qwenimage", "wan")} <= cases
     assert {("flux", k, "odd") for k in ("ulysses", "ring", "usp")} <= cases  # uneven shards over 4 ranks
+    if os.environ.get("DIT_PASSES_FULL_SWEEP") == "1":  # every family under every kind on 4 ranks
+        assert {(f, k) for f in FAMILIES for k in ("ulysses", "ring", "usp")} <= {(f, k) for f, k, _ in cases}
 
 
 def test_bad_sizes_name_world_and_factorisations(two_ranks, four_ranks):

@@ -49,7 +49,8 @@ def _case(world, kind):
     sizes = {"ulysses": dict(ulysses_size=world), "tp": dict(tp_size=world),
              "ulysses_x_tp": dict(ulysses_size=2, tp_size=world // 2)}[kind]
     pc = cache_dit.ParallelismConfig(extra_parallel_modules=[pipe.text_encoder_2, pipe.vae], **sizes)
-    cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(**cfg), parallelism_config=pc)
+    # keep_original: the originals run below (te_ref) and disable_cache restores them (TP would release them)
+    cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(**cfg), parallelism_config=pc, keep_original=True)
     out = _call(pipe)
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -52,7 +52,9 @@ def _lowered(zm, kw, method, passes_after=(), **compile_kw):
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        return compile_dit(zm.model, passes=[make(), *passes_after], example_inputs=kw, **compile_kw)
+        # keep_original: every case quantizes the same model again
+        return compile_dit(zm.model, passes=[make(), *passes_after], example_inputs=kw, keep_original=True,
+                           **compile_kw)
 
 
 def _replaced(compiled) -> int:

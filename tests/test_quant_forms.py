@@ -101,7 +101,7 @@ def _linear_hooked(model, kw, fn):
 def test_fp8_pass_writes_the_form_for_every_block_linear():
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
-    compiled = compile_dit(zm.model, passes=[Fp8Linear(exclude=())])
+    compiled = compile_dit(zm.model, passes=[Fp8Linear(exclude=())], keep_original=True)
     with torch.no_grad():
         out = compiled(**kw)[0]
     res = compiled._current().manager.records[-1].result
@@ -137,11 +137,11 @@ def test_cuda_forms_use_scaled_mm_and_compile(method, monkeypatch):
     else:
         monkeypatch.setenv(dispatch.BACKEND_ENV, "fp8")
         make, replaced = (lambda: SVDQuantW4A4(rank=8, dynamic=True)), 34
-    eager = compile_dit(model, passes=[make()], example_inputs=kw)
+    eager = compile_dit(model, passes=[make()], example_inputs=kw, keep_original=True)
     with torch.no_grad():
         ref = eager(**kw)[0]
     assert sum(n.target is SCALED_MM for n in eager.graph_module.graph.nodes) == replaced
-    regional = compile_dit(model, passes=[make(), passes.RegionalCompile()], example_inputs=kw)  # Inductor
+    regional = compile_dit(model, passes=[make(), passes.RegionalCompile()], example_inputs=kw, keep_original=True)  # Inductor
     with torch.no_grad():
         out = regional(**kw)[0]
         base = model(**kw)[0]
@@ -218,7 +218,7 @@ def test_svdq_pass_writes_the_fp8_form_when_asked(monkeypatch):
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
     monkeypatch.setenv(dispatch.BACKEND_ENV, "fp8")
-    compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True)])
+    compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True)], keep_original=True)
     with torch.no_grad():
         out = compiled(**kw)[0]
     gm = compiled.graph_module

@@ -9,6 +9,7 @@ copy's instances).
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import shutil
 
@@ -16,18 +17,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dit_passes import compile_dit, get_structure
+import dit_passes
+from dit_passes import get_structure
 from dit_passes.capture import capture
 from dit_passes.infra.pass_base import PassContext, PassError
 from dit_passes.models.zoo import build
 from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4, calibrate_linears
 from dit_passes.quant.calibrate import collect_linear_act_absmax
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, int8_linear_reference, prepare_fp8, prepare_int8
-from dit_passes import load
 from dit_passes.quant.serialize import QuantizedCheckpointError
 from dit_passes.quant.svdquant import prepare_svdquant, smoothing_vector, svdq_w4a4_linear_reference
 
 torch.set_num_threads(1)
+
+# These tests compile one model many times and compare with it (and reload checkpoints onto it): it must stay whole,
+# which keep_original=True promises (by default the quantized linears' weights would leave it, DESIGN.md §14;
+# tests/test_weight_ownership.py checks that).
+compile_dit = functools.partial(dit_passes.compile_dit, keep_original=True)
+load = functools.partial(dit_passes.load, keep_original=True)
 
 FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
 ROLE_BY_NAME = {"to_q": "q", "add_q_proj": "q", "to_k": "k", "add_k_proj": "k", "to_v": "v", "add_v_proj": "v",

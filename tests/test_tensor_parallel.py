@@ -6,6 +6,8 @@ TP on the tp sub-group of a dp x tp mesh).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -135,7 +137,10 @@ def _case(family, world, group=None, modulation="replicate", fuse=False, **overr
     orig = {k: v.clone() for k, v in zm.model.state_dict().items()}
     ref = zm.model(**kw)[0]
     rows, cols, mods, nbytes = _expected(zm.model, kw)
-    c = compile_dit(zm.model, passes=[TensorParallel(size=world, group=group, modulation=modulation)])
+    # keep_original: "original_untouched" below (by default the sharded weights leave the model: see
+    # tests/test_weight_ownership.py)
+    c = compile_dit(zm.model, passes=[TensorParallel(size=world, group=group, modulation=modulation)],
+                    keep_original=True)
     c.lower(**kw)  # capture + passes outside the debug mode, which then sees only the run
     with CommDebugMode() as comm:
         out = c(**kw)[0]
@@ -188,15 +193,20 @@ def _ranks_of_two(rank, world):
     x = torch.randn(1, 8, 32)
     res["norm_error"] = _error(lambda: compile_dit(_ToyDiT(True), passes=[TensorParallel(2)])(hidden_states=x))
     toy = _ToyDiT(False)
-    res["toy_err"] = (compile_dit(toy, passes=[TensorParallel(2)])(hidden_states=x)[0] - toy(x)[0]).abs().max().item()
+    toy_ref = toy(x)[0]  # before: the compiled module's sharded weights leave toy
+    res["toy_err"] = (compile_dit(toy, passes=[TensorParallel(2)])(hidden_states=x)[0] - toy_ref).abs().max().item()
     return res
 
 
 def _ranks_of_four(rank, world):
     from dit_passes.parallel.mesh import ParallelMesh
 
-    # one family at 4 ranks (the rules do not depend on the size; the 2-rank test covers the families)
-    res = {"flux": _case("flux", world, num_attention_heads=4)}
+    # CI: one family at 4 ranks (the rules do not depend on the size; the 2-rank test covers the families);
+    # DIT_PASSES_FULL_SWEEP=1 runs every family at 4 ranks as well
+    four_heads = {"flux": {}, "sd3": {"caption_projection_dim": 64}, "qwenimage": {}, "wan": {}}
+    if os.environ.get("DIT_PASSES_FULL_SWEEP") != "1":
+        four_heads = {"flux": {}}
+    res = {f: _case(f, world, num_attention_heads=4, **extra) for f, extra in four_heads.items()}
     mesh = ParallelMesh((("dp", 2), ("tp", 2)))
     res["dp_tp"] = _case("flux", 2, group=mesh.group("tp"))
     res["tp_ranks"] = mesh.ranks_along("tp")
@@ -240,7 +250,9 @@ def test_two_ranks():
 def test_four_ranks_and_dp_tp_subgroup():
     results = run_ranks(_ranks_of_four, 4, timeout=400)
     for rank, res in enumerate(results):
-        _check_case(f"flux@{rank}", res["flux"], 4)
+        for name in ("flux", "sd3", "qwenimage", "wan"):
+            if name in res:
+                _check_case(f"{name}@{rank}", res[name], 4)
         _check_case(f"dp_tp@{rank}", res["dp_tp"], 2)
         assert res["tp_ranks"] == ([0, 1] if rank < 2 else [2, 3])  # tp innermost
     _summary("tp=4", results[0])

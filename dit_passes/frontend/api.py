@@ -6,7 +6,7 @@
 
 A pipeline: each of ``pipe.transformer`` / ``pipe.transformer_2`` (Wan 2.2) is replaced, on that instance, by a
 :class:`~dit_passes.compiled.CompiledDiT` running [parallel, quantization, DBCache] passes; ``disable_cache(pipe)``
-puts the original objects back. A bare transformer: the CompiledDiT is *returned* (``pipe.transformer =
+puts the original objects back (refused where those passes released weights, unless ``keep_original=True``). A bare transformer: the CompiledDiT is *returned* (``pipe.transformer =
 enable_cache(pipe.transformer, ...)``); the module is not changed in place. The cache starts a new generation when
 the timestep rises again, and also after ``DBCacheConfig.num_inference_steps`` calls when set (the reference's
 transformer-only mode). No class is patched; the applied configs live in ``compiled.runtime.state["frontend"]``.
@@ -179,14 +179,16 @@ def _check_parallel_env(pc: ParallelismConfig) -> None:
         raise ValueError(f"{pc.strify()} spans {n} ranks but the process group has {dist.get_world_size()}")
 
 
-def _wrap(original: torch.nn.Module, state: FrontendState, base_passes: list = ()) -> CompiledDiT:
-    """The CompiledDiT for ``state``. SVDQ PTQ calibrates now (the pipeline still holds ``original``) and lowers
-    with the first calibration call's inputs, so ``serialize_to`` is written before this returns."""
+def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[CompiledDiT] = None,
+          keep_original: bool = False) -> CompiledDiT:
+    """The CompiledDiT for ``state`` (on top of wrapper ``base``'s passes when given). SVDQ PTQ calibrates now (the
+    pipeline still holds ``original``) and lowers with the first calibration call's inputs, so ``serialize_to`` is
+    written before this returns."""
     q = state.quantize_config
     calibrated = example = None
     if q is not None and q.is_ptq():
         calibrated, example = calibrate(q, original)
-    passes = list(base_passes)
+    passes = list(base.passes) if base is not None else []
     if state.parallelism_config is not None:
         passes += state.parallelism_config.to_passes()
     if q is not None:
@@ -194,7 +196,9 @@ def _wrap(original: torch.nn.Module, state: FrontendState, base_passes: list = (
     if state.cache_config is not None:
         passes.append(DBCache(state.cache_config, calibrator=state.calibrator_config))
     state.passes = passes
-    compiled = CompiledDiT(original, passes)  # validates the pass list and its order
+    compiled = CompiledDiT(original, passes, keep_original=keep_original)  # validates the pass list and its order
+    if base is not None:  # the weights base's passes released: their replacements are in its ledger
+        compiled.runtime.weights = base.runtime.weights
     compiled.runtime.state[FRONTEND] = state
     if example is not None:
         compiled.lower(**example)
@@ -205,10 +209,12 @@ def _wrap(original: torch.nn.Module, state: FrontendState, base_passes: list = (
 def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfig] = None,
                  parallelism_config: Optional[ParallelismConfig] = None,
                  quantize_config: Optional[QuantizeConfig] = None,
-                 calibrator_config: Optional[TaylorSeerCalibratorConfig] = None) -> Any:
+                 calibrator_config: Optional[TaylorSeerCalibratorConfig] = None, keep_original: bool = False) -> Any:
     """Accelerate a pipeline (returned, its transformer(s) replaced) or a transformer (its wrapper is returned:
     use that). ``cache_config=None``: the default ``DBCacheConfig()`` when no parallelism / quantize config is
-    given, else no residual cache (the reference's rule). See the module docstring."""
+    given, else no residual cache (the reference's rule). Weights that tensor parallelism or quantization replace
+    leave the transformer (``disable_cache`` then refuses); ``keep_original=True`` keeps it whole, at the cost of a
+    full copy of those weights. See the module docstring."""
     pc = parallelism_config
     if pc is not None and not isinstance(pc, ParallelismConfig):
         raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(pc).__name__}")
@@ -235,7 +241,7 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     for (owner, attr, module), base in zip(targets, bases):
         state = FrontendState(cfg, cal, pc, quantize_config, [], restore=module)
         original = module.original if base is not None else module
-        wrapped.append((owner, attr, _wrap(original, state, base.passes if base is not None else [])))
+        wrapped.append((owner, attr, _wrap(original, state, module if base is not None else None, keep_original)))
     for owner, attr, compiled in wrapped:  # assigned only once every transformer succeeded
         if owner is not None:
             setattr(owner, attr, compiled)
@@ -245,7 +251,7 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
             raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
         from ..passes.parallel_plan import parallelize_extra_modules
         _state_of(wrapped[0][2]).extra_restore = parallelize_extra_modules(
-            owner, pc.extra_parallel_modules, pc.world_size(), pc.to_passes)
+            owner, pc.extra_parallel_modules, pc.world_size(), pc.to_passes, keep_original=keep_original)
         logger.info("enable_cache(%s): passes %s", _name(attr, compiled), [p.name for p in _state_of(compiled).passes])
     return pipe_or_module if targets[0][0] is not None else wrapped[0][2]
 
@@ -335,7 +341,24 @@ def disable_cache(pipe_or_module: Any) -> Any:
     """Undo ``enable_cache``: a pipeline gets its original transformer object(s) back and is returned; for a
     wrapper, the module it wrapped is returned. Ray workers started for it are shut down."""
     restored = []
-    for owner, attr, module in _targets(pipe_or_module):
+    targets = _targets(pipe_or_module)
+    for owner, attr, module in targets:  # refuse before anything is undone
+        state = _state_of(module)
+        if state is None:
+            continue
+        restores = [] if isinstance(state.restore, CompiledDiT) else [(attr, module)]
+        restores += [(a, getattr(owner, a, None)) for a, _ in state.extra_restore]  # text encoders' TP
+        for name, wrapper in restores:
+            released = wrapper.released if isinstance(wrapper, CompiledDiT) else {}
+            if released:
+                path, how = next(iter(released.items()))
+                raise RuntimeError(
+                    f"disable_cache: {len(released)} weight(s) of {_name(name, wrapper)} were released when its "
+                    f"passes replaced them (e.g. {path}: {how}); the original module holds meta tensors there and "
+                    f"cannot run. Reload it (e.g. {type(wrapper.original).__name__}.from_pretrained(...)) and assign "
+                    f"it back, or call enable_cache(..., keep_original=True) to keep a full copy (memory: every "
+                    f"replaced weight twice)")
+    for owner, attr, module in targets:
         state = _state_of(module)
         if state is None:
             continue
@@ -458,24 +481,27 @@ def strify(pipe_or_stats: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------ quantization
-def quantize(module: torch.nn.Module, quant_config: Optional[QuantizeConfig] = None) -> CompiledDiT:
+def quantize(module: torch.nn.Module, quant_config: Optional[QuantizeConfig] = None,
+             keep_original: bool = False) -> CompiledDiT:
     """The reference's ``cache_dit.quantize``: returns the quantized module, a CompiledDiT (assign it:
     ``pipe.transformer = quantize(pipe.transformer, quant_config=...)``). For SVDQ PTQ ``calibrate_fn`` runs now,
-    with the pipeline still holding ``module``, and ``serialize_to`` is written before this returns."""
+    with the pipeline still holding ``module``, and ``serialize_to`` is written before this returns. The quantized
+    linears' weights leave ``module`` (meta tensors) unless ``keep_original=True`` (a full copy of them kept)."""
     quant_config = quant_config if quant_config is not None else QuantizeConfig()
     if not isinstance(quant_config, QuantizeConfig):
         raise TypeError(f"quant_config must be a QuantizeConfig, got {type(quant_config).__name__}")
     if not isinstance(module, torch.nn.Module) or isinstance(module, CompiledDiT):
         raise TypeError(f"quantize needs the original transformer nn.Module, got {type(module).__name__}")
     _check_target(None, None, module, allow_extend=False)
-    return _wrap(module, FrontendState(None, None, None, quant_config, [], restore=module))
+    return _wrap(module, FrontendState(None, None, None, quant_config, [], restore=module), keep_original=keep_original)
 
 
 def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, **kwargs: Any) -> CompiledDiT:
     """The reference's ``cache_dit.load(transformer, path)``: a CompiledDiT with the saved quantized linears.
     ``path``: the ``serialize_to`` directory or its ``<quant_type>.safetensors`` file. A wrapper from
-    ``quantize`` / ``enable_cache`` is unwrapped to its original module first; ``passes=[...]`` run after the
-    substitution, other keyword arguments go to ``compile_dit``. Raises
+    ``quantize`` / ``enable_cache`` is unwrapped to its original module first (weights its passes released are
+    fine where the checkpoint replaces them: their fingerprint sample was kept); ``passes=[...]`` run after the substitution, other keyword arguments go to
+    ``compile_dit`` (``keep_original=True`` too). Raises
     :class:`~dit_passes.quant.serialize.QuantizedCheckpointError` for a missing, corrupted or mismatching
     checkpoint."""
     from .. import compile_dit

@@ -68,6 +68,9 @@ class Pass:
     reads: Tuple[str, ...] = ()
     writes: Tuple[str, ...] = ()
     invalidates: Tuple[str, ...] = ()
+    # weight targets the pass replaces from stored values without reading the old ones (LoadQuantized): lowering
+    # may then stand in for them where another compiled module released them
+    loads_weights: Tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -3,7 +3,8 @@
 One per ``CompiledDiT`` (``compiled.runtime``), handed to every pass as ``ctx.runtime``. Passes keep
 what must outlive one call under ``runtime.state[<pass name>]`` (cache buffers, process-group meshes,
 quantized weights, compiled templates) and register what a user reads back with
-``runtime.register_report(<pass name>, report)``; ``compiled.report(<pass name>)`` returns it. Two
+``runtime.register_report(<pass name>, report)``; ``compiled.report(<pass name>)`` returns it. A pass that
+replaces a weight records it in ``runtime.weights`` (:mod:`dit_passes.infra.ownership`). Two
 compiled modules never share a Runtime, and nothing lives on a class.
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ class Runtime:
         self.state: Dict[str, Any] = {}
         self.reports: Dict[str, Any] = {}
         self.calls = 0
+        from .ownership import WeightLedger  # here: ownership's PassError module imports this one
+        self.weights = WeightLedger()    # what the passes replaced in the user's model (infra/ownership.py)
 
     def new_generation(self) -> None:
         """Tell every stateful pass that a new generation starts (serving: call between requests)."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from ..infra.ownership import WeightLedger
 from ..infra.pass_base import PassError
 from . import op_classes as oc
 from .propagate import (Placement, Propagation, Touches, agree, aligned_dim, broadcast_dim, moved_dim, repropagate,
@@ -112,9 +113,11 @@ class TPRules(Propagation):
     """Hidden / head sharding: the shard spec of every value reached from a column-parallel output, and
     the rewrite (row-parallel linears, distributed RMSNorm, slices of replicated operands, gathers)."""
 
-    def __init__(self, gm: fx.GraphModule, tp: int, rank: int, group: dist.ProcessGroup):
+    def __init__(self, gm: fx.GraphModule, tp: int, rank: int, group: dist.ProcessGroup, ledger: WeightLedger,
+                 owner: Any):
         super().__init__(gm, group.group_name, tp, rank)
         self.tp = tp
+        self.ledger, self.owner = ledger, owner      # where shards are recorded (infra/ownership.py), by whom
         self.new_params: set = set()                 # attribute paths replaced by shards
         self.row_nodes: List[fx.Node] = []
         self.fallback_ops: List[str] = []
@@ -134,11 +137,18 @@ class TPRules(Propagation):
         if extra:
             raise PassError(f"tensor_parallel: parameter {path} is also read by {[u.name for u in extra]}; "
                             "shared (tied) weights are not supported")
-        owner_path, _, leaf = path.rpartition(".")
-        owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
-        shard = shard_along(getattr(owner, leaf).detach(), dim, segments, self.rank, self.tp)
-        # a new Parameter on the GraphModule's own submodule: the caller's model keeps its tensors
-        setattr(owner, leaf, torch.nn.Parameter(shard, requires_grad=False))
+        token = (dim, tuple(segments), self.rank, self.tp)
+        rec = self.ledger.released(self.gm, path)
+        if rec is not None:  # lowering again after the full weight was released: the shard made then
+            shard = self.ledger.reuse(rec, by=self.owner, token=token, like=attr_node.meta["val"])
+        else:
+            owner_path, _, leaf = path.rpartition(".")
+            owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
+            shard = torch.nn.Parameter(shard_along(getattr(owner, leaf).detach(), dim, segments, self.rank, self.tp),
+                                       requires_grad=False)
+        # the graph's attribute becomes the shard; the ledger re-points the caller's model afterwards
+        self.ledger.replace(self.gm, path, shard, by=self.owner, token=token,
+                            how=f"sharded (rank {self.rank} of {self.tp}, dim {dim})")
         self.new_params.add(path)
         attr_node.meta["val"] = attr_node.meta["val"].fake_mode.from_tensor(shard, static_shapes=True)
 

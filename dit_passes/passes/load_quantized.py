@@ -26,7 +26,7 @@ from ..infra.phases import Phase
 from ..quant.loading import read_checkpoint
 from ..quant.serialize import QuantizedCheckpointError
 from ..quant.signature import graph_block_lists, place_tables, quant_signature, tensor_at
-from .quantize import QUANT_KINDS, apply_quantized
+from .quantize import QUANT_KINDS, apply_quantized, released_tables
 
 
 class LoadQuantized(Pass):
@@ -57,6 +57,7 @@ class LoadQuantized(Pass):
             if missing:
                 raise QuantizedCheckpointError(f"{source}: linear {path} lacks tensors {missing}; re-quantize")
         self._placed: Dict[Any, Dict[str, Dict[str, torch.Tensor]]] = {}
+        self.loads_weights = tuple(f"{p}.weight" for p in self.tables)
 
     @classmethod
     def from_checkpoint(cls, model: torch.nn.Module, path, quant_type: Optional[str] = None) -> "LoadQuantized":
@@ -84,11 +85,13 @@ class LoadQuantized(Pass):
         absent = [p for p in self.tables if p not in found]
         if absent:
             raise PassError(f"{self.source}: stored linears not found among the graph's block linears: {absent[:5]}")
-        sig = quant_signature(gm, list(self.tables), graph_block_lists(structure))
-        if sig["weights_sha256"] != self.config.get("_weights_sha256", sig["weights_sha256"]):
-            raise PassError(f"{self.source}: the model's weights changed since dit_passes.load checked them")
+        ledger = ctx.runtime.weights
+        if released_tables(ledger, gm, list(self.tables), self) is None:  # else: released by this pass before
+            sig = quant_signature(gm, list(self.tables), graph_block_lists(structure))
+            if sig["weights_sha256"] != self.config.get("_weights_sha256", sig["weights_sha256"]):
+                raise PassError(f"{self.source}: the model's weights changed since dit_passes.load checked them")
         weight = tensor_at(gm, sites[0].weight)  # device and dtype the stored tensors follow
-        counts = apply_quantized(gm, sites, self._on(weight), self.kind)
+        counts = apply_quantized(gm, sites, self._on(weight), self.kind, ledger, self)
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
         return PassResult(True, counts, f"{self.config.get('quant_type')} loaded from {self.source}: "
                                         f"{counts['replaced']} linear node(s); {counts['bytes_before']} -> "

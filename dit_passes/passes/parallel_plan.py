@@ -72,19 +72,21 @@ def _is_vae(module: Any) -> bool:
 
 
 def parallelize_module(module: torch.nn.Module, size: int, transformer_passes: Callable[[], list],
-                       group: Optional[dist.ProcessGroup] = None) -> torch.nn.Module:
-    """The parallel replacement of one extra module (see the module docstring for the rule)."""
+                       group: Optional[dist.ProcessGroup] = None, keep_original: bool = False) -> torch.nn.Module:
+    """The parallel replacement of one extra module (see the module docstring for the rule); ``keep_original``:
+    as ``compile_dit``'s (the sharded weights stay in ``module`` too)."""
     from .. import compile_dit
 
     if _is_vae(module):
         return parallel_vae(module, size, group=group)
     if "controlnet" in type(module).__name__.lower():
-        return compile_dit(module, passes=transformer_passes())
-    return compile_dit(module, passes=parallel_passes(tp=size, group=group))
+        return compile_dit(module, passes=transformer_passes(), keep_original=keep_original)
+    return compile_dit(module, passes=parallel_passes(tp=size, group=group), keep_original=keep_original)
 
 
 def parallelize_extra_modules(pipe: Any, modules: Sequence[Any], size: int, transformer_passes: Callable[[], list],
-                              group: Optional[dist.ProcessGroup] = None) -> List[Tuple[str, Any]]:
+                              group: Optional[dist.ProcessGroup] = None, keep_original: bool = False
+                              ) -> List[Tuple[str, Any]]:
     """Replace each of ``modules`` (components of ``pipe``) by its parallel version; returns
     ``[(attribute, original), ...]`` so the caller can put the originals back."""
     components = {id(v): k for k, v in getattr(pipe, "components", {}).items() if v is not None}
@@ -95,6 +97,6 @@ def parallelize_extra_modules(pipe: Any, modules: Sequence[Any], size: int, tran
     replaced: List[Tuple[str, Any]] = []
     for module in modules:
         attr = components[id(module)]
-        setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group))
+        setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group, keep_original))
         replaced.append((attr, module))
     return replaced

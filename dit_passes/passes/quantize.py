@@ -43,8 +43,9 @@ a pipeline sharing that run's scheduler resets the scheduler mid-run; give it it
 
 Prepared weights are kept in ``compiled.runtime.state[<pass name>]`` so that a new input signature
 (another resolution, a CFG batch, the model moved to another device or dtype) reuses them: no second
-calibration, identical numbers. Memory: the graph drops the replaced weights, but the CompiledDiT keeps
-the original module (and its weights) alive; free those only if nothing else needs them.
+calibration, identical numbers. Memory: the replaced weights leave the graph and are recorded in
+``runtime.weights``; the CompiledDiT then points the user's module at meta tensors in their place (the
+biases at the op's bias buffers), unless ``keep_original=True`` (DESIGN.md §14).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..analysis.blocks import get_structure
+from ..infra.ownership import WeightLedger, refusal
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..quant.calibrate import ActAbsMaxObserver
@@ -134,14 +136,16 @@ def calibrate_linears(weights: Dict[str, torch.Tensor], calibrate_fn: Callable[[
 
 # --------------------------------------------------------------------------------- substitution
 def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, Dict[str, torch.Tensor]],
-                    kind: str) -> Dict[str, int]:
+                    kind: str, ledger: WeightLedger, owner: Pass) -> Dict[str, int]:
     """Replace every site whose module path has a table by the ``kind`` op (the fx patterns of
-    ``dit_passes.patterns.quant_linear``); drop the dead weights from ``gm`` (the user's module keeps its
-    own). Returns counts per role and bytes before / after."""
+    ``dit_passes.patterns.quant_linear``); drop the replaced weights from ``gm``, recorded in ``ledger`` as
+    replaced by ``owner`` (the compiled module then releases them in the user's model). Returns counts per
+    role and bytes before / after."""
     counts: Dict[str, int] = {}
     bytes_before = bytes_after = 0
     seen = set()
     targets = {}
+    how = f"quantized ({kind})"
     for site in sites:
         table = tables.get(site.module_path)
         if table is None:
@@ -155,7 +159,7 @@ def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, 
             if site.bias and "bias" in table:
                 # The op's bias buffer takes the original's name (<path>.bias): the same values, so any
                 # other reader of that attribute is unaffected; the parameter itself leaves the graph.
-                _drop_attr(gm, site.bias)
+                ledger.drop(gm, site.bias, by=owner, how=how, replacement=table["bias"])
         targets[site.node] = (site.module_path, table)
     roles = {site.node: site.role for site in sites}
     for match in replace_linears(gm, kind, targets):
@@ -166,22 +170,28 @@ def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, 
     for site in sites:
         for attr in (site.weight, site.bias):
             if attr and attr not in used and site.module_path in tables:
-                _drop_attr(gm, attr)
+                table = tables[site.module_path]
+                replacement = table if attr == site.weight else table.get("bias")
+                ledger.drop(gm, attr, by=owner, how=how, replacement=replacement)
     gm.recompile()
     counts["replaced"] = sum(v for k, v in counts.items() if k.startswith("replaced_"))
     counts["bytes_before"], counts["bytes_after"] = bytes_before, bytes_after
     return counts
 
 
-def _drop_attr(gm: fx.GraphModule, target: str) -> None:
-    *parents, leaf = target.split(".")
-    mod = gm
-    for p in parents:
-        mod = getattr(mod, p, None)
-        if mod is None:
-            return
-    for store in (mod._parameters, mod._buffers):
-        store.pop(leaf, None)
+def released_tables(ledger: WeightLedger, gm: fx.GraphModule, paths: Sequence[str], owner: Pass
+                    ) -> Optional[Dict[str, Dict[str, torch.Tensor]]]:
+    """Lowering again after the weights of ``paths`` were released: the tables ``owner`` made then (PassError
+    if only some were released, or by another pass / configuration); None when none was released."""
+    recs = {p: ledger.released(gm, f"{p}.weight") for p in paths}
+    if not any(recs.values()):
+        return None
+    whole = [p for p, r in recs.items() if r is None]
+    if whole:
+        some = next(r for r in recs.values() if r is not None)
+        raise PassError(refusal(some, f"{owner.name} now also selects {whole[:3]}, whose weights are whole, "
+                                      f"and needs the released ones whole again to quantize them alike"))
+    return {p: ledger.reuse(r, by=owner) for p, r in recs.items()}
 
 
 # --------------------------------------------------------------------------------------- passes
@@ -250,9 +260,14 @@ class _QuantizeLinears(Pass):
         paths = list(dict.fromkeys(s.module_path for s in sites))
         weights = {s.module_path: tensor_at(gm, s.weight) for s in sites}
         biases = {s.module_path: tensor_at(gm, s.bias) if s.bias else None for s in sites}
-        signature = quant_signature(gm, paths, graph_block_lists(structure))
-        tables, how = self._tables(ctx, paths, weights, biases, signature, notes)
-        counts = apply_quantized(gm, sites, tables, self.kind)
+        ledger = ctx.runtime.weights
+        tables = released_tables(ledger, gm, paths, self)
+        if tables is not None:  # lowering again, the full weights released: the tables made the first time
+            tables, how = place_tables(tables, weights[paths[0]]), "prepared weights reused, originals released"
+        else:
+            signature = quant_signature(gm, paths, graph_block_lists(structure))
+            tables, how = self._tables(ctx, paths, weights, biases, signature, notes)
+        counts = apply_quantized(gm, sites, tables, self.kind, ledger, self)
         counts["skipped_k"] = skipped
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "

@@ -75,7 +75,7 @@ class TensorParallel(Pass):
                             f"front end (compile_dit) gives; got frontend={ctx.frontend!r}")
         structure = get_structure(gm)
         _check_heads(structure, self.size)
-        rewriter = TPRules(gm, self.size, dist.get_rank(group), group)
+        rewriter = TPRules(gm, self.size, dist.get_rank(group), group, ctx.runtime.weights, self)
         block_sites = [s for s in structure.linears if s.block is not None]
         tp_sites = structure.column_parallel_linears() + structure.row_parallel_linears()
         before, tp_before = linear_bytes(gm, block_sites), linear_bytes(gm, tp_sites)

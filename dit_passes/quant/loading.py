@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .serialize import QuantizedCheckpointError, find_quant_type, load_quantized
-from .signature import FORMAT, quant_signature
+from .signature import FORMAT, MetaWeightError, quant_signature
 
 
 def _read_sidecar(path: str, quant_type: str) -> Dict[str, Any]:
@@ -57,6 +57,8 @@ def expected_signature(model: torch.nn.Module, sidecar: Dict[str, Any]) -> Dict[
         raise QuantizedCheckpointError("the checkpoint lists no quantized linear; re-quantize")
     try:
         return quant_signature(model, paths, _model_block_lists(model, structure.get("block_lists") or {}))
+    except MetaWeightError as e:
+        raise QuantizedCheckpointError(str(e)) from None
     except ValueError as e:
         raise QuantizedCheckpointError(f"the checkpoint was quantized for another model: {e}") from None
 

@@ -13,8 +13,9 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from ..infra.ownership import RELEASED, SAMPLE, weight_sample
+
 FORMAT = "dit_passes.quantized_linears.v1"
-_FINGERPRINT_SAMPLES = 4096
 # Floating tensors that follow the activation dtype; scales keep their stored dtype (bf16 / fp32).
 ACT_DTYPE_FIELDS = ("lora_down", "lora_up", "bias")
 
@@ -31,11 +32,15 @@ def tensor_at(root: torch.nn.Module, target: str) -> Optional[torch.Tensor]:
     return t if isinstance(t, torch.Tensor) else None
 
 
+class MetaWeightError(ValueError):
+    """A weight to fingerprint has no values (the meta device: released by a pass, or never loaded)."""
+
+
 def _fingerprint(h, path: str, w: torch.Tensor) -> None:
-    """Hash a fixed strided sample of ``w`` in bf16: exact on any device, equal for fp32 and bf16 copies."""
-    flat = w.detach().reshape(-1)
-    step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
-    sample = flat[::step][:_FINGERPRINT_SAMPLES].to(torch.bfloat16).cpu().view(torch.int16)
+    """Hash a fixed strided sample of ``w`` in bf16: exact on any device, equal for fp32 and bf16 copies. A weight
+    a pass released (meta, or its stand-in while lowering again) kept its sample."""
+    sample = getattr(w, SAMPLE, None)
+    sample = weight_sample(w) if sample is None else sample
     h.update(f"{path}:{list(w.shape)}:".encode())
     h.update(sample.numpy().tobytes())
 
@@ -51,6 +56,13 @@ def quant_signature(root: torch.nn.Module, paths: Sequence[str], block_lists: Di
         w = tensor_at(root, f"{path}.weight")
         if w is None or w.dim() != 2:
             raise ValueError(f"no linear weight at '{path}.weight' in {type(root).__name__}")
+        if w.is_meta and getattr(w, SAMPLE, None) is None:
+            released = getattr(w, RELEASED, None)
+            why = f"released when it was {released[1]}" if released else "never loaded"
+            raise MetaWeightError(f"the weight at '{path}.weight' {list(w.shape)} is on the meta device ({why}): "
+                                  f"quantizing or checking a checkpoint needs its values. Load the model's weights "
+                                  f"(from_pretrained / load_state_dict), or compile with keep_original=True to keep "
+                                  f"them")
         linears[path] = {"out_features": int(w.shape[0]), "in_features": int(w.shape[1]),
                          "bias": tensor_at(root, f"{path}.bias") is not None}
         _fingerprint(h, path, w)
