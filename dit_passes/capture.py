@@ -264,7 +264,8 @@ def _data_dependent_shape(gm: fx.GraphModule) -> str | None:
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and free_unbacked_symbols(val.shape):
             where = n.meta.get("stack_trace", "").strip().splitlines()[-2:] if n.meta.get("stack_trace") else []
-            return f"node {n.name} {tuple(val.shape)}" + (f" at {' / '.join(w.strip() for w in where)}" if where else "")
+            at = f" at {' / '.join(w.strip() for w in where)}" if where else ""
+            return f"node {n.name} {tuple(val.shape)}{at}"
     return None
 
 

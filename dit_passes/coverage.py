@@ -206,13 +206,24 @@ def run_cell(family: str, check: Callable, timeout: float, batch: int = 1) -> Ce
         return Cell(ERROR, _short(e), time.perf_counter() - start)
 
 
+@contextlib.contextmanager
 def _quiet():
-    """Silence the libraries' warnings while the matrix runs (they would drown the table)."""
+    """Silence the libraries' warnings while the matrix runs (they would drown the table); restored after, as
+    a pooled rank (``run_ranks``) runs the next caller's function in the same process."""
     import logging
     import warnings
-    warnings.filterwarnings("ignore")
-    for name in ("diffusers", "torch", "torch._dynamo", "torch._inductor", "torch.fx", "torch.export"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in
+               ("diffusers", "torch", "torch._dynamo", "torch._inductor", "torch.fx", "torch.export")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
 
 
 def run_local(families: Sequence[str], columns: Sequence[str], timeout: float, batch: int = 1,
@@ -233,17 +244,17 @@ def parallel_worker(rank: int, world: int, families: Sequence[str], columns: Seq
     """One rank of the parallel columns (run by ``run_ranks``): every cell on a fresh group with the cell's
     timeout, the ranks re-synchronised on the world group between cells."""
     import torch.distributed as dist
-    _quiet()
     out: Dict[str, Dict[str, dict]] = {}
-    for family in families:
-        out[family] = {}
-        for column in columns:
-            dist.barrier()
-            group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout))
-            cell = run_cell(family, _parallel_checks(group)[column], timeout, batch)
-            out[family][column] = dataclasses.asdict(cell)
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
+    with _quiet():
+        for family in families:
+            out[family] = {}
+            for column in columns:
+                dist.barrier()
+                group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout))
+                cell = run_cell(family, _parallel_checks(group)[column], timeout, batch)
+                out[family][column] = dataclasses.asdict(cell)
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(group)
     return out
 
 
@@ -415,11 +426,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"dit-passes coverage: {e}", file=sys.stderr)
         return 2
-    _quiet()
     torch.set_num_threads(1)
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    result = build_matrix(rows, columns, parallel=not args.no_parallel, timeout=args.timeout, batch=args.batch,
-                          progress=progress)
+    with _quiet():
+        result = build_matrix(rows, columns, parallel=not args.no_parallel, timeout=args.timeout, batch=args.batch,
+                              progress=progress)
     command = "dit-passes coverage " + " ".join(sys.argv[1:] if argv is None else argv)
     result["command"] = command.strip()
     print(to_text(result))

@@ -24,7 +24,8 @@ EXCLUDED: MappingProxyType = MappingProxyType({
                                 "on its own",
     "MiniMaxMusic3RVQDepthDecoder": "an autoregressive residual-vector-quantizer depth decoder (codec tokens), not a "
                                     "diffusion transformer",
-    "RFD4ProteinaTransformer": "protein-structure diffusion over residue coordinates, not image / video / audio latents",
+    "RFD4ProteinaTransformer": "protein-structure diffusion over residue coordinates, not image / video / audio "
+                               "latents",
 })
 
 

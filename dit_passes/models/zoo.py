@@ -11,8 +11,9 @@ inputs from their own ``seed``), small (2 heads x 16 channels, 2 blocks per list
     zm.expected["block_lists"]              # {"transformer_blocks": 2, "single_transformer_blocks": 2}
 
 ``FAMILIES`` are the curated families every test builds (``zoo_image`` / ``zoo_video``); ``MORE_FAMILIES_HERE``
-the coverage-only ones (``zoo_more`` / ``zoo_more_av``: the rest of diffusers' DiT classes, for ``dit-passes coverage``), built
-the same way by ``build``; ``diffusers_zoo.coverage_rows()`` maps every transformer class of diffusers to them.
+the coverage-only ones (``zoo_more`` / ``zoo_more_av``: the rest of diffusers' DiT classes, for ``dit-passes
+coverage``), built the same way by ``build``; ``diffusers_zoo.coverage_rows()`` maps every transformer class of
+diffusers to them.
 
 ``expected`` holds what a correct capture must find:
 
@@ -46,7 +47,8 @@ from dit_passes.models.zoo_more import MORE_IMAGE_FAMILIES
 from dit_passes.models.zoo_more_av import MORE_AV_FAMILIES
 from dit_passes.models.zoo_video import VIDEO_FAMILIES
 
-__all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ZooModel", "build", "config_for", "class_name_of", "model_class"]
+__all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ZooModel", "build", "config_for", "class_name_of",
+           "model_class"]
 
 _CURATED = IMAGE_FAMILIES + VIDEO_FAMILIES
 MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES

@@ -4,8 +4,9 @@ The curated families (``zoo_image`` / ``zoo_video``) are what the test suite bui
 zoo to the rest of diffusers' transformer classes, each at the same size (2 heads x 16 channels, 2 blocks
 per list) with the options that change the graph turned on where they are cheap (rotary embeddings, masks,
 GQA, guidance / style / size conditioning, temporal blocks). Their inputs follow the matching pipeline's call.
-Image families here, video and audio ones in ``zoo_more_av``. ``dit_passes.models.diffusers_zoo`` lists every transformer class of the installed diffusers and maps each
-to the families here, so a class without one shows as "no config".
+Image families here, video and audio ones in ``zoo_more_av``. ``dit_passes.models.diffusers_zoo`` lists every
+transformer class of the installed diffusers and maps each to the families here, so a class without one shows as
+"no config".
 """
 from __future__ import annotations
 
@@ -15,21 +16,9 @@ from typing import Any, Mapping
 import torch
 from diffusers.models.embeddings import get_2d_rotary_pos_embed
 
-from dit_passes.models.zoo_common import (
-    FamilySpec,
-    cfg_rows,
-    grid_ids,
-    image_text_tokens,
-    text_mask,
-    text_rows,
-    timestep_rows,
-)
-
-HEADS = 2
-HEAD_DIM = 16
-DIM = HEADS * HEAD_DIM  # 32
-TEXT_DIM = 32
-ROPE_3AXES = (4, 6, 6)
+from dit_passes.models.zoo_common import (FamilySpec, cfg_rows, grid_ids, image_text_tokens, text_mask, text_rows,
+                                          timestep_rows)
+from dit_passes.models.zoo_image import DIM, HEAD_DIM, HEADS, ROPE_3AXES, TEXT_DIM  # the curated zoo's sizes
 
 _IMAGE_SIZES = {"default": {"grid": (4, 4), "text": 8}, "alt_resolution": {"grid": (6, 4), "text": 8}}
 _VIDEO_SIZES = {"default": {"grid": (2, 4, 4), "text": 8}, "alt_resolution": {"grid": (3, 4, 4), "text": 8}}
@@ -64,9 +53,9 @@ def _latent_3d(config, batch, sizes, gen, pt=1, p=2, channels_first=True):
     return cfg_rows(gen, batch, f * pt, config["in_channels"], h * p, w * p)
 
 
-def _text_inputs(text_key, t_scale=1000.0, mask=torch.long, latent=_latent_3d):
+def _text_inputs(text_key, t_scale=1000.0, mask=torch.long, latent=_latent_3d, mask_key="encoder_attention_mask"):
     """The common call: latents, a timestep, text embeddings (``config[text_key]`` wide) and, unless ``mask`` is
-    None, a text mask of that dtype as ``encoder_attention_mask``."""
+    None, a text mask of that dtype as ``mask_key``."""
     def inputs(config, batch, sizes, gen):
         text = sizes["text"]
         out = {
@@ -75,7 +64,7 @@ def _text_inputs(text_key, t_scale=1000.0, mask=torch.long, latent=_latent_3d):
             "encoder_hidden_states": text_rows(gen, batch, text, config[text_key]),
         }
         if mask is not None:
-            out["encoder_attention_mask"] = text_mask(batch, text, mask)
+            out[mask_key] = text_mask(batch, text, mask)
         out["return_dict"] = False
         return out
     return inputs
@@ -137,8 +126,8 @@ AURAFLOW = _family("auraflow", "AuraFlowTransformer2DModel",
                         attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM,
                         caption_projection_dim=DIM, out_channels=4, pos_embed_max_size=64),
                    _auraflow_inputs,
-                   {"joint_transformer_blocks": "num_mmdit_layers", "single_transformer_blocks": "num_single_dit_layers"},
-                   2, pipeline_class="AuraFlowPipeline")
+                   {"joint_transformer_blocks": "num_mmdit_layers",
+                    "single_transformer_blocks": "num_single_dit_layers"}, 2, pipeline_class="AuraFlowPipeline")
 
 
 # ----------------------------------------------------------------------------------------------- dit
@@ -222,15 +211,8 @@ HUNYUANIMAGE = _family("hunyuanimage", "HunyuanImageTransformer2DModel",
 
 
 # ----------------------------------------------------------------------------------------------- prx
-def _prx_inputs(config, batch, sizes, gen):
-    text = sizes["text"]
-    return {
-        "hidden_states": _latent_2d(config, batch, sizes, gen),
-        "timestep": timestep_rows(gen, batch, 1.0),
-        "encoder_hidden_states": text_rows(gen, batch, text, config["context_in_dim"]),
-        "attention_mask": text_mask(batch, text, torch.bool),
-        "return_dict": False,
-    }
+_prx_inputs = _text_inputs("context_in_dim", t_scale=1.0, mask=torch.bool, latent=_latent_2d,
+                           mask_key="attention_mask")
 
 
 PRX = _family("prx", "PRXTransformer2DModel",
@@ -257,9 +239,9 @@ def _flux3_inputs(config, batch, sizes, gen):
 
 
 FLUX3 = _family("flux3", "Flux3Transformer2DModel",
-                dict(in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=HEAD_DIM,
-                     num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM, timestep_channels=32,
-                     axes_dims_rope=(4, 4, 4, 4)),
+                dict(in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2,
+                     attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM,
+                     timestep_channels=32, axes_dims_rope=(4, 4, 4, 4)),
                 _flux3_inputs, {"mode_blocks.image": "num_layers", "txt_mode_blocks": "num_layers",
                                 "single_transformer_blocks": "num_single_layers"}, 2)
 
@@ -301,7 +283,8 @@ NUCLEUSMOE = _family("nucleusmoe", "NucleusMoEImageTransformer2DModel",
                           num_attention_heads=HEADS, num_key_value_heads=1, joint_attention_dim=TEXT_DIM,
                           axes_dims_rope=ROPE_3AXES, dense_moe_strategy="leave_first_block_dense", num_experts=4,
                           moe_intermediate_dim=32, capacity_factors=[2.0, 2.0]),
-                     _nucleusmoe_inputs, {"transformer_blocks": "num_layers"}, 2, pipeline_class="NucleusMoEImagePipeline")
+                     _nucleusmoe_inputs, {"transformer_blocks": "num_layers"}, 2,
+                     pipeline_class="NucleusMoEImagePipeline")
 
 
 # ------------------------------------------------------------------------------------- lumina-next
@@ -348,8 +331,8 @@ def _hidream_inputs(config, batch, sizes, gen):
 HIDREAM = _family("hidream", "HiDreamImageTransformer2DModel",
                   dict(patch_size=2, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=HEAD_DIM,
                        num_attention_heads=HEADS, caption_channels=[TEXT_DIM, TEXT_DIM], text_emb_dim=TEXT_DIM,
-                       num_routed_experts=2, num_activated_experts=1, axes_dims_rope=ROPE_3AXES, max_resolution=(16, 16),
-                       llama_layers=[0, 1, 2, 3]),
+                       num_routed_experts=2, num_activated_experts=1, axes_dims_rope=ROPE_3AXES,
+                       max_resolution=(16, 16), llama_layers=[0, 1, 2, 3]),
                   _hidream_inputs, {"double_stream_blocks": "num_layers", "single_stream_blocks": "num_single_layers"},
                   2, pipeline_class="HiDreamImagePipeline")
 
