@@ -102,7 +102,7 @@ def row_specs():
         "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
         # the AdaLN modulation linears quantized too (the whole transformer shrinks: issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, exclude=())], {**w4a8, **fast}),
-        "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "auto", **exact}),
+        "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "cutlass", **exact}),
     }
 
 
