@@ -8,19 +8,30 @@ single-process tests meanwhile. Tests that start Ray get the ``ray`` marker here
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import pathlib
+import textwrap
 
 import pytest
 
 _RAY_WORDS = ("ray_cluster", "RayLauncher", "use_ray=True", "import ray")
 _RANK_WORDS = ("run_ranks(",)
 def _body(fn) -> str:
+    """The code of ``fn`` without its docstring (a docstring naming Ray does not start it)."""
     try:
-        return inspect.getsource(fn) if fn is not None else ""
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn))) if fn is not None else None
+    except (OSError, TypeError, SyntaxError):
         return ""
+    if tree is None:
+        return ""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
 
 
 def _kind_of(item: pytest.Item) -> str:
