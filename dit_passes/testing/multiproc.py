@@ -7,8 +7,8 @@ start method: no state inherited from the driver), joined by a process group (gl
 The processes are a pool, reused by the next call of the same world size and backend: starting a rank (a Python
 process importing torch, diffusers and the library, then its first capture) costs seconds of CPU, and a test
 suite makes dozens of such calls. Each call runs as in a fresh process as far as a test can tell: the driver's
-current environment variables are applied first and torch's default generator is re-seeded with a fresh
-process's seed. ``fresh=True`` (or ``DIT_PASSES_FRESH_RANKS=1``) spawns new processes for the call and ends
+current environment variables are applied first, torch's default generator is re-seeded with a fresh
+process's seed and the rank runs one thread. ``fresh=True`` (or ``DIT_PASSES_FRESH_RANKS=1``) spawns new processes for the call and ends
 them after it.
 
 Guarantees:
@@ -125,9 +125,10 @@ def _worker(rank, world_size, port, backend, pg_timeout, tasks, result_queue, dr
                 continue
             if task is None:
                 return
-            job, fn, args, env = task
+            job, fn, args, env = task  # (unpickling fn imported its module: any import-time settings ran)
             _apply_env(env)
             torch.manual_seed(_FRESH_PROCESS_SEED)
+            torch.set_num_threads(1)  # after the import, as a fresh rank sets it: one thread per rank
             try:
                 message = (job, rank, "ok", _to_bytes(fn(rank, world_size, *args)))
             except BaseException:  # noqa: BLE001 - every failure must reach the driver
