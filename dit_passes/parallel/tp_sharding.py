@@ -21,7 +21,7 @@ from ..infra.ownership import WeightLedger
 from ..infra.pass_base import PassError
 from . import op_classes as oc
 from .propagate import (Placement, Propagation, Touches, agree, aligned_dim, broadcast_dim, moved_dim, repropagate,
-                        resize_view, segment_cut, split_dim, split_sizes, view_dims)
+                        resize_view, segment_cut, segment_runs, split_dim, split_sizes, view_dims)
 
 aten = torch.ops.aten
 
@@ -62,12 +62,7 @@ def shard_along(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, t
     """Rank ``rank``'s shard of ``t`` along ``dim`` (see the module docstring), a new contiguous tensor."""
     if sum(segments) != t.shape[dim]:
         raise ShardingError(f"segments {list(segments)} sum to {sum(segments)}, tensor has {t.shape[dim]} along dim {dim}")
-    pieces, start = [], 0
-    for s in segments:
-        c = s // tp
-        pieces.append(t.narrow(dim, start + rank * c, c))
-        start += s
-    return torch.cat(pieces, dim=dim).contiguous()
+    return torch.cat([t.narrow(dim, s, n) for s, n in segment_runs(segments, tp, rank)], dim=dim).contiguous()
 
 
 def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, tp: int) -> int:
@@ -125,7 +120,7 @@ class TPRules(Propagation):
                                            "views", "slices")})
 
     def _s(self, a) -> Optional[ShardSpec]:
-        s = self.place.get(a) if isinstance(a, fx.Node) else None
+        s = self.placed(a)
         return s if isinstance(s, ShardSpec) else None
 
     # -- parameters ------------------------------------------------------------------------------
@@ -182,11 +177,8 @@ class TPRules(Propagation):
     def _local(self, x: fx.Node, dim: int, spec: ShardSpec, before: fx.Node) -> fx.Node:
         """Slice a replicated full tensor ``x`` to this rank's part along ``dim``."""
         with self.g.inserting_before(before):
-            pieces, start = [], 0
-            for s in spec.segments:
-                c = s // self.tp
-                pieces.append(self.emit(aten.slice.Tensor, (x, dim, start + self.rank * c, start + (self.rank + 1) * c), like=before))
-                start += s
+            pieces = [self.emit(aten.slice.Tensor, (x, dim, s, s + n), like=before)
+                      for s, n in segment_runs(spec.segments, self.tp, self.rank)]
             self.counts["slices"] += 1
             return pieces[0] if len(pieces) == 1 else self.emit(aten.cat.default, (pieces, dim), like=before)
 
