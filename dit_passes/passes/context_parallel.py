@@ -28,6 +28,7 @@ value leaving the block range. Meshes are cached in the runtime state (a new sig
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
@@ -153,8 +154,5 @@ def describe_collectives(gm: fx.GraphModule) -> Dict[str, int]:
     """Count the context-parallel nodes in a graph by kind (what a printed graph shows)."""
     kinds = {getattr(ops, k): k for k in ("ulysses_attention", "ring_attention", "usp_attention", "gather_sequence",
                                           "shard_sequence", "permute_sequence")}
-    out: Dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in kinds:
-            out[kinds[n.target]] = out.get(kinds[n.target], 0) + 1
-    return out
+    return dict(collections.Counter(kinds[n.target] for n in gm.graph.nodes
+                                    if n.op == "call_function" and n.target in kinds))

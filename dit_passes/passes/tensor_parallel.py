@@ -21,6 +21,7 @@ AdaLN modulation linears stay replicated (``modulation="column"``: rows sharded,
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, Optional
 
@@ -123,10 +124,7 @@ def linear_bytes(gm: fx.GraphModule, sites) -> int:
             if name is None or name in seen:
                 continue
             seen.add(name)
-            try:
-                t = gm.get_parameter(name)
-            except AttributeError:
-                t = gm.get_buffer(name)
+            t = functools.reduce(getattr, name.split("."), gm)  # a parameter or a buffer
             total += t.numel() * t.element_size()
     return total
 
