@@ -6,29 +6,27 @@ distributed attention in place of each SDPA, and ``gather_sequence`` for values 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch.fx as fx
 
-from ..infra.graph_utils import copy_meta
 from . import sequence_ops as ops
 from .propagate import Propagation, map_args as _map_args, repropagate
-from .sequence_sharding import AttentionDecision, Sharded, ShardingPlan, _Gather, _Permute, _Slice
+from .sequence_sharding import Sharded, ShardingPlan, _Gather, _Permute, _Slice
 
-__all__ = ["AttentionBuilder", "apply_plan"]
-
-# (graph, decision, (q, k, v, mask) nodes, per-rank token counts) -> the inserted attention node
-AttentionBuilder = Callable[[fx.Graph, AttentionDecision, Tuple[Any, Any, Any, Any], Tuple[int, ...]], fx.Node]
+__all__ = ["apply_plan"]
 
 
 def _runs_args(runs) -> Tuple[List[int], List[int]]:
     return [r[0] for r in runs], [r[1] for r in runs]
 
 
-def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_attention: AttentionBuilder) -> Dict[str, int]:
-    """Rewrite ``gm`` in place as ``plan`` says; ``build_attention`` inserts each distributed attention
-    node (at the current insertion point). ``group_name`` names the group whose ranks share the
-    sequence (the gathers run on it). Returns counts of what was inserted."""
+def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, attention_op: Callable,
+               attention_groups: Sequence[str]) -> Dict[str, int]:
+    """Rewrite ``gm`` in place as ``plan`` says. ``group_name`` names the group whose ranks share the
+    sequence (the gathers run on it); each distributed attention becomes ``attention_op`` (a
+    :mod:`~dit_passes.parallel.sequence_ops` wrapper) on the groups named ``attention_groups``. Returns
+    counts of what was inserted."""
     g, spec = gm.graph, plan.spec
     pos = {n: i for i, n in enumerate(g.nodes)}
     first, last = plan.region[0], plan.region[-1]
@@ -90,9 +88,9 @@ def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_at
             q, k, v, mask = (materialise(x) for x in (d.q, d.k, d.v, d.mask))
             if d.distributed:
                 with g.inserting_before(n):
-                    new = build_attention(g, d, (q, k, v, mask), spec.rank_lengths(d.layout.segments))
-                copy_meta(new, n)
-                prop.inserted.add(new)
+                    new = prop.emit(attention_op, (q, k, v, mask, *attention_groups,
+                                                   list(spec.rank_lengths(d.layout.segments)), d.scale,
+                                                   list(d.out_order)), like=n)
                 shape_fns[new] = ops.attention_shape
                 n.replace_all_uses_with(new)
                 g.erase_node(n)

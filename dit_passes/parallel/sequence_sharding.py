@@ -307,17 +307,14 @@ class _Analysis(Propagation):
         d = arg(n, 1, "dim", 0) % nd
         if d != lay.dim:
             return lay
-        full = lay.full_length
         if n.target is aten.narrow.default:
             start, end, step = n.args[2], n.args[2] + n.args[3], 1
         else:
             start, end, step = arg(n, 2, "start", None), arg(n, 3, "end", None), arg(n, 4, "step", 1)
         if step != 1:
             raise _NonLocal(f"strided slice (step {step}) of the token dim")
-        start = 0 if start is None else (start + full if start < 0 else start)
-        end = full if end is None else (end + full if end < 0 else end)
-        start, end = min(max(start, 0), full), min(max(end, start), full)
-        a, b = self._segment_cut(lay, [start, end], "slice")
+        start, end, _ = slice(start, end).indices(lay.full_length)  # None, negative, out of range: as the op reads them
+        a, b = self._segment_cut(lay, [start, max(start, end)], "slice")
         if a == b:
             raise _NonLocal("empty slice of the token dim")
         lb = self.spec.local_boundaries(lay.segments)
@@ -345,14 +342,15 @@ class _Analysis(Propagation):
         return [Sharded(d, lay.segments[i:j]) for i, j in zip(idx, idx[1:])]
 
     def cat(self, n):
+        """cat / stack: along the token dim each piece adds its segments (a replicated piece is one);
+        otherwise the pieces agree like a pointwise op's operands (stack's new dim ``d`` is not broadcast's)."""
         tensors = [a for a in n.args[0] if not (is_tensor(a) and val(a).dim() == 1 and shape(a)[0] == 0)]
-        out_nd = val(n).dim()
-        d = arg(n, 1, "dim", 0) % out_nd
+        d, stack = arg(n, 1, "dim", 0) % val(n).dim(), n.target is aten.stack.default
         lays = [self.placed(a) for a in tensors]
-        if not any(isinstance(lay, Sharded) and lay.dim == d for lay in lays):
+        if stack or not any(isinstance(lay, Sharded) and lay.dim == d for lay in lays):
             od, segs, fix = self._agree(n)
             self.edit(n, (map_args(list(n.args[0]), fix),) + tuple(n.args[1:]))
-            return Sharded(od, segs)
+            return Sharded(od - (stack and d >= od), segs)
         new, segs = [], ()
         for a, lay in zip(tensors, lays):
             if lay is None:  # a replicated piece joins as a segment of its own
@@ -365,13 +363,6 @@ class _Analysis(Propagation):
             segs += lay.segments
         self.edit(n, (new, d))
         return Sharded(d, segs)
-
-    def stack(self, n):
-        od, segs, fix = self._agree(n)
-        d = arg(n, 1, "dim", 0) % val(n).dim()
-        lay = next(self.placed(a) for a in n.args[0] if isinstance(self.placed(a), Sharded))
-        self.edit(n, (map_args(list(n.args[0]), fix),) + tuple(n.args[1:]))
-        return Sharded(lay.dim + (d <= lay.dim), segs)
 
     def attend(self, n):
         q, k, v = n.args[:3]
@@ -413,7 +404,7 @@ class _Analysis(Propagation):
 _HANDLERS = {**{t: _Analysis.reshape for t in oc.RESHAPES | oc.COMPLEX_VIEWS},
              **{t: _Analysis.split for t in oc.SPLITS | {aten.unbind.int}},
              aten.expand.default: _Analysis.expand, aten.slice.Tensor: _Analysis.slice,
-             aten.narrow.default: _Analysis.slice, aten.cat.default: _Analysis.cat, aten.stack.default: _Analysis.stack,
+             aten.narrow.default: _Analysis.slice, aten.cat.default: _Analysis.cat, aten.stack.default: _Analysis.cat,
              aten.slice_scatter.default: _Analysis.slice_scatter}
 
 

@@ -9,6 +9,7 @@ slices of replicated operands, all-gather fallback.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from typing import Any, List, Optional, Sequence, Tuple
@@ -137,10 +138,8 @@ class TPRules(Propagation):
         if rec is not None:  # lowering again after the full weight was released: the shard made then
             shard = self.ledger.reuse(rec, by=self.owner, token=token, like=attr_node.meta["val"])
         else:
-            owner_path, _, leaf = path.rpartition(".")
-            owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
-            shard = torch.nn.Parameter(shard_along(getattr(owner, leaf).detach(), dim, segments, self.rank, self.tp),
-                                       requires_grad=False)
+            full = functools.reduce(getattr, path.split("."), self.gm).detach()
+            shard = torch.nn.Parameter(shard_along(full, dim, segments, self.rank, self.tp), requires_grad=False)
         # the graph's attribute becomes the shard; the ledger re-points the caller's model afterwards
         self.ledger.replace(self.gm, path, shard, by=self.owner, token=token,
                             how=f"sharded (rank {self.rank} of {self.tp}, dim {dim})")

@@ -41,7 +41,7 @@ from ..infra.phases import Phase
 from ..parallel import sequence_ops as ops
 from ..parallel.mesh import ParallelMesh, check_ranks, factorisations
 from ..parallel.sequence_rewrite import apply_plan
-from ..parallel.sequence_sharding import AttentionDecision, SequenceShardSpec, analyze
+from ..parallel.sequence_sharding import SequenceShardSpec, analyze
 
 __all__ = ["Ulysses", "Ring", "USP"]
 
@@ -85,7 +85,8 @@ class _ContextParallel(Pass):
         mesh = self._mesh(ctx)
         spec = SequenceShardSpec(world, mesh.global_rank)
         plan = analyze(gm, get_structure(gm), spec)
-        counts = apply_plan(gm, plan, mesh.parent.group_name, self._builder(mesh))
+        counts = apply_plan(gm, plan, mesh.parent.group_name, getattr(ops, f"{self.name}_attention"),
+                            [mesh.group(d).group_name for d in self.attention_groups])
         facts = facts_of(gm)
         facts.parallel_group, facts.mesh = mesh.parent, mesh
         n = counts["attention_replaced"]
@@ -99,15 +100,6 @@ class _ContextParallel(Pass):
                   f"{counts['masks_permuted']} mask(s), gathered {counts['outputs_gathered']} output(s)"
                   + (f"; gathered for {counts['nonlocal_gathers']} non-local op(s) ({why})" if why else ""))
         return PassResult(True, counts, report)
-
-    def _builder(self, mesh: ParallelMesh):
-        """Inserts the wrapper named like the pass, on the mesh groups it names, for each attention."""
-        op = getattr(ops, f"{self.name}_attention")
-        groups = [mesh.group(d).group_name for d in self.attention_groups]
-
-        def build(g: fx.Graph, d: AttentionDecision, qkvm: Tuple, sizes: Tuple[int, ...]) -> fx.Node:
-            return g.call_function(op, (*qkvm, *groups, list(sizes), d.scale, list(d.out_order)))
-        return build
 
 
 class _OneAxis(_ContextParallel):
