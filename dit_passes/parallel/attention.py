@@ -176,6 +176,13 @@ def _full_key_mask(attn_mask, q, total, local, stages, where, counter):
     )
 
 
+def _checked_one_group(q, k, v, attn_mask, group, seq_sizes, where, counter):
+    """The checked ``seq_sizes`` of an attention over one group, and its mask over the full keys."""
+    sizes = _check_sizes(seq_sizes, group, where)
+    _check_qkv(q, k, v, sizes, group.rank(), where)
+    return sizes, _full_key_mask(attn_mask, q, sum(sizes), sizes[group.rank()], [(group, sizes)], where, counter)
+
+
 # --- Ulysses -----------------------------------------------------------------------------------------
 
 
@@ -216,10 +223,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     """Ulysses (DeepSpeed) sequence-parallel attention; see the module docstring for the contract.
 
     Heads not divisible by the group size are zero-padded and the padded outputs dropped."""
-    sizes = _check_sizes(seq_sizes, group, "ulysses_attention")
-    rank = group.rank()
-    _check_qkv(q, k, v, sizes, rank, "ulysses_attention")
-    mask = _full_key_mask(attn_mask, q, sum(sizes), sizes[rank], [(group, sizes)], "ulysses_attention", counter)
+    sizes, mask = _checked_one_group(q, k, v, attn_mask, group, seq_sizes, "ulysses_attention", counter)
 
     def local_sdpa(qh, kh, vh, m):
         return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, scale=scale)
@@ -262,10 +266,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    counter: CollectiveCounter | None = None) -> torch.Tensor:
     """Ring attention: K/V rotate around the group (``world - 1`` exchanges), partial results are
     merged by log-sum-exp in fp32. See the module docstring for the contract."""
-    sizes = _check_sizes(seq_sizes, group, "ring_attention")
-    rank = group.rank()
-    _check_qkv(q, k, v, sizes, rank, "ring_attention")
-    mask = _full_key_mask(attn_mask, q, sum(sizes), sizes[rank], [(group, sizes)], "ring_attention", counter)
+    sizes, mask = _checked_one_group(q, k, v, attn_mask, group, seq_sizes, "ring_attention", counter)
     return _ring(q, k, v, mask, group, sizes, scale, counter)
 
 

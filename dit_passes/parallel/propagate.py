@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -148,9 +149,7 @@ def split_dim(n: fx.Node) -> int:
 def segment_cut(lengths: Sequence[int], cuts: Sequence[int]) -> Optional[List[int]]:
     """Indices into the boundaries of consecutive segments of ``lengths`` at the cut points ``cuts``
     (a later cut takes the last of equal boundaries); None when a cut falls inside a segment."""
-    bounds = [0]
-    for m in lengths:
-        bounds.append(bounds[-1] + m)
+    bounds = list(itertools.accumulate(lengths, initial=0))
     if any(c not in bounds for c in cuts):
         return None
     return [bounds.index(c) if not i else len(bounds) - 1 - bounds[::-1].index(c) for i, c in enumerate(cuts)]

@@ -84,11 +84,9 @@ class SequenceShardSpec:
 def _merge(runs: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
     out: List[Tuple[int, int]] = []
     for s, n in runs:
-        if n <= 0:
-            continue
-        if out and out[-1][0] + out[-1][1] == s:
+        if n > 0 and out and out[-1][0] + out[-1][1] == s:  # continues the last run
             out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
+        elif n > 0:
             out.append((s, n))
     return out
 
@@ -331,10 +329,7 @@ class _Analysis(Propagation):
             return [Sharded(lay.dim - (t is aten.unbind.int and d < lay.dim), lay.segments)] * len(pieces)
         if t is aten.unbind.int:
             raise _NonLocal("unbind of the token dim")
-        cuts = [0]
-        for p in pieces:
-            cuts.append(cuts[-1] + int(p.shape[d]))
-        idx = self._segment_cut(lay, cuts, "split")
+        idx = self._segment_cut(lay, list(itertools.accumulate((int(p.shape[d]) for p in pieces), initial=0)), "split")
         if any(i == j for i, j in zip(idx, idx[1:])):
             raise _NonLocal("split with an empty token piece")
         lb = self.spec.local_boundaries(lay.segments)

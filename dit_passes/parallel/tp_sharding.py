@@ -117,8 +117,6 @@ class TPRules(Propagation):
         self.new_params: set = set()                 # attribute paths replaced by shards
         self.row_nodes: List[fx.Node] = []
         self.fallback_ops: List[str] = []
-        self.counts.update({k: 0 for k in ("column", "all_reduce", "norm_all_reduce", "all_gather", "fallback",
-                                           "views", "slices")})
 
     def _s(self, a) -> Optional[ShardSpec]:
         s = self.placed(a)

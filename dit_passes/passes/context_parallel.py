@@ -58,10 +58,6 @@ class _ContextParallel(Pass):
     def config_items(self) -> Dict[str, Any]:
         raise NotImplementedError
 
-    def _usage(self, world: int) -> str:
-        pairs = ", ".join(f"USP(ulysses={u}, ring={r})" for u, r in factorisations(world, 2))
-        return f"valid for {world} ranks: Ulysses(size={world}), Ring(size={world}), {pairs}"
-
     def _mesh(self, ctx: PassContext) -> ParallelMesh:
         meshes = ctx.runtime.state.setdefault("context_parallel_meshes", {})
         key = (self.ring_size, self.ulysses_size, None if self.group is None else self.group.group_name)
@@ -79,9 +75,11 @@ class _ContextParallel(Pass):
                             f"dit_passes.testing.run_ranks) and call torch.distributed.init_process_group first")
         world = dist.get_world_size(self.group)
         if total != world:
+            pairs = ", ".join(f"USP(ulysses={u}, ring={r})" for u, r in factorisations(world, 2))
             raise PassError(f"{self.describe()} shards over {total} ranks, but the process group has world size "
-                            f"{world}; {self._usage(world)} (for a hybrid with tensor parallelism, pass the "
-                            f"context-parallel subgroup: dit_passes.passes.parallel_plan.hybrid_passes)")
+                            f"{world}; valid for {world} ranks: Ulysses(size={world}), Ring(size={world}), {pairs} "
+                            f"(for a hybrid with tensor parallelism, pass the context-parallel subgroup: "
+                            f"dit_passes.passes.parallel_plan.hybrid_passes)")
         mesh = self._mesh(ctx)
         spec = SequenceShardSpec(world, mesh.global_rank)
         plan = analyze(gm, get_structure(gm), spec)
