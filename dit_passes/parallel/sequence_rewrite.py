@@ -75,10 +75,9 @@ def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, attentio
         if isinstance(m, _Gather):
             if m.node in stream_shard:
                 return m.node  # the full stream is still there
-            key = ("gather", m.node)
-            if key not in cache:
-                cache[key] = gather(m.node, m.layout, after=m.node)
-            return cache[key]
+            if m not in cache:
+                cache[m] = gather(m.node, m.layout, after=m.node)
+            return cache[m]
         return m
 
     attention_of = {d.node: d for d in plan.attention}
