@@ -123,6 +123,9 @@ def _worker(rank, world_size, port, backend, pg_timeout, tasks, result_queue, dr
                 if os.getppid() != driver_pid:  # the driver died without closing the pool
                     return
                 continue
+            except BaseException:  # noqa: BLE001 - e.g. the function's module fails to import here
+                result_queue.put((None, rank, "error", traceback.format_exc(), 0.0))
+                return
             if task is None:
                 return
             job, fn, args, env = task  # (unpickling fn imported its module: any import-time settings ran)
