@@ -254,15 +254,11 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     """How an SVDQuant linear is written into the graph: ``"fp8"`` (W4A8, the activations in e4m3 per token, on fp8
     tensor cores where ``_scaled_mm`` runs, plain ATen ops) or ``"op"`` (``dit_passes::svdq_w4a4_linear``: true
     W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor cores).
-
-    * a linear of the conditioning vector (``x`` [B, K], no token axis: the AdaLN modulation linears) is always
-      W4A8: a few rows make it a matrix-vector product whose time is its weight bytes, so 4-bit weights pay and
-      4-bit activations would only cost accuracy (digits DiT: bench/results/quant_fidelity_modulation.md);
-    * ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 everywhere;
-    * ``auto`` (the default) takes it on Hopper (compute capability 9.x: fp8 but no 4-bit tensor cores) wherever
-      ``_scaled_mm`` takes the shape; every other setting, device or shape gets the op."""
+    ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes it on Hopper (compute
+    capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape; every other setting,
+    device or shape gets the op."""
     setting = backend_setting()
-    if setting == "fp8" or x.dim() == 2:
+    if setting == "fp8":
         return "fp8"
     if setting != "auto" or x.device.type != "cuda" or capability(x.device)[0] != 9:
         return "op"
