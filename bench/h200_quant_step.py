@@ -102,7 +102,7 @@ def row_specs():
         "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
         # the AdaLN modulation linears quantized too (the whole transformer shrinks: issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, exclude=())], {**w4a8, **fast}),
-        "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "auto", **exact}),
+        "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "cutlass", **exact}),
     }
 
 
@@ -307,6 +307,26 @@ def summarize(r: Dict[str, Any]) -> None:
     if "bf16" in rows:
         r["speedup_vs_bf16"] = {n: rows["bf16"]["step_ms"] / v["step_ms"] for n, v in rows.items()}
     r["linear_ms"] = {shape: {d: v["ms"] for d, v in res.items()} for shape, res in r.get("linears", {}).items()}
+    r["memory"] = memory_ratios(rows)
+
+
+def memory_ratios(rows: Dict[str, Any]) -> Dict[str, Any]:
+    """Issue 21's FLUX-size keys: each quantized row's resident weights and step peak against the bf16 row's
+    (resident = every tensor the lowered graph holds plus what the original module still keeps)."""
+    if "bf16" not in rows:
+        return {}
+    def resident(v):
+        return v["weights_gib"] + v["original_only_gib"]
+    base = rows["bf16"]
+    out: Dict[str, Any] = {"bf16_weights_gib": resident(base), "bf16_peak_gib": base["peak_gib"]}
+    for key, prefix in (("svdq_w4", "svdq_w4_all"), ("svdq_w4_blocks", "svdq_w4_fp8"), ("fp8", "fp8")):
+        row = next((v for n, v in rows.items() if n.startswith(prefix)), None)
+        if row is None:
+            continue
+        out[f"{key}_weights_gib"], out[f"{key}_peak_gib"] = resident(row), row["peak_gib"]
+        out[f"{key}_weight_ratio"] = resident(row) / max(resident(base), 1e-12)
+        out[f"{key}_peak_ratio"] = row["peak_gib"] / max(base["peak_gib"], 1e-12)
+    return out
 
 
 def targets(r: Dict[str, Any]) -> List[str]:
@@ -371,6 +391,9 @@ def save(r: Dict[str, Any], out: str) -> None:
         json.dump(r, f, indent=1)
     with open(os.path.join(out, "h200_quant_step.md"), "w") as f:
         f.write(markdown(r))
+    if r.get("memory"):
+        with open(os.path.join(out, "memory.json"), "w") as f:
+            json.dump({"command": r["command"], "device": r["device"], "torch": r["torch"], **r["memory"]}, f, indent=1)
 
 
 def build_model(config: Dict[str, Any], device: torch.device):

@@ -4,5 +4,5 @@
 #   results: $OUT/h200_quant_step.json and .md; extra arguments go to the script (e.g. --rows bf16,fp8)
 set -u
 source bench/device_env.sh
-timeout 540 python3 "$repo/bench/h200_quant_step.py" --out "$out" "$@"
+timeout ${QUANT_STEP_TIMEOUT:-540} python3 "$repo/bench/h200_quant_step.py" --out "$out" "$@"
 echo "h200_quant_step rc=$?"

@@ -30,7 +30,7 @@ COMMAND = ".venv/bin/python bench/quant_fidelity.py"
 CALIB_SEED = 1000
 
 
-def make_configs(pipe, steps: int, workdir: str, built: dict):
+def make_configs(pipe, steps: int, workdir: str, built: dict, exclude=("modulation",)):
     from dit_passes import compile_dit
     from dit_passes.models.digits import sample
     from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
@@ -46,15 +46,16 @@ def make_configs(pipe, steps: int, workdir: str, built: dict):
         sample(own, list(range(10)), seed=CALIB_SEED, steps=steps, cond=pipe.digits_cond)
 
     def ptq(rank):
-        return lambda: SVDQuantW4A4(rank=rank, calibrate_fn=calibrate, serialize_to=os.path.join(workdir, f"r{rank}"))
+        return lambda: SVDQuantW4A4(rank=rank, calibrate_fn=calibrate, serialize_to=os.path.join(workdir, f"r{rank}"),
+                                    exclude=exclude)
 
     makers = {
         "svdq_r16_ptq": ptq(16),
         "svdq_r32_ptq": ptq(32),
-        "svdq_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True),
-        "w4a4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none"),
-        "fp8_per_row": lambda: Fp8Linear("per_row"),
-        "int8_per_row": lambda: Int8Linear(),
+        "svdq_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, exclude=exclude),
+        "w4a4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", exclude=exclude),
+        "fp8_per_row": lambda: Fp8Linear("per_row", exclude=exclude),
+        "int8_per_row": lambda: Int8Linear(exclude=exclude),
     }
 
     def config(name, make_pass):
@@ -86,8 +87,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="quant_fidelity", help="base name of the .json / .md / grid folder")
+    ap.add_argument("--w4a4-backend", choices=("auto", "fp8"), default="auto",
+                    help="fp8: SVDQuant's linears in the Hopper design's numerics (W4A8, e4m3 activations per token)")
+    ap.add_argument("--modulation", action="store_true", help="quantize the AdaLN modulation linears too")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    from dit_passes.quant import dispatch
+
+    os.environ[dispatch.BACKEND_ENV] = args.w4a4_backend  # read when each quantized graph is written
     from dit_passes.fidelity import run_fidelity
     from dit_passes.models.digits import load_digits_pipeline
 
@@ -96,8 +104,9 @@ def main(argv=None) -> int:
     labels = list(range(10))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
-        report = run_fidelity(make_configs(pipe, args.steps, work, built), seeds=args.seeds, labels=labels,
-                              steps=args.steps, out_dir=os.path.join(args.out, "quant_fidelity"), pipe=pipe)
+        exclude = () if args.modulation else ("modulation",)
+        report = run_fidelity(make_configs(pipe, args.steps, work, built, exclude), seeds=args.seeds, labels=labels,
+                              steps=args.steps, out_dir=os.path.join(args.out, args.name), pipe=pipe)
     wall = time.perf_counter() - t0
     linears = quantized_linears(next(iter(built.values())))
     paths = sorted({p for ps in linears.values() for p in ps})
@@ -106,7 +115,13 @@ def main(argv=None) -> int:
     not_quantized = sorted(set(all_linears) - set(paths))
     result = {
         "command": COMMAND + (f" --steps {args.steps}" if args.steps != 28 else "")
-        + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != [0, 1, 2] else ""),
+        + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != [0, 1, 2] else "")
+        + (f" --name {args.name}" if args.name != "quant_fidelity" else "")
+        + (f" --w4a4-backend {args.w4a4_backend}" if args.w4a4_backend != "auto" else "")
+        + (" --modulation" if args.modulation else ""),
+        "w4a4_numerics": "W4A8 (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token)"
+        if args.w4a4_backend == "fp8" else "W4A4 (true 4-bit activations, the reference)",
+        "modulation_quantized": args.modulation,
         "model": "digits FluxTransformer2DModel (4 double + 8 single blocks, hidden 64), fp32, CPU",
         "steps": args.steps, "seeds": args.seeds, "labels": labels, "num_samples": report["num_samples"],
         "calibration": {"seed": CALIB_SEED, "labels": labels, "steps": args.steps},
@@ -118,9 +133,9 @@ def main(argv=None) -> int:
         "host": f"torch {torch.__version__}, Python {platform.python_version()}, 1 torch thread",
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "quant_fidelity.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "quant_fidelity.md"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write(render_markdown(result))
     print(render_markdown(result))
     return 0
@@ -132,6 +147,7 @@ def render_markdown(r: dict) -> str:
              f"{r['model']}; FluxPipeline, {r['steps']} steps, seeds {r['seeds']}, digits 0..9 "
              f"({r['num_samples']} images per config), compared with the unquantized model's images from the "
              f"same noise. PTQ calibration: seed {r['calibration']['seed']}, digits 0..9, {r['steps']} steps.", "",
+             f"SVDQuant numerics: {r.get('w4a4_numerics', 'W4A4')}.", "",
              "| config | PSNR mean (dB) | PSNR min | SSIM mean | SSIM min | max abs diff | linears | bytes (quantized / fp32) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, c in r["configs"].items():
@@ -142,8 +158,9 @@ def render_markdown(r: dict) -> str:
     skipped = max(c["counts"].get("skipped_k", 0) for c in r["configs"].values())
     roles = {k[len("replaced_"):]: v for k, v in next(iter(r["configs"].values()))["counts"].items()
              if k.startswith("replaced_")}
+    which = "the AdaLN modulation ones included" if r.get("modulation_quantized") else "except the AdaLN modulation ones"
     lines += ["", f"Quantized linears ({len(r['quantized_linears'])}, every config the same): every linear of "
-              "the 12 blocks except the AdaLN modulation ones; per role " +
+              f"the 12 blocks {which}; per role " +
               ", ".join(f"{k}={v}" for k, v in sorted(roles.items())) +
               f". Their K are {r['quantized_k_dims']}; W4A4 skipped {skipped} linear(s) for K % 64 != 0. Not quantized "
               f"({len(r['not_quantized'])}): " + ", ".join(f"`{p}`" for p in r["not_quantized"]) + ".", "",

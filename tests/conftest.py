@@ -5,22 +5,36 @@ process): a raylet must register within Ray's fixed 30 s, which it missed on 2 b
 test that spawns gloo ranks is in ONE group, so such tests run one at a time on one worker: two of them at once
 would put 4-8 busy processes on 2 cores and run into their rank timeouts. The other worker keeps running
 single-process tests meanwhile. Tests that start Ray get the ``ray`` marker here.
+
+Fixtures that run ranks are session-scoped (computed once per worker): under xdist a module-scoped one was
+finalised and computed again between tests of its own module (the context-parallel ranks ran three times).
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import pathlib
+import textwrap
 
 import pytest
 
 _RAY_WORDS = ("ray_cluster", "RayLauncher", "use_ray=True", "import ray")
 _RANK_WORDS = ("run_ranks(",)
 def _body(fn) -> str:
+    """The code of ``fn`` without its docstring (a docstring naming Ray does not start it)."""
     try:
-        return inspect.getsource(fn) if fn is not None else ""
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn))) if fn is not None else None
+    except (OSError, TypeError, SyntaxError):
         return ""
+    if tree is None:
+        return ""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
 
 
 def _kind_of(item: pytest.Item) -> str:
@@ -53,3 +67,28 @@ def pytest_collection_finish(session):
     if os.environ.get("DIT_PASSES_SHOW_GROUPS") == "1":
         for item in session.items:
             print(_kind_of(item) or "-", item.nodeid)
+
+
+# DIT_PASSES_CPU_REPORT=<dir>: each test's CPU seconds (this process + its ranks + reaped children such as
+# subprocess.run), written per worker to <dir>/cpu-<worker>.tsv: what a test costs on a busy machine, where wall
+# time says little.
+_CPU_DIR = os.environ.get("DIT_PASSES_CPU_REPORT")
+
+
+if _CPU_DIR:
+    import resource
+    import time
+
+    def _cpu_now():
+        from dit_passes.testing import multiproc
+        child = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + child.ru_utime + child.ru_stime + multiproc.rank_cpu_s[0]
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        start, wall = _cpu_now(), time.perf_counter()
+        yield
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        os.makedirs(_CPU_DIR, exist_ok=True)
+        with open(os.path.join(_CPU_DIR, f"cpu-{worker}.tsv"), "a") as f:
+            f.write(f"{_cpu_now() - start:.1f}\t{time.perf_counter() - wall:.1f}\t{item.nodeid}\n")

@@ -49,7 +49,7 @@ def _ranks(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def four():
     return run_ranks(_ranks, 4, timeout=540)
 

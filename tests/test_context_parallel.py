@@ -139,12 +139,12 @@ def _four_rank_cases(rank, world):
     return results, _errors_on_ranks(world)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_ranks():
     return run_ranks(_two_rank_cases, 2, timeout=400)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def four_ranks():
     return run_ranks(_four_rank_cases, 4, timeout=400)
 

@@ -47,14 +47,17 @@ def test_demo_runs_without_dev_packages(tmp_path):
                            capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)
     assert probe.returncode == 0 and probe.stdout.strip() == "[]", (probe.stdout, probe.stderr[-2000:])
 
+    # the default configurations (no --configs): the demo a user runs
     r = subprocess.run([sys.executable, "-m", "dit_passes.cli", "demo", "--steps", "4", "--seeds", "0", "--labels",
-                        "3", "7", "--configs", "dbcache,fast_mask_taylorseer", "--out", str(out)],
+                        "3", "7", "--out", str(out)],
                        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "note: matplotlib is not installed" in r.stdout
     assert "device: cpu" in r.stdout and "Takeaway:" in r.stdout
-    assert "capture + passes, dbcache:" in r.stdout and "| fast_mask_taylorseer |" in r.stdout
+    assert "capture + passes, dbcache:" in r.stdout
+    for name in ("baseline", "dbcache", "fast_mask", "fast_mask_taylorseer"):
+        assert f"| {name} |" in r.stdout, r.stdout
     assert (out / "fidelity_grid.png").is_file() and not (out / "fidelity_steps.png").exists()
     report = json.loads((out / "fidelity_report.json").read_text())
-    assert report["plot"] is None and set(report["configs"]) == {"dbcache", "fast_mask_taylorseer"}
+    assert report["plot"] is None and set(report["configs"]) == {"dbcache", "fast_mask", "fast_mask_taylorseer"}
     assert report["num_samples"] == 2

@@ -178,12 +178,12 @@ def _usp_checks(rank, world):
     return errors, counts, layout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_ranks():
     return run_ranks(_attention_checks, 2, timeout=120)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def four_ranks():
     return run_ranks(_usp_checks, 4, timeout=120)
 

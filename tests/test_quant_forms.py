@@ -240,3 +240,24 @@ def test_svdq_pass_writes_the_fp8_form_when_asked(monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     monkeypatch.setenv(dispatch.BACKEND_ENV, "auto")  # the default: the op (true W4A4)
     assert dispatch.svdq_form(kw["hidden_states"], torch.zeros(2, 2, dtype=torch.uint8)) == "op"
+
+
+@pytest.mark.parametrize("cap,setting,k,form", [
+    ((9, 0), "auto", 256, "fp8"),     # Hopper: fp8 but no 4-bit tensor cores -> W4A8 by default
+    ((9, 0), "auto", 200, "op"),      # ... unless _scaled_mm cannot take the shape
+    ((8, 9), "auto", 256, "op"),      # other GPUs: true W4A4
+    ((10, 0), "auto", 256, "op"),
+    ((8, 9), "fp8", 256, "fp8"),      # asked for
+    ((9, 0), "triton", 256, "op"),
+])
+def test_svdq_form_hopper_default(cap, setting, k, form, monkeypatch):
+    from torch._subclasses import FakeTensorMode
+
+    monkeypatch.setenv(dispatch.BACKEND_ENV, setting)
+    monkeypatch.setattr(dispatch, "capability", lambda device: cap)
+    with FakeTensorMode():  # a CUDA tensor's metadata, no GPU needed
+        x = torch.empty(1, 4, k, device="cuda", dtype=torch.bfloat16)  # [B, S, K]: tokens
+        qweight = torch.empty(64, k // 2, device="cuda", dtype=torch.uint8)
+    assert dispatch.svdq_form(x, qweight) == form
+    cpu_q = torch.zeros(64, k // 2, dtype=torch.uint8)
+    assert dispatch.svdq_form(torch.zeros(1, 4, k), cpu_q) == ("fp8" if setting == "fp8" else "op")  # the CPU

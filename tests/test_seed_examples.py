@@ -246,7 +246,7 @@ def _par_ranks(rank, world):
     return {case: _par_case(case, world) for case in PAR_CASES}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def parallel_results():
     """Every gloo example in one spawn of 2 ranks (process start-up dominates), and the single-process runs."""
     single = {case: _par_case(case, 1) for case in PAR_CASES}

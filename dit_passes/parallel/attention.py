@@ -40,21 +40,13 @@ def even_shard_sizes(length: int, world: int) -> tuple[int, ...]:
     return tuple(base + 1 if r < extra else base for r in range(world))
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for s in sizes:
-        out.append(total)
-        total += s
-    return out
-
-
 def shard_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Sequence[int]) -> torch.Tensor:
     """This rank's slice of the full ``x`` along ``dim`` (``sizes[rank]`` elements, rank order)."""
     sizes = _check_sizes(sizes, group, "shard_sequence")
     if x.shape[dim] != sum(sizes):
         raise ValueError(f"shard_sequence: x has {x.shape[dim]} along dim {dim}, sizes {sizes} sum to {sum(sizes)}")
     rank = group.rank()
-    return x.narrow(dim, _offsets(sizes)[rank], sizes[rank])
+    return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Sequence[int], *,
@@ -184,6 +176,13 @@ def _full_key_mask(attn_mask, q, total, local, stages, where, counter):
     )
 
 
+def _checked_one_group(q, k, v, attn_mask, group, seq_sizes, where, counter):
+    """The checked ``seq_sizes`` of an attention over one group, and its mask over the full keys."""
+    sizes = _check_sizes(seq_sizes, group, where)
+    _check_qkv(q, k, v, sizes, group.rank(), where)
+    return sizes, _full_key_mask(attn_mask, q, sum(sizes), sizes[group.rank()], [(group, sizes)], where, counter)
+
+
 # --- Ulysses -----------------------------------------------------------------------------------------
 
 
@@ -224,10 +223,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     """Ulysses (DeepSpeed) sequence-parallel attention; see the module docstring for the contract.
 
     Heads not divisible by the group size are zero-padded and the padded outputs dropped."""
-    sizes = _check_sizes(seq_sizes, group, "ulysses_attention")
-    rank = group.rank()
-    _check_qkv(q, k, v, sizes, rank, "ulysses_attention")
-    mask = _full_key_mask(attn_mask, q, sum(sizes), sizes[rank], [(group, sizes)], "ulysses_attention", counter)
+    sizes, mask = _checked_one_group(q, k, v, attn_mask, group, seq_sizes, "ulysses_attention", counter)
 
     def local_sdpa(qh, kh, vh, m):
         return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, scale=scale)
@@ -247,17 +243,15 @@ def _ring(q, k, v, mask, group, sizes, scale, counter):
     visiting block back to its true length (known statically), so padding never enters the softmax.
     """
     world, rank = group.size(), group.rank()
-    offsets = _offsets(sizes)
-    longest = max(sizes)
     if mask is not None and mask.shape[-2] != 1:
-        mask = mask.narrow(-2, offsets[rank], sizes[rank])  # this rank's query rows
-    pad = longest - k.shape[2]
+        mask = mask.narrow(-2, sum(sizes[:rank]), sizes[rank])  # this rank's query rows
+    pad = max(sizes) - k.shape[2]
     kv = [F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))] if pad else [k, v]
     out = lse = None
     for step in range(world):
         source = (rank - step) % world  # whose K/V block this rank holds at this step
         length = sizes[source]
-        block_mask = None if mask is None else mask.narrow(-1, offsets[source], length)
+        block_mask = None if mask is None else mask.narrow(-1, sum(sizes[:source]), length)
         part_out, part_lse = attention_with_lse(
             q, kv[0].narrow(2, 0, length), kv[1].narrow(2, 0, length), attn_mask=block_mask, scale=scale
         )
@@ -272,10 +266,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                    counter: CollectiveCounter | None = None) -> torch.Tensor:
     """Ring attention: K/V rotate around the group (``world - 1`` exchanges), partial results are
     merged by log-sum-exp in fp32. See the module docstring for the contract."""
-    sizes = _check_sizes(seq_sizes, group, "ring_attention")
-    rank = group.rank()
-    _check_qkv(q, k, v, sizes, rank, "ring_attention")
-    mask = _full_key_mask(attn_mask, q, sum(sizes), sizes[rank], [(group, sizes)], "ring_attention", counter)
+    sizes, mask = _checked_one_group(q, k, v, attn_mask, group, seq_sizes, "ring_attention", counter)
     return _ring(q, k, v, mask, group, sizes, scale, counter)
 
 

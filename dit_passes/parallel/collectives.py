@@ -34,9 +34,6 @@ class CollectiveCounter:
     def __getitem__(self, kind: str) -> int:
         return self.counts[kind]
 
-    def reset(self) -> None:
-        self.counts.clear()
-
     def __repr__(self) -> str:
         return f"CollectiveCounter({dict(self.counts)})"
 
@@ -98,31 +95,25 @@ def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Seque
     """
     dim = dim % x.dim()
     world = group.size()
-    if sizes is None:
-        _count(counter, "all_gather")
+    if sizes is not None:
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != world:
+            raise ValueError(f"all_gather: sizes {sizes} need one entry per rank of the group ({world})")
+        rank = group.rank()
+        if x.shape[dim] != sizes[rank]:
+            raise ValueError(f"all_gather: rank {rank} holds {x.shape[dim]} along dim {dim}, but sizes[{rank}] = "
+                             f"{sizes[rank]} (sizes={sizes})")
+    _count(counter, "all_gather")
+    if sizes is None or min(sizes) == max(sizes):
         return _wait(_funcol_all_gather(x.contiguous(), dim, group))
-    sizes = [int(s) for s in sizes]
-    if len(sizes) != world:
-        raise ValueError(f"all_gather: sizes {sizes} need one entry per rank of the group ({world})")
-    rank = group.rank()
-    if x.shape[dim] != sizes[rank]:
-        raise ValueError(f"all_gather: rank {rank} holds {x.shape[dim]} along dim {dim}, but sizes[{rank}] = "
-                         f"{sizes[rank]} (sizes={sizes})")
     biggest = max(sizes)
-    if min(sizes) == biggest:
-        _count(counter, "all_gather")
-        return _wait(_funcol_all_gather(x.contiguous(), dim, group))
     if biggest > x.shape[dim]:
         # cat with zeros rather than F.pad: works for every dtype, bool masks included.
         filler_shape = list(x.shape)
         filler_shape[dim] = biggest - x.shape[dim]
-        padded = torch.cat([x, x.new_zeros(filler_shape)], dim=dim)
-    else:
-        padded = x
-    _count(counter, "all_gather")
-    gathered = _wait(_funcol_all_gather(padded.contiguous(), dim, group))
-    pieces = [gathered.narrow(dim, j * biggest, sizes[j]) for j in range(world)]
-    return torch.cat(pieces, dim=dim)
+        x = torch.cat([x, x.new_zeros(filler_shape)], dim=dim)
+    gathered = _wait(_funcol_all_gather(x.contiguous(), dim, group))
+    return torch.cat([gathered.narrow(dim, j * biggest, sizes[j]) for j in range(world)], dim=dim)
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum", *, counter: CollectiveCounter | None = None) -> torch.Tensor:

@@ -84,7 +84,8 @@ class ParallelMesh:
         self.parent = parent
         self.world_size = world
         self.global_rank = dist.get_rank(parent)
-        self.coordinate = self._coordinate_of(self.global_rank)
+        # row-major: the stride of a dim is the product of the sizes after it
+        self.coordinate = tuple(self.global_rank // math.prod(self.sizes[i + 1:]) % n for i, n in enumerate(self.sizes))
         self.device_mesh = None
         if parent is dist.group.WORLD:
             self._groups = self._groups_from_device_mesh()
@@ -92,13 +93,6 @@ class ParallelMesh:
             self._groups = self._groups_from_new_group()
 
     # -- construction --------------------------------------------------------------------------
-
-    def _coordinate_of(self, index: int) -> tuple[int, ...]:
-        coordinate = []
-        for size in reversed(self.sizes):
-            coordinate.append(index % size)
-            index //= size
-        return tuple(reversed(coordinate))
 
     def _groups_from_device_mesh(self) -> dict[str, dist.ProcessGroup]:
         from torch.distributed.device_mesh import init_device_mesh
@@ -113,14 +107,9 @@ class ParallelMesh:
         groups = {}
         for axis, name in enumerate(self.names):
             # Members: every parent index whose coordinate equals ours except along `axis`.
-            members = []
-            for value in range(self.sizes[axis]):
-                coordinate = list(self.coordinate)
-                coordinate[axis] = value
-                index = 0
-                for size, c in zip(self.sizes, coordinate):
-                    index = index * size + c
-                members.append(parent_ranks[index])
+            stride = math.prod(self.sizes[axis + 1:])
+            base = self.global_rank - self.coordinate[axis] * stride
+            members = [parent_ranks[base + value * stride] for value in range(self.sizes[axis])]
             # Local synchronisation: only the members call new_group for their group, so ranks may
             # create different groups without a world-wide ordering constraint.
             groups[name] = dist.new_group(members, use_local_synchronization=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -18,6 +19,7 @@ import torch.fx as fx
 
 from ..infra.graph_utils import copy_meta, set_val
 from . import op_classes as oc
+from .attention import even_shard_sizes
 
 aten, c10d = oc.aten, oc.c10d
 
@@ -157,12 +159,21 @@ def split_dim(n: fx.Node) -> int:
 def segment_cut(lengths: Sequence[int], cuts: Sequence[int]) -> Optional[List[int]]:
     """Indices into the boundaries of consecutive segments of ``lengths`` at the cut points ``cuts``
     (a later cut takes the last of equal boundaries); None when a cut falls inside a segment."""
-    bounds = [0]
-    for m in lengths:
-        bounds.append(bounds[-1] + m)
+    bounds = list(itertools.accumulate(lengths, initial=0))
     if any(c not in bounds for c in cuts):
         return None
     return [bounds.index(c) if not i else len(bounds) - 1 - bounds[::-1].index(c) for i, c in enumerate(cuts)]
+
+
+def segment_runs(lengths: Sequence[int], world: int, rank: int) -> List[Tuple[int, int]]:
+    """``(start, length)`` on the full dim of rank ``rank``'s piece of each segment of ``lengths``: every
+    segment split by :func:`~dit_passes.parallel.attention.even_shard_sizes`, a shard the pieces in order."""
+    runs, base = [], 0
+    for n in lengths:
+        sizes = even_shard_sizes(n, world)
+        runs.append((base + sum(sizes[:rank]), sizes[rank]))
+        base += n
+    return runs
 
 
 def view_dims(src: Sequence[int], dst: Sequence[int], dim: int, cuts: Sequence[int]):
@@ -232,15 +243,20 @@ class Propagation:
         self.place: Dict[fx.Node, Any] = {}
         self.inserted: Set[fx.Node] = set()
         self.counts: collections.Counter = collections.Counter()
+        self.vals_now = False  # True: emitted nodes get their meta["val"] at once, not from repropagate()
 
-    def emit(self, target, args, kwargs=None, like: Optional[fx.Node] = None, with_val: bool = False) -> fx.Node:
+    def placed(self, a: Any) -> Any:
+        """The placement of ``a`` (None: replicated, or not a node)."""
+        return self.place.get(a) if isinstance(a, fx.Node) else None
+
+    def emit(self, target, args, kwargs=None, like: Optional[fx.Node] = None) -> fx.Node:
         """A new call at the current insertion point, with ``like``'s module path (and its own
-        ``meta["val"]`` now if ``with_val``; otherwise :func:`repropagate` computes it)."""
+        ``meta["val"]`` now if ``vals_now``; otherwise :func:`repropagate` computes it)."""
         node = self.g.call_function(target, tuple(args), kwargs or {})
         if like is not None:
             copy_meta(node, like)
         self.inserted.add(node)
-        return set_val(node) if with_val else node
+        return set_val(node) if self.vals_now else node
 
     def walk(self, nodes: Sequence[fx.Node], rule: Callable[[fx.Node], Any]) -> None:
         """``rule(n)`` for each call of ``nodes`` (in order) that reads a placed value; a non-None
@@ -252,12 +268,12 @@ class Propagation:
             if out is not None:
                 self.place[n] = out
 
-    def all_reduce(self, x: fx.Node, like: fx.Node, op: str = "sum", with_val: bool = False) -> fx.Node:
-        r = self.emit(c10d.all_reduce.default, (x, op, self.group), like=like, with_val=with_val)
-        return self.emit(c10d.wait_tensor.default, (r,), like=like, with_val=with_val)
+    def all_reduce(self, x: fx.Node, like: fx.Node, op: str = "sum") -> fx.Node:
+        r = self.emit(c10d.all_reduce.default, (x, op, self.group), like=like)
+        return self.emit(c10d.wait_tensor.default, (r,), like=like)
 
     def all_gather(self, x: fx.Node, dim: int, sizes: Sequence[int], like: fx.Node,
-                   runs: Optional[Sequence[Tuple[int, int]]] = None, with_val: bool = False) -> fx.Node:
+                   runs: Optional[Sequence[Tuple[int, int]]] = None) -> fx.Node:
         """The full value of ``x`` (rank ``r`` holds ``sizes[r]`` along ``dim``): one
         ``all_gather_into_tensor`` of the shards padded to the largest, then the pieces in order;
         ``runs`` (default: every rank's whole shard) lists ``(start, length)`` within each shard, all
@@ -266,16 +282,16 @@ class Propagation:
         y = x
         if mine < big:
             pad = [0, 0] * (val(x).dim() - 1 - dim) + [0, big - mine]
-            y = emit(aten.constant_pad_nd.default, (y, pad, 0.0), like=like, with_val=with_val)
-        y = emit(aten.contiguous.default, (y,), like=like, with_val=with_val)
-        y = emit(c10d.all_gather_into_tensor.default, (y, self.world, self.group), like=like, with_val=with_val)
-        y = emit(c10d.wait_tensor.default, (y,), like=like, with_val=with_val)
+            y = emit(aten.constant_pad_nd.default, (y, pad, 0.0), like=like)
+        y = emit(aten.contiguous.default, (y,), like=like)
+        y = emit(c10d.all_gather_into_tensor.default, (y, self.world, self.group), like=like)
+        y = emit(c10d.wait_tensor.default, (y,), like=like)
         n0, pieces = big if dim == 0 else int(val(x).shape[0]), []  # each rank's rows in the gathered dim 0
         for start, length in runs or [(0, None)]:
             for j, size in enumerate(sizes):
-                p = emit(aten.slice.Tensor, (y, 0, j * n0, (j + 1) * n0), like=like, with_val=with_val)
+                p = emit(aten.slice.Tensor, (y, 0, j * n0, (j + 1) * n0), like=like)
                 stop = size if length is None else start + length
                 if start or stop < big:
-                    p = emit(aten.slice.Tensor, (p, dim, start, stop), like=like, with_val=with_val)
+                    p = emit(aten.slice.Tensor, (p, dim, start, stop), like=like)
                 pieces.append(p)
-        return emit(aten.cat.default, (pieces, dim), like=like, with_val=with_val)
+        return emit(aten.cat.default, (pieces, dim), like=like)

@@ -16,22 +16,18 @@ from . import attention as _attn
 from .collectives import resolve_group
 
 
-def _take_runs(x: torch.Tensor, dim: int, starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, dim: int, starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """This rank's part of the full ``x`` along ``dim``: the concatenation of its runs. Local."""
     pieces = [x.narrow(dim, int(s), int(n)) for s, n in zip(starts, lengths) if int(n) > 0]
     if not pieces:
         return x.narrow(dim, 0, 0)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def shard_sequence(x: torch.Tensor, dim: int, starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    """This rank's part of the full ``x`` along ``dim``: the concatenation of its runs. Local."""
-    return _take_runs(x, dim, starts, lengths)
-
-
 def permute_sequence(x: torch.Tensor, dims: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     """Reorder the full ``x`` along each of ``dims`` by the same runs (a mask's key and query dims). Local."""
     for d in dims:
-        x = _take_runs(x, d, starts, lengths)
+        x = shard_sequence(x, d, starts, lengths)
     return x
 
 
@@ -40,7 +36,7 @@ def gather_sequence(x: torch.Tensor, dim: int, group_name: str, rank_lengths: Se
     """All-gather the shards along ``dim`` (one ``all_gather``, uneven ``rank_lengths`` allowed), then
     reorder by the runs (empty runs: the gathered order is already the original one)."""
     full = _attn.gather_sequence(x, dim, resolve_group(group_name), list(rank_lengths))
-    return _take_runs(full, dim, starts, lengths) if len(starts) else full
+    return shard_sequence(full, dim, starts, lengths) if len(starts) else full
 
 
 def gather_sequence_shape(x, dim, group_name, rank_lengths, starts, lengths):

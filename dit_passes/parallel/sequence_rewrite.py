@@ -6,47 +6,48 @@ distributed attention in place of each SDPA, and ``gather_sequence`` for values 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch.fx as fx
 
-from ..infra.graph_utils import copy_meta
 from . import sequence_ops as ops
-from .propagate import map_args as _map_args, repropagate
-from .sequence_sharding import AttentionDecision, Sharded, SequenceShardSpec, ShardingPlan, _Gather, _Permute, _Slice
+from .propagate import Propagation, map_args as _map_args, repropagate
+from .sequence_sharding import Sharded, ShardingPlan, _Gather, _Permute, _Slice
 
-__all__ = ["AttentionBuilder", "apply_plan"]
-
-# (graph, decision, (q, k, v, mask) nodes, per-rank token counts) -> the inserted attention node
-AttentionBuilder = Callable[[fx.Graph, AttentionDecision, Tuple[Any, Any, Any, Any], Tuple[int, ...]], fx.Node]
+__all__ = ["apply_plan"]
 
 
 def _runs_args(runs) -> Tuple[List[int], List[int]]:
     return [r[0] for r in runs], [r[1] for r in runs]
 
 
-def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_attention: AttentionBuilder) -> Dict[str, int]:
-    """Rewrite ``gm`` in place as ``plan`` says; ``build_attention`` inserts each distributed attention
-    node (at the current insertion point). ``group_name`` names the group whose ranks share the
-    sequence (the gathers run on it). Returns counts of what was inserted."""
+def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, attention_op: Callable,
+               attention_groups: Sequence[str]) -> Dict[str, int]:
+    """Rewrite ``gm`` in place as ``plan`` says. ``group_name`` names the group whose ranks share the
+    sequence (the gathers run on it); each distributed attention becomes ``attention_op`` (a
+    :mod:`~dit_passes.parallel.sequence_ops` wrapper) on the groups named ``attention_groups``. Returns
+    counts of what was inserted."""
     g, spec = gm.graph, plan.spec
     pos = {n: i for i, n in enumerate(g.nodes)}
     first, last = plan.region[0], plan.region[-1]
     counts = dict(inputs_sharded=0, operands_sliced=0, masks_permuted=0, attention_replaced=0, attention_local=0,
                   outputs_gathered=0, nonlocal_gathers=len(plan.nonlocal_ops))
-    inserted: List[fx.Node] = []
+    prop = Propagation(gm, group_name, spec.world, spec.rank)  # what it inserts
     shape_fns: Dict[fx.Node, Callable] = {}
     cache: Dict[Any, fx.Node] = {}
 
-    def new_node(target, args, like: fx.Node, shape_fn=None) -> fx.Node:
-        node = g.call_function(target, args)
-        copy_meta(node, like)
+    def new_node(target, args, like: fx.Node) -> fx.Node:
+        node = prop.emit(target, args, like=like)
         if like.op != "call_function" or pos.get(like, -1) < pos[first]:
             node.meta["dit_module_path"] = ""  # inserted before block 0: part of the prologue
-        inserted.append(node)
-        if shape_fn is not None:
-            shape_fns[node] = shape_fn
         return node
+
+    def gather(node: fx.Node, layout: Sharded, after: fx.Node) -> fx.Node:
+        with g.inserting_after(after):
+            new = new_node(ops.gather_sequence, (node, layout.dim, group_name, list(spec.rank_lengths(layout.segments)),
+                                                 *_runs_args(spec.inverse_runs(layout.segments))), like=node)
+        shape_fns[new] = ops.gather_sequence_shape
+        return new
 
     def point_after(a: fx.Node):
         # after the source (inside the block that computes it), or before block 0 for prologue values;
@@ -74,10 +75,9 @@ def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_at
         if isinstance(m, _Gather):
             if m.node in stream_shard:
                 return m.node  # the full stream is still there
-            key = ("gather", m.node)
-            if key not in cache:
-                cache[key] = _insert_gather(g, m.node, m.layout, spec, group_name, new_node, after=m.node)
-            return cache[key]
+            if m not in cache:
+                cache[m] = gather(m.node, m.layout, after=m.node)
+            return cache[m]
         return m
 
     attention_of = {d.node: d for d in plan.attention}
@@ -87,9 +87,9 @@ def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_at
             q, k, v, mask = (materialise(x) for x in (d.q, d.k, d.v, d.mask))
             if d.distributed:
                 with g.inserting_before(n):
-                    new = build_attention(g, d, (q, k, v, mask), spec.rank_lengths(d.layout.segments))
-                copy_meta(new, n)
-                inserted.append(new)
+                    new = prop.emit(attention_op, (q, k, v, mask, *attention_groups,
+                                                   list(spec.rank_lengths(d.layout.segments)), d.scale,
+                                                   list(d.out_order)), like=n)
                 shape_fns[new] = ops.attention_shape
                 n.replace_all_uses_with(new)
                 g.erase_node(n)
@@ -106,20 +106,13 @@ def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, build_at
 
     region_set = set(plan.region)
     for n in plan.exits:
-        gathered = _insert_gather(g, n, plan.layouts[n], spec, group_name, new_node, after=last)
+        gathered = gather(n, plan.layouts[n], after=last)
         gathered.meta["dit_module_path"] = ""  # after the last block: epilogue
         n.replace_all_uses_with(gathered, delete_user_cb=lambda u: u not in region_set and u is not gathered)
         counts["outputs_gathered"] += 1
 
-    repropagate(g, set(inserted) | set(plan.edits) | set(plan.layouts), shape_fns)
+    repropagate(g, prop.inserted | set(plan.edits) | set(plan.layouts), shape_fns)
     g.lint()
     gm.recompile()
     return counts
 
-
-def _insert_gather(g: fx.Graph, node: fx.Node, layout: Sharded, spec: SequenceShardSpec, group_name: str,
-                   new_node, after: fx.Node) -> fx.Node:
-    with g.inserting_after(after):
-        return new_node(ops.gather_sequence,
-                        (node, layout.dim, group_name, list(spec.rank_lengths(layout.segments)),
-                         *_runs_args(spec.inverse_runs(layout.segments))), node, ops.gather_sequence_shape)

@@ -16,6 +16,7 @@ is pure; :mod:`dit_passes.parallel.sequence_rewrite` applies its plan.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -25,9 +26,8 @@ import torch.fx as fx
 from ..analysis.structure import DiTStructure
 from ..infra.pass_base import PassError
 from . import op_classes as oc
-from .attention import even_shard_sizes
-from .propagate import Placement, Touches, arg as _arg, is_tensor as _is_tensor_node, map_args as _map_args
-from .propagate import agree, aligned_dim, moved_dim, resize_view, segment_cut, shape as _shape, val as _val, view_dims
+from .propagate import Placement, Propagation, Touches, agree, aligned_dim, arg, is_tensor, map_args, moved_dim
+from .propagate import resize_view, segment_cut, segment_runs, shape, val, view_dims
 
 aten = torch.ops.aten
 Segment = Tuple[str, int]  # (segment id, full length)
@@ -45,33 +45,27 @@ class Sharded(Placement):
 
 @dataclasses.dataclass(frozen=True)
 class SequenceShardSpec:
-    """Static shard arithmetic for ``world`` ranks, seen from ``rank``."""
+    """Static shard arithmetic for ``world`` ranks, seen from ``rank`` (:func:`~propagate.segment_runs`)."""
 
     world: int
     rank: int
 
     def rank_lengths(self, segments: Sequence[Segment]) -> Tuple[int, ...]:
-        per = [even_shard_sizes(n, self.world) for _, n in segments]
-        return tuple(sum(p[r] for p in per) for r in range(self.world))
+        return tuple(sum(n for _, n in self._runs(segments, r)) for r in range(self.world))
 
     def local_length(self, segments: Sequence[Segment]) -> int:
         return self.rank_lengths(segments)[self.rank]
 
     def local_boundaries(self, segments: Sequence[Segment]) -> List[int]:
-        out = [0]
-        for _, n in segments:
-            out.append(out[-1] + even_shard_sizes(n, self.world)[self.rank])
-        return out
+        """Where each segment starts in this rank's shard, then the shard's length."""
+        return list(itertools.accumulate((n for _, n in self._runs(segments, self.rank)), initial=0))
+
+    def _runs(self, segments: Sequence[Segment], rank: int) -> List[Tuple[int, int]]:
+        return segment_runs([n for _, n in segments], self.world, rank)
 
     def local_runs(self, segments: Sequence[Segment], rank: Optional[int] = None) -> List[Tuple[int, int]]:
         """(start, length) runs of the full axis that ``rank`` (default: this one) holds, in order."""
-        r = self.rank if rank is None else rank
-        runs, base = [], 0
-        for _, n in segments:
-            sizes = even_shard_sizes(n, self.world)
-            runs.append((base + sum(sizes[:r]), sizes[r]))
-            base += n
-        return _merge(runs)
+        return _merge(self._runs(segments, self.rank if rank is None else rank))
 
     def permutation_runs(self, segments: Sequence[Segment]) -> List[Tuple[int, int]]:
         """Runs of the full axis in the order the ranks' shards concatenate to (rank 0 first)."""
@@ -79,25 +73,20 @@ class SequenceShardSpec:
 
     def inverse_runs(self, segments: Sequence[Segment]) -> List[Tuple[int, int]]:
         """Runs of the gathered (rank-ordered) axis that restore the original order; [] if identity."""
-        lengths = self.rank_lengths(segments)
-        rank_base = [sum(lengths[:r]) for r in range(self.world)]
-        runs = []
-        for s, (_, n) in enumerate(segments):
-            for r in range(self.world):
-                before = sum(even_shard_sizes(m, self.world)[r] for _, m in segments[:s])
-                runs.append((rank_base[r] + before, even_shard_sizes(n, self.world)[r]))
-        runs = _merge(runs)
+        at, landed = 0, []  # (start on the full axis, start on the gathered axis, length)
+        for start, n in self.permutation_runs(segments):
+            landed.append((start, at, n))
+            at += n
+        runs = _merge([(g, n) for _, g, n in sorted(landed)])
         return [] if len(runs) == 1 else runs
 
 
 def _merge(runs: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
     out: List[Tuple[int, int]] = []
     for s, n in runs:
-        if n <= 0:
-            continue
-        if out and out[-1][0] + out[-1][1] == s:
+        if n > 0 and out and out[-1][0] + out[-1][1] == s:  # continues the last run
             out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
+        elif n > 0:
             out.append((s, n))
     return out
 
@@ -153,23 +142,19 @@ class ShardingPlan:
     exits: List[fx.Node]
 
 
-class _Analysis:
+class _Analysis(Propagation):
+    """The placements of the block range (``place``, the streams first) and the edits that make it local;
+    inserts nothing (:mod:`~dit_passes.parallel.sequence_rewrite` does)."""
+
     def __init__(self, gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec):
-        self.gm, self.s, self.spec = gm, structure, spec
+        super().__init__(gm, "", spec.world, spec.rank)
+        self.s, self.spec = structure, spec
         nodes = list(gm.graph.nodes)
-        pos = {n: i for i, n in enumerate(nodes)}
-        lo, hi = pos[structure.blocks[0].first], pos[structure.blocks[-1].last]
+        lo, hi = nodes.index(structure.blocks[0].first), nodes.index(structure.blocks[-1].last)
         self.region = [n for n in nodes[lo:hi + 1] if n.op == "call_function"]
-        self.layouts: Dict[fx.Node, Any] = {}
-        self.streams: Dict[fx.Node, Sharded] = {}
         self.edits: Dict[fx.Node, Tuple[Any, tuple, dict]] = {}
         self.attention: List[AttentionDecision] = []
         self.nonlocal_ops: List[Tuple[fx.Node, str]] = []
-
-    def lay(self, a):
-        if not isinstance(a, fx.Node):
-            return None
-        return self.streams.get(a) or self.layouts.get(a)
 
     def edit(self, n: fx.Node, args=None, kwargs=None, target=None) -> None:
         self.edits[n] = (target or n.target, n.args if args is None else tuple(args),
@@ -178,51 +163,51 @@ class _Analysis:
     # -- driver ------------------------------------------------------------------------------
     def run(self) -> ShardingPlan:
         for s in self.s.blocks[0].stream_inputs:
-            v = _val(s)
+            v = val(s)
             if not isinstance(v, torch.Tensor) or v.dim() < 3:
                 raise PassError(f"context parallel: residual stream '{s.name}' entering block 0 has shape "
                                 f"{None if v is None else tuple(v.shape)}; expected [batch, tokens, features]")
-            self.streams[s] = Sharded(1, ((s.name, int(v.shape[1])),))
-        for n in self.region:
-            ins = [self.lay(a) for a in n.all_input_nodes]
-            if not any(isinstance(x, (Sharded, list)) for x in ins):
-                continue
+            self.place[s] = Sharded(1, ((s.name, int(v.shape[1])),))
+        streams = dict(self.place)
+
+        def rule(n: fx.Node):
             try:
-                out = self.attend(n) if n.target is oc.SDPA else self.rule(n)
+                return self.attend(n) if n.target is oc.SDPA else self.rule(n)
             except _NonLocal as why:
-                out = self.gather_inputs(n, str(why))
-            self.layouts[n] = out
+                return self.gather_inputs(n, str(why))
+        self.walk(self.region, rule)
+        layouts = {n: lay for n, lay in self.place.items() if n not in streams}
         region_set = set(self.region)
         exits = []
         for n in self.region:
-            lay = self.layouts.get(n)
+            lay = layouts.get(n)
             outside = [u for u in n.users if u not in region_set]
             if outside and isinstance(lay, Sharded):
                 exits.append(n)
             elif outside and isinstance(lay, list):
                 raise PassError(f"context parallel: multi-output node '{n.name}' ({n.target}) is read after the "
                                 f"block range by {[u.name for u in outside]}; cannot gather it")
-        return ShardingPlan(self.spec, self.region, self.streams, self.layouts, self.edits, self.attention,
-                            self.nonlocal_ops, exits)
+        return ShardingPlan(self.spec, self.region, streams, layouts, self.edits, self.attention, self.nonlocal_ops,
+                            exits)
 
     def gather_inputs(self, n: fx.Node, why: str):
         self.nonlocal_ops.append((n, why))
 
         def fix(a):
-            lay = self.lay(a)
+            lay = self.placed(a)
             if isinstance(lay, Sharded):
                 return _Gather(a, lay)
             if isinstance(lay, list):
                 raise PassError(f"context parallel: node '{n.name}' ({n.target}) needs the full value of "
                                 f"multi-output node '{a.name}' ({why})")
             return a
-        self.edit(n, _map_args(n.args, fix), _map_args(dict(n.kwargs), fix))
+        self.edit(n, map_args(n.args, fix), map_args(dict(n.kwargs), fix))
         return None
 
     def rule(self, n: fx.Node):
         t = n.target
         if t is operator.getitem:
-            lay = self.lay(n.args[0])
+            lay = self.placed(n.args[0])
             return lay[n.args[1]] if isinstance(lay, list) else None
         if t is aten._assert_tensor_metadata.default:  # export's dtype check (no Cleanup): drop any size check
             args = (n.args[0], None, None) + tuple(n.args[3:])
@@ -232,7 +217,7 @@ class _Analysis:
             raise _NonLocal(f"{t} mixes tokens")
         if t in oc.COPIES or oc.is_pointwise(t):
             return self.pointwise(n)
-        lay = self.lay(n.args[0])
+        lay = self.placed(n.args[0])
         if t in oc.LIKE_ARG0 or t in oc.ELEMENTWISE_COLLECTIVES:
             return lay if isinstance(lay, Sharded) else None
         if t is oc.LINEAR and not isinstance(lay, Sharded):
@@ -256,38 +241,38 @@ class _Analysis:
     # -- rules ---------------------------------------------------------------------------------
     def _agree(self, n):
         """(output dim, segments) every sharded input maps to; replicated full-length inputs sliced."""
-        found = agree(n, lambda a: self.lay(a) if isinstance(self.lay(a), Sharded) else None, n.all_input_nodes,
+        found = agree(n, lambda a: self.placed(a) if isinstance(self.placed(a), Sharded) else None, n.all_input_nodes,
                       _NonLocal)
         od, segs = found.dim, found.segments
 
         def fix(a):
-            j = None if self.lay(a) is not None else aligned_dim(n, a, od)
+            j = None if self.placed(a) is not None else aligned_dim(n, a, od)
             if j is None:
                 return a
-            if _shape(a)[j] != found.full_length:
-                raise _NonLocal(f"operand '{a.name}' has {_shape(a)[j]} along the token dim, not {found.full_length}")
+            if shape(a)[j] != found.full_length:
+                raise _NonLocal(f"operand '{a.name}' has {shape(a)[j]} along the token dim, not {found.full_length}")
             return _Slice(a, j, segs)
         return od, segs, fix
 
     def pointwise(self, n):
         t = n.target
-        if t._schema.is_mutable and not isinstance(self.lay(n.args[0]), Sharded):
+        if t._schema.is_mutable and not isinstance(self.placed(n.args[0]), Sharded):
             raise _NonLocal("in-place update of a replicated tensor from a sharded one")
         od, segs, fix = self._agree(n)
-        self.edit(n, _map_args(n.args, fix), _map_args(dict(n.kwargs), fix))
+        self.edit(n, map_args(n.args, fix), map_args(dict(n.kwargs), fix))
         return Sharded(od, segs)
 
     def slice_scatter(self, n):
         """``slice_scatter(self, src, dim, ...)`` off the token dim: elementwise in the token dim."""
-        lay = self.lay(n.args[0])
-        d = _arg(n, 2, "dim", 0) % _val(n).dim()
+        lay = self.placed(n.args[0])
+        d = arg(n, 2, "dim", 0) % val(n).dim()
         if not isinstance(lay, Sharded) or d == lay.dim:
             raise _NonLocal("slice_scatter into the token dim or into a replicated tensor")
         return self.pointwise(n)
 
     def reshape(self, n):
         x = n.args[0]
-        lay, ins, outs = self.lay(x), _shape(x), _shape(n)
+        lay, ins, outs = self.placed(x), shape(x), shape(n)
         j = next((e for e, _ in view_dims(ins, outs, lay.dim, [0]) if outs[e] == ins[lay.dim]), None)
         if j is None:
             raise _NonLocal(f"reshape {ins} -> {outs} merges or splits the token dim")
@@ -299,8 +284,8 @@ class _Analysis:
         return Sharded(j, lay.segments)
 
     def expand(self, n):
-        x, lay = n.args[0], self.lay(n.args[0])
-        j = lay.dim + len(n.args[1]) - _val(x).dim()
+        x, lay = n.args[0], self.placed(n.args[0])
+        j = lay.dim + len(n.args[1]) - val(x).dim()
         new = resize_view(n, j, self.spec.local_length(lay.segments))
         if new is not None:
             self.edit(n, new)
@@ -316,21 +301,18 @@ class _Analysis:
 
     def slice(self, n):
         x = n.args[0]
-        lay, nd = self.lay(x), _val(x).dim()
-        d = _arg(n, 1, "dim", 0) % nd
+        lay, nd = self.placed(x), val(x).dim()
+        d = arg(n, 1, "dim", 0) % nd
         if d != lay.dim:
             return lay
-        full = lay.full_length
         if n.target is aten.narrow.default:
             start, end, step = n.args[2], n.args[2] + n.args[3], 1
         else:
-            start, end, step = _arg(n, 2, "start", None), _arg(n, 3, "end", None), _arg(n, 4, "step", 1)
+            start, end, step = arg(n, 2, "start", None), arg(n, 3, "end", None), arg(n, 4, "step", 1)
         if step != 1:
             raise _NonLocal(f"strided slice (step {step}) of the token dim")
-        start = 0 if start is None else (start + full if start < 0 else start)
-        end = full if end is None else (end + full if end < 0 else end)
-        start, end = min(max(start, 0), full), min(max(end, start), full)
-        a, b = self._segment_cut(lay, [start, end], "slice")
+        start, end, _ = slice(start, end).indices(lay.full_length)  # None, negative, out of range: as the op reads them
+        a, b = self._segment_cut(lay, [start, max(start, end)], "slice")
         if a == b:
             raise _NonLocal("empty slice of the token dim")
         lb = self.spec.local_boundaries(lay.segments)
@@ -339,18 +321,15 @@ class _Analysis:
 
     def split(self, n):
         x = n.args[0]
-        lay, nd = self.lay(x), _val(x).dim()
+        lay, nd = self.placed(x), val(x).dim()
         t = n.target
-        d = _arg(n, 1 if t is aten.unbind.int else 2, "dim", 0) % nd
-        pieces = list(_val(n))
+        d = arg(n, 1 if t is aten.unbind.int else 2, "dim", 0) % nd
+        pieces = list(val(n))
         if d != lay.dim:
             return [Sharded(lay.dim - (t is aten.unbind.int and d < lay.dim), lay.segments)] * len(pieces)
         if t is aten.unbind.int:
             raise _NonLocal("unbind of the token dim")
-        cuts = [0]
-        for p in pieces:
-            cuts.append(cuts[-1] + int(p.shape[d]))
-        idx = self._segment_cut(lay, cuts, "split")
+        idx = self._segment_cut(lay, list(itertools.accumulate((int(p.shape[d]) for p in pieces), initial=0)), "split")
         if any(i == j for i, j in zip(idx, idx[1:])):
             raise _NonLocal("split with an empty token piece")
         lb = self.spec.local_boundaries(lay.segments)
@@ -358,18 +337,19 @@ class _Analysis:
         return [Sharded(d, lay.segments[i:j]) for i, j in zip(idx, idx[1:])]
 
     def cat(self, n):
-        tensors = [a for a in n.args[0] if not (_is_tensor_node(a) and _val(a).dim() == 1 and _shape(a)[0] == 0)]
-        out_nd = _val(n).dim()
-        d = _arg(n, 1, "dim", 0) % out_nd
-        lays = [self.lay(a) for a in tensors]
-        if not any(isinstance(lay, Sharded) and lay.dim == d for lay in lays):
+        """cat / stack: along the token dim each piece adds its segments (a replicated piece is one);
+        otherwise the pieces agree like a pointwise op's operands (stack's new dim ``d`` is not broadcast's)."""
+        tensors = [a for a in n.args[0] if not (is_tensor(a) and val(a).dim() == 1 and shape(a)[0] == 0)]
+        d, stack = arg(n, 1, "dim", 0) % val(n).dim(), n.target is aten.stack.default
+        lays = [self.placed(a) for a in tensors]
+        if stack or not any(isinstance(lay, Sharded) and lay.dim == d for lay in lays):
             od, segs, fix = self._agree(n)
-            self.edit(n, (_map_args(list(n.args[0]), fix),) + tuple(n.args[1:]))
-            return Sharded(od, segs)
+            self.edit(n, (map_args(list(n.args[0]), fix),) + tuple(n.args[1:]))
+            return Sharded(od - (stack and d >= od), segs)
         new, segs = [], ()
         for a, lay in zip(tensors, lays):
             if lay is None:  # a replicated piece joins as a segment of its own
-                lay = Sharded(d, ((a.name, _shape(a)[d]),))
+                lay = Sharded(d, ((a.name, shape(a)[d]),))
                 new.append(_Slice(a, d, lay.segments))
             elif lay.dim != d:
                 raise _NonLocal("cat of pieces sharded on different dims")
@@ -379,28 +359,21 @@ class _Analysis:
         self.edit(n, (new, d))
         return Sharded(d, segs)
 
-    def stack(self, n):
-        od, segs, fix = self._agree(n)
-        d = _arg(n, 1, "dim", 0) % _val(n).dim()
-        lay = next(self.lay(a) for a in n.args[0] if isinstance(self.lay(a), Sharded))
-        self.edit(n, (_map_args(list(n.args[0]), fix),) + tuple(n.args[1:]))
-        return Sharded(lay.dim + (d <= lay.dim), segs)
-
     def attend(self, n):
         q, k, v = n.args[:3]
-        mask = _arg(n, 3, "attn_mask", None)
-        if _arg(n, 4, "dropout_p", 0.0) or _arg(n, 5, "is_causal", False) or n.kwargs.get("enable_gqa", False):
+        mask = arg(n, 3, "attn_mask", None)
+        if arg(n, 4, "dropout_p", 0.0) or arg(n, 5, "is_causal", False) or n.kwargs.get("enable_gqa", False):
             raise _NonLocal("attention with dropout, is_causal or enable_gqa")
-        lq, lk, lv = self.lay(q), self.lay(k), self.lay(v)
-        if not (isinstance(lq, Sharded) and lq.dim == 2 and _val(q).dim() == 4):
+        lq, lk, lv = self.placed(q), self.placed(k), self.placed(v)
+        if not (isinstance(lq, Sharded) and lq.dim == 2 and val(q).dim() == 4):
             raise _NonLocal("attention whose queries are not sharded on the sequence dim")
         full = lq.full_length
-        mlay = self.lay(mask)
+        mlay = self.placed(mask)
         if isinstance(mlay, Sharded):
             raise _NonLocal("attention with a token-sharded mask")
         if lk is None and lv is None:  # cross-attention: full keys/values on every rank
-            if mask is not None and _val(mask).dim() >= 2 and _shape(mask)[-2] == full:
-                mask = _Slice(mask, _val(mask).dim() - 2, lq.segments)
+            if mask is not None and val(mask).dim() >= 2 and shape(mask)[-2] == full:
+                mask = _Slice(mask, val(mask).dim() - 2, lq.segments)
             self.attention.append(AttentionDecision(n, False, q, k, v, mask, n.kwargs.get("scale"), lq))
             return lq
         if lk != lq or lv != lq:
@@ -410,14 +383,14 @@ class _Analysis:
             raise PassError(f"context parallel: attention '{n.name}' has {full} tokens ({lq.segments}), too few "
                             f"for {self.spec.world} ranks (shards {lengths}); use fewer ranks")
         if mask is not None:
-            mshape = _shape(mask)
+            mshape = shape(mask)
             if len(mshape) < 1 or mshape[-1] != full:
                 raise _NonLocal(f"attention mask {mshape} does not span the {full} keys")
             nd = len(mshape)
             dims = tuple(d for d in (nd - 2, nd - 1) if d >= 0 and mshape[d] == full)
             if len(lq.segments) > 1 or self.spec.world > 1:
                 mask = _Permute(mask, dims, lq.segments)
-        stride = _val(n).stride()
+        stride = val(n).stride()
         order = tuple(sorted(range(len(stride)), key=lambda d: (-stride[d], d)))
         self.attention.append(AttentionDecision(n, True, q, k, v, mask, n.kwargs.get("scale"), lq, order))
         return lq
@@ -426,7 +399,7 @@ class _Analysis:
 _HANDLERS = {**{t: _Analysis.reshape for t in oc.RESHAPES | oc.COMPLEX_VIEWS},
              **{t: _Analysis.split for t in oc.SPLITS | {aten.unbind.int}},
              aten.expand.default: _Analysis.expand, aten.slice.Tensor: _Analysis.slice,
-             aten.narrow.default: _Analysis.slice, aten.cat.default: _Analysis.cat, aten.stack.default: _Analysis.stack,
+             aten.narrow.default: _Analysis.slice, aten.cat.default: _Analysis.cat, aten.stack.default: _Analysis.cat,
              aten.slice_scatter.default: _Analysis.slice_scatter}
 
 

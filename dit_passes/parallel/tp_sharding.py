@@ -9,6 +9,7 @@ slices of replicated operands, all-gather fallback.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from typing import Any, List, Optional, Sequence, Tuple
@@ -21,7 +22,7 @@ from ..infra.ownership import WeightLedger
 from ..infra.pass_base import PassError
 from . import op_classes as oc
 from .propagate import (Placement, Propagation, Touches, agree, aligned_dim, broadcast_dim, moved_dim, repropagate,
-                        resize_view, segment_cut, split_dim, split_sizes, view_dims)
+                        resize_view, segment_cut, segment_runs, split_dim, split_sizes, view_dims)
 
 aten = torch.ops.aten
 
@@ -62,12 +63,7 @@ def shard_along(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, t
     """Rank ``rank``'s shard of ``t`` along ``dim`` (see the module docstring), a new contiguous tensor."""
     if sum(segments) != t.shape[dim]:
         raise ShardingError(f"segments {list(segments)} sum to {sum(segments)}, tensor has {t.shape[dim]} along dim {dim}")
-    pieces, start = [], 0
-    for s in segments:
-        c = s // tp
-        pieces.append(t.narrow(dim, start + rank * c, c))
-        start += s
-    return torch.cat(pieces, dim=dim).contiguous()
+    return torch.cat([t.narrow(dim, s, n) for s, n in segment_runs(segments, tp, rank)], dim=dim).contiguous()
 
 
 def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, tp: int) -> int:
@@ -121,11 +117,9 @@ class TPRules(Propagation):
         self.new_params: set = set()                 # attribute paths replaced by shards
         self.row_nodes: List[fx.Node] = []
         self.fallback_ops: List[str] = []
-        self.counts.update({k: 0 for k in ("column", "all_reduce", "norm_all_reduce", "all_gather", "fallback",
-                                           "views", "slices")})
 
     def _s(self, a) -> Optional[ShardSpec]:
-        s = self.place.get(a) if isinstance(a, fx.Node) else None
+        s = self.placed(a)
         return s if isinstance(s, ShardSpec) else None
 
     # -- parameters ------------------------------------------------------------------------------
@@ -142,10 +136,8 @@ class TPRules(Propagation):
         if rec is not None:  # lowering again after the full weight was released: the shard made then
             shard = self.ledger.reuse(rec, by=self.owner, token=token, like=attr_node.meta["val"])
         else:
-            owner_path, _, leaf = path.rpartition(".")
-            owner = self.gm.get_submodule(owner_path) if owner_path else self.gm
-            shard = torch.nn.Parameter(shard_along(getattr(owner, leaf).detach(), dim, segments, self.rank, self.tp),
-                                       requires_grad=False)
+            full = functools.reduce(getattr, path.split("."), self.gm).detach()
+            shard = torch.nn.Parameter(shard_along(full, dim, segments, self.rank, self.tp), requires_grad=False)
         # the graph's attribute becomes the shard; the ledger re-points the caller's model afterwards
         self.ledger.replace(self.gm, path, shard, by=self.owner, token=token,
                             how=f"sharded (rank {self.rank} of {self.tp}, dim {dim})")
@@ -182,11 +174,8 @@ class TPRules(Propagation):
     def _local(self, x: fx.Node, dim: int, spec: ShardSpec, before: fx.Node) -> fx.Node:
         """Slice a replicated full tensor ``x`` to this rank's part along ``dim``."""
         with self.g.inserting_before(before):
-            pieces, start = [], 0
-            for s in spec.segments:
-                c = s // self.tp
-                pieces.append(self.emit(aten.slice.Tensor, (x, dim, start + self.rank * c, start + (self.rank + 1) * c), like=before))
-                start += s
+            pieces = [self.emit(aten.slice.Tensor, (x, dim, s, s + n), like=before)
+                      for s, n in segment_runs(spec.segments, self.tp, self.rank)]
             self.counts["slices"] += 1
             return pieces[0] if len(pieces) == 1 else self.emit(aten.cat.default, (pieces, dim), like=before)
 

@@ -25,7 +25,7 @@ from .propagate import Placement, Propagation, Touches, agree, aligned_dim, move
 __all__ = ["VAEShardingError", "shard_vae_graph", "split_rows"]
 split_rows = vae_ops.split_rows
 
-aten, c10d = oc.aten, oc.c10d
+aten = oc.aten
 _vae_ops = torch.ops.dit_passes
 
 
@@ -55,16 +55,11 @@ class VAERules(Propagation):
         self.ref, self.rows, self.sh = reference or {}, tuple(rows), self.place  # sh: row-split values
         self.hpad: Dict[fx.Node, Tuple[int, int]] = {}      # pads whose height part a conv must absorb
         self.replaced: Dict[fx.Node, fx.Node] = {}
+        self.vals_now = True  # each rule checks the local shapes of what it emitted
 
     def error(self, node: fx.Node, why: str) -> VAEShardingError:
         where = node.meta.get("dit_module_path", "?")
         return VAEShardingError(f"VAE-P cannot shard `{node.format_node()}` (module {where!r}): {why}")
-
-    def fail(self, node: fx.Node, why: str) -> None:
-        raise self.error(node, why)
-
-    def emit(self, target, args, kwargs=None, like: Optional[fx.Node] = None, with_val: bool = True) -> fx.Node:
-        return super().emit(target, args, kwargs, like, with_val)
 
     # --- entry / exit -------------------------------------------------------------------------------
     def run(self) -> Dict[str, int]:
@@ -97,7 +92,7 @@ class VAERules(Propagation):
     def gather(self, x: fx.Node, s: Shard) -> fx.Node:
         """All-gather ``x`` along ``s.dim`` (one collective; uneven extents padded then trimmed)."""
         self.counts["all_gather"] += 1
-        return self.all_gather(x, s.dim, s.sizes, like=x, with_val=True)
+        return self.all_gather(x, s.dim, s.sizes, like=x)
 
     # --- per node ----------------------------------------------------------------------------------
     def visit(self, node: fx.Node) -> None:
@@ -111,13 +106,13 @@ class VAERules(Propagation):
             shape = list(_val(node).shape)
             shape[s.dim] = sum(s.sizes)
             if tuple(shape) != tuple(ref):
-                self.fail(node, f"internal: sharded {s} gives {shape}, the single-process graph has {list(ref)}")
+                raise self.error(node, f"internal: sharded {s} gives {shape}, the single-process graph has {list(ref)}")
 
     def _visit(self, node: fx.Node) -> None:
         ins = [a for a in node.all_input_nodes if a in self.sh]
         t = node.target
         if any(a in self.hpad for a in node.all_input_nodes) and t not in oc.CONVS:
-            self.fail(node, "it consumes a height padding that only a following convolution can absorb")
+            raise self.error(node, "it consumes a height padding that only a following convolution can absorb")
         if not ins or t is aten._assert_tensor_metadata.default:
             return
         if t in oc.CONVS:
@@ -144,7 +139,7 @@ class VAERules(Propagation):
             shard = agree(node, sh.get, tensors, lambda why: self.error(node, why))
             for a in tensors:
                 if a not in sh and aligned_dim(node, a, shard.dim) is not None:
-                    self.fail(node, f"`{a.name}` is replicated but not broadcast along the split dim")
+                    raise self.error(node, f"`{a.name}` is replicated but not broadcast along the split dim")
             return shard
         if t in oc.SIZE_VIEWS:
             return self.view(node, s)
@@ -153,13 +148,13 @@ class VAERules(Propagation):
         if t in (aten.cat.default, aten.stack.default):
             d = (int(args[1]) if len(args) > 1 else 0) % _val(node).dim()
             if any(sh.get(a) != s for a in args[0]) or (t is aten.cat.default and d == s.dim):
-                self.fail(node, "cat along the split dim, or of split with unsplit tensors")
+                raise self.error(node, "cat along the split dim, or of split with unsplit tensors")
             return Shard(s.dim + (1 if t is aten.stack.default and d <= s.dim else 0), s.sizes)
         if t in oc.NEAREST_UPSAMPLES:
             h_in, h_out = _val(x).shape[s.dim], _val(node).shape[s.dim]
             scales = args[2] if len(args) > 2 else None
             if s.dim != _val(x).dim() - 2 or h_out % h_in or (scales and float(scales[0]) != h_out // h_in):
-                self.fail(node, "nearest upsampling along height is local only by an integer factor")
+                raise self.error(node, "nearest upsampling along height is local only by an integer factor")
             return Shard(s.dim, tuple(n * (h_out // h_in) for n in s.sizes))
         if x in sh:
             try:
@@ -167,10 +162,10 @@ class VAERules(Propagation):
             except Touches as why:
                 if t is aten.slice.Tensor and _val(node).shape[s.dim] == _val(x).shape[s.dim]:
                     return s  # a slice that keeps the whole split dim
-                self.fail(node, str(why).replace("sharded", "split"))
+                raise self.error(node, str(why).replace("sharded", "split"))
             except KeyError:
                 pass
-        self.fail(node, "an op this rewrite does not know to act locally on the split dim")
+        raise self.error(node, "an op this rewrite does not know to act locally on the split dim")
 
     def view(self, node: fx.Node, s: Shard) -> Shard:
         # the rank slabs stay slabs of an output dim (propagate.view_dims); size-1 dims make it ambiguous
@@ -180,7 +175,7 @@ class VAERules(Propagation):
             sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
             if sizes[self.rank] == dst[e] and (ref is None or list(ref) == dst[:e] + [sum(sizes)] + dst[e + 1:]):
                 return Shard(e, sizes)
-        self.fail(node, f"a view {src} -> {dst} that does not keep the rank slabs of dim {s.dim} whole")
+        raise self.error(node, f"a view {src} -> {dst} that does not keep the rank slabs of dim {s.dim} whole")
 
     def pad(self, node: fx.Node) -> None:
         x, pads = node.args[0], [int(p) for p in node.args[1]]
@@ -193,7 +188,7 @@ class VAERules(Propagation):
         if hp == (0, 0):
             return
         if mode != "constant" or (value or 0.0) != 0.0 or min(hp) < 0:
-            self.fail(node, "only zero padding along the sharded height can be folded into a halo")
+            raise self.error(node, "only zero padding along the sharded height can be folded into a halo")
         pads[2 * pos] = pads[2 * pos + 1] = 0
         node.args = (x, pads) + tuple(node.args[2:])
         set_val(node)
@@ -204,7 +199,7 @@ class VAERules(Propagation):
         x, w, bias, stride, padding, dilation, groups = list(node.args) + [None] * (7 - len(node.args))
         s, nd = self.sh[x], _val(x).dim()
         if s.dim != nd - 2:
-            self.fail(node, "a convolution split along a dim other than height")
+            raise self.error(node, "a convolution split along a dim other than height")
         (stride, padding, dilation), kh = (_spatial(v, d, nd - 2) for v, d in
                                            ((stride, 1), (padding, 0), (dilation, 1))), _val(w).shape[-2]
         top, bottom = self.hpad.get(x, (0, 0))
@@ -213,19 +208,19 @@ class VAERules(Propagation):
         # j-1, or zeros at the top) and k - sh - p_top below (from rank j+1, or p_bot zeros at the bottom)
         before, after = p_top, k - sh - p_top
         if after < 0:
-            self.fail(node, f"kernel {kh} with stride {sh} skips rows between ranks")
+            raise self.error(node, f"kernel {kh} with stride {sh} skips rows between ranks")
         starts = [sum(s.sizes[:j]) for j in range(self.world)]
         outs = []
         for j, n in enumerate(s.sizes):
             b, a = vae_ops.halo_rows(j, self.world, before, after, p_top, p_bot)
             if (j > 0 and before > s.sizes[j - 1]) or (j < self.world - 1 and after > s.sizes[j + 1]):
-                self.fail(node, f"rank extents {list(s.sizes)} are smaller than the halo ({before}, {after})")
+                raise self.error(node, f"rank extents {list(s.sizes)} are smaller than the halo ({before}, {after})")
             if starts[j] % sh:
-                self.fail(node, f"rank {j} starts at row {starts[j]}, not a multiple of the stride {sh}")
+                raise self.error(node, f"rank {j} starts at row {starts[j]}, not a multiple of the stride {sh}")
             outs.append((n + a + b - k) // sh + 1)
         total = (sum(s.sizes) + p_top + p_bot - k) // sh + 1
         if sum(outs) != total or any(outs[j] * sh != s.sizes[j] for j in range(self.world - 1)):
-            self.fail(node, f"the slabs {list(s.sizes)} do not map onto whole output rows")
+            raise self.error(node, f"the slabs {list(s.sizes)} do not map onto whole output rows")
         old_shape = tuple(_val(node).shape)
         if before or after or p_top or p_bot:
             with self.g.inserting_before(node):
@@ -236,7 +231,7 @@ class VAERules(Propagation):
         node.args = (x, w, bias, stride, padding, dilation, 1 if groups is None else groups)
         set_val(node)
         if tuple(_val(node).shape) != old_shape or old_shape[s.dim] != outs[self.rank]:
-            self.fail(node, f"internal: halo conv gives {tuple(_val(node).shape)}, captured {old_shape}")
+            raise self.error(node, f"internal: halo conv gives {tuple(_val(node).shape)}, captured {old_shape}")
         self.sh[node] = Shard(s.dim, tuple(outs))
 
     def group_norm(self, node: fx.Node) -> None:
@@ -245,11 +240,10 @@ class VAERules(Propagation):
         bias = node.args[3] if len(node.args) > 3 else None
         eps = float(node.args[4]) if len(node.args) > 4 else 1e-5
         if self.sh[x].dim < 2:
-            self.fail(node, "group norm sharded along batch or channels")
+            raise self.error(node, "group norm sharded along batch or channels")
         with self.g.inserting_before(node):
             st = self.emit(_vae_ops.vae_group_stats.default, (x, groups), like=node)
-            st = self.emit(c10d.all_reduce.default, (st, "sum", self.group), like=node)
-            st = self.emit(c10d.wait_tensor.default, (st,), like=node)
+            st = self.all_reduce(st, node)
             out = self.emit(_vae_ops.vae_group_norm_apply.default, (x, st, groups, weight, bias, eps), like=node)
         node.replace_all_uses_with(out)
         self.g.erase_node(node)
@@ -264,10 +258,10 @@ class VAERules(Propagation):
         tok = _val(q).dim() - 2
         shards = [self.sh.get(a) for a in (q, k, v)]
         if mask is not None or causal or any(s is None or s.dim != tok for s in shards) or len(set(shards)) != 1:
-            self.fail(node, "attention needs q, k, v sharded along tokens, no mask, not causal")
+            raise self.error(node, "attention needs q, k, v sharded along tokens, no mask, not causal")
         dk, dv = _val(k).shape[-1], _val(v).shape[-1]
         if tuple(_val(k).shape[:-1]) != tuple(_val(v).shape[:-1]):
-            self.fail(node, "keys and values of different shapes")
+            raise self.error(node, "keys and values of different shapes")
         with self.g.inserting_before(node):
             kv = self.emit(aten.cat.default, ([k, v], -1), like=node)
             kv = self.gather(kv, Shard(tok, shards[0].sizes))

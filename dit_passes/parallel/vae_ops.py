@@ -27,12 +27,6 @@ def halo_rows(rank: int, world: int, before: int, after: int, edge_before: int, 
     return (edge_before if rank == 0 else before, edge_after if rank == world - 1 else after)
 
 
-def _zeros_like_rows(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] = n
-    return x.new_zeros(shape)
-
-
 @torch.library.custom_op("dit_passes::vae_halo_exchange", mutates_args=())
 def halo_exchange(x: torch.Tensor, dim: int, before: int, after: int, edge_before: int, edge_after: int,
                   group_name: str) -> torch.Tensor:
@@ -44,8 +38,9 @@ def halo_exchange(x: torch.Tensor, dim: int, before: int, after: int, edge_befor
     group = resolve_group(group_name)
     rank, world = group.rank(), group.size()
     top_n, bottom_n = halo_rows(rank, world, before, after, edge_before, edge_after)
-    top = _zeros_like_rows(x, dim, top_n)
-    bottom = _zeros_like_rows(x, dim, bottom_n)
+    dim %= x.dim()
+    top = x.new_zeros(x.shape[:dim] + (top_n,) + x.shape[dim + 1:])  # received rows, or zeros on the global edges
+    bottom = x.new_zeros(x.shape[:dim] + (bottom_n,) + x.shape[dim + 1:])
     length = x.shape[dim]
     ops = []
     if rank > 0:

@@ -28,6 +28,7 @@ value leaving the block range. Meshes are cached in the runtime state (a new sig
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from ..infra.phases import Phase
 from ..parallel import sequence_ops as ops
 from ..parallel.mesh import ParallelMesh, check_ranks, factorisations
 from ..parallel.sequence_rewrite import apply_plan
-from ..parallel.sequence_sharding import AttentionDecision, SequenceShardSpec, analyze
+from ..parallel.sequence_sharding import SequenceShardSpec, analyze
 
 __all__ = ["Ulysses", "Ring", "USP"]
 
@@ -56,10 +57,6 @@ class _ContextParallel(Pass):
 
     def config_items(self) -> Dict[str, Any]:
         raise NotImplementedError
-
-    def _usage(self, world: int) -> str:
-        pairs = ", ".join(f"USP(ulysses={u}, ring={r})" for u, r in factorisations(world, 2))
-        return f"valid for {world} ranks: Ulysses(size={world}), Ring(size={world}), {pairs}"
 
     def _mesh(self, ctx: PassContext) -> ParallelMesh:
         meshes = ctx.runtime.state.setdefault("context_parallel_meshes", {})
@@ -78,13 +75,16 @@ class _ContextParallel(Pass):
                             f"dit_passes.testing.run_ranks) and call torch.distributed.init_process_group first")
         world = dist.get_world_size(self.group)
         if total != world:
+            pairs = ", ".join(f"USP(ulysses={u}, ring={r})" for u, r in factorisations(world, 2))
             raise PassError(f"{self.describe()} shards over {total} ranks, but the process group has world size "
-                            f"{world}; {self._usage(world)} (for a hybrid with tensor parallelism, pass the "
-                            f"context-parallel subgroup: dit_passes.passes.parallel_plan.hybrid_passes)")
+                            f"{world}; valid for {world} ranks: Ulysses(size={world}), Ring(size={world}), {pairs} "
+                            f"(for a hybrid with tensor parallelism, pass the context-parallel subgroup: "
+                            f"dit_passes.passes.parallel_plan.hybrid_passes)")
         mesh = self._mesh(ctx)
         spec = SequenceShardSpec(world, mesh.global_rank)
         plan = analyze(gm, get_structure(gm), spec)
-        counts = apply_plan(gm, plan, mesh.parent.group_name, self._builder(mesh))
+        counts = apply_plan(gm, plan, mesh.parent.group_name, getattr(ops, f"{self.name}_attention"),
+                            [mesh.group(d).group_name for d in self.attention_groups])
         facts = facts_of(gm)
         facts.parallel_group, facts.mesh = mesh.parent, mesh
         n = counts["attention_replaced"]
@@ -98,15 +98,6 @@ class _ContextParallel(Pass):
                   f"{counts['masks_permuted']} mask(s), gathered {counts['outputs_gathered']} output(s)"
                   + (f"; gathered for {counts['nonlocal_gathers']} non-local op(s) ({why})" if why else ""))
         return PassResult(True, counts, report)
-
-    def _builder(self, mesh: ParallelMesh):
-        """Inserts the wrapper named like the pass, on the mesh groups it names, for each attention."""
-        op = getattr(ops, f"{self.name}_attention")
-        groups = [mesh.group(d).group_name for d in self.attention_groups]
-
-        def build(g: fx.Graph, d: AttentionDecision, qkvm: Tuple, sizes: Tuple[int, ...]) -> fx.Node:
-            return g.call_function(op, (*qkvm, *groups, list(sizes), d.scale, list(d.out_order)))
-        return build
 
 
 class _OneAxis(_ContextParallel):
@@ -153,8 +144,5 @@ def describe_collectives(gm: fx.GraphModule) -> Dict[str, int]:
     """Count the context-parallel nodes in a graph by kind (what a printed graph shows)."""
     kinds = {getattr(ops, k): k for k in ("ulysses_attention", "ring_attention", "usp_attention", "gather_sequence",
                                           "shard_sequence", "permute_sequence")}
-    out: Dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in kinds:
-            out[kinds[n.target]] = out.get(kinds[n.target], 0) + 1
-    return out
+    return dict(collections.Counter(kinds[n.target] for n in gm.graph.nodes
+                                    if n.op == "call_function" and n.target in kinds))

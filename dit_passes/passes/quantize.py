@@ -321,8 +321,8 @@ class SVDQuantW4A4(_QuantizeLinears):
     (a directory) is required and receives ``svdq_int4_r<rank>.safetensors`` + ``.json``. DQ
     (``dynamic=True``): no calibration, smoothing from the weights only (``smooth="weight"``) unless
     ``smooth`` says otherwise; ``serialize_to`` optional (``svdq_int4_r<rank>_dq``). The linears call
-    ``dit_passes.svdq_w4a4_linear`` (true W4A4), or with ``DIT_PASSES_W4A4_BACKEND=fp8`` are written as W4A8 on fp8
-    tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors, the Hopper design)."""
+    ``dit_passes.svdq_w4a4_linear`` (true W4A4), or on Hopper (and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8``)
+    are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors)."""
 
     name = "svdquant_w4a4"
     kind = "svdq_w4a4"

@@ -21,6 +21,7 @@ AdaLN modulation linears stay replicated (``modulation="column"``: rows sharded,
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, Optional
 
@@ -117,26 +118,14 @@ class TensorParallel(Pass):
 
 def linear_bytes(gm: fx.GraphModule, sites) -> int:
     """Bytes of the weights and biases the graph module holds for ``sites`` (LinearSite list)."""
-    seen, total = set(), 0
-    for s in sites:
-        for name in (s.weight, s.bias):
-            if name is None or name in seen:
-                continue
-            seen.add(name)
-            try:
-                t = gm.get_parameter(name)
-            except AttributeError:
-                t = gm.get_buffer(name)
-            total += t.numel() * t.element_size()
-    return total
+    names = {name for s in sites for name in (s.weight, s.bias) if name is not None}  # each tensor once
+    tensors = [functools.reduce(getattr, name.split("."), gm) for name in names]  # parameters or buffers
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _check_heads(structure, tp: int) -> None:
-    heads = {}
-    for a in structure.attention:
-        if a.block is None:
-            continue
-        heads[a.node.name] = (int(a.q.meta["val"].shape[1]), int(a.k.meta["val"].shape[1]))
+    heads = {a.node.name: (int(a.q.meta["val"].shape[1]), int(a.k.meta["val"].shape[1]))
+             for a in structure.attention if a.block is not None}
     bad = {k: v for k, v in heads.items() if v[0] % tp or v[1] % tp}
     if bad:
         g = math.gcd(*[h for v in heads.values() for h in v])

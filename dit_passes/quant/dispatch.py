@@ -15,9 +15,9 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
 * The graph forms (``graph_forms.py``: plain ATen ops written into the graph by the quantize passes, decided when
   the graph is written, from x's fake value): the fp8 linears' GEMM is :func:`fp8_gemm_backend` (the same rule
   as :func:`fp8_backend`), with ``use_fast_accum`` where ``DIT_PASSES_FP8_FAST_ACCUM=1`` (:func:`fp8_fast_accum`);
-  SVDQuant's linears are written as the custom op (true W4A4, above) unless ``DIT_PASSES_W4A4_BACKEND=fp8``
-  (:func:`svdq_form`): then as W4A8 on fp8 tensor cores (``graph_forms.svdq_fp8_linear_form``), on any device
-  (its GEMM follows :func:`fp8_gemm_backend`: the reference on CPU).
+  SVDQuant's linears are written as W4A8 on fp8 tensor cores (``graph_forms.svdq_fp8_linear_form``) on Hopper
+  by default and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (its GEMM follows :func:`fp8_gemm_backend`: the
+  reference on CPU), else as the custom op (true W4A4, above): :func:`svdq_form`.
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -157,7 +157,7 @@ def cutlass_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
     """Shape, dtype and device the CUTLASS path handles (not whether its library is present)."""
     return (x.dtype == torch.bfloat16 and x.is_cuda and qweight.is_cuda and qweight.dtype == torch.uint8
             and qweight.dim() == 2 and x.shape[-1] % GROUP == 0 and x.shape[-1] == 2 * qweight.shape[1]
-            and qweight.shape[0] % 16 == 0 and torch.cuda.get_device_capability(x.device)[0] == 9)
+            and qweight.shape[0] % 16 == 0 and capability(x.device)[0] == 9)
 
 
 _READY: Dict[bool, bool] = {}
@@ -215,6 +215,11 @@ def w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias) -
 
 
 # ------------------------------------------------------------------------------------------ fp8 / int8
+def capability(device: torch.device) -> tuple:
+    """The CUDA compute capability of ``device`` (major, minor)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def fp8_backend(x: torch.Tensor, qweight: torch.Tensor, granularity: str) -> str:
     """``"scaled_mm"`` where ``torch._scaled_mm`` handles the call, else ``"reference"``."""
     n, k = qweight.shape
@@ -226,7 +231,7 @@ def fp8_gemm_backend(x: torch.Tensor, n: int, k: int, granularity: str) -> str:
     an sm_89+ GPU with K and N multiples of 16 (row-wise scales: bf16 activations only), else ``"reference"``."""
     if x.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return "reference"
-    if torch.cuda.get_device_capability(x.device) < (8, 9):
+    if capability(x.device) < (8, 9):
         return "reference"
     if k % 16 or n % 16:
         return "reference"
@@ -246,10 +251,19 @@ def fp8_fast_accum() -> bool:
 
 
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
-    """How an SVDQuant linear is written into the graph: ``"fp8"`` (W4A8 on fp8 tensor cores, plain ATen ops) when
-    ``DIT_PASSES_W4A4_BACKEND=fp8``, else ``"op"`` (``dit_passes::svdq_w4a4_linear``: true W4A4, the reference
-    numerics, and the choice for GPUs with 4-bit tensor cores)."""
-    return "fp8" if backend_setting() == "fp8" else "op"
+    """How an SVDQuant linear is written into the graph: ``"fp8"`` (W4A8, the activations in e4m3 per token, on fp8
+    tensor cores where ``_scaled_mm`` runs, plain ATen ops) or ``"op"`` (``dit_passes::svdq_w4a4_linear``: true
+    W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor cores).
+    ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes it on Hopper (compute
+    capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape; every other setting,
+    device or shape gets the op."""
+    setting = backend_setting()
+    if setting == "fp8":
+        return "fp8"
+    if setting != "auto" or x.device.type != "cuda" or capability(x.device)[0] != 9:
+        return "op"
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    return "fp8" if fp8_gemm_backend(x, n, k, "per_row") == "scaled_mm" else "op"
 
 
 def int8_backend(x: torch.Tensor, qweight: torch.Tensor) -> str:

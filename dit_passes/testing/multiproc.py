@@ -7,8 +7,8 @@ start method: no state inherited from the driver), joined by a process group (gl
 The processes are a pool, reused by the next call of the same world size and backend: starting a rank (a Python
 process importing torch, diffusers and the library, then its first capture) costs seconds of CPU, and a test
 suite makes dozens of such calls. Each call runs as in a fresh process as far as a test can tell: the driver's
-current environment variables are applied first and torch's default generator is re-seeded with a fresh
-process's seed. ``fresh=True`` (or ``DIT_PASSES_FRESH_RANKS=1``) spawns new processes for the call and ends
+current environment variables are applied first, torch's default generator is re-seeded with a fresh
+process's seed and the rank runs one thread. ``fresh=True`` (or ``DIT_PASSES_FRESH_RANKS=1``) spawns new processes for the call and ends
 them after it.
 
 Guarantees:
@@ -114,7 +114,7 @@ def _worker(rank, world_size, port, backend, pg_timeout, tasks, result_queue, dr
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout))
         except BaseException:  # noqa: BLE001 - every failure must reach the driver
-            result_queue.put((None, rank, "error", traceback.format_exc()))
+            result_queue.put((None, rank, "error", traceback.format_exc(), 0.0))
             return
         while True:
             try:
@@ -123,16 +123,21 @@ def _worker(rank, world_size, port, backend, pg_timeout, tasks, result_queue, dr
                 if os.getppid() != driver_pid:  # the driver died without closing the pool
                     return
                 continue
+            except BaseException:  # noqa: BLE001 - e.g. the function's module fails to import here
+                result_queue.put((None, rank, "error", traceback.format_exc(), 0.0))
+                return
             if task is None:
                 return
-            job, fn, args, env = task
+            job, fn, args, env = task  # (unpickling fn imported its module: any import-time settings ran)
             _apply_env(env)
             torch.manual_seed(_FRESH_PROCESS_SEED)
+            torch.set_num_threads(1)  # after the import, as a fresh rank sets it: one thread per rank
+            cpu = time.process_time()
             try:
                 message = (job, rank, "ok", _to_bytes(fn(rank, world_size, *args)))
             except BaseException:  # noqa: BLE001 - every failure must reach the driver
                 message = (job, rank, "error", traceback.format_exc())
-            result_queue.put(message)
+            result_queue.put(message + (time.process_time() - cpu,))
             if "torch._dynamo" in sys.modules:  # compiled code of this call: not the next call's business
                 torch._dynamo.reset()
             gc.collect()
@@ -201,7 +206,7 @@ class _RankPool:
             if time.monotonic() > deadline:
                 raise RankTimeoutError([r for r in range(self.world_size) if r not in results], timeout)
             try:
-                got, rank, status, payload = self.results.get(timeout=_POLL_S)
+                got, rank, status, payload, cpu_s = self.results.get(timeout=_POLL_S)
             except queue_module.Empty:
                 self._raise_if_died()
                 continue
@@ -210,6 +215,7 @@ class _RankPool:
                                       rank_traceback=payload)
             if got == job:  # (an older job's message cannot arrive: a failed job closes the pool)
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                rank_cpu_s[0] += cpu_s
         return [results[rank] for rank in range(self.world_size)]
 
     def _raise_if_died(self) -> None:
@@ -219,6 +225,8 @@ class _RankPool:
                                             "result (crashed or was killed)")
 
 
+# CPU seconds the ranks spent in calls that reported, summed over ranks (the test session's cost accounting).
+rank_cpu_s = [0.0]
 # The driver's pools by (world size, backend): test-harness state of this process, ended at its exit.
 _pools: Dict[Tuple[int, str], _RankPool] = {}
 _jobs = itertools.count()
