@@ -227,7 +227,8 @@ def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Modu
     Every module (the baseline too) first samples one 1-step run at the run's shapes, so that lazy work
     (CompiledDiT's capture and passes) happens there; ``capture_s`` is the config's build time plus that
     first run, minus the baseline's first run. ``wall_s`` (all seeds) and ``speedup`` (baseline ``wall_s``
-    / config ``wall_s``) are measured after it, in steady state.
+    / config ``wall_s``) are measured after every config's first run, in steady state, the runs interleaved (per
+    seed: the baseline, then each config).
     """
     from .models.digits import load_digits_pipeline
 
@@ -245,18 +246,7 @@ def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Modu
     original = pipe.transformer
     snapshot = {k: v.detach().clone() for k, v in original.state_dict().items()}
 
-    base_first_s = _first_call(pipe, None, seeds[0], labels, true_cfg_scale)
-    base_imgs, base_s, _ = _sample_all(pipe, None, seeds, labels, steps, true_cfg_scale)
-    rows = [("baseline", base_imgs)]
-    results, all_stats = {}, {}
-    for name, make in configs.items():
-        t0 = time.perf_counter()
-        module = make(original)
-        build_s = time.perf_counter() - t0
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"config {name!r} returned {type(module).__name__}, expected an nn.Module")
-        first_s = _first_call(pipe, module, seeds[0], labels, true_cfg_scale)
-        imgs, secs, stats = _sample_all(pipe, module, seeds, labels, steps, true_cfg_scale)
+    def check_original(name):
         released = [k for k, v in original.state_dict().items() if v.is_meta]
         if released:
             raise RuntimeError(f"config {name!r} released the original transformer's weights ({released[:3]}...: "
@@ -266,6 +256,34 @@ def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Modu
         if changed:
             raise RuntimeError(f"config {name!r} modified the original transformer's weights "
                                f"({changed[:3]}...); a config must leave the original intact")
+
+    base_first_s = _first_call(pipe, None, seeds[0], labels, true_cfg_scale)
+    modules, build, first = {}, {}, {}
+    for name, make in configs.items():  # build and lower every config first: capture stays out of the timed runs
+        t0 = time.perf_counter()
+        module = make(original)
+        build[name] = time.perf_counter() - t0
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"config {name!r} returned {type(module).__name__}, expected an nn.Module")
+        first[name] = _first_call(pipe, module, seeds[0], labels, true_cfg_scale)
+        check_original(name)
+        modules[name] = module
+    # The timed runs interleave: per seed the baseline, then every config. A machine whose load changes during the
+    # run (a shared CPU) then slows every row alike instead of whichever config ran at the time.
+    runs = {name: {"images": [], "seconds": [], "stats": []} for name in ["baseline", *modules]}
+    for seed in seeds:
+        for name, run in runs.items():
+            imgs, secs, stats = _sample_all(pipe, modules.get(name), [seed], labels, steps, true_cfg_scale)
+            run["images"].append(imgs)
+            run["seconds"] += secs
+            run["stats"] += stats
+    for name in modules:
+        check_original(name)
+    base_imgs, base_s = torch.cat(runs["baseline"]["images"]), runs["baseline"]["seconds"]
+    rows = [("baseline", base_imgs)]
+    results, all_stats = {}, {}
+    for name in modules:
+        imgs, secs, stats = torch.cat(runs[name]["images"]), runs[name]["seconds"], runs[name]["stats"]
         p, s = psnr(imgs, base_imgs), ssim(imgs, base_imgs)
         wall = sum(secs)
         results[name] = {
@@ -273,7 +291,7 @@ def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Modu
             "ssim_mean": s.mean().item(), "ssim_min": s.min().item(),
             "max_abs_diff": (imgs - base_imgs).abs().max().item(),
             "identical_samples": int(torch.isinf(p).sum().item()),
-            "build_s": build_s, "capture_s": max(0.0, build_s + first_s - base_first_s),
+            "build_s": build[name], "capture_s": max(0.0, build[name] + first[name] - base_first_s),
             "wall_s": wall, "per_run_s": secs,
             "speedup": sum(base_s) / wall if wall > 0 else float("nan"),
             "stats": stats, "stats_mean": _mean_scalar_stats(stats),
