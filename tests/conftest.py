@@ -1,13 +1,13 @@
-"""Test-session wiring: how tests share the 2-core CI machine when pytest-xdist runs them on 2 workers.
+"""Test-session wiring: how tests share the 2-core CI machine.
 
-``.ci/test.sh`` runs ``pytest -n 2 --dist loadgroup -m "not ray"``, then the Ray tests alone (``-m ray``, one
-process): a raylet must register within Ray's fixed 30 s, which it missed on 2 busy cores. In the first run every
-test that spawns gloo ranks is in ONE group, so such tests run one at a time on one worker: two of them at once
-would put 4-8 busy processes on 2 cores and run into their rank timeouts. The other worker keeps running
-single-process tests meanwhile. Tests that start Ray get the ``ray`` marker here.
+Each test is marked here as it is collected: ``ranks`` (it runs gloo ranks: ``run_ranks(`` in its code or in one
+of its fixtures') or ``ray`` (it starts a local Ray cluster). ``.ci/test.sh`` runs ``-m "ranks and not ray"`` in
+one pytest process beside ``-m "not ranks and not ray"`` in another, then the Ray tests alone: two rank tests at
+once would put 4-8 busy processes on 2 cores and run into their rank timeouts, and a raylet must register within
+Ray's fixed 30 s, which it missed on 2 busy cores. (pytest-xdist's ``loadgroup`` did not keep a group marked
+here on one worker: two rank tests ran at once, and each worker computed the rank fixtures again.)
 
-Fixtures that run ranks are session-scoped (computed once per worker): under xdist a module-scoped one was
-finalised and computed again between tests of its own module (the context-parallel ranks ran three times).
+Fixtures that run ranks are session-scoped: one computation serves every test of the rank process.
 """
 from __future__ import annotations
 
@@ -54,23 +54,14 @@ def _kind_of(item: pytest.Item) -> str:
 
 
 def pytest_itemcollected(item):
-    # marked as each test is collected: before any collection_modifyitems hook runs (`-m` selection, and
-    # xdist's, which turns the xdist_group marker into the node id's "@procs" suffix)
+    # marked as each test is collected: before `-m` selects (a collection_modifyitems hook)
     kind = _kind_of(item)
-    if kind == "ray":
-        item.add_marker(pytest.mark.ray)
     if kind:
-        item.add_marker(pytest.mark.xdist_group("procs"))
-
-
-def pytest_collection_finish(session):
-    if os.environ.get("DIT_PASSES_SHOW_GROUPS") == "1":
-        for item in session.items:
-            print(_kind_of(item) or "-", item.nodeid)
+        item.add_marker(getattr(pytest.mark, kind))
 
 
 # DIT_PASSES_CPU_REPORT=<dir>: each test's CPU seconds (this process + its ranks + reaped children such as
-# subprocess.run), written per worker to <dir>/cpu-<worker>.tsv: what a test costs on a busy machine, where wall
+# subprocess.run), written per pytest process to <dir>/cpu-<pid>.tsv: what a test costs on a busy machine, where wall
 # time says little.
 _CPU_DIR = os.environ.get("DIT_PASSES_CPU_REPORT")
 
@@ -88,7 +79,6 @@ if _CPU_DIR:
     def pytest_runtest_protocol(item, nextitem):
         start, wall = _cpu_now(), time.perf_counter()
         yield
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         os.makedirs(_CPU_DIR, exist_ok=True)
-        with open(os.path.join(_CPU_DIR, f"cpu-{worker}.tsv"), "a") as f:
+        with open(os.path.join(_CPU_DIR, f"cpu-{os.getpid()}.tsv"), "a") as f:
             f.write(f"{_cpu_now() - start:.1f}\t{time.perf_counter() - wall:.1f}\t{item.nodeid}\n")
