@@ -4,8 +4,8 @@ Each test is marked here as it is collected: ``ranks`` (it runs gloo ranks: ``ru
 of its fixtures') or ``ray`` (it starts a local Ray cluster). ``.ci/test.sh`` runs ``-m "ranks and not ray"`` in
 one pytest process beside ``-m "not ranks and not ray"`` on two xdist workers, then the Ray tests alone: two
 rank tests at once would put 4-8 busy processes on 2 cores and run into their rank timeouts, and a raylet must
-register within Ray's fixed 30 s, which it missed on 2 busy cores. (pytest-xdist's ``loadgroup`` did not keep a group marked
-here on one worker: two rank tests ran at once, and each worker computed the rank fixtures again.)
+register within Ray's fixed 30 s, which it missed on 2 busy cores. (pytest-xdist's ``loadgroup`` did not keep a
+group marked here on one worker: two rank tests ran at once, and each worker computed the rank fixtures again.)
 
 Fixtures that run ranks are session-scoped: one computation serves every test of the rank process.
 """
