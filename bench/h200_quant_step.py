@@ -21,8 +21,8 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   tensor cores (``DIT_PASSES_W4A4_BACKEND=fp8``: the packed int4 weights expanded to e4m3 once per call with the
   group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16);
 * ``svdq_w4_all_fp8_fast_accum``: the same with ``exclude=()``, the AdaLN modulation linears quantized too;
-* ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 (``DIT_PASSES_W4A4_BACKEND=auto``:
-  CUTLASS when its library is built -- ``DIT_PASSES_CUTLASS_CACHE`` -- else the Triton kernels, slow).
+* ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 on the CUTLASS kernels
+  (``DIT_PASSES_W4A4_BACKEND=cutlass``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
 
 Each row: ``first_call_s`` (capture, passes, Inductor), ``step_ms`` (median of ``--repeats`` after two warm-ups),
 ``rel_err_vs_bf16`` (output, Frobenius), ``weights_gib`` (tensors the lowered graph holds), ``original_only_gib``
