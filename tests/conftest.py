@@ -21,6 +21,8 @@ import pytest
 
 _RAY_WORDS = ("ray_cluster", "RayLauncher", "use_ray=True", "import ray")
 _RANK_WORDS = ("run_ranks(",)
+
+
 def _body(fn) -> str:
     """The code of ``fn`` without its docstring (a docstring naming Ray does not start it)."""
     try:
