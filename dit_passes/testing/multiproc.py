@@ -8,8 +8,8 @@ The processes are a pool, reused by the next call of the same world size and bac
 process importing torch, diffusers and the library, then its first capture) costs seconds of CPU, and a test
 suite makes dozens of such calls. Each call runs as in a fresh process as far as a test can tell: the driver's
 current environment variables are applied first, torch's default generator is re-seeded with a fresh
-process's seed and the rank runs one thread. ``fresh=True`` (or ``DIT_PASSES_FRESH_RANKS=1``) spawns new processes for the call and ends
-them after it.
+process's seed and the rank runs one thread. ``fresh=True`` (or ``DIT_PASSES_FRESH_RANKS=1``) spawns new
+processes for the call and ends them after it.
 
 Guarantees:
 
