@@ -110,13 +110,14 @@ def _is_nonzero_call(func, args, kwargs) -> bool:
     return func in _NONZERO and not as_tuple
 
 
-def _bool_mask_index(func, args) -> int | None:
-    """Position of the boolean-mask tensor in ``x[..., mask, ...]`` (a data-dependent number of rows), else None."""
+def _bool_mask_index(func, args) -> tuple | None:
+    """``(index tuple, position of its boolean mask)`` for ``x[..., mask, ...]`` (a data-dependent number of rows),
+    else None."""
     if func is not torch.Tensor.__getitem__ or len(args) < 2:
         return None
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
     masks = [i for i, x in enumerate(index) if isinstance(x, torch.Tensor) and x.dtype == torch.bool]
-    return masks[0] if len(masks) == 1 else None
+    return (index, masks[0]) if len(masks) == 1 else None
 
 
 class _ScalarRecorder(TorchFunctionMode):
@@ -135,9 +136,9 @@ class _ScalarRecorder(TorchFunctionMode):
             self.values.extend(_flat_values(out))  # FakeTensor.tolist reads them one item() each
         elif _is_nonzero_call(func, args, kwargs):
             self.values.append(int(out.shape[0]))
-        elif _bool_mask_index(func, args) is not None:
-            index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            self.values.append(int(index[_bool_mask_index(func, args)].sum()))
+        elif (masked := _bool_mask_index(func, args)) is not None:
+            index, at = masked
+            self.values.append(int(index[at].sum()))
         return out
 
 
@@ -163,9 +164,9 @@ class _ScalarReplay(TorchFunctionMode):
             x = args[0]
             count = (x != 0).sum()
             return torch.nonzero_static(x, size=int(self._next(count)))
-        at = _bool_mask_index(func, args)
-        if at is not None:  # x[mask] == x[rows of nonzero(mask)], with the eager count of rows
-            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        masked = _bool_mask_index(func, args)
+        if masked is not None:  # x[mask] == x[rows of nonzero(mask)], with the eager count of rows
+            index, at = masked
             mask = index[at]
             rows = torch.nonzero_static(mask, size=int(self._next(mask.sum()))).unbind(1)
             return args[0][index[:at] + tuple(rows) + index[at + 1:]]
@@ -257,6 +258,16 @@ class _CallWithConstants(torch.nn.Module):
         return rec.values
 
 
+def _export_static(wrapper: torch.nn.Module, tensors: tuple, why: str):
+    """``torch.export`` of ``wrapper``, refused (CaptureError) if the graph still holds a data-dependent size."""
+    with torch.inference_mode(False), torch.no_grad():
+        ep = torch.export.export(wrapper, tensors, strict=False)
+    dynamic = _data_dependent_shape(ep.graph_module)
+    if dynamic is not None:
+        raise CaptureError(f"the graph has data-dependent shapes{why} ({dynamic}); the passes need static ones")
+    return ep
+
+
 def _data_dependent_shape(gm: fx.GraphModule) -> str | None:
     """The first node whose shape holds an unbacked (data-dependent) size, described; None if there is none."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -296,12 +307,8 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
     for name, b in model.named_buffers(recurse=False):
         wrapper._buffers[name] = b
     scalars: List[Any] = []
-    try:
-        with torch.inference_mode(False), torch.no_grad():
-            ep = torch.export.export(wrapper, tensors, strict=False)
-        dynamic = _data_dependent_shape(ep.graph_module)
-        if dynamic is not None:  # traced, but with token counts read from the inputs' values (masks)
-            raise CaptureError(f"the graph has data-dependent shapes ({dynamic}); the passes need static ones")
+    try:  # (a graph can trace with token counts read from the inputs' values: masks)
+        ep = _export_static(wrapper, tensors, "")
     except Exception as e:  # noqa: BLE001
         first_error = e
         try:  # data-dependent Python? retry specialised on the eager run's scalars
@@ -312,12 +319,7 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
         if scalars:
             wrapper.replay_values = scalars
             try:
-                with torch.inference_mode(False), torch.no_grad():
-                    ep = torch.export.export(wrapper, tensors, strict=False)
-                dynamic = _data_dependent_shape(ep.graph_module)
-                if dynamic is not None:
-                    raise CaptureError(f"the graph still has data-dependent shapes after specialising on the "
-                                       f"call's values ({dynamic}); the passes need static ones")
+                ep = _export_static(wrapper, tensors, " even specialised on the call's values")
             except Exception as e2:  # noqa: BLE001
                 first_error, ep = e2, None
         if ep is None:
