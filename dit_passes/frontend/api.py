@@ -6,8 +6,9 @@
 
 A pipeline: each of ``pipe.transformer`` / ``pipe.transformer_2`` (Wan 2.2) is replaced, on that instance, by a
 :class:`~dit_passes.compiled.CompiledDiT` running [parallel, quantization, DBCache] passes; ``disable_cache(pipe)``
-puts the original objects back (refused where those passes released weights, unless ``keep_original=True``). A bare transformer: the CompiledDiT is *returned* (``pipe.transformer =
-enable_cache(pipe.transformer, ...)``); the module is not changed in place. The cache starts a new generation when
+puts the original objects back (refused where those passes released weights, unless ``keep_original=True``). A bare
+transformer: the CompiledDiT is *returned* (``pipe.transformer = enable_cache(pipe.transformer, ...)``); the module
+is not changed in place. The cache starts a new generation when
 the timestep rises again, and also after ``DBCacheConfig.num_inference_steps`` calls when set (the reference's
 transformer-only mode). No class is patched; the applied configs live in ``compiled.runtime.state["frontend"]``.
 
@@ -500,8 +501,8 @@ def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, *
     """The reference's ``cache_dit.load(transformer, path)``: a CompiledDiT with the saved quantized linears.
     ``path``: the ``serialize_to`` directory or its ``<quant_type>.safetensors`` file. A wrapper from
     ``quantize`` / ``enable_cache`` is unwrapped to its original module first (weights its passes released are
-    fine where the checkpoint replaces them: their fingerprint sample was kept); ``passes=[...]`` run after the substitution, other keyword arguments go to
-    ``compile_dit`` (``keep_original=True`` too). Raises
+    fine where the checkpoint replaces them: their fingerprint sample was kept); ``passes=[...]`` run after the
+    substitution, other keyword arguments go to ``compile_dit`` (``keep_original=True`` too). Raises
     :class:`~dit_passes.quant.serialize.QuantizedCheckpointError` for a missing, corrupted or mismatching
     checkpoint."""
     from .. import compile_dit

@@ -229,7 +229,8 @@ class WeightLedger:
                                    f"module. {_GONE}")
             index = 0 if target in self.records else note  # str: released by another module, loaded here
             swapped.append((store, name, meta))
-            store[name] = stand_in(meta.shape, meta.dtype, device, (target, index), isinstance(meta, torch.nn.Parameter))
+            store[name] = stand_in(meta.shape, meta.dtype, device, (target, index),
+                                   isinstance(meta, torch.nn.Parameter))
             setattr(store[name], SAMPLE, getattr(meta, SAMPLE, None))  # a checkpoint check still sees its values
         try:
             yield len(swapped)
@@ -269,4 +270,5 @@ def refusal(rec: Released, why: str) -> str:
             f"enable_cache to keep a full copy (memory: the whole model besides what the passes made)")
 
 
-__all__ = ["WeightLedger", "Released", "is_stand_in", "stand_in", "refusal", "STAND_IN", "RELEASED", "SAMPLE", "weight_sample"]
+__all__ = ["WeightLedger", "Released", "is_stand_in", "stand_in", "refusal", "STAND_IN", "RELEASED", "SAMPLE",
+           "weight_sample"]
