@@ -2,6 +2,7 @@
 and extraction of a node range into its own GraphModule (a branch of torch.cond, a segment)."""
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
@@ -10,8 +11,11 @@ import torch.utils._pytree as pytree
 
 
 def fake_of(x: Any) -> Any:
-    """The FakeTensor (or constant) standing for an argument: node -> meta['val']."""
+    """The FakeTensor (or constant) standing for an argument: node -> meta['val']; a ``get_attr`` of a
+    submodule (a higher-order op's body graph), which has no value, -> the submodule itself."""
     if isinstance(x, fx.Node):
+        if x.op == "get_attr" and "val" not in x.meta and x.graph.owning_module is not None:
+            return operator.attrgetter(x.target)(x.graph.owning_module)
         return x.meta["val"]
     return x
 

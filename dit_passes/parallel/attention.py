@@ -51,17 +51,19 @@ def shard_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: S
 
 def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Sequence[int], *,
                     counter: CollectiveCounter | None = None) -> torch.Tensor:
-    """Inverse of :func:`shard_sequence`: the full tensor on every rank (one all_gather)."""
-    sizes = _check_sizes(sizes, group, "gather_sequence")
+    """Inverse of :func:`shard_sequence`: the full tensor on every rank (one all_gather). A rank may hold
+    no token (a stream shorter than the group: the all-gather pads every shard to the largest)."""
+    sizes = _check_sizes(sizes, group, "gather_sequence", least=0)
     return all_gather(x, dim, group, sizes, counter=counter)
 
 
-def _check_sizes(sizes: Sequence[int], group: dist.ProcessGroup, where: str) -> list[int]:
+def _check_sizes(sizes: Sequence[int], group: dist.ProcessGroup, where: str, least: int = 1) -> list[int]:
     sizes = [int(s) for s in sizes]
     if len(sizes) != group.size():
         raise ValueError(f"{where}: seq_sizes {sizes} need one entry per rank of the group ({group.size()})")
-    if min(sizes) < 1:
-        raise ValueError(f"{where}: every rank needs at least one token, got seq_sizes {sizes}; use fewer ranks")
+    if max(sizes) < 1 or min(sizes) < least:
+        raise ValueError(f"{where}: every rank needs at least one token, got seq_sizes {sizes}; use fewer ranks"
+                         if least else f"{where}: no rank holds a token (seq_sizes {sizes})")
     return sizes
 
 

@@ -38,10 +38,19 @@ LAYER_NORMS = {aten.layer_norm.default, aten.native_layer_norm.default}
 CONVS = {aten.conv2d.default, aten.conv3d.default}
 NEAREST_UPSAMPLES = {aten.upsample_nearest2d.vec, aten._upsample_nearest_exact2d.vec}
 PADS = {aten.pad.default, aten.constant_pad_nd.default}
-# ops that mix every position of a dim (or gather by index): never local on a sharded dim
-MIXING = CONVS | {aten.convolution.default, aten.group_norm.default, aten.mean.default, aten.sum.default,
-                  aten.cumsum.default, aten.index_select.default, aten.gather.default, aten.index.Tensor,
-                  aten.sort.default, aten.topk.default}
+# ops that write at indices (global positions along a dim: the index tensors do not follow a shard)
+SCATTERS = {aten.scatter_add.default, aten.scatter_add_.default, aten.scatter.src, aten.scatter.value,
+            aten.scatter_reduce.two, aten.index_add.default, aten.index_put.default, aten.index_put_.default,
+            aten.index_copy.default, aten.masked_scatter.default}
+# ops that mix every position of a dim (or gather / scatter by index): never local on a sharded dim
+MIXING = CONVS | SCATTERS | {aten.conv1d.default, aten.conv1d.padding, aten.convolution.default,
+                             aten.group_norm.default, aten.mean.default, aten.sum.default, aten.cumsum.default,
+                             aten.index_select.default, aten.gather.default, aten.index.Tensor, aten.sort.default,
+                             aten.topk.default}
+MATMULS = {aten.matmul.default, aten.bmm.default}
+# higher-order ops that call a body graph under a context (autocast, grad mode): position of the body argument,
+# the body's operands follow it
+CONTEXT_WRAPPERS = {torch.ops.higher_order.wrap_with_autocast: 4, torch.ops.higher_order.wrap_with_set_grad_enabled: 1}
 # ops whose output shares its input's storage (activation accounting)
 ALIASES = SIZE_VIEWS | {aten.transpose.int, aten.permute.default, aten.slice.Tensor, aten.select.int,
                         aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.alias.default,

@@ -211,26 +211,47 @@ def aligned_dim(n: fx.Node, a: Any, dim: int) -> Optional[int]:
     return j if j >= 0 and shape(a)[j] != 1 else None
 
 
-def same_shapes(a, b) -> bool:
+def memory_order(t: torch.Tensor) -> Tuple[int, ...]:
+    """The dims of ``t`` from outermost to innermost in memory (stride order; ties by position)."""
+    stride = t.stride()
+    return tuple(sorted(range(len(stride)), key=lambda d: (-stride[d], d)))
+
+
+def same_shapes(a, b, strides: bool = False) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return tuple(a.shape) == tuple(b.shape)
+        return tuple(a.shape) == tuple(b.shape) and (not strides or a.stride() == b.stride())
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_shapes(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_shapes(x, y, strides) for x, y in zip(a, b))
     return a is None and b is None
 
 
+class PropagationError(RuntimeError):
+    """An op of the rewritten graph fails on its new (local) fake inputs: the rewrite would crash there."""
+
+    def __init__(self, node: fx.Node, error: Exception):
+        self.node, self.error = node, error
+        path = node.meta.get("dit_module_path", "") or "<top level>"
+        super().__init__(f"node '{node.name}' ({node.target}, module {path}) fails on its rewritten inputs: "
+                         f"{type(error).__name__}: {' '.join(str(error).split())}")
+
+
 def repropagate(g: fx.Graph, touched: Set[fx.Node], shape_fns: Optional[Dict[fx.Node, Callable]] = None,
-                changed: Sequence[fx.Node] = ()) -> None:
+                changed: Sequence[fx.Node] = (), strides: bool = False) -> None:
     """Recompute ``meta["val"]`` (local shapes) of the ``touched`` nodes and of every node an input of
-    which changed shape (``changed``: nodes, e.g. resharded parameters, already changed)."""
+    which changed shape (``changed``: nodes, e.g. resharded parameters, already changed); ``strides``: a
+    changed layout (same shape) counts as a change too, so that a view the old layout allowed is checked
+    again. Raises :class:`PropagationError` naming the first node that fails."""
     shape_fns, changed = shape_fns or {}, set(changed)
     for n in g.nodes:
         if n.op != "call_function" or n.meta.get("dit_no_val"):
             continue
         if n in touched or any(a in changed for a in n.all_input_nodes):
             old = n.meta.get("val")
-            set_val(n, shape_fns.get(n))
-            if not same_shapes(old, n.meta["val"]):
+            try:
+                set_val(n, shape_fns.get(n))
+            except Exception as e:  # noqa: BLE001 - any failure of the op on its fake inputs
+                raise PropagationError(n, e) from e
+            if not same_shapes(old, n.meta["val"], strides):
                 changed.add(n)
 
 

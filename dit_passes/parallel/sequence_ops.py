@@ -16,15 +16,21 @@ from . import attention as _attn
 from .collectives import resolve_group
 
 
-def shard_sequence(x: torch.Tensor, dim: int, starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    """This rank's part of the full ``x`` along ``dim``: the concatenation of its runs. Local."""
+def shard_sequence(x: torch.Tensor, dim: int, starts: Sequence[int], lengths: Sequence[int],
+                   order: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """This rank's part of the full ``x`` along ``dim``: the concatenation of its runs. Local. One run is a
+    view of ``x`` (``x``'s memory order); several are copied, in memory ``order`` when given (see :func:`_in_order`)."""
     pieces = [x.narrow(dim, int(s), int(n)) for s, n in zip(starts, lengths) if int(n) > 0]
     if not pieces:
         return x.narrow(dim, 0, 0)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+    if len(pieces) == 1:
+        return pieces[0]
+    out = torch.cat(pieces, dim=dim)
+    return out if order is None else _in_order(out, order)
 
 
-def permute_sequence(x: torch.Tensor, dims: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+def permute_sequence(x: torch.Tensor, dims: Sequence[int], starts: Sequence[int],
+                     lengths: Sequence[int]) -> torch.Tensor:
     """Reorder the full ``x`` along each of ``dims`` by the same runs (a mask's key and query dims). Local."""
     for d in dims:
         x = shard_sequence(x, d, starts, lengths)
@@ -32,22 +38,27 @@ def permute_sequence(x: torch.Tensor, dims: Sequence[int], starts: Sequence[int]
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group_name: str, rank_lengths: Sequence[int],
-                    starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    """All-gather the shards along ``dim`` (one ``all_gather``, uneven ``rank_lengths`` allowed), then
-    reorder by the runs (empty runs: the gathered order is already the original one)."""
+                    starts: Sequence[int], lengths: Sequence[int],
+                    order: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """All-gather the shards along ``dim`` (one ``all_gather``, uneven ``rank_lengths`` allowed, a rank may hold
+    none), then reorder by the runs (empty runs: the gathered order is already the original one). ``order``: the
+    memory order of the value the gather stands for (see :func:`_in_order`), default contiguous."""
     full = _attn.gather_sequence(x, dim, resolve_group(group_name), list(rank_lengths))
-    return shard_sequence(full, dim, starts, lengths) if len(starts) else full
+    full = shard_sequence(full, dim, starts, lengths) if len(starts) else full
+    return full if order is None else _in_order(full, order)
 
 
-def gather_sequence_shape(x, dim, group_name, rank_lengths, starts, lengths):
+def gather_sequence_shape(x, dim, group_name, rank_lengths, starts, lengths, order=None):
     shape = list(x.shape)
     shape[dim] = sum(int(n) for n in rank_lengths)
-    return x.new_empty(shape)
+    out = x.new_empty(shape)
+    return out if order is None else _in_order(out, order)
 
 
 def _in_order(out: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
-    """``out`` with the memory layout of SDPA's own output (``order``: dims from outermost in memory),
-    so the views the model applies to the attention output (``permute`` + ``view``) stay valid."""
+    """``out`` laid out in memory ``order`` (dims from outermost), the order the traced value had: the ops
+    after it may depend on it (SDPA's output follows its query's layout; export wrote ``view`` where the
+    traced layout allowed one, so a gathered or attended value in another layout would fail there)."""
     order = [int(d) for d in order]
     if order == list(range(out.dim())):
         return out.contiguous()

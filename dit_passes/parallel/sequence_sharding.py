@@ -5,17 +5,19 @@ A value is replicated (``None``) or :class:`Sharded` ``(dim, segments)``: for ea
 ``(id, full_length)`` in order, this rank holds its ``even_shard_sizes(full_length, world)[rank]``
 tokens. Flux's joint attention concatenates text and image, so the ranks' shards concatenate to a
 *permutation* of the sequence, which attention does not see as long as q, k, v, rotary tables and
-masks are permuted alike. From the residual streams entering block 0 (token dim 1), the shared rules
-(:mod:`~dit_passes.parallel.propagate`: broadcasting, views, cuts at segment boundaries) apply; what
-is specific here: SDPA with q, k, v sharded alike becomes the pass's distributed attention (a full
-mask is permuted to the shards' order), q sharded over replicated k, v stays local SDPA; a known
-non-local op gathers its sharded inputs and runs replicated; an op no rule knows raises a PassError
-naming it; values leaving the block range are gathered back to the original order. :func:`analyze`
-is pure; :mod:`dit_passes.parallel.sequence_rewrite` applies its plan.
+masks are permuted alike. From the residual streams entering block 0 (token dim 1, or 0 for a
+sequence-first model; a stream shorter than the group stays replicated) and those entering a later block
+list's first block, the shared rules (:mod:`~dit_passes.parallel.propagate`: broadcasting, views, cuts at
+segment boundaries) apply; what is specific here: SDPA with q, k, v sharded alike becomes the pass's
+distributed attention (a full mask is permuted to the shards' order), q sharded over other keys stays local
+SDPA over the full (gathered) keys; a sum or matmul contracting the tokens is a partial sum all-reduced once;
+a context region (autocast) is analysed as a region of its own; a known non-local op gathers its sharded
+inputs and runs replicated; an op no rule knows raises a PassError naming it; values leaving the block range
+are gathered back to the original order. :func:`analyze` is pure (the data it returns:
+:mod:`~dit_passes.parallel.sequence_plan`); :mod:`dit_passes.parallel.sequence_rewrite` applies its plan.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -26,171 +28,77 @@ import torch.fx as fx
 from ..analysis.structure import DiTStructure
 from ..infra.pass_base import PassError
 from . import op_classes as oc
-from .propagate import Placement, Propagation, Touches, agree, aligned_dim, arg, is_tensor, map_args, moved_dim
-from .propagate import resize_view, segment_cut, segment_runs, shape, val, view_dims
+from .propagate import Propagation, Touches, agree, aligned_dim, arg, is_tensor, map_args, moved_dim, reduction_dims
+from .propagate import resize_view, segment_cut, shape, val, view_dims
+from .sequence_plan import AttentionDecision, SequenceShardSpec, Sharded, ShardingPlan, _Gather, _Permute, _Slice
+
+__all__ = ["AttentionDecision", "SequenceShardSpec", "Sharded", "ShardingPlan", "analyze"]
 
 aten = torch.ops.aten
-Segment = Tuple[str, int]  # (segment id, full length)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sharded(Placement):
-    dim: int
-    segments: Tuple[Segment, ...]
-
-    @property
-    def full_length(self) -> int:
-        return sum(n for _, n in self.segments)
-
-
-@dataclasses.dataclass(frozen=True)
-class SequenceShardSpec:
-    """Static shard arithmetic for ``world`` ranks, seen from ``rank`` (:func:`~propagate.segment_runs`)."""
-
-    world: int
-    rank: int
-
-    def rank_lengths(self, segments: Sequence[Segment]) -> Tuple[int, ...]:
-        return tuple(sum(n for _, n in self._runs(segments, r)) for r in range(self.world))
-
-    def local_length(self, segments: Sequence[Segment]) -> int:
-        return self.rank_lengths(segments)[self.rank]
-
-    def local_boundaries(self, segments: Sequence[Segment]) -> List[int]:
-        """Where each segment starts in this rank's shard, then the shard's length."""
-        return list(itertools.accumulate((n for _, n in self._runs(segments, self.rank)), initial=0))
-
-    def _runs(self, segments: Sequence[Segment], rank: int) -> List[Tuple[int, int]]:
-        return segment_runs([n for _, n in segments], self.world, rank)
-
-    def local_runs(self, segments: Sequence[Segment], rank: Optional[int] = None) -> List[Tuple[int, int]]:
-        """(start, length) runs of the full axis that ``rank`` (default: this one) holds, in order."""
-        return _merge(self._runs(segments, self.rank if rank is None else rank))
-
-    def permutation_runs(self, segments: Sequence[Segment]) -> List[Tuple[int, int]]:
-        """Runs of the full axis in the order the ranks' shards concatenate to (rank 0 first)."""
-        return _merge([run for r in range(self.world) for run in self.local_runs(segments, r)])
-
-    def inverse_runs(self, segments: Sequence[Segment]) -> List[Tuple[int, int]]:
-        """Runs of the gathered (rank-ordered) axis that restore the original order; [] if identity."""
-        at, landed = 0, []  # (start on the full axis, start on the gathered axis, length)
-        for start, n in self.permutation_runs(segments):
-            landed.append((start, at, n))
-            at += n
-        runs = _merge([(g, n) for _, g, n in sorted(landed)])
-        return [] if len(runs) == 1 else runs
-
-
-def _merge(runs: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
-    out: List[Tuple[int, int]] = []
-    for s, n in runs:
-        if n > 0 and out and out[-1][0] + out[-1][1] == s:  # continues the last run
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        elif n > 0:
-            out.append((s, n))
-    return out
-
-
-# --- markers the rules put into rewritten arguments (materialised by the rewrite) -------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Slice:      # replicated value -> this rank's runs along dim
-    node: fx.Node
-    dim: int
-    segments: Tuple[Segment, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Permute:    # replicated full value -> the shards' order along dims (masks)
-    node: fx.Node
-    dims: Tuple[int, ...]
-    segments: Tuple[Segment, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Gather:     # sharded value -> full value, original order
-    node: fx.Node
-    layout: Sharded
 
 
 class _NonLocal(Exception):
     """The op is known but cannot run on shards: gather its inputs, run it replicated."""
 
 
-@dataclasses.dataclass
-class AttentionDecision:
-    node: fx.Node
-    distributed: bool              # False: q sharded, k/v replicated (cross-attention): local SDPA
-    q: Any
-    k: Any
-    v: Any
-    mask: Any
-    scale: Optional[float]
-    layout: Sharded
-    out_order: Tuple[int, ...] = (0, 1, 2, 3)  # memory order of SDPA's output (outermost first)
-
-
-@dataclasses.dataclass
-class ShardingPlan:
-    spec: SequenceShardSpec
-    region: List[fx.Node]
-    streams: Dict[fx.Node, Sharded]
-    layouts: Dict[fx.Node, Any]
-    edits: Dict[fx.Node, Tuple[Any, tuple, dict]]
-    attention: List[AttentionDecision]
-    nonlocal_ops: List[Tuple[fx.Node, str]]
-    exits: List[fx.Node]
-
-
 class _Analysis(Propagation):
-    """The placements of the block range (``place``, the streams first) and the edits that make it local;
-    inserts nothing (:mod:`~dit_passes.parallel.sequence_rewrite` does)."""
+    """The placements of one region (``place``: the values placed before the walk first) and the edits that
+    make it local; inserts nothing (:mod:`~dit_passes.parallel.sequence_rewrite` does)."""
 
-    def __init__(self, gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec):
+    def __init__(self, gm: fx.GraphModule, region: List[fx.Node], spec: SequenceShardSpec):
         super().__init__(gm, "", spec.world, spec.rank)
-        self.s, self.spec = structure, spec
-        nodes = list(gm.graph.nodes)
-        lo, hi = nodes.index(structure.blocks[0].first), nodes.index(structure.blocks[-1].last)
-        self.region = [n for n in nodes[lo:hi + 1] if n.op == "call_function"]
+        self.spec, self.region = spec, region
         self.edits: Dict[fx.Node, Tuple[Any, tuple, dict]] = {}
         self.attention: List[AttentionDecision] = []
         self.nonlocal_ops: List[Tuple[fx.Node, str]] = []
+        self.reduced: List[fx.Node] = []
+        self.bodies: Dict[fx.Node, Tuple[fx.GraphModule, ShardingPlan]] = {}
+        self.late_streams: Dict[fx.Node, Tuple[fx.Node, Sharded]] = {}
 
     def edit(self, n: fx.Node, args=None, kwargs=None, target=None) -> None:
         self.edits[n] = (target or n.target, n.args if args is None else tuple(args),
                          dict(n.kwargs) if kwargs is None else kwargs)
 
     # -- driver ------------------------------------------------------------------------------
-    def run(self) -> ShardingPlan:
-        for s in self.s.blocks[0].stream_inputs:
-            v = val(s)
-            if not isinstance(v, torch.Tensor) or v.dim() < 3:
-                raise PassError(f"context parallel: residual stream '{s.name}' entering block 0 has shape "
-                                f"{None if v is None else tuple(v.shape)}; expected [batch, tokens, features]")
-            self.place[s] = Sharded(1, ((s.name, int(v.shape[1])),))
-        streams = dict(self.place)
+    def run(self, streams: Dict[fx.Node, Sharded], exits: bool = True,
+            late: Optional[Dict[fx.Node, Dict[fx.Node, Sharded]]] = None) -> ShardingPlan:
+        """Walk the region from the placed ``streams``; ``exits``: gather the sharded values read after it.
+        ``late``: region node -> streams sharded from there on if still replicated when the walk reaches it
+        (the streams of a later block list computed beside the earlier one: its users before that node read
+        it whole, those after read the shard)."""
+        self.place.update(streams)
+        late, started = late or {}, {}
 
         def rule(n: fx.Node):
             try:
                 return self.attend(n) if n.target is oc.SDPA else self.rule(n)
             except _NonLocal as why:
                 return self.gather_inputs(n, str(why))
-        self.walk(self.region, rule)
-        layouts = {n: lay for n, lay in self.place.items() if n not in streams}
-        region_set = set(self.region)
-        exits = []
         for n in self.region:
+            for s, lay in late.get(n, {}).items():
+                if self.placed(s) is None:
+                    self.place[s] = started[s] = lay
+                    self.late_streams[s] = (n, lay)
+            self.walk([n], rule)
+        layouts = {n: lay for n, lay in self.place.items() if n not in streams and n not in started}
+        region_set, leaving = set(self.region), []
+        for n in self.region if exits else ():
             lay = layouts.get(n)
             outside = [u for u in n.users if u not in region_set]
             if outside and isinstance(lay, Sharded):
-                exits.append(n)
+                leaving.append(n)
             elif outside and isinstance(lay, list):
                 raise PassError(f"context parallel: multi-output node '{n.name}' ({n.target}) is read after the "
                                 f"block range by {[u.name for u in outside]}; cannot gather it")
-        return ShardingPlan(self.spec, self.region, streams, layouts, self.edits, self.attention, self.nonlocal_ops,
-                            exits)
+        return ShardingPlan(self.spec, self.region, dict(streams), layouts, self.edits, self.attention,
+                            self.nonlocal_ops, leaving, self.reduced, self.bodies, self.late_streams)
 
     def gather_inputs(self, n: fx.Node, why: str):
+        t = n.target
+        mutable = isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+        if mutable and isinstance(self.placed(n.args[0]), Sharded):
+            raise PassError(f"context parallel: in-place op {t} at node '{n.name}' updates a token-sharded tensor "
+                            f"but cannot run on shards ({why}): it would update a gathered copy. Report the model")
         self.nonlocal_ops.append((n, why))
 
         def fix(a):
@@ -273,15 +181,38 @@ class _Analysis(Propagation):
     def reshape(self, n):
         x = n.args[0]
         lay, ins, outs = self.placed(x), shape(x), shape(n)
-        j = next((e for e, _ in view_dims(ins, outs, lay.dim, [0]) if outs[e] == ins[lay.dim]), None)
-        if j is None:
-            raise _NonLocal(f"reshape {ins} -> {outs} merges or splits the token dim")
+        j = self._view_dim(n, lay.dim, ins, outs)
         new = resize_view(n, j, self.spec.local_length(lay.segments))
         if new is not None:
             self.edit(n, new)
         elif n.target is aten.squeeze.default:  # a local length of 1 must not be squeezed away
             self.edit(n, (x, [d for d, s in enumerate(ins) if s == 1]), target=aten.squeeze.dims)
         return Sharded(j, lay.segments)
+
+    @staticmethod
+    def _view_dim(n: fx.Node, dim: int, ins: Tuple[int, ...], outs: Tuple[int, ...]) -> int:
+        """Where the token dim ``dim`` of ``ins`` is in the view's output ``outs``. A dim of 1 token next to other
+        dims of 1 is ambiguous in sizes alone: (un)squeezes say which dims they add or drop; a view must keep the
+        sizes before or after the token dim as they were, else it is not proven (and so not local)."""
+        t = n.target
+        if t in (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            dropped = ([d for d in {d % len(ins) for d in n.args[1]} if ins[d] == 1] if t is aten.squeeze.dims else
+                       [d for d, s in enumerate(ins) if s == 1] if t is aten.squeeze.default else None)
+            if dropped is None:
+                try:
+                    return moved_dim(n, dim)
+                except Touches:
+                    raise _NonLocal("squeeze of the token dim") from None
+            if dim in dropped:
+                raise _NonLocal("squeeze of the token dim")
+            return dim - sum(d < dim for d in dropped)
+        found = [e for e, _ in view_dims(ins, outs, dim, [0]) if outs[e] == ins[dim]]
+        if len(found) > 1:  # only a token dim of 1 has neighbours of its size here
+            found = [e for e in found if outs[:e] == ins[:dim] or outs[e + 1:] == ins[dim + 1:]]
+        if len(found) != 1:
+            raise _NonLocal(f"reshape {ins} -> {outs} merges or splits the token dim"
+                            if not found else f"reshape {ins} -> {outs} of a one-token dim is ambiguous")
+        return found[0]
 
     def expand(self, n):
         x, lay = n.args[0], self.placed(n.args[0])
@@ -359,6 +290,96 @@ class _Analysis(Propagation):
         self.edit(n, (new, d))
         return Sharded(d, segs)
 
+    def pad(self, n):
+        """``pad`` / ``constant_pad_nd`` leaving the token dim unpadded: each token's row is padded on its own
+        (any mode reads only along the padded dims), so the shard pads exactly as the full value would."""
+        lay, nd = self.placed(n.args[0]), val(n.args[0]).dim()
+        pads = list(n.args[1])
+        k = nd - 1 - lay.dim  # pad pairs run from the last dim
+        if 2 * k < len(pads) and (pads[2 * k] or pads[2 * k + 1]):
+            raise _NonLocal("pad of the token dim")
+        return lay
+
+    def sum_tokens(self, n):
+        """``sum`` over dims that include the token dim: this rank's partial sum, then one all-reduce (sum)
+        over the group (the plan's ``reduced``). Exact: the tokens are split into disjoint shards, so the
+        partial sums add up to the full sum (fp32 reassociation only)."""
+        lay = self.placed(n.args[0])
+        dims, _ = reduction_dims(n)
+        if lay.dim not in dims:
+            return lay.with_dim(moved_dim(n, lay.dim))
+        self.reduced.append(n)
+        return None
+
+    def matmul(self, n):
+        """``matmul`` / ``bmm`` (both operands at least 2-D). The token dim as a row of ``a``, a column of ``b`` or
+        a batch dim stays where it is in the output (each output element reads one row of ``a`` and one column of
+        ``b``: local; a replicated operand with the full token length on an aligned batch dim is sliced alike).
+        As the contracted dim (linear attention: ``v^T k`` over the tokens) both operands must carry the same
+        tokens (a replicated one is sliced): this rank's product is a partial sum, all-reduced once (the plan's
+        ``reduced``), exact as :meth:`sum_tokens` is."""
+        a, b = n.args[:2]
+        if val(a).dim() < 2 or val(b).dim() < 2:
+            raise _NonLocal("matmul with a vector operand")
+        la, lb = self.placed(a), self.placed(b)
+        na, nb, no = val(a).dim(), val(b).dim(), val(n).dim()
+        if (la is not None and la.dim == na - 1) or (lb is not None and lb.dim == nb - 2):
+            ref = la if la is not None and la.dim == na - 1 else lb
+            operands = (self._contracted(a, la, na - 1, ref), self._contracted(b, lb, nb - 2, ref))
+            self.edit(n, operands + tuple(n.args[2:]))
+            self.reduced.append(n)
+            return None
+        out = {lay.with_dim(lay.dim + no - nx) for lay, nx in ((la, na), (lb, nb)) if lay is not None}
+        if len(out) != 1:
+            raise _NonLocal(f"matmul operands sharded on unrelated dims ({la}, {lb})")
+        (lay,) = out
+        new = []
+        for x, lx, nx in ((a, la, na), (b, lb, nb)):
+            j = lay.dim - no + nx  # the dim of x aligned with the output's token dim (batch dims only)
+            if lx is None and 0 <= j < nx - 2 and shape(x)[j] != 1:
+                if shape(x)[j] != lay.full_length:
+                    raise _NonLocal(f"matmul operand '{x.name}' has {shape(x)[j]} along the token dim")
+                x = _Slice(x, j, lay.segments)
+            new.append(x)
+        self.edit(n, tuple(new) + tuple(n.args[2:]))
+        return lay
+
+    @staticmethod
+    def _contracted(x, lay, d: int, ref: Sharded):
+        if lay is not None:
+            if lay != ref.with_dim(d):
+                raise _NonLocal(f"matmul contracts operands sharded differently ({lay} vs {ref})")
+            return x
+        if shape(x)[d] != ref.full_length:
+            raise _NonLocal(f"matmul contracts {ref.full_length} tokens with {shape(x)[d]}")
+        return _Slice(x, d, ref.segments)
+
+    def context_region(self, n):
+        """A context wrapper (``wrap_with_autocast``, ``wrap_with_set_grad_enabled``) calls its body graph under a
+        context that changes no shape: the body is analysed as a region of its own with its operands'
+        placements (this rank's copy of it, rewritten like the block range: :class:`ShardingPlan` ``bodies``),
+        and the call's outputs take the placements of the body's outputs. Exact as the body's rules are."""
+        at = oc.CONTEXT_WRAPPERS[n.target]
+        body = _copy_body(operator.attrgetter(n.args[at].target)(self.gm))
+        inner = [p for p in body.graph.nodes if p.op == "placeholder"]
+        entering = {}
+        for p, a in zip(inner, n.args[at + 1:]):
+            lay = self.placed(a)
+            if isinstance(lay, list):
+                raise _NonLocal("context region over a multi-output value")
+            if lay is not None:
+                entering[p] = lay
+        sub = _Analysis(body, [c for c in body.graph.nodes if c.op == "call_function"], self.spec)
+        plan = sub.run(entering, exits=False)
+        (out,) = [c for c in body.graph.nodes if c.op == "output"]
+        if not isinstance(out.args[0], (list, tuple)):
+            raise _NonLocal("context region whose body does not return a tuple")
+        leaving = [sub.placed(o) for o in out.args[0]]
+        if any(isinstance(lay, list) for lay in leaving):
+            raise _NonLocal("context region returning a multi-output value")
+        self.bodies[n] = (body, plan)
+        return leaving
+
     def attend(self, n):
         q, k, v = n.args[:3]
         mask = arg(n, 3, "attn_mask", None)
@@ -371,17 +392,21 @@ class _Analysis(Propagation):
         mlay = self.placed(mask)
         if isinstance(mlay, Sharded):
             raise _NonLocal("attention with a token-sharded mask")
-        if lk is None and lv is None:  # cross-attention: full keys/values on every rank
+        if lk != lq or lv != lq:
+            # cross-attention (full keys / values on every rank), or keys sharded unlike the queries (PRX: the
+            # queries are the image, the keys text + image): each query row attends to the full keys, so this
+            # rank's rows are SDPA of its queries over the gathered keys / values (original order, which the
+            # mask's key dim follows). Exact: softmax rows are independent of the other queries.
+            if isinstance(lk, list) or isinstance(lv, list):
+                raise _NonLocal("attention over multi-output keys / values")
+            k, v = (_Gather(x, lay) if isinstance(lay, Sharded) else x for x, lay in ((k, lk), (v, lv)))
             if mask is not None and val(mask).dim() >= 2 and shape(mask)[-2] == full:
                 mask = _Slice(mask, val(mask).dim() - 2, lq.segments)
             self.attention.append(AttentionDecision(n, False, q, k, v, mask, n.kwargs.get("scale"), lq))
             return lq
-        if lk != lq or lv != lq:
-            raise _NonLocal(f"attention with q/k/v sharded differently ({lq}, {lk}, {lv})")
         lengths = self.spec.rank_lengths(lq.segments)
-        if min(lengths) < 1:
-            raise PassError(f"context parallel: attention '{n.name}' has {full} tokens ({lq.segments}), too few "
-                            f"for {self.spec.world} ranks (shards {lengths}); use fewer ranks")
+        if min(lengths) < 1:  # the distributed attentions need a token on every rank: run this one whole
+            raise _NonLocal(f"attention over {full} tokens, fewer than a token per rank (shards {lengths})")
         if mask is not None:
             mshape = shape(mask)
             if len(mshape) < 1 or mshape[-1] != full:
@@ -400,9 +425,72 @@ _HANDLERS = {**{t: _Analysis.reshape for t in oc.RESHAPES | oc.COMPLEX_VIEWS},
              **{t: _Analysis.split for t in oc.SPLITS | {aten.unbind.int}},
              aten.expand.default: _Analysis.expand, aten.slice.Tensor: _Analysis.slice,
              aten.narrow.default: _Analysis.slice, aten.cat.default: _Analysis.cat, aten.stack.default: _Analysis.cat,
-             aten.slice_scatter.default: _Analysis.slice_scatter}
+             aten.slice_scatter.default: _Analysis.slice_scatter, aten.sum.dim_IntList: _Analysis.sum_tokens,
+             **{t: _Analysis.pad for t in oc.PADS}, **{t: _Analysis.matmul for t in oc.MATMULS},
+             **{t: _Analysis.context_region for t in oc.CONTEXT_WRAPPERS}}
+
+
+def _copy_body(body: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a higher-order op's body graph (nodes and meta; same attributes), for one rank's rewrite."""
+    g = fx.Graph()
+    g.output(g.graph_copy(body.graph, {}))
+    return fx.GraphModule(body, g)
+
+
+def _stream_layout(s: fx.Node, spec: SequenceShardSpec, token_dim: int) -> Optional[Sharded]:
+    """``s`` sharded along ``token_dim``, or None for a stream shorter than the group (a rank would hold no
+    token): it stays replicated, and its ops run whole on every rank, exactly."""
+    n = int(val(s).shape[token_dim])
+    return Sharded(token_dim, ((s.name, n),)) if n >= spec.world else None
+
+
+def _streams(structure: DiTStructure, spec: SequenceShardSpec, token_dim: int):
+    """The residual streams entering block 0, and per later block list the streams entering its first block
+    (sharded there unless the walk placed them already: Flux's single blocks take the dual blocks' output)."""
+    out = {}
+    for s in structure.blocks[0].stream_inputs:
+        v = val(s)
+        if not isinstance(v, torch.Tensor) or v.dim() < 3:
+            raise PassError(f"context parallel: residual stream '{s.name}' entering block 0 has shape "
+                            f"{None if v is None else tuple(v.shape)}; expected [batch, tokens, features]")
+        lay = _stream_layout(s, spec, token_dim)
+        if lay is not None:
+            out[s] = lay
+    late, start = {}, 0
+    for lst in structure.block_lists:
+        first = structure.blocks[start]
+        start += lst.count
+        if first is structure.blocks[0]:
+            continue
+        for s in first.stream_inputs:
+            lay = _stream_layout(s, spec, token_dim) if is_tensor(s) and val(s).dim() >= 3 else None
+            if lay is not None and s not in out:
+                at = next(n for n in first.nodes if n.op == "call_function")
+                late.setdefault(at, {})[s] = lay
+    return out, late
 
 
 def analyze(gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec) -> ShardingPlan:
-    """Layouts and edits for this rank (pure: the graph is not modified)."""
-    return _Analysis(gm, structure, spec).run()
+    """Layouts and edits for this rank (pure: the graph is not modified).
+
+    The streams' token dim is dim 1 ([batch, tokens, features]), unless sharding dim 1 leaves every attention
+    undistributed (or is refused) while dim 0 distributes some: a sequence-first stream ([tokens, batch,
+    features], ERNIE-Image) whose dim 1 is the batch."""
+    nodes = list(gm.graph.nodes)
+    lo, hi = nodes.index(structure.blocks[0].first), nodes.index(structure.blocks[-1].last)
+    region = [n for n in nodes[lo:hi + 1] if n.op == "call_function"]
+    tried: List[Any] = []
+    for token_dim in (1, 0):
+        try:
+            streams, late = _streams(structure, spec, token_dim)
+            plan = _Analysis(gm, region, spec).run(streams, late=late)
+        except PassError as e:
+            tried.append(e)
+            continue
+        if plan.distributed_attention:
+            return plan
+        tried.append(plan)
+    first = tried[0]
+    if isinstance(first, PassError):
+        raise first
+    return first

@@ -24,7 +24,9 @@ after ``Ulysses(size=2)``, rank 0::
     gather_sequence: "f32[1, 16, 32]" = gather_sequence(slice_8, 1, '0', [8, 8], [], [])   # 1 all_gather
 
 Per attention: Ulysses 4 all-to-alls, Ring ``size - 1`` K/V exchanges, USP both; one all-gather per
-value leaving the block range. Meshes are cached in the runtime state (a new signature reuses them).
+value leaving the block range or read whole by a non-local op (``nonlocal_gathers``), one all-reduce per
+partial sum over the tokens (linear attention). Meshes are cached in the runtime state (a new signature
+reuses them).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..parallel import sequence_ops as ops
 from ..parallel.mesh import ParallelMesh, check_ranks, factorisations
+from ..parallel.propagate import PropagationError
 from ..parallel.sequence_rewrite import apply_plan
 from ..parallel.sequence_sharding import SequenceShardSpec, analyze
 
@@ -83,20 +86,27 @@ class _ContextParallel(Pass):
         mesh = self._mesh(ctx)
         spec = SequenceShardSpec(world, mesh.global_rank)
         plan = analyze(gm, get_structure(gm), spec)
-        counts = apply_plan(gm, plan, mesh.parent.group_name, getattr(ops, f"{self.name}_attention"),
-                            [mesh.group(d).group_name for d in self.attention_groups])
+        try:
+            counts = apply_plan(gm, plan, mesh.parent.group_name, getattr(ops, f"{self.name}_attention"),
+                                [mesh.group(d).group_name for d in self.attention_groups])
+        except PropagationError as e:
+            raise PassError(f"{self.describe()}: the rewritten graph would fail: {e}. The sequence-sharding rules "
+                            f"accepted an op whose local form cannot run; report the model") from e
         facts = facts_of(gm)
         facts.parallel_group, facts.mesh = mesh.parent, mesh
         n = counts["attention_replaced"]
         counts["all_to_all"] = 4 * n if self.ulysses_size > 1 else 0
         counts["ring_exchange"] = (self.ring_size - 1) * n
         counts["all_gather"] = counts["outputs_gathered"] + counts["nonlocal_gathers"]
-        why = "; ".join(f"{node.name}: {reason}" for node, reason in plan.nonlocal_ops[:3])
+        nonlocal_ops = plan.all_nonlocal_ops()
+        why = "; ".join(f"{node.name}: {reason}" for node, reason in nonlocal_ops[:3])
         report = (f"rank {spec.rank}/{world}: sharded {counts['inputs_sharded']} residual stream(s), replaced "
-                  f"{n} attention(s) by {self.name} attention ({counts['attention_local']} cross-attention(s) stay "
+                  f"{n} attention(s) by {self.name} attention ({counts['attention_local']} over full keys stay "
                   f"local), sliced {counts['operands_sliced']} replicated operand(s), permuted "
-                  f"{counts['masks_permuted']} mask(s), gathered {counts['outputs_gathered']} output(s)"
-                  + (f"; gathered for {counts['nonlocal_gathers']} non-local op(s) ({why})" if why else ""))
+                  f"{counts['masks_permuted']} mask(s), all-reduced {counts['all_reduce']} partial sum(s), "
+                  f"gathered {counts['outputs_gathered']} output(s)"
+                  + (f"; {counts['nonlocal_gathers']} gather(s) for {len(nonlocal_ops)} non-local op(s) ({why})"
+                     if why else ""))
         return PassResult(True, counts, report)
 
 
