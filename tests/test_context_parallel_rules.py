@@ -13,13 +13,12 @@ redrawn first, so that every block contributes to the output. The toys at the en
 """
 from __future__ import annotations
 
-import collections
+import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dit_passes.analysis.blocks import get_structure
 from dit_passes.capture import capture
@@ -27,24 +26,24 @@ from dit_passes.infra.pass_base import PassError
 from dit_passes.parallel.propagate import PropagationError, repropagate
 from dit_passes.parallel.sequence_sharding import SequenceShardSpec, analyze
 from dit_passes.testing import run_ranks
+from dit_passes.testing.counting import OpCounter
+from test_context_parallel import _TinyDiT  # noqa: E402 - the tests folder is on sys.path (pytest's rootdir)
 
 TOL = 1e-5
 _KINDS = ("all_to_all_single", "all_gather_into_tensor", "ring_exchange", "all_reduce")
 
 
-class _Ran(TorchDispatchMode):
-    """Counts the collectives that run."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        for kind in _KINDS:
-            if kind in name:
-                self.counts[kind] += 1
-        return func(*args, **(kwargs or {}))
+@contextlib.contextmanager
+def _empty_is_nan():
+    """``torch.empty`` fills with NaN meanwhile (deterministic mode), so that the zoo tells the parameters a class
+    leaves uninitialised (NucleusMoE's experts) from the others by comparing two builds, whatever memory the
+    allocator hands out (two builds may get the same stale bytes in a process that ran other tests)."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def _wake(model: torch.nn.Module) -> None:
@@ -83,7 +82,8 @@ def _case(family, kind, batch, edit, world):
     from dit_passes.models.zoo import build
     from dit_passes.passes import Ring, Ulysses
 
-    zm = build(family)
+    with _empty_is_nan():
+        zm = build(family)
     _wake(zm.model)
     kw = zm.make_inputs(batch=batch, seed=1)
     kw = edit(kw) if edit else kw
@@ -91,7 +91,7 @@ def _case(family, kind, batch, edit, world):
         ref = _first(zm.model(**kw))
         compiled = compile_dit(zm.model, passes=[Ulysses(size=world) if kind == "ulysses" else Ring(size=world)])
         compiled.lower(**kw)
-        ran = _Ran()
+        ran = OpCounter(_KINDS)
         with ran:
             out = _first(compiled(**kw))
         again = _first(compiled(**kw))
@@ -158,29 +158,7 @@ def test_families_match_single_process_with_the_collectives_counted(rule_ranks):
 
 
 # ------------------------------------------------------------------------------ analysis only (no ranks)
-class _Block(torch.nn.Module):
-    def __init__(self, op):
-        super().__init__()
-        self.qkv = torch.nn.Linear(8, 24)
-        self.op = op
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
-        return x + self.op(y)
-
-
-class _TinyDiT(torch.nn.Module):
-    def __init__(self, op):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([_Block(op), _Block(op)])
-
-    def forward(self, hidden_states):
-        for b in self.blocks:
-            hidden_states = b(hidden_states)
-        return hidden_states
-
-
+# the toy of test_context_parallel.py: two blocks of attention, then ``op`` on the attention output
 def _plan(op, tokens=6, edit=None):
     gm = capture(_TinyDiT(op), (), {"hidden_states": torch.randn(1, tokens, 8)}).gm
     for n in gm.graph.nodes:

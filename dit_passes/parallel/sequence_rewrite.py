@@ -179,6 +179,8 @@ class _Rewrite:
             _map_args(tuple(n.args[at + 1:]), self.materialise))
         if not old.users:
             self.g.erase_node(old)
+            if not any(m.op == "get_attr" and m.target == old.target for m in self.g.nodes):
+                self.gm.delete_submodule(old.target)  # the original body: no call reads it any more
         placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
         (out,) = [p for p in body.graph.nodes if p.op == "output"]
         touched = inner.prop.inserted | set(plan.edits) | set(plan.layouts) | set(plan.reduced)
