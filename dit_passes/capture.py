@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from .infra.trace_templates import TraceTemplates
 from .infra.facts import StateIO, facts_of
 
 
@@ -280,7 +281,10 @@ def _data_dependent_shape(gm: fx.GraphModule) -> str | None:
     return None
 
 
-def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, Any] | None = None) -> Captured:
+def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, Any] | None = None,
+            templates: TraceTemplates | None = None) -> Captured:
+    """Trace ``model`` called with ``args`` / ``kwargs``; with ``templates``, reuse a graph traced from another
+    instance of the same architecture and call (``infra.trace_templates``), else trace and remember it there."""
     import time
 
     t0 = time.perf_counter()
@@ -296,6 +300,16 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     names = _leaf_names(kwargs)
     input_names = [n for n, t in zip(names, is_tensor) if t]
+    call_key = signature_key(kwargs)
+    if templates is not None:
+        hit = templates.lookup(model, call_key, lambda leaves: value_key(kwargs, leaves))
+        if hit is not None:
+            gm, fields = hit
+            out_spec, value_leaves, scalars = fields["out_spec"], fields["value_leaves"], fields["baked_scalars"]
+            if scalars:
+                _install_scalar_guard(gm, model, out_spec.num_leaves, out_spec.num_leaves + 1, scalars)
+            return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
+                            time.perf_counter() - t0, value_leaves, scalars)
 
     wrapper = _CallWithConstants(model, spec, is_tensor, constants, accepts_return_dict)
     # Parameters belong to the wrapped model; export reads them through the wrapper's forward, so make
@@ -353,6 +367,9 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
         value_leaves = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
                         and not x.is_floating_point() and not x.is_complex()]
         _install_scalar_guard(gm, model, out_spec.num_leaves, n_flat, scalars)
+    if templates is not None:
+        templates.store(model, call_key, value_key(kwargs, value_leaves), gm,
+                        {"out_spec": out_spec, "value_leaves": value_leaves, "baked_scalars": scalars})
     return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
                     time.perf_counter() - t0, value_leaves, scalars)
 
