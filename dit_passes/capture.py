@@ -16,9 +16,10 @@ Data-dependent Python (Lumina2 computes caption lengths with ``mask.sum(1).tolis
 shapes from them) cannot be traced symbolically. When export fails and an eager run shows such scalar
 reads (``item`` / ``tolist`` / ``bool`` / ``int``) or data-dependent lengths (``nonzero``, boolean-mask
 indexing, ``repeat_interleave`` with tensor repeats: Qwen-Image 2.1 expands its slot mask that way), capture
-replays the eager values during tracing, so the graph is specialised on them: the values of the call's non-floating tensors (masks) then join the
-signature (``Captured.value_leaves``), and the graph returns the traced scalars as an extra output
-that is checked against the baked ones at every call (:class:`ValueSpecializationError` if they differ).
+replays the eager values during tracing, so the graph is specialised on them: the values of the call's
+non-floating tensors (masks) then join the signature (``Captured.value_leaves``), and the graph returns the
+traced scalars as an extra output that is checked against the baked ones at every call
+(:class:`ValueSpecializationError` if they differ).
 """
 from __future__ import annotations
 

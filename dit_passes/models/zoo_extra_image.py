@@ -48,8 +48,7 @@ BRIA_FIBO = _family("bria_fibo", "BriaFiboTransformer2DModel",
                     dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=HEAD_DIM,
                          num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM, guidance_embeds=True,
                          axes_dims_rope=list(ROPE_3AXES), text_encoder_dim=TEXT_DIM),
-                    _bria_fibo_inputs, _DUAL_SINGLE, 2, aux_list_keys={"caption_projection": "num_layers"},
-                    pipeline_class="BriaFiboPipeline")
+                    _bria_fibo_inputs, _DUAL_SINGLE, 2, pipeline_class="BriaFiboPipeline")
 
 
 # ----------------------------------------------------------------------------------------- bria fibo 2
@@ -72,11 +71,12 @@ def _bria_fibo2_inputs(config, batch, sizes, gen):
 
 BRIA_FIBO2 = _family("bria_fibo2", "BriaFibo2Transformer2DModel",
                      # 3 layers, the middle one an injection (cross-attention) block, as the real model mixes them;
-                     # gist counts 2..6 tokens over text lengths 4..12
+                     # gist counts 2..6 over text lengths 4..8: a CFG pair's rows get 6 and 4 gist tokens, so the
+                     # batch pads the gist and masks it
                      dict(in_channels=4, patch_size=2, dim=DIM, n_layers=3, n_refiner_layers=2, n_heads=HEADS,
                           cap_feat_dim=TEXT_DIM, injection_layer_ids=(1,), perceiver_num_layers=2,
                           min_num_gist_tokens=2, max_num_gist_tokens=6, gist_step=2, gist_min_text_len=4,
-                          gist_max_text_len=12, axes_dims=ROPE_3AXES, axes_lens=(16, 16, 16)),
+                          gist_max_text_len=8, axes_dims=ROPE_3AXES, axes_lens=(16, 16, 16)),
                      _bria_fibo2_inputs, {"layers": "n_layers"}, 1,
                      aux_list_keys={"noise_refiner": "n_refiner_layers", "perceiver.layers": "perceiver_num_layers"},
                      heads_key="n_heads", head_dim_key=None, hidden_key="dim", pipeline_class="BriaFibo2Pipeline")
@@ -330,8 +330,8 @@ def _joyimage_edit_plus_inputs(config, batch, sizes, gen):
     text = sizes["text"]
     pt, ph, pw = config["patch_size"]
     ch, cw = _COND_GRID
-    # JoyImageEditPlusPipeline.prepare_latents: the target's patches, then the reference image's, padded to one
-    # length (the reference gets an extra row here so that the padding shows)
+    # JoyImageEditPlusPipeline.prepare_latents: the target's patches, then the reference image's, zero-padded to
+    # the batch's longest sample (2 patches of padding, as when another prompt's reference image is larger)
     n = h * w + ch * cw
     patches = cfg_rows(gen, batch, n + 2, config["in_channels"], pt, ph, pw)
     patches[:, n:] = 0.0
