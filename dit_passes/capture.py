@@ -14,10 +14,12 @@ with other constants captures again instead of reusing a graph that baked in the
 
 Data-dependent Python (Lumina2 computes caption lengths with ``mask.sum(1).tolist()`` and builds its
 shapes from them) cannot be traced symbolically. When export fails and an eager run shows such scalar
-reads (``Tensor.item`` / ``Tensor.tolist``), capture replays the eager values during tracing, so the
-graph is specialised on them: the values of the call's non-floating tensors (masks) then join the
-signature (``Captured.value_leaves``), and the graph returns the traced scalars as an extra output
-that is checked against the baked ones at every call (:class:`ValueSpecializationError` if they differ).
+reads (``item`` / ``tolist`` / ``bool`` / ``int``) or data-dependent lengths (``nonzero``, boolean-mask
+indexing, ``repeat_interleave`` with tensor repeats: Qwen-Image 2.1 expands its slot mask that way), capture
+replays the eager values during tracing, so the graph is specialised on them: the values of the call's
+non-floating tensors (masks) then join the signature (``Captured.value_leaves``), and the graph returns the
+traced scalars as an extra output that is checked against the baked ones at every call
+(:class:`ValueSpecializationError` if they differ).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from .infra.trace_templates import TraceTemplates
 from .infra.facts import StateIO, facts_of
 
 
@@ -102,12 +105,49 @@ def _flat_values(x: Any) -> List[Any]:
 
 
 _NONZERO = (torch.nonzero, torch.Tensor.nonzero)
+# Python scalars read from a tensor: ``item()``, ``bool(t)``, ``int(t)`` (QwenImage 2.1's prefix length) ...
+_SCALAR_READS = (torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__,
+                 torch.Tensor.__float__)
+_REPEAT_INTERLEAVE = (torch.repeat_interleave, torch.Tensor.repeat_interleave)
 
 
-def _is_nonzero_call(func, args, kwargs) -> bool:
-    """``nonzero(x)`` returning one index tensor (not ``as_tuple``): its length is data-dependent."""
+def _nonzero_call(func, args, kwargs) -> str | None:
+    """``"index"`` for ``nonzero(x)`` (one index tensor), ``"tuple"`` for ``nonzero(x, as_tuple=True)`` (one per
+    dim), None for any other call: the number of non-zeros is a data-dependent length."""
+    if func not in _NONZERO:
+        return None
     as_tuple = (kwargs or {}).get("as_tuple", args[1] if len(args) > 1 and isinstance(args[1], bool) else False)
-    return func in _NONZERO and not as_tuple
+    return "tuple" if as_tuple else "index"
+
+
+def _repeat_interleave_length(func, args, kwargs) -> torch.Tensor | None:
+    """For ``repeat_interleave`` with tensor repeats and no ``output_size``: its output length along the repeated
+    dim, as a tensor (a data-dependent size); None for any other call."""
+    kwargs = kwargs or {}
+    if func not in _REPEAT_INTERLEAVE or kwargs.get("output_size") is not None:
+        return None
+    if len(args) == 1 and "repeats" not in kwargs:  # repeat_interleave(repeats): the repeated indices
+        return args[0].sum() if isinstance(args[0], torch.Tensor) else None
+    x, repeats = args[0], (args[1] if len(args) > 1 else kwargs.get("repeats"))
+    if not isinstance(repeats, torch.Tensor):
+        return None
+    dim = _repeat_interleave_dim(args, kwargs)
+    if repeats.numel() == 1:  # one count for every element
+        return repeats.reshape(()) * (x.numel() if dim is None else x.shape[dim])
+    return repeats.sum()
+
+
+def _scalar_source(func, x: torch.Tensor) -> torch.Tensor:
+    """The tensor whose value equals the scalar that ``func`` reads from ``x`` (the guard compares the two)."""
+    if func is torch.Tensor.__bool__:
+        return x != 0
+    if func in (torch.Tensor.__int__, torch.Tensor.__index__) and x.is_floating_point():
+        return x.trunc()
+    return x
+
+
+def _repeat_interleave_dim(args, kwargs) -> int | None:
+    return args[2] if len(args) > 2 else (kwargs or {}).get("dim")
 
 
 def _bool_mask_index(func, args) -> tuple | None:
@@ -121,8 +161,8 @@ def _bool_mask_index(func, args) -> tuple | None:
 
 
 class _ScalarRecorder(TorchFunctionMode):
-    """Eager run: records, in call order, every Python scalar read from a tensor (item / tolist / bool) and
-    the length of every ``nonzero`` result (a data-dependent size)."""
+    """Eager run: records, in call order, every Python scalar read from a tensor (item / tolist / bool / int) and
+    every data-dependent length (``nonzero``, boolean-mask indexing, ``repeat_interleave`` with tensor repeats)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -130,12 +170,15 @@ class _ScalarRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.item or func is torch.Tensor.__bool__:
+        if func in _SCALAR_READS:
             self.values.append(out)
         elif func is torch.Tensor.tolist:
             self.values.extend(_flat_values(out))  # FakeTensor.tolist reads them one item() each
-        elif _is_nonzero_call(func, args, kwargs):
-            self.values.append(int(out.shape[0]))
+        elif (kind := _nonzero_call(func, args, kwargs)) is not None:
+            self.values.append(int((out[0] if kind == "tuple" else out).shape[0]))
+        elif _repeat_interleave_length(func, args, kwargs) is not None:
+            dim = _repeat_interleave_dim(args, kwargs)
+            self.values.append(int(out.shape[0 if dim is None else dim]))
         elif (masked := _bool_mask_index(func, args)) is not None:
             index, at = masked
             self.values.append(int(index[at].sum()))
@@ -143,8 +186,9 @@ class _ScalarRecorder(TorchFunctionMode):
 
 
 class _ScalarReplay(TorchFunctionMode):
-    """Tracing: answers each ``item()`` / ``bool()`` with the eager value, keeping the traced tensor as a guard;
-    a ``nonzero`` becomes ``nonzero_static`` of the eager length, guarded by the count of non-zeros."""
+    """Tracing: answers each scalar read with the eager value, keeping the traced tensor as a guard; a ``nonzero``
+    becomes ``nonzero_static`` of the eager length, guarded by the count of non-zeros, a ``repeat_interleave``
+    gets the eager ``output_size``, guarded by the sum of its repeats."""
 
     def __init__(self, values: Sequence[Any]) -> None:
         super().__init__()
@@ -158,12 +202,16 @@ class _ScalarReplay(TorchFunctionMode):
         return self.values[len(self.sources) - 1]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.item or func is torch.Tensor.__bool__:
-            return self._next(args[0])
-        if _is_nonzero_call(func, args, kwargs):
+        if func in _SCALAR_READS:
+            return self._next(_scalar_source(func, args[0]))
+        kind = _nonzero_call(func, args, kwargs)
+        if kind is not None:
             x = args[0]
-            count = (x != 0).sum()
-            return torch.nonzero_static(x, size=int(self._next(count)))
+            rows = torch.nonzero_static(x, size=int(self._next((x != 0).sum())))
+            return tuple(rows.unbind(1)) if kind == "tuple" else rows
+        length = _repeat_interleave_length(func, args, kwargs)
+        if length is not None:  # the eager length, guarded by the sum of the repeats
+            return func(*args, **{**(kwargs or {}), "output_size": int(self._next(length))})
         masked = _bool_mask_index(func, args)
         if masked is not None:  # x[mask] == x[rows of nonzero(mask)], with the eager count of rows
             index, at = masked
@@ -280,7 +328,10 @@ def _data_dependent_shape(gm: fx.GraphModule) -> str | None:
     return None
 
 
-def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, Any] | None = None) -> Captured:
+def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, Any] | None = None,
+            templates: TraceTemplates | None = None) -> Captured:
+    """Trace ``model`` called with ``args`` / ``kwargs``; with ``templates``, reuse a graph traced from another
+    instance of the same architecture and call (``infra.trace_templates``), else trace and remember it there."""
     import time
 
     t0 = time.perf_counter()
@@ -296,6 +347,16 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     names = _leaf_names(kwargs)
     input_names = [n for n, t in zip(names, is_tensor) if t]
+    call_key = signature_key(kwargs)
+    if templates is not None:
+        hit = templates.lookup(model, call_key, lambda leaves: value_key(kwargs, leaves))
+        if hit is not None:
+            gm, fields = hit
+            out_spec, value_leaves, scalars = fields["out_spec"], fields["value_leaves"], fields["baked_scalars"]
+            if scalars:
+                _install_scalar_guard(gm, model, out_spec.num_leaves, out_spec.num_leaves + 1, scalars)
+            return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
+                            time.perf_counter() - t0, value_leaves, scalars)
 
     wrapper = _CallWithConstants(model, spec, is_tensor, constants, accepts_return_dict)
     # Parameters belong to the wrapped model; export reads them through the wrapper's forward, so make
@@ -353,6 +414,9 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
         value_leaves = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
                         and not x.is_floating_point() and not x.is_complex()]
         _install_scalar_guard(gm, model, out_spec.num_leaves, n_flat, scalars)
+    if templates is not None:
+        templates.store(model, call_key, value_key(kwargs, value_leaves), gm,
+                        {"out_spec": out_spec, "value_leaves": value_leaves, "baked_scalars": scalars})
     return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
                     time.perf_counter() - t0, value_leaves, scalars)
 

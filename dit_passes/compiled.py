@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .capture import Captured, bind_call, capture, signature_key, value_key
+from .infra.trace_templates import default_templates
 from .analysis.blocks import get_structure
 from .infra.facts import facts_of
 from .infra.graph_runner import GraphRunner
@@ -236,7 +237,7 @@ class CompiledDiT(torch.nn.Module):
         ledger = self.runtime.weights
         loaded = [t for p in passes for t in p.loads_weights]
         with ledger.stand_ins(self.original, loaded):  # weights released by an earlier lowering: shape-only stand-ins
-            captured = capture(self.original, (), kwargs)
+            captured = capture(self.original, (), kwargs, templates=default_templates())
             if captured.value_leaves:
                 self._value_leaves[base] = captured.value_leaves
                 key = (base, value_key(kwargs, captured.value_leaves))

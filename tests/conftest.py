@@ -8,6 +8,10 @@ register within Ray's fixed 30 s, which it missed on 2 busy cores. (pytest-xdist
 group marked here on one worker: two rank tests ran at once, and each worker computed the rank fixtures again.)
 
 Fixtures that run ranks are session-scoped: one computation serves every test of the rank process.
+
+Captures are reused across instances of one architecture and call (``DIT_PASSES_REUSE_TRACES=1``,
+``dit_passes.infra.trace_templates.py``): the suite builds the same tiny models hundreds of times, and torch.export took
+about half of its CPU time. ``tests/test_trace_templates.py`` checks that a reused graph is the fresh one.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import pathlib
 import textwrap
 
 import pytest
+
+os.environ.setdefault("DIT_PASSES_REUSE_TRACES", "1")  # set before any test imports dit_passes; ranks inherit it
 
 _RAY_WORDS = ("ray_cluster", "RayLauncher", "use_ray=True", "import ray")
 _RANK_WORDS = ("run_ranks(",)

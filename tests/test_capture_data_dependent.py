@@ -1,5 +1,6 @@
-"""Capture of models whose token counts come from the inputs' values (masks): ``nonzero``, boolean-mask
-indexing and ``bool()`` of a traced tensor are specialised on the call's values and guarded (issue 20)."""
+"""Capture of models whose token counts come from the inputs' values (masks): ``nonzero`` (also as a tuple),
+boolean-mask indexing, ``repeat_interleave`` with tensor repeats and ``bool()`` / ``int()`` of a traced tensor
+are specialised on the call's values and guarded (issue 20)."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ class _Block(torch.nn.Module):
 
 
 class _MaskedTokens(torch.nn.Module):
-    """Keeps the tokens its mask selects (three ways), runs two blocks on them, scatters them back."""
+    """Keeps the tokens its mask selects (several ways), runs two blocks on them, scatters them back."""
 
     def __init__(self, how: str, dim: int = 8):
         super().__init__()
@@ -28,19 +29,26 @@ class _MaskedTokens(torch.nn.Module):
 
     def forward(self, hidden_states, mask):
         keep = mask[0] != 0
-        if self.how == "nonzero":
-            rows = torch.nonzero(keep).flatten()
+        if self.how in ("nonzero", "nonzero_tuple", "repeat_interleave"):
+            if self.how == "nonzero":
+                rows = torch.nonzero(keep).flatten()
+            elif self.how == "nonzero_tuple":
+                rows = keep.nonzero(as_tuple=True)[0]
+            else:  # each position repeated 0 or 1 times: the kept positions
+                rows = torch.arange(keep.shape[0]).repeat_interleave(keep.long())
             x = hidden_states.index_select(1, rows)
         else:
             x = hidden_states[:, keep]
         if self.how == "bool" and bool(keep.all()):
             x = x * 2
+        if self.how == "int" and bool(keep.sum()):  # bool() of a count (not 0 / 1), int() of it
+            x = x * int(keep.sum())
         for block in self.blocks:
             x = block(x)
         return (hidden_states.masked_scatter(keep[None, :, None].expand_as(hidden_states), x),)
 
 
-@pytest.mark.parametrize("how", ["nonzero", "mask_index", "bool"])
+@pytest.mark.parametrize("how", ["nonzero", "nonzero_tuple", "repeat_interleave", "mask_index", "bool", "int"])
 def test_data_dependent_token_counts_are_specialised_and_guarded(how):
     torch.manual_seed(0)
     model = _MaskedTokens(how).eval()

@@ -42,6 +42,7 @@ import diffusers
 import torch
 
 from dit_passes.models.zoo_common import FamilySpec
+from dit_passes.models.zoo_extra_image import EXTRA_IMAGE_FAMILIES
 from dit_passes.models.zoo_image import IMAGE_FAMILIES
 from dit_passes.models.zoo_more import MORE_IMAGE_FAMILIES
 from dit_passes.models.zoo_more_av import MORE_AV_FAMILIES
@@ -51,7 +52,7 @@ __all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ZooModel", "build"
            "model_class"]
 
 _CURATED = IMAGE_FAMILIES + VIDEO_FAMILIES
-MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES
+MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES + EXTRA_IMAGE_FAMILIES
 _SPECS: MappingProxyType = MappingProxyType({s.name: s for s in _CURATED + MORE_FAMILIES})
 
 # Every family the zoo knows; the curated ones (the test suite's zoo: every test builds these) and the
@@ -163,6 +164,8 @@ def build(family: str, seed: int = 0, **overrides: Any) -> ZooModel:
         torch.manual_seed(int(seed))
         model = cls(**config)
         _init_uninitialized(model, lambda: cls(**config), int(seed))
+        if spec.after_build is not None:
+            spec.after_build(model)
     # diffusers builds fp32 CPU modules already; no .to(dtype), which would warn about and override
     # the classes' keep-in-fp32 lists for nothing
     model.eval()

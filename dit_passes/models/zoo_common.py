@@ -55,6 +55,8 @@ class FamilySpec:
     warm_up: bool = False
     # (heads, head_dim) from the config, for a class whose config has no heads field
     heads_of: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
+    # set up the built model the way its parent does (DreamLite's UNet installs its own attention processors)
+    after_build: Callable[[torch.nn.Module], None] | None = None
 
     def heads_and_head_dim(self, config: Mapping[str, Any]) -> tuple[int, int]:
         if self.heads_of is not None:

@@ -1,0 +1,136 @@
+"""Reuse of captured graphs across instances of one architecture (dit_passes.infra.trace_templates.py).
+
+A reused graph must be the graph a fresh capture of the new model gives: same code, same parameters and buffers
+(the new model's own tensors, persistence kept), same output, and nothing of the model it was first traced from;
+anything that can change the trace (config, processor, mode, hooks, call, mask values) must miss.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from dit_passes.capture import ValueSpecializationError, capture
+from dit_passes.infra.trace_templates import TraceTemplates, module_fingerprint
+from dit_passes.infra.facts import facts_of
+from dit_passes.models.zoo import build
+
+
+def _flat(inputs):
+    leaves, _ = pytree.tree_flatten({k: v for k, v in inputs.items() if k != "return_dict"})
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def _sample(out):
+    return pytree.tree_flatten(out)[0][0]
+
+
+def _perturbed(family, **overrides):
+    """A second instance of the family's architecture with other weights (every tensor of it differs)."""
+    zm = build(family, seed=3, **overrides)
+    with torch.no_grad():
+        for t in list(zm.model.parameters()) + [b for b in zm.model.buffers() if b.is_floating_point()]:
+            t.add_(0.01)
+    return zm
+
+
+# wan reads a weight through ``param.to(device)`` in forward, which export lifts as a constant aliasing it;
+# zimage's graph holds a higher-order op's body (autocast) as a submodule
+@pytest.mark.parametrize("family", ["flux", "wan", "zimage"])
+def test_reused_graph_is_the_fresh_capture_of_the_new_model(family):
+    templates = TraceTemplates()
+    first = build(family)
+    inputs = first.make_inputs(batch=2, seed=1)
+    capture(first.model, (), inputs, templates=templates)
+    assert (templates.hits, templates.misses) == (0, 1)
+    first_storages = {t.untyped_storage().data_ptr() for t in first.model.state_dict().values()}
+    second = _perturbed(family)
+    reused = capture(second.model, (), inputs, templates=templates)
+    assert (templates.hits, templates.misses) == (1, 1)
+    fresh = capture(second.model, (), inputs)
+    assert reused.gm.code == fresh.gm.code
+    assert dict(reused.gm.named_parameters()).keys() == dict(fresh.gm.named_parameters()).keys()
+    assert reused.gm.state_dict().keys() == fresh.gm.state_dict().keys()  # persistent buffers alike
+    assert dict(reused.gm.named_buffers()).keys() == dict(fresh.gm.named_buffers()).keys()
+    for name, p in reused.gm.named_parameters():
+        assert p is second.model.get_parameter(name), name  # the new model's own tensors, no copy
+    assert not first_storages & {t.untyped_storage().data_ptr() for t in reused.gm.state_dict().values()}
+    with torch.no_grad():
+        expected = _sample(second.model(**inputs))  # zimage returns a list of samples
+        assert torch.equal(reused.gm(*_flat(inputs))[0], expected)
+        assert torch.equal(fresh.gm(*_flat(inputs))[0], expected)
+        assert not torch.equal(_sample(first.model(**inputs)), expected)  # the check above could fail
+
+
+def test_templates_hold_no_weight_of_the_traced_model():
+    templates = TraceTemplates()
+    zm = build("flux")
+    inputs = zm.make_inputs(batch=1, seed=1)
+    capture(zm.model, (), inputs, templates=templates)
+    watched = weakref.ref(next(zm.model.parameters()))
+    del zm
+    gc.collect()
+    assert watched() is None, "a template keeps a weight of the model it was traced from"
+
+
+def test_anything_that_changes_the_trace_misses():
+    base = build("flux")
+    inputs = base.make_inputs(batch=1, seed=1)
+    key = module_fingerprint(base.model)
+    assert module_fingerprint(build("flux", seed=5).model) == key  # other weights: same architecture
+    assert module_fingerprint(build("flux", num_layers=3).model) != key
+    trained = build("flux")
+    trained.model.train()
+    assert module_fingerprint(trained.model) != key
+    hooked = build("flux")
+    hooked.model.transformer_blocks[0].register_forward_hook(lambda m, a, out: out)
+    assert module_fingerprint(hooked.model) != key
+    processor = build("flux")
+    attn = processor.model.transformer_blocks[0].attn
+    attn.set_processor(type(attn.processor)())
+    assert module_fingerprint(processor.model) == key  # an equal processor object
+    attn.processor.extra_option = 2  # an attribute a processor's __call__ could read
+    assert module_fingerprint(processor.model) != key
+    templates = TraceTemplates()
+    capture(base.model, (), inputs, templates=templates)
+    capture(build("flux").model, (), base.make_inputs(batch=2, seed=1), templates=templates)  # other call
+    assert (templates.hits, templates.misses) == (0, 2)
+
+
+class _Masked(torch.nn.Module):
+    """Keeps the tokens its mask selects (a data-dependent size): captured specialised on the mask's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states, mask):
+        keep = mask[0] != 0
+        x = self.proj(hidden_states[:, keep]).tanh()
+        return (hidden_states.masked_scatter(keep[None, :, None].expand_as(hidden_states), x),)
+
+
+def test_value_specialised_graphs_are_keyed_by_the_mask_values():
+    templates = TraceTemplates()
+    x = torch.randn(1, 6, 8)
+    mask_a = torch.tensor([[1, 1, 1, 0, 0, 0]])
+    mask_b = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    torch.manual_seed(0)
+    first, second = _Masked(), _Masked()
+    capture(first, (), {"hidden_states": x, "mask": mask_a}, templates=templates)
+    reused = capture(second, (), {"hidden_states": x, "mask": mask_a}, templates=templates)
+    assert (templates.hits, templates.misses) == (1, 1) and reused.baked_scalars
+    with torch.no_grad():
+        out = reused.gm(x, mask_a)
+        assert torch.equal(out[0], second(x, mask_a)[0])
+    capture(second, (), {"hidden_states": x, "mask": mask_b}, templates=templates)
+    assert (templates.hits, templates.misses) == (1, 2)
+    # the reused graph carries the run-time guard on the baked scalars, as a fresh capture does
+    facts = facts_of(reused.gm)
+    assert facts.num_user_outputs == 1 and len(facts.state_io) == 1
+    facts.state_io[0].outputs(None, [out[-1]])
+    with pytest.raises(ValueSpecializationError):
+        facts.state_io[0].outputs(None, [out[-1] + 1])
