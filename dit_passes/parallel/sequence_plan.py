@@ -111,7 +111,7 @@ class _Gather:     # sharded value -> full value, original order
 @dataclasses.dataclass
 class AttentionDecision:
     node: fx.Node
-    distributed: bool              # False: q sharded, k/v replicated (cross-attention): local SDPA
+    distributed: bool              # False: local SDPA of this rank's queries over full (replicated or gathered) k / v
     q: Any
     k: Any
     v: Any
