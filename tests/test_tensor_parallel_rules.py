@@ -169,6 +169,13 @@ def rule_ranks():
     return run_ranks(_ranks, 2, timeout=400)
 
 
+def _exact(rule_ranks, case):
+    """Each rank's (result, counts) of ``case``, checked exact and running exactly its collectives."""
+    for rank, res in enumerate(rule_ranks):
+        _check_exact(res[case], f"{case}@{rank}")
+        yield res[case], res[case]["counts"]
+
+
 def _check_exact(r, name):
     c = r["counts"]
     assert r["err"] <= TOL, (name, r["err"])
@@ -183,10 +190,7 @@ def _check_exact(r, name):
 
 
 def test_layer_norm_slices_and_gqa_heads(rule_ranks):
-    for rank, res in enumerate(rule_ranks):
-        r = res["layernorm_swiglu_gqa"]
-        _check_exact(r, f"layernorm_swiglu_gqa@{rank}")
-        c = r["counts"]
+    for r, c in _exact(rule_ranks, "layernorm_swiglu_gqa"):
         # per block: to_q, to_k, to_v, up column-parallel; to_out, down row-parallel; norm_q distributed
         assert (c["column_parallel"], c["row_parallel"], c["norm_all_gather"]) == (8, 4, 2), c
         assert c["replicated_column"] == c["padded_mlp"] == c["norm_all_reduce"] == 0, c
@@ -196,10 +200,7 @@ def test_layer_norm_slices_and_gqa_heads(rule_ranks):
 
 
 def test_stacked_qkv_padding_and_residual_projection(rule_ranks):
-    for rank, res in enumerate(rule_ranks):
-        r = res["stacked_padded_skip"]
-        _check_exact(r, f"stacked_padded_skip@{rank}")
-        c = r["counts"]
+    for r, c in _exact(rule_ranks, "stacked_padded_skip"):
         assert (c["column_parallel"], c["row_parallel"], c["padded_mlp"], c["replicated_column"]) == (6, 4, 4, 2), c
         # qkv: rank's heads of q, k and v; w1 / w3: 11 rows (21 padded to 22), w2: 11 columns
         assert r["shapes"]["blocks.0.qkv.weight"] == (3 * DIM // 2, DIM)
@@ -211,10 +212,7 @@ def test_stacked_qkv_padding_and_residual_projection(rule_ranks):
 
 
 def test_gqa_replicated_kv_padded_slices_and_weights_read_twice(rule_ranks):
-    for rank, res in enumerate(rule_ranks):
-        r = res["kv1_padded_swiglu_tied"]
-        _check_exact(r, f"kv1_padded_swiglu_tied@{rank}")
-        c = r["counts"]
+    for r, c in _exact(rule_ranks, "kv1_padded_swiglu_tied"):
         # the feed-forward runs on two token groups: 2 up and 2 down linears per block read one weight each
         assert (c["column_parallel"], c["row_parallel"], c["padded_mlp"]) == (6, 6, 4), c
         assert c["replicated_column"] == 4 and c["shared_weights"] == 6, c  # up.weight, up.bias, down.weight
