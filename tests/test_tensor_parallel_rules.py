@@ -5,7 +5,7 @@ pattern a diffusers family has (the coverage matrix runs the families themselves
 * a fused SwiGLU up projection sliced ``x[..., :h]`` / ``x[..., h:]`` (Flux2): sharded in segments, local slices;
 * a fused QKV viewed ``(B, S, 3, H, D)`` and selected (PRX): segments from the view;
 * GQA: kv heads that divide tp sharded through ``repeat_interleave``, fewer kv heads than ranks replicated
-  (Stable Audio, Nucleus-MoE);
+  (Stable Audio, Nucleus-MoE), one kv head that the attention broadcasts left whole (OmniGen);
 * a projection writing the residual stream though its role says mlp_up (HunyuanDiT's skip_linear): replicated;
 * a feed-forward applied to two token groups (CogView4): its weights sharded once, held once;
 * MLP hidden sizes that do not divide tp (Mochi, Z-Image): zero-padded, exact, reported;
@@ -28,9 +28,10 @@ class _Block(nn.Module):
     """One DiT block; the options switch on the patterns of the module docstring."""
 
     def __init__(self, kv_heads=HEADS, q_norm=None, stacked=False, mlp="gelu", hidden=64, mlp_norm=False,
-                 skip=False, ff_groups=1):
+                 skip=False, ff_groups=1, kv_repeat=True):
         super().__init__()
         self.kv_heads, self.q_norm_kind, self.stacked, self.mlp_kind = kv_heads, q_norm, stacked, mlp
+        self.kv_repeat = kv_repeat  # False: one kv head broadcast over the q heads by the attention (OmniGen)
         self.hidden, self.ff_groups = hidden, ff_groups
         self.skip = nn.Linear(2 * DIM, DIM) if skip else None  # reads [x, skip]: writes the residual stream
         self.norm1, self.norm2 = nn.LayerNorm(DIM, elementwise_affine=False), nn.LayerNorm(DIM)
@@ -63,7 +64,7 @@ class _Block(nn.Module):
                 q = self.norm_q(q.transpose(1, 2)).transpose(1, 2)
             q = q.view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
             k, v = (t.view(b, s, self.kv_heads, HEAD_DIM).transpose(1, 2) for t in (self.to_k(x), self.to_v(x)))
-            if self.kv_heads != HEADS:
+            if self.kv_heads != HEADS and self.kv_repeat:
                 k, v = (t.repeat_interleave(HEADS // self.kv_heads, dim=1) for t in (k, v))
         o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, DIM)
         return self.to_out(o)
@@ -89,9 +90,9 @@ class _Block(nn.Module):
 
 
 class _ToyDiT(nn.Module):
-    def __init__(self, **options):
+    def __init__(self, second=None, **options):
         super().__init__()
-        self.blocks = nn.ModuleList(_Block(**options) for _ in range(2))
+        self.blocks = nn.ModuleList([_Block(**options), _Block(**{**options, **(second or {})})])
 
     def forward(self, hidden_states):
         for b in self.blocks:
@@ -104,8 +105,9 @@ CASES = {
     "layernorm_swiglu_gqa": dict(q_norm="layer", mlp="swiglu", kv_heads=2),
     # PRX's stacked QKV view, Z-Image's w1/w3/w2 with a hidden of 21, HunyuanDiT's skip projection
     "stacked_padded_skip": dict(stacked=True, mlp="glu2", hidden=21, skip=True),
-    # one kv head (Stable Audio), a sliced SwiGLU of hidden 21 (Mochi), applied to two token groups (CogView4)
-    "kv1_padded_swiglu_tied": dict(kv_heads=1, mlp="swiglu", hidden=21, ff_groups=2),
+    # one kv head, repeated (Stable Audio) then broadcast (OmniGen), a sliced SwiGLU of hidden 21 (Mochi),
+    # applied to two token groups (CogView4)
+    "kv1_padded_swiglu_tied": dict(kv_heads=1, mlp="swiglu", hidden=21, ff_groups=2, second=dict(kv_repeat=False)),
 }
 REFUSALS = {
     "tied_differently": dict(mlp="tied"),

@@ -390,8 +390,9 @@ class TPRules(Propagation):
         if any(s is not None and s.dim != 1 for s in specs):
             raise ShardingError(f"attention needs q, k, v sharded over heads (dim 1), got {specs}")
         for a, s in zip((q, k, v), specs):
-            if s is None:  # a replicated q/k/v (computed outside the sharded linears): take the local heads
-                heads = int(a.meta["val"].shape[1])
+            heads = int(a.meta["val"].shape[1])
+            if s is None and heads > 1:  # a replicated q/k/v (computed outside the sharded linears, or GQA k / v
+                # repeated to the q heads): take the local heads; one head broadcasts over the q heads as it is
                 check_divisible([heads], self.tp, f"attention input {a.name}")
                 n.replace_input_with(a, self._local(a, 1, ShardSpec(1, (heads,)), n))
         mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")

@@ -144,8 +144,9 @@ def linear_bytes(gm: fx.GraphModule, sites) -> int:
 def _check_heads(structure, tp: int) -> None:
     heads = {a.node.name: (int(a.q.meta["val"].shape[1]), int(a.k.meta["val"].shape[1]))
              for a in structure.attention if a.block is not None}
-    bad = {k: v for k, v in heads.items() if v[0] % tp or v[1] % tp}
+    # one kv head broadcast over the q heads (no repeat): replicated k / v, each rank's q heads read it
+    bad = {k: v for k, v in heads.items() if v[0] % tp or (v[1] % tp and v[1] != 1)}
     if bad:
-        g = math.gcd(*[h for v in heads.values() for h in v])
+        g = math.gcd(*[h for v in heads.values() for h in v if h != 1] or [1])
         raise PassError(f"tensor_parallel size={tp}: attention head counts (q, kv) {sorted(set(bad.values()))} "
                         f"are not divisible by {tp} (e.g. at {next(iter(bad))}); valid sizes: {divisors(g)}")
