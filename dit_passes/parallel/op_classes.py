@@ -23,6 +23,18 @@ LIKE_ARG0 = {aten.dropout.default, aten.type_as.default, aten._to_copy.default, 
              aten.to.device, aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
              aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
              aten.rand_like.default, aten.randn_like.default, aten.lift_fresh_copy.default}
+# the tensor argument 1 lends only a dtype / shape; outputs that do not depend on argument 0's values
+META_ARG1 = {aten.type_as.default, aten.expand_as.default}
+VALUE_FREE = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+              aten.rand_like.default, aten.randn_like.default}
+# elementwise ops that are finite wherever their operands are (activations, +, -, *): a zero-padded MLP
+# hidden stays finite through them, so the down projection's zero columns cancel it exactly
+FINITE_POINTWISE = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,
+                    aten.mul.Scalar, aten.neg.default, aten.silu.default, aten.gelu.default, aten.relu.default,
+                    aten.sigmoid.default, aten.tanh.default, aten.clamp.default, aten.clamp_min.default,
+                    aten.clamp_max.default, aten.abs.default, aten.erf.default, aten.leaky_relu.default,
+                    aten.hardtanh.default, aten.hardswish.default, aten.hardsigmoid.default, aten.elu.default,
+                    aten.softplus.default, aten.mish.default, aten.pow.Tensor_Scalar}
 # tensor parallelism's collectives run over ranks that hold the same tokens: elementwise for sequence sharding
 ELEMENTWISE_COLLECTIVES = {c10d.all_reduce.default, c10d.wait_tensor.default}
 EXPANDS = {aten.expand.default, aten.expand_as.default}

@@ -2,16 +2,18 @@
 
 A :class:`ShardSpec` ``(dim, segments)``: the full extent along ``dim`` is a concatenation of
 ``segments`` (one for a q projection, three for a fused QKV, ``(attention, MLP)`` for Flux single
-blocks) and rank ``r`` holds the ``r``-th chunk of each, concatenated. Specific here: column-parallel
-weight slicing, row-parallel linears (+ all-reduce, bias after), distributed RMSNorm, heads of SDPA,
-slices of replicated operands, all-gather fallback.
+blocks) and rank ``r`` holds the ``r``-th chunk of each, concatenated; a padded spec (an MLP hidden that
+does not divide, planned by :mod:`~dit_passes.parallel.tp_plan`) holds each segment zero-padded to a
+multiple of tp. Specific here: column-parallel weight slicing (:mod:`~dit_passes.parallel.tp_weights`: each
+weight sharded once, also when several linears read it), row-parallel linears (+ all-reduce, bias after),
+local slices and views of fused segments, heads of SDPA (replicated GQA k / v sliced to the local heads),
+slices of replicated operands, all-gather fallback; the distributed norms are in
+:mod:`~dit_passes.parallel.tp_norms`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,24 +23,36 @@ import torch.fx as fx
 from ..infra.ownership import WeightLedger
 from ..infra.pass_base import PassError
 from . import op_classes as oc
-from .propagate import (Placement, Propagation, Touches, agree, aligned_dim, broadcast_dim, moved_dim, repropagate,
+from . import tp_norms
+from .propagate import (Placement, Propagation, Touches, agree, aligned_dim, arg, broadcast_dim, moved_dim, repropagate,
                         resize_view, segment_cut, segment_runs, split_dim, split_sizes, view_dims)
+from .tp_plan import divisors, slice_range
+from .tp_weights import ShardingError, WeightShards, shard_along  # noqa: F401 (tests import them here)
 
 aten = torch.ops.aten
-
-
-class ShardingError(ValueError):
-    """A value cannot be sharded consistently (a view that mixes the sharded dim, an odd size)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec(Placement):
     dim: int                      # non-negative dim of the full tensor
-    segments: Tuple[int, ...]     # full sizes of the concatenated segments along ``dim``
+    segments: Tuple[int, ...]     # full sizes of the concatenated segments along ``dim`` (padded ones if padded)
+    real: Tuple[int, ...] = ()    # the segments' sizes before zero-padding; () when not padded
 
     @property
     def full(self) -> int:
         return sum(self.segments)
+
+    @property
+    def real_segments(self) -> Tuple[int, ...]:
+        return self.real or self.segments
+
+    @property
+    def padded(self) -> bool:
+        return bool(self.real) and self.real != self.segments
+
+    def piece(self, i: int, j: int) -> "ShardSpec":
+        """The spec of segments ``i:j`` (a split or slice of them)."""
+        return ShardSpec(self.dim, self.segments[i:j], self.real[i:j] if self.real else ())
 
     def local_segments(self, tp: int) -> Tuple[int, ...]:
         return tuple(s // tp for s in self.segments)
@@ -47,23 +61,12 @@ class ShardSpec(Placement):
         return self.full // tp
 
 
-def divisors(n: int) -> List[int]:
-    return [t for t in range(1, n + 1) if n % t == 0]
-
-
 def check_divisible(segments: Sequence[int], tp: int, what: str) -> None:
     """Raise :class:`ShardingError` naming ``what`` unless every segment divides by ``tp``."""
     bad = [s for s in segments if s % tp]
     if bad:
         raise ShardingError(f"{what}: size(s) {list(segments)} are not divisible by tp={tp}; "
                             f"tensor-parallel sizes that divide them: {divisors(math.gcd(*segments))}")
-
-
-def shard_along(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, tp: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``t`` along ``dim`` (see the module docstring), a new contiguous tensor."""
-    if sum(segments) != t.shape[dim]:
-        raise ShardingError(f"segments {list(segments)} sum to {sum(segments)}, tensor has {t.shape[dim]} along dim {dim}")
-    return torch.cat([t.narrow(dim, s, n) for s, n in segment_runs(segments, tp, rank)], dim=dim).contiguous()
 
 
 def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, tp: int) -> int:
@@ -76,45 +79,20 @@ def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, tp
     for e, _ in view_dims(src, dst, dim, [src[dim] * r // tp for r in range(tp + 1)]):
         return e
     if all(math.prod(dst[:e]) != math.prod(src[:dim]) for e in range(len(dst))):
-        raise ShardingError(f"{what} merges dims before the sharded dim {dim} into it: the shard would not be contiguous")
+        raise ShardingError(f"{what} merges dims before the sharded dim {dim} into it: the shard would not be "
+                            "contiguous")
     raise ShardingError(f"{what}: the output dim that carries the shard is not divisible by tp={tp}")
-
-
-def output_segments(linear: fx.Node) -> Tuple[int, ...]:
-    """Segments of a column-parallel linear's output features, from how the graph splits them.
-
-    A fused projection is split along its last dim right after the linear (QKV: ``chunk(3)``; a gated
-    MLP: ``chunk(2)``; Flux2's ``split([3*inner, mlp])`` then ``chunk(3)``): each final piece is sharded
-    on its own, so that after the split every rank holds matching heads of q, k and v (and matching
-    columns of gate and value). No split: one segment.
-    """
-    val = linear.meta["val"]
-    return tuple(_segments_of(linear, val.dim() - 1, int(val.shape[-1])))
-
-
-def _segments_of(node: fx.Node, dim: int, full: int) -> List[int]:
-    for u in node.users:
-        if u.target not in oc.SPLITS or split_dim(u) != dim:
-            continue
-        sizes = split_sizes(u, full)
-        out: List[int] = []
-        pieces = {g.args[1]: g for g in u.users if g.target is operator.getitem}
-        for i, s in enumerate(sizes):
-            out.extend(_segments_of(pieces[i], dim, s) if i in pieces else [s])
-        return out
-    return [full]
 
 
 class TPRules(Propagation):
     """Hidden / head sharding: the shard spec of every value reached from a column-parallel output, and
-    the rewrite (row-parallel linears, distributed RMSNorm, slices of replicated operands, gathers)."""
+    the rewrite (row-parallel linears, distributed norms, slices of replicated operands, gathers)."""
 
     def __init__(self, gm: fx.GraphModule, tp: int, rank: int, group: dist.ProcessGroup, ledger: WeightLedger,
                  owner: Any):
         super().__init__(gm, group.group_name, tp, rank)
         self.tp = tp
-        self.ledger, self.owner = ledger, owner      # where shards are recorded (infra/ownership.py), by whom
-        self.new_params: set = set()                 # attribute paths replaced by shards
+        self.weights = WeightShards(gm, rank, tp, ledger, owner)  # each sharded weight once, with its readers
         self.row_nodes: List[fx.Node] = []
         self.fallback_ops: List[str] = []
 
@@ -123,49 +101,32 @@ class TPRules(Propagation):
         return s if isinstance(s, ShardSpec) else None
 
     # -- parameters ------------------------------------------------------------------------------
-    def _replace_param(self, attr_node: fx.Node, dim: int, segments, users_ok: Sequence[fx.Node]) -> None:
-        path = attr_node.target
-        if path in self.new_params:
-            raise PassError(f"tensor_parallel: parameter {path} is used by several sharded linears")
-        extra = [u for u in attr_node.users if u not in users_ok]
-        if extra:
-            raise PassError(f"tensor_parallel: parameter {path} is also read by {[u.name for u in extra]}; "
-                            "shared (tied) weights are not supported")
-        token = (dim, tuple(segments), self.rank, self.tp)
-        rec = self.ledger.released(self.gm, path)
-        if rec is not None:  # lowering again after the full weight was released: the shard made then
-            shard = self.ledger.reuse(rec, by=self.owner, token=token, like=attr_node.meta["val"])
-        else:
-            full = functools.reduce(getattr, path.split("."), self.gm).detach()
-            shard = torch.nn.Parameter(shard_along(full, dim, segments, self.rank, self.tp), requires_grad=False)
-        # the graph's attribute becomes the shard; the ledger re-points the caller's model afterwards
-        self.ledger.replace(self.gm, path, shard, by=self.owner, token=token,
-                            how=f"sharded (rank {self.rank} of {self.tp}, dim {dim})")
-        self.new_params.add(path)
-        attr_node.meta["val"] = attr_node.meta["val"].fake_mode.from_tensor(shard, static_shapes=True)
-
-    def _shard_rows_of(self, n: fx.Node, segments, what: str, who: str = "tensor_parallel") -> None:
+    def _shard_rows_of(self, n: fx.Node, spec: ShardSpec, what: str, who: str = "tensor_parallel") -> None:
         try:
-            check_divisible(segments, self.tp, what)
+            check_divisible(spec.segments, self.tp, what)
         except ShardingError as e:
             raise PassError(f"{who}: {e}") from None
         for w in n.args[1:3]:
             if w is not None:
-                self._replace_param(w, 0, segments, [n])
+                self.weights.shard(w, 0, spec, [n])
 
-    def shard_column(self, site) -> None:
-        n = site.node
-        segments = output_segments(n)
-        self._shard_rows_of(n, segments, f"{site.role} linear {site.module_path}")
-        self.place[n] = ShardSpec(n.meta["val"].dim() - 1, segments)
+    def shard_column(self, plan) -> None:
+        """Shard a column-parallel linear as ``plan`` (a :class:`~dit_passes.parallel.tp_plan.ColumnPlan`) says."""
+        n, site = plan.site.node, plan.site
+        padded = plan.padded != plan.segments
+        spec = ShardSpec(n.meta["val"].dim() - 1, plan.padded, plan.segments if padded else ())
+        self._shard_rows_of(n, spec, f"{site.role} linear {site.module_path}")
+        self.place[n] = spec
         self.counts["column"] += 1
+        self.counts["padded"] += padded
 
     def shard_modulation(self, site) -> None:
         n = site.node
         out = int(n.meta["val"].shape[-1])
-        self._shard_rows_of(n, [out], f"modulation linear {site.module_path}", "tensor_parallel(modulation='column')")
+        spec = ShardSpec(n.meta["val"].dim() - 1, (out,))
+        self._shard_rows_of(n, spec, f"modulation linear {site.module_path}", "tensor_parallel(modulation='column')")
         users = list(n.users)
-        full = self._gather(n, ShardSpec(n.meta["val"].dim() - 1, (out,)), n.next)
+        full = self._gather(n, spec, n.next)
         for u in users:
             u.replace_input_with(n, full)
         self.counts["all_gather"] += 1
@@ -173,6 +134,8 @@ class TPRules(Propagation):
     # -- node insertion ---------------------------------------------------------------------------
     def _local(self, x: fx.Node, dim: int, spec: ShardSpec, before: fx.Node) -> fx.Node:
         """Slice a replicated full tensor ``x`` to this rank's part along ``dim``."""
+        if spec.padded:  # tp_plan proved no such operand meets a padded hidden; never slice one wrongly
+            raise ShardingError(f"replicated operand {x.name} meets a zero-padded MLP hidden")
         with self.g.inserting_before(before):
             pieces = [self.emit(aten.slice.Tensor, (x, dim, s, s + n), like=before)
                       for s, n in segment_runs(spec.segments, self.tp, self.rank)]
@@ -181,6 +144,8 @@ class TPRules(Propagation):
 
     def _gather(self, x: fx.Node, spec: ShardSpec, before: fx.Node) -> fx.Node:
         """All-gather sharded ``x`` back to the full tensor, segment-major (inserted before ``before``)."""
+        if spec.padded:
+            raise ShardingError(f"{x.name} holds a zero-padded MLP hidden, which only a down projection may read")
         loc = spec.local_segments(self.tp)
         runs = [(sum(loc[:i]), n) for i, n in enumerate(loc)] if len(loc) > 1 else None
         with self.g.inserting_before(before):
@@ -199,14 +164,18 @@ class TPRules(Propagation):
 
     def repropagate(self) -> None:
         """Local shapes of everything the rewrite touched, from the resharded parameters on."""
-        params = [n for n in self.g.nodes if n.op == "get_attr" and n.target in self.new_params]
+        params = [n for n in self.g.nodes if n.op == "get_attr" and n.target in self.weights.shards]
         repropagate(self.g, self.inserted | set(self.place), changed=params)
 
     def _fallback(self, n: fx.Node, what: str) -> None:
         for a in list(n.all_input_nodes):
             s = self._s(a)
             if s is not None:
-                n.replace_input_with(a, self._gather(a, s, n))
+                full = self._gather(a, s, n)
+                # the full value from here on: ``n`` keeps its shape and is not re-evaluated (a higher-order op
+                # such as wrap_with_autocast cannot be, its submodule has no fake value)
+                full.meta["val"] = a.meta["val"]
+                n.replace_input_with(a, full)
                 self.counts["fallback"] += 1
                 self.fallback_ops.append(what)
 
@@ -240,14 +209,24 @@ class TPRules(Propagation):
             return self._cat(n)
         if t is oc.SDPA:
             return self._sdpa(n)
+        if sx is not None and sx.padded and (t in oc.REDUCTIONS or t in oc.LAYER_NORMS or t is aten.rms_norm.default):
+            raise ShardingError("a reduction over a zero-padded MLP hidden")
         if sx is not None and t is aten.rms_norm.default:
-            return self._rms_norm(n, sx)
-        if sx is not None and t in oc.LAYER_NORMS | {aten.group_norm.default}:
+            return tp_norms.rms_norm(self, n, sx)
+        if sx is not None and t is aten.layer_norm.default:
+            return tp_norms.layer_norm(self, n, sx)
+        if sx is not None and t in {aten.native_layer_norm.default, aten.group_norm.default}:
             nd = len(args[1]) if t is not aten.group_norm.default else n.meta["val"].dim()
             if sx.dim >= n.meta["val"].dim() - nd:
-                raise ShardingError(f"{t} normalises over the sharded hidden size; only RMSNorm over a sharded "
-                                    "dim is supported (run without TensorParallel for this model)")
+                raise ShardingError(f"{t} normalises over the sharded hidden size; only RMSNorm and "
+                                    "aten.layer_norm over a sharded dim are supported")
             return sx if t is not aten.native_layer_norm.default else [sx, None, None]
+        if sx is not None and t is aten.slice.Tensor and int(arg(n, 1, "dim", 0)) % x.meta["val"].dim() == sx.dim:
+            return self._slice(n, sx)
+        if sx is not None and t is aten.repeat_interleave.self_int and self._repeats_heads(n, sx):
+            return ShardSpec(sx.dim, tuple(s * int(args[1]) for s in sx.segments))
+        if sx is not None and t in oc.PADS | {aten.index.Tensor} and self._leaves_shard(n, sx):
+            return sx
         if sx is not None and t in oc.REDUCTIONS and oc.REDUCTIONS[t][1]:
             return self._reduction(n, sx)
         if t in oc.COPIES:
@@ -279,13 +258,14 @@ class TPRules(Propagation):
             return sx  # linear over another dim: the shard passes through
         if any(self._s(a) is not None for a in n.args[1:]):
             return self._fallback(n, "linear weight from a sharded value")
-        in_features = int(w.meta["val"].shape[1])
-        if sx.full != in_features:
-            raise ShardingError(f"input sharded over {sx.full} features, the weight has {in_features}")
-        self._replace_param(w, 1, sx.segments, [n])
+        in_features = int(x.meta["val"].shape[-1])  # (the weight's may be a shard already: read twice)
+        if sum(sx.real_segments) != in_features:
+            raise ShardingError(f"input sharded over {sum(sx.real_segments)} features, the weight has {in_features}")
         bias = n.args[2] if len(n.args) > 2 else None
         with self.g.inserting_before(n.next):  # (inserting_after would stack new nodes in reverse order)
-            out = self.all_reduce(self.emit(aten.linear.default, (x, w), like=n), n)
+            local = self.emit(aten.linear.default, (x, w), like=n)
+            self.weights.shard(w, 1, sx, [local])  # padded: zero columns where the hidden is padded
+            out = self.all_reduce(local, n)
             if bias is not None:
                 out = self.emit(aten.add.Tensor, (out, bias), like=n)  # full bias, once, after the sum
         out.meta["val"] = n.meta["val"]  # full shape until repropagate(); later rules read it
@@ -296,31 +276,87 @@ class TPRules(Propagation):
 
     def _view(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
         in_shape, out_shape = list(n.args[0].meta["val"].shape), list(n.meta["val"].shape)
+        if sx.padded:
+            raise ShardingError("a view of a zero-padded MLP hidden")
+        stacked = self._stacked_view(in_shape, out_shape, sx)
+        if stacked is not None:
+            return self._resized(n, stacked, out_shape)
         k = map_view_dim(in_shape, out_shape, sx.dim, self.tp)
         if len(sx.segments) > 1 and in_shape[sx.dim] != out_shape[k]:
             raise ShardingError(f"a view that splits or merges a dim made of {len(sx.segments)} sharded "
                                 f"segments {list(sx.segments)}")
-        new = resize_view(n, k, out_shape[k] // self.tp)
+        return self._resized(n, ShardSpec(k, sx.segments if len(sx.segments) > 1 else (out_shape[k],)), out_shape)
+
+    def _resized(self, n: fx.Node, spec: ShardSpec, out_shape) -> ShardSpec:
+        new = resize_view(n, spec.dim, out_shape[spec.dim] // self.tp)
         if new is not None:
             n.args = new
             self.counts["views"] += 1
-        return ShardSpec(k, sx.segments if len(sx.segments) > 1 else (out_shape[k],))
+        return spec
+
+    def _stacked_view(self, in_shape, out_shape, sx: ShardSpec) -> Optional[ShardSpec]:
+        """A view that unstacks ``c`` equal sharded segments into a dim of size ``c`` (a fused QKV viewed
+        ``(B, S, 3, H, D)``): the shard moves into each segment's own dims (``H``), the ``c`` dim stays whole."""
+        count, size = len(sx.segments), sx.segments[0]
+        if count < 2 or len(set(sx.segments)) != 1:
+            return None
+        pre = math.prod(in_shape[:sx.dim])
+        for e in range(len(out_shape)):
+            if math.prod(out_shape[:e]) == pre and out_shape[e] == count:
+                inner = in_shape[:sx.dim] + [count, size] + in_shape[sx.dim + 1:]
+                k = map_view_dim(inner, out_shape, sx.dim + 1, self.tp)
+                return ShardSpec(k, (out_shape[k],)) if k > e else None
+        return None
+
+    def _slice(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
+        """A slice along the sharded dim that starts and ends at segment boundaries (a SwiGLU's
+        ``x[..., :h]`` / ``x[..., h:]`` of a fused up projection): the same segments, sliced locally."""
+        full = sum(sx.real_segments)
+        rng = slice_range(n, full)
+        idx = segment_cut(sx.real_segments, rng) if rng is not None else None
+        if idx is None:
+            raise ShardingError(f"slicing along the sharded dim at {rng if rng else 'a step'} cuts through its "
+                                f"segments {list(sx.real_segments)}")
+        loc = sx.local_segments(self.tp)
+        n.args = (n.args[0], sx.dim, sum(loc[:idx[0]]), sum(loc[:idx[1]]))
+        self.counts["views"] += 1
+        return sx.piece(*idx)
+
+    def _leaves_shard(self, n: fx.Node, sx: ShardSpec) -> bool:
+        """A pad that pads other dims only, or an index with replicated indices on dims after the sharded one
+        (Mochi's valid text tokens ``x[:, :, idx]``): local, the sharded dim where it was."""
+        nd = n.args[0].meta["val"].dim()
+        if n.target is aten.index.Tensor:
+            indices = list(n.args[1])
+            used = [i for i, a in enumerate(indices) if a is not None]
+            return bool(used) and sx.dim < used[0] and not any(self._s(indices[i]) for i in used)
+        pads = list(n.args[1])
+        covered = nd - 1 - sx.dim  # pairs run from the last dim backwards
+        return len(pads) <= 2 * covered or not any(pads[2 * covered:2 * covered + 2])
+
+    def _repeats_heads(self, n: fx.Node, sx: ShardSpec) -> bool:
+        """``repeat_interleave(kv, r, dim=heads)`` (GQA) on kv sharded over heads: each rank repeats its own
+        heads, which are the kv heads of its q heads."""
+        dim = arg(n, 2, "dim", None)
+        return dim is not None and int(dim) % n.args[0].meta["val"].dim() == sx.dim and isinstance(n.args[1], int) \
+            and not sx.padded
 
     def _split(self, n: fx.Node, sx: ShardSpec):
         x, dim = n.args[0], split_dim(n)
         sizes = split_sizes(n, int(x.meta["val"].shape[dim]))
         if dim != sx.dim:
             return [sx] * len(sizes)
-        idx = segment_cut(sx.segments, [sum(sizes[:i]) for i in range(len(sizes) + 1)])
+        idx = segment_cut(sx.real_segments, [sum(sizes[:i]) for i in range(len(sizes) + 1)])
         if idx is None:
-            raise ShardingError(f"split sizes {list(sizes)} cut through the sharded segments {list(sx.segments)}")
-        pieces = [ShardSpec(dim, sx.segments[i:j]) for i, j in zip(idx, idx[1:])]
+            raise ShardingError(f"split sizes {list(sizes)} cut through the sharded segments {list(sx.real_segments)}")
+        pieces = [sx.piece(i, j) for i, j in zip(idx, idx[1:])]
         local = [p.local(self.tp) for p in pieces]
         if n.target is aten.chunk.default:
             if len(set(local)) != 1:
                 raise ShardingError(f"chunk into unequal local pieces {local}")
         else:
-            n.args = (x, local if n.target is not aten.split.Tensor or len(set(local)) > 1 else local[0]) + tuple(n.args[2:])
+            one = n.target is aten.split.Tensor and len(set(local)) == 1  # split(x, size): one size
+            n.args = (x, local[0] if one else local) + tuple(n.args[2:])
             self.counts["views"] += 1
         return pieces
 
@@ -354,8 +390,9 @@ class TPRules(Propagation):
         if any(s is not None and s.dim != 1 for s in specs):
             raise ShardingError(f"attention needs q, k, v sharded over heads (dim 1), got {specs}")
         for a, s in zip((q, k, v), specs):
-            if s is None:  # a replicated q/k/v (computed outside the sharded linears): take the local heads
-                heads = int(a.meta["val"].shape[1])
+            heads = int(a.meta["val"].shape[1])
+            if s is None and heads > 1:  # a replicated q/k/v (computed outside the sharded linears, or GQA k / v
+                # repeated to the q heads): take the local heads; one head broadcasts over the q heads as it is
                 check_divisible([heads], self.tp, f"attention input {a.name}")
                 n.replace_input_with(a, self._local(a, 1, ShardSpec(1, (heads,)), n))
         mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
@@ -365,35 +402,6 @@ class TPRules(Propagation):
             if self._s(mask) is None and hd >= 0 and int(mv.shape[hd]) > 1:
                 n.replace_input_with(mask, self._local(mask, hd, ShardSpec(hd, (int(mv.shape[hd]),)), n))
         return specs[0] or ShardSpec(1, (int(q.meta["val"].shape[1]),))
-
-    def _rms_norm(self, n: fx.Node, sx: ShardSpec) -> Optional[ShardSpec]:
-        x, shape = n.args[0], list(n.args[1])
-        weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
-        eps = n.args[3] if len(n.args) > 3 else n.kwargs.get("eps")
-        xv = x.meta["val"]
-        first = xv.dim() - len(shape)
-        if sx.dim < first:  # per-head norm: the sharded dim is not normalised over
-            return sx
-        # Distributed RMSNorm (the norm covers the sharded hidden): sum of squares over the local part,
-        # one all-reduce, division by the full count; same op order as aten.rms_norm.
-        low = xv.dtype in (torch.float16, torch.bfloat16)
-        eps = torch.finfo(torch.float32 if low else xv.dtype).eps if eps is None else eps
-        emit = self.emit
-        with self.g.inserting_before(n):
-            xf = emit(aten._to_copy.default, (x,), {"dtype": torch.float32}, like=n) if low else x
-            ss = emit(aten.sum.dim_IntList, (emit(aten.pow.Tensor_Scalar, (xf, 2), like=n),
-                                             list(range(first, xv.dim())), True), like=n)
-            ms = emit(aten.div.Tensor, (self.all_reduce(ss, n), math.prod(int(s) for s in shape)), like=n)
-            r = emit(aten.rsqrt.default, (emit(aten.add.Tensor, (ms, eps), like=n),), like=n)
-            y = emit(aten.type_as.default, (emit(aten.mul.Tensor, (xf, r), like=n), x), like=n)
-            if weight is not None:
-                wd = sx.dim - first
-                y = emit(aten.mul.Tensor, (y, self._local(weight, wd, ShardSpec(wd, sx.segments), n)), like=n)
-        y.meta["val"] = n.meta["val"]  # full shape until repropagate(); later rules read it
-        n.replace_all_uses_with(y)
-        self.g.erase_node(n)
-        self.place[y] = sx
-        self.counts["norm_all_reduce"] += 1
 
     def _reduction(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
         """Reduction over some dims: local if the sharded dim is kept, else completed by an all-reduce

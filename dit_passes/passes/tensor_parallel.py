@@ -18,6 +18,10 @@ becomes row-parallel. Before / after (rank 0 of 2)::
     linear_3 = aten.linear(attn, to_out.weight) -> all_reduce -> wait_tensor -> add(., to_out.bias)
 
 AdaLN modulation linears stay replicated (``modulation="column"``: rows sharded, output all-gathered).
+What is sharded, replicated or zero-padded is planned first (:mod:`dit_passes.parallel.tp_plan`): a projection
+writing the residual stream stays replicated, so do GQA k / v projections with fewer kv heads than ranks, and an
+MLP hidden that does not divide by ``size`` is zero-padded where the graph proves the padding exact (counted as
+``padded_mlp`` and named in the report). A weight several linears read alike is sharded once.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..parallel.mesh import check_ranks
-from ..parallel.tp_sharding import TPRules, divisors
+from ..parallel.tp_plan import describe_padding, divisors, plan_columns
+from ..parallel.tp_sharding import TPRules
 
 
 class TensorParallel(Pass):
@@ -76,17 +81,19 @@ class TensorParallel(Pass):
                             f"front end (compile_dit) gives; got frontend={ctx.frontend!r}")
         structure = get_structure(gm)
         _check_heads(structure, self.size)
+        plan = plan_columns(structure, self.size)
         rewriter = TPRules(gm, self.size, dist.get_rank(group), group, ctx.runtime.weights, self)
         block_sites = [s for s in structure.linears if s.block is not None]
         tp_sites = structure.column_parallel_linears() + structure.row_parallel_linears()
         before, tp_before = linear_bytes(gm, block_sites), linear_bytes(gm, tp_sites)
-        for site in structure.column_parallel_linears():
-            rewriter.shard_column(site)
+        for column in plan.columns:
+            rewriter.shard_column(column)
         rewriter.propagate()
         if self.modulation == "column":
             for site in structure.linears_with_role("modulation"):
                 if site.block is not None:
                     rewriter.shard_modulation(site)
+        rewriter.weights.check_readers()
         rewriter.repropagate()
         after, tp_after = linear_bytes(gm, block_sites), linear_bytes(gm, tp_sites)
         facts = facts_of(gm)
@@ -99,14 +106,25 @@ class TensorParallel(Pass):
         c = rewriter.counts
         counts = {"column_parallel": c["column"], "row_parallel": len(rewriter.row_nodes),
                   "all_reduce": c["all_reduce"], "norm_all_reduce": c["norm_all_reduce"],
+                  "norm_all_gather": c["norm_all_gather"], "replicated_column": len(plan.replicated),
+                  "padded_mlp": c["padded"], "shared_weights": rewriter.weights.shared(),
                   "all_gather": c["all_gather"], "fallback_all_gather": c["fallback"],
                   "view_rewrites": c["views"], "local_slices": c["slices"],
                   "block_linear_bytes_before": before, "block_linear_bytes_after": after,
                   "qkv_mlp_proj_bytes_before": tp_before, "qkv_mlp_proj_bytes_after": tp_after}
         report = (f"tp={self.size}: {c['column']} column-parallel and {len(rewriter.row_nodes)} row-parallel "
                   f"linears, {c['all_reduce']} all-reduces after row-parallel linears (+{c['norm_all_reduce']} for "
-                  f"full-hidden RMSNorms), modulation {self.modulation}; block linear bytes per rank "
-                  f"{before} -> {after}")
+                  f"full-hidden RMSNorms), {c['norm_all_gather']} all-gathers for full-hidden LayerNorms, "
+                  f"modulation {self.modulation}; block linear bytes per rank {before} -> {after}")
+        if plan.replicated:
+            by_reason: Dict[str, list] = {}
+            for path, why in plan.replicated.items():
+                by_reason.setdefault(why, []).append(path)
+            report += "; column-role linears left replicated: " + "; ".join(
+                f"{paths} ({why})" for why, paths in by_reason.items())
+        if plan.padded:
+            report += ("; MLP hidden zero-padded to a multiple of tp (zero rows in the up projection, zero columns "
+                       "in the down projection): " + ", ".join(describe_padding(plan)))
         if rewriter.fallback_ops:
             report += f"; all-gathered before unsupported ops: {sorted(set(rewriter.fallback_ops))}"
         if off_role:
@@ -126,8 +144,9 @@ def linear_bytes(gm: fx.GraphModule, sites) -> int:
 def _check_heads(structure, tp: int) -> None:
     heads = {a.node.name: (int(a.q.meta["val"].shape[1]), int(a.k.meta["val"].shape[1]))
              for a in structure.attention if a.block is not None}
-    bad = {k: v for k, v in heads.items() if v[0] % tp or v[1] % tp}
+    # one kv head broadcast over the q heads (no repeat): replicated k / v, each rank's q heads read it
+    bad = {k: v for k, v in heads.items() if v[0] % tp or (v[1] % tp and v[1] != 1)}
     if bad:
-        g = math.gcd(*[h for v in heads.values() for h in v])
+        g = math.gcd(*[h for v in heads.values() for h in v if h != 1] or [1])
         raise PassError(f"tensor_parallel size={tp}: attention head counts (q, kv) {sorted(set(bad.values()))} "
                         f"are not divisible by {tp} (e.g. at {next(iter(bad))}); valid sizes: {divisors(g)}")

@@ -1,0 +1,255 @@
+"""What tensor parallelism shards, decided from the graph before anything is rewritten.
+
+For each column-parallel candidate (the structure's ``q`` / ``k`` / ``v`` / ``qkv`` / ``mlp_up`` linears of the
+blocks), :func:`plan_columns` decides one of
+
+* **shard** its output features, in the segments the graph cuts them into (:func:`output_segments`: a fused
+  QKV's ``chunk(3)``, a SwiGLU's ``x[..., :h]`` / ``x[..., h:]``, a view ``(B, S, 3, H, D)`` whose ``3`` is
+  then selected), every rank holding its chunk of each segment;
+* **replicate** it, with the reason: its output reaches another column-parallel linear's input before any
+  linear (a projection that writes the residual stream though its role says ``mlp_up``, e.g. a skip or
+  conditioning input projection: sharding it would shard the residual stream), or it is an unfused k / v
+  projection with fewer kv heads than ranks (GQA: every rank computes the kv heads and the attention takes the
+  ones its q heads read);
+* **pad** it: an MLP up projection whose hidden size does not divide by tp, when the graph proves that its
+  output reaches only the down projection's input, through ops that are finite at 0 (:func:`padded_region`).
+  Each segment gets zero rows (weight and bias) up to a multiple of tp, the down projection zero columns,
+  so the padded units contribute exactly 0 to the down projection's sum.
+
+Anything else that does not divide is refused with the sizes that would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch.fx as fx
+
+from ..infra.pass_base import PassError
+from . import op_classes as oc
+from .propagate import arg, split_dim, split_sizes, val
+
+aten = oc.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnPlan:
+    site: object                  # the structure's LinearSite
+    segments: Tuple[int, ...]     # output segments, as the graph cuts them
+    padded: Tuple[int, ...]       # each rounded up to a multiple of tp (== segments unless padded)
+
+
+@dataclasses.dataclass
+class TPPlan:
+    columns: List[ColumnPlan]
+    replicated: Dict[str, str]    # module path -> why it stays replicated
+
+    @property
+    def padded(self) -> List[ColumnPlan]:
+        return [c for c in self.columns if c.padded != c.segments]
+
+
+def divisors(n: int) -> List[int]:
+    return [t for t in range(1, n + 1) if n % t == 0]
+
+
+# -------------------------------------------------------------------------------------- segments
+def output_segments(linear: fx.Node) -> Tuple[int, ...]:
+    """Segments of a column-parallel linear's output features: the pieces the graph cuts its last dim into
+    (splits and chunks, slices, a view that stacks fused components along a dim it then indexes), each
+    sharded on its own so that after the cut every rank holds matching heads of q, k and v (and matching
+    columns of gate and value). No cut: one segment."""
+    full = int(val(linear).shape[-1])
+    cuts = sorted(_cuts(linear, val(linear).dim() - 1, full, 0) | {0, full})
+    return tuple(b - a for a, b in zip(cuts, cuts[1:]))
+
+
+def slice_range(n: fx.Node, full: int) -> Optional[Tuple[int, int]]:
+    if int(arg(n, 4, "step", 1)) != 1:
+        return None
+    start, end = arg(n, 2, "start", None), arg(n, 3, "end", None)
+    start = 0 if start is None else int(start)
+    end = full if end is None else int(end)
+    start, end = (max(0, min(full, v + full if v < 0 else v)) for v in (start, end))
+    return start, max(start, end)
+
+
+def _cuts(node: fx.Node, dim: int, full: int, base: int) -> Set[int]:
+    """Cut points (offset by ``base``) of ``node``'s dim ``dim`` (of ``full`` elements) made by its users."""
+    out: Set[int] = set()
+    for u in node.users:
+        if u.target in oc.SPLITS and split_dim(u) == dim:
+            sizes = split_sizes(u, full)
+            starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+            out.update(base + s for s in starts)
+            for g in u.users:
+                if g.target is operator.getitem:
+                    i = g.args[1]
+                    out |= _cuts(g, dim, sizes[i], base + starts[i])
+        elif u.target is aten.slice.Tensor and int(arg(u, 1, "dim", 0)) % val(node).dim() == dim:
+            rng = slice_range(u, full)
+            if rng is not None:
+                out.update((base + rng[0], base + rng[1]))
+                out |= _cuts(u, dim, rng[1] - rng[0], base + rng[0])
+        elif u.target in oc.SIZE_VIEWS | {aten.unflatten.int} and dim == val(node).dim() - 1:
+            count = _stacked(u, dim, full)
+            if count:
+                out.update(base + full // count * i for i in range(count + 1))
+    return out
+
+
+def _stacked(view: fx.Node, dim: int, full: int) -> int:
+    """How many components a view of the last dim ``dim`` stacks along a new dim that the graph then indexes
+    (``(B, S, 3*H*D) -> (B, S, 3, H, D)``, then ``select`` / ``unbind`` along the 3), else 0."""
+    src, dst = [int(s) for s in val(view.args[0]).shape], [int(s) for s in val(view).shape]
+    pre = math.prod(src[:dim])
+    for e, count in enumerate(dst):
+        if math.prod(dst[:e]) == pre and 1 < count < full and full % count == 0 and math.prod(dst[e:]) == full:
+            return count if _indexed(view, e) else 0
+    return 0
+
+
+def _indexed(node: fx.Node, dim: int) -> bool:
+    """Whether a user of ``node`` (through permutes / transposes) selects, unbinds or splits along ``dim``."""
+    for u in node.users:
+        t, nd = u.target, val(node).dim()
+        if t is aten.permute.default and _indexed(u, [int(p) % nd for p in u.args[1]].index(dim)):
+            return True
+        if t is aten.transpose.int:
+            a, b = (int(v) % nd for v in u.args[1:3])
+            if _indexed(u, b if dim == a else a if dim == b else dim):
+                return True
+        if t in (aten.select.int, aten.unbind.int) and int(arg(u, 1, "dim", 0)) % nd == dim:
+            return True
+        if t in oc.SPLITS and split_dim(u) == dim:
+            return True
+    return False
+
+
+# -------------------------------------------------------------------------------------- dataflow
+def _data_users(v: fx.Node):
+    """Users that read ``v``'s values (not a type_as / expand_as / *_like that takes only its dtype or shape)."""
+    for u in v.users:
+        if not (u.target in oc.VALUE_FREE or (u.target in oc.META_ARG1 and u.args[0] is not v)):
+            yield u
+
+
+def reaches_column(site_node: fx.Node, columns: Set[fx.Node]) -> Optional[fx.Node]:
+    """The column-parallel linear whose input ``site_node``'s output reaches before any linear, if any."""
+    seen, todo = {site_node}, [site_node]
+    while todo:
+        v = todo.pop()
+        for u in _data_users(v):
+            if u.target is oc.LINEAR:
+                if u in columns and u.args[0] is v:
+                    return u
+                continue
+            if u not in seen and u.op == "call_function":
+                seen.add(u)
+                todo.append(u)
+    return None
+
+
+def _kv_heads(site, structure) -> Optional[int]:
+    """Heads of an unfused k / v projection: its features over the head size of the attention it feeds (the
+    attention site of its block whose module path contains it)."""
+    path = site.module_path
+    owners = [a for a in structure.attention if a.block == site.block
+              and path.startswith(a.node.meta.get("dit_module_path", "\0") + ".")]
+    if not owners:
+        return None
+    head_dim = max(owners, key=lambda a: len(a.node.meta.get("dit_module_path", ""))).head_dim
+    return site.out_features // head_dim if head_dim and site.out_features % head_dim == 0 else None
+
+
+def padded_region(up: fx.Node) -> Tuple[Set[fx.Node], List[fx.Node], Optional[str]]:
+    """(values that carry an MLP up projection's hidden, the linears reading it as their input, or the reason
+    the padded units could leak): the hidden may pass only through ops keeping it the last dim and finite
+    at 0 (:data:`~op_classes.FINITE_POINTWISE`, casts and copies, splits, slices) to linears' inputs."""
+    region, downs, todo = {up}, [], [up]
+    while todo:
+        v = todo.pop()
+        for u in _data_users(v):
+            t = u.target
+            if t is oc.LINEAR:
+                if u.args[0] is not v:
+                    return region, downs, f"{u.name} reads it as a weight"
+                downs.append(u)
+                continue
+            if t is aten.div.Tensor and u.args[1] is v:
+                return region, downs, f"{u.name} divides by it"
+            if t is aten.pow.Tensor_Scalar and not float(u.args[1]) >= 0:
+                return region, downs, f"{u.name} raises it to a negative power"
+            if not (t in oc.FINITE_POINTWISE or t in oc.LIKE_ARG0 or t in oc.SPLITS or t is operator.getitem
+                    or t is aten.slice.Tensor or t is aten.div.Tensor):
+                return region, downs, f"{u.name} ({t}) reads it before the down projection"
+            if u not in region:
+                region.add(u)
+                todo.append(u)
+    return region, downs, None if downs else "no linear reads it"
+
+
+def _check_operands(region: Set[fx.Node]) -> Optional[str]:
+    """Every other tensor operand of a pointwise op of the region must be broadcast along the hidden."""
+    for u in region:
+        if u.target not in oc.FINITE_POINTWISE and u.target is not aten.div.Tensor:
+            continue
+        for a in u.args:
+            if isinstance(a, fx.Node) and a not in region and val(a) is not None and val(a).dim() and \
+                    int(val(a).shape[-1]) != 1:
+                return f"{u.name} combines it with {a.name}, which has the full hidden size"
+    return None
+
+
+# -------------------------------------------------------------------------------------- the plan
+def plan_columns(structure, tp: int) -> TPPlan:
+    """The plan (see the module docstring); PassError for a size that neither divides nor can be padded."""
+    sites = structure.column_parallel_linears()
+    columns = {s.node for s in sites}
+    plans, replicated, pad_sites = [], {}, []
+    for site in sites:
+        if site.out_features == 0:
+            replicated[site.module_path] = "it has no output features"
+            continue
+        reached = reaches_column(site.node, columns)
+        if reached is not None:
+            replicated[site.module_path] = (f"its output reaches column-parallel {reached.name} "
+                                            f"({reached.meta.get('dit_module_path', '?')}) before any linear")
+            continue
+        if site.role in ("k", "v"):
+            heads = _kv_heads(site, structure)
+            if heads is not None and heads % tp:
+                replicated[site.module_path] = (f"{heads} kv head(s) do not divide by tp={tp}: every rank "
+                                                f"computes them, the attention takes its q heads' ones")
+                continue
+        segments = output_segments(site.node)
+        if all(s % tp == 0 for s in segments):
+            plans.append(ColumnPlan(site, segments, segments))
+        else:
+            pad_sites.append((site, segments))
+    region: Set[fx.Node] = set()
+    for site, segments in pad_sites:
+        what = (f"tensor_parallel: {site.role} linear {site.module_path}: size(s) {list(segments)} are not "
+                f"divisible by tp={tp}")
+        works = f"tensor-parallel sizes that divide them: {divisors(math.gcd(*segments))}"
+        if site.role != "mlp_up":
+            raise PassError(f"{what}; {works}")
+        part, _, why = padded_region(site.node)
+        if why is not None:
+            raise PassError(f"{what}, and zero-padding the MLP hidden is refused: {why}; {works}")
+        region |= part
+        plans.append(ColumnPlan(site, segments, tuple(-(-s // tp) * tp for s in segments)))
+    why = _check_operands(region)
+    if why is not None:
+        raise PassError(f"tensor_parallel: zero-padding an MLP hidden to a multiple of tp={tp} is refused: {why}")
+    return TPPlan(plans, replicated)
+
+
+def describe_padding(plan: TPPlan) -> List[str]:
+    return [f"{c.site.module_path} {list(c.segments)} -> {list(c.padded)}" for c in plan.padded]
+
+
+__all__ = ["ColumnPlan", "TPPlan", "describe_padding", "divisors", "output_segments", "padded_region",
+           "plan_columns", "reaches_column", "slice_range"]

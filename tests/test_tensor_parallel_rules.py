@@ -1,0 +1,235 @@
+"""TensorParallel's rules beyond Megatron's plain q/k/v/MLP: one spawn of 2 gloo ranks over tiny toy DiTs, each a
+pattern a diffusers family has (the coverage matrix runs the families themselves), against the single process.
+
+* a LayerNorm over the sharded q hidden (Lumina-Next's norm_q): distributed, one all-gather of (mean, M2) per norm;
+* a fused SwiGLU up projection sliced ``x[..., :h]`` / ``x[..., h:]`` (Flux2): sharded in segments, local slices;
+* a fused QKV viewed ``(B, S, 3, H, D)`` and selected (PRX): segments from the view;
+* GQA: kv heads that divide tp sharded through ``repeat_interleave``, fewer kv heads than ranks replicated
+  (Stable Audio, Nucleus-MoE), one kv head that the attention broadcasts left whole (OmniGen);
+* a projection writing the residual stream though its role says mlp_up (HunyuanDiT's skip_linear): replicated;
+* a feed-forward applied to two token groups (CogView4): its weights sharded once, held once;
+* MLP hidden sizes that do not divide tp (Mochi, Z-Image): zero-padded, exact, reported;
+* refusals: a weight two linears shard differently, padding a hidden that a norm reads, with the working sizes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dit_passes.testing.multiproc import run_ranks
+
+TOL = 1e-5
+DIM, HEADS, HEAD_DIM = 32, 4, 8
+
+
+class _Block(nn.Module):
+    """One DiT block; the options switch on the patterns of the module docstring."""
+
+    def __init__(self, kv_heads=HEADS, q_norm=None, stacked=False, mlp="gelu", hidden=64, mlp_norm=False,
+                 skip=False, ff_groups=1, kv_repeat=True):
+        super().__init__()
+        self.kv_heads, self.q_norm_kind, self.stacked, self.mlp_kind = kv_heads, q_norm, stacked, mlp
+        self.kv_repeat = kv_repeat  # False: one kv head broadcast over the q heads by the attention (OmniGen)
+        self.hidden, self.ff_groups = hidden, ff_groups
+        self.skip = nn.Linear(2 * DIM, DIM) if skip else None  # reads [x, skip]: writes the residual stream
+        self.norm1, self.norm2 = nn.LayerNorm(DIM, elementwise_affine=False), nn.LayerNorm(DIM)
+        if stacked:
+            self.qkv = nn.Linear(DIM, 3 * DIM)
+        else:
+            self.to_q = nn.Linear(DIM, DIM)
+            self.to_k, self.to_v = nn.Linear(DIM, kv_heads * HEAD_DIM), nn.Linear(DIM, kv_heads * HEAD_DIM)
+        self.norm_q = {"layer": nn.LayerNorm(DIM), "group": nn.GroupNorm(2, DIM), None: None}[q_norm]
+        self.to_out = nn.Linear(DIM, DIM)
+        if mlp == "tied":  # one square weight as up and down projection
+            self.square = nn.Linear(DIM, DIM)
+        elif mlp == "glu2":  # w1 / w3 / w2 (Z-Image)
+            self.w1, self.w3, self.w2 = nn.Linear(DIM, hidden), nn.Linear(DIM, hidden), nn.Linear(hidden, DIM)
+        else:  # "gelu", or "swiglu": one fused up projection, halves sliced (Flux2)
+            self.up = nn.Linear(DIM, 2 * hidden if mlp == "swiglu" else hidden)
+            self.down = nn.Linear(hidden, DIM)
+        self.mid_norm = nn.LayerNorm(hidden) if mlp_norm else None
+
+    def attention(self, x):
+        b, s, _ = x.shape
+        if self.stacked:
+            qkv = self.qkv(x).view(b, s, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        else:
+            q = self.to_q(x)
+            if self.q_norm_kind == "layer":
+                q = self.norm_q(q)
+            elif self.q_norm_kind == "group":
+                q = self.norm_q(q.transpose(1, 2)).transpose(1, 2)
+            q = q.view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+            k, v = (t.view(b, s, self.kv_heads, HEAD_DIM).transpose(1, 2) for t in (self.to_k(x), self.to_v(x)))
+            if self.kv_heads != HEADS and self.kv_repeat:
+                k, v = (t.repeat_interleave(HEADS // self.kv_heads, dim=1) for t in (k, v))
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, DIM)
+        return self.to_out(o)
+
+    def mlp(self, x):
+        if self.mlp_kind == "tied":
+            return self.square(F.gelu(self.square(x)))
+        if self.mlp_kind == "glu2":
+            h = F.silu(self.w1(x)) * self.w3(x)
+        else:
+            h = self.up(x)
+            h = F.silu(h[..., :self.hidden]) * h[..., self.hidden:] if self.mlp_kind == "swiglu" else F.gelu(h)
+        if self.mid_norm is not None:
+            h = self.mid_norm(h)
+        return (self.w2 if self.mlp_kind == "glu2" else self.down)(h)
+
+    def forward(self, x):
+        if self.skip is not None:
+            x = self.skip(torch.cat([x, x.flip(1)], -1))
+        x = x + self.attention(self.norm1(x))
+        h = self.norm2(x)
+        return x + torch.cat([self.mlp(g) for g in h.chunk(self.ff_groups, 1)], 1)
+
+
+class _ToyDiT(nn.Module):
+    def __init__(self, second=None, **options):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(**options), _Block(**{**options, **(second or {})})])
+
+    def forward(self, hidden_states):
+        for b in self.blocks:
+            hidden_states = b(hidden_states)
+        return (hidden_states,)
+
+
+CASES = {
+    # Lumina-Next's norm_q, Flux2's fused SwiGLU, GQA with 2 kv heads over 2 ranks
+    "layernorm_swiglu_gqa": dict(q_norm="layer", mlp="swiglu", kv_heads=2),
+    # PRX's stacked QKV view, Z-Image's w1/w3/w2 with a hidden of 21, HunyuanDiT's skip projection
+    "stacked_padded_skip": dict(stacked=True, mlp="glu2", hidden=21, skip=True),
+    # one kv head, repeated (Stable Audio) then broadcast (OmniGen), a sliced SwiGLU of hidden 21 (Mochi),
+    # applied to two token groups (CogView4)
+    "kv1_padded_swiglu_tied": dict(kv_heads=1, mlp="swiglu", hidden=21, ff_groups=2, second=dict(kv_repeat=False)),
+}
+REFUSALS = {
+    "tied_differently": dict(mlp="tied"),
+    "pad_under_norm": dict(mlp="gelu", hidden=63, mlp_norm=True),
+    "group_norm": dict(q_norm="group"),
+}
+
+
+def _run_case(options, world):
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from dit_passes import compile_dit
+    from dit_passes.passes.tensor_parallel import TensorParallel
+    from dit_passes.testing.resident import resident_bytes, tensors_bytes
+
+    torch.manual_seed(0)
+    model = _ToyDiT(**options).eval()
+    x = torch.randn(2, 8, DIM)
+    with torch.no_grad():
+        ref = model(x)[0]
+    weights = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    c = compile_dit(model, passes=[TensorParallel(size=world)])
+    c.lower(hidden_states=x)  # capture + passes outside the debug mode, which then sees only the run
+    with torch.no_grad(), CommDebugMode() as comm:
+        out = c(hidden_states=x)[0]
+    gm = c.graph_module
+    rec = [r for r in c._current().manager.records if r.name == "tensor_parallel"][0]
+    released = dict(c.released)
+    shards = tensors_bytes([gm.get_parameter(t) for t in released])
+    return {
+        "err": ((out - ref).abs().max() / ref.abs().max()).item(),
+        "counts": rec.result.counts, "report": rec.result.report,
+        "comm": {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()},
+        "graph_ops": [str(n.target).split(".")[-2] for n in gm.graph.nodes
+                      if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait" not in str(n.target)],
+        "released": released, "shapes": {t: tuple(gm.get_parameter(t).shape) for t in released},
+        # each weight once: what the module still holds whole, plus one shard per released weight
+        "resident": resident_bytes(c), "bound": sum(weights.values()) - sum(weights[t] for t in released) + shards,
+    }
+
+
+def _refusal(options, world):
+    from dit_passes import PassError, compile_dit
+    from dit_passes.passes.tensor_parallel import TensorParallel
+
+    try:
+        compile_dit(_ToyDiT(**options), passes=[TensorParallel(size=world)])(hidden_states=torch.randn(1, 8, DIM))
+    except PassError as e:
+        return str(e)
+    return "no error"
+
+
+def _ranks(rank, world):
+    out = {name: _run_case(options, world) for name, options in CASES.items()}
+    out.update({name: _refusal(options, world) for name, options in REFUSALS.items()})
+    return out
+
+
+@pytest.fixture(scope="session")
+def rule_ranks():
+    return run_ranks(_ranks, 2, timeout=400)
+
+
+def _exact(rule_ranks, case):
+    """Each rank's (result, counts) of ``case``, checked exact and running exactly its collectives."""
+    for rank, res in enumerate(rule_ranks):
+        _check_exact(res[case], f"{case}@{rank}")
+        yield res[case], res[case]["counts"]
+
+
+def _check_exact(r, name):
+    c = r["counts"]
+    assert r["err"] <= TOL, (name, r["err"])
+    assert c["fallback_all_gather"] == 0 and c["all_gather"] == 0, (name, r["report"])
+    # exactly the collectives the pass inserted ran: one all-reduce per row-parallel linear, one all-gather per
+    # distributed LayerNorm, nothing else
+    assert r["comm"].get("all_reduce", 0) == c["all_reduce"] == c["row_parallel"], (name, r["comm"], c)
+    assert r["comm"].get("all_gather_into_tensor", 0) == c["norm_all_gather"], (name, r["comm"], c)
+    assert sorted(r["graph_ops"]) == sorted(["all_reduce"] * c["all_reduce"]
+                                            + ["all_gather_into_tensor"] * c["norm_all_gather"]), (name, r)
+    assert r["resident"] <= r["bound"], (name, r["resident"], r["bound"])
+
+
+def test_layer_norm_slices_and_gqa_heads(rule_ranks):
+    for r, c in _exact(rule_ranks, "layernorm_swiglu_gqa"):
+        # per block: to_q, to_k, to_v, up column-parallel; to_out, down row-parallel; norm_q distributed
+        assert (c["column_parallel"], c["row_parallel"], c["norm_all_gather"]) == (8, 4, 2), c
+        assert c["replicated_column"] == c["padded_mlp"] == c["norm_all_reduce"] == 0, c
+        # the fused up projection holds its half of gate and of value; 2 kv heads: one each
+        assert r["shapes"]["blocks.0.up.weight"] == (64, DIM) and r["shapes"]["blocks.0.to_k.weight"] == (8, DIM)
+        assert "2 all-gathers for full-hidden LayerNorms" in r["report"]
+
+
+def test_stacked_qkv_padding_and_residual_projection(rule_ranks):
+    for r, c in _exact(rule_ranks, "stacked_padded_skip"):
+        assert (c["column_parallel"], c["row_parallel"], c["padded_mlp"], c["replicated_column"]) == (6, 4, 4, 2), c
+        # qkv: rank's heads of q, k and v; w1 / w3: 11 rows (21 padded to 22), w2: 11 columns
+        assert r["shapes"]["blocks.0.qkv.weight"] == (3 * DIM // 2, DIM)
+        assert r["shapes"]["blocks.1.w1.weight"] == (11, DIM) and r["shapes"]["blocks.1.w2.weight"] == (DIM, 11)
+        assert "blocks.0.skip.weight" not in r["released"]
+        assert "blocks.0.skip" in r["report"] and "before any linear" in r["report"], r["report"]
+        assert "blocks.0.w1 [21] -> [22]" in r["report"] and "zero-padded" in r["report"], r["report"]
+        assert "zero-padded [21] -> [22]" in r["released"]["blocks.0.w2.weight"]
+
+
+def test_gqa_replicated_kv_padded_slices_and_weights_read_twice(rule_ranks):
+    for r, c in _exact(rule_ranks, "kv1_padded_swiglu_tied"):
+        # the feed-forward runs on two token groups: 2 up and 2 down linears per block read one weight each
+        assert (c["column_parallel"], c["row_parallel"], c["padded_mlp"]) == (6, 6, 4), c
+        assert c["replicated_column"] == 4 and c["shared_weights"] == 6, c  # up.weight, up.bias, down.weight
+        assert "1 kv head(s) do not divide by tp=2" in r["report"]
+        assert r["shapes"]["blocks.0.up.weight"] == (22, DIM) and r["shapes"]["blocks.0.down.weight"] == (DIM, 11)
+        assert "blocks.0.to_k.weight" not in r["released"]
+        assert "blocks.0.up [21, 21] -> [22, 22]" in r["report"], r["report"]
+
+
+def test_refusals_name_the_cause_and_the_sizes_that_work(rule_ranks):
+    for res in rule_ranks:
+        msg = res["tied_differently"]
+        assert "blocks.0.square.weight" in msg and "must shard it alike" in msg, msg
+        msg = res["pad_under_norm"]
+        assert "63" in msg and "not divisible by tp=2" in msg and "[1, 3, 7, 9, 21, 63]" in msg, msg
+        assert "zero-padding the MLP hidden is refused" in msg and "layer_norm" in msg, msg
+        msg = res["group_norm"]
+        assert "normalises over the sharded hidden size" in msg, msg
