@@ -1,5 +1,6 @@
 """Capture of models whose token counts come from the inputs' values (masks): ``nonzero``, boolean-mask
-indexing and ``bool()`` of a traced tensor are specialised on the call's values and guarded (issue 20)."""
+indexing, ``bool()`` of a traced tensor and tensor slice bounds (``x[:, :mask.sum()]``) are specialised on the
+call's values and guarded (issue 20)."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ class _Block(torch.nn.Module):
 
 
 class _MaskedTokens(torch.nn.Module):
-    """Keeps the tokens its mask selects (three ways), runs two blocks on them, scatters them back."""
+    """Keeps as many tokens as its mask selects (four ways), runs two blocks on them, scatters them back."""
 
     def __init__(self, how: str, dim: int = 8):
         super().__init__()
@@ -31,6 +32,10 @@ class _MaskedTokens(torch.nn.Module):
         if self.how == "nonzero":
             rows = torch.nonzero(keep).flatten()
             x = hidden_states.index_select(1, rows)
+        elif self.how == "slice":  # the first keep.sum() tokens: tensor slice bounds, read and written
+            n = keep.sum()
+            x = hidden_states[:, :n].clone()
+            x[:, n - 1:] = 0.0
         else:
             x = hidden_states[:, keep]
         if self.how == "bool" and bool(keep.all()):
@@ -40,7 +45,7 @@ class _MaskedTokens(torch.nn.Module):
         return (hidden_states.masked_scatter(keep[None, :, None].expand_as(hidden_states), x),)
 
 
-@pytest.mark.parametrize("how", ["nonzero", "mask_index", "bool"])
+@pytest.mark.parametrize("how", ["nonzero", "mask_index", "bool", "slice"])
 def test_data_dependent_token_counts_are_specialised_and_guarded(how):
     torch.manual_seed(0)
     model = _MaskedTokens(how).eval()
