@@ -114,7 +114,6 @@ MINIMAX_H3 = _family("minimax_h3", "MiniMaxH3Transformer3DModel",
                      aux_list_keys={"token_refiner.refiner_blocks": "num_refiner_layers"})
 
 
-
 # ------------------------------------------------------------------------- kandinsky 6 (video + audio)
 def _kandinsky6_inputs(config, batch, sizes, gen):
     """Kandinsky6TI2VAPipeline with a reference image: the clean first frame is appended as a masked tail frame

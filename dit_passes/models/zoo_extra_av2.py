@@ -13,6 +13,12 @@ from dit_passes.models.zoo_common import MAX_BATCH, cfg_rows, check_batch, randn
 from dit_passes.models.zoo_more import DIM, HEAD_DIM, HEADS, TEXT_DIM, _family
 
 
+def _kv_rows(gen: torch.Generator, batch: int, *shape: int) -> torch.Tensor:
+    """Cached keys and values ``(2, batch, *shape)``, one draw per row (the rows of a CFG pair saw different
+    prompts); row 0 equals the batch-1 draw."""
+    return text_rows(gen, batch, 2, *shape).movedim(1, 0).contiguous()
+
+
 # ----------------------------------------------------------------------------- cosmos 3 (omni, packed)
 def _cosmos3_inputs(config, batch, sizes, gen):
     """Cosmos3OmniPipeline's packed call: [text | vision | sound | action] rows in one sequence (no batch axis:
@@ -87,7 +93,6 @@ COSMOS3 = _family("cosmos3", "Cosmos3OmniTransformer",
                   pipeline_class="Cosmos3OmniPipeline")
 
 
-
 # ------------------------------------------------------------------------------ anyflow FAR (causal chunks)
 def _anyflow_far_inputs(config, batch, sizes, gen):
     """AnyFlowFARPipeline's denoising call for the third chunk of [f, f, f] frames: the chunk in (B, F, C, H, W),
@@ -108,8 +113,8 @@ def _anyflow_far_inputs(config, batch, sizes, gen):
         "encoder_hidden_states": text_rows(gen, batch, sizes["text"], config["text_dim"]),
         "chunk_partition": partition,
     }
-    out["kv_cache"] = {layer: {"full_cache": randn(gen, 2, batch, heads, full_tokens, head_dim),
-                               "compressed_cache": randn(gen, 2, batch, heads, compressed_tokens, head_dim)}
+    out["kv_cache"] = {layer: {"full_cache": _kv_rows(gen, batch, heads, full_tokens, head_dim),
+                               "compressed_cache": _kv_rows(gen, batch, heads, compressed_tokens, head_dim)}
                        for layer in range(config["num_layers"])}
     out["kv_cache_flag"] = {"num_cached_chunks": len(partition) - 1, "is_cache_step": False}
     out["return_dict"] = False
@@ -123,7 +128,6 @@ ANYFLOW_FAR = _family("anyflow_far", "AnyFlowFARTransformer3DModel",
                            chunk_partition=(2, 2, 2)),
                       _anyflow_far_inputs, {"blocks": "num_layers"}, 1, video=True, warm_up=True,
                       pipeline_class="AnyFlowFARPipeline")
-
 
 
 # ------------------------------------------------------------------------ kandinsky 6 SR (NABLA, flex)
@@ -150,7 +154,6 @@ KANDINSKY6_SR = _family("kandinsky6_sr", "Kandinsky6SRTransformer3DModel",
                         pipeline_class="Kandinsky6SRPipeline")
 
 
-
 # ---------------------------------------------------------------------- wan animate 2 (in-context, flex)
 def _wan_animate2_inputs(config, batch, sizes, gen):
     """The generation pass (``kv_cache_mode="cached"``) after the reference pass: per-sample lists of latents /
@@ -165,7 +168,7 @@ def _wan_animate2_inputs(config, batch, sizes, gen):
     text = text_rows(gen, batch, sizes["text"], config["text_dim"])
     cache = WanAnimate2KVCache(config["num_layers"])
     for layer in range(config["num_layers"]):  # pre-RoPE reference keys / values, (B, f*h*w, heads, head_dim)
-        cache.get(layer).store(*randn(gen, 2, batch, f * h * w, heads, config["dim"] // heads).unbind(0))
+        cache.get(layer).store(*_kv_rows(gen, batch, f * h * w, heads, config["dim"] // heads).unbind(0))
     return {
         "hidden_states": list(latents.unbind(0)),
         "timestep": timestep_rows(gen, batch, 1000.0),
@@ -187,7 +190,6 @@ WAN_ANIMATE2 = _family("wan_animate2", "WanAnimate2Transformer3DModel",
                             text_dim=TEXT_DIM, out_dim=4, num_heads=HEADS, num_layers=2, use_img_emb=True),
                        _wan_animate2_inputs, {"blocks": "num_layers"}, 1, video=True, warm_up=True,
                        heads_key="num_heads", head_dim_key=None, hidden_key="dim")
-
 
 
 # ------------------------------------------------------------------------- sana-wm (camera-controlled)
@@ -236,7 +238,6 @@ SANA_WM = _family("sana_wm", "SanaWMTransformer3DModel",
                   pipeline_class="SanaWMPipeline")
 
 
-
 # ------------------------------------------------------------------- sana-wm stage 2 (LTX-2 AR refiner)
 def _refiner_rope(config):
     """The refiner's ``build_rotary_emb_for_absolute_positions`` on a rope built as the class builds it from
@@ -273,8 +274,8 @@ def _sana_wm_refiner_inputs(config, batch, sizes, gen):
     cache.sink_pe = rope(batch_size=batch, frame_positions=list(range(sink)), height=h, width=w,
                          device=torch.device("cpu"), fps=24.0)
     for layer in range(config["num_layers"]):
-        cache.get(layer).store_sink(*randn(gen, 2, batch, sink * h * w, inner).unbind(0))
-        cache.get(layer).store_history(*randn(gen, 2, batch, history * h * w, inner).unbind(0))
+        cache.get(layer).store_sink(*_kv_rows(gen, batch, sink * h * w, inner).unbind(0))
+        cache.get(layer).store_history(*_kv_rows(gen, batch, history * h * w, inner).unbind(0))
     start = sink + history
     return {
         "hidden_states": cfg_rows(gen, batch, f * h * w, config["in_channels"]),
