@@ -160,9 +160,32 @@ def _bool_mask_index(func, args) -> tuple | None:
     return (index, masks[0]) if len(masks) == 1 else None
 
 
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+
+def _tensor_slice_bounds(func, args) -> List[torch.Tensor]:
+    """The tensor bounds of the slices in ``x[..., :n, ...]`` (read or written; HunyuanVideo-Framepack cuts its
+    text to ``mask.sum()`` tokens this way): each is a data-dependent size, read in C++ without ``item()``."""
+    if func not in _INDEXING or len(args) < 2:
+        return []
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return [b for s in index if isinstance(s, slice) for b in (s.start, s.stop, s.step) if isinstance(b, torch.Tensor)]
+
+
+def _with_int_bounds(args: tuple, value_of) -> tuple:
+    """``args`` of an indexing call with each tensor slice bound replaced by ``value_of(bound)``."""
+    def fix(b):
+        return value_of(b) if isinstance(b, torch.Tensor) else b
+
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    index = tuple(slice(fix(s.start), fix(s.stop), fix(s.step)) if isinstance(s, slice) else s for s in index)
+    return (args[0], index if isinstance(args[1], tuple) else index[0], *args[2:])
+
+
 class _ScalarRecorder(TorchFunctionMode):
-    """Eager run: records, in call order, every Python scalar read from a tensor (item / tolist / bool / int) and
-    every data-dependent length (``nonzero``, boolean-mask indexing, ``repeat_interleave`` with tensor repeats)."""
+    """Eager run: records, in call order, every Python scalar read from a tensor (item / tolist / bool / int, tensor
+    slice bounds) and every data-dependent length (``nonzero``, boolean-mask indexing, ``repeat_interleave`` with
+    tensor repeats)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -170,6 +193,7 @@ class _ScalarRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.values.extend(int(b) for b in _tensor_slice_bounds(func, args))  # replayed before a mask count
         if func in _SCALAR_READS:
             self.values.append(out)
         elif func is torch.Tensor.tolist:
@@ -186,9 +210,9 @@ class _ScalarRecorder(TorchFunctionMode):
 
 
 class _ScalarReplay(TorchFunctionMode):
-    """Tracing: answers each scalar read with the eager value, keeping the traced tensor as a guard; a ``nonzero``
-    becomes ``nonzero_static`` of the eager length, guarded by the count of non-zeros, a ``repeat_interleave``
-    gets the eager ``output_size``, guarded by the sum of its repeats."""
+    """Tracing: answers each scalar read and tensor slice bound with the eager value, keeping the traced tensor as a
+    guard; a ``nonzero`` becomes ``nonzero_static`` of the eager length, guarded by the count of non-zeros, a
+    ``repeat_interleave`` gets the eager ``output_size``, guarded by the sum of its repeats."""
 
     def __init__(self, values: Sequence[Any]) -> None:
         super().__init__()
@@ -204,6 +228,8 @@ class _ScalarReplay(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SCALAR_READS:
             return self._next(_scalar_source(func, args[0]))
+        if _tensor_slice_bounds(func, args):  # x[:, :n] with a traced n: slice at the eager value
+            args = _with_int_bounds(args, lambda bound: int(self._next(bound)))
         kind = _nonzero_call(func, args, kwargs)
         if kind is not None:
             x = args[0]

@@ -1,6 +1,6 @@
 """Capture of models whose token counts come from the inputs' values (masks): ``nonzero`` (also as a tuple),
-boolean-mask indexing, ``repeat_interleave`` with tensor repeats and ``bool()`` / ``int()`` of a traced tensor
-are specialised on the call's values and guarded (issue 20)."""
+boolean-mask indexing, ``repeat_interleave`` with tensor repeats, ``bool()`` / ``int()`` of a traced tensor and
+tensor slice bounds (``x[:, :mask.sum()]``) are specialised on the call's values and guarded (issue 20)."""
 from __future__ import annotations
 
 import pytest
@@ -37,6 +37,10 @@ class _MaskedTokens(torch.nn.Module):
             else:  # each position repeated 0 or 1 times: the kept positions
                 rows = torch.arange(keep.shape[0]).repeat_interleave(keep.long())
             x = hidden_states.index_select(1, rows)
+        elif self.how == "slice":  # the first keep.sum() tokens: tensor slice bounds, read and written
+            n = keep.sum()
+            x = hidden_states[:, :n].clone()
+            x[:, n - 1:] = 0.0
         else:
             x = hidden_states[:, keep]
         if self.how == "bool" and bool(keep.all()):
@@ -48,7 +52,8 @@ class _MaskedTokens(torch.nn.Module):
         return (hidden_states.masked_scatter(keep[None, :, None].expand_as(hidden_states), x),)
 
 
-@pytest.mark.parametrize("how", ["nonzero", "nonzero_tuple", "repeat_interleave", "mask_index", "bool", "int"])
+@pytest.mark.parametrize("how", ["nonzero", "nonzero_tuple", "repeat_interleave", "mask_index", "bool", "int",
+                                 "slice"])
 def test_data_dependent_token_counts_are_specialised_and_guarded(how):
     torch.manual_seed(0)
     model = _MaskedTokens(how).eval()

@@ -148,3 +148,51 @@ def test_dbcache_cuts_across_a_dual_to_single_hand_over():
     assert compiled.report("dbcache").last_generation()["step_cached"] == [False, True]
     assert coverage._max_rel(computed, ref) <= coverage.TOLERANCE
     assert coverage._max_rel(cached, computed) <= coverage.TOLERANCE
+
+
+class _PackedBlock(torch.nn.Module):
+    """Two residual streams of a sequence without a batch axis, ``(tokens, channels)``, that see each other."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.und, self.gen = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, und, gen):
+        joint = torch.cat([und, gen]).mean(0, keepdim=True)
+        return und + self.und(und + joint).tanh(), gen + self.gen(gen + joint).tanh()
+
+
+class _Packed(torch.nn.Module):
+    """Cosmos 3's layout: tokens written into a joint (tokens, channels) buffer, split into two streams."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 8)
+        self.layers = torch.nn.ModuleList([_PackedBlock() for _ in range(3)])
+
+    def forward(self, tokens, order):
+        hidden = tokens.new_zeros(tokens.shape[0], 8)
+        hidden[order] = self.proj(tokens)  # in place: capture functionalises it, the split moves into block 0
+        und, gen = hidden[:3], hidden[3:]
+        for layer in self.layers:
+            und, gen = layer(und, gen)
+        return (torch.cat([und, gen]),)
+
+
+def test_dbcache_on_streams_without_a_batch_axis():
+    """Block 0's streams are slices of a (tokens, channels) buffer: the cache takes them as its residual streams
+    (the image stream the larger one) and caches both leaving streams."""
+    from dit_passes import compile_dit, passes
+    torch.manual_seed(0)
+    model = _Packed().eval()
+    kw = {"tokens": torch.randn(10, 4), "order": torch.randperm(10)}
+    compiled = compile_dit(model, passes=[passes.DBCache(Fn_compute_blocks=1, residual_diff_threshold=1.0,
+                                                         max_warmup_steps=1)])
+    with torch.no_grad():
+        ref = model(**kw)[0]
+        computed, cached = compiled(**kw)[0], compiled(**kw)[0]
+    counts = compiled._current().manager.records[-1].result.counts
+    assert counts["streams_cached"] == 2 and counts["blocks_in_branch"] == 2
+    assert compiled.report("dbcache").last_generation()["step_cached"] == [False, True]
+    assert coverage._max_rel(computed, ref) <= coverage.TOLERANCE
+    assert coverage._max_rel(cached, computed) <= coverage.TOLERANCE

@@ -106,6 +106,46 @@ def test_other_families(family, regions, templates):
     assert cnt.frame_count == templates
 
 
+class _FlexBlock(torch.nn.Module):
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        from torch.nn.attention.flex_attention import flex_attention
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return x + self.out(flex_attention(q, k, v).transpose(1, 2).reshape(b, n, d))
+
+
+class _FlexModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_FlexBlock(), _FlexBlock()])
+
+    def forward(self, hidden_states):
+        for block in self.blocks:
+            hidden_states = block(hidden_states)
+        return (hidden_states,)
+
+
+def test_flex_attention_stays_eager_between_two_regions_per_block():
+    # Dynamo cannot trace an exported flex_attention node again (it takes only the user-level call): each block
+    # is outlined as the region before and the region after it, the two blocks sharing those two templates.
+    torch.manual_seed(0)
+    model = _FlexModel().eval()
+    kw = {"hidden_states": torch.randn(1, 128, 32)}
+    ref = _run(compile_dit(model, passes=[], example_inputs=kw), kw)
+    cnt = CompileCounterWithBackend("aot_eager")
+    c = compile_dit(model, passes=[passes.RegionalCompile(backend=cnt, min_nodes=1)], example_inputs=kw)
+    assert _counts(c) == {"regions": 4, "templates": 2, "templates_reused": 0, "graphs": 1, "cats_folded": 0}
+    flex = [n for n in c.graph_module.graph.nodes if n.target is torch.ops.higher_order.flex_attention]
+    assert len(flex) == 2 and torch.equal(_run(c, kw), ref)
+    assert cnt.frame_count == 2
+
+
 def _step_loop(model, kwargs, steps=8):
     outs, lat = [], kwargs["hidden_states"].clone()
     for i in range(steps):

@@ -42,6 +42,7 @@ import diffusers
 import torch
 
 from dit_passes.models.zoo_common import FamilySpec
+from dit_passes.models.zoo_extra_av import EXTRA_AV_FAMILIES
 from dit_passes.models.zoo_extra_image import EXTRA_IMAGE_FAMILIES
 from dit_passes.models.zoo_image import IMAGE_FAMILIES
 from dit_passes.models.zoo_more import MORE_IMAGE_FAMILIES
@@ -52,7 +53,7 @@ __all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ZooModel", "build"
            "model_class"]
 
 _CURATED = IMAGE_FAMILIES + VIDEO_FAMILIES
-MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES + EXTRA_IMAGE_FAMILIES
+MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES + EXTRA_IMAGE_FAMILIES + EXTRA_AV_FAMILIES
 _SPECS: MappingProxyType = MappingProxyType({s.name: s for s in _CURATED + MORE_FAMILIES})
 
 # Every family the zoo knows; the curated ones (the test suite's zoo: every test builds these) and the

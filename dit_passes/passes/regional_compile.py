@@ -32,7 +32,8 @@ tensor (Flux's single blocks split the joint sequence at their end and join it a
 19 + 38: 2 templates. Blocks whose program really differs get their own template: SD3's last block
 (``context_pre_only``), a dual-stream last block whose text output is dead (QwenImage), a first block
 fed a non-contiguous or 5-D prologue output (PixArt, HunyuanVideo, CogVideoX), a quantized linear in some
-blocks only.
+blocks only. A flex attention (Kandinsky 6 SR, AnyFlow-FAR, Wan-Animate 2) runs eagerly between two regions of
+its block: Dynamo cannot trace its exported form again.
 
 Before (one Flux single block)::
 
@@ -90,6 +91,12 @@ _VIEW_OPS = {getattr(torch.ops.aten, name).default if "." not in name else
                           "alias.default", "narrow.default")}
 
 
+# Higher-order ops Dynamo cannot trace again in their lowered (exported) form: a flex_attention node carries its
+# score / mask graphs and their buffers as arguments, and Dynamo takes only the user-level call. Such a node ends
+# its block's run (the block becomes two regions around it) and runs eagerly, as exported.
+_NOT_RETRACEABLE = {torch.ops.higher_order.flex_attention}
+
+
 def _is_view(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target in _VIEW_OPS
 
@@ -143,13 +150,13 @@ def _regions(graph: fx.Graph, lists: Collection[str]) -> List[Tuple[str, List[fx
     for n in graph.nodes:
         if n.op != "call_function":
             continue
-        p = block_path(n, lists)
+        p = block_path(n, lists) if n.target not in _NOT_RETRACEABLE else ""
         if p and runs and runs[-1][0] == p:
             runs[-1][1].append(n)
         else:
             runs.append((p, [n]))
     # Any other call (glue without a block path, a collective or an offload load placed between a block's
-    # nodes) ends a run: a split block becomes two regions, still exact.
+    # nodes, a flex attention) ends a run: a split block becomes two regions, still exact.
     runs = [(p, ns) for p, ns in runs if p]
     for _, ns in runs:  # trailing views: used only outside the region
         inside = set(ns)
@@ -309,13 +316,15 @@ class RegionalCompile(Pass):
 
     @staticmethod
     def _graph_modules(gm: fx.GraphModule) -> List[fx.GraphModule]:
-        """The top graph and the subgraphs its control-flow nodes call (torch.cond branches), recursively."""
+        """The top graph and the subgraphs its control-flow nodes call (torch.cond branches), recursively; not
+        the score / mask functions of an eager flex attention."""
         out, stack = [], [gm]
         while stack:
             g = stack.pop()
             out.append(g)
             for n in g.graph.nodes:
-                if n.op == "get_attr" and isinstance(_attr(g, n.target), fx.GraphModule):
+                if (n.op == "get_attr" and isinstance(_attr(g, n.target), fx.GraphModule)
+                        and not all(u.target in _NOT_RETRACEABLE for u in n.users)):
                     stack.append(_attr(g, n.target))
         return out
 

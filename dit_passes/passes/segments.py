@@ -123,6 +123,30 @@ def _bases(leaving: List[fx.Node], middle: List[fx.Node], streams: List[fx.Node]
     return out
 
 
+def _stream_inputs(block) -> List[fx.Node]:
+    """The residual streams entering ``block``: discovery's (``(batch, tokens, channels)`` inputs), else, for a
+    model without a batch axis (Cosmos 3 packs ``(tokens, channels)`` sequences), the values entering the block
+    with the shape of one leaving it (a residual stream keeps its shape through a block): its inputs, and the
+    slices of an input it starts with (Cosmos 3 splits its joint sequence in two; capture's functionalisation
+    re-materialises those slices at their first use, inside block 0)."""
+    if block.stream_inputs:
+        return block.stream_inputs
+    inside, side = set(block.nodes), set(block.side_inputs)
+    shapes = {tuple(o.meta["val"].shape) for o in block.stream_outputs}
+
+    def entering(x: fx.Node) -> bool:
+        return x not in inside and x not in side and x.op != "get_attr"
+
+    out: List[fx.Node] = []
+    for n in block.nodes:
+        sliced = n.target is torch.ops.aten.slice.Tensor and isinstance(n.args[0], fx.Node) and entering(n.args[0])
+        for a in ([n] if sliced else []) + [a for a in n.all_input_nodes if entering(a)]:
+            v = a.meta.get("val")
+            if a not in out and isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape) in shapes:
+                out.append(a)
+    return out
+
+
 def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int,
                exclude: Set[fx.Node] = frozenset()) -> MiddleSegment:
     nodes = list(gm.graph.nodes)
@@ -145,7 +169,7 @@ def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int,
     streams_at_cut = [a for a in live_in if pos[a] >= start]
     before_of = _bases(live_out, middle, streams_at_cut)
 
-    ins = blocks[0].stream_inputs
+    ins = _stream_inputs(blocks[0])
     if not ins:
         raise PassError("dbcache: block 0 has no residual stream input")
     image_in = next((x for x in ins if "hidden_states" in _ancestor_placeholders(x)
