@@ -271,9 +271,11 @@ class RayEngine:
 
         t2 = time.perf_counter()
         self.backend = "nccl" if self.use_gpus else "gloo"
-        master = infos[0]
-        self._gather([a.init_process_group.remote(master["ip"], master["port"], self.backend, self.timeout_s)
-                      for a in self._actors], f"process group init at {master['ip']}:{master['port']}")
+        ip = infos[0]["ip"]
+        (port,) = self._gather([self._actors[0].open_rendezvous.remote(ip, self.timeout_s)],
+                               f"opening the rendezvous on rank 0 ({ip})")
+        self._gather([a.init_process_group.remote(ip, port, self.backend, self.timeout_s)
+                      for a in self._actors], f"process group init at {ip}:{port}")
         self.startup["process_group_s"] = time.perf_counter() - t2
 
         t3 = time.perf_counter()

@@ -4,8 +4,8 @@
 ``ray.remote`` when it launches (importing this module needs no Ray). One instance per rank, in its own
 process; everything it holds is per-instance.
 
-Life cycle (each step one actor call, driven by the launcher): ``node_info`` (IP + a free port, asked
-of rank 0 for the rendezvous) -> ``init_process_group`` -> ``load`` (transfer payload -> object ->
+Life cycle (each step one actor call, driven by the launcher): ``node_info`` (IP), ``open_rendezvous`` (rank 0
+hosts the store) -> ``init_process_group`` -> ``load`` (transfer payload -> object ->
 ``compile_dit`` on its transformer(s) with this rank's passes -> device) -> ``call`` / ``forward`` any
 number of times -> ``close``.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -87,22 +86,24 @@ class RankWorker:
     # -- rendezvous ------------------------------------------------------------------------------
     def node_info(self) -> Dict[str, Any]:
         import ray
-        ip = ray.util.get_node_ip_address()
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        # Bound to the node's address (what the other ranks dial); released right away, so another
-        # process could take it before init_process_group binds it: that fails loudly, never hangs.
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((ip, 0))
-            port = sock.getsockname()[1]
-        return {"ip": ip, "port": port, "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
+        return {"ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
                 "torch_threads": torch.get_num_threads()}
+
+    def open_rendezvous(self, ip: str, timeout_s: float) -> int:
+        """Rank 0: host the process group's store on a port the OS picks while binding it (a port found free
+        and bound later can be taken in between: EADDRINUSE on a busy machine). Returns the port."""
+        import torch.distributed as dist
+        self._store = dist.TCPStore(ip, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return int(self._store.port)
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> str:
         import torch.distributed as dist
-        host = f"[{master_addr}]" if ":" in master_addr else master_addr
         t0 = time.perf_counter()
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{master_port}", rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = getattr(self, "_store", None) or dist.TCPStore(master_addr, master_port, self.world_size,
+                                                               is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.timings["process_group_s"] = time.perf_counter() - t0
         return str(dist.get_backend())
 
