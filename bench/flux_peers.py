@@ -13,6 +13,9 @@ Rows:
 * ``torchcompile_never``: ``torch.compile(model)`` (default mode), no cache: the first generation includes
   the compile;
 * ``cachedit_*``: cache-dit's ``enable_cache`` with ``DBCacheConfig`` of the same fields, eager;
+* ``cacheditregional_*`` / ``cacheditcompile_*``: the same, compiled: ``compile_repeated_blocks()`` (the path
+  cache-dit's own Ray workers take) / ``torch.compile`` of the whole transformer after
+  ``cache_dit.set_compile_configs()``; the first generation includes the compile;
 * ``fbcache_*``: diffusers' ``FirstBlockCacheConfig`` (``model.enable_cache``), eager, inside one
   ``cache_context`` per generation. It has no warm-up field: *never* is threshold 0, *always* a threshold
   no diff reaches, so it caches from the second step on (27 of 28, not our 20): a different schedule, listed
@@ -45,7 +48,7 @@ import torch
 from dit_passes import bench as B
 
 ROWS = ("torchcompile_never", "cachedit_never", "cachedit_always", "fbcache_never", "fbcache_always", "dbcache_always",
-        "offload_always")
+        "offload_always", "cacheditregional_always", "cacheditcompile_always")
 
 
 def _cachedit(model, schedule: str) -> Tuple[Any, Callable[[], None], Callable[[], None]]:
@@ -56,6 +59,20 @@ def _cachedit(model, schedule: str) -> Tuple[Any, Callable[[], None], Callable[[
         Fn_compute_blocks=s["Fn_compute_blocks"], Bn_compute_blocks=0, max_warmup_steps=s["max_warmup_steps"],
         residual_diff_threshold=s["residual_diff_threshold"], num_inference_steps=B.STEPS))
     return model, (lambda: None), (lambda: cache_dit.disable_cache(model))
+
+
+def _cachedit_compiled(model, schedule: str, regional: bool) -> Tuple[Any, Callable[[], None], Callable[[], None]]:
+    """cache-dit's DBCache, then compiled as cache-dit does it: ``regional`` is the path its Ray workers take
+    (``compile_repeated_blocks()`` where the transformer has it); otherwise the whole transformer under
+    ``torch.compile`` after ``cache_dit.set_compile_configs()`` (its recommended settings), default mode."""
+    import cache_dit
+    module, reset, undo = _cachedit(model, schedule)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if regional:
+        model.compile_repeated_blocks()
+        return model, reset, undo
+    cache_dit.set_compile_configs()
+    return torch.compile(model), reset, undo
 
 
 def _fbcache(model, schedule: str) -> Tuple[Any, Callable[[], None], Callable[[], None]]:
@@ -92,6 +109,8 @@ def measure(name: str, model, inputs, repeats: int) -> Dict[str, Any]:
     t0 = time.perf_counter()
     if system == "cachedit":
         module, reset, undo = _cachedit(model, schedule)
+    elif system in ("cacheditregional", "cacheditcompile"):
+        module, reset, undo = _cachedit_compiled(model, schedule, regional=system == "cacheditregional")
     elif system == "fbcache":
         module, reset, undo = _fbcache(model, schedule)
     elif system == "torchcompile":  # the plain model under torch.compile (default mode), no cache
@@ -114,7 +133,7 @@ def measure(name: str, model, inputs, repeats: int) -> Dict[str, Any]:
                                "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0}
         if hasattr(module, "runtime") and "dbcache" in module.runtime.state:
             row["cached_steps"] = len(module.cache_summary(as_dict=True)[-1]["cached_steps"])
-        if system == "cachedit":
+        if system.startswith("cachedit"):
             import cache_dit
             stats = cache_dit.summary(model)
             row["cached_steps"] = len(stats[0].cached_steps) if stats and stats[0].cached_steps is not None else None
