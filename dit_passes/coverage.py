@@ -3,6 +3,7 @@
     dit-passes coverage --out out/coverage                    # the whole matrix (parallel on 2 gloo ranks)
     dit-passes coverage --families flux,wan --no-parallel     # a reduced form
     dit-passes coverage --columns capture,dbcache
+    dit-passes coverage --families wan --update out/coverage/coverage.json --out out/coverage   # re-run rows
 
 Rows come from ``dit_passes.models.diffusers_zoo.coverage_rows()`` (the transformer classes diffusers
 exports: a class without a zoo config shows as "no config"); columns are :data:`COLUMNS`. Each cell is
@@ -338,6 +339,35 @@ def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: f
     }
 
 
+def merge_rows(base: dict, update: dict) -> dict:
+    """``base`` (an earlier matrix) with ``update``'s rows in place of the same (class, family) rows: re-running a
+    few families after a fix keeps the rest of a 35-minute matrix. Both must have the same columns and settings;
+    the result lists both commands and the seconds of both runs."""
+    keys = ("columns", "world", "batch", "tolerance", "svdquant_bound")
+    differ = [k for k in keys if base.get(k) != update.get(k)]
+    if differ:
+        raise ValueError(f"cannot merge coverage matrices with different {', '.join(differ)} "
+                         f"({[base.get(k) for k in differ]} vs {[update.get(k) for k in differ]}): re-run with the "
+                         "earlier run's --columns / --batch, or without --update")
+    fresh = {(r["class"], r["family"]): r for r in update["rows"]}
+    rows = []
+    for r in base["rows"]:
+        if r["family"] is None:  # "no config" before: the class's new rows, if it has any now
+            now = [fresh.pop(k) for k in list(fresh) if k[0] == r["class"]]
+            rows += now or [r]
+        else:
+            rows.append(fresh.pop((r["class"], r["family"]), r))
+    merged = dict(base)
+    merged["rows"] = rows + list(fresh.values())
+    merged["summary"] = summarize(merged["rows"], base["columns"])
+    merged["seconds"] = round(base["seconds"] + update["seconds"], 1)
+    merged["commands"] = list(base.get("commands") or [base.get("command", "")]) + [update.get("command", "")]
+    merged["command"] = merged["commands"][0]
+    for k in ("diffusers", "torch"):
+        merged[k] = update[k]
+    return merged
+
+
 def summarize(matrix: List[dict], columns: Sequence[str]) -> Dict[str, Dict[str, int]]:
     out = {}
     for c in columns:
@@ -357,8 +387,12 @@ def _cell_md(cell: dict, ref: Optional[int]) -> str:
 def to_markdown(result: dict, command: str = "") -> str:
     cols = result["columns"]
     lines = [f"# DiT coverage: diffusers {result['diffusers']}, torch {result['torch']}", ""]
-    if command:
-        lines += [f"Made by `{command}` ({result['seconds']} s).", ""]
+    commands = result.get("commands") or ([command] if command else [])
+    if len(commands) > 1:
+        lines += [f"Made by `{commands[0]}`, then the rows of " + ", ".join(f"`{c}`" for c in commands[1:]) +
+                  f" put in place of the same rows ({result['seconds']} s in all).", ""]
+    elif commands:
+        lines += [f"Made by `{commands[0]}` ({result['seconds']} s).", ""]
     lines += [f"exact: fp32 max relative error <= {result['tolerance']:g} vs eager (DBCache / TaylorSeer: the "
               f"cached call equals the computed one on identical inputs; SVDQuant W4A4 reference path: finite and "
               f"<= {result['svdquant_bound']:g}); parallel columns on {result['world']} gloo ranks, "
@@ -415,6 +449,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="batch of the example call (2: a CFG pair)")
     parser.add_argument("--out", default="", help="directory for coverage.md / coverage.json")
     parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+    parser.add_argument("--update", default="", help="an earlier coverage.json: run only --families and write it "
+                        "with those rows replaced")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     columns = [c.strip() for c in args.columns.split(",") if c.strip()]
     unknown = [c for c in columns if c not in COLUMNS]
@@ -433,6 +469,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               progress=progress)
     command = "dit-passes coverage " + " ".join(sys.argv[1:] if argv is None else argv)
     result["command"] = command.strip()
+    if args.update:
+        with open(args.update) as f:
+            try:
+                result = merge_rows(json.load(f), result)
+            except ValueError as e:
+                print(f"dit-passes coverage: {e}", file=sys.stderr)
+                return 2
     print(to_text(result))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -443,5 +486,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-__all__ = ["COLUMNS", "LOCAL_COLUMNS", "PARALLEL_COLUMNS", "Cell", "build_matrix", "main", "run_cell",
+__all__ = ["COLUMNS", "LOCAL_COLUMNS", "PARALLEL_COLUMNS", "Cell", "build_matrix", "main", "merge_rows", "run_cell",
            "select_rows", "summarize", "to_markdown", "to_text"]

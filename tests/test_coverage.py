@@ -132,6 +132,30 @@ def test_cli_arguments(capsys):
     assert "unknown families / classes ['not_a_family']" in capsys.readouterr().err
 
 
+def test_update_replaces_only_the_rerun_rows():
+    """``--update``: re-run rows take the place of the same rows (a former "no config" class gets its family's
+    row), the others stay, counts and commands follow; matrices of other columns refuse to merge."""
+    def cell(status):
+        return {"status": status, "detail": "", "seconds": 1.0}
+
+    def matrix(rows, command, columns=("capture",)):
+        return {"diffusers": "d", "torch": "t", "world": 1, "batch": 1, "tolerance": 1e-5, "svdquant_bound": 0.25,
+                "columns": list(columns), "seconds": 10.0, "command": command,
+                "rows": [{"class": c, "family": f, "cells": {"capture": cell(st)}} for c, f, st in rows],
+                "summary": {}, "excluded": {}, "zoo_families": []}
+
+    base = matrix([("A", "a", "error"), ("B", "b", "exact"), ("C", None, "no config")], "first")
+    new = matrix([("A", "a", "exact"), ("C", "c", "refused")], "second")
+    merged = coverage.merge_rows(base, new)
+    assert [(r["class"], r["family"], r["cells"]["capture"]["status"]) for r in merged["rows"]] == [
+        ("A", "a", "exact"), ("B", "b", "exact"), ("C", "c", "refused")]
+    assert merged["summary"]["capture"] == {"exact": 2, "refused": 1, "error": 0, "no config": 0}
+    assert merged["commands"] == ["first", "second"] and merged["seconds"] == 20.0
+    assert "then the rows of `second`" in coverage.to_markdown(merged)
+    with pytest.raises(ValueError, match="different columns"):
+        coverage.merge_rows(base, matrix([("A", "a", "exact")], "third", columns=("capture", "dbcache")))
+
+
 def test_dbcache_cuts_across_a_dual_to_single_hand_over():
     """Flux2 joins text and image before its single blocks: with Fn=1 the join is inside the cached range,
     and the joint stream leaving it is cached against the concatenation of the two streams entering it."""
