@@ -52,7 +52,9 @@ def _max_rel(actual, expected):
 
 def _make_pass(kind, world):
     return {"ulysses": lambda: Ulysses(size=world), "ring": lambda: Ring(size=world),
-            "usp": lambda: USP(ulysses=2, ring=world // 2)}[kind]()
+            "usp": lambda: USP(ulysses=2, ring=world // 2),
+            "ring_allgather": lambda: Ring(size=world, rotate_method="allgather"),
+            "usp_allgather": lambda: USP(ulysses=2, ring=world // 2, ring_rotate_method="allgather")}[kind]()
 
 
 def _run_case(family, kind, world, batch=2, variant="default", overrides=None):
@@ -81,7 +83,9 @@ def _run_case(family, kind, world, batch=2, variant="default", overrides=None):
         runtime=dict(counter.counts),
         block_attention=sum(n * zm.expected["block_lists"][lst] for lst, n in zm.expected["attention_per_block"].items()),
         code_names=[name for name in ("ulysses_attention", "ring_attention", "usp_attention", "gather_sequence",
-                                      "shard_sequence") if name in compiled.code],
+                                      "shard_sequence", "ring_allgather_attention", "usp_allgather_attention")
+                    if name in compiled.code],
+        out=out,
         explain_has_counts=f"attention_replaced={record.result.counts['attention_replaced']}" in compiled.explain(print_output=False),
         facts=(facts.parallel_group is dist.group.WORLD or
                sorted(dist.get_process_group_ranks(facts.parallel_group)) == list(range(world)),
@@ -111,6 +115,8 @@ def _two_rank_cases(rank, world):
     for family in ("flux", "wan", "qwenimage"):  # odd token counts: 25 image + 8 text, 15 image + 7 text
         for kind in ("ulysses", "ring"):
             results[(family, kind, "odd")] = _run_case(family, kind, world, batch=1, variant="odd_tokens")
+    # ring_rotate_method="allgather": one all-gather of K / V per attention instead of the exchanges
+    results[("flux", "ring_allgather", "default")] = _run_case("flux", "ring_allgather", world)
     for family in ("flux", "wan"):  # 3 heads on 2 ranks: Ulysses pads the heads
         results[(family, "ulysses", "heads3")] = _run_case(family, "ulysses", world, batch=1,
                                                            overrides={"num_attention_heads": 3})
@@ -134,6 +140,8 @@ def _four_rank_cases(rank, world):
     if full:
         results[("qwenimage", "ulysses", "heads3")] = _run_case("qwenimage", "ulysses", world, batch=2,
                                                                 overrides={"num_attention_heads": 3})
+    results[("flux", "usp_allgather", "odd")] = _run_case("flux", "usp_allgather", world, batch=1,
+                                                          variant="odd_tokens")
     # USP(2 x 2) with 3 heads: the Ulysses degree does not divide them (padded heads), the ring part still rotates
     results[("flux", "usp", "heads3")] = _run_case("flux", "usp", world, batch=1, overrides={"num_attention_heads": 3})
     return results, _errors_on_ranks(world)
@@ -150,8 +158,11 @@ def four_ranks():
 
 
 def _expected_collectives(kind, world, n_attention, n_gather):
-    ulysses = {"ulysses": world, "ring": 1, "usp": 2}[kind]
+    ulysses = {"ulysses": world, "ring": 1, "usp": 2}[kind.split("_")[0]]
     ring = world // ulysses
+    if kind.endswith("_allgather"):  # the ring's K / V: one all-gather per attention, no exchange
+        return {"all_to_all": 4 * n_attention if ulysses > 1 else 0, "ring_exchange": 0,
+                "all_gather": n_gather + n_attention}
     return {"all_to_all": 4 * n_attention if ulysses > 1 else 0,
             "ring_exchange": (ring - 1) * n_attention, "all_gather": n_gather}
 
@@ -183,6 +194,8 @@ def test_two_ranks_match_single_process(two_ranks):
     _check(two_ranks, 2)
     cases = two_ranks[0][0]
     assert {(f, k, "default") for f in FAMILIES for k in ("ulysses", "ring")} <= set(cases)
+    # the all-gathered ring visits the same K / V blocks in the same order as the exchanges: bit-equal results
+    assert torch.equal(cases[("flux", "ring_allgather", "default")]["out"], cases[("flux", "ring", "default")]["out"])
     # Wan: 2 self-attentions distributed, 2 cross-attentions (over the replicated text) local
     assert cases[("wan", "ulysses", "default")]["counts"]["attention_local"] == 2
     # QwenImage / HunyuanVideo masks (batch 2: padded negative prompt) are permuted locally, once per site
@@ -195,6 +208,8 @@ def test_four_ranks_usp_and_uneven(four_ranks):
     cases = set(four_ranks[0][0])
     assert {(f, "usp", "default") for f in ("flux", "qwenimage", "wan")} <= cases
     assert {("flux", k, "odd") for k in ("ulysses", "ring", "usp")} <= cases  # uneven shards over 4 ranks
+    odd = four_ranks[0][0]
+    assert torch.equal(odd[("flux", "usp_allgather", "odd")]["out"], odd[("flux", "usp", "odd")]["out"])
     if os.environ.get("DIT_PASSES_FULL_SWEEP") == "1":  # every family under every kind on 4 ranks
         assert {(f, k) for f in FAMILIES for k in ("ulysses", "ring", "usp")} <= {(f, k) for f, k, _ in cases}
 

@@ -34,12 +34,11 @@ class ParallelismConfig:
     ``tp_size`` -> ``passes.TensorParallel``, on the current (torchrun-initialised) process group; ``use_ray``
     -> :class:`~dit_passes.launch.ray_launcher.RayLauncher` (built by ``dit_passes.frontend.api``).
     Uneven sequence lengths are always exact here, so ``ulysses_anything`` needs nothing; the ring exchange
-    is point-to-point and merges partial results in fp32 (``ring_rotate_method="p2p"``,
-    ``ring_convert_to_fp32=True``). ``cp_plan`` / ``attention_backend`` are accepted and ignored (the plan
+    is point-to-point (``ring_rotate_method="p2p"``) or one all-gather of K / V (``"allgather"``: the same
+    result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` / ``attention_backend`` are accepted and ignored (the plan
     is derived from the graph). CP together with TP builds both on one mesh
     (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). Not implemented (``NotImplementedError``):
-    ``ulysses_float8``, ``ulysses_async``, ``extra_parallel_modules`` with ``use_ray``, other ring rotate
-    methods.
+    ``ulysses_float8``, ``ulysses_async``, ``extra_parallel_modules`` with ``use_ray``.
     """
 
     backend: Any = "auto"
@@ -98,9 +97,9 @@ class ParallelismConfig:
         if self.extra_parallel_modules and self.use_ray:
             raise NotImplementedError("ParallelismConfig.extra_parallel_modules with use_ray=True is not "
                                       "implemented: the Ray workers parallelise the transformer only")
-        if self.ring_rotate_method not in (None, "p2p"):
-            raise NotImplementedError(f"ParallelismConfig.ring_rotate_method={self.ring_rotate_method!r}: only "
-                                      "'p2p' is implemented")
+        if self.ring_rotate_method not in (None, "p2p", "allgather"):
+            raise ValueError(f"ParallelismConfig.ring_rotate_method={self.ring_rotate_method!r}: use 'p2p' "
+                             "(ring exchanges) or 'allgather' (one all-gather of K / V per attention)")
         for name in ("cp_plan", "attention_backend"):
             if getattr(self, name) is not None:
                 logger.info("ParallelismConfig.%s is ignored: the sequence plan is derived from the graph", name)
@@ -112,7 +111,7 @@ class ParallelismConfig:
         subgroups of a (cp, tp) mesh: a collective, every rank must call it."""
         from ..passes.parallel_plan import parallel_passes
         self.check_supported()
-        return parallel_passes(*self.sizes())
+        return parallel_passes(*self.sizes(), ring_rotate_method=self.ring_rotate_method or "p2p")
 
     def ray_transfer(self) -> Optional[str]:
         """RayLauncher's ``transfer=`` for ``ray_transfer_backend`` (None: its default)."""

@@ -10,7 +10,8 @@ replicated full mask (``Sk = S``, ``Sq`` in ``{1, S}``) or a sharded key-padding
 ``Sq = 1``; all-gathered once per call). ``scale`` defaults to ``1/sqrt(D)``.
 
 Communication (world > 1): Ulysses exactly 4 ``all_to_all_single`` (q, k, v, out); Ring ``world - 1``
-:func:`ring_exchange` calls (K and V together); USP both, on its two groups. Everything traces with
+:func:`ring_exchange` calls (K and V together), or one ``all_gather`` with ``rotate_method="allgather"``; USP
+both, on its two groups. Everything traces with
 ``torch.compile(fullgraph=True)``; ranks and ``seq_sizes`` are static, so a trace is per rank.
 """
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from dit_passes.parallel.collectives import CollectiveCounter, all_gather, all_to_all_single, ring_exchange
 
-__all__ = ["attention_with_lse", "even_shard_sizes", "gather_sequence", "ring_attention", "shard_sequence",
+__all__ = ["ROTATE_METHODS", "attention_with_lse", "even_shard_sizes", "gather_sequence", "ring_attention", "shard_sequence",
            "ulysses_attention", "usp_attention"]
 
 
@@ -238,38 +239,56 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
 # --- Ring --------------------------------------------------------------------------------------------
 
 
-def _ring(q, k, v, mask, group, sizes, scale, counter):
+ROTATE_METHODS = ("p2p", "allgather")
+
+
+def _ring(q, k, v, mask, group, sizes, scale, counter, rotate: str = "p2p"):
     """Ring attention of this rank's queries (block ``rank`` of ``sizes``) over all K/V blocks.
 
-    K/V are padded to the largest block so every exchange moves equal shapes; each step slices the
-    visiting block back to its true length (known statically), so padding never enters the softmax.
+    ``rotate="p2p"``: K/V are padded to the largest block so every exchange moves equal shapes; each step
+    slices the visiting block back to its true length (known statically), so padding never enters the softmax.
+    ``"allgather"``: one all-gather of K and V (concatenated on the head dim) brings every block at once, for
+    networks where one collective beats ``world - 1`` dependent exchanges; the blocks are then visited in the
+    p2p order, so both methods compute the same partials and merge them identically (bit-equal results).
     """
+    if rotate not in ROTATE_METHODS:
+        raise ValueError(f"ring attention: rotate method {rotate!r} is not one of {ROTATE_METHODS}")
     world, rank = group.size(), group.rank()
     if mask is not None and mask.shape[-2] != 1:
         mask = mask.narrow(-2, sum(sizes[:rank]), sizes[rank])  # this rank's query rows
-    pad = max(sizes) - k.shape[2]
-    kv = [F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))] if pad else [k, v]
+    starts = [sum(sizes[:j]) for j in range(world)]
+    if rotate == "allgather" and world > 1:
+        kv_all = all_gather(torch.cat([k, v], dim=-1), 2, group, sizes, counter=counter)
+        k_dim = k.shape[-1]
+
+        def block(source):
+            kv_block = kv_all.narrow(2, starts[source], sizes[source])
+            return kv_block[..., :k_dim], kv_block[..., k_dim:]
+    else:
+        pad = max(sizes) - k.shape[2]
+        kv = [F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))] if pad else [k, v]
+
+        def block(source):
+            return kv[0].narrow(2, 0, sizes[source]), kv[1].narrow(2, 0, sizes[source])
     out = lse = None
     for step in range(world):
         source = (rank - step) % world  # whose K/V block this rank holds at this step
-        length = sizes[source]
-        block_mask = None if mask is None else mask.narrow(-1, sum(sizes[:source]), length)
-        part_out, part_lse = attention_with_lse(
-            q, kv[0].narrow(2, 0, length), kv[1].narrow(2, 0, length), attn_mask=block_mask, scale=scale
-        )
+        block_mask = None if mask is None else mask.narrow(-1, starts[source], sizes[source])
+        k_block, v_block = block(source)
+        part_out, part_lse = attention_with_lse(q, k_block, v_block, attn_mask=block_mask, scale=scale)
         out, lse = _merge_partials(out, lse, part_out, part_lse)
-        if step < world - 1:
+        if step < world - 1 and rotate == "p2p":
             kv = ring_exchange(kv, group, counter=counter)
     return out.to(q.dtype)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup,
                    seq_sizes: Sequence[int], attn_mask: torch.Tensor | None = None, scale: float | None = None,
-                   counter: CollectiveCounter | None = None) -> torch.Tensor:
-    """Ring attention: K/V rotate around the group (``world - 1`` exchanges), partial results are
-    merged by log-sum-exp in fp32. See the module docstring for the contract."""
+                   counter: CollectiveCounter | None = None, rotate_method: str = "p2p") -> torch.Tensor:
+    """Ring attention: K/V rotate around the group (``world - 1`` exchanges; ``rotate_method="allgather"``: one
+    all-gather instead), partial results are merged by log-sum-exp in fp32. See the module docstring."""
     sizes, mask = _checked_one_group(q, k, v, attn_mask, group, seq_sizes, "ring_attention", counter)
-    return _ring(q, k, v, mask, group, sizes, scale, counter)
+    return _ring(q, k, v, mask, group, sizes, scale, counter, rotate_method)
 
 
 # --- USP ---------------------------------------------------------------------------------------------
@@ -277,7 +296,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group: dist.ProcessGroup,
                   ring_group: dist.ProcessGroup, seq_sizes: Sequence[int], attn_mask: torch.Tensor | None = None,
-                  scale: float | None = None, counter: CollectiveCounter | None = None) -> torch.Tensor:
+                  scale: float | None = None, counter: CollectiveCounter | None = None,
+                  ring_rotate_method: str = "p2p") -> torch.Tensor:
     """Unified sequence parallelism: Ulysses over ``ulysses_group`` inside Ring over ``ring_group``.
 
     The sequence is sharded over ``ring_size * ulysses_size`` ranks; ``seq_sizes[i]`` is the shard
@@ -301,7 +321,7 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
     )
 
     def ring_over_blocks(qh, kh, vh, m):
-        return _ring(qh, kh, vh, m, ring_group, blocks, scale, counter)
+        return _ring(qh, kh, vh, m, ring_group, blocks, scale, counter, ring_rotate_method)
 
     if ulysses_size == 1:
         return ring_over_blocks(q, k, v, mask)

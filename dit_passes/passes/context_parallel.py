@@ -23,7 +23,8 @@ after ``Ulysses(size=2)``, rank 0::
     slice_8: "f32[1, 8, 32]" = aten.slice(add_39, 1, 4, 12, 1)                  # local segment boundary
     gather_sequence: "f32[1, 16, 32]" = gather_sequence(slice_8, 1, '0', [8, 8], [], [])   # 1 all_gather
 
-Per attention: Ulysses 4 all-to-alls, Ring ``size - 1`` K/V exchanges, USP both; one all-gather per
+Per attention: Ulysses 4 all-to-alls, Ring ``size - 1`` K/V exchanges (``rotate_method="allgather"``: one
+all-gather), USP both; one all-gather per
 value leaving the block range or read whole by a non-local op (``nonlocal_gathers``), one all-reduce per
 partial sum over the tokens (linear attention). Meshes are cached in the runtime state (a new signature
 reuses them).
@@ -41,6 +42,7 @@ from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..parallel import sequence_ops as ops
+from ..parallel.attention import ROTATE_METHODS
 from ..parallel.mesh import ParallelMesh, check_ranks, factorisations
 from ..parallel.propagate import PropagationError
 from ..parallel.sequence_rewrite import apply_plan
@@ -57,6 +59,13 @@ class _ContextParallel(Pass):
     ring_size = ulysses_size = 1
     attention_groups: Tuple[str, ...] = ()  # mesh dims of the attention wrapper's group arguments
     group: Optional[dist.ProcessGroup] = None  # the ranks that share the sequence (default: the world)
+    ring_rotate_method = "p2p"  # how ring attention's K / V travel: p2p exchanges, or one all-gather
+
+    @property
+    def attention_op(self) -> str:
+        """The name of the attention wrapper in :mod:`~dit_passes.parallel.sequence_ops` this pass inserts."""
+        gathered = self.ring_rotate_method == "allgather" and self.ring_size > 1
+        return f"{self.name}_allgather_attention" if gathered else f"{self.name}_attention"
 
     def config_items(self) -> Dict[str, Any]:
         raise NotImplementedError
@@ -87,7 +96,7 @@ class _ContextParallel(Pass):
         spec = SequenceShardSpec(world, mesh.global_rank)
         plan = analyze(gm, get_structure(gm), spec)
         try:
-            counts = apply_plan(gm, plan, mesh.parent.group_name, getattr(ops, f"{self.name}_attention"),
+            counts = apply_plan(gm, plan, mesh.parent.group_name, getattr(ops, self.attention_op),
                                 [mesh.group(d).group_name for d in self.attention_groups])
         except PropagationError as e:
             raise PassError(f"{self.describe()}: the rewritten graph would fail: {e}. The sequence-sharding rules "
@@ -96,8 +105,9 @@ class _ContextParallel(Pass):
         facts.parallel_group, facts.mesh = mesh.parent, mesh
         n = counts["attention_replaced"]
         counts["all_to_all"] = 4 * n if self.ulysses_size > 1 else 0
-        counts["ring_exchange"] = (self.ring_size - 1) * n
-        counts["all_gather"] = counts["outputs_gathered"] + counts["nonlocal_gathers"]
+        by_gather = self.ring_rotate_method == "allgather" and self.ring_size > 1
+        counts["ring_exchange"] = 0 if by_gather else (self.ring_size - 1) * n
+        counts["all_gather"] = counts["outputs_gathered"] + counts["nonlocal_gathers"] + (n if by_gather else 0)
         nonlocal_ops = plan.all_nonlocal_ops()
         why = "; ".join(f"{node.name}: {reason}" for node, reason in nonlocal_ops[:3])
         report = (f"rank {spec.rank}/{world}: sharded {counts['inputs_sharded']} residual stream(s), replaced "
@@ -129,10 +139,18 @@ class Ulysses(_OneAxis):
 
 
 class Ring(_OneAxis):
-    """Ring attention over ``size`` ranks (K/V blocks rotate, log-sum-exp merge)."""
+    """Ring attention over ``size`` ranks (K/V blocks rotate, log-sum-exp merge). ``rotate_method="allgather"``
+    brings every K/V block by one all-gather per attention instead of ``size - 1`` exchanges (same result)."""
 
     name = "ring"
     attention_groups = ("ring",)
+
+    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, rotate_method: str = "p2p"):
+        super().__init__(size, group)
+        self.ring_rotate_method = _rotate_method("Ring(rotate_method)", rotate_method)
+
+    def config_items(self) -> Dict[str, Any]:
+        return {"size": self.ring_size, "rotate_method": self.ring_rotate_method}
 
 
 class USP(_ContextParallel):
@@ -141,18 +159,28 @@ class USP(_ContextParallel):
     name = "usp"
     attention_groups = ("ulysses", "ring")
 
-    def __init__(self, ulysses: int, ring: int, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, ulysses: int, ring: int, group: Optional[dist.ProcessGroup] = None,
+                 ring_rotate_method: str = "p2p"):
         self.group = group
         self.ulysses_size = check_ranks("USP(ulysses)", ulysses)
         self.ring_size = check_ranks("USP(ring)", ring)
+        self.ring_rotate_method = _rotate_method("USP(ring_rotate_method)", ring_rotate_method)
 
     def config_items(self) -> Dict[str, Any]:
-        return {"ulysses": self.ulysses_size, "ring": self.ring_size}
+        return {"ulysses": self.ulysses_size, "ring": self.ring_size, "ring_rotate_method": self.ring_rotate_method}
+
+
+def _rotate_method(where: str, method: str) -> str:
+    if method not in ROTATE_METHODS:
+        raise ValueError(f"{where}={method!r}: use one of {', '.join(map(repr, ROTATE_METHODS))} (p2p: size - 1 "
+                         "K/V exchanges per attention; allgather: one all-gather of K/V)")
+    return method
 
 
 def describe_collectives(gm: fx.GraphModule) -> Dict[str, int]:
     """Count the context-parallel nodes in a graph by kind (what a printed graph shows)."""
     kinds = {getattr(ops, k): k for k in ("ulysses_attention", "ring_attention", "usp_attention", "gather_sequence",
-                                          "shard_sequence", "permute_sequence")}
+                                          "shard_sequence", "permute_sequence", "ring_allgather_attention",
+                                          "usp_allgather_attention")}
     return dict(collections.Counter(kinds[n.target] for n in gm.graph.nodes
                                     if n.op == "call_function" and n.target in kinds))
