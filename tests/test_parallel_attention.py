@@ -29,6 +29,7 @@ from dit_passes.parallel.mesh import MeshError, ParallelMesh, factorisations
 from dit_passes.testing import RankFailedError, RankTimeoutError, run_ranks
 
 TOL = 1e-5
+FP8_TOL = 0.08  # ulysses float8 vs exact attention (max abs error / max abs): measured 0.029-0.056 on these cases
 
 
 def _max_rel(actual, expected):
@@ -103,6 +104,15 @@ def _attention_checks(rank, world):
                 _check_case(f"ring_allgather/{tag}", lambda *a, **m: ring_attention(*a, **kw, rotate_method="allgather", **m),
                             group, sizes, heads, seq, mask_kind, errors)
 
+    # float8 all-to-alls: approximate; the error vs the exact collective is recorded (bounded by the test)
+    for mask_kind in (None, "key_padding"):
+        for seq in (12, 13):
+            sizes = even_shard_sizes(seq, world)
+            fp8_errors = {}
+            _check_case("x", lambda *a, **m: ulysses_attention(*a, group=group, seq_sizes=sizes, float8=True, **m),
+                        group, sizes, 4, seq, mask_kind, fp8_errors)
+            counts[f"ulysses_fp8_error/S{seq}/{mask_kind}"] = fp8_errors["x"]
+
     # Exact collective counts per call, by our counter and by CommDebugMode (functional ops).
     sizes = even_shard_sizes(13, world)
     q, k, v = (shard_sequence(t, 2, group, sizes) for t in _inputs(2, 4, 13, 8, seed=0))
@@ -112,6 +122,8 @@ def _attention_checks(rank, world):
         ("ring", lambda c, m=None: ring_attention(q, k, v, group=group, seq_sizes=sizes, attn_mask=m, counter=c)),
         ("ring_allgather", lambda c, m=None: ring_attention(q, k, v, group=group, seq_sizes=sizes, attn_mask=m, counter=c,
                                                             rotate_method="allgather")),
+        ("ulysses_fp8", lambda c, m=None: ulysses_attention(q, k, v, group=group, seq_sizes=sizes, attn_mask=m, counter=c,
+                                                            float8=True)),
     ):
         counter = CollectiveCounter()
         counts[name] = dict(_comm_counts(lambda: fn(counter)), counter=dict(counter.counts))
@@ -228,6 +240,10 @@ def test_collective_counts(two_ranks, four_ranks):
         # rotate_method="allgather": K and V together in one all-gather, no exchange
         assert counts["ring_allgather"] == {"all_gather_into_tensor": 1, "counter": {"all_gather": 1}}
         assert counts["ring_allgather/sharded_mask"] == {"all_gather_into_tensor": 2, "counter": {"all_gather": 2}}
+        # ulysses float8: still 4 all-to-alls (values and scales in one byte payload per tensor)
+        assert counts["ulysses_fp8"] == {"all_to_all_single": 4, "counter": {"all_to_all": 4}}
+        fp8 = {k: e for k, e in counts.items() if k.startswith("ulysses_fp8_error/")}
+        assert len(fp8) == 4 and all(0 < e <= FP8_TOL for e in fp8.values()), fp8
     for _errors, counts, _layout in four_ranks:
         assert counts["usp"] == {"all_to_all_single": 4, "counter": {"all_to_all": 4, "ring_exchange": 1}}
         assert counts["ring4"] == {"ring_exchange": 3}
@@ -308,3 +324,30 @@ def test_harness_rejects_local_function():
 
     with pytest.raises(TypeError, match="module-level"):
         run_ranks(local, 2)
+
+
+def test_fp8_rows_round_trip_and_bytes():
+    """The float8 all-to-all payload: D e4m3 bytes + the row's fp32 scale; each value within 2**-4 of its row's
+    largest, zero rows exactly zero, the dtype restored."""
+    from dit_passes.parallel.attention import fp8_rows, from_fp8_rows
+    x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-3, 1.0, 1e3]).view(1, 3, 1)
+    x[0, 0] = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        payload = fp8_rows(x.to(dtype))
+        assert payload.dtype == torch.uint8 and payload.shape == (5, 3, 16 + 4)
+        back = from_fp8_rows(payload, dtype)
+        assert back.dtype == dtype and torch.equal(back[0, 0].float(), torch.zeros(16))
+        err = (back.float() - x.to(dtype).float()).abs() / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        assert err.max() <= 2 ** -4, err.max()
+
+
+def test_parallelism_config_maps_rotate_method_and_float8():
+    from dit_passes import ParallelismConfig
+    (ring,) = ParallelismConfig(ring_size=2, ring_rotate_method="allgather").to_passes()
+    assert ring.attention_op == "ring_allgather_attention"
+    (ulysses,) = ParallelismConfig(ulysses_size=2, ulysses_float8=True).to_passes()
+    assert ulysses.attention_op == "ulysses_fp8_attention"
+    (plain,) = ParallelismConfig(ulysses_size=2).to_passes()
+    assert plain.attention_op == "ulysses_attention"
+    with pytest.raises(ValueError, match="'p2p' .*'allgather'"):
+        ParallelismConfig(ring_size=2, ring_rotate_method="ring").to_passes()

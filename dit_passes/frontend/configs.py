@@ -38,7 +38,8 @@ class ParallelismConfig:
     result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` / ``attention_backend`` are accepted and ignored (the plan
     is derived from the graph). CP together with TP builds both on one mesh
     (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). Not implemented (``NotImplementedError``):
-    ``ulysses_float8``, ``ulysses_async``, ``extra_parallel_modules`` with ``use_ray``.
+    ``ulysses_async``, ``extra_parallel_modules`` with ``use_ray``. ``ulysses_float8=True`` sends the Ulysses
+    all-to-alls as e4m3 rows with per-row scales (approximate).
     """
 
     backend: Any = "auto"
@@ -90,10 +91,9 @@ class ParallelismConfig:
         return self.world_size() == 1 and not self.use_ray and not self.extra_parallel_modules
 
     def check_supported(self) -> None:
-        for name in ("ulysses_float8", "ulysses_async"):
-            if getattr(self, name):
-                raise NotImplementedError(f"ParallelismConfig.{name}=True is not implemented (the Ulysses "
-                                          "all-to-alls run in the activation dtype, synchronously)")
+        if self.ulysses_async:
+            raise NotImplementedError("ParallelismConfig.ulysses_async=True is not implemented (the Ulysses "
+                                      "all-to-alls run synchronously)")
         if self.extra_parallel_modules and self.use_ray:
             raise NotImplementedError("ParallelismConfig.extra_parallel_modules with use_ray=True is not "
                                       "implemented: the Ray workers parallelise the transformer only")
@@ -111,7 +111,8 @@ class ParallelismConfig:
         subgroups of a (cp, tp) mesh: a collective, every rank must call it."""
         from ..passes.parallel_plan import parallel_passes
         self.check_supported()
-        return parallel_passes(*self.sizes(), ring_rotate_method=self.ring_rotate_method or "p2p")
+        return parallel_passes(*self.sizes(), ring_rotate_method=self.ring_rotate_method or "p2p",
+                               ulysses_float8=bool(self.ulysses_float8))
 
     def ray_transfer(self) -> Optional[str]:
         """RayLauncher's ``transfer=`` for ``ray_transfer_backend`` (None: its default)."""

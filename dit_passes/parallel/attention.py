@@ -9,7 +9,8 @@ gives 0. ``attn_mask`` (bool or additive, broadcastable to ``[B|1, H|1, Sq, Sk]`
 replicated full mask (``Sk = S``, ``Sq`` in ``{1, S}``) or a sharded key-padding mask (``Sk = S_local``,
 ``Sq = 1``; all-gathered once per call). ``scale`` defaults to ``1/sqrt(D)``.
 
-Communication (world > 1): Ulysses exactly 4 ``all_to_all_single`` (q, k, v, out); Ring ``world - 1``
+Communication (world > 1): Ulysses exactly 4 ``all_to_all_single`` (q, k, v, out; with ``float8``, of e4m3
+rows and their scales); Ring ``world - 1``
 :func:`ring_exchange` calls (K and V together), or one ``all_gather`` with ``rotate_method="allgather"``; USP
 both, on its two groups. Everything traces with
 ``torch.compile(fullgraph=True)``; ranks and ``seq_sizes`` are static, so a trace is per rank.
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from dit_passes.parallel.collectives import CollectiveCounter, all_gather, all_to_all_single, ring_exchange
 
-__all__ = ["ROTATE_METHODS", "attention_with_lse", "even_shard_sizes", "gather_sequence", "ring_attention", "shard_sequence",
+__all__ = ["ROTATE_METHODS", "attention_with_lse", "fp8_rows", "from_fp8_rows", "even_shard_sizes", "gather_sequence", "ring_attention", "shard_sequence",
            "ulysses_attention", "usp_attention"]
 
 
@@ -189,7 +190,33 @@ def _checked_one_group(q, k, v, attn_mask, group, seq_sizes, where, counter):
 # --- Ulysses -----------------------------------------------------------------------------------------
 
 
-def _ulysses(q, k, v, mask, group, sizes, scale, local_attention: Callable, counter):
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` as bytes ``[..., D + 4]``: each row in e4m3 scaled by its absolute maximum, then that
+    fp32 scale's 4 bytes. One payload, so an fp8 all-to-all stays one collective (gloo and NCCL move bytes)."""
+    xf = x.float()
+    row_scale = xf.abs().amax(-1, keepdim=True).div(FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    values = (xf / row_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([values, row_scale.view(torch.uint8)], dim=-1)
+
+
+def from_fp8_rows(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`fp8_rows` (up to e4m3 rounding), in ``dtype``."""
+    values = payload[..., :-4].contiguous().view(torch.float8_e4m3fn).float()
+    return (values * payload[..., -4:].contiguous().view(torch.float32)).to(dtype)
+
+
+def _all_to_all(x, output_sizes, input_sizes, group, counter, float8: bool):
+    """``all_to_all_single`` along dim 0; ``float8``: the rows travel as e4m3 plus a per-row scale (a quarter
+    of fp32's bytes, about half of bf16's; error ~2**-4 of each row's largest value)."""
+    if not float8:
+        return all_to_all_single(x, output_sizes, input_sizes, group, counter=counter)
+    return from_fp8_rows(all_to_all_single(fp8_rows(x), output_sizes, input_sizes, group, counter=counter), x.dtype)
+
+
+def _ulysses(q, k, v, mask, group, sizes, scale, local_attention: Callable, counter, float8: bool = False):
     """All-to-all heads <-> sequence, ``local_attention(q, k, v, mask)`` on full-sequence head groups,
     all-to-all back. ``mask`` has a full key dim; a per-head mask is sliced to this rank's heads."""
     world, rank = group.size(), group.rank()
@@ -204,7 +231,7 @@ def _ulysses(q, k, v, mask, group, sizes, scale, local_attention: Callable, coun
             x = F.pad(x, (0, 0, 0, 0, 0, padded_heads - heads))
         dim = x.shape[-1]
         x = x.reshape(batch, world, per_rank, local, dim).permute(1, 3, 0, 2, 4).reshape(world * local, batch, per_rank, dim)
-        y = all_to_all_single(x, sizes, [local] * world, group, counter=counter)
+        y = _all_to_all(x, sizes, [local] * world, group, counter, float8)
         return y.permute(1, 2, 0, 3)  # [B, per_rank, S, D]
 
     qh, kh, vh = heads_to_sequence(q), heads_to_sequence(k), heads_to_sequence(v)
@@ -215,17 +242,18 @@ def _ulysses(q, k, v, mask, group, sizes, scale, local_attention: Callable, coun
         mask = mask.narrow(1, rank * per_rank, per_rank)
     out = local_attention(qh, kh, vh, mask)  # [B, per_rank, S, Dv]
     v_dim = out.shape[-1]
-    back = all_to_all_single(out.permute(2, 0, 1, 3), [local] * world, sizes, group, counter=counter)
+    back = _all_to_all(out.permute(2, 0, 1, 3), [local] * world, sizes, group, counter, float8)
     back = back.reshape(world, local, batch, per_rank, v_dim).permute(2, 0, 3, 1, 4).reshape(batch, padded_heads, local, v_dim)
     return back[:, :heads]
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup,
                       seq_sizes: Sequence[int], attn_mask: torch.Tensor | None = None, scale: float | None = None,
-                      counter: CollectiveCounter | None = None) -> torch.Tensor:
+                      counter: CollectiveCounter | None = None, float8: bool = False) -> torch.Tensor:
     """Ulysses (DeepSpeed) sequence-parallel attention; see the module docstring for the contract.
 
-    Heads not divisible by the group size are zero-padded and the padded outputs dropped."""
+    Heads not divisible by the group size are zero-padded and the padded outputs dropped. ``float8``: the four
+    all-to-alls move e4m3 rows with a per-row scale (:func:`fp8_rows`): approximate, not exact."""
     sizes, mask = _checked_one_group(q, k, v, attn_mask, group, seq_sizes, "ulysses_attention", counter)
 
     def local_sdpa(qh, kh, vh, m):
@@ -233,7 +261,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
 
     if group.size() == 1:
         return local_sdpa(q, k, v, mask)
-    return _ulysses(q, k, v, mask, group, sizes, scale, local_sdpa, counter)
+    return _ulysses(q, k, v, mask, group, sizes, scale, local_sdpa, counter, float8)
 
 
 # --- Ring --------------------------------------------------------------------------------------------
@@ -297,7 +325,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group: dist.ProcessGroup,
                   ring_group: dist.ProcessGroup, seq_sizes: Sequence[int], attn_mask: torch.Tensor | None = None,
                   scale: float | None = None, counter: CollectiveCounter | None = None,
-                  ring_rotate_method: str = "p2p") -> torch.Tensor:
+                  ring_rotate_method: str = "p2p", ulysses_float8: bool = False) -> torch.Tensor:
     """Unified sequence parallelism: Ulysses over ``ulysses_group`` inside Ring over ``ring_group``.
 
     The sequence is sharded over ``ring_size * ulysses_size`` ranks; ``seq_sizes[i]`` is the shard
@@ -325,4 +353,4 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
 
     if ulysses_size == 1:
         return ring_over_blocks(q, k, v, mask)
-    return _ulysses(q, k, v, mask, ulysses_group, inner, scale, ring_over_blocks, counter)
+    return _ulysses(q, k, v, mask, ulysses_group, inner, scale, ring_over_blocks, counter, ulysses_float8)

@@ -1,6 +1,6 @@
 """Graph-callable wrappers the context-parallel passes insert (``shard_sequence``, ``permute_sequence``,
-``gather_sequence``, ``ulysses_attention``, ``ring_attention``, ``usp_attention``, and the ring / USP forms
-whose K / V come by one all-gather).
+``gather_sequence``, ``ulysses_attention``, ``ring_attention``, ``usp_attention``, and their forms with the
+ring's K / V by one all-gather or the Ulysses all-to-alls in fp8).
 
 They take tensors plus static constants (run lists ``(starts, lengths)`` along one dim: the result is
 the concatenation of ``x.narrow(dim, start, length)``, process group *names* resolved at call time),
@@ -85,13 +85,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                   ulysses_group_name: str, ring_group_name: str, seq_sizes: Sequence[int],
                   scale: Optional[float], out_order: Sequence[int]) -> torch.Tensor:
-    return _in_order(_attn.usp_attention(q, k, v, ulysses_group=resolve_group(ulysses_group_name),
-                                         ring_group=resolve_group(ring_group_name), seq_sizes=list(seq_sizes),
-                                         attn_mask=attn_mask, scale=scale), out_order)
+    return _usp(q, k, v, attn_mask, ulysses_group_name, ring_group_name, seq_sizes, scale, out_order)
 
 
-# the same with the ring's K / V brought by one all-gather (``rotate_method="allgather"``): own names, so a
-# printed graph says which collective runs
+# The same with options, each form its own function so a printed graph says which collectives run:
+# ``allgather``: the ring's K / V by one all-gather; ``fp8``: the Ulysses all-to-alls in e4m3 rows + scales.
 def ring_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                              group_name: str, seq_sizes: Sequence[int], scale: Optional[float],
                              out_order: Sequence[int]) -> torch.Tensor:
@@ -99,13 +97,38 @@ def ring_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                                           attn_mask=attn_mask, scale=scale, rotate_method="allgather"), out_order)
 
 
+def ulysses_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                          group_name: str, seq_sizes: Sequence[int], scale: Optional[float],
+                          out_order: Sequence[int]) -> torch.Tensor:
+    return _in_order(_attn.ulysses_attention(q, k, v, group=resolve_group(group_name), seq_sizes=list(seq_sizes),
+                                             attn_mask=attn_mask, scale=scale, float8=True), out_order)
+
+
+def _usp(q, k, v, attn_mask, ulysses_group_name, ring_group_name, seq_sizes, scale, out_order, **options):
+    return _in_order(_attn.usp_attention(q, k, v, ulysses_group=resolve_group(ulysses_group_name),
+                                         ring_group=resolve_group(ring_group_name), seq_sizes=list(seq_sizes),
+                                         attn_mask=attn_mask, scale=scale, **options), out_order)
+
+
 def usp_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                             ulysses_group_name: str, ring_group_name: str, seq_sizes: Sequence[int],
                             scale: Optional[float], out_order: Sequence[int]) -> torch.Tensor:
-    return _in_order(_attn.usp_attention(q, k, v, ulysses_group=resolve_group(ulysses_group_name),
-                                         ring_group=resolve_group(ring_group_name), seq_sizes=list(seq_sizes),
-                                         attn_mask=attn_mask, scale=scale, ring_rotate_method="allgather"),
-                     out_order)
+    return _usp(q, k, v, attn_mask, ulysses_group_name, ring_group_name, seq_sizes, scale, out_order,
+                ring_rotate_method="allgather")
+
+
+def usp_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                      ulysses_group_name: str, ring_group_name: str, seq_sizes: Sequence[int],
+                      scale: Optional[float], out_order: Sequence[int]) -> torch.Tensor:
+    return _usp(q, k, v, attn_mask, ulysses_group_name, ring_group_name, seq_sizes, scale, out_order,
+                ulysses_float8=True)
+
+
+def usp_fp8_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                                ulysses_group_name: str, ring_group_name: str, seq_sizes: Sequence[int],
+                                scale: Optional[float], out_order: Sequence[int]) -> torch.Tensor:
+    return _usp(q, k, v, attn_mask, ulysses_group_name, ring_group_name, seq_sizes, scale, out_order,
+                ulysses_float8=True, ring_rotate_method="allgather")
 
 
 def attention_shape(q, k, v, attn_mask, *static):

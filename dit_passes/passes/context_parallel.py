@@ -24,7 +24,7 @@ after ``Ulysses(size=2)``, rank 0::
     gather_sequence: "f32[1, 16, 32]" = gather_sequence(slice_8, 1, '0', [8, 8], [], [])   # 1 all_gather
 
 Per attention: Ulysses 4 all-to-alls, Ring ``size - 1`` K/V exchanges (``rotate_method="allgather"``: one
-all-gather), USP both; one all-gather per
+all-gather; ``Ulysses(float8=True)``: the all-to-alls in e4m3), USP both; one all-gather per
 value leaving the block range or read whole by a non-local op (``nonlocal_gathers``), one all-reduce per
 partial sum over the tokens (linear attention). Meshes are cached in the runtime state (a new signature
 reuses them).
@@ -60,12 +60,14 @@ class _ContextParallel(Pass):
     attention_groups: Tuple[str, ...] = ()  # mesh dims of the attention wrapper's group arguments
     group: Optional[dist.ProcessGroup] = None  # the ranks that share the sequence (default: the world)
     ring_rotate_method = "p2p"  # how ring attention's K / V travel: p2p exchanges, or one all-gather
+    ulysses_float8 = False      # the Ulysses all-to-alls in e4m3 rows + per-row scales (approximate)
 
     @property
     def attention_op(self) -> str:
         """The name of the attention wrapper in :mod:`~dit_passes.parallel.sequence_ops` this pass inserts."""
-        gathered = self.ring_rotate_method == "allgather" and self.ring_size > 1
-        return f"{self.name}_allgather_attention" if gathered else f"{self.name}_attention"
+        fp8 = "_fp8" if self.ulysses_float8 and self.ulysses_size > 1 else ""
+        gathered = "_allgather" if self.ring_rotate_method == "allgather" and self.ring_size > 1 else ""
+        return f"{self.name}{fp8}{gathered}_attention"
 
     def config_items(self) -> Dict[str, Any]:
         raise NotImplementedError
@@ -132,10 +134,18 @@ class _OneAxis(_ContextParallel):
 
 
 class Ulysses(_OneAxis):
-    """DeepSpeed-Ulysses sequence parallelism over ``size`` ranks (all-to-all heads <-> sequence)."""
+    """DeepSpeed-Ulysses sequence parallelism over ``size`` ranks (all-to-all heads <-> sequence). ``float8=True``:
+    the all-to-alls move e4m3 rows with a per-row fp32 scale (about half of bf16's bytes; approximate)."""
 
     name = "ulysses"
     attention_groups = ("ulysses",)
+
+    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, float8: bool = False):
+        super().__init__(size, group)
+        self.ulysses_float8 = bool(float8)
+
+    def config_items(self) -> Dict[str, Any]:
+        return {"size": self.ulysses_size, "float8": self.ulysses_float8}
 
 
 class Ring(_OneAxis):
@@ -160,14 +170,16 @@ class USP(_ContextParallel):
     attention_groups = ("ulysses", "ring")
 
     def __init__(self, ulysses: int, ring: int, group: Optional[dist.ProcessGroup] = None,
-                 ring_rotate_method: str = "p2p"):
+                 ring_rotate_method: str = "p2p", ulysses_float8: bool = False):
         self.group = group
         self.ulysses_size = check_ranks("USP(ulysses)", ulysses)
         self.ring_size = check_ranks("USP(ring)", ring)
         self.ring_rotate_method = _rotate_method("USP(ring_rotate_method)", ring_rotate_method)
+        self.ulysses_float8 = bool(ulysses_float8)
 
     def config_items(self) -> Dict[str, Any]:
-        return {"ulysses": self.ulysses_size, "ring": self.ring_size, "ring_rotate_method": self.ring_rotate_method}
+        return {"ulysses": self.ulysses_size, "ring": self.ring_size, "ring_rotate_method": self.ring_rotate_method,
+                "ulysses_float8": self.ulysses_float8}
 
 
 def _rotate_method(where: str, method: str) -> str:
@@ -181,6 +193,7 @@ def describe_collectives(gm: fx.GraphModule) -> Dict[str, int]:
     """Count the context-parallel nodes in a graph by kind (what a printed graph shows)."""
     kinds = {getattr(ops, k): k for k in ("ulysses_attention", "ring_attention", "usp_attention", "gather_sequence",
                                           "shard_sequence", "permute_sequence", "ring_allgather_attention",
-                                          "usp_allgather_attention")}
+                                          "usp_allgather_attention", "ulysses_fp8_attention", "usp_fp8_attention",
+                                          "usp_fp8_allgather_attention")}
     return dict(collections.Counter(kinds[n.target] for n in gm.graph.nodes
                                     if n.op == "call_function" and n.target in kinds))
