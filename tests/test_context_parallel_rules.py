@@ -6,10 +6,11 @@ over text + image keys; a gathered value keeps its traced memory layout, which a
 depthwise ``conv1d`` over the sharded text: gathered; the main stack's stream sharded where that stack starts; a
 ``sum`` over the text tokens, all-reduced), NucleusMoE (expert-choice routing: ``topk`` / ``scatter_add`` over the
 tokens, gathered), Z-Image (rotary embeddings inside ``wrap_with_autocast`` regions, analysed as regions of their
-own) and Flux with one text token (a stream shorter than the group stays replicated). Every case: the output
-equals the single-process one (fp32, rel <= 1e-5) on every rank, twice, and the collectives that run are exactly
-those the pass counted. Parameters a class initialises to a constant (zero output layers, zero adaLN gates) are
-redrawn first, so that every block contributes to the output. The toys at the end check single rules without ranks.
+own), OmniGen (one K/V head broadcast over the query heads, as SDPA does) and Flux with one text token (a
+stream shorter than the group stays replicated). Every case: the output equals the single-process one (fp32,
+rel <= 1e-5) on every rank, twice, and the collectives that run are exactly those the pass counted. Parameters a
+class initialises to a constant (zero output layers, zero adaLN gates) are redrawn first, so that every block
+contributes to the output. The toys at the end check single rules without ranks.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ CASES = {
     "longcat_audio": ("ulysses", 1, None),
     "nucleusmoe": ("ring", 1, None),
     "zimage": ("ulysses", 1, None),
+    "omnigen": ("ring", 1, None),
     "flux": ("ring", 1, _one_text_token),
 }
 
@@ -153,6 +155,8 @@ def test_families_match_single_process_with_the_collectives_counted(rule_ranks):
     assert longcat["inputs_sharded"] == 2 and longcat["attention_replaced"] == 4
     # Z-Image: q and k rotary regions of 2 blocks rewritten, the attention still distributed
     assert cases["zimage"]["counts"]["regions"] == 4 and cases["zimage"]["counts"]["attention_replaced"] == 2
+    # OmniGen: K / V with one head, broadcast to the query heads, the attention still distributed
+    assert cases["omnigen"]["counts"]["attention_replaced"] == 2
     # Flux with 1 text token: the text stream stays replicated, the image is sharded; attention still distributed
     assert cases["flux"]["counts"]["inputs_sharded"] == 1 and cases["flux"]["counts"]["attention_replaced"] == 4
 

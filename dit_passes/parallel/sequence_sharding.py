@@ -392,6 +392,10 @@ class _Analysis(Propagation):
         mlay = self.placed(mask)
         if isinstance(mlay, Sharded):
             raise _NonLocal("attention with a token-sharded mask")
+        lead = shape(q)[:2]
+        if shape(n)[:2] != lead or any(val(x).dim() != 4 or shape(x)[d] not in (1, lead[d]) for x in (k, v)
+                                       for d in (0, 1)):
+            raise _NonLocal("attention broadcasting the queries over the keys' batch or heads")
         if lk != lq or lv != lq:
             # cross-attention (full keys / values on every rank), or keys sharded unlike the queries (PRX: the
             # queries are the image, the keys text + image): each query row attends to the full keys, so this
