@@ -123,6 +123,10 @@ class _Analysis(Propagation):
             return None
         if t in oc.MIXING:
             raise _NonLocal(f"{t} mixes tokens")
+        if t is oc.FLEX_ATTENTION:  # a shard's rows would need the mask and score functions re-indexed
+            raise _NonLocal("flex attention: its block mask and score / mask functions index global positions")
+        if t in oc.NEW_TENSORS:  # a constant of the full size (argument 0 lends only a dtype): replicated
+            return None
         if t in oc.COPIES or oc.is_pointwise(t):
             return self.pointwise(n)
         lay = self.placed(n.args[0])
