@@ -6,10 +6,12 @@ over text + image keys; a gathered value keeps its traced memory layout, which a
 depthwise ``conv1d`` over the sharded text: gathered; the main stack's stream sharded where that stack starts; a
 ``sum`` over the text tokens, all-reduced), NucleusMoE (expert-choice routing: ``topk`` / ``scatter_add`` over the
 tokens, gathered), Z-Image (rotary embeddings inside ``wrap_with_autocast`` regions, analysed as regions of their
-own) and Flux with one text token (a stream shorter than the group stays replicated). Every case: the output
-equals the single-process one (fp32, rel <= 1e-5) on every rank, twice, and the collectives that run are exactly
-those the pass counted. Parameters a class initialises to a constant (zero output layers, zero adaLN gates) are
-redrawn first, so that every block contributes to the output. The toys at the end check single rules without ranks.
+own), OmniGen (one K/V head broadcast over the query heads, as SDPA does), AnyFlow-FAR, Kandinsky 6 SR and
+Wan-Animate 2 (flex attention: gathered, run whole; Wan-Animate 2's ``new_zeros`` buffers replicated) and Flux with one text token (a
+stream shorter than the group stays replicated). Every case: the output equals the single-process one (fp32,
+rel <= 1e-5) on every rank, twice, and the collectives that run are exactly those the pass counted. Parameters a
+class initialises to a constant (zero output layers, zero adaLN gates) are redrawn first, so that every block
+contributes to the output. The toys at the end check single rules without ranks.
 """
 from __future__ import annotations
 
@@ -73,6 +75,10 @@ CASES = {
     "longcat_audio": ("ulysses", 1, None),
     "nucleusmoe": ("ring", 1, None),
     "zimage": ("ulysses", 1, None),
+    "omnigen": ("ring", 1, None),
+    "anyflow_far": ("ring", 1, None),
+    "kandinsky6_sr": ("ulysses", 1, None),
+    "wan_animate2": ("ulysses", 1, None),
     "flux": ("ring", 1, _one_text_token),
 }
 
@@ -101,6 +107,7 @@ def _case(family, kind, batch, edit, world):
     return {"err": max(((o - ref).abs().max() / ref.abs().max()).item() for o in (out, again)),
             "agree": all(torch.equal(o, outs[0]) for o in outs), "shape_ok": out.shape == ref.shape,
             "counts": dict(compiled._current().manager.records[-1].result.counts), "ran": dict(ran.counts),
+            "report": compiled._current().manager.records[-1].result.report,
             # the dims along which 3-D values ([batch, tokens, features] or [tokens, batch, features]) are sharded
             "shard_dims_3d": sorted({int(n.args[1]) for n in gm.graph.nodes if n.op == "call_function" and
                                      getattr(n.target, "__name__", "") == "shard_sequence" and
@@ -153,6 +160,16 @@ def test_families_match_single_process_with_the_collectives_counted(rule_ranks):
     assert longcat["inputs_sharded"] == 2 and longcat["attention_replaced"] == 4
     # Z-Image: q and k rotary regions of 2 blocks rewritten, the attention still distributed
     assert cases["zimage"]["counts"]["regions"] == 4 and cases["zimage"]["counts"]["attention_replaced"] == 2
+    # OmniGen: K / V with one head, broadcast to the query heads, the attention still distributed
+    assert cases["omnigen"]["counts"]["attention_replaced"] == 2
+    # flex attention (AnyFlow-FAR, Kandinsky 6 SR, Wan-Animate 2: block masks over global positions) runs whole on
+    # its gathered q / k / v; the streams stay sharded around it (Wan-Animate 2 builds its padded q / k / v with
+    # new_zeros + slice_scatter, which gather too; its rotary tail is an empty slice, the same on every rank)
+    for family in ("anyflow_far", "kandinsky6_sr"):
+        assert cases[family]["report"].count("flex attention: its block mask") >= 1, cases[family]["report"]
+        assert cases[family]["counts"]["nonlocal_gathers"] >= 3
+    assert cases["anyflow_far"]["counts"]["attention_local"] == 2  # cross-attention over the full text
+    assert cases["wan_animate2"]["counts"]["attention_local"] == 4  # text and image cross-attention
     # Flux with 1 text token: the text stream stays replicated, the image is sharded; attention still distributed
     assert cases["flux"]["counts"]["inputs_sharded"] == 1 and cases["flux"]["counts"]["attention_replaced"] == 4
 
@@ -189,6 +206,32 @@ def test_rules_partial_sums_gathers_and_refusals():
     assert [n.target for n, _ in plan.nonlocal_ops] == [aten.scatter_add.default] * 2
     with pytest.raises(PassError, match=r"in-place op aten\.scatter_add_\.default .*updates a token-sharded"):
         _plan(lambda y: y.clone().scatter_add(1, index, y), edit={aten.scatter_add.default: aten.scatter_add_.default})
+
+
+def _relative_flex(y):
+    """Flex attention over the heads of ``y`` with a relative-position score (it reads the global query index)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    b, n, d = y.shape
+    q = y.view(b, n, 2, d // 2).transpose(1, 2)
+    out = flex_attention(q, q, q, score_mod=lambda s, bi, h, qi, ki: s - 0.1 * (qi - ki).abs())
+    return out.transpose(1, 2).reshape(b, n, d)
+
+
+def test_flex_attention_gathers_and_new_tensors_are_replicated():
+    aten = torch.ops.aten
+    # flex attention's score / mask functions index global positions: q / k / v gathered, it runs whole
+    plan = _plan(_relative_flex)
+    flex = [(n, why) for n, why in plan.nonlocal_ops if n.target is torch.ops.higher_order.flex_attention]
+    assert len(flex) == 2 and all("flex attention" in why for _, why in flex)
+    # new_zeros of a sharded value: a constant of the full size (replicated), sliced where it meets the shard
+    plan = _plan(lambda y: y + y.new_zeros(y.shape).fill_(1.0))
+    zeros = [n for n in plan.region if n.target is aten.new_zeros.default]
+    assert len(zeros) == 2 and not plan.nonlocal_ops and not any(n in plan.layouts for n in zeros)
+    # an empty slice of the token dim (the tail past a rotated prefix) is the same empty value on every rank; a cat
+    # with it adds no tokens: nothing gathered, the cat keeps the shard's layout
+    plan = _plan(lambda y: torch.cat([y * 2, y[:, 6:]], dim=1))
+    cats = [n for n in plan.region if n.target is aten.cat.default]
+    assert not plan.nonlocal_ops and all(plan.layouts[n].lengths == (6,) for n in cats) and len(cats) == 2
 
 
 def test_repropagate_checks_a_view_against_the_new_layout():

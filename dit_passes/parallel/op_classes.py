@@ -25,6 +25,9 @@ LIKE_ARG0 = {aten.dropout.default, aten.type_as.default, aten._to_copy.default, 
              aten.rand_like.default, aten.randn_like.default, aten.lift_fresh_copy.default}
 # the tensor argument 1 lends only a dtype / shape; outputs that do not depend on argument 0's values
 META_ARG1 = {aten.type_as.default, aten.expand_as.default}
+# new tensors of a given size: argument 0 lends only a dtype / device (the output is a constant of that size)
+NEW_TENSORS = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
+               aten.new_empty_strided.default}
 VALUE_FREE = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
               aten.rand_like.default, aten.randn_like.default}
 # elementwise ops that are finite wherever their operands are (activations, +, -, *): a zero-padded MLP
@@ -60,6 +63,8 @@ MIXING = CONVS | SCATTERS | {aten.conv1d.default, aten.conv1d.padding, aten.conv
                              aten.index_select.default, aten.gather.default, aten.index.Tensor, aten.sort.default,
                              aten.topk.default}
 MATMULS = {aten.matmul.default, aten.bmm.default}
+# attention whose score / mask functions (and block mask) index the global query and key positions
+FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 # higher-order ops that call a body graph under a context (autocast, grad mode): position of the body argument,
 # the body's operands follow it
 CONTEXT_WRAPPERS = {torch.ops.higher_order.wrap_with_autocast: 4, torch.ops.higher_order.wrap_with_set_grad_enabled: 1}

@@ -249,7 +249,7 @@ def repropagate(g: fx.Graph, touched: Set[fx.Node], shape_fns: Optional[Dict[fx.
             old = n.meta.get("val")
             try:
                 set_val(n, shape_fns.get(n))
-            except Exception as e:  # noqa: BLE001 - any failure of the op on its fake inputs
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:  # the op refuses its fake inputs
                 raise PropagationError(n, e) from e
             if not same_shapes(old, n.meta["val"], strides):
                 changed.add(n)

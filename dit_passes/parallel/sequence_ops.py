@@ -67,19 +67,23 @@ def _in_order(out: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     return out.permute(order).contiguous().permute(inverse)
 
 
-# the attention functions of :mod:`~dit_passes.parallel.attention` on named groups, output in ``out_order``
+def _like_q(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x`` (k or v) broadcast to q's batch and heads, as SDPA broadcasts them (OmniGen: one K/V head)."""
+    return x if x.shape[:2] == q.shape[:2] else x.expand(q.shape[0], q.shape[1], *x.shape[2:])
+
+
+# the attention functions of :mod:`~dit_passes.parallel.attention` on named groups, output in ``out_order``; k and v
+# broadcast over batch / heads like SDPA's
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       group_name: str, seq_sizes: Sequence[int], scale: Optional[float],
                       out_order: Sequence[int]) -> torch.Tensor:
-    return _in_order(_attn.ulysses_attention(q, k, v, group=resolve_group(group_name), seq_sizes=list(seq_sizes),
-                                             attn_mask=attn_mask, scale=scale), out_order)
+    return _one_group(_attn.ulysses_attention, q, k, v, attn_mask, group_name, seq_sizes, scale, out_order)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                    group_name: str, seq_sizes: Sequence[int], scale: Optional[float],
                    out_order: Sequence[int]) -> torch.Tensor:
-    return _in_order(_attn.ring_attention(q, k, v, group=resolve_group(group_name), seq_sizes=list(seq_sizes),
-                                          attn_mask=attn_mask, scale=scale), out_order)
+    return _one_group(_attn.ring_attention, q, k, v, attn_mask, group_name, seq_sizes, scale, out_order)
 
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
@@ -93,18 +97,25 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: 
 def ring_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                              group_name: str, seq_sizes: Sequence[int], scale: Optional[float],
                              out_order: Sequence[int]) -> torch.Tensor:
-    return _in_order(_attn.ring_attention(q, k, v, group=resolve_group(group_name), seq_sizes=list(seq_sizes),
-                                          attn_mask=attn_mask, scale=scale, rotate_method="allgather"), out_order)
+    return _one_group(_attn.ring_attention, q, k, v, attn_mask, group_name, seq_sizes, scale, out_order,
+                      rotate_method="allgather")
 
 
 def ulysses_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                           group_name: str, seq_sizes: Sequence[int], scale: Optional[float],
                           out_order: Sequence[int]) -> torch.Tensor:
-    return _in_order(_attn.ulysses_attention(q, k, v, group=resolve_group(group_name), seq_sizes=list(seq_sizes),
-                                             attn_mask=attn_mask, scale=scale, float8=True), out_order)
+    return _one_group(_attn.ulysses_attention, q, k, v, attn_mask, group_name, seq_sizes, scale, out_order,
+                      float8=True)
+
+
+def _one_group(attention, q, k, v, attn_mask, group_name, seq_sizes, scale, out_order, **options):
+    k, v = _like_q(q, k), _like_q(q, v)
+    return _in_order(attention(q, k, v, group=resolve_group(group_name), seq_sizes=list(seq_sizes),
+                               attn_mask=attn_mask, scale=scale, **options), out_order)
 
 
 def _usp(q, k, v, attn_mask, ulysses_group_name, ring_group_name, seq_sizes, scale, out_order, **options):
+    k, v = _like_q(q, k), _like_q(q, v)
     return _in_order(_attn.usp_attention(q, k, v, ulysses_group=resolve_group(ulysses_group_name),
                                          ring_group=resolve_group(ring_group_name), seq_sizes=list(seq_sizes),
                                          attn_mask=attn_mask, scale=scale, **options), out_order)

@@ -31,6 +31,7 @@ from . import op_classes as oc
 from .propagate import Propagation, Touches, agree, aligned_dim, arg, is_tensor, map_args, moved_dim, reduction_dims
 from .propagate import resize_view, segment_cut, shape, val, view_dims
 from .sequence_plan import AttentionDecision, SequenceShardSpec, Sharded, ShardingPlan, _Gather, _Permute, _Slice
+from .sequence_streams import entering_streams
 
 __all__ = ["AttentionDecision", "SequenceShardSpec", "Sharded", "ShardingPlan", "analyze"]
 
@@ -123,6 +124,10 @@ class _Analysis(Propagation):
             return None
         if t in oc.MIXING:
             raise _NonLocal(f"{t} mixes tokens")
+        if t is oc.FLEX_ATTENTION:  # a shard's rows would need the mask and score functions re-indexed
+            raise _NonLocal("flex attention: its block mask and score / mask functions index global positions")
+        if t in oc.NEW_TENSORS:  # a constant of the full size (argument 0 lends only a dtype): replicated
+            return None
         if t in oc.COPIES or oc.is_pointwise(t):
             return self.pointwise(n)
         lay = self.placed(n.args[0])
@@ -243,7 +248,10 @@ class _Analysis(Propagation):
         if step != 1:
             raise _NonLocal(f"strided slice (step {step}) of the token dim")
         start, end, _ = slice(start, end).indices(lay.full_length)  # None, negative, out of range: as the op reads them
-        a, b = self._segment_cut(lay, [start, max(start, end)], "slice")
+        if end <= start:  # an empty slice (the tail past a rotated prefix): the same empty value on every rank
+            self.edit(n, (x, d, 0, 0, 1), {}, target=aten.slice.Tensor)
+            return None
+        a, b = self._segment_cut(lay, [start, end], "slice")
         if a == b:
             raise _NonLocal("empty slice of the token dim")
         lb = self.spec.local_boundaries(lay.segments)
@@ -279,6 +287,9 @@ class _Analysis(Propagation):
             return Sharded(od - (stack and d >= od), segs)
         new, segs = [], ()
         for a, lay in zip(tensors, lays):
+            if lay is None and shape(a)[d] == 0:  # an empty piece adds no tokens (the same on every rank)
+                new.append(a)
+                continue
             if lay is None:  # a replicated piece joins as a segment of its own
                 lay = Sharded(d, ((a.name, shape(a)[d]),))
                 new.append(_Slice(a, d, lay.segments))
@@ -392,6 +403,10 @@ class _Analysis(Propagation):
         mlay = self.placed(mask)
         if isinstance(mlay, Sharded):
             raise _NonLocal("attention with a token-sharded mask")
+        lead = shape(q)[:2]
+        if shape(n)[:2] != lead or any(val(x).dim() != 4 or shape(x)[d] not in (1, lead[d]) for x in (k, v)
+                                       for d in (0, 1)):
+            raise _NonLocal("attention broadcasting the queries over the keys' batch or heads")
         if lk != lq or lv != lq:
             # cross-attention (full keys / values on every rank), or keys sharded unlike the queries (PRX: the
             # queries are the image, the keys text + image): each query row attends to the full keys, so this
@@ -437,39 +452,6 @@ def _copy_body(body: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(body, g)
 
 
-def _stream_layout(s: fx.Node, spec: SequenceShardSpec, token_dim: int) -> Optional[Sharded]:
-    """``s`` sharded along ``token_dim``, or None for a stream shorter than the group (a rank would hold no
-    token): it stays replicated, and its ops run whole on every rank, exactly."""
-    n = int(val(s).shape[token_dim])
-    return Sharded(token_dim, ((s.name, n),)) if n >= spec.world else None
-
-
-def _streams(structure: DiTStructure, spec: SequenceShardSpec, token_dim: int):
-    """The residual streams entering block 0, and per later block list the streams entering its first block
-    (sharded there unless the walk placed them already: Flux's single blocks take the dual blocks' output)."""
-    out = {}
-    for s in structure.blocks[0].stream_inputs:
-        v = val(s)
-        if not isinstance(v, torch.Tensor) or v.dim() < 3:
-            raise PassError(f"context parallel: residual stream '{s.name}' entering block 0 has shape "
-                            f"{None if v is None else tuple(v.shape)}; expected [batch, tokens, features]")
-        lay = _stream_layout(s, spec, token_dim)
-        if lay is not None:
-            out[s] = lay
-    late, start = {}, 0
-    for lst in structure.block_lists:
-        first = structure.blocks[start]
-        start += lst.count
-        if first is structure.blocks[0]:
-            continue
-        for s in first.stream_inputs:
-            lay = _stream_layout(s, spec, token_dim) if is_tensor(s) and val(s).dim() >= 3 else None
-            if lay is not None and s not in out:
-                at = next(n for n in first.nodes if n.op == "call_function")
-                late.setdefault(at, {})[s] = lay
-    return out, late
-
-
 def analyze(gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec) -> ShardingPlan:
     """Layouts and edits for this rank (pure: the graph is not modified).
 
@@ -482,7 +464,7 @@ def analyze(gm: fx.GraphModule, structure: DiTStructure, spec: SequenceShardSpec
     tried: List[Any] = []
     for token_dim in (1, 0):
         try:
-            streams, late = _streams(structure, spec, token_dim)
+            streams, late = entering_streams(structure, spec, token_dim)
             plan = _Analysis(gm, region, spec).run(streams, late=late)
         except PassError as e:
             tried.append(e)
