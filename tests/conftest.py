@@ -68,6 +68,13 @@ def pytest_itemcollected(item):
         item.add_marker(getattr(pytest.mark, kind))
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # Tests marked `ends_rank_pools` make a rank fail on purpose, which ends every pooled rank (the harness's
+    # guarantee: no process left once the error reaches the test). They run last, so the rank tests before them
+    # keep one pool per world size (and its captured graphs) instead of starting new ranks halfway through.
+    items.sort(key=lambda item: item.get_closest_marker("ends_rank_pools") is not None)
+
+
 # DIT_PASSES_CPU_REPORT=<dir>: each test's CPU seconds (this process + its ranks + reaped children such as
 # subprocess.run), written per pytest process to <dir>/cpu-<pid>.tsv: what a test costs on a busy machine, where wall
 # time says little.

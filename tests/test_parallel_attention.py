@@ -267,6 +267,7 @@ def _hang_on_rank_one(rank, world):
     return torch.full((2,), float(rank))
 
 
+@pytest.mark.ends_rank_pools
 def test_harness_reports_rank_traceback():
     with pytest.raises(RankFailedError, match="rank 1 of 2 raised") as info:
         run_ranks(_raise_on_rank_one, 2, timeout=60)
@@ -275,6 +276,7 @@ def test_harness_reports_rank_traceback():
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.ends_rank_pools
 def test_harness_times_out_on_hang():
     start = time.monotonic()
     with pytest.raises(RankTimeoutError, match=r"ranks \[1\] did not finish") as info:
