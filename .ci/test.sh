@@ -7,9 +7,10 @@ export TRITON_INTERPRET=1 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREA
 # -P: the repository root stays off sys.path (its kernels/ folder would shadow the PyPI package `kernels`).
 # tests/conftest.py marks the tests that run gloo ranks (`ranks`) and those that start Ray (`ray`).
 # Three pytest processes side by side on the 2 cores:
-#  - the Ray tests, at the normal priority: they mostly wait (actors starting, gloo handshakes), and a raylet must
-#    register within Ray's fixed 30 s (on 2 busy cores at equal priority it missed it), so the kernel serves them
-#    first and the two others take the cores they leave;
+#  - the Ray tests, at the normal priority: run alone after the others they took ~190 s of wall time with the cores
+#    partly idle (clusters and actors starting, handshakes, shutdowns); a raylet must register within Ray's fixed
+#    30 s (on 2 busy cores at equal priority it missed it), so the kernel serves them first and the two others
+#    take the cores they leave;
 #  - niced by 10: the rank tests one at a time in one pytest process (each keeps 2-4 rank processes busy; one
 #    process, so the pooled ranks and the rank fixtures serve them all: two rank tests at once would run into
 #    their rank timeouts), and the single-process tests on two xdist workers (they take the rest of the time:
