@@ -1,11 +1,12 @@
 """Test-session wiring: how tests share the 2-core CI machine.
 
 Each test is marked here as it is collected: ``ranks`` (it runs gloo ranks: ``run_ranks(`` in its code or in one
-of its fixtures') or ``ray`` (it starts a local Ray cluster). ``.ci/test.sh`` runs ``-m "ranks and not ray"`` in
-one pytest process beside ``-m "not ranks and not ray"`` on two xdist workers, then the Ray tests alone: two
-rank tests at once would put 4-8 busy processes on 2 cores and run into their rank timeouts, and a raylet must
-register within Ray's fixed 30 s, which it missed on 2 busy cores. (pytest-xdist's ``loadgroup`` did not keep a
-group marked here on one worker: two rank tests ran at once, and each worker computed the rank fixtures again.)
+of its fixtures') or ``ray`` (it starts a local Ray cluster). ``.ci/test.sh`` runs three pytest processes side by
+side: ``-m ray`` at the normal priority, and niced below it ``-m "ranks and not ray"`` in one process and
+``-m "not ranks and not ray"`` on two xdist workers. Two rank tests at once would put 4-8 busy processes on 2 cores
+and run into their rank timeouts; a raylet must register within Ray's fixed 30 s, which it missed on 2 busy cores
+at equal priority. (pytest-xdist's ``loadgroup`` did not keep a group marked here on one worker: two rank tests
+ran at once, and each worker computed the rank fixtures again.)
 
 Fixtures that run ranks are session-scoped: one computation serves every test of the rank process.
 
@@ -66,6 +67,13 @@ def pytest_itemcollected(item):
     kind = _kind_of(item)
     if kind:
         item.add_marker(getattr(pytest.mark, kind))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # Tests marked `ends_rank_pools` make a rank fail on purpose, which ends every pooled rank (the harness's
+    # guarantee: no process left once the error reaches the test). They run last, so the rank tests before them
+    # keep one pool per world size (and its captured graphs) instead of starting new ranks halfway through.
+    items.sort(key=lambda item: item.get_closest_marker("ends_rank_pools") is not None)
 
 
 # DIT_PASSES_CPU_REPORT=<dir>: each test's CPU seconds (this process + its ranks + reaped children such as

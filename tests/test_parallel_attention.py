@@ -300,6 +300,7 @@ def _hang_on_rank_one(rank, world):
     return torch.full((2,), float(rank))
 
 
+@pytest.mark.ends_rank_pools
 def test_harness_reports_rank_traceback():
     with pytest.raises(RankFailedError, match="rank 1 of 2 raised") as info:
         run_ranks(_raise_on_rank_one, 2, timeout=60)
@@ -308,7 +309,15 @@ def test_harness_reports_rank_traceback():
     assert not multiprocessing.active_children()
 
 
+def _ready(rank, world):
+    return rank
+
+
+@pytest.mark.ends_rank_pools
 def test_harness_times_out_on_hang():
+    # the ranks started first (the test before ended the pool): the 15 s below time the hang alone, not a start-up
+    # that a busy machine can stretch past them (rank 0 would then be pending too)
+    assert run_ranks(_ready, 2) == [0, 1]
     start = time.monotonic()
     with pytest.raises(RankTimeoutError, match=r"ranks \[1\] did not finish") as info:
         run_ranks(_hang_on_rank_one, 2, timeout=15)
