@@ -3,7 +3,7 @@
     dit-passes coverage --out out/coverage                    # the whole matrix (parallel on 2 gloo ranks)
     dit-passes coverage --families flux,wan --no-parallel     # a reduced form
     dit-passes coverage --columns capture,dbcache
-    dit-passes coverage --families wan --update out/coverage/coverage.json --out out/coverage   # re-run rows
+    dit-passes coverage --families wan --update out/coverage/coverage.json --out out/coverage   # re-run cells
 
 Rows come from ``dit_passes.models.diffusers_zoo.coverage_rows()`` (the transformer classes diffusers
 exports: a class without a zoo config shows as "no config"); columns are :data:`COLUMNS`. Each cell is
@@ -340,23 +340,25 @@ def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: f
 
 
 def merge_rows(base: dict, update: dict) -> dict:
-    """``base`` (an earlier matrix) with ``update``'s rows in place of the same (class, family) rows: re-running a
-    few families after a fix keeps the rest of a 35-minute matrix. Both must have the same columns and settings;
-    the result lists both commands and the seconds of both runs."""
-    keys = ("columns", "world", "batch", "tolerance", "svdquant_bound")
-    differ = [k for k in keys if base.get(k) != update.get(k)]
-    if differ:
-        raise ValueError(f"cannot merge coverage matrices with different {', '.join(differ)} "
-                         f"({[base.get(k) for k in differ]} vs {[update.get(k) for k in differ]}): re-run with the "
-                         "earlier run's --columns / --batch, or without --update")
+    """``base`` (an earlier matrix) with ``update``'s cells in place of the same (class, family, column) cells:
+    re-running a few families or columns after a fix keeps the rest of a 35-minute matrix. ``update``'s columns
+    must be among ``base``'s and its settings the same; the result lists both commands and their seconds."""
+    differ = [k for k in ("world", "batch", "tolerance", "svdquant_bound") if base.get(k) != update.get(k)]
+    extra = [c for c in update["columns"] if c not in base["columns"]]
+    if differ or extra:
+        what = (f"different {', '.join(differ)} ({[base.get(k) for k in differ]} vs {[update.get(k) for k in differ]})"
+                if differ else f"columns {extra} that the earlier matrix lacks")
+        raise ValueError(f"cannot merge coverage matrices with {what}: re-run with the earlier run's settings, or "
+                         "without --update")
     fresh = {(r["class"], r["family"]): r for r in update["rows"]}
     rows = []
     for r in base["rows"]:
         if r["family"] is None:  # "no config" before: the class's new rows, if it has any now
-            now = [fresh.pop(k) for k in list(fresh) if k[0] == r["class"]]
-            rows += now or [r]
+            rows += [fresh.pop(k) for k in list(fresh) if k[0] == r["class"]] or [r]
+        elif (r["class"], r["family"]) in fresh:
+            rows.append(dict(r, cells={**r["cells"], **fresh.pop((r["class"], r["family"]))["cells"]}))
         else:
-            rows.append(fresh.pop((r["class"], r["family"]), r))
+            rows.append(r)
     merged = dict(base)
     merged["rows"] = rows + list(fresh.values())
     merged["summary"] = summarize(merged["rows"], base["columns"])
@@ -390,7 +392,7 @@ def to_markdown(result: dict, command: str = "") -> str:
     commands = result.get("commands") or ([command] if command else [])
     if len(commands) > 1:
         lines += [f"Made by `{commands[0]}`, then the rows of " + ", ".join(f"`{c}`" for c in commands[1:]) +
-                  f" put in place of the same rows ({result['seconds']} s in all).", ""]
+                  f" put in place of the same cells ({result['seconds']} s in all).", ""]
     elif commands:
         lines += [f"Made by `{commands[0]}` ({result['seconds']} s).", ""]
     lines += [f"exact: fp32 max relative error <= {result['tolerance']:g} vs eager (DBCache / TaylorSeer: the "
@@ -449,8 +451,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="batch of the example call (2: a CFG pair)")
     parser.add_argument("--out", default="", help="directory for coverage.md / coverage.json")
     parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
-    parser.add_argument("--update", default="", help="an earlier coverage.json: run only --families and write it "
-                        "with those rows replaced")
+    parser.add_argument("--update", default="", help="an earlier coverage.json: run only --families / --columns "
+                        "and write it with those cells replaced")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     columns = [c.strip() for c in args.columns.split(",") if c.strip()]
     unknown = [c for c in columns if c not in COLUMNS]

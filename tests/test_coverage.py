@@ -132,28 +132,28 @@ def test_cli_arguments(capsys):
     assert "unknown families / classes ['not_a_family']" in capsys.readouterr().err
 
 
-def test_update_replaces_only_the_rerun_rows():
-    """``--update``: re-run rows take the place of the same rows (a former "no config" class gets its family's
-    row), the others stay, counts and commands follow; matrices of other columns refuse to merge."""
-    def cell(status):
-        return {"status": status, "detail": "", "seconds": 1.0}
-
-    def matrix(rows, command, columns=("capture",)):
+def test_update_replaces_only_the_rerun_cells():
+    """``--update``: re-run cells take the place of the same cells (a former "no config" class gets its family's
+    row), the others stay, counts and commands follow; a column the earlier matrix lacks refuses to merge."""
+    def matrix(rows, command, columns=("capture", "dbcache")):
         return {"diffusers": "d", "torch": "t", "world": 1, "batch": 1, "tolerance": 1e-5, "svdquant_bound": 0.25,
                 "columns": list(columns), "seconds": 10.0, "command": command,
-                "rows": [{"class": c, "family": f, "cells": {"capture": cell(st)}} for c, f, st in rows],
+                "rows": [{"class": c, "family": f, "cells": {col: {"status": st, "detail": "", "seconds": 1.0}
+                                                             for col, st in cells.items()}} for c, f, cells in rows],
                 "summary": {}, "excluded": {}, "zoo_families": []}
 
-    base = matrix([("A", "a", "error"), ("B", "b", "exact"), ("C", None, "no config")], "first")
-    new = matrix([("A", "a", "exact"), ("C", "c", "refused")], "second")
+    base = matrix([("A", "a", {"capture": "error", "dbcache": "exact"}), ("B", "b", {"capture": "exact", "dbcache": "exact"}),
+                   ("C", None, {"capture": "no config", "dbcache": "no config"})], "first")
+    new = matrix([("A", "a", {"capture": "exact"}), ("C", "c", {"capture": "refused"})], "second", columns=("capture",))
     merged = coverage.merge_rows(base, new)
-    assert [(r["class"], r["family"], r["cells"]["capture"]["status"]) for r in merged["rows"]] == [
-        ("A", "a", "exact"), ("B", "b", "exact"), ("C", "c", "refused")]
+    got = [(r["class"], r["family"], {c: x["status"] for c, x in r["cells"].items()}) for r in merged["rows"]]
+    assert got == [("A", "a", {"capture": "exact", "dbcache": "exact"}),
+                   ("B", "b", {"capture": "exact", "dbcache": "exact"}), ("C", "c", {"capture": "refused"})]
     assert merged["summary"]["capture"] == {"exact": 2, "refused": 1, "error": 0, "no config": 0}
     assert merged["commands"] == ["first", "second"] and merged["seconds"] == 20.0
     assert "then the rows of `second`" in coverage.to_markdown(merged)
-    with pytest.raises(ValueError, match="different columns"):
-        coverage.merge_rows(base, matrix([("A", "a", "exact")], "third", columns=("capture", "dbcache")))
+    with pytest.raises(ValueError, match="columns \\['tp'\\] that the earlier matrix lacks"):
+        coverage.merge_rows(base, matrix([("A", "a", {"tp": "exact"})], "third", columns=("tp",)))
 
 
 def test_dbcache_cuts_across_a_dual_to_single_hand_over():
