@@ -6,7 +6,8 @@ exactly one frame per compiled graph / template), the quantized arithmetic is in
 left eager around them), and the outputs equal the uncompiled quantized graph's. Every quantized custom op
 passes ``torch.library.opcheck`` (schema, fake implementation, AOT dispatch with dynamic shapes).
 
-Tiny zoo Flux with hidden size 64 (2 heads x 32) so that W4A4 (K % 64 == 0) takes every block linear.
+Tiny zoo Flux with hidden size 64 (2 heads x 32) so that W4A4 (K % 64 == 0) takes every block linear; SVDQuant's
+AdaLN modulation linears are the weight-only int4 graph form (plain ATen ops), compiled with the rest.
 """
 from __future__ import annotations
 
@@ -32,13 +33,19 @@ METHODS = {  # name -> (pass, dispatch settings while the graph is written)
 QUANT_OPS = {torch.ops.dit_passes.svdq_w4a4_linear.default, torch.ops.dit_passes.fp8_linear.default,
              torch.ops.dit_passes.int8_linear.default}
 LOW_BIT = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+NIBBLES = torch.ops.aten.bitwise_right_shift.Tensor_Scalar  # the high nibble's unpack (int4.int4_values)
 
 
 def quantized_nodes(graph: torch.fx.Graph) -> int:
-    """Nodes of a graph that compute quantized arithmetic: a quantized-linear op, or a cast to a low-bit dtype
-    (the activation quantization of the fp8 graph forms, plain ATen ops)."""
+    """Nodes of a graph that compute quantized arithmetic: a quantized-linear op, a cast to a low-bit dtype (the
+    activation quantization of the fp8 graph forms, plain ATen ops) or an int4 unpack (the weight-only int4 form of
+    SVDQuant's modulation linears, and the W4A8 form's weight expansion)."""
     return sum(1 for n in graph.nodes if n.op == "call_function"
-               and (n.target in QUANT_OPS or n.kwargs.get("dtype") in LOW_BIT))
+               and (n.target in QUANT_OPS or n.target is NIBBLES or n.kwargs.get("dtype") in LOW_BIT))
+
+
+def block_linears(model) -> int:
+    return sum(isinstance(m, torch.nn.Linear) and "blocks." in p for p, m in model.named_modules())
 
 
 def _run(module, kw):
@@ -83,12 +90,16 @@ def uncompiled(flux):
 def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
     zm, kw = flux
     ref, replaced, quantized = uncompiled[method]
-    assert replaced == 34 and quantized > 0  # every block linear but the AdaLN ones
+    assert replaced == block_linears(zm.model) and quantized > 0  # every block linear, the AdaLN ones included
     cnt = CompileCounterWithBackend("aot_eager")
     c = _lowered(zm, kw, method, torch_compile={"backend": cnt, "fullgraph": True})
     out = _run(c, kw)
     assert cnt.frame_count == 1 and len(cnt.graphs) == 1  # one graph, no break
     assert quantized_nodes(cnt.graphs[0].graph) == quantized  # all the quantized arithmetic is compiled
+    if method == "svdq_w4a4":  # the AdaLN modulation linears' weight-only int4 forms are in the one graph
+        adaln = [p for p, m in zm.model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and "blocks." in p and p.endswith(".linear")]  # norm*.linear
+        assert sum(n.target is NIBBLES for n in cnt.graphs[0].graph.nodes) == len(adaln) > 0
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     _run(c, kw)
     assert cnt.frame_count == 1  # no recompilation

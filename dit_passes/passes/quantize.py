@@ -23,11 +23,25 @@ sx, wscale, bias)`` on an sm_89+ GPU or the dequantized fp32 matmul elsewhere (`
     b  = self.transformer_blocks.0.attn.to_q.bias
     q = torch.ops.dit_passes.svdq_w4a4_linear.default(norm_x, qw, ws, ld, lu, si, b)
 
+The AdaLN modulation linears (role ``modulation``: their input is the conditioning vector, one row per sample)
+under SVDQuantW4A4 get a weight-only form by default (``modulation="w4a16"``: the same int4 weights, the
+activations left in their dtype, as plain ATen ops; ``quant/graph_forms.w4a16_linear_form``)::
+
+    w = self.transformer_blocks.0.norm1.linear.qweight      # uint8 [N, K/2]
+    ws = self.transformer_blocks.0.norm1.linear.wscale      # bf16 [N, K/64]
+    q = int4 values of w (bitwise ops, as float32)
+    deq = aten.type_as(aten.view_as(aten.view(q, [-1, 64]) * aten.reshape(float32(ws), [-1, 1]), q), emb)
+    mod = torch.ops.aten.linear.default(emb, deq, b)
+
+``modulation="svdq"`` gives them W4A4 like the rest, ``None`` leaves them unquantized; Fp8Linear and Int8Linear
+quantize them in their own form.
+
 Which linears: those of ``structure.linears`` inside a block (prologue/epilogue embedders and the final
-projection stay), minus ``exclude`` (default: the AdaLN ``modulation`` role), restricted to ``include``
-when given, then ``filter_fn(module_path, role)``. An include/exclude entry that is a role name
-(``q``, ``mlp_up``, ...) matches that role; any other string matches module paths containing it.
-W4A4 needs K % 64 == 0: other linears are skipped with a note, or refused when ``include`` named them.
+projection stay), minus ``exclude`` (default: none), restricted to ``include`` when given, then
+``filter_fn(module_path, role)``; a linear an earlier quantization pass already rewrote is never taken again. An
+include/exclude entry that is a role name (``q``, ``mlp_up``, ...) matches that role; any other string matches
+module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0: other linears are skipped with a note, or
+refused when ``include`` named them.
 
 Calibration (PTQ, ``calibrate_fn``): the pass runs ``calibrate_fn()`` once under a
 ``TorchFunctionMode`` that records the per-channel abs-max of the input of every ``F.linear`` call
@@ -66,11 +80,14 @@ from ..quant.int4 import GROUP_SIZE
 from ..quant.serialize import save_quantized
 from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
 from ..quant.svdquant import SMOOTH_MODES, prepare_svdquant
+from ..quant.w4a16 import prepare_w4a16
 
 from ..patterns.quant_linear import QUANT_KINDS, replace_linears
 
 ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "other")
-DEFAULT_EXCLUDE = ("modulation",)
+DEFAULT_EXCLUDE: Tuple[str, ...] = ()  # every block linear; the modulation ones too (SVDQuant: weight-only int4)
+W4A16 = "w4a16"
+MODULATION_FORMS = (W4A16, "svdq", None)
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -92,7 +109,7 @@ def select_linears(structure, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=N
     """The LinearSites of the blocks that ``include`` / ``exclude`` / ``filter_fn`` accept, graph order."""
     out = []
     for site in structure.linears:
-        if site.block is None:
+        if site.block is None or site.node.meta.get("dit_quant"):  # outside the blocks, or quantized already
             continue
         path, role = site.module_path, site.role
         if include is not None and not any(_matches(e, path, role) for e in include):
@@ -179,6 +196,19 @@ def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, 
     return counts
 
 
+def apply_by_kind(gm: fx.GraphModule, sites: Sequence[Any], kinds: Dict[str, str],
+                  tables: Dict[str, Dict[str, torch.Tensor]], ledger: WeightLedger, owner: Pass) -> Dict[str, int]:
+    """:func:`apply_quantized` once per kind (``kinds``: module path -> kind), the counts summed; ``kind_<kind>``
+    counts the linear nodes of each."""
+    total: Dict[str, int] = {}
+    for kind in dict.fromkeys(kinds[s.module_path] for s in sites):
+        counts = apply_quantized(gm, [s for s in sites if kinds[s.module_path] == kind], tables, kind, ledger, owner)
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
+        total[f"kind_{kind}"] = counts["replaced"]
+    return total
+
+
 def released_tables(ledger: WeightLedger, gm: fx.GraphModule, paths: Sequence[str], owner: Pass
                     ) -> Optional[Dict[str, Dict[str, torch.Tensor]]]:
     """Lowering again after the weights of ``paths`` were released: the tables ``owner`` made then (PassError
@@ -214,9 +244,13 @@ class _QuantizeLinears(Pass):
             raise TypeError(f"serialize_to must be a directory path, got {serialize_to!r}")
         self.serialize_to = None if serialize_to is None else str(serialize_to)
 
-    # subclasses: quant_type(), config(), prepare(path, weight, bias, absmax) -> tensors
+    # subclasses: quant_type(), config(), prepare(path, weight, bias, absmax, kind) -> tensors, kind_of(site)
     def quant_type(self) -> str:
         raise NotImplementedError
+
+    def kind_of(self, site) -> str:
+        """The quantized kind a selected linear gets (``QUANT_KINDS``): the pass's own unless a subclass says."""
+        return self.kind
 
     def config(self) -> Dict[str, Any]:
         return {"format": FORMAT, "kind": self.kind, "quant_type": self.quant_type()}
@@ -229,7 +263,7 @@ class _QuantizeLinears(Pass):
         return None
 
     def prepare(self, path: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                absmax: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
+                absmax: Optional[torch.Tensor], kind: str) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def _state(self, ctx: PassContext) -> Dict[str, Any]:
@@ -247,7 +281,8 @@ class _QuantizeLinears(Pass):
             bad = [s for s in sites if s.in_features % GROUP_SIZE]
             if bad and self.include is not None:
                 raise PassError(f"{self.name}: include= selected linears whose K is not a multiple of {GROUP_SIZE}, "
-                                f"which W4A4 cannot quantize: {[(s.module_path, s.in_features) for s in bad][:5]}; "
+                                f"which int4 (groups of {GROUP_SIZE}) cannot quantize: "
+                                f"{[(s.module_path, s.in_features) for s in bad][:5]}; "
                                 "narrow include= or add them to exclude=")
             if bad:
                 paths = sorted({s.module_path for s in bad})
@@ -258,6 +293,7 @@ class _QuantizeLinears(Pass):
         if not sites:
             return PassResult(False, {"replaced": 0, "skipped_k": skipped}, "no eligible linear in the blocks; " + "; ".join(notes))
         paths = list(dict.fromkeys(s.module_path for s in sites))
+        kinds = {s.module_path: self.kind_of(s) for s in sites}
         weights = {s.module_path: tensor_at(gm, s.weight) for s in sites}
         biases = {s.module_path: tensor_at(gm, s.bias) if s.bias else None for s in sites}
         ledger = ctx.runtime.weights
@@ -266,15 +302,16 @@ class _QuantizeLinears(Pass):
             tables, how = place_tables(tables, weights[paths[0]]), "prepared weights reused, originals released"
         else:
             signature = quant_signature(gm, paths, graph_block_lists(structure))
-            tables, how = self._tables(ctx, paths, weights, biases, signature, notes)
-        counts = apply_quantized(gm, sites, tables, self.kind, ledger, self)
+            tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
+        counts = apply_by_kind(gm, sites, kinds, tables, ledger, self)
         counts["skipped_k"] = skipped
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
+        per_kind = ", ".join(f"{k[len('kind_'):]} {v}" for k, v in counts.items() if k.startswith("kind_"))
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "
-                  f"({how}); {counts['bytes_before']} -> {counts['bytes_after']} bytes ({ratio:.2f}x)")
+                  f"[{per_kind}] ({how}); {counts['bytes_before']} -> {counts['bytes_after']} bytes ({ratio:.2f}x)")
         return PassResult(True, counts, "; ".join([report] + notes))
 
-    def _tables(self, ctx, paths, weights, biases, signature, notes):
+    def _tables(self, ctx, paths, kinds, weights, biases, signature, notes):
         state = self._state(ctx)
         key = (self.describe(), signature["weights_sha256"], tuple(paths))
         w0 = weights[paths[0]]
@@ -288,16 +325,18 @@ class _QuantizeLinears(Pass):
             raise PassError(f"{self.name}: calibrate_fn called the CompiledDiT that is being lowered. Calibrate "
                             "with the original transformer in the pipeline, or lower first: "
                             "compile_dit(model, passes=[...], example_inputs=...)")
+        # activation statistics serve the pass's own kind only (W4A16 leaves the activations alone)
+        observed = [p for p in paths if kinds[p] == self.kind]
         state["calibrating"] = True
         try:
-            stats = self.calibrate(weights)
+            stats = self.calibrate({p: weights[p] for p in observed}) if observed else None
         finally:
             state.pop("calibrating", None)
         if stats is not None:
-            missing = [p for p in paths if p not in stats]
-            if len(missing) == len(paths):
-                raise PassError(f"{self.name}: calibrate_fn() ran none of the {len(paths)} linears to quantize "
-                                f"(e.g. {paths[0]}): it must call the model passed to compile_dit, e.g. through "
+            missing = [p for p in observed if p not in stats]
+            if len(missing) == len(observed):
+                raise PassError(f"{self.name}: calibrate_fn() ran none of the {len(observed)} linears to quantize "
+                                f"(e.g. {observed[0]}): it must call the model passed to compile_dit, e.g. through "
                                 "a pipeline holding that transformer")
             if missing:
                 notes.append(f"{len(missing)} linear(s) never ran during calibration (e.g. {missing[0]}): "
@@ -305,10 +344,14 @@ class _QuantizeLinears(Pass):
         tables = {}
         for p in paths:
             absmax = None if stats is None else stats.get(p)
-            tables[p] = self.prepare(p, weights[p], biases[p], absmax)
+            tables[p] = self.prepare(p, weights[p], biases[p], absmax, kinds[p])
         if self.serialize_to is not None:
             flat = {f"{p}.{f}": t for p, tab in tables.items() for f, t in tab.items()}
-            written = save_quantized(self.serialize_to, flat, self.config(), signature)
+            config = self.config()
+            other = {p: k for p, k in sorted(kinds.items()) if k != self.kind}
+            if other:  # the linears whose kind is not config["kind"] (LoadQuantized reads it)
+                config["kind_of"] = other
+            written = save_quantized(self.serialize_to, flat, config, signature)
             notes.append(f"saved to {written}")
         state[key] = state[placed] = tables
         return tables, "calibrated" if stats is not None else "no calibration"
@@ -322,7 +365,13 @@ class SVDQuantW4A4(_QuantizeLinears):
     (``dynamic=True``): no calibration, smoothing from the weights only (``smooth="weight"``) unless
     ``smooth`` says otherwise; ``serialize_to`` optional (``svdq_int4_r<rank>_dq``). The linears call
     ``dit_passes.svdq_w4a4_linear`` (true W4A4), or on Hopper (and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8``)
-    are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors)."""
+    are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors).
+
+    ``modulation``: the form of the AdaLN modulation linears (role ``modulation``, about a quarter of FLUX's weights):
+    ``"w4a16"`` (default) the same int4 weights with the activations left in their dtype -- the conditioning
+    vector's activation quantization buys the GEMV no speed and costs the worst images (digits DiT, rank 32 PTQ,
+    min PSNR: W4A4 31.4 dB, W4A16 33.8; bench/results/quant_fidelity_w4a16_modulation.md) --; ``"svdq"`` W4A4 like
+    the other linears; ``None`` leaves them unquantized. They are never calibrated."""
 
     name = "svdquant_w4a4"
     kind = "svdq_w4a4"
@@ -330,8 +379,14 @@ class SVDQuantW4A4(_QuantizeLinears):
 
     def __init__(self, rank: int = 32, calibrate_fn: Optional[Callable[[], Any]] = None, dynamic: bool = False,
                  alpha: float = 0.5, serialize_to=None, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
-                 smooth: Optional[str] = None, seed: int = 0):
+                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W4A16):
         super().__init__(include, exclude, filter_fn, serialize_to)
+        if modulation not in MODULATION_FORMS:
+            raise ValueError(f"modulation must be one of {MODULATION_FORMS} (the AdaLN modulation linears' form: "
+                             f"weight-only int4, W4A4 like the rest, or unquantized), got {modulation!r}")
+        self.modulation = modulation
+        if modulation is None and "modulation" not in self.exclude:
+            self.exclude = self.exclude + ("modulation",)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int (e.g. 32), got {rank!r}")
         if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
@@ -363,12 +418,15 @@ class SVDQuantW4A4(_QuantizeLinears):
 
     def config(self) -> Dict[str, Any]:
         return {**super().config(), "rank": self.rank, "alpha": self.alpha, "smooth": self.smooth,
-                "dynamic": self.dynamic, "group_size": GROUP_SIZE, "seed": self.seed}
+                "dynamic": self.dynamic, "group_size": GROUP_SIZE, "seed": self.seed, "modulation": self.modulation}
 
     def config_items(self) -> Dict[str, Any]:
         fn = getattr(self.calibrate_fn, "__qualname__", repr(self.calibrate_fn)) if self.calibrate_fn else None
         return {"rank": self.rank, "dynamic": self.dynamic, "alpha": self.alpha, "smooth": self.smooth,
-                "calibrate_fn": fn, **super().config_items()}
+                "modulation": self.modulation, "calibrate_fn": fn, **super().config_items()}
+
+    def kind_of(self, site) -> str:
+        return W4A16 if site.role == "modulation" and self.modulation == W4A16 else self.kind
 
     def calibrate(self, weights):
         if self.calibrate_fn is None:
@@ -379,7 +437,9 @@ class SVDQuantW4A4(_QuantizeLinears):
             raise PassError(f"{self.name}: calibration saw inf/nan inputs at {bad[:3]}; check the calibration prompts")
         return stats
 
-    def prepare(self, path, weight, bias, absmax):
+    def prepare(self, path, weight, bias, absmax, kind):
+        if kind == W4A16:
+            return prepare_w4a16(weight, bias).tensors()
         smooth = self.smooth if (absmax is not None or self.smooth != "act") else "weight"
         q = prepare_svdquant(weight, bias, act_absmax=absmax, rank=self.rank, alpha=self.alpha, smooth=smooth,
                              seed=self.seed, dtype=weight.dtype)
@@ -388,7 +448,7 @@ class SVDQuantW4A4(_QuantizeLinears):
 
 class Fp8Linear(_QuantizeLinears):
     """fp8 e4m3 weights, dynamic fp8 activations (per token and row, or one scale each: ``granularity``), written
-    as plain ATen ops (module docstring). ``exclude=()`` also takes the AdaLN modulation linears."""
+    as plain ATen ops (module docstring); the AdaLN modulation linears too (``exclude=("modulation",)`` keeps them)."""
 
     name = "fp8_linear"
 
@@ -403,7 +463,7 @@ class Fp8Linear(_QuantizeLinears):
     def quant_type(self) -> str:
         return f"fp8_e4m3_{self.granularity}"
 
-    def prepare(self, path, weight, bias, absmax):
+    def prepare(self, path, weight, bias, absmax, kind):
         return prepare_fp8(weight, bias, self.granularity).tensors()
 
 
@@ -416,6 +476,6 @@ class Int8Linear(_QuantizeLinears):
     def quant_type(self) -> str:
         return "int8_per_row"
 
-    def prepare(self, path, weight, bias, absmax):
+    def prepare(self, path, weight, bias, absmax, kind):
         return prepare_int8(weight, bias).tensors()
 
