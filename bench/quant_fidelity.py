@@ -12,8 +12,9 @@ Configs: SVDQuant W4A4 PTQ rank 16 and 32, SVDQuant W4A4 DQ rank 32 (no calibrat
 smoothing), plain W4A4 (rank 0, no smoothing: the baseline SVDQuant improves on), fp8 e4m3 per row,
 int8 per row. All quantize the same linears: every linear of the 12 blocks (their K is 64 or a multiple, so none
 is skipped for int4); embedders and the final projection stay. The AdaLN modulation linears (``--modulation``):
-``w4a16`` (default, the passes' default) SVDQuant gives them weight-only int4, fp8 / int8 their own form;
-``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the configs quantizes them.
+``w8a16`` (default, the passes' default) SVDQuant gives them weight-only int8 per row, fp8 / int8 their own form;
+``w4a16`` SVDQuant weight-only int4; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the
+configs quantizes them.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ COMMAND = ".venv/bin/python bench/quant_fidelity.py"
 CALIB_SEED = 1000
 
 
-def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w4a16"):
+def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w8a16"):
     from dit_passes import compile_dit
     from dit_passes.models.digits import sample
     from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
@@ -95,9 +96,10 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="quant_fidelity", help="base name of the .json / .md / grid folder")
     ap.add_argument("--w4a4-backend", choices=("auto", "fp8"), default="auto",
                     help="fp8: SVDQuant's linears in the Hopper design's numerics (W4A8, e4m3 activations per token)")
-    ap.add_argument("--modulation", nargs="?", const="svdq", default="w4a16", choices=("w4a16", "svdq", "none"),
-                    help="the AdaLN modulation linears under SVDQuant: weight-only int4 (default), W4A4 like the rest "
-                         "(the flag alone), or none (every config leaves them unquantized)")
+    ap.add_argument("--modulation", nargs="?", const="svdq", default="w8a16",
+                    choices=("w8a16", "w4a16", "svdq", "none"),
+                    help="the AdaLN modulation linears under SVDQuant: weight-only int8 (default), weight-only int4, "
+                         "W4A4 like the rest (the flag alone), or none (every config leaves them unquantized)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from dit_passes.quant import dispatch
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
         + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != [0, 1, 2] else "")
         + (f" --name {args.name}" if args.name != "quant_fidelity" else "")
         + (f" --w4a4-backend {args.w4a4_backend}" if args.w4a4_backend != "auto" else "")
-        + (f" --modulation {args.modulation}" if args.modulation != "w4a16" else ""),
+        + (f" --modulation {args.modulation}" if args.modulation != "w8a16" else ""),
         "w4a4_numerics": "W4A8 (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token)"
         if args.w4a4_backend == "fp8" else "W4A4 (true 4-bit activations, the reference)",
         "modulation": args.modulation, "modulation_quantized": args.modulation != "none",
@@ -167,7 +169,9 @@ def render_markdown(r: dict) -> str:
              if k.startswith("replaced_")}
     svdq_kinds = ", ".join(f"{k[len('kind_'):]}={v}" for k, v in sorted(r["configs"].get("svdq_r32_dq", {}).get(
         "counts", {}).items()) if k.startswith("kind_"))
-    which = {"w4a16": "the AdaLN modulation ones included (SVDQuant: weight-only int4, W4A16; fp8 / int8: their own "
+    which = {"w8a16": "the AdaLN modulation ones included (SVDQuant: weight-only int8 per row, W8A16; fp8 / int8: "
+                      "their own form)",
+             "w4a16": "the AdaLN modulation ones included (SVDQuant: weight-only int4, W4A16; fp8 / int8: their own "
                       "form)", "svdq": "the AdaLN modulation ones included (SVDQuant: W4A4 like the rest)",
              "none": "except the AdaLN modulation ones"}[r.get("modulation") or
                                                           ("svdq" if r.get("modulation_quantized") else "none")]

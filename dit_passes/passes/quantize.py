@@ -24,24 +24,24 @@ sx, wscale, bias)`` on an sm_89+ GPU or the dequantized fp32 matmul elsewhere (`
     q = torch.ops.dit_passes.svdq_w4a4_linear.default(norm_x, qw, ws, ld, lu, si, b)
 
 The AdaLN modulation linears (role ``modulation``: their input is the conditioning vector, one row per sample)
-under SVDQuantW4A4 get a weight-only form by default (``modulation="w4a16"``: the same int4 weights, the
-activations left in their dtype, as plain ATen ops; ``quant/graph_forms.w4a16_linear_form``)::
+under SVDQuantW4A4 get a weight-only form by default (``modulation="w8a16"``: int8 weights per output row, the
+activations left in their dtype, as plain ATen ops; ``quant/graph_forms.w8a16_linear_form``)::
 
-    w = self.transformer_blocks.0.norm1.linear.qweight      # uint8 [N, K/2]
-    ws = self.transformer_blocks.0.norm1.linear.wscale      # bf16 [N, K/64]
-    q = int4 values of w (bitwise ops, as float32)
-    deq = aten.type_as(aten.view_as(aten.view(q, [-1, 64]) * aten.reshape(float32(ws), [-1, 1]), q), emb)
+    w = self.transformer_blocks.0.norm1.linear.qweight      # int8 [N, K]
+    ws = self.transformer_blocks.0.norm1.linear.wscale      # fp32 [N]
+    deq = aten.type_as(aten.mul(float32(w), aten.unsqueeze(float32(ws), 1)), emb)
     mod = torch.ops.aten.linear.default(emb, deq, b)
 
-``modulation="svdq"`` gives them W4A4 like the rest, ``None`` leaves them unquantized; Fp8Linear and Int8Linear
-quantize them in their own form.
+``modulation="w4a16"`` gives them weight-only int4 (W4A4's int4 weights, unpacked and scaled per group of 64 in the
+graph: ``graph_forms.w4a16_linear_form``), ``"svdq"`` W4A4 like the rest, ``None`` leaves them unquantized;
+Fp8Linear and Int8Linear quantize them in their own form.
 
 Which linears: those of ``structure.linears`` inside a block (prologue/epilogue embedders and the final
 projection stay), minus ``exclude`` (default: none), restricted to ``include`` when given, then
 ``filter_fn(module_path, role)``; a linear an earlier quantization pass already rewrote is never taken again. An
 include/exclude entry that is a role name (``q``, ``mlp_up``, ...) matches that role; any other string matches
-module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0: other linears are skipped with a note, or
-refused when ``include`` named them.
+module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0: other linears of an int4 kind are skipped with a
+note, or refused when ``include`` named them (W8A16 takes any K).
 
 Calibration (PTQ, ``calibrate_fn``): the pass runs ``calibrate_fn()`` once under a
 ``TorchFunctionMode`` that records the per-channel abs-max of the input of every ``F.linear`` call
@@ -81,13 +81,15 @@ from ..quant.serialize import save_quantized
 from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
 from ..quant.svdquant import SMOOTH_MODES, prepare_svdquant
 from ..quant.w4a16 import prepare_w4a16
+from ..quant.w8a16 import prepare_w8a16
 
 from ..patterns.quant_linear import QUANT_KINDS, replace_linears
 
 ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "other")
-DEFAULT_EXCLUDE: Tuple[str, ...] = ()  # every block linear; the modulation ones too (SVDQuant: weight-only int4)
-W4A16 = "w4a16"
-MODULATION_FORMS = (W4A16, "svdq", None)
+DEFAULT_EXCLUDE: Tuple[str, ...] = ()  # every block linear; the modulation ones too (SVDQuant: weight-only int8)
+W8A16, W4A16 = "w8a16", "w4a16"
+WEIGHT_ONLY = (W8A16, W4A16)
+MODULATION_FORMS = (W8A16, W4A16, "svdq", None)
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -232,7 +234,6 @@ class _QuantizeLinears(Pass):
     reads = ("structure",)
     invalidates = ("structure",)
     kind = ""
-    needs_group_k = False
 
     def __init__(self, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, serialize_to=None):
         self.include = _check_patterns("include", include)
@@ -244,13 +245,18 @@ class _QuantizeLinears(Pass):
             raise TypeError(f"serialize_to must be a directory path, got {serialize_to!r}")
         self.serialize_to = None if serialize_to is None else str(serialize_to)
 
-    # subclasses: quant_type(), config(), prepare(path, weight, bias, absmax, kind) -> tensors, kind_of(site)
+    # subclasses: quant_type(), config(), prepare(path, weight, bias, absmax, kind) -> tensors, kind_of(site),
+    # needs_group_k(kind)
     def quant_type(self) -> str:
         raise NotImplementedError
 
     def kind_of(self, site) -> str:
         """The quantized kind a selected linear gets (``QUANT_KINDS``): the pass's own unless a subclass says."""
         return self.kind
+
+    def needs_group_k(self, kind: str) -> bool:
+        """Whether ``kind`` quantizes K in groups of ``GROUP_SIZE`` (int4), so that K must be a multiple of it."""
+        return False
 
     def config(self) -> Dict[str, Any]:
         return {"format": FORMAT, "kind": self.kind, "quant_type": self.quant_type()}
@@ -277,19 +283,18 @@ class _QuantizeLinears(Pass):
         sites = select_linears(structure, self.include, self.exclude, self.filter_fn)
         notes: List[str] = []
         skipped = 0
-        if self.needs_group_k:
-            bad = [s for s in sites if s.in_features % GROUP_SIZE]
-            if bad and self.include is not None:
+        bad = [s for s in sites if s.in_features % GROUP_SIZE and self.needs_group_k(self.kind_of(s))]
+        if bad:
+            if self.include is not None:
                 raise PassError(f"{self.name}: include= selected linears whose K is not a multiple of {GROUP_SIZE}, "
                                 f"which int4 (groups of {GROUP_SIZE}) cannot quantize: "
                                 f"{[(s.module_path, s.in_features) for s in bad][:5]}; "
                                 "narrow include= or add them to exclude=")
-            if bad:
-                paths = sorted({s.module_path for s in bad})
-                skipped = len(paths)
-                notes.append(f"skipped {len(paths)} linear(s) with K % {GROUP_SIZE} != 0 "
-                             f"(e.g. {paths[0]} K={bad[0].in_features})")
-            sites = [s for s in sites if s.in_features % GROUP_SIZE == 0]
+            paths = sorted({s.module_path for s in bad})
+            skipped = len(paths)
+            notes.append(f"skipped {len(paths)} linear(s) with K % {GROUP_SIZE} != 0 "
+                         f"(e.g. {paths[0]} K={bad[0].in_features})")
+            sites = [s for s in sites if s.module_path not in paths]
         if not sites:
             return PassResult(False, {"replaced": 0, "skipped_k": skipped}, "no eligible linear in the blocks; " + "; ".join(notes))
         paths = list(dict.fromkeys(s.module_path for s in sites))
@@ -325,7 +330,7 @@ class _QuantizeLinears(Pass):
             raise PassError(f"{self.name}: calibrate_fn called the CompiledDiT that is being lowered. Calibrate "
                             "with the original transformer in the pipeline, or lower first: "
                             "compile_dit(model, passes=[...], example_inputs=...)")
-        # activation statistics serve the pass's own kind only (W4A16 leaves the activations alone)
+        # activation statistics serve the pass's own kind only (W8A16 / W4A16 leave the activations alone)
         observed = [p for p in paths if kinds[p] == self.kind]
         state["calibrating"] = True
         try:
@@ -368,22 +373,23 @@ class SVDQuantW4A4(_QuantizeLinears):
     are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors).
 
     ``modulation``: the form of the AdaLN modulation linears (role ``modulation``, about a quarter of FLUX's weights):
-    ``"w4a16"`` (default) the same int4 weights with the activations left in their dtype -- the conditioning
-    vector's activation quantization buys the GEMV no speed and costs the worst images (digits DiT, rank 32 PTQ,
-    min PSNR: W4A4 31.4 dB, W4A16 33.8; bench/results/quant_fidelity_w4a16_modulation.md) --; ``"svdq"`` W4A4 like
-    the other linears; ``None`` leaves them unquantized. They are never calibrated."""
+    ``"w8a16"`` (default) int8 weights per output row with the activations left in their dtype (any K; half the
+    bf16 bytes); ``"w4a16"`` weight-only int4 (W4A4's weights, a quarter of the bytes); ``"svdq"`` W4A4 like the
+    other linears; ``None`` leaves them unquantized. The conditioning vector's activation quantization buys the
+    GEMV no speed and costs the worst images, and int4 weights cost the mean (digits DiT, rank 32 PTQ, mean / min
+    PSNR: unquantized 45.1 / 39.2 dB, W4A4 44.0 / 31.4, W4A16 41.2 / 33.8; W8A16:
+    bench/results/quant_fidelity_w8a16_modulation.md). They are never calibrated."""
 
     name = "svdquant_w4a4"
     kind = "svdq_w4a4"
-    needs_group_k = True
 
     def __init__(self, rank: int = 32, calibrate_fn: Optional[Callable[[], Any]] = None, dynamic: bool = False,
                  alpha: float = 0.5, serialize_to=None, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
-                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W4A16):
+                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W8A16):
         super().__init__(include, exclude, filter_fn, serialize_to)
         if modulation not in MODULATION_FORMS:
             raise ValueError(f"modulation must be one of {MODULATION_FORMS} (the AdaLN modulation linears' form: "
-                             f"weight-only int4, W4A4 like the rest, or unquantized), got {modulation!r}")
+                             f"weight-only int8 or int4, W4A4 like the rest, or unquantized), got {modulation!r}")
         self.modulation = modulation
         if modulation is None and "modulation" not in self.exclude:
             self.exclude = self.exclude + ("modulation",)
@@ -426,7 +432,10 @@ class SVDQuantW4A4(_QuantizeLinears):
                 "modulation": self.modulation, "calibrate_fn": fn, **super().config_items()}
 
     def kind_of(self, site) -> str:
-        return W4A16 if site.role == "modulation" and self.modulation == W4A16 else self.kind
+        return self.modulation if site.role == "modulation" and self.modulation in WEIGHT_ONLY else self.kind
+
+    def needs_group_k(self, kind: str) -> bool:
+        return kind != W8A16
 
     def calibrate(self, weights):
         if self.calibrate_fn is None:
@@ -438,6 +447,8 @@ class SVDQuantW4A4(_QuantizeLinears):
         return stats
 
     def prepare(self, path, weight, bias, absmax, kind):
+        if kind == W8A16:
+            return prepare_w8a16(weight, bias).tensors()
         if kind == W4A16:
             return prepare_w4a16(weight, bias).tensors()
         smooth = self.smooth if (absmax is not None or self.smooth != "act") else "weight"

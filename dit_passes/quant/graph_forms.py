@@ -43,6 +43,15 @@ of 64 along K, bf16 group scales); the activations stay in x.dtype::
 The product of an int4 value (<= 4 significant bits) and a bf16 scale (8) is exact in fp32, so in fp32 the form is
 the linear of the dequantized weight (``int4.dequantize_weight_w4``) bit for bit; in bf16 the weight takes one more
 rounding (2**-9 relative, far below the int4 step). Shape-generic (no constants): the op replaces any linear.
+
+Weight-only int8 linear, :func:`w8a16_linear_form` (SVDQuant's default for the modulation linears; ``w8a16.py``):
+int8 weights per output row, fp32 row scales, the activations in x.dtype::
+
+    w = x.dtype(float(qweight) * float(wscale)[:, None])                   # [N, K]
+    y = linear(x, w, bias)
+
+In fp32 it is the linear of ``w8a16.dequantize_w8a16`` bit for bit (the same one product per element); in bf16
+the weight takes one rounding (2**-9 relative). Shape-generic like the int4 form.
 """
 from __future__ import annotations
 
@@ -181,4 +190,13 @@ def w4a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tens
     q = int4_values(qweight, _F32)                                                           # [N, K]
     ws = aten.reshape.default(aten._to_copy.default(wscale, dtype=_F32), [-1, 1])            # [N * G, 1]
     w = aten.view_as.default(aten.mul.Tensor(aten.view.default(q, [-1, GROUP_SIZE]), ws), q)  # group-major rows
+    return aten.linear.default(x, aten.type_as.default(w, x), bias)
+
+
+def w8a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Weight-only int8 linear (module docstring): x [..., K], qweight int8 [N, K], wscale [N], bias [N] or None ->
+    [..., N] in x.dtype."""
+    ws = aten.unsqueeze.default(aten._to_copy.default(wscale, dtype=_F32), 1)              # [N, 1]
+    w = aten.mul.Tensor(aten._to_copy.default(qweight, dtype=_F32), ws)                    # [N, K]
     return aten.linear.default(x, aten.type_as.default(w, x), bias)
