@@ -200,28 +200,38 @@ def test_restore_refused_after_release_exact_with_keep_original(flux):
         assert torch.equal(restored(**kw)[0], ref)
 
 
-def test_svdquant_modulation_linears_held_as_int4(tmp_path):
-    """SVDQuant's default W4A16 modulation linears (hidden 64: every block linear has K % 64 == 0): their weights
-    leave the module like the W4A4 ones, the report counts their packed int4 and group scales, nothing full-size
-    stays, and the checkpoint loads into the released model with the same tables and output."""
+@pytest.mark.parametrize("modulation,packed", [("w8a16", "int8"), ("w4a16", "int4_packed")])
+def test_svdquant_modulation_linears_held_quantized(tmp_path, modulation, packed):
+    """SVDQuant's weight-only modulation linears (the default W8A16: int8 per row; W4A16: int4 per group; hidden 64:
+    every block linear has K % 64 == 0): their weights leave the module like the W4A4 ones, the report counts their
+    int8 / packed int4 weights and scales, nothing full-size stays, and the checkpoint loads into the released
+    model with the same tables and output."""
     zm = zoo.build("flux", attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
     model, kw = zm.model, zm.make_inputs()
     shapes = _weights(model)
     adaln = [p for p in _block_linears(model) if p.endswith(".linear")]  # norm1 / norm1_context / norm .linear
-    c = compile_dit(model, passes=[SVDQuantW4A4(rank=8, dynamic=True, serialize_to=str(tmp_path))])
+    c = compile_dit(model, passes=[SVDQuantW4A4(rank=8, dynamic=True, serialize_to=str(tmp_path),
+                                                modulation=modulation)])
     with torch.no_grad():
         out = c(**kw)[0]
     gc.collect()
     assert _quantized_paths(c) == _block_linears(model)
-    assert all("quantized (w4a16)" in c.released[f"{p}.weight"] for p in adaln)
+    assert all(f"quantized ({modulation})" in c.released[f"{p}.weight"] for p in adaln)
     assert all(model.get_parameter(f"{p}.weight").is_meta for p in adaln)
     report = c.memory_report()
     kinds = {e.name.split(".", 2)[2]: e.kind for e in report.entries if e.name.startswith("graphs.g0.")}
-    assert all(kinds[f"{p}.qweight"] == "int4_packed" and kinds[f"{p}.wscale"] == "scales" for p in adaln)
+    assert all(kinds[f"{p}.qweight"] == packed and kinds[f"{p}.wscale"] == "scales" for p in adaln)
     assert not any(f"{p}.lora_down" in kinds or f"{p}.smooth_inv" in kinds for p in adaln)  # weight-only
     gm = c.graph_module
     paths = _block_linears(model)
-    assert report.by_kind["int4_packed"] == sum(gm.get_buffer(f"{p}.qweight").untyped_storage().nbytes() for p in paths)
+    w4a4 = [p for p in paths if p not in adaln]
+    qbytes = {p: gm.get_buffer(f"{p}.qweight").untyped_storage().nbytes() for p in paths}
+    if packed == "int8":
+        assert report.by_kind["int8"] == sum(qbytes[p] for p in adaln) == sum(shapes[f"{p}.weight"][2] // 4
+                                                                              for p in adaln)  # 1 byte of fp32's 4
+        assert report.by_kind["int4_packed"] == sum(qbytes[p] for p in w4a4)
+    else:
+        assert "int8" not in report.by_kind and report.by_kind["int4_packed"] == sum(qbytes.values())
     assert report.total == resident_bytes(c)
     released = [f"{p}.weight" for p in paths]
     assert report.released_bytes == sum(shapes[w][2] for w in released)
