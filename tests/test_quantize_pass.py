@@ -179,7 +179,7 @@ def test_dq_replaces_expected_linears_and_matches_reference(flux):
     want = hooked_reference(model, kw, svdq_reference(rank=32, smooth="weight", alpha=0.5, seed=0))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     err = rel(out, ref)
-    assert 1e-4 < err < 0.03, err  # measured 0.0104 (W4A16 modulation 0.0114, unquantized 0.0103)
+    assert 1e-4 < err < 0.03, err  # measured 0.01025 (W4A16 modulation 0.0114, unquantized 0.0103)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # original untouched
 
 
