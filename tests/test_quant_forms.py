@@ -253,37 +253,6 @@ def test_svdq_pass_writes_the_fp8_form_when_asked(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ W4A16 (weight-only int4, modulation)
-def _w4a16_reference(x, q):
-    """The linear of the fp32 dequantized weight (``int4.dequantize_weight_w4``), in x's dtype."""
-    return torch.nn.functional.linear(x, dequantize_weight_w4(q.qweight, q.wscale).to(x.dtype),
-                                      None if q.bias is None else q.bias.to(x.dtype))
-
-
-@pytest.mark.parametrize("lead", [(2,), (3, 7)])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_w4a16_form_is_the_dequantized_linear(lead, with_bias):
-    """fp32: bit for bit the linear of the fp32 dequantized weight (int4 * bf16 scale is exact in fp32); bf16: that
-    linear up to the bf16 rounding of the weight and the output. The traced replacement is plain ATen ops."""
-    from dit_passes.patterns import quant_linear as QL
-
-    x, w, b = _case(torch.float32, lead, k=192, n=40)
-    q = prepare_w4a16(w, b if with_bias else None)
-    assert q.qweight.dtype == torch.uint8 and q.qweight.shape == (40, 96) and q.wscale.shape == (40, 3)
-    out = w4a16_linear_form(x, q.qweight, q.wscale, q.bias)
-    assert out.shape == (*lead, 40) and out.dtype == torch.float32
-    assert torch.equal(out, _w4a16_reference(x, q))
-    assert torch.equal(QL.traced(QL.w4a16_replacement)(x, q.qweight, q.wscale, q.bias), out)
-    traced = QL.traced(QL.w4a16_replacement).graph.nodes
-    assert all(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
-               for n in traced if n.op == "call_function")
-    xb, qb = x.to(torch.bfloat16), prepare_w4a16(w.to(torch.bfloat16), b.to(torch.bfloat16) if with_bias else None)
-    out16 = w4a16_linear_form(xb, qb.qweight, qb.wscale, qb.bias)
-    assert out16.dtype == torch.bfloat16
-    exact = torch.nn.functional.linear(xb.float(), dequantize_weight_w4(qb.qweight, qb.wscale),
-                                       qb.bias.float() if with_bias else None)
-    assert relative_error(out16, exact) < 1e-2
-
-
 def test_w4a16_error_bound_and_no_activation_error():
     """Every weight element within half its group's scale (``|w - q * wscale| <= wscale / 2``), so each output
     within ``sum_k |x_k| * wscale / 2`` of the exact linear; and weight-only int4 errs less than W4A4 on the same
@@ -312,30 +281,49 @@ def _w8a16_reference(x, q):
                                       None if q.bias is None else q.bias.to(x.dtype))
 
 
+def _w4a16_dequantized(q):
+    return dequantize_weight_w4(q.qweight, q.wscale)
+
+
+def _w8a16_dequantized(q):
+    return dequantize_w8a16(q.qweight, q.wscale)
+
+
+# kind -> (prepare, graph form, fp32 dequantized weight, K, the stored tensors' (dtype, shape) for N = 40)
+WEIGHT_ONLY = {
+    "w8a16": (prepare_w8a16, w8a16_linear_form, _w8a16_dequantized, 72,  # any K
+              {"qweight": (torch.int8, (40, 72)), "wscale": (torch.float32, (40,))}),
+    "w4a16": (prepare_w4a16, w4a16_linear_form, _w4a16_dequantized, 192,
+              {"qweight": (torch.uint8, (40, 96)), "wscale": (torch.bfloat16, (40, 3))}),
+}
+
+
+@pytest.mark.parametrize("kind", list(WEIGHT_ONLY))
 @pytest.mark.parametrize("lead", [(2,), (3, 7)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_w8a16_form_is_the_dequantized_linear(lead, with_bias):
-    """fp32: bit for bit the linear of the fp32 dequantized weight; bf16: that linear up to the bf16 rounding of the
-    weight and the output. Any K (here 72: no group constraint). The traced replacement is plain ATen ops."""
+def test_weight_only_form_is_the_dequantized_linear(kind, lead, with_bias):
+    """fp32: bit for bit the linear of the fp32 dequantized weight (int8 * fp32 row scale: the same one product;
+    int4 * bf16 group scale: exact in fp32); bf16: that linear up to the bf16 rounding of the weight and the output.
+    The traced replacement is plain ATen ops."""
     from dit_passes.patterns import quant_linear as QL
 
-    x, w, b = _case(torch.float32, lead, k=72, n=40)
-    q = prepare_w8a16(w, b if with_bias else None)
-    assert q.qweight.dtype == torch.int8 and q.qweight.shape == (40, 72)
-    assert q.wscale.dtype == torch.float32 and q.wscale.shape == (40,)
-    assert int(q.qweight.abs().amax(dim=1).min()) == 127  # each row's largest element maps to +-127
-    out = w8a16_linear_form(x, q.qweight, q.wscale, q.bias)
+    prepare, form, dequantized, k, stored = WEIGHT_ONLY[kind]
+    x, w, b = _case(torch.float32, lead, k=k, n=40)
+    q = prepare(w, b if with_bias else None)
+    assert {f: (t.dtype, tuple(t.shape)) for f, t in q.tensors().items() if f != "bias"} == stored
+    out = form(x, q.qweight, q.wscale, q.bias)
     assert out.shape == (*lead, 40) and out.dtype == torch.float32
-    assert torch.equal(out, _w8a16_reference(x, q))
-    assert torch.equal(QL.traced(QL.w8a16_replacement)(x, q.qweight, q.wscale, q.bias), out)
-    traced = QL.traced(QL.w8a16_replacement).graph.nodes
+    want = torch.nn.functional.linear(x, dequantized(q), q.bias)
+    assert torch.equal(out, want)
+    replacement = QL.QUANT_KINDS[kind].replacement
+    assert QL.QUANT_KINDS[kind].op is None  # always the graph form
+    assert torch.equal(QL.traced(replacement)(x, q.qweight, q.wscale, q.bias), out)
     assert all(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
-               for n in traced if n.op == "call_function")
-    xb, qb = x.to(torch.bfloat16), prepare_w8a16(w.to(torch.bfloat16), b.to(torch.bfloat16) if with_bias else None)
-    out16 = w8a16_linear_form(xb, qb.qweight, qb.wscale, qb.bias)
+               for n in QL.traced(replacement).graph.nodes if n.op == "call_function")
+    xb, qb = x.to(torch.bfloat16), prepare(w.to(torch.bfloat16), b.to(torch.bfloat16) if with_bias else None)
+    out16 = form(xb, qb.qweight, qb.wscale, qb.bias)
     assert out16.dtype == torch.bfloat16
-    exact = torch.nn.functional.linear(xb.float(), dequantize_w8a16(qb.qweight, qb.wscale),
-                                       qb.bias.float() if with_bias else None)
+    exact = torch.nn.functional.linear(xb.float(), dequantized(qb), qb.bias.float() if with_bias else None)
     assert relative_error(out16, exact) < 1e-2
 
 
@@ -347,6 +335,7 @@ def test_w8a16_error_bound_and_against_int4():
     w[5] = 0
     q = prepare_w8a16(w, b)
     assert float(q.wscale[5]) == 1.0 and not q.qweight[5].any()
+    assert (q.qweight.abs().amax(dim=1)[torch.arange(64) != 5] == 127).all()  # each row's largest maps to +-127
     scale = q.wscale.unsqueeze(1).expand_as(w)                                    # [N, K]: each element's scale
     err_w = (dequantize_w8a16(q.qweight, q.wscale) - w).abs()
     assert (err_w <= scale / 2 * (1 + 1e-6)).all() and err_w.max() > 0.25 * scale[:5].max() / 2  # tight

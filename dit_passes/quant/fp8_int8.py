@@ -82,7 +82,7 @@ class Int8Weight:
         return out
 
 
-def check_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+def _check_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"weight must be a 2-D float tensor [N, K], got {weight.dtype} {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
@@ -90,13 +90,13 @@ def check_weight(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
 
 
 def prepare_fp8(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, granularity: str = "per_row") -> Fp8Weight:
-    check_weight(weight, bias)
+    _check_weight(weight, bias)
     q, s = quantize_fp8(weight.detach(), granularity)
     return Fp8Weight(q.contiguous(), s, None if bias is None else bias.detach().clone(), granularity)
 
 
 def prepare_int8(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Int8Weight:
-    check_weight(weight, bias)
+    _check_weight(weight, bias)
     q, s = quantize_int8_rows(weight.detach())
     return Int8Weight(q.contiguous(), s, None if bias is None else bias.detach().clone())
 

@@ -13,35 +13,19 @@ Bytes per linear [N, K]: ``N * K`` (int8) + ``4 * N`` (scales) + the bias, about
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
-from .fp8_int8 import check_weight, quantize_int8_rows
+from .fp8_int8 import Int8Weight, prepare_int8
 
-
-@dataclass
-class W8A16Weight:
-    """qweight int8 [N, K], wscale fp32 [N] (one per output row), bias [N] or None."""
-
-    qweight: torch.Tensor
-    wscale: torch.Tensor
-    bias: Optional[torch.Tensor]
-
-    def tensors(self) -> Dict[str, torch.Tensor]:
-        """The tensors by field name (``bias`` only when present): the form's arguments and what is serialized."""
-        out = {"qweight": self.qweight, "wscale": self.wscale}
-        if self.bias is not None:
-            out["bias"] = self.bias
-        return out
+W8A16Weight = Int8Weight  # the same tensors as Int8Linear's weights: qweight int8 [N, K], wscale fp32 [N], bias
 
 
 def prepare_w8a16(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> W8A16Weight:
-    """Quantize one linear's weight [N, K] (any K) to int8 per output row; the bias is kept as is."""
-    check_weight(weight, bias)
-    qweight, wscale = quantize_int8_rows(weight.detach())
-    return W8A16Weight(qweight.contiguous(), wscale, None if bias is None else bias.detach().clone())
+    """Quantize one linear's weight [N, K] (any K) to int8 per output row; the bias is kept as is. The tables are
+    Int8Linear's (``fp8_int8.prepare_int8``); only the activations differ (left in their dtype here)."""
+    return prepare_int8(weight, bias)
 
 
 def dequantize_w8a16(qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
