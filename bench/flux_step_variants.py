@@ -7,9 +7,11 @@ Run from the repository root on a CUDA machine (diffusers installed, dit_passes 
 Rows (all eager, one denoising step at 1024², batch 1, the inputs of ``dit_passes.bench``):
 
 * ``bf16``: the diffusers transformer;
-* ``svdq_r32``: ``compile_dit`` with ``SVDQuantW4A4(rank=32, dynamic=True)`` on every block linear (the
-  AdaLN modulation ones excepted), i.e. the Triton W4A4 kernels through ``dit_passes::svdq_w4a4_linear``;
-* ``fp8_per_row``: ``compile_dit`` with ``Fp8Linear("per_row")``.
+* ``svdq_r32``: ``compile_dit`` with ``SVDQuantW4A4(rank=32, dynamic=True)`` on every block linear, i.e. the Triton
+  W4A4 kernels through ``dit_passes::svdq_w4a4_linear``, the AdaLN modulation ones weight-only int8 (W8A16, the
+  pass's default; the figures in ``bench/results/flux_step_variants*.json`` predate that: their modulation linears
+  stayed bf16);
+* ``fp8_per_row``: ``compile_dit`` with ``Fp8Linear("per_row")`` (the modulation linears included).
 
 Each row: pass time (host), median step ms over ``--repeats`` steps after two warm-ups (device sync around
 each step), relative error of the output against bf16 (random weights, so only a sanity figure), peak

@@ -19,8 +19,9 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   ``DIT_PASSES_FP8_FAST_ACCUM`` = 0 / 1;
 * ``svdq_w4_fp8`` / ``svdq_w4_fp8_fast_accum``: ``SVDQuantW4A4(rank=32, dynamic=True)`` written as W4A8 on fp8
   tensor cores (``DIT_PASSES_W4A4_BACKEND=fp8``: the packed int4 weights expanded to e4m3 once per call with the
-  group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16);
-* ``svdq_w4_all_fp8_fast_accum``: the same with ``exclude=()``, the AdaLN modulation linears quantized too;
+  group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16); the AdaLN
+  modulation linears weight-only int8 (the pass's default ``modulation="w8a16"``: dequantized to bf16 per call);
+* ``svdq_w4_all_fp8_fast_accum``: the same with ``modulation="svdq"``, the AdaLN modulation linears W4A8 too;
 * ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 on the CUTLASS kernels
   (``DIT_PASSES_W4A4_BACKEND=cutlass``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
 
@@ -100,8 +101,9 @@ def row_specs():
         "fp8_fast_accum": (lambda: [Fp8Linear(exclude=())], fast),
         "svdq_w4_fp8": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **exact}),
         "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
-        # the AdaLN modulation linears quantized too (the whole transformer shrinks: issue 21)
-        "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, exclude=())], {**w4a8, **fast}),
+        # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
+        "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
+                                       {**w4a8, **fast}),
         "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "cutlass", **exact}),
     }
 

@@ -1,6 +1,6 @@
 """Image fidelity of the quantization passes on the trained digits DiT (PSNR / SSIM vs the fp32 model).
 
-    .venv/bin/python bench/quant_fidelity.py [--steps 28] [--seeds 0 1 2] [--out bench/results]
+    .venv/bin/python bench/quant_fidelity.py [--steps 28] [--seeds 0 1 2] [--out bench/results] [--modulation M]
 
 Samples the trained digits FluxPipeline (dit_passes.models.digits, 4 double + 8 single blocks, hidden
 size 64) with the unquantized transformer and with every config below, same seeds and labels (one image
@@ -10,8 +10,11 @@ digits, through the pipeline holding the original transformer.
 
 Configs: SVDQuant W4A4 PTQ rank 16 and 32, SVDQuant W4A4 DQ rank 32 (no calibration, weight-only
 smoothing), plain W4A4 (rank 0, no smoothing: the baseline SVDQuant improves on), fp8 e4m3 per row,
-int8 per row. All quantize the same linears: every linear of the 12 blocks except the AdaLN modulation
-ones (their K is 64 or a multiple, so none is skipped for W4A4); embedders and the final projection stay.
+int8 per row. All quantize the same linears: every linear of the 12 blocks (their K is 64 or a multiple, so none
+is skipped for int4); embedders and the final projection stay. The AdaLN modulation linears (``--modulation``):
+``w8a16`` (default, the passes' default) SVDQuant gives them weight-only int8 per row, fp8 / int8 their own form;
+``w4a16`` SVDQuant weight-only int4; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the
+configs quantizes them.
 """
 from __future__ import annotations
 
@@ -30,10 +33,13 @@ COMMAND = ".venv/bin/python bench/quant_fidelity.py"
 CALIB_SEED = 1000
 
 
-def make_configs(pipe, steps: int, workdir: str, built: dict, exclude=("modulation",)):
+def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w8a16"):
     from dit_passes import compile_dit
     from dit_passes.models.digits import sample
     from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
+
+    exclude = ("modulation",) if modulation == "none" else ()
+    svdq = dict(modulation=None if modulation == "none" else modulation)
 
     def calibrate():
         # Runs inside the first call of the quantized module, i.e. in the middle of a pipeline run: it
@@ -47,13 +53,13 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, exclude=("modulati
 
     def ptq(rank):
         return lambda: SVDQuantW4A4(rank=rank, calibrate_fn=calibrate, serialize_to=os.path.join(workdir, f"r{rank}"),
-                                    exclude=exclude)
+                                    **svdq)
 
     makers = {
         "svdq_r16_ptq": ptq(16),
         "svdq_r32_ptq": ptq(32),
-        "svdq_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, exclude=exclude),
-        "w4a4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", exclude=exclude),
+        "svdq_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, **svdq),
+        "w4a4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", **svdq),
         "fp8_per_row": lambda: Fp8Linear("per_row", exclude=exclude),
         "int8_per_row": lambda: Int8Linear(exclude=exclude),
     }
@@ -90,7 +96,10 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="quant_fidelity", help="base name of the .json / .md / grid folder")
     ap.add_argument("--w4a4-backend", choices=("auto", "fp8"), default="auto",
                     help="fp8: SVDQuant's linears in the Hopper design's numerics (W4A8, e4m3 activations per token)")
-    ap.add_argument("--modulation", action="store_true", help="quantize the AdaLN modulation linears too")
+    ap.add_argument("--modulation", nargs="?", const="svdq", default="w8a16",
+                    choices=("w8a16", "w4a16", "svdq", "none"),
+                    help="the AdaLN modulation linears under SVDQuant: weight-only int8 (default), weight-only int4, "
+                         "W4A4 like the rest (the flag alone), or none (every config leaves them unquantized)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from dit_passes.quant import dispatch
@@ -104,8 +113,8 @@ def main(argv=None) -> int:
     labels = list(range(10))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
-        exclude = () if args.modulation else ("modulation",)
-        report = run_fidelity(make_configs(pipe, args.steps, work, built, exclude), seeds=args.seeds, labels=labels,
+        configs = make_configs(pipe, args.steps, work, built, args.modulation)
+        report = run_fidelity(configs, seeds=args.seeds, labels=labels,
                               steps=args.steps, out_dir=os.path.join(args.out, args.name), pipe=pipe)
     wall = time.perf_counter() - t0
     linears = quantized_linears(next(iter(built.values())))
@@ -118,10 +127,10 @@ def main(argv=None) -> int:
         + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != [0, 1, 2] else "")
         + (f" --name {args.name}" if args.name != "quant_fidelity" else "")
         + (f" --w4a4-backend {args.w4a4_backend}" if args.w4a4_backend != "auto" else "")
-        + (" --modulation" if args.modulation else ""),
+        + (f" --modulation {args.modulation}" if args.modulation != "w8a16" else ""),
         "w4a4_numerics": "W4A8 (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token)"
         if args.w4a4_backend == "fp8" else "W4A4 (true 4-bit activations, the reference)",
-        "modulation_quantized": args.modulation,
+        "modulation": args.modulation, "modulation_quantized": args.modulation != "none",
         "model": "digits FluxTransformer2DModel (4 double + 8 single blocks, hidden 64), fp32, CPU",
         "steps": args.steps, "seeds": args.seeds, "labels": labels, "num_samples": report["num_samples"],
         "calibration": {"seed": CALIB_SEED, "labels": labels, "steps": args.steps},
@@ -158,11 +167,19 @@ def render_markdown(r: dict) -> str:
     skipped = max(c["counts"].get("skipped_k", 0) for c in r["configs"].values())
     roles = {k[len("replaced_"):]: v for k, v in next(iter(r["configs"].values()))["counts"].items()
              if k.startswith("replaced_")}
-    which = "the AdaLN modulation ones included" if r.get("modulation_quantized") else "except the AdaLN modulation ones"
+    svdq_kinds = ", ".join(f"{k[len('kind_'):]}={v}" for k, v in sorted(r["configs"].get("svdq_r32_dq", {}).get(
+        "counts", {}).items()) if k.startswith("kind_"))
+    which = {"w8a16": "the AdaLN modulation ones included (SVDQuant: weight-only int8 per row, W8A16; fp8 / int8: "
+                      "their own form)",
+             "w4a16": "the AdaLN modulation ones included (SVDQuant: weight-only int4, W4A16; fp8 / int8: their own "
+                      "form)", "svdq": "the AdaLN modulation ones included (SVDQuant: W4A4 like the rest)",
+             "none": "except the AdaLN modulation ones"}[r.get("modulation") or
+                                                          ("svdq" if r.get("modulation_quantized") else "none")]
     lines += ["", f"Quantized linears ({len(r['quantized_linears'])}, every config the same): every linear of "
               f"the 12 blocks {which}; per role " +
               ", ".join(f"{k}={v}" for k, v in sorted(roles.items())) +
-              f". Their K are {r['quantized_k_dims']}; W4A4 skipped {skipped} linear(s) for K % 64 != 0. Not quantized "
+              f"; SVDQuant's by kind {svdq_kinds or 'svdq_w4a4 (all)'}. Their K are {r['quantized_k_dims']}; int4 "
+              f"skipped {skipped} linear(s) for K % 64 != 0. Not quantized "
               f"({len(r['not_quantized'])}): " + ", ".join(f"`{p}`" for p in r["not_quantized"]) + ".", "",
               "Notes: the bytes column counts the quantized tensors against the same linears' fp32 weights; at "
               "hidden size 64 a rank-32 low-rank branch is half the width, so W4A4 saves little here (on "

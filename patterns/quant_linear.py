@@ -24,6 +24,10 @@ e.g. for ``fp8_per_row`` on an H200::
         qx = aten._to_copy(aten.clamp(xf / sx, -448, 448), dtype=float8_e4m3fn)
         y = aten.view(aten._scaled_mm(qx, aten.t(qw), sx, aten.view(ws, [1, N]), b2, None, bfloat16, False), [B, S, N])
 
+A kind without an op (``w8a16`` / ``w4a16``, weight-only int8 / int4) is always its graph form, shape-generic: the
+int8 values scaled per row (``graph_forms.w8a16_linear_form``) or the int4 values unpacked and scaled per group
+(``graph_forms.w4a16_linear_form``), then ``aten.linear`` on the dequantized weight.
+
 Equal inserted nodes are merged (the forms are pure ATen ops): linears reading one activation quantize it once.
 Every inserted node gets ``meta["val"]`` when the graph carries fake values; every inserted call also the replaced
 node's ``nn_module_stack`` / ``dit_module_path`` / ``stack_trace`` and ``meta["dit_pattern"]`` (the name of the
@@ -42,7 +46,8 @@ from torch.fx.subgraph_rewriter import ReplacedPatterns, replace_pattern_with_fi
 import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
 from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
-from dit_passes.quant.graph_forms import LinearShape, fp8_linear_form, svdq_fp8_linear_form
+from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4a16_linear_form,
+                                          w8a16_linear_form)
 
 
 def linear_pattern(x, weight, bias):
@@ -67,6 +72,14 @@ def fp8_per_tensor_replacement(x, qweight, wscale, bias):
 
 def int8_replacement(x, qweight, wscale, bias):
     return torch.ops.dit_passes.int8_linear.default(x, qweight, wscale, bias)
+
+
+def w4a16_replacement(x, qweight, wscale, bias):
+    return w4a16_linear_form(x, qweight, wscale, bias)
+
+
+def w8a16_replacement(x, qweight, wscale, bias):
+    return w8a16_linear_form(x, qweight, wscale, bias)
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,13 +120,13 @@ def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optio
 
 @dataclass(frozen=True)
 class QuantKind:
-    """One quantized linear: its replacement function, the op it calls and the names of its tensor arguments
-    after x (the keys of the prepared weight's ``tensors()``; ``bias`` may be absent). ``inline``, when set:
-    ``(x's fake value, tensors) -> replacement or None``, the graph form to write instead of the op (None: the
-    op)."""
+    """One quantized linear: its replacement function, the op it calls (None: the replacement is a graph form of
+    plain ATen ops) and the names of its tensor arguments after x (the keys of the prepared weight's
+    ``tensors()``; ``bias`` may be absent). ``inline``, when set: ``(x's fake value, tensors) -> replacement or
+    None``, the graph form to write instead of the op (None: the op)."""
 
     replacement: Callable
-    op: torch._ops.OpOverload
+    op: Optional[torch._ops.OpOverload]
     tensor_args: Tuple[str, ...]
     inline: Optional[Callable[[torch.Tensor, Dict[str, torch.Tensor]], Optional[Callable]]] = None
 
@@ -127,6 +140,9 @@ QUANT_KINDS: Dict[str, QuantKind] = {
     "fp8_per_tensor": QuantKind(fp8_per_tensor_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,
                                 _fp8_inline("per_tensor")),
     "int8_per_row": QuantKind(int8_replacement, torch.ops.dit_passes.int8_linear.default, _8BIT_ARGS),
+    # weight-only int8 / int4 (the modulation linears under SVDQuant): always the graph form, shape-generic
+    "w8a16": QuantKind(w8a16_replacement, None, _8BIT_ARGS),
+    "w4a16": QuantKind(w4a16_replacement, None, _8BIT_ARGS),
 }
 PATTERNS = (linear_pattern, linear_pattern_no_bias)
 _META_KEYS = ("nn_module_stack", "dit_module_path", "stack_trace")

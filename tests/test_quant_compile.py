@@ -6,7 +6,9 @@ exactly one frame per compiled graph / template), the quantized arithmetic is in
 left eager around them), and the outputs equal the uncompiled quantized graph's. Every quantized custom op
 passes ``torch.library.opcheck`` (schema, fake implementation, AOT dispatch with dynamic shapes).
 
-Tiny zoo Flux with hidden size 64 (2 heads x 32) so that W4A4 (K % 64 == 0) takes every block linear.
+Tiny zoo Flux with hidden size 64 (2 heads x 32) so that W4A4 (K % 64 == 0) takes every block linear; SVDQuant's
+AdaLN modulation linears are the weight-only int8 graph form by default, int4 on request (plain ATen ops), compiled
+with the rest.
 """
 from __future__ import annotations
 
@@ -28,17 +30,33 @@ METHODS = {  # name -> (pass, dispatch settings while the graph is written)
     "fp8_per_tensor": (lambda: Fp8Linear("per_tensor"), {}),
     "svdq_w4a4": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {}),  # the custom op (reference W4A4 on CPU)
     "svdq_w4a8_fp8": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {dispatch.BACKEND_ENV: "fp8"}),  # graph form
+    "svdq_w4a16_mod": (lambda: SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16"), {}),
 }
 QUANT_OPS = {torch.ops.dit_passes.svdq_w4a4_linear.default, torch.ops.dit_passes.fp8_linear.default,
              torch.ops.dit_passes.int8_linear.default}
 LOW_BIT = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+NIBBLES = torch.ops.aten.bitwise_right_shift.Tensor_Scalar  # the high nibble's unpack (int4.int4_values)
+
+
+def _int8_dequant(n: torch.fx.Node) -> bool:
+    """A cast of an int8 tensor to float: the weight-only int8 form's dequantization (the int8 linear is an op)."""
+    src = n.args[0] if n.target is torch.ops.aten._to_copy.default and n.args else None
+    val = src.meta.get("val", src.meta.get("example_value")) if isinstance(src, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype == torch.int8
 
 
 def quantized_nodes(graph: torch.fx.Graph) -> int:
-    """Nodes of a graph that compute quantized arithmetic: a quantized-linear op, or a cast to a low-bit dtype
-    (the activation quantization of the fp8 graph forms, plain ATen ops)."""
+    """Nodes of a graph that compute quantized arithmetic: a quantized-linear op, a cast to a low-bit dtype (the
+    activation quantization of the fp8 graph forms, plain ATen ops), an int4 unpack (the weight-only int4 form, and
+    the W4A8 form's weight expansion) or an int8 weight's dequantization (the weight-only int8 form of SVDQuant's
+    modulation linears, the default)."""
     return sum(1 for n in graph.nodes if n.op == "call_function"
-               and (n.target in QUANT_OPS or n.kwargs.get("dtype") in LOW_BIT))
+               and (n.target in QUANT_OPS or n.target is NIBBLES or n.kwargs.get("dtype") in LOW_BIT
+                    or _int8_dequant(n)))
+
+
+def block_linears(model) -> int:
+    return sum(isinstance(m, torch.nn.Linear) and "blocks." in p for p, m in model.named_modules())
 
 
 def _run(module, kw):
@@ -79,16 +97,22 @@ def uncompiled(flux):
 
 
 # per_tensor and the SVDQuant fp8 form (the larger graph): regional only, to keep the file under a minute
-@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4"])
+@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4", "svdq_w4a16_mod"])
 def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
     zm, kw = flux
     ref, replaced, quantized = uncompiled[method]
-    assert replaced == 34 and quantized > 0  # every block linear but the AdaLN ones
+    assert replaced == block_linears(zm.model) and quantized > 0  # every block linear, the AdaLN ones included
     cnt = CompileCounterWithBackend("aot_eager")
     c = _lowered(zm, kw, method, torch_compile={"backend": cnt, "fullgraph": True})
     out = _run(c, kw)
     assert cnt.frame_count == 1 and len(cnt.graphs) == 1  # one graph, no break
     assert quantized_nodes(cnt.graphs[0].graph) == quantized  # all the quantized arithmetic is compiled
+    if method.startswith("svdq_w4a"):  # the AdaLN modulation linears' weight-only forms are in the one graph
+        adaln = [p for p, m in zm.model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and "blocks." in p and p.endswith(".linear")]  # norm*.linear
+        nodes = cnt.graphs[0].graph.nodes
+        int8, int4 = sum(_int8_dequant(n) for n in nodes), sum(n.target is NIBBLES for n in nodes)
+        assert (int8, int4) == ((len(adaln), 0) if method == "svdq_w4a4" else (0, len(adaln))) and adaln
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     _run(c, kw)
     assert cnt.frame_count == 1  # no recompilation

@@ -1,8 +1,9 @@
 """The quantized linears' graph forms (``quant/graph_forms.py``): plain ATen ops the quantize passes write into the
 graph, their numerics against the reference functions, the ``_scaled_mm`` GEMM's arguments (CPU ``_scaled_mm``
 where this torch has one), the passes writing them (fp8: modulation linears included; SVDQuant W4A8 on fp8 tensor
-cores with ``DIT_PASSES_W4A4_BACKEND=fp8``, its error against true W4A4) and, on an sm_89+ GPU, the ``_scaled_mm``
-graph under Inductor's regional compile.
+cores with ``DIT_PASSES_W4A4_BACKEND=fp8``, its error against true W4A4; the weight-only int8 (default) and int4
+forms of the modulation linears: exact against the fp32 dequantized linear, their error bounds) and, on an sm_89+
+GPU, the ``_scaled_mm`` graph under Inductor's regional compile.
 """
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from dit_passes.models.zoo import build
 from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
 from dit_passes.quant import dispatch
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, prepare_fp8, quantize_fp8
-from dit_passes.quant.graph_forms import LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4_to_e4m3
+from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4_to_e4m3,
+                                          w4a16_linear_form, w8a16_linear_form)
 from dit_passes.quant.int4 import dequantize_weight_w4, pack_int4
 from dit_passes.quant.svdquant import prepare_svdquant, relative_error, svdq_w4a4_linear_reference
+from dit_passes.quant.w4a16 import prepare_w4a16
+from dit_passes.quant.w8a16 import dequantize_w8a16, prepare_w8a16
 
 torch.set_num_threads(1)
 FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
@@ -222,24 +226,154 @@ def test_svdq_pass_writes_the_fp8_form_when_asked(monkeypatch):
     with torch.no_grad():
         out = compiled(**kw)[0]
     gm = compiled.graph_module
-    assert compiled._current().manager.records[-1].result.counts["replaced"] == 34
+    block = [p for p, m in zm.model.named_modules() if isinstance(m, torch.nn.Linear) and "blocks." in p]
+    adaln = [p for p in block if p.endswith(".linear")]  # norm1.linear, norm1_context.linear, norm.linear
+    assert compiled._current().manager.records[-1].result.counts["replaced"] == len(block)
     assert not any(n.target is torch.ops.dit_passes.svdq_w4a4_linear.default for n in gm.graph.nodes)
-    assert sum(n.meta.get("dit_quant") == "svdq_w4a4" for n in gm.graph.nodes) == 34
-    # a cast to e4m3 per linear (its weight, expanded for this call) and per distinct smoothed input (own smoothing
-    # vector per linear: none shared)
-    assert sum(n.kwargs.get("dtype") == torch.float8_e4m3fn for n in gm.graph.nodes) == 68
+    w4a4 = len(block) - len(adaln)
+    assert sum(n.meta.get("dit_quant") == "svdq_w4a4" for n in gm.graph.nodes) == w4a4
+    w8a16 = [n.meta["dit_module_path"] for n in gm.graph.nodes if n.meta.get("dit_quant") == "w8a16"]
+    assert sorted(w8a16) == sorted(adaln)
+    # a cast to e4m3 per W4A8 linear (its weight, expanded for this call) and per distinct smoothed input (own
+    # smoothing vector per linear: none shared); the weight-only modulation linears quantize no activation
+    assert sum(n.kwargs.get("dtype") == torch.float8_e4m3fn for n in gm.graph.nodes) == 2 * w4a4
 
     def form(m, x):
         return _svdq_form(x, prepare_svdquant(m.weight, m.bias, rank=8, smooth="weight", dtype=m.weight.dtype))
     twin = copy.deepcopy(zm.model)
     for path, mod in twin.named_modules():
-        if isinstance(mod, torch.nn.Linear) and "blocks." in path and not path.endswith(".linear"):
-            mod.register_forward_hook(lambda m, inp, o: form(m, inp[0]))
+        if isinstance(mod, torch.nn.Linear) and "blocks." in path:
+            mod.register_forward_hook(lambda m, inp, o, p=path: _w8a16_reference(
+                inp[0], prepare_w8a16(m.weight, m.bias)) if p in adaln else form(m, inp[0]))
     with torch.no_grad():
         want = twin(**kw)[0]
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     monkeypatch.setenv(dispatch.BACKEND_ENV, "auto")  # the default: the op (true W4A4)
     assert dispatch.svdq_form(kw["hidden_states"], torch.zeros(2, 2, dtype=torch.uint8)) == "op"
+
+
+# ------------------------------------------------------------------------------ W4A16 (weight-only int4, modulation)
+def test_w4a16_error_bound_and_no_activation_error():
+    """Every weight element within half its group's scale (``|w - q * wscale| <= wscale / 2``), so each output
+    within ``sum_k |x_k| * wscale / 2`` of the exact linear; and weight-only int4 errs less than W4A4 on the same
+    int4 weights (plain W4A4, rank 0, no smoothing: the same ``quantize_weight_w4``) when the input has outlier
+    channels, the activation error being what it leaves out."""
+    x, w, b = _case(torch.float32, (3, 7), k=256, n=64, seed=1)
+    q = prepare_w4a16(w, b)
+    scale = q.wscale.float().repeat_interleave(64, dim=1)                        # [N, K]: each element's scale
+    err_w = (dequantize_weight_w4(q.qweight, q.wscale) - w).abs()
+    assert (err_w <= scale / 2 * (1 + 1e-6)).all() and err_w.max() > 0.25 * scale.max() / 2  # tight, not vacuous
+    out = w4a16_linear_form(x, q.qweight, q.wscale, q.bias)
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    bound = x.double().abs().reshape(-1, 256) @ (scale.double() / 2).t()            # [M, N]
+    assert ((out.double() - exact).abs().reshape(-1, 64) <= bound + 1e-5).all()
+    plain = prepare_svdquant(w, b, rank=0, smooth="none")
+    assert torch.equal(plain.qweight, q.qweight) and torch.equal(plain.wscale, q.wscale)  # the same weights
+    err = {"w4a16": relative_error(out, exact), "w4a4": relative_error(svdq_w4a4_linear_reference(x, plain), exact)}
+    print({k: round(v, 4) for k, v in err.items()})
+    assert 0 < err["w4a16"] < 0.8 * err["w4a4"]  # measured 0.101 vs 0.150
+
+
+# ------------------------------------------------------------------ W8A16 (weight-only int8, modulation default)
+def _w8a16_reference(x, q):
+    """The linear of the fp32 dequantized weight (``w8a16.dequantize_w8a16``), in x's dtype."""
+    return torch.nn.functional.linear(x, dequantize_w8a16(q.qweight, q.wscale).to(x.dtype),
+                                      None if q.bias is None else q.bias.to(x.dtype))
+
+
+def _w4a16_dequantized(q):
+    return dequantize_weight_w4(q.qweight, q.wscale)
+
+
+def _w8a16_dequantized(q):
+    return dequantize_w8a16(q.qweight, q.wscale)
+
+
+# kind -> (prepare, graph form, fp32 dequantized weight, K, the stored tensors' (dtype, shape) for N = 40)
+WEIGHT_ONLY = {
+    "w8a16": (prepare_w8a16, w8a16_linear_form, _w8a16_dequantized, 72,  # any K
+              {"qweight": (torch.int8, (40, 72)), "wscale": (torch.float32, (40,))}),
+    "w4a16": (prepare_w4a16, w4a16_linear_form, _w4a16_dequantized, 192,
+              {"qweight": (torch.uint8, (40, 96)), "wscale": (torch.bfloat16, (40, 3))}),
+}
+
+
+@pytest.mark.parametrize("kind", list(WEIGHT_ONLY))
+@pytest.mark.parametrize("lead", [(2,), (3, 7)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_weight_only_form_is_the_dequantized_linear(kind, lead, with_bias):
+    """fp32: bit for bit the linear of the fp32 dequantized weight (int8 * fp32 row scale: the same one product;
+    int4 * bf16 group scale: exact in fp32); bf16: that linear up to the bf16 rounding of the weight and the output.
+    The traced replacement is plain ATen ops."""
+    from dit_passes.patterns import quant_linear as QL
+
+    prepare, form, dequantized, k, stored = WEIGHT_ONLY[kind]
+    x, w, b = _case(torch.float32, lead, k=k, n=40)
+    q = prepare(w, b if with_bias else None)
+    assert {f: (t.dtype, tuple(t.shape)) for f, t in q.tensors().items() if f != "bias"} == stored
+    out = form(x, q.qweight, q.wscale, q.bias)
+    assert out.shape == (*lead, 40) and out.dtype == torch.float32
+    want = torch.nn.functional.linear(x, dequantized(q), q.bias)
+    assert torch.equal(out, want)
+    replacement = QL.QUANT_KINDS[kind].replacement
+    assert QL.QUANT_KINDS[kind].op is None  # always the graph form
+    assert torch.equal(QL.traced(replacement)(x, q.qweight, q.wscale, q.bias), out)
+    assert all(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
+               for n in QL.traced(replacement).graph.nodes if n.op == "call_function")
+    xb, qb = x.to(torch.bfloat16), prepare(w.to(torch.bfloat16), b.to(torch.bfloat16) if with_bias else None)
+    out16 = form(xb, qb.qweight, qb.wscale, qb.bias)
+    assert out16.dtype == torch.bfloat16
+    exact = torch.nn.functional.linear(xb.float(), dequantized(qb), qb.bias.float() if with_bias else None)
+    assert relative_error(out16, exact) < 1e-2
+
+
+def test_w8a16_error_bound_and_against_int4():
+    """Every weight element within half its row's scale (``|w - q * wscale| <= wscale / 2``), so each output within
+    ``sum_k |x_k| * wscale[n] / 2`` of the exact linear; a zero row stays zero (scale 1); and weight-only int8 errs
+    far less than weight-only int4 on the same weight (127 steps per row vs 7 per group of 64)."""
+    x, w, b = _case(torch.float32, (3, 7), k=256, n=64, seed=1)
+    w[5] = 0
+    q = prepare_w8a16(w, b)
+    assert float(q.wscale[5]) == 1.0 and not q.qweight[5].any()
+    assert (q.qweight.abs().amax(dim=1)[torch.arange(64) != 5] == 127).all()  # each row's largest maps to +-127
+    scale = q.wscale.unsqueeze(1).expand_as(w)                                    # [N, K]: each element's scale
+    err_w = (dequantize_w8a16(q.qweight, q.wscale) - w).abs()
+    assert (err_w <= scale / 2 * (1 + 1e-6)).all() and err_w.max() > 0.25 * scale[:5].max() / 2  # tight
+    out = w8a16_linear_form(x, q.qweight, q.wscale, q.bias)
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    bound = x.double().abs().reshape(-1, 256) @ (scale.double() / 2).t()            # [M, N]
+    assert ((out.double() - exact).abs().reshape(-1, 64) <= bound + 1e-5).all()
+    q4 = prepare_w4a16(w, b)
+    err = {"w8a16": relative_error(out, exact), "w4a16": relative_error(w4a16_linear_form(x, q4.qweight, q4.wscale,
+                                                                                         q4.bias), exact)}
+    print({k: round(v, 5) for k, v in err.items()})
+    assert 0 < err["w8a16"] < 0.1 * err["w4a16"]
+
+
+def test_w8a16_form_traces_under_export_and_aot_eager():
+    """The form inside a module: torch.export captures it as ATen ops (int8 -> fp32 cast, scale, linear) and
+    torch.compile(aot_eager, fullgraph) runs it with the eager numbers, fp32 and bf16."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    class Mod(torch.nn.Module):
+        def __init__(self, q):
+            super().__init__()
+            for k, v in q.tensors().items():
+                self.register_buffer(k, v)
+
+        def forward(self, x):
+            return w8a16_linear_form(x, self.qweight, self.wscale, self.bias)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, b = _case(dtype, (2, 5), k=72, n=40)
+        m = Mod(prepare_w8a16(w.to(dtype), b))
+        want = m(x)
+        ep = torch.export.export(m, (x,))
+        targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+        assert torch.ops.aten.linear.default in targets and torch.ops.aten._to_copy.default in targets
+        assert torch.equal(ep.module()(x), want)
+        cnt = CompileCounterWithBackend("aot_eager")
+        assert torch.equal(torch.compile(m, backend=cnt, fullgraph=True)(x), want) and cnt.frame_count == 1
 
 
 @pytest.mark.parametrize("cap,setting,k,form", [

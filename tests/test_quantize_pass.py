@@ -4,12 +4,14 @@ Tiny zoo Flux with hidden size 64 (2 heads x 32) so that every block linear has 
 default hidden-32 zoo Flux for the K % 64 != 0 path. References: the expected linears come from module
 names (not from the role analysis the pass uses); the expected outputs from a deep copy of the model
 whose eligible nn.Linear outputs are replaced by the core reference functions (forward hooks on that
-copy's instances).
+copy's instances). Every block linear is quantized by default, the AdaLN modulation ones included (SVDQuant:
+weight-only int8 per row, W8A16, or on request weight-only int4, W4A16; the others: their own form).
 """
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import shutil
 
@@ -25,6 +27,9 @@ from dit_passes.models.zoo import build
 from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4, calibrate_linears
 from dit_passes.quant.calibrate import collect_linear_act_absmax
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, int8_linear_reference, prepare_fp8, prepare_int8
+from dit_passes.quant.int4 import dequantize_weight_w4
+from dit_passes.quant.w4a16 import prepare_w4a16
+from dit_passes.quant.w8a16 import dequantize_w8a16, prepare_w8a16
 from dit_passes.quant.serialize import QuantizedCheckpointError
 from dit_passes.quant.svdquant import prepare_svdquant, smoothing_vector, svdq_w4a4_linear_reference
 
@@ -40,8 +45,8 @@ FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 1
 ROLE_BY_NAME = {"to_q": "q", "add_q_proj": "q", "to_k": "k", "add_k_proj": "k", "to_v": "v", "add_v_proj": "v",
                 "to_out.0": "attn_out", "to_add_out": "attn_out", "ff.net.0.proj": "mlp_up",
                 "ff_context.net.0.proj": "mlp_up", "proj_mlp": "mlp_up", "ff.net.2": "mlp_down",
-                "ff_context.net.2": "mlp_down", "proj_out": "proj"}
-MODULATION = ("norm1.linear", "norm1_context.linear", "norm.linear")
+                "ff_context.net.2": "mlp_down", "proj_out": "proj",
+                "norm1.linear": "modulation", "norm1_context.linear": "modulation", "norm.linear": "modulation"}
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +57,40 @@ def flux():
     return zm, ref
 
 
-def block_linears(model):
-    """{path: (role, module)} of the block linears, modulation excluded, by module name."""
+def block_linears(model, modulation=True):
+    """{path: (role, module)} of the block linears (the AdaLN modulation ones unless ``modulation=False``), by
+    module name."""
     out = {}
     for path, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear) or not path.startswith(("transformer_blocks.", "single_transformer_blocks.")):
             continue
-        if path.endswith(MODULATION):
-            continue
         local = path.split(".", 2)[2].removeprefix("attn.")
+        if ROLE_BY_NAME[local] == "modulation" and not modulation:
+            continue
         out[path] = (ROLE_BY_NAME[local], mod)
     return out
+
+
+def w4a16_reference(x, module):
+    """The weight-only int4 linear: the fp32 dequantized weight's linear, in x's dtype."""
+    q = prepare_w4a16(module.weight, module.bias)
+    return torch.nn.functional.linear(x, dequantize_weight_w4(q.qweight, q.wscale).to(x.dtype), q.bias)
+
+
+def w8a16_reference(x, module):
+    """The weight-only int8 linear: the fp32 dequantized weight's linear, in x's dtype."""
+    q = prepare_w8a16(module.weight, module.bias)
+    return torch.nn.functional.linear(x, dequantize_w8a16(q.qweight, q.wscale).to(x.dtype), q.bias)
+
+
+def svdq_reference(**prepare_kw):
+    """The reference SVDQuant linear of ``hooked_reference``: W4A4 (``prepare_svdquant(**prepare_kw)``), the
+    modulation linears weight-only int8 (the default)."""
+    def fn(path, m, x):
+        if path.endswith(("norm1.linear", "norm1_context.linear", "norm.linear")):
+            return w8a16_reference(x, m)
+        return svdq_w4a4_linear_reference(x, prepare_svdquant(m.weight, m.bias, **prepare_kw))
+    return fn
 
 
 def role_counts(paths_roles):
@@ -128,25 +156,65 @@ def test_dq_replaces_expected_linears_and_matches_reference(flux):
     with torch.no_grad():
         out = compiled(**kw)[0]
     expected = block_linears(model)
+    adaln = {p for p, (r, _) in expected.items() if r == "modulation"}
     res = last_result(compiled)
     assert {k: v for k, v in res.counts.items() if k.startswith("replaced_")} == role_counts(r for r, _ in expected.values())
-    assert res.counts["replaced"] == len(expected) == 34 and res.counts["skipped_k"] == 0
+    assert res.counts["replaced"] == len(expected) and res.counts["skipped_k"] == 0
+    assert res.counts["kind_w8a16"] == len(adaln) > 0 and res.counts["kind_svdq_w4a4"] == len(expected) - len(adaln)
     # bytes: the replaced linears' fp32 weights + biases vs the stored tensors
     assert res.counts["bytes_before"] == sum(4 * (m.weight.numel() + m.bias.numel()) for _, m in expected.values())
     assert 0 < res.counts["bytes_after"] < res.counts["bytes_before"]
     gm = compiled.graph_module
     ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.dit_passes.svdq_w4a4_linear.default]
-    assert sorted(n.meta["dit_module_path"] for n in ops) == sorted(expected)
-    left = {n.meta["dit_module_path"] for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default}
-    assert all(p.endswith(MODULATION) or not p.startswith(("transformer_blocks", "single_")) for p in left)
+    assert sorted(n.meta["dit_module_path"] for n in ops) == sorted(set(expected) - adaln)
+    # the modulation linears: a linear of a dequantized weight (computed in the graph, not a parameter)
+    linears = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert {n.meta["dit_module_path"] for n in linears if n.meta.get("dit_quant") == "w8a16"} == adaln
+    assert all(n.args[1].op == "call_function" for n in linears if n.meta.get("dit_quant") == "w8a16")
+    assert all(not p.startswith(("transformer_blocks", "single_")) for p in
+               (n.meta["dit_module_path"] for n in linears if not n.meta.get("dit_quant")))
     assert "transformer_blocks.0.attn.to_q.weight" not in dict(gm.named_parameters())
+    assert "transformer_blocks.0.norm1.linear.weight" not in dict(gm.named_parameters())
     # exact reference: the core's prepare + reference linear on every eligible nn.Linear
-    want = hooked_reference(model, kw, lambda p, m, x: svdq_w4a4_linear_reference(
-        x, prepare_svdquant(m.weight, m.bias, rank=32, smooth="weight", alpha=0.5, seed=0)))
+    want = hooked_reference(model, kw, svdq_reference(rank=32, smooth="weight", alpha=0.5, seed=0))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     err = rel(out, ref)
-    assert 1e-4 < err < 0.03, err  # measured 0.0103: quantized, and close to fp32
+    assert 1e-4 < err < 0.03, err  # measured 0.01025 (W4A16 modulation 0.0114, unquantized 0.0103)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # original untouched
+
+
+@pytest.mark.parametrize("modulation", ["w8a16", "w4a16", "svdq", None])
+def test_svdquant_modulation_forms(flux, modulation):
+    """``modulation=``: the linears the role analysis calls ``modulation`` (the AdaLN ones, by module name too) are
+    weight-only int8 (the default), weight-only int4, W4A4 like the rest, or left alone; the other block linears
+    are W4A4 in every case, and the output is the hooked reference of that choice."""
+    zm, _ = flux
+    kw = zm.make_inputs()
+    structure = compile_dit(zm.model, passes=[], example_inputs=kw).structure
+    adaln = sorted(s.module_path for s in structure.linears_with_role("modulation") if s.block is not None)
+    assert adaln == sorted(p for p, (r, _) in block_linears(zm.model).items() if r == "modulation") and adaln
+    default = SVDQuantW4A4(rank=8, dynamic=True)
+    q = default if modulation == "w8a16" else SVDQuantW4A4(rank=8, dynamic=True, modulation=modulation)
+    assert default.modulation == "w8a16" and q.modulation == modulation
+    c = compile_dit(zm.model, passes=[q], example_inputs=kw)
+    with torch.no_grad():
+        out = c(**kw)[0]
+    kinds = {n.meta["dit_module_path"]: n.meta["dit_quant"]
+             for n in c.graph_module.graph.nodes if n.meta.get("dit_quant")}
+    want = {"w8a16": "w8a16", "w4a16": "w4a16", "svdq": "svdq_w4a4", None: None}[modulation]
+    assert {p: kinds.get(p) for p in adaln} == {p: want for p in adaln}
+    others = block_linears(zm.model, modulation=False)
+    assert {p: kinds[p] for p in others} == {p: "svdq_w4a4" for p in others}
+    assert last_result(c).counts.get("replaced_modulation", 0) == (len(adaln) if modulation else 0)
+
+    def linear(path, m, x):
+        w4a4 = svdq_w4a4_linear_reference(x, prepare_svdquant(m.weight, m.bias, rank=8, smooth="weight"))
+        if path not in adaln or modulation == "svdq":
+            return w4a4
+        if modulation in ("w8a16", "w4a16"):
+            return (w8a16_reference if modulation == "w8a16" else w4a16_reference)(x, m)
+        return torch.nn.functional.linear(x, m.weight, m.bias)
+    torch.testing.assert_close(out, hooked_reference(zm.model, kw, linear), rtol=1e-5, atol=1e-6)
 
 
 def test_calibration_observes_the_original_linears(flux):
@@ -185,7 +253,10 @@ def test_ptq_save_load_identical_and_refusals(flux, tmp_path):
     g0, g1 = compiled.graphs["g0"], compiled.graphs["g1"]
     assert g0.get_buffer("transformer_blocks.0.attn.to_q.qweight") is g1.get_buffer("transformer_blocks.0.attn.to_q.qweight")
     assert sorted(os.listdir(out_dir)) == ["svdq_int4_r32.json", "svdq_int4_r32.safetensors"]
-    assert last_result(compiled).counts["replaced"] == 34
+    expected = block_linears(model)
+    adaln = sorted(p for p, (r, _) in expected.items() if r == "modulation")
+    counts = last_result(compiled).counts
+    assert counts["replaced"] == len(expected) and counts["kind_w8a16"] == len(adaln) > 0
     assert rel(out, ref) < 0.03  # measured 0.0104
     # the file holds activation-aware smoothing from the calibration statistics
     stats = collect_linear_act_absmax(model, lambda _m: calibrate(), include=lambda p, _m: True)
@@ -193,12 +264,24 @@ def test_ptq_save_load_identical_and_refusals(flux, tmp_path):
     w = model.transformer_blocks[1].ff.net[2].weight
     s = smoothing_vector(w, stats["transformer_blocks.1.ff.net.2"], 0.5, "act")
     torch.testing.assert_close(saved["transformer_blocks.1.ff.net.2.smooth_inv"], 1.0 / s)
+    # ... and the modulation linears' weight-only int8 tensors, named in the config as kind w8a16
+    config = json.loads(open(os.path.join(out_dir, "svdq_int4_r32.json")).read())["config"]
+    assert config["kind"] == "svdq_w4a4" and config["kind_of"] == {p: "w8a16" for p in adaln}
+    assert config["modulation"] == "w8a16"
+    for p in adaln:
+        assert {k.rsplit(".", 1)[1] for k in saved if k.rsplit(".", 1)[0] == p} == {"qweight", "wscale", "bias"}
+        q = prepare_w8a16(model.get_submodule(p).weight)
+        assert saved[f"{p}.qweight"].dtype == torch.int8 and saved[f"{p}.wscale"].dtype == torch.float32
+        assert torch.equal(saved[f"{p}.qweight"], q.qweight) and torch.equal(saved[f"{p}.wscale"], q.wscale)
 
     loaded = load(model, out_dir)
     with torch.no_grad():
         out2 = loaded(**kw)[0]
     assert torch.equal(out, out2)
-    assert last_result(loaded).counts["replaced"] == 34
+    assert {k: v for k, v in last_result(loaded).counts.items() if k.startswith("kind_")} == \
+        {"kind_svdq_w4a4": len(expected) - len(adaln), "kind_w8a16": len(adaln)}
+    assert sorted(n.meta["dit_module_path"] for n in loaded.graph_module.graph.nodes
+                  if n.meta.get("dit_quant") == "w8a16") == adaln
 
     bad = str(tmp_path / "bad")
     shutil.copytree(out_dir, bad)
@@ -216,6 +299,24 @@ def test_ptq_save_load_identical_and_refusals(flux, tmp_path):
         load(model, str(tmp_path / "nowhere"))
 
 
+def test_load_quantized_kinds_per_linear():
+    """A checkpoint's ``kind_of`` gives a linear another kind than ``kind``; what does not fit is refused by name."""
+    from dit_passes.passes.load_quantized import LoadQuantized
+
+    tensors = {f"blk.mod.{k}": v for k, v in prepare_w4a16(torch.randn(8, 64), torch.randn(8)).tensors().items()}
+    ok = LoadQuantized(tensors, {"kind": "svdq_w4a4", "kind_of": {"blk.mod": "w4a16"}}, source="ckpt")
+    assert ok.kinds == {"blk.mod": "w4a16"}
+    int8 = {f"blk.mod.{k}": v for k, v in prepare_w8a16(torch.randn(8, 40)).tensors().items()}
+    assert LoadQuantized(int8, {"kind": "svdq_w4a4", "kind_of": {"blk.mod": "w8a16"}}, source="ckpt").kinds == \
+        {"blk.mod": "w8a16"}
+    with pytest.raises(QuantizedCheckpointError, match=r"ckpt: linear blk.mod lacks tensors \['lora_down'"):
+        LoadQuantized(tensors, {"kind": "svdq_w4a4"}, source="ckpt")  # read as W4A4
+    with pytest.raises(QuantizedCheckpointError, match=r"kind_of.*\['blk.other'\]"):
+        LoadQuantized(tensors, {"kind": "svdq_w4a4", "kind_of": {"blk.other": "w4a16"}}, source="ckpt")
+    with pytest.raises(QuantizedCheckpointError, match="unknown quantized kind 'w2a16' for blk.mod"):
+        LoadQuantized(tensors, {"kind": "svdq_w4a4", "kind_of": {"blk.mod": "w2a16"}}, source="ckpt")
+
+
 def test_configuration_errors(flux, tmp_path):
     zm, _ = flux
     with pytest.raises(ValueError, match="serialize_to"):
@@ -230,6 +331,8 @@ def test_configuration_errors(flux, tmp_path):
         SVDQuantW4A4(rank=-1, dynamic=True)
     with pytest.raises(ValueError, match="granularity"):
         Fp8Linear("per_block")
+    with pytest.raises(ValueError, match="modulation must be one of"):
+        SVDQuantW4A4(dynamic=True, modulation="fp8")
     # calibrate_fn that never runs the model
     idle = compile_dit(zm.model, passes=[SVDQuantW4A4(calibrate_fn=lambda: None, serialize_to=str(tmp_path))])
     with pytest.raises(PassError, match="ran none"):
@@ -249,21 +352,34 @@ def test_configuration_errors(flux, tmp_path):
 
 
 def test_k_not_multiple_of_64_skipped_or_refused():
-    zm = build("flux")  # hidden 32: only the double blocks' ff down projections (K=128) qualify
+    """int4 (W4A4, W4A16) needs K % 64 == 0: other linears of those kinds are skipped with a note (or refused when
+    include= named them); the default weight-only int8 modulation linears take any K."""
+    zm = build("flux")  # hidden 32: only the double blocks' ff down projections (K=128) qualify for int4
     kw = zm.make_inputs()
-    compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True)])
-    with torch.no_grad():
-        compiled(**kw)
-    res = last_result(compiled)
     lin = block_linears(zm.model)
     ok = [p for p, (_, m) in lin.items() if m.in_features % 64 == 0]
-    assert sorted(ok) == sorted(p for p in lin if p.endswith(("ff.net.2", "ff_context.net.2")))
-    assert res.counts["replaced"] == len(ok) == 4
-    assert res.counts["skipped_k"] == len(lin) - len(ok)
-    assert "K % 64 != 0" in res.report
+    assert sorted(ok) == sorted(p for p in lin if p.endswith(("ff.net.2", "ff_context.net.2"))) and len(ok) == 4
+    adaln = [p for p, (r, _) in lin.items() if r == "modulation"]
+    assert adaln and all(lin[p][1].in_features == 32 for p in adaln)
+    for modulation, taken in (("w8a16", ok + adaln), ("w4a16", ok)):
+        compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation=modulation)])
+        with torch.no_grad():
+            compiled(**kw)
+        res = last_result(compiled)
+        assert res.counts["replaced"] == len(taken) and res.counts.get("kind_w8a16", 0) == len(taken) - len(ok)
+        assert res.counts["skipped_k"] == len(lin) - len(taken)
+        assert "K % 64 != 0" in res.report
+        kinds = {n.meta["dit_module_path"]: n.meta["dit_quant"]
+                 for n in compiled.graph_module.graph.nodes if n.meta.get("dit_quant")}
+        assert sorted(kinds) == sorted(taken)
     strict = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, include=["to_q"])])
     with pytest.raises(PassError, match="multiple of 64"):
         strict(**kw)
+    # include= naming only K=32 modulation linears: int8 takes them, nothing refused
+    mod_only = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, include=["modulation"])])
+    with torch.no_grad():
+        mod_only(**kw)
+    assert last_result(mod_only).counts["kind_w8a16"] == len(adaln)
 
 
 @pytest.mark.parametrize("granularity", ["per_row", "per_tensor"])
@@ -273,7 +389,7 @@ def test_fp8_matches_reference(flux, granularity):
     compiled = compile_dit(zm.model, passes=[Fp8Linear(granularity)])
     with torch.no_grad():
         out = compiled(**kw)[0]
-    assert last_result(compiled).counts["replaced"] == 34
+    assert last_result(compiled).counts["replaced"] == len(block_linears(zm.model))  # the modulation ones included
     want = hooked_reference(zm.model, kw, lambda p, m, x: fp8_linear_reference(
         x, *list(prepare_fp8(m.weight, m.bias, granularity).tensors().values()), granularity=granularity))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
@@ -308,7 +424,7 @@ def test_int8_selection_options_and_torch_compile(flux):
     with torch.no_grad():
         out = compiled(**kw)[0]
     chosen = {p: r for p, (r, _) in block_linears(zm.model).items()
-              if r != "mlp_up" and not p.startswith("single_")}
+              if r not in ("modulation", "mlp_up") and not p.startswith("single_")}
     res = last_result(compiled)
     assert {k: v for k, v in res.counts.items() if k.startswith("replaced_")} == role_counts(chosen.values())
     want = hooked_reference(zm.model, kw, lambda p, m, x: int8_linear_reference(
@@ -349,23 +465,31 @@ def test_digits_dit_fidelity_floors(tmp_path):
         own.set_progress_bar_config(disable=True)
         sample(own, list(range(10)), seed=1000, steps=steps, cond=pipe.digits_cond)
 
+    # the floors below were set with the AdaLN modulation linears unquantized (modulation=None / excluded);
+    # "dq_r32_w8a16" is the default since (those linears weight-only int8), "dq_r32_w4a16" weight-only int4
     configs = {
-        "ptq_r32": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, calibrate_fn=calibrate,
+        "ptq_r32": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, calibrate_fn=calibrate, modulation=None,
                                                                   serialize_to=str(tmp_path / "q"))]),
-        "dq_r32": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, dynamic=True)]),
-        "dq_r16": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=16, dynamic=True)]),
-        "plain_w4a4": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=0, dynamic=True, smooth="none")]),
-        "fp8": lambda m: compile_dit(m, passes=[Fp8Linear()]),
+        "dq_r32": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, dynamic=True, modulation=None)]),
+        "dq_r16": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=16, dynamic=True, modulation=None)]),
+        "plain_w4a4": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=0, dynamic=True, smooth="none",
+                                                                     modulation=None)]),
+        "fp8": lambda m: compile_dit(m, passes=[Fp8Linear(exclude=("modulation",))]),
+        "dq_r32_w4a16": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, dynamic=True, modulation="w4a16")]),
+        "dq_r32_w8a16": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, dynamic=True)]),
     }
     r = run_fidelity(configs, seeds=[0], labels=list(range(10)), steps=steps, out_dir=tmp_path / "out", pipe=pipe)
     c = r["configs"]
     print({k: (round(v["psnr_mean"], 2), round(v["psnr_min"], 2), round(v["ssim_min"], 4)) for k, v in c.items()})
     # measured (8 steps, seed 0, digits 0-9): dq_r16 38.53 / 33.74 dB, SSIM min 0.9808; dq_r32 44.67 / 41.59, 0.9968
+    # dq_r32_w4a16 41.40 / 38.85, 0.9970; dq_r32_w8a16 44.63 / 41.60, 0.9969 (dq_r32 then 44.65 / 40.87, 0.9959)
     floors = {"ptq_r32": (41.0, 32.0, 0.97), "dq_r32": (42.0, 38.0, 0.99), "dq_r16": (36.0, 31.0, 0.97),
-              "fp8": (45.0, 41.0, 0.998)}
+              "fp8": (45.0, 41.0, 0.998), "dq_r32_w4a16": (40.0, 37.0, 0.99), "dq_r32_w8a16": (42.0, 38.0, 0.99)}
     for name, (mean, low, ssim_low) in floors.items():
         assert c[name]["psnr_mean"] > mean and c[name]["psnr_min"] > low and c[name]["ssim_min"] > ssim_low, (name, c[name])
     # SVDQuant's smoothing + low-rank branch must beat plain W4A4 by a wide margin
     assert c["dq_r32"]["psnr_mean"] > c["plain_w4a4"]["psnr_mean"] + 6.0
     assert c["dq_r32"]["psnr_mean"] > c["dq_r16"]["psnr_mean"] > c["plain_w4a4"]["psnr_mean"]  # rank helps
+    # weight-only int8 modulation linears cost far less than int4 ones (measured 44.63 vs 41.40 dB)
+    assert c["dq_r32_w8a16"]["psnr_mean"] > c["dq_r32_w4a16"]["psnr_mean"] + 2.0
     assert all(v["identical_samples"] == 0 for v in c.values())  # every config did change the numbers

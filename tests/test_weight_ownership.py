@@ -14,7 +14,7 @@ import torch
 from dit_passes import QuantizeConfig, compile_dit, disable_cache, load, quantize
 from dit_passes.infra.pass_base import PassError
 from dit_passes.models import zoo
-from dit_passes.passes import Int8Linear
+from dit_passes.passes import Int8Linear, SVDQuantW4A4
 from dit_passes.testing import run_ranks
 from dit_passes.testing.resident import resident_bytes, tensors_bytes
 
@@ -124,6 +124,11 @@ def _quantized_paths(compiled):
     return sorted({t.rsplit(".", 1)[0] for t in compiled.released})
 
 
+def _block_linears(model):
+    """Paths of the linears inside the blocks (every one is quantized by default, the AdaLN modulation ones too)."""
+    return sorted(p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "blocks." in p)
+
+
 def test_int8_leaves_no_float_copy_and_report_counts_it(flux, tmp_path):
     model = zoo.build("flux").model
     kw = flux.make_inputs()
@@ -136,7 +141,7 @@ def test_int8_leaves_no_float_copy_and_report_counts_it(flux, tmp_path):
         out = c(**kw)[0]
     gc.collect()
     paths = _quantized_paths(c)
-    assert len(paths) == 34 and 1e-5 < _rel(out, ref) < 0.03  # quantized, and close
+    assert paths == _block_linears(model) and 1e-5 < _rel(out, ref) < 0.03  # quantized, and close
     weights = [f"{p}.weight" for p in paths]
     assert all(olds[w]() is None for w in weights)  # no bf16 / fp32 copy anywhere
     assert all(dict(model.named_parameters())[w].is_meta for w in weights)
@@ -170,10 +175,13 @@ def test_int8_leaves_no_float_copy_and_report_counts_it(flux, tmp_path):
 def test_restore_refused_after_release_exact_with_keep_original(flux):
     kw = flux.make_inputs()
     tr = zoo.build("flux").model
+    # the front end's default exclude_layers (cache-dit's) keeps the embedders and the modulation linears
+    kept_whole = [p for p in _block_linears(tr) if p.endswith(".linear")]
+    released = len(_block_linears(tr)) - len(kept_whole)
     wrapped = quantize(tr, QuantizeConfig(quant_type="int8_per_row"))
     with torch.no_grad():
         wrapped(**kw)
-    with pytest.raises(RuntimeError, match=r"34 weight\(s\) of FluxTransformer2DModel were released.*"
+    with pytest.raises(RuntimeError, match=rf"{released} weight\(s\) of FluxTransformer2DModel were released.*"
                                            r"from_pretrained.*keep_original=True"):
         disable_cache(wrapped)
     assert wrapped.runtime.state["frontend"] is not None  # refused before anything was undone
@@ -190,3 +198,43 @@ def test_restore_refused_after_release_exact_with_keep_original(flux):
     assert restored is tr and all(torch.equal(before[k], v) for k, v in tr.state_dict().items())
     with torch.no_grad():
         assert torch.equal(restored(**kw)[0], ref)
+
+
+@pytest.mark.parametrize("modulation,packed", [("w8a16", "int8"), ("w4a16", "int4_packed")])
+def test_svdquant_modulation_linears_held_quantized(tmp_path, modulation, packed):
+    """SVDQuant's weight-only modulation linears (the default W8A16: int8 per row; W4A16: int4 per group; hidden 64:
+    every block linear has K % 64 == 0): their weights leave the module like the W4A4 ones, the report counts their
+    int8 / packed int4 weights and scales, nothing full-size stays, and the checkpoint loads into the released
+    model with the same tables and output."""
+    zm = zoo.build("flux", attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
+    model, kw = zm.model, zm.make_inputs()
+    shapes = _weights(model)
+    adaln = [p for p in _block_linears(model) if p.endswith(".linear")]  # norm1 / norm1_context / norm .linear
+    c = compile_dit(model, passes=[SVDQuantW4A4(rank=8, dynamic=True, serialize_to=str(tmp_path),
+                                                modulation=modulation)])
+    with torch.no_grad():
+        out = c(**kw)[0]
+    gc.collect()
+    assert _quantized_paths(c) == _block_linears(model)
+    assert all(f"quantized ({modulation})" in c.released[f"{p}.weight"] for p in adaln)
+    assert all(model.get_parameter(f"{p}.weight").is_meta for p in adaln)
+    report = c.memory_report()
+    kinds = {e.name.split(".", 2)[2]: e.kind for e in report.entries if e.name.startswith("graphs.g0.")}
+    assert all(kinds[f"{p}.qweight"] == packed and kinds[f"{p}.wscale"] == "scales" for p in adaln)
+    assert not any(f"{p}.lora_down" in kinds or f"{p}.smooth_inv" in kinds for p in adaln)  # weight-only
+    gm = c.graph_module
+    paths = _block_linears(model)
+    w4a4 = [p for p in paths if p not in adaln]
+    qbytes = {p: gm.get_buffer(f"{p}.qweight").untyped_storage().nbytes() for p in paths}
+    if packed == "int8":
+        assert report.by_kind["int8"] == sum(qbytes[p] for p in adaln) == sum(shapes[f"{p}.weight"][2] // 4
+                                                                              for p in adaln)  # 1 byte of fp32's 4
+        assert report.by_kind["int4_packed"] == sum(qbytes[p] for p in w4a4)
+    else:
+        assert "int8" not in report.by_kind and report.by_kind["int4_packed"] == sum(qbytes.values())
+    assert report.total == resident_bytes(c)
+    released = [f"{p}.weight" for p in paths]
+    assert report.released_bytes == sum(shapes[w][2] for w in released)
+    assert _full_size_left(report, released, shapes) == []
+    with torch.no_grad():
+        assert torch.equal(load(model, str(tmp_path))(**kw)[0], out)

@@ -173,8 +173,10 @@ class QuantizeConfig:
     """Reference field order and defaults; ``quant_type`` is checked when the config is built.
 
     ``exclude_layers``: substrings of module paths (or dit_passes role names such as ``"modulation"``);
-    ignored when ``filter_fn(module, name) -> bool`` is given (reference rule). Only the repeated blocks'
-    linears are quantized (``regional_quantize=True``). SVDQ PTQ (``svdq_int4_r{rank}``) needs
+    ignored when ``filter_fn(module, name) -> bool`` is given (reference rule). Its default is cache-dit's, which
+    keeps the AdaLN modulation linears unquantized; without ``"modulation"`` / ``"mod"`` in it they are quantized
+    too (SVDQ: weight-only int8, ``SVDQuantW4A4(modulation="w8a16")``; fp8 / int8: their own form). Only the
+    repeated blocks' linears are quantized (``regional_quantize=True``). SVDQ PTQ (``svdq_int4_r{rank}``) needs
     ``calibrate_fn`` (called with no arguments; it runs the pipeline holding the original transformer) and
     ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs`` supports
     ``smooth_strategy`` only ("activation" for PTQ; "identity" (default) or "weight" for ``_dq``).

@@ -12,6 +12,9 @@ Before / after: see ``passes/quantize.py`` (the same graph change), e.g. for a W
 
     q = torch.ops.aten.linear.default(norm_x, w, b)
     ->  q = torch.ops.dit_passes.svdq_w4a4_linear.default(norm_x, qw, ws, ld, lu, si, b)
+
+Each stored linear gets the kind ``config["kind_of"][path]`` when the checkpoint names one (an SVDQuant checkpoint:
+its modulation linears ``"w8a16"`` or ``"w4a16"``), else ``config["kind"]``.
 """
 from __future__ import annotations
 
@@ -26,14 +29,15 @@ from ..infra.phases import Phase
 from ..quant.loading import read_checkpoint
 from ..quant.serialize import QuantizedCheckpointError
 from ..quant.signature import graph_block_lists, place_tables, quant_signature, tensor_at
-from .quantize import QUANT_KINDS, apply_quantized, released_tables
+from .quantize import QUANT_KINDS, apply_by_kind, released_tables
 
 
 class LoadQuantized(Pass):
     """Substitute stored quantized tensors into the graph (the rewrite of the quantization passes).
 
-    ``tensors``: ``{"<linear path>.<field>": tensor}``; ``config``: the saved config (``kind`` picks the op).
-    Every stored linear must be found as an ``aten.linear`` of a block in the graph.
+    ``tensors``: ``{"<linear path>.<field>": tensor}``; ``config``: the saved config (``kind`` picks the op,
+    ``kind_of`` overrides it per linear). Every stored linear must be found as an ``aten.linear`` of a block in the
+    graph.
     """
 
     name = "load_quantized"
@@ -42,18 +46,22 @@ class LoadQuantized(Pass):
     invalidates = ("structure",)
 
     def __init__(self, tensors: Dict[str, torch.Tensor], config: Dict[str, Any], source: str = ""):
-        kind = config.get("kind")
-        if kind not in QUANT_KINDS:
-            raise QuantizedCheckpointError(f"{source}: unknown quantized kind {kind!r}; this library writes "
-                                           f"{sorted(QUANT_KINDS)}")
+        kind, kind_of = config.get("kind"), config.get("kind_of") or {}
         self.kind, self.config, self.source = kind, dict(config), source
         self.tables: Dict[str, Dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             path, field = name.rsplit(".", 1)
             self.tables.setdefault(path, {})[field] = t
-        need = [a for a in QUANT_KINDS[kind].tensor_args if a != "bias"]
+        stray = sorted(set(kind_of) - set(self.tables)) if isinstance(kind_of, dict) else [repr(kind_of)]
+        if stray:
+            raise QuantizedCheckpointError(f"{source}: config['kind_of'] must map stored linears to kinds; it names "
+                                           f"{stray[:5]}; re-quantize")
+        self.kinds = {path: kind_of.get(path, kind) for path in self.tables}
         for path, tab in self.tables.items():
-            missing = [a for a in need if a not in tab]
+            if self.kinds[path] not in QUANT_KINDS:
+                raise QuantizedCheckpointError(f"{source}: unknown quantized kind {self.kinds[path]!r} for {path}; "
+                                               f"this library writes {sorted(QUANT_KINDS)}")
+            missing = [a for a in QUANT_KINDS[self.kinds[path]].tensor_args if a != "bias" and a not in tab]
             if missing:
                 raise QuantizedCheckpointError(f"{source}: linear {path} lacks tensors {missing}; re-quantize")
         self._placed: Dict[Any, Dict[str, Dict[str, torch.Tensor]]] = {}
@@ -80,7 +88,8 @@ class LoadQuantized(Pass):
         if ctx.frontend != "export":
             raise PassError("loading quantized weights needs compile_dit / dit_passes.load (the export front end)")
         structure = get_structure(gm)
-        sites = [s for s in structure.linears if s.block is not None and s.module_path in self.tables]
+        sites = [s for s in structure.linears
+                 if s.block is not None and s.module_path in self.tables and not s.node.meta.get("dit_quant")]
         found = {s.module_path for s in sites}
         absent = [p for p in self.tables if p not in found]
         if absent:
@@ -91,7 +100,7 @@ class LoadQuantized(Pass):
             if sig["weights_sha256"] != self.config.get("_weights_sha256", sig["weights_sha256"]):
                 raise PassError(f"{self.source}: the model's weights changed since dit_passes.load checked them")
         weight = tensor_at(gm, sites[0].weight)  # device and dtype the stored tensors follow
-        counts = apply_quantized(gm, sites, self._on(weight), self.kind, ledger, self)
+        counts = apply_by_kind(gm, sites, self.kinds, self._on(weight), ledger, self)
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
         return PassResult(True, counts, f"{self.config.get('quant_type')} loaded from {self.source}: "
                                         f"{counts['replaced']} linear node(s); {counts['bytes_before']} -> "

@@ -23,11 +23,25 @@ sx, wscale, bias)`` on an sm_89+ GPU or the dequantized fp32 matmul elsewhere (`
     b  = self.transformer_blocks.0.attn.to_q.bias
     q = torch.ops.dit_passes.svdq_w4a4_linear.default(norm_x, qw, ws, ld, lu, si, b)
 
+The AdaLN modulation linears (role ``modulation``: their input is the conditioning vector, one row per sample)
+under SVDQuantW4A4 get a weight-only form by default (``modulation="w8a16"``: int8 weights per output row, the
+activations left in their dtype, as plain ATen ops; ``quant/graph_forms.w8a16_linear_form``)::
+
+    w = self.transformer_blocks.0.norm1.linear.qweight      # int8 [N, K]
+    ws = self.transformer_blocks.0.norm1.linear.wscale      # fp32 [N]
+    deq = aten.type_as(aten.mul(float32(w), aten.unsqueeze(float32(ws), 1)), emb)
+    mod = torch.ops.aten.linear.default(emb, deq, b)
+
+``modulation="w4a16"`` gives them weight-only int4 (W4A4's int4 weights, unpacked and scaled per group of 64 in the
+graph: ``graph_forms.w4a16_linear_form``), ``"svdq"`` W4A4 like the rest, ``None`` leaves them unquantized;
+Fp8Linear and Int8Linear quantize them in their own form.
+
 Which linears: those of ``structure.linears`` inside a block (prologue/epilogue embedders and the final
-projection stay), minus ``exclude`` (default: the AdaLN ``modulation`` role), restricted to ``include``
-when given, then ``filter_fn(module_path, role)``. An include/exclude entry that is a role name
-(``q``, ``mlp_up``, ...) matches that role; any other string matches module paths containing it.
-W4A4 needs K % 64 == 0: other linears are skipped with a note, or refused when ``include`` named them.
+projection stay), minus ``exclude`` (default: none), restricted to ``include`` when given, then
+``filter_fn(module_path, role)``; a linear an earlier quantization pass already rewrote is never taken again. An
+include/exclude entry that is a role name (``q``, ``mlp_up``, ...) matches that role; any other string matches
+module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0: other linears of an int4 kind are skipped with a
+note, or refused when ``include`` named them (W8A16 takes any K).
 
 Calibration (PTQ, ``calibrate_fn``): the pass runs ``calibrate_fn()`` once under a
 ``TorchFunctionMode`` that records the per-channel abs-max of the input of every ``F.linear`` call
@@ -66,11 +80,16 @@ from ..quant.int4 import GROUP_SIZE
 from ..quant.serialize import save_quantized
 from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
 from ..quant.svdquant import SMOOTH_MODES, prepare_svdquant
+from ..quant.w4a16 import prepare_w4a16
+from ..quant.w8a16 import prepare_w8a16
 
 from ..patterns.quant_linear import QUANT_KINDS, replace_linears
 
 ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "other")
-DEFAULT_EXCLUDE = ("modulation",)
+DEFAULT_EXCLUDE: Tuple[str, ...] = ()  # every block linear; the modulation ones too (SVDQuant: weight-only int8)
+W8A16, W4A16 = "w8a16", "w4a16"
+WEIGHT_ONLY = (W8A16, W4A16)
+MODULATION_FORMS = (W8A16, W4A16, "svdq", None)
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -92,7 +111,7 @@ def select_linears(structure, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=N
     """The LinearSites of the blocks that ``include`` / ``exclude`` / ``filter_fn`` accept, graph order."""
     out = []
     for site in structure.linears:
-        if site.block is None:
+        if site.block is None or site.node.meta.get("dit_quant"):  # outside the blocks, or quantized already
             continue
         path, role = site.module_path, site.role
         if include is not None and not any(_matches(e, path, role) for e in include):
@@ -179,6 +198,19 @@ def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, 
     return counts
 
 
+def apply_by_kind(gm: fx.GraphModule, sites: Sequence[Any], kinds: Dict[str, str],
+                  tables: Dict[str, Dict[str, torch.Tensor]], ledger: WeightLedger, owner: Pass) -> Dict[str, int]:
+    """:func:`apply_quantized` once per kind (``kinds``: module path -> kind), the counts summed; ``kind_<kind>``
+    counts the linear nodes of each."""
+    total: Dict[str, int] = {}
+    for kind in dict.fromkeys(kinds[s.module_path] for s in sites):
+        counts = apply_quantized(gm, [s for s in sites if kinds[s.module_path] == kind], tables, kind, ledger, owner)
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
+        total[f"kind_{kind}"] = counts["replaced"]
+    return total
+
+
 def released_tables(ledger: WeightLedger, gm: fx.GraphModule, paths: Sequence[str], owner: Pass
                     ) -> Optional[Dict[str, Dict[str, torch.Tensor]]]:
     """Lowering again after the weights of ``paths`` were released: the tables ``owner`` made then (PassError
@@ -202,7 +234,6 @@ class _QuantizeLinears(Pass):
     reads = ("structure",)
     invalidates = ("structure",)
     kind = ""
-    needs_group_k = False
 
     def __init__(self, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, serialize_to=None):
         self.include = _check_patterns("include", include)
@@ -214,9 +245,18 @@ class _QuantizeLinears(Pass):
             raise TypeError(f"serialize_to must be a directory path, got {serialize_to!r}")
         self.serialize_to = None if serialize_to is None else str(serialize_to)
 
-    # subclasses: quant_type(), config(), prepare(path, weight, bias, absmax) -> tensors
+    # subclasses: quant_type(), config(), prepare(path, weight, bias, absmax, kind) -> tensors, kind_of(site),
+    # needs_group_k(kind)
     def quant_type(self) -> str:
         raise NotImplementedError
+
+    def kind_of(self, site) -> str:
+        """The quantized kind a selected linear gets (``QUANT_KINDS``): the pass's own unless a subclass says."""
+        return self.kind
+
+    def needs_group_k(self, kind: str) -> bool:
+        """Whether ``kind`` quantizes K in groups of ``GROUP_SIZE`` (int4), so that K must be a multiple of it."""
+        return False
 
     def config(self) -> Dict[str, Any]:
         return {"format": FORMAT, "kind": self.kind, "quant_type": self.quant_type()}
@@ -229,7 +269,7 @@ class _QuantizeLinears(Pass):
         return None
 
     def prepare(self, path: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                absmax: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
+                absmax: Optional[torch.Tensor], kind: str) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def _state(self, ctx: PassContext) -> Dict[str, Any]:
@@ -243,21 +283,22 @@ class _QuantizeLinears(Pass):
         sites = select_linears(structure, self.include, self.exclude, self.filter_fn)
         notes: List[str] = []
         skipped = 0
-        if self.needs_group_k:
-            bad = [s for s in sites if s.in_features % GROUP_SIZE]
-            if bad and self.include is not None:
+        bad = [s for s in sites if s.in_features % GROUP_SIZE and self.needs_group_k(self.kind_of(s))]
+        if bad:
+            if self.include is not None:
                 raise PassError(f"{self.name}: include= selected linears whose K is not a multiple of {GROUP_SIZE}, "
-                                f"which W4A4 cannot quantize: {[(s.module_path, s.in_features) for s in bad][:5]}; "
+                                f"which int4 (groups of {GROUP_SIZE}) cannot quantize: "
+                                f"{[(s.module_path, s.in_features) for s in bad][:5]}; "
                                 "narrow include= or add them to exclude=")
-            if bad:
-                paths = sorted({s.module_path for s in bad})
-                skipped = len(paths)
-                notes.append(f"skipped {len(paths)} linear(s) with K % {GROUP_SIZE} != 0 "
-                             f"(e.g. {paths[0]} K={bad[0].in_features})")
-            sites = [s for s in sites if s.in_features % GROUP_SIZE == 0]
+            paths = sorted({s.module_path for s in bad})
+            skipped = len(paths)
+            notes.append(f"skipped {len(paths)} linear(s) with K % {GROUP_SIZE} != 0 "
+                         f"(e.g. {paths[0]} K={bad[0].in_features})")
+            sites = [s for s in sites if s.module_path not in paths]
         if not sites:
             return PassResult(False, {"replaced": 0, "skipped_k": skipped}, "no eligible linear in the blocks; " + "; ".join(notes))
         paths = list(dict.fromkeys(s.module_path for s in sites))
+        kinds = {s.module_path: self.kind_of(s) for s in sites}
         weights = {s.module_path: tensor_at(gm, s.weight) for s in sites}
         biases = {s.module_path: tensor_at(gm, s.bias) if s.bias else None for s in sites}
         ledger = ctx.runtime.weights
@@ -266,15 +307,16 @@ class _QuantizeLinears(Pass):
             tables, how = place_tables(tables, weights[paths[0]]), "prepared weights reused, originals released"
         else:
             signature = quant_signature(gm, paths, graph_block_lists(structure))
-            tables, how = self._tables(ctx, paths, weights, biases, signature, notes)
-        counts = apply_quantized(gm, sites, tables, self.kind, ledger, self)
+            tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
+        counts = apply_by_kind(gm, sites, kinds, tables, ledger, self)
         counts["skipped_k"] = skipped
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
+        per_kind = ", ".join(f"{k[len('kind_'):]} {v}" for k, v in counts.items() if k.startswith("kind_"))
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "
-                  f"({how}); {counts['bytes_before']} -> {counts['bytes_after']} bytes ({ratio:.2f}x)")
+                  f"[{per_kind}] ({how}); {counts['bytes_before']} -> {counts['bytes_after']} bytes ({ratio:.2f}x)")
         return PassResult(True, counts, "; ".join([report] + notes))
 
-    def _tables(self, ctx, paths, weights, biases, signature, notes):
+    def _tables(self, ctx, paths, kinds, weights, biases, signature, notes):
         state = self._state(ctx)
         key = (self.describe(), signature["weights_sha256"], tuple(paths))
         w0 = weights[paths[0]]
@@ -288,16 +330,18 @@ class _QuantizeLinears(Pass):
             raise PassError(f"{self.name}: calibrate_fn called the CompiledDiT that is being lowered. Calibrate "
                             "with the original transformer in the pipeline, or lower first: "
                             "compile_dit(model, passes=[...], example_inputs=...)")
+        # activation statistics serve the pass's own kind only (W8A16 / W4A16 leave the activations alone)
+        observed = [p for p in paths if kinds[p] == self.kind]
         state["calibrating"] = True
         try:
-            stats = self.calibrate(weights)
+            stats = self.calibrate({p: weights[p] for p in observed}) if observed else None
         finally:
             state.pop("calibrating", None)
         if stats is not None:
-            missing = [p for p in paths if p not in stats]
-            if len(missing) == len(paths):
-                raise PassError(f"{self.name}: calibrate_fn() ran none of the {len(paths)} linears to quantize "
-                                f"(e.g. {paths[0]}): it must call the model passed to compile_dit, e.g. through "
+            missing = [p for p in observed if p not in stats]
+            if len(missing) == len(observed):
+                raise PassError(f"{self.name}: calibrate_fn() ran none of the {len(observed)} linears to quantize "
+                                f"(e.g. {observed[0]}): it must call the model passed to compile_dit, e.g. through "
                                 "a pipeline holding that transformer")
             if missing:
                 notes.append(f"{len(missing)} linear(s) never ran during calibration (e.g. {missing[0]}): "
@@ -305,10 +349,14 @@ class _QuantizeLinears(Pass):
         tables = {}
         for p in paths:
             absmax = None if stats is None else stats.get(p)
-            tables[p] = self.prepare(p, weights[p], biases[p], absmax)
+            tables[p] = self.prepare(p, weights[p], biases[p], absmax, kinds[p])
         if self.serialize_to is not None:
             flat = {f"{p}.{f}": t for p, tab in tables.items() for f, t in tab.items()}
-            written = save_quantized(self.serialize_to, flat, self.config(), signature)
+            config = self.config()
+            other = {p: k for p, k in sorted(kinds.items()) if k != self.kind}
+            if other:  # the linears whose kind is not config["kind"] (LoadQuantized reads it)
+                config["kind_of"] = other
+            written = save_quantized(self.serialize_to, flat, config, signature)
             notes.append(f"saved to {written}")
         state[key] = state[placed] = tables
         return tables, "calibrated" if stats is not None else "no calibration"
@@ -322,16 +370,29 @@ class SVDQuantW4A4(_QuantizeLinears):
     (``dynamic=True``): no calibration, smoothing from the weights only (``smooth="weight"``) unless
     ``smooth`` says otherwise; ``serialize_to`` optional (``svdq_int4_r<rank>_dq``). The linears call
     ``dit_passes.svdq_w4a4_linear`` (true W4A4), or on Hopper (and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8``)
-    are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors)."""
+    are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors).
+
+    ``modulation``: the form of the AdaLN modulation linears (role ``modulation``, about a quarter of FLUX's weights):
+    ``"w8a16"`` (default) int8 weights per output row with the activations left in their dtype (any K; half the
+    bf16 bytes); ``"w4a16"`` weight-only int4 (W4A4's weights, a quarter of the bytes); ``"svdq"`` W4A4 like the
+    other linears; ``None`` leaves them unquantized. The conditioning vector's activation quantization buys the
+    GEMV no speed and costs the worst images, and int4 weights cost the mean (digits DiT, rank 32 PTQ, mean / min
+    PSNR: unquantized 45.1 / 38.9 dB, W8A16 45.0 / 39.7, W4A16 41.2 / 33.8, W4A4 44.0 / 31.4;
+    bench/results/quant_fidelity_w8a16_modulation.md). They are never calibrated."""
 
     name = "svdquant_w4a4"
     kind = "svdq_w4a4"
-    needs_group_k = True
 
     def __init__(self, rank: int = 32, calibrate_fn: Optional[Callable[[], Any]] = None, dynamic: bool = False,
                  alpha: float = 0.5, serialize_to=None, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
-                 smooth: Optional[str] = None, seed: int = 0):
+                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W8A16):
         super().__init__(include, exclude, filter_fn, serialize_to)
+        if modulation not in MODULATION_FORMS:
+            raise ValueError(f"modulation must be one of {MODULATION_FORMS} (the AdaLN modulation linears' form: "
+                             f"weight-only int8 or int4, W4A4 like the rest, or unquantized), got {modulation!r}")
+        self.modulation = modulation
+        if modulation is None and "modulation" not in self.exclude:
+            self.exclude = self.exclude + ("modulation",)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int (e.g. 32), got {rank!r}")
         if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
@@ -363,12 +424,18 @@ class SVDQuantW4A4(_QuantizeLinears):
 
     def config(self) -> Dict[str, Any]:
         return {**super().config(), "rank": self.rank, "alpha": self.alpha, "smooth": self.smooth,
-                "dynamic": self.dynamic, "group_size": GROUP_SIZE, "seed": self.seed}
+                "dynamic": self.dynamic, "group_size": GROUP_SIZE, "seed": self.seed, "modulation": self.modulation}
 
     def config_items(self) -> Dict[str, Any]:
         fn = getattr(self.calibrate_fn, "__qualname__", repr(self.calibrate_fn)) if self.calibrate_fn else None
         return {"rank": self.rank, "dynamic": self.dynamic, "alpha": self.alpha, "smooth": self.smooth,
-                "calibrate_fn": fn, **super().config_items()}
+                "modulation": self.modulation, "calibrate_fn": fn, **super().config_items()}
+
+    def kind_of(self, site) -> str:
+        return self.modulation if site.role == "modulation" and self.modulation in WEIGHT_ONLY else self.kind
+
+    def needs_group_k(self, kind: str) -> bool:
+        return kind != W8A16
 
     def calibrate(self, weights):
         if self.calibrate_fn is None:
@@ -379,7 +446,11 @@ class SVDQuantW4A4(_QuantizeLinears):
             raise PassError(f"{self.name}: calibration saw inf/nan inputs at {bad[:3]}; check the calibration prompts")
         return stats
 
-    def prepare(self, path, weight, bias, absmax):
+    def prepare(self, path, weight, bias, absmax, kind):
+        if kind == W8A16:
+            return prepare_w8a16(weight, bias).tensors()
+        if kind == W4A16:
+            return prepare_w4a16(weight, bias).tensors()
         smooth = self.smooth if (absmax is not None or self.smooth != "act") else "weight"
         q = prepare_svdquant(weight, bias, act_absmax=absmax, rank=self.rank, alpha=self.alpha, smooth=smooth,
                              seed=self.seed, dtype=weight.dtype)
@@ -388,7 +459,7 @@ class SVDQuantW4A4(_QuantizeLinears):
 
 class Fp8Linear(_QuantizeLinears):
     """fp8 e4m3 weights, dynamic fp8 activations (per token and row, or one scale each: ``granularity``), written
-    as plain ATen ops (module docstring). ``exclude=()`` also takes the AdaLN modulation linears."""
+    as plain ATen ops (module docstring); the AdaLN modulation linears too (``exclude=("modulation",)`` keeps them)."""
 
     name = "fp8_linear"
 
@@ -403,7 +474,7 @@ class Fp8Linear(_QuantizeLinears):
     def quant_type(self) -> str:
         return f"fp8_e4m3_{self.granularity}"
 
-    def prepare(self, path, weight, bias, absmax):
+    def prepare(self, path, weight, bias, absmax, kind):
         return prepare_fp8(weight, bias, self.granularity).tensors()
 
 
@@ -416,6 +487,6 @@ class Int8Linear(_QuantizeLinears):
     def quant_type(self) -> str:
         return "int8_per_row"
 
-    def prepare(self, path, weight, bias, absmax):
+    def prepare(self, path, weight, bias, absmax, kind):
         return prepare_int8(weight, bias).tensors()
 

@@ -31,6 +31,27 @@ largest, and ``w8[n, k] = e4m3(q[n, k] * (wscale[n, k // 64] / sw[n]))`` is the 
 significant bits, an int4 times a group-scale ratio needs up to 3 + 24 (the fp32 ratio). The other differences from
 the W4A4 reference are the activations (e4m3 per token: finer than int4 per group of 64) and the low-rank product
 rounded to the activation dtype before it is added.
+
+Weight-only int4 linear, :func:`w4a16_linear_form` (the AdaLN modulation linears under SVDQuant: their input is one
+conditioning row per sample, so the GEMV is bound by reading the weight, and quantizing that row would add error
+for no speed). The stored tensors are the weight half of W4A4 (``int4.quantize_weight_w4``: int4 per row and group
+of 64 along K, bf16 group scales); the activations stay in x.dtype::
+
+    w = x.dtype(float(int4 values of qweight) * float(wscale) per group)    # [N, K]; exact in fp32
+    y = linear(x, w, bias)
+
+The product of an int4 value (<= 4 significant bits) and a bf16 scale (8) is exact in fp32, so in fp32 the form is
+the linear of the dequantized weight (``int4.dequantize_weight_w4``) bit for bit; in bf16 the weight takes one more
+rounding (2**-9 relative, far below the int4 step). Shape-generic (no constants): the op replaces any linear.
+
+Weight-only int8 linear, :func:`w8a16_linear_form` (SVDQuant's default for the modulation linears; ``w8a16.py``):
+int8 weights per output row, fp32 row scales, the activations in x.dtype::
+
+    w = x.dtype(float(qweight) * float(wscale)[:, None])                   # [N, K]
+    y = linear(x, w, bias)
+
+In fp32 it is the linear of ``w8a16.dequantize_w8a16`` bit for bit (the same one product per element); in bf16
+the weight takes one rounding (2**-9 relative). Shape-generic like the int4 form.
 """
 from __future__ import annotations
 
@@ -40,7 +61,7 @@ from typing import Optional, Tuple
 import torch
 
 from .fp8_int8 import FP8_DTYPE, FP8_MAX
-from .int4 import GROUP_SIZE
+from .int4 import GROUP_SIZE, int4_values
 
 aten = torch.ops.aten
 GEMMS = ("scaled_mm", "reference")
@@ -138,15 +159,11 @@ def fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor
 def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed int4 [N, K/2] (even k in the low nibble) and bf16 group scales [N, K/64] -> (e4m3 [N, K],
     fp32 row scale [N]) with ``float(e4m3) * sw[n] ~= q * wscale`` (module docstring)."""
-    p = aten._to_copy.default(qweight, dtype=torch.int32)
-    lo = aten.sub.Tensor(aten.bitwise_xor.Scalar(aten.bitwise_and.Scalar(p, 15), 8), 8)  # sign-extended nibbles
-    hi = aten.sub.Tensor(aten.bitwise_xor.Scalar(aten.bitwise_and.Scalar(aten.bitwise_right_shift.Tensor_Scalar(
-        p, 4), 15), 8), 8)
-    q = aten.view.default(aten.stack.default([lo, hi], 2), [n, k // GROUP_SIZE, GROUP_SIZE])
+    q = aten.view.default(int4_values(qweight, _F32), [n, k // GROUP_SIZE, GROUP_SIZE])
     ws = aten._to_copy.default(wscale, dtype=_F32)                                  # [N, G]
     sw = aten.div.Tensor(aten.mul.Tensor(aten.amax.default(ws, [1], True), W4_MAX), FP8_MAX)   # [N, 1]
     ratio = aten.unsqueeze.default(aten.div.Tensor(ws, sw), 2)                      # [N, G, 1]
-    w = aten.clamp.default(aten.mul.Tensor(aten._to_copy.default(q, dtype=_F32), ratio), -FP8_MAX, FP8_MAX)
+    w = aten.clamp.default(aten.mul.Tensor(q, ratio), -FP8_MAX, FP8_MAX)
     w8 = aten._to_copy.default(aten.view.default(w, [n, k]), dtype=FP8_DTYPE)
     return w8, aten.view.default(sw, [n])
 
@@ -163,3 +180,23 @@ def svdq_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.T
         lora_act = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))
         y = aten.addmm.default(y, lora_act, aten.t.default(lora_up))
     return _unrows(y, shape)
+
+
+
+def w4a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Weight-only int4 linear (module docstring): x [..., K], qweight uint8 [N, K/2], wscale [N, K/64], bias [N] or
+    None -> [..., N] in x.dtype."""
+    q = int4_values(qweight, _F32)                                                           # [N, K]
+    ws = aten.reshape.default(aten._to_copy.default(wscale, dtype=_F32), [-1, 1])            # [N * G, 1]
+    w = aten.view_as.default(aten.mul.Tensor(aten.view.default(q, [-1, GROUP_SIZE]), ws), q)  # group-major rows
+    return aten.linear.default(x, aten.type_as.default(w, x), bias)
+
+
+def w8a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Weight-only int8 linear (module docstring): x [..., K], qweight int8 [N, K], wscale [N], bias [N] or None ->
+    [..., N] in x.dtype."""
+    ws = aten.unsqueeze.default(aten._to_copy.default(wscale, dtype=_F32), 1)              # [N, 1]
+    w = aten.mul.Tensor(aten._to_copy.default(qweight, dtype=_F32), ws)                    # [N, K]
+    return aten.linear.default(x, aten.type_as.default(w, x), bias)

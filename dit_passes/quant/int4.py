@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
+aten = torch.ops.aten
 GROUP_SIZE = 64
 INT4_MIN, INT4_MAX = -8, 7
 
@@ -61,14 +62,21 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: uint8 [..., K/2] -> int8 [..., K] with values in [-8, 7]."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_int4 expects uint8 packed data, got {packed.dtype}")
-    p = packed.to(torch.int32)
-    lo = p & 0xF
-    hi = (p >> 4) & 0xF
-    # Sign-extend the 4-bit two's complement nibbles.
-    lo = torch.where(lo >= 8, lo - 16, lo)
-    hi = torch.where(hi >= 8, hi - 16, hi)
-    out = torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return out.to(torch.int8)
+    return int4_values(packed, torch.int8)
+
+
+def int4_values(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The int4 values of ``packed`` (uint8 [..., K/2], as :func:`pack_int4` writes them) as ``dtype`` [..., K].
+
+    ATen ops only, with no Python on shapes or values, so that the graph forms (``graph_forms.py``) can call it and
+    ``torch.fx.symbolic_trace`` of them yields ``call_function`` nodes: each nibble is split off in uint8 and
+    flipped to offset binary (``v ^ 8 = v + 8`` for a two's complement nibble v in [-8, 7]), cast, and re-centred
+    (``- 8``, exact in every signed integer and float dtype). The even index is the low nibble.
+    """
+    lo = aten.bitwise_xor.Scalar(aten.bitwise_and.Scalar(packed, 15), 8)
+    hi = aten.bitwise_xor.Scalar(aten.bitwise_right_shift.Tensor_Scalar(packed, 4), 8)
+    offset = aten.flatten.using_ints(aten.stack.default([lo, hi], -1), -2, -1)
+    return aten.sub.Tensor(aten._to_copy.default(offset, dtype=dtype), 8)
 
 
 def true_div(a: torch.Tensor, divisor: float) -> torch.Tensor:
