@@ -9,7 +9,8 @@ heads, joint_attention_dim 4096) but ``--layers`` double and ``--single-layers``
 tokens (``dit_passes.bench.flux_inputs``). Each config is ``compile_dit(model, passes=[SVDQuantW4A4(rank=32,
 dynamic=True, ...)])``; the error is ``||out - ref|| / ||ref||`` against the unquantized fp32 call. Configs: every
 block linear W4A4 with the modulation linears unquantized / W8A16 (the default) / W4A16 / W4A4, and the modulation
-linears alone (``include=("modulation",)``) in W8A16 / W4A16: their own share of the error.
+linears alone (``include=("modulation",)``) in W8A16 / W4A16: their own share of the error; the same two for
+W4A16_LR (int4 residual + rank-32 low-rank branch). ``--only`` runs a subset of the error configs.
 
 Bytes: the FLUX.1-dev transformer (19 + 38 blocks) on the meta device; each block linear's quantized tensors counted
 from its shape with the formulas below (checked against the prepared tensors of a small linear), every other
@@ -40,6 +41,8 @@ def table_bytes(kind: str, n: int, k: int, bias: bool, rank: int = RANK) -> int:
         return n * k + 4 * n + b
     if kind == "w4a16":       # packed int4 [N, K/2], bf16 group scales [N, K/64]
         return n * k // 2 + 2 * n * (k // 64) + b
+    if kind == "w4a16_lr":    # + bf16 low-rank factors [r, K], [N, r]
+        return n * k // 2 + 2 * n * (k // 64) + 2 * rank * (k + n) + b
     if kind == "svdq_w4a4":   # + bf16 low-rank factors [r, K], [N, r] and fp32 smoothing [K]
         return n * k // 2 + 2 * n * (k // 64) + 2 * rank * (k + n) + 4 * k + b
     raise ValueError(kind)
@@ -47,11 +50,12 @@ def table_bytes(kind: str, n: int, k: int, bias: bool, rank: int = RANK) -> int:
 
 def check_formulas() -> None:
     """The formulas against the tensors the passes prepare (bf16 weight, a shape with K % 64 == 0)."""
-    from dit_passes.quant import prepare_svdquant, prepare_w4a16, prepare_w8a16
+    from dit_passes.quant import prepare_svdquant, prepare_w4a16, prepare_w4a16_lr, prepare_w8a16
     from dit_passes.quant.signature import place_tables
 
     w, b = torch.randn(96, 192, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     tabs = {"w8a16": prepare_w8a16(w, b).tensors(), "w4a16": prepare_w4a16(w, b).tensors(),
+            "w4a16_lr": prepare_w4a16_lr(w, b, rank=8).tensors(),
             "svdq_w4a4": prepare_svdquant(w, b, rank=8, smooth="weight", dtype=w.dtype).tensors()}
     for kind, tab in tabs.items():
         tab = place_tables({"l": tab}, w)["l"]
@@ -90,7 +94,7 @@ def weight_bytes(modulation) -> dict:
             "block_linears": len(in_blocks)}
 
 
-def relative_errors(layers: int, single: int, img: int, txt: int) -> dict:
+def relative_errors(layers: int, single: int, img: int, txt: int, only=None) -> dict:
     from dit_passes import compile_dit
     from dit_passes.bench import FLUX_DEV, flux_inputs
     from dit_passes.models.zoo import model_class
@@ -109,7 +113,11 @@ def relative_errors(layers: int, single: int, img: int, txt: int) -> dict:
         "all_w4a4_modulation_w4a4": dict(modulation="svdq"),
         "modulation_only_w8a16": dict(include=("modulation",)),
         "modulation_only_w4a16": dict(include=("modulation",), modulation="w4a16"),
+        "all_w4a4_modulation_w4a16_lr": dict(modulation="w4a16_lr"),
+        "modulation_only_w4a16_lr": dict(include=("modulation",), modulation="w4a16_lr"),
     }
+    if only:
+        configs = {k: v for k, v in configs.items() if k in only}
     out = {}
     for name, kw in configs.items():
         t0 = time.perf_counter()
@@ -138,15 +146,17 @@ def main(argv=None) -> int:
     ap.add_argument("--txt", type=int, default=16)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="flux_modulation_error")
+    ap.add_argument("--only", nargs="+", default=None, help="run only these error configs (the bytes: every form)")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     check_formulas()
     t0 = time.perf_counter()
     result = {
-        "command": COMMAND + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        "command": COMMAND + "".join(f" --{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+                                     for k, v in vars(args).items()
                                      if v != ap.get_default(k)),
-        "weights": {str(m): weight_bytes(m) for m in ("w8a16", "w4a16", None)},
-        "error": relative_errors(args.layers, args.single_layers, args.img, args.txt),
+        "weights": {str(m): weight_bytes(m) for m in ("w8a16", "w4a16", "w4a16_lr", None)},
+        "error": relative_errors(args.layers, args.single_layers, args.img, args.txt, args.only),
         "host": f"torch {torch.__version__}, Python {platform.python_version()}, {torch.get_num_threads()} thread(s)",
     }
     result["wall_s"] = time.perf_counter() - t0

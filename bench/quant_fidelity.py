@@ -13,7 +13,8 @@ smoothing), plain W4A4 (rank 0, no smoothing: the baseline SVDQuant improves on)
 int8 per row. All quantize the same linears: every linear of the 12 blocks (their K is 64 or a multiple, so none
 is skipped for int4); embedders and the final projection stay. The AdaLN modulation linears (``--modulation``):
 ``w8a16`` (default, the passes' default) SVDQuant gives them weight-only int8 per row, fp8 / int8 their own form;
-``w4a16`` SVDQuant weight-only int4; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the
+``w4a16`` SVDQuant weight-only int4; ``w4a16_lr`` weight-only int4 of the residual after a low-rank branch of the
+config's rank; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the
 configs quantizes them.
 """
 from __future__ import annotations
@@ -97,8 +98,9 @@ def main(argv=None) -> int:
     ap.add_argument("--w4a4-backend", choices=("auto", "fp8"), default="auto",
                     help="fp8: SVDQuant's linears in the Hopper design's numerics (W4A8, e4m3 activations per token)")
     ap.add_argument("--modulation", nargs="?", const="svdq", default="w8a16",
-                    choices=("w8a16", "w4a16", "svdq", "none"),
+                    choices=("w8a16", "w4a16", "w4a16_lr", "svdq", "none"),
                     help="the AdaLN modulation linears under SVDQuant: weight-only int8 (default), weight-only int4, "
+                         "weight-only int4 + low-rank branch (w4a16_lr), "
                          "W4A4 like the rest (the flag alone), or none (every config leaves them unquantized)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -172,7 +174,9 @@ def render_markdown(r: dict) -> str:
     which = {"w8a16": "the AdaLN modulation ones included (SVDQuant: weight-only int8 per row, W8A16; fp8 / int8: "
                       "their own form)",
              "w4a16": "the AdaLN modulation ones included (SVDQuant: weight-only int4, W4A16; fp8 / int8: their own "
-                      "form)", "svdq": "the AdaLN modulation ones included (SVDQuant: W4A4 like the rest)",
+                      "form)",
+             "w4a16_lr": "the AdaLN modulation ones included (SVDQuant: weight-only int4 of the residual after a "
+                         "low-rank branch of the config's rank, W4A16_LR; fp8 / int8: their own form)", "svdq": "the AdaLN modulation ones included (SVDQuant: W4A4 like the rest)",
              "none": "except the AdaLN modulation ones"}[r.get("modulation") or
                                                           ("svdq" if r.get("modulation_quantized") else "none")]
     lines += ["", f"Quantized linears ({len(r['quantized_linears'])}, every config the same): every linear of "

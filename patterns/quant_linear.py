@@ -24,9 +24,10 @@ e.g. for ``fp8_per_row`` on an H200::
         qx = aten._to_copy(aten.clamp(xf / sx, -448, 448), dtype=float8_e4m3fn)
         y = aten.view(aten._scaled_mm(qx, aten.t(qw), sx, aten.view(ws, [1, N]), b2, None, bfloat16, False), [B, S, N])
 
-A kind without an op (``w8a16`` / ``w4a16``, weight-only int8 / int4) is always its graph form, shape-generic: the
-int8 values scaled per row (``graph_forms.w8a16_linear_form``) or the int4 values unpacked and scaled per group
-(``graph_forms.w4a16_linear_form``), then ``aten.linear`` on the dequantized weight.
+A kind without an op (``w8a16`` / ``w4a16`` / ``w4a16_lr``, weight-only int8 / int4 / int4 + low-rank) is always its
+graph form, shape-generic: the int8 values scaled per row (``graph_forms.w8a16_linear_form``) or the int4 values
+unpacked and scaled per group (``graph_forms.w4a16_linear_form``), then ``aten.linear`` on the dequantized weight
+(``w4a16_lr``: plus the low-rank branch, ``graph_forms.w4a16_lr_linear_form``).
 
 Equal inserted nodes are merged (the forms are pure ATen ops): linears reading one activation quantize it once.
 Every inserted node gets ``meta["val"]`` when the graph carries fake values; every inserted call also the replaced
@@ -47,7 +48,7 @@ import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passe
 from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4a16_linear_form,
-                                          w8a16_linear_form)
+                                          w4a16_lr_linear_form, w8a16_linear_form)
 
 
 def linear_pattern(x, weight, bias):
@@ -76,6 +77,10 @@ def int8_replacement(x, qweight, wscale, bias):
 
 def w4a16_replacement(x, qweight, wscale, bias):
     return w4a16_linear_form(x, qweight, wscale, bias)
+
+
+def w4a16_lr_replacement(x, qweight, wscale, lora_down, lora_up, bias):
+    return w4a16_lr_linear_form(x, qweight, wscale, lora_down, lora_up, bias)
 
 
 def w8a16_replacement(x, qweight, wscale, bias):
@@ -143,6 +148,7 @@ QUANT_KINDS: Dict[str, QuantKind] = {
     # weight-only int8 / int4 (the modulation linears under SVDQuant): always the graph form, shape-generic
     "w8a16": QuantKind(w8a16_replacement, None, _8BIT_ARGS),
     "w4a16": QuantKind(w4a16_replacement, None, _8BIT_ARGS),
+    "w4a16_lr": QuantKind(w4a16_lr_replacement, None, ("qweight", "wscale", "lora_down", "lora_up", "bias")),
 }
 PATTERNS = (linear_pattern, linear_pattern_no_bias)
 _META_KEYS = ("nn_module_stack", "dit_module_path", "stack_trace")

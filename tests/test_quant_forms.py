@@ -18,10 +18,10 @@ from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
 from dit_passes.quant import dispatch
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, prepare_fp8, quantize_fp8
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4_to_e4m3,
-                                          w4a16_linear_form, w8a16_linear_form)
+                                          w4a16_linear_form, w4a16_lr_linear_form, w8a16_linear_form)
 from dit_passes.quant.int4 import dequantize_weight_w4, pack_int4
 from dit_passes.quant.svdquant import prepare_svdquant, relative_error, svdq_w4a4_linear_reference
-from dit_passes.quant.w4a16 import prepare_w4a16
+from dit_passes.quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from dit_passes.quant.w8a16 import dequantize_w8a16, prepare_w8a16
 
 torch.set_num_threads(1)
@@ -289,13 +289,37 @@ def _w8a16_dequantized(q):
     return dequantize_w8a16(q.qweight, q.wscale)
 
 
-# kind -> (prepare, graph form, fp32 dequantized weight, K, the stored tensors' (dtype, shape) for N = 40)
+def _dequantized_linear(dequantized):
+    """x -> the linear of the fp32 dequantized weight (the forms' fp32 reference)."""
+    return lambda x, q: torch.nn.functional.linear(x, dequantized(q), q.bias)
+
+
+def _w4a16_lr_reference(x, q):
+    """The linear of the fp32 dequantized residual plus the low-rank branch, in that order of operations."""
+    F = torch.nn.functional
+    return F.linear(x, dequantize_weight_w4(q.qweight, q.wscale), q.bias) + F.linear(F.linear(x, q.lora_down),
+                                                                                     q.lora_up)
+
+
+# kind -> (prepare, graph form, fp32 reference linear, fp32 weight it stands for, K, the stored tensors' (dtype,
+# shape) for N = 40)
 WEIGHT_ONLY = {
-    "w8a16": (prepare_w8a16, w8a16_linear_form, _w8a16_dequantized, 72,  # any K
-              {"qweight": (torch.int8, (40, 72)), "wscale": (torch.float32, (40,))}),
-    "w4a16": (prepare_w4a16, w4a16_linear_form, _w4a16_dequantized, 192,
+    "w8a16": (prepare_w8a16, w8a16_linear_form, _dequantized_linear(_w8a16_dequantized), _w8a16_dequantized, 72,
+              {"qweight": (torch.int8, (40, 72)), "wscale": (torch.float32, (40,))}),  # any K
+    "w4a16": (prepare_w4a16, w4a16_linear_form, _dequantized_linear(_w4a16_dequantized), _w4a16_dequantized, 192,
               {"qweight": (torch.uint8, (40, 96)), "wscale": (torch.bfloat16, (40, 3))}),
+    "w4a16_lr": (prepare_w4a16_lr, w4a16_lr_linear_form, _w4a16_lr_reference, lambda q: q.effective_weight(), 192,
+                 {"qweight": (torch.uint8, (40, 96)), "wscale": (torch.bfloat16, (40, 3)),  # rank 32 by default
+                  "lora_down": (torch.float32, (32, 192)), "lora_up": (torch.float32, (40, 32))}),
 }
+
+
+def _form_args(kind, q):
+    """The form's tensor arguments after x, in ``QUANT_KINDS[kind].tensor_args`` order (an absent bias: None)."""
+    from dit_passes.patterns import quant_linear as QL
+
+    tensors = q.tensors()
+    return [tensors.get(a) for a in QL.QUANT_KINDS[kind].tensor_args]
 
 
 @pytest.mark.parametrize("kind", list(WEIGHT_ONLY))
@@ -307,21 +331,20 @@ def test_weight_only_form_is_the_dequantized_linear(kind, lead, with_bias):
     The traced replacement is plain ATen ops."""
     from dit_passes.patterns import quant_linear as QL
 
-    prepare, form, dequantized, k, stored = WEIGHT_ONLY[kind]
+    prepare, form, reference, dequantized, k, stored = WEIGHT_ONLY[kind]
     x, w, b = _case(torch.float32, lead, k=k, n=40)
     q = prepare(w, b if with_bias else None)
     assert {f: (t.dtype, tuple(t.shape)) for f, t in q.tensors().items() if f != "bias"} == stored
-    out = form(x, q.qweight, q.wscale, q.bias)
+    out = form(x, *_form_args(kind, q))
     assert out.shape == (*lead, 40) and out.dtype == torch.float32
-    want = torch.nn.functional.linear(x, dequantized(q), q.bias)
-    assert torch.equal(out, want)
+    assert torch.equal(out, reference(x, q))
     replacement = QL.QUANT_KINDS[kind].replacement
     assert QL.QUANT_KINDS[kind].op is None  # always the graph form
-    assert torch.equal(QL.traced(replacement)(x, q.qweight, q.wscale, q.bias), out)
+    assert torch.equal(QL.traced(replacement)(x, *_form_args(kind, q)), out)
     assert all(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
                for n in QL.traced(replacement).graph.nodes if n.op == "call_function")
     xb, qb = x.to(torch.bfloat16), prepare(w.to(torch.bfloat16), b.to(torch.bfloat16) if with_bias else None)
-    out16 = form(xb, qb.qweight, qb.wscale, qb.bias)
+    out16 = form(xb, *_form_args(kind, qb))
     assert out16.dtype == torch.bfloat16
     exact = torch.nn.functional.linear(xb.float(), dequantized(qb), qb.bias.float() if with_bias else None)
     assert relative_error(out16, exact) < 1e-2
@@ -350,27 +373,61 @@ def test_w8a16_error_bound_and_against_int4():
     assert 0 < err["w8a16"] < 0.1 * err["w4a16"]
 
 
-def test_w8a16_form_traces_under_export_and_aot_eager():
-    """The form inside a module: torch.export captures it as ATen ops (int8 -> fp32 cast, scale, linear) and
-    torch.compile(aot_eager, fullgraph) runs it with the eager numbers, fp32 and bf16."""
+def test_w4a16_lr_errs_less_than_w4a16_on_outliers():
+    """A weight with outlier input channels and rows (what widens int4's group scales): the low-rank branch takes
+    them, so the int4 residual's scales shrink and weight-only int4 + rank 16 errs far less than W4A16 on the same
+    weight; rank 0 is W4A16 exactly (empty factors, the same int4 tables); the residual is what int4 quantizes."""
+    x, w, b = _case(torch.float32, (3, 7), k=256, n=64, seed=2)
+    w[:, 5] *= 30
+    w[:, 77] *= 20
+    w[9] *= 10
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    q4, q = prepare_w4a16(w, b), prepare_w4a16_lr(w, b, rank=16)
+    err = {"w4a16": relative_error(w4a16_linear_form(x, q4.qweight, q4.wscale, q4.bias), exact),
+           "w4a16_lr": relative_error(w4a16_lr_linear_form(x, q.qweight, q.wscale, q.lora_down, q.lora_up, q.bias),
+                                      exact)}
+    print({k: round(v, 5) for k, v in err.items()})
+    assert 0 < err["w4a16_lr"] < 0.5 * err["w4a16"]
+    assert q.wscale.float().amax() < 0.5 * q4.wscale.float().amax()  # the outliers left the int4 part
+    residual = w - q.lora_up @ q.lora_down
+    assert ((dequantize_weight_w4(q.qweight, q.wscale) - residual).abs()
+            <= q.wscale.float().repeat_interleave(64, dim=1) / 2 * (1 + 1e-6)).all()
+    q0 = prepare_w4a16_lr(w, b, rank=0)
+    assert q0.lora_down.shape == (0, 256) and q0.lora_up.shape == (64, 0)
+    assert torch.equal(q0.qweight, q4.qweight) and torch.equal(q0.wscale, q4.wscale)
+    with pytest.raises(ValueError, match="rank must be a non-negative int"):
+        prepare_w4a16_lr(w, b, rank=-1)
+
+
+@pytest.mark.parametrize("kind", ["w8a16", "w4a16_lr"])
+def test_weight_only_form_traces_under_export_and_aot_eager(kind):
+    """The form inside a module: torch.export captures it as ATen ops (int8 / int4 -> fp32 cast, scale, linear; the
+    low-rank branch's two linears) and torch.compile(aot_eager, fullgraph) runs it with the eager numbers, fp32 and
+    bf16."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     class Mod(torch.nn.Module):
         def __init__(self, q):
             super().__init__()
-            for k, v in q.tensors().items():
-                self.register_buffer(k, v)
+            for name, v in q.tensors().items():
+                self.register_buffer(name, v)
+            self.names = [a if q.tensors().get(a) is not None else None
+                          for a in QL.QUANT_KINDS[kind].tensor_args]
 
         def forward(self, x):
-            return w8a16_linear_form(x, self.qweight, self.wscale, self.bias)
+            return form(x, *[None if a is None else getattr(self, a) for a in self.names])
 
+    from dit_passes.patterns import quant_linear as QL
+
+    prepare, form, _, _, k, _ = WEIGHT_ONLY[kind]
     for dtype in (torch.float32, torch.bfloat16):
-        x, w, b = _case(dtype, (2, 5), k=72, n=40)
-        m = Mod(prepare_w8a16(w.to(dtype), b))
+        x, w, b = _case(dtype, (2, 5), k=k, n=40)
+        m = Mod(prepare(w.to(dtype), b))
         want = m(x)
         ep = torch.export.export(m, (x,))
         targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
         assert torch.ops.aten.linear.default in targets and torch.ops.aten._to_copy.default in targets
+        assert targets.count(torch.ops.aten.linear.default) == (3 if kind == "w4a16_lr" else 1)
         assert torch.equal(ep.module()(x), want)
         cnt = CompileCounterWithBackend("aot_eager")
         assert torch.equal(torch.compile(m, backend=cnt, fullgraph=True)(x), want) and cnt.frame_count == 1

@@ -33,7 +33,8 @@ activations left in their dtype, as plain ATen ops; ``quant/graph_forms.w8a16_li
     mod = torch.ops.aten.linear.default(emb, deq, b)
 
 ``modulation="w4a16"`` gives them weight-only int4 (W4A4's int4 weights, unpacked and scaled per group of 64 in the
-graph: ``graph_forms.w4a16_linear_form``), ``"svdq"`` W4A4 like the rest, ``None`` leaves them unquantized;
+graph: ``graph_forms.w4a16_linear_form``), ``"w4a16_lr"`` the same on the residual after SVDQuant's rank-``rank``
+low-rank branch, which runs beside it in the activation dtype (``graph_forms.w4a16_lr_linear_form``), ``"svdq"`` W4A4 like the rest, ``None`` leaves them unquantized;
 Fp8Linear and Int8Linear quantize them in their own form.
 
 Which linears: those of ``structure.linears`` inside a block (prologue/epilogue embedders and the final
@@ -80,16 +81,16 @@ from ..quant.int4 import GROUP_SIZE
 from ..quant.serialize import save_quantized
 from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
 from ..quant.svdquant import SMOOTH_MODES, prepare_svdquant
-from ..quant.w4a16 import prepare_w4a16
+from ..quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from ..quant.w8a16 import prepare_w8a16
 
 from ..patterns.quant_linear import QUANT_KINDS, replace_linears
 
 ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "other")
 DEFAULT_EXCLUDE: Tuple[str, ...] = ()  # every block linear; the modulation ones too (SVDQuant: weight-only int8)
-W8A16, W4A16 = "w8a16", "w4a16"
-WEIGHT_ONLY = (W8A16, W4A16)
-MODULATION_FORMS = (W8A16, W4A16, "svdq", None)
+W8A16, W4A16, W4A16_LR = "w8a16", "w4a16", "w4a16_lr"
+WEIGHT_ONLY = (W8A16, W4A16, W4A16_LR)
+MODULATION_FORMS = (W8A16, W4A16, W4A16_LR, "svdq", None)
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -374,7 +375,9 @@ class SVDQuantW4A4(_QuantizeLinears):
 
     ``modulation``: the form of the AdaLN modulation linears (role ``modulation``, about a quarter of FLUX's weights):
     ``"w8a16"`` (default) int8 weights per output row with the activations left in their dtype (any K; half the
-    bf16 bytes); ``"w4a16"`` weight-only int4 (W4A4's weights, a quarter of the bytes); ``"svdq"`` W4A4 like the
+    bf16 bytes); ``"w4a16"`` weight-only int4 (W4A4's weights, a quarter of the bytes); ``"w4a16_lr"`` weight-only
+int4 of the residual after a rank-``rank`` low-rank branch (SVDQuant's, unsmoothed; a quarter of the bytes plus
+the factors); ``"svdq"`` W4A4 like the
     other linears; ``None`` leaves them unquantized. The conditioning vector's activation quantization buys the
     GEMV no speed and costs the worst images, and int4 weights cost the mean (digits DiT, rank 32 PTQ, mean / min
     PSNR: unquantized 45.1 / 38.9 dB, W8A16 45.0 / 39.7, W4A16 41.2 / 33.8, W4A4 44.0 / 31.4;
@@ -451,6 +454,8 @@ class SVDQuantW4A4(_QuantizeLinears):
             return prepare_w8a16(weight, bias).tensors()
         if kind == W4A16:
             return prepare_w4a16(weight, bias).tensors()
+        if kind == W4A16_LR:
+            return prepare_w4a16_lr(weight, bias, rank=self.rank, seed=self.seed, dtype=weight.dtype).tensors()
         smooth = self.smooth if (absmax is not None or self.smooth != "act") else "weight"
         q = prepare_svdquant(weight, bias, act_absmax=absmax, rank=self.rank, alpha=self.alpha, smooth=smooth,
                              seed=self.seed, dtype=weight.dtype)

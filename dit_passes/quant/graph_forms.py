@@ -44,6 +44,13 @@ The product of an int4 value (<= 4 significant bits) and a bf16 scale (8) is exa
 the linear of the dequantized weight (``int4.dequantize_weight_w4``) bit for bit; in bf16 the weight takes one more
 rounding (2**-9 relative, far below the int4 step). Shape-generic (no constants): the op replaces any linear.
 
+Weight-only int4 with a low-rank branch, :func:`w4a16_lr_linear_form` (``w4a16.prepare_w4a16_lr``: the int4 part
+is the residual after SVDQuant's rank-r branch)::
+
+    y = w4a16_linear_form(x, qweight, wscale, bias) + linear(linear(x, lora_down), lora_up)   # branch in x.dtype
+
+In fp32 it is that sum over the fp32 dequantized residual bit for bit. Shape-generic.
+
 Weight-only int8 linear, :func:`w8a16_linear_form` (SVDQuant's default for the modulation linears; ``w8a16.py``):
 int8 weights per output row, fp32 row scales, the activations in x.dtype::
 
@@ -191,6 +198,15 @@ def w4a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tens
     ws = aten.reshape.default(aten._to_copy.default(wscale, dtype=_F32), [-1, 1])            # [N * G, 1]
     w = aten.view_as.default(aten.mul.Tensor(aten.view.default(q, [-1, GROUP_SIZE]), ws), q)  # group-major rows
     return aten.linear.default(x, aten.type_as.default(w, x), bias)
+
+
+def w4a16_lr_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
+                         lora_up: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Weight-only int4 of the residual plus the low-rank branch (module docstring): x [..., K], qweight uint8
+    [N, K/2], wscale [N, K/64], lora_down [r, K], lora_up [N, r], bias [N] or None -> [..., N] in x.dtype."""
+    lora_act = aten.linear.default(x, aten.type_as.default(lora_down, x))                   # [..., r]
+    branch = aten.linear.default(lora_act, aten.type_as.default(lora_up, x))               # [..., N]
+    return aten.add.Tensor(w4a16_linear_form(x, qweight, wscale, bias), branch)
 
 
 def w8a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,

@@ -182,19 +182,27 @@ def prepare_svdquant(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
     w = weight.detach().float()
     s = smoothing_vector(w, act_absmax, alpha, smooth)
     w_s = w * s.unsqueeze(0)
-    rank = min(rank, n, k)
-    if rank > 0:
-        u, sv, vh = randomized_svd(w_s, rank, seed=seed)
-        lora_up = (u * sv.unsqueeze(0)).to(dtype).contiguous()
-        lora_down = vh.to(dtype).contiguous()
-        residual = w_s - lora_up.float() @ lora_down.float()
-    else:
-        lora_up = torch.zeros(n, 0, dtype=dtype, device=w.device)
-        lora_down = torch.zeros(0, k, dtype=dtype, device=w.device)
-        residual = w_s
+    lora_up, lora_down, residual = low_rank_split(w_s, rank, seed, dtype)
     qweight, wscale = quantize_weight_w4(residual)
     b = None if bias is None else bias.detach().clone()
-    return SVDQuantWeight(qweight, wscale, lora_down, lora_up, (1.0 / s).contiguous(), b, N=n, K=k, rank=rank)
+    return SVDQuantWeight(qweight, wscale, lora_down, lora_up, (1.0 / s).contiguous(), b, N=n, K=k,
+                          rank=lora_down.shape[0])
+
+
+def low_rank_split(w: torch.Tensor, rank: int, seed: int, dtype: torch.dtype
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SVDQuant's low-rank branch of an fp32 weight [N, K]: ``(lora_up [N, r], lora_down [r, K], residual [N, K])``
+    with r = min(rank, N, K), ``lora_up = U * S`` and ``lora_down = Vh`` of the seeded randomized SVD stored in
+    ``dtype``, and ``residual = w - lora_up.float() @ lora_down.float()`` (from the *stored* factors, so whatever
+    quantizes the residual also absorbs their rounding). Rank 0: empty factors, the residual is ``w``."""
+    n, k = w.shape
+    rank = min(rank, n, k)
+    if rank == 0:
+        return (torch.zeros(n, 0, dtype=dtype, device=w.device), torch.zeros(0, k, dtype=dtype, device=w.device), w)
+    u, sv, vh = randomized_svd(w, rank, seed=seed)
+    lora_up = (u * sv.unsqueeze(0)).to(dtype).contiguous()
+    lora_down = vh.to(dtype).contiguous()
+    return lora_up, lora_down, w - lora_up.float() @ lora_down.float()
 
 
 def prepare_w4a4_plain(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
