@@ -31,6 +31,7 @@ METHODS = {  # name -> (pass, dispatch settings while the graph is written)
     "svdq_w4a4": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {}),  # the custom op (reference W4A4 on CPU)
     "svdq_w4a8_fp8": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {dispatch.BACKEND_ENV: "fp8"}),  # graph form
     "svdq_w4a16_mod": (lambda: SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16"), {}),
+    "svdq_w4a16lr_mod": (lambda: SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16_lr"), {}),
 }
 QUANT_OPS = {torch.ops.dit_passes.svdq_w4a4_linear.default, torch.ops.dit_passes.fp8_linear.default,
              torch.ops.dit_passes.int8_linear.default}
@@ -97,7 +98,7 @@ def uncompiled(flux):
 
 
 # per_tensor and the SVDQuant fp8 form (the larger graph): regional only, to keep the file under a minute
-@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4", "svdq_w4a16_mod"])
+@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4", "svdq_w4a16_mod", "svdq_w4a16lr_mod"])
 def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
     zm, kw = flux
     ref, replaced, quantized = uncompiled[method]

@@ -28,7 +28,7 @@ from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4, cali
 from dit_passes.quant.calibrate import collect_linear_act_absmax
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, int8_linear_reference, prepare_fp8, prepare_int8
 from dit_passes.quant.int4 import dequantize_weight_w4
-from dit_passes.quant.w4a16 import prepare_w4a16
+from dit_passes.quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from dit_passes.quant.w8a16 import dequantize_w8a16, prepare_w8a16
 from dit_passes.quant.serialize import QuantizedCheckpointError
 from dit_passes.quant.svdquant import prepare_svdquant, smoothing_vector, svdq_w4a4_linear_reference
@@ -75,6 +75,17 @@ def w4a16_reference(x, module):
     """The weight-only int4 linear: the fp32 dequantized weight's linear, in x's dtype."""
     q = prepare_w4a16(module.weight, module.bias)
     return torch.nn.functional.linear(x, dequantize_weight_w4(q.qweight, q.wscale).to(x.dtype), q.bias)
+
+
+def w4a16_lr_reference(rank):
+    """The weight-only int4 + low-rank linear (rank ``rank``): the fp32 dequantized residual's linear plus the
+    low-rank branch, in x's dtype."""
+    def fn(x, module):
+        q = prepare_w4a16_lr(module.weight, module.bias, rank=rank)
+        F = torch.nn.functional
+        return F.linear(x, dequantize_weight_w4(q.qweight, q.wscale).to(x.dtype), q.bias) + \
+            F.linear(F.linear(x, q.lora_down), q.lora_up)
+    return fn
 
 
 def w8a16_reference(x, module):
@@ -183,7 +194,7 @@ def test_dq_replaces_expected_linears_and_matches_reference(flux):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # original untouched
 
 
-@pytest.mark.parametrize("modulation", ["w8a16", "w4a16", "svdq", None])
+@pytest.mark.parametrize("modulation", ["w8a16", "w4a16", "w4a16_lr", "svdq", None])
 def test_svdquant_modulation_forms(flux, modulation):
     """``modulation=``: the linears the role analysis calls ``modulation`` (the AdaLN ones, by module name too) are
     weight-only int8 (the default), weight-only int4, W4A4 like the rest, or left alone; the other block linears
@@ -201,7 +212,7 @@ def test_svdquant_modulation_forms(flux, modulation):
         out = c(**kw)[0]
     kinds = {n.meta["dit_module_path"]: n.meta["dit_quant"]
              for n in c.graph_module.graph.nodes if n.meta.get("dit_quant")}
-    want = {"w8a16": "w8a16", "w4a16": "w4a16", "svdq": "svdq_w4a4", None: None}[modulation]
+    want = {"w8a16": "w8a16", "w4a16": "w4a16", "w4a16_lr": "w4a16_lr", "svdq": "svdq_w4a4", None: None}[modulation]
     assert {p: kinds.get(p) for p in adaln} == {p: want for p in adaln}
     others = block_linears(zm.model, modulation=False)
     assert {p: kinds[p] for p in others} == {p: "svdq_w4a4" for p in others}
@@ -211,8 +222,9 @@ def test_svdquant_modulation_forms(flux, modulation):
         w4a4 = svdq_w4a4_linear_reference(x, prepare_svdquant(m.weight, m.bias, rank=8, smooth="weight"))
         if path not in adaln or modulation == "svdq":
             return w4a4
-        if modulation in ("w8a16", "w4a16"):
-            return (w8a16_reference if modulation == "w8a16" else w4a16_reference)(x, m)
+        if modulation in ("w8a16", "w4a16", "w4a16_lr"):
+            return {"w8a16": w8a16_reference, "w4a16": w4a16_reference,
+                    "w4a16_lr": w4a16_lr_reference(rank=8)}[modulation](x, m)
         return torch.nn.functional.linear(x, m.weight, m.bias)
     torch.testing.assert_close(out, hooked_reference(zm.model, kw, linear), rtol=1e-5, atol=1e-6)
 
@@ -309,6 +321,11 @@ def test_load_quantized_kinds_per_linear():
     int8 = {f"blk.mod.{k}": v for k, v in prepare_w8a16(torch.randn(8, 40)).tensors().items()}
     assert LoadQuantized(int8, {"kind": "svdq_w4a4", "kind_of": {"blk.mod": "w8a16"}}, source="ckpt").kinds == \
         {"blk.mod": "w8a16"}
+    lr = {f"blk.mod.{k}": v for k, v in prepare_w4a16_lr(torch.randn(8, 64), torch.randn(8), rank=4).tensors().items()}
+    assert LoadQuantized(lr, {"kind": "svdq_w4a4", "kind_of": {"blk.mod": "w4a16_lr"}}, source="ckpt").kinds == \
+        {"blk.mod": "w4a16_lr"}
+    with pytest.raises(QuantizedCheckpointError, match=r"ckpt: linear blk.mod lacks tensors \['lora_down'"):
+        LoadQuantized(tensors, {"kind": "svdq_w4a4", "kind_of": {"blk.mod": "w4a16_lr"}}, source="ckpt")
     with pytest.raises(QuantizedCheckpointError, match=r"ckpt: linear blk.mod lacks tensors \['lora_down'"):
         LoadQuantized(tensors, {"kind": "svdq_w4a4"}, source="ckpt")  # read as W4A4
     with pytest.raises(QuantizedCheckpointError, match=r"kind_of.*\['blk.other'\]"):
@@ -361,7 +378,7 @@ def test_k_not_multiple_of_64_skipped_or_refused():
     assert sorted(ok) == sorted(p for p in lin if p.endswith(("ff.net.2", "ff_context.net.2"))) and len(ok) == 4
     adaln = [p for p, (r, _) in lin.items() if r == "modulation"]
     assert adaln and all(lin[p][1].in_features == 32 for p in adaln)
-    for modulation, taken in (("w8a16", ok + adaln), ("w4a16", ok)):
+    for modulation, taken in (("w8a16", ok + adaln), ("w4a16", ok), ("w4a16_lr", ok)):
         compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation=modulation)])
         with torch.no_grad():
             compiled(**kw)
