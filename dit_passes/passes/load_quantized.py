@@ -14,7 +14,7 @@ Before / after: see ``passes/quantize.py`` (the same graph change), e.g. for a W
     ->  q = torch.ops.dit_passes.svdq_w4a4_linear.default(norm_x, qw, ws, ld, lu, si, b)
 
 Each stored linear gets the kind ``config["kind_of"][path]`` when the checkpoint names one (an SVDQuant checkpoint:
-its modulation linears ``"w8a16"`` or ``"w4a16"``), else ``config["kind"]``.
+its modulation linears ``"w8a16"``, ``"w4a16"`` or ``"w4a16_lr"``), else ``config["kind"]``.
 """
 from __future__ import annotations
 

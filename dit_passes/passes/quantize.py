@@ -380,8 +380,8 @@ int4 of the residual after a rank-``rank`` low-rank branch (SVDQuant's, unsmooth
 the factors); ``"svdq"`` W4A4 like the
     other linears; ``None`` leaves them unquantized. The conditioning vector's activation quantization buys the
     GEMV no speed and costs the worst images, and int4 weights cost the mean (digits DiT, rank 32 PTQ, mean / min
-    PSNR: unquantized 45.1 / 38.9 dB, W8A16 45.0 / 39.7, W4A16 41.2 / 33.8, W4A4 44.0 / 31.4;
-    bench/results/quant_fidelity_w8a16_modulation.md). They are never calibrated."""
+    PSNR: unquantized 45.1 / 38.9 dB, W8A16 45.0 / 39.7, W4A16 41.2 / 33.8, W4A16_LR 43.9 / 37.7, W4A4 44.0 / 31.4;
+    bench/results/quant_fidelity_w8a16_modulation.md, quant_fidelity_w4a16lr_modulation.md). They are never calibrated."""
 
     name = "svdquant_w4a4"
     kind = "svdq_w4a4"
