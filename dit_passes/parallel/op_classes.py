@@ -30,6 +30,8 @@ NEW_TENSORS = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.def
                aten.new_empty_strided.default}
 VALUE_FREE = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
               aten.rand_like.default, aten.randn_like.default}
+# a new tensor of the size given as argument 1: argument 0 lends only a dtype and device
+NEW_SIZED = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
 # elementwise ops that are finite wherever their operands are (activations, +, -, *): a zero-padded MLP
 # hidden stays finite through them, so the down projection's zero columns cancel it exactly
 FINITE_POINTWISE = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,
@@ -74,5 +76,10 @@ ALIASES = SIZE_VIEWS | {aten.transpose.int, aten.permute.default, aten.slice.Ten
                         aten.detach.default, aten.dropout.default, aten.chunk.default, operator.getitem}
 
 
+# elementwise, though ATen does not tag them pointwise (the operators ``|`` / ``&`` of Python code)
+UNTAGGED_POINTWISE = {aten.__or__.Tensor, aten.__or__.Scalar, aten.__and__.Tensor, aten.__and__.Scalar}
+
+
 def is_pointwise(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    return target in UNTAGGED_POINTWISE or (isinstance(target, torch._ops.OpOverload)
+                                            and torch.Tag.pointwise in target.tags)
