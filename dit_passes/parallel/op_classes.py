@@ -30,8 +30,6 @@ NEW_TENSORS = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.def
                aten.new_empty_strided.default}
 VALUE_FREE = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
               aten.rand_like.default, aten.randn_like.default}
-# a new tensor of the size given as argument 1: argument 0 lends only a dtype and device
-NEW_SIZED = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
 # elementwise ops that are finite wherever their operands are (activations, +, -, *): a zero-padded MLP
 # hidden stays finite through them, so the down projection's zero columns cancel it exactly
 FINITE_POINTWISE = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,

@@ -26,7 +26,6 @@ import torch.fx as fx
 
 from .propagate import val
 
-FLEX = torch.ops.higher_order.flex_attention
 # the head index's position among the placeholders: score_mod(score, b, h, q_idx, kv_idx), mask_mod(b, h, q, kv)
 _HEAD_ARG = {"score_mod": 2, "mask_mod": 1}
 
@@ -78,4 +77,4 @@ def flex_attention(rules, n: fx.Node):
     return [out if isinstance(x, torch.Tensor) and x.dim() >= 2 else None for x in val(n)]
 
 
-__all__ = ["FLEX", "flex_attention"]
+__all__ = ["flex_attention"]

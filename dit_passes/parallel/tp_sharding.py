@@ -212,7 +212,7 @@ class TPRules(Propagation):
                 n.args = new
                 self.counts["views"] += 1
             return sx.with_dim(od)
-        if t in oc.NEW_SIZED and all(self._s(a) is None for a in args[1:]):
+        if t in oc.NEW_TENSORS and all(self._s(a) is None for a in args[1:]):
             return None  # its size is an argument: replicated, whatever lends it a dtype
         if t is aten.type_as.default and sx is None:
             return None  # a replicated value cast to a sharded one's dtype: argument 1 gives only the dtype
@@ -222,7 +222,7 @@ class TPRules(Propagation):
             return self._cat(n)
         if t is oc.SDPA:
             return self._sdpa(n)
-        if t is tp_flex.FLEX:
+        if t is oc.FLEX_ATTENTION:
             return tp_flex.flex_attention(self, n)
         if t in (aten.matmul.default, aten.bmm.default):
             out = self._batched_matmul(n)
