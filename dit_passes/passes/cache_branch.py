@@ -19,7 +19,7 @@ streams entering block 0. Not a pass: a helper of the cache passes, as ``segment
 from __future__ import annotations
 
 import operator
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -99,11 +99,11 @@ def _fake_call(fn, args, mode):
 
 def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: int, bn: int, tag: str,
                         make_program: Callable[..., object], make_store: Callable[[], object],
-                        check_segment: Callable[[MiddleSegment], None] = lambda seg: None) -> PassResult:
+                        check_segment: Callable[[MiddleSegment], Optional[dict]] = lambda seg: None) -> PassResult:
     """Rewrite ``gm`` as the module docstring shows. ``make_program(image_residual=, stream_residuals=,
     has_timestep=, group=)`` builds the graph's :class:`CacheProgram`; ``make_store()`` the store kept in
     ``ctx.runtime.state[name]`` (created once per runtime); ``check_segment`` may refuse a cut its rule
-    cannot serve (raising :class:`PassError`). ``tag``: the config's tag, for the report line."""
+    cannot serve (raising :class:`PassError`) and returns extra keywords for ``make_program`` (or None). ``tag``: the config's tag, for the report line."""
     s = get_structure(gm)
     n = len(s.blocks)
     if fn + bn >= n:
@@ -112,7 +112,7 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
                         f"so that at least one middle block can be cached")
     relocated, outside = keep_loads_with_blocks(gm, s, fn, bn, facts_of(gm).offload_loads)
     seg = cut_middle(gm, s, fn, bn, exclude=outside)
-    check_segment(seg)
+    extra = check_segment(seg) or {}
     k = len(seg.live_out)
     g = gm.graph
     mode = detect_fake_mode([a.meta["val"] for a in seg.live_in])
@@ -122,7 +122,7 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
     group = facts_of(gm).parallel_group  # set by the context/tensor-parallel passes
     program = make_program(image_residual=seg.image_at_cut.meta["val"],
                            stream_residuals=[o.meta["val"] for o in seg.live_out],
-                           has_timestep=timestep is not None, group=group)
+                           has_timestep=timestep is not None, group=group, **extra)
     gm.add_submodule(f"{name}_decide", program.decide)
     gm.add_submodule(f"{name}_commit", program.commit)
     gm.add_submodule(f"{name}_compute", _branch(gm, seg, k, cached=False, name=name))
