@@ -19,7 +19,7 @@ streams entering block 0. Not a pass: a helper of the cache passes, as ``segment
 from __future__ import annotations
 
 import operator
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -27,7 +27,8 @@ from torch._guards import detect_fake_mode
 
 from ..analysis.blocks import get_structure
 from ..infra.facts import CacheCut, StateIO, facts_of
-from ..infra.pass_base import PassContext, PassError, PassResult
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
 from .segments import MiddleSegment, cut_middle, keep_loads_with_blocks
 
 
@@ -213,3 +214,27 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
               "offload_loads_moved": relocated}
     return PassResult(True, counts, f"blocks {fn}..{n - bn - 1} of {n} moved into a torch.cond branch "
                                     f"({len(seg.nodes)} nodes); {k} stream residual(s) cached; tag {tag}")
+
+
+class PeerCachePass(Pass):
+    """What the passes of diffusers' block-range caches share: phase, facts, and a config given whole
+    (ours, or diffusers' class of the same name) or as its fields. Subclasses set ``config_class`` (the name
+    of the class in :mod:`dit_passes.cache.peer_configs`) and ``run``."""
+
+    phase = Phase.CACHE
+    reads = ("structure", "offload_loads", "parallel_group", "num_user_outputs")
+    writes = ("num_user_outputs", "state_io", "inference_only", "structure_at_cut", "cache_cut")
+    invalidates = ("structure",)
+    config_class = ""
+
+    def __init__(self, config=None, **fields: Any):
+        from ..cache import peer_configs
+        cls = getattr(peer_configs, self.config_class)
+        if config is not None and fields:
+            raise TypeError(f"pass either config={cls.__name__}(...) or its fields as keywords, not both")
+        self.config = peer_configs.from_peer(config) if config is not None else cls(**fields)
+        if not isinstance(self.config, cls):
+            raise TypeError(f"{type(self).__name__}: config must be a {cls.__name__}, got {type(config).__name__}")
+
+    def config_items(self) -> Dict[str, Any]:
+        return {"tag": self.config.strify()}

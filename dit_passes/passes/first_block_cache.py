@@ -34,34 +34,18 @@ report ``compiled.report("first_block_cache")``: per-step decisions and diffs).
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict
 
 import torch.fx as fx
 
-from ..infra.pass_base import Pass, PassContext, PassResult
-from ..infra.phases import Phase
-from .cache_branch import insert_cache_branch
+from ..infra.pass_base import PassContext, PassResult
+from .cache_branch import PeerCachePass, insert_cache_branch
 
 
-class FirstBlockCache(Pass):
+class FirstBlockCache(PeerCachePass):
     """diffusers' ``FirstBlockCacheConfig`` semantics (``threshold``, default 0.05)."""
 
     name = "first_block_cache"
-    phase = Phase.CACHE
-    reads = ("structure", "offload_loads", "parallel_group", "num_user_outputs")
-    writes = ("num_user_outputs", "state_io", "inference_only", "structure_at_cut", "cache_cut")
-    invalidates = ("structure",)
-
-    def __init__(self, config=None, **fields: Any):
-        from ..cache.peer_configs import FirstBlockCacheConfig, from_peer
-        if config is not None and fields:
-            raise TypeError("pass either config=FirstBlockCacheConfig(...) or its fields as keywords, not both")
-        self.config = from_peer(config) if config is not None else FirstBlockCacheConfig(**fields)
-        if not isinstance(self.config, FirstBlockCacheConfig):
-            raise TypeError(f"FirstBlockCache: config must be a FirstBlockCacheConfig, got {type(config).__name__}")
-
-    def config_items(self) -> Dict[str, Any]:
-        return {"tag": self.config.strify()}
+    config_class = "FirstBlockCacheConfig"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         from ..cache.peer_rules import build_first_block_program

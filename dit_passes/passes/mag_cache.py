@@ -35,36 +35,21 @@ shape heuristics for joined sequences are not reproduced).
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict
+from typing import Dict
 
 import torch.fx as fx
 
-from ..infra.pass_base import Pass, PassContext, PassError, PassResult
-from ..infra.phases import Phase
-from .cache_branch import insert_cache_branch
+from ..infra.pass_base import PassContext, PassError, PassResult
+from .cache_branch import PeerCachePass, insert_cache_branch
 from .segments import MiddleSegment
 
 
-class MagCache(Pass):
+class MagCache(PeerCachePass):
     """diffusers' ``MagCacheConfig`` semantics (``threshold``, ``max_skip_steps``, ``retention_ratio``,
     ``num_inference_steps``, ``mag_ratios``, ``calibrate``)."""
 
     name = "mag_cache"
-    phase = Phase.CACHE
-    reads = ("structure", "offload_loads", "parallel_group", "num_user_outputs")
-    writes = ("num_user_outputs", "state_io", "inference_only", "structure_at_cut", "cache_cut")
-    invalidates = ("structure",)
-
-    def __init__(self, config=None, **fields: Any):
-        from ..cache.peer_configs import MagCacheConfig, from_peer
-        if config is not None and fields:
-            raise TypeError("pass either config=MagCacheConfig(...) or its fields as keywords, not both")
-        self.config = from_peer(config) if config is not None else MagCacheConfig(**fields)
-        if not isinstance(self.config, MagCacheConfig):
-            raise TypeError(f"MagCache: config must be a MagCacheConfig, got {type(config).__name__}")
-
-    def config_items(self) -> Dict[str, Any]:
-        return {"tag": self.config.strify()}
+    config_class = "MagCacheConfig"
 
     def _image_stream(self, seg: MiddleSegment) -> Dict[str, int]:
         odd = [o.name for o in seg.live_out if len(seg.before_of[o].parts) != 1]
