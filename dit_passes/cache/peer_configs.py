@@ -1,7 +1,7 @@
-"""Configs of diffusers 0.42's block-range caches, as ours: ``FirstBlockCacheConfig`` and ``MagCacheConfig``.
+"""Configs of diffusers 0.42's caches, as ours: ``FirstBlockCacheConfig``, ``MagCacheConfig``, ``TaylorSeerCacheConfig``.
 
 Same class names, field names and defaults as ``diffusers.hooks.FirstBlockCacheConfig`` /
-``diffusers.hooks.MagCacheConfig``, so a user's config carries over (:func:`from_peer` converts one of
+``MagCacheConfig`` / ``TaylorSeerCacheConfig``, so a user's config carries over (:func:`from_peer` converts one of
 diffusers' objects). Values are checked when the config is built, naming the field.
 
 MagCache's ``mag_ratios`` are resampled to ``num_inference_steps`` entries by nearest index when their
@@ -106,7 +106,46 @@ class MagCacheConfig:
                 f"_N{self.num_inference_steps}")
 
 
-PEER_CONFIGS = (FirstBlockCacheConfig, MagCacheConfig)
+@dataclasses.dataclass
+class TaylorSeerCacheConfig:
+    """diffusers' TaylorSeer cache: each attention module (module names matching ``cache_identifiers``, by
+    default diffusers' ``^transformer_blocks.*attn`` family of patterns) runs on the first
+    ``disable_cache_before_step`` steps, then on every ``cache_interval``-th step (and on every step from
+    ``disable_cache_after_step``); other steps predict its outputs by a Taylor series of order ``max_order`` from
+    the factors stored (in ``taylor_factors_dtype``) at its computed steps. ``skip_predict_identifiers`` and
+    ``use_lite_mode`` are not implemented by the pass (refused)."""
+
+    cache_interval: int = 5
+    disable_cache_before_step: int = 3
+    disable_cache_after_step: Optional[int] = None
+    max_order: int = 1
+    taylor_factors_dtype: Optional[torch.dtype] = torch.bfloat16
+    skip_predict_identifiers: Optional[List[str]] = None
+    cache_identifiers: Optional[List[str]] = None
+    use_lite_mode: bool = False
+
+    def __post_init__(self) -> None:
+        for name, lo in (("cache_interval", 1), ("disable_cache_before_step", 0), ("max_order", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"TaylorSeerCacheConfig.{name}={v!r}: use an int >= {lo}")
+        after = self.disable_cache_after_step
+        if after is not None and (not _is_int(after) or after < 0):
+            raise ValueError(f"TaylorSeerCacheConfig.disable_cache_after_step={after!r}: use None or an int >= 0")
+        if self.disable_cache_before_step == 0 and (-1) % self.cache_interval != 0 and (after is None or after > 0):
+            # step 0 would predict with nothing stored (diffusers raises there, mid-generation)
+            raise ValueError("TaylorSeerCacheConfig: disable_cache_before_step=0 predicts step 0 from nothing; use "
+                             "disable_cache_before_step >= 1 (or cache_interval=1)")
+        if self.taylor_factors_dtype is not None and not isinstance(self.taylor_factors_dtype, torch.dtype):
+            raise TypeError(f"TaylorSeerCacheConfig.taylor_factors_dtype must be a torch.dtype or None, got "
+                            f"{self.taylor_factors_dtype!r}")
+
+    def strify(self) -> str:
+        return (f"TaylorSeer_I{self.cache_interval}_B{self.disable_cache_before_step}"
+                f"_A{self.disable_cache_after_step}_O{self.max_order}")
+
+
+PEER_CONFIGS = (FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig)
 
 
 def from_peer(cfg: Any) -> Any:
@@ -120,4 +159,4 @@ def from_peer(cfg: Any) -> Any:
     return None
 
 
-__all__ = ["FirstBlockCacheConfig", "MagCacheConfig", "resample_nearest", "from_peer", "PEER_CONFIGS"]
+__all__ = ["FirstBlockCacheConfig", "MagCacheConfig", "TaylorSeerCacheConfig", "resample_nearest", "from_peer", "PEER_CONFIGS"]

@@ -1,8 +1,9 @@
 """Which cache pass a front-end ``cache_config`` asks for.
 
 ``enable_cache(pipe, cache_config=...)`` takes cache-dit's ``DBCacheConfig`` (-> ``passes.DBCache``), or
-diffusers' ``FirstBlockCacheConfig`` / ``MagCacheConfig`` -- diffusers' own classes or ours of the same name
-(``dit_passes.FirstBlockCacheConfig`` ...) -> ``passes.FirstBlockCache`` / ``passes.MagCache``. A config of
+diffusers' ``FirstBlockCacheConfig`` / ``MagCacheConfig`` / ``TaylorSeerCacheConfig`` -- diffusers' own classes
+or ours of the same name (``dit_passes.FirstBlockCacheConfig`` ...) -> ``passes.FirstBlockCache`` /
+``passes.MagCache`` / ``passes.TaylorSeerCache``. A config of
 another class with DBCacheConfig's field names (cache-dit's) is converted field by field.
 """
 from __future__ import annotations
@@ -12,11 +13,11 @@ import dataclasses
 from typing import Any, Optional
 
 from ..cache.config import DBCacheConfig, full_tag
-from ..cache.peer_configs import FirstBlockCacheConfig, MagCacheConfig, from_peer
-from ..passes import DBCache, FirstBlockCache, MagCache
+from ..cache.peer_configs import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig, from_peer
+from ..passes import DBCache, FirstBlockCache, MagCache, TaylorSeerCache
 
-_PASS_OF = {FirstBlockCacheConfig: FirstBlockCache, MagCacheConfig: MagCache}
-CACHE_PASSES = (DBCache, FirstBlockCache, MagCache)
+_PASS_OF = {FirstBlockCacheConfig: FirstBlockCache, MagCacheConfig: MagCache, TaylorSeerCacheConfig: TaylorSeerCache}
+CACHE_PASSES = (DBCache, FirstBlockCache, MagCache, TaylorSeerCache)
 
 
 def convert(cfg: Any, cls: type, probe: str) -> Any:

@@ -18,6 +18,7 @@ streams entering block 0. Not a pass: a helper of the cache passes, as ``segment
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -98,6 +99,55 @@ def _fake_call(fn, args, mode):
 
 
 
+def add_state_inputs(gm: fx.GraphModule, program, device: torch.device, mode) -> List[fx.Node]:
+    """One placeholder per state tensor of ``program`` (``cache_<name>``), after the user's inputs."""
+    g = gm.graph
+    last = [p for p in g.nodes if p.op == "placeholder"][-1]
+    state_in: List[fx.Node] = []
+    with g.inserting_after(last):
+        for spec in reversed(program.input_spec):
+            ph = g.placeholder(f"cache_{spec.name}")
+            with mode:
+                ph.meta["val"] = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            state_in.insert(0, ph)
+    return state_in
+
+
+def _getitems(g: fx.Graph, node: fx.Node, vals, names: Sequence[str]) -> List[fx.Node]:
+    out = []
+    for i, (v, name) in enumerate(zip(vals, names)):
+        it = g.create_node("call_function", operator.getitem, (node, i), name=name)  # readable prints
+        it.meta["val"] = v
+        out.append(it)
+    return out
+
+
+def finish_state_io(gm: fx.GraphModule, ctx: PassContext, name: str, make_store: Callable[[], object], program,
+                    device: torch.device, state_out: Sequence[fx.Node], use_cache: fx.Node, diff: fx.Node,
+                    cut=None) -> None:
+    """Return ``(*user outputs, *state_out, use_cache, diff)``, register the program with the pass's store
+    (``ctx.runtime.state[name]``, also its report) and the state I/O with ``facts.state_io``; dead code goes."""
+    g = gm.graph
+    out_node = g.output_node()
+    user_outs = list(out_node.args[0])
+    facts = facts_of(gm)
+    prev_user = facts.num_user_outputs if facts.num_user_outputs is not None else len(user_outs)
+    out_node.args = (tuple(user_outs) + tuple(state_out) + (use_cache, diff),)
+    g.eliminate_dead_code()
+    gm.recompile()
+    store = ctx.runtime.state.get(name)
+    if store is None:
+        store = ctx.runtime.state[name] = make_store()
+    ctx.runtime.register_report(name, store)
+    graph_id = ctx.graph_id
+    store.register_graph(graph_id, program, device, cut)
+    facts.num_user_outputs = prev_user
+    facts.inference_only = True
+    facts.state_io.append(StateIO(inputs=lambda rt, _s=store, _g=graph_id: _s.inputs(_g, rt.context),
+                                  outputs=lambda rt, vals, _s=store, _g=graph_id: _s.outputs(_g, rt.context, vals),
+                                  num_outputs=len(state_out) + 2))
+
+
 def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: int, bn: int, tag: str,
                         make_program: Callable[..., object], make_store: Callable[[], object],
                         check_segment: Callable[[MiddleSegment], Optional[dict]] = lambda seg: None) -> PassResult:
@@ -129,24 +179,9 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
     gm.add_submodule(f"{name}_compute", _branch(gm, seg, k, cached=False, name=name))
     gm.add_submodule(f"{name}_cached", _branch(gm, seg, k, cached=True, name=name))
 
-    # state placeholders, after the user inputs
-    state_in: List[fx.Node] = []
-    with g.inserting_after(placeholders[-1]):
-        for spec in reversed(program.input_spec):
-            ph = g.placeholder(f"cache_{spec.name}")
-            with mode:
-                ph.meta["val"] = torch.empty(spec.shape, dtype=spec.dtype, device=seg.image_at_cut.meta["val"].device)
-            state_in.insert(0, ph)
-
+    state_in = add_state_inputs(gm, program, seg.image_at_cut.meta["val"].device, mode)
     state_names = [spec.name for spec in program.state_spec]
-
-    def getitems(node: fx.Node, vals, names: Sequence[str]) -> List[fx.Node]:
-        out = []
-        for i, (v, name) in enumerate(zip(vals, names)):
-            it = g.create_node("call_function", operator.getitem, (node, i), name=name)  # readable prints
-            it.meta["val"] = v
-            out.append(it)
-        return out
+    getitems = functools.partial(_getitems, g)
 
     first_after = seg.nodes[-1].next
     with g.inserting_before(seg.nodes[0]):
@@ -184,27 +219,11 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
         state_out = getitems(com, com_vals, [f"next_{n}" for n in state_names])
     for node in reversed(seg.nodes):
         g.erase_node(node)
-    out_node = g.output_node()
-    user_outs = list(out_node.args[0])
-    facts = facts_of(gm)
-    prev_user = facts.num_user_outputs if facts.num_user_outputs is not None else len(user_outs)
-    out_node.args = (tuple(user_outs[:prev_user]) + tuple(user_outs[prev_user:]) + tuple(state_out) + (use_cache, diff),)
-    g.eliminate_dead_code()
-    gm.recompile()
-
     cut = CacheCut(fn, bn, n, len(seg.nodes), k)
-    store = ctx.runtime.state.get(name)
-    if store is None:
-        store = ctx.runtime.state[name] = make_store()
-    ctx.runtime.register_report(name, store)
-    graph_id = ctx.graph_id
-    store.register_graph(graph_id, program, seg.image_at_cut.meta["val"].device, cut)
-    facts.num_user_outputs = prev_user
-    facts.inference_only = True
+    finish_state_io(gm, ctx, name, make_store, program, seg.image_at_cut.meta["val"].device, state_out,
+                    use_cache, diff, cut)
+    facts = facts_of(gm)
     facts.structure_at_cut = s
-    facts.state_io.append(StateIO(inputs=lambda rt, _s=store, _g=graph_id: _s.inputs(_g, rt.context),
-                                  outputs=lambda rt, vals, _s=store, _g=graph_id: _s.outputs(_g, rt.context, vals),
-                                  num_outputs=len(state_out) + 2))
     facts.cache_cut = cut
     bases = [len(b.parts) for b in seg.before_of.values()]
     counts = {"blocks_in_branch": n - fn - bn, "cond": 1, "state_tensors": len(state_in), "streams_cached": k,
