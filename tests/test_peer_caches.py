@@ -13,12 +13,14 @@ import ast
 import contextlib
 import copy
 import io
+import re
 import statistics
 
 import pytest
 import torch
 
 from dit_passes import compile_dit, passes
+from dit_passes.infra.pass_base import PassError
 from dit_passes.models.zoo import build
 
 hooks = pytest.importorskip("diffusers.hooks")
@@ -31,6 +33,17 @@ _LEADER = {"fbc": "fbc_leader_block_hook", "mag": "mag_cache_leader_block_hook"}
 def _head_hook(ref, kind):
     first = next(m for n, m in ref.named_children() if isinstance(m, torch.nn.ModuleList) and "block" in n)[0]
     return first._diffusers_hook.get_hook(_LEADER[kind])
+
+
+def _taylorseer_probe(ref):
+    """Whether diffusers' TaylorSeer hook predicted the last call (its first hooked module did not update)."""
+    hook = next(m._diffusers_hook.get_hook("taylorseer_cache") for _, m in ref.named_modules()
+                if getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook("taylorseer_cache"))
+
+    def probe():
+        state = hook.state_manager.get_state()
+        return state.last_update_step != state.current_step
+    return probe
 
 
 def denoise(model, kwargs, generations=2, contexts=("cond",), probe=None, reset=None):
@@ -58,8 +71,11 @@ def denoise(model, kwargs, generations=2, contexts=("cond",), probe=None, reset=
 def reference(model, kwargs, config, kind, **kw):
     ref = copy.deepcopy(model)
     ref.enable_cache(config)
-    hook = _head_hook(ref, kind)
-    probe = lambda: not hook.state_manager.get_state().should_compute  # noqa: E731
+    if kind == "taylorseer":
+        probe = _taylorseer_probe(ref)
+    else:
+        hook = _head_hook(ref, kind)
+        probe = lambda: not hook.state_manager.get_state().should_compute  # noqa: E731
     return denoise(ref, kwargs, probe=probe, reset=ref._reset_stateful_cache, **kw)
 
 
@@ -163,10 +179,51 @@ def test_mag_cache_skip_cap_and_list_ratios():
     assert_close(ref_out, out)
 
 
+# Wan's attention modules are blocks.i.attn1 / attn2, which diffusers' default patterns do not match
+TAYLORSEER_IDS = {"flux": None, "qwenimage": None, "wan": [r"blocks\.\d+\.attn\d"]}
+TAYLORSEER_CONFIGS = {"o1_fp32": dict(cache_interval=3, disable_cache_before_step=2, max_order=1,
+                                      taylor_factors_dtype=torch.float32),
+                      "o2_bf16_cooldown": dict(cache_interval=3, disable_cache_before_step=3, max_order=2,
+                                               disable_cache_after_step=7)}
+
+
+@pytest.mark.parametrize("family,config", [("flux", "o1_fp32"), ("flux", "o2_bf16_cooldown"), ("wan", "o1_fp32"),
+                                           ("qwenimage", "o2_bf16_cooldown")])
+def test_taylorseer_matches_diffusers(family, config):
+    zm = build(family, **FAMILIES[family])
+    kwargs = zm.make_inputs()
+    fields = dict(TAYLORSEER_CONFIGS[config], cache_identifiers=TAYLORSEER_IDS[family])
+    ref_out, ref_cached = reference(zm.model, kwargs, hooks.TaylorSeerCacheConfig(**fields), "taylorseer")
+    out, cached, compiled = ours(zm.model, kwargs, passes.TaylorSeerCache(**fields), "taylorseer_cache")
+    assert any(ref_cached) and not all(ref_cached), ref_cached
+    assert cached == ref_cached
+    assert_close(ref_out, out)
+    plain, _ = denoise(zm.model, kwargs)
+    assert ((plain - ref_out).abs().max() / plain.abs().max()).item() > 1e-4  # predictions do change outputs
+    # one cond per module diffusers hooks
+    from dit_passes.passes.taylorseer_cache import DEFAULT_IDENTIFIERS
+    patterns = fields["cache_identifiers"] or DEFAULT_IDENTIFIERS
+    hooked = [n for n, _ in zm.model.named_modules() if any(re.fullmatch(p, n) for p in patterns)]
+    conds = sum(1 for n in compiled.graph_module.graph.nodes if n.target is torch.ops.higher_order.cond)
+    assert conds == len(hooked) > 1
+
+
+def test_taylorseer_refusals():
+    zm = build("flux")
+    with pytest.raises(PassError, match="use_lite_mode"):
+        compile_dit(zm.model, passes=[passes.TaylorSeerCache(use_lite_mode=True)], example_inputs=zm.make_inputs())
+    with pytest.raises(PassError, match="no module path matches"):
+        compile_dit(zm.model, passes=[passes.TaylorSeerCache(cache_identifiers=[r"nothing\.here"])],
+                    example_inputs=zm.make_inputs())
+    with pytest.raises(ValueError, match="predicts step 0"):
+        passes.TaylorSeerCache(disable_cache_before_step=0)
+
+
 @pytest.mark.parametrize("make", [lambda: passes.FirstBlockCache(threshold=0.4),
+                                  lambda: passes.TaylorSeerCache(cache_interval=2, disable_cache_before_step=2),
                                   lambda: passes.MagCache(threshold=0.3, num_inference_steps=STEPS, max_skip_steps=2,
                                                           mag_ratios=[1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 0.95, 1.0])],
-                         ids=["fbc", "mag"])
+                         ids=["fbc", "taylorseer", "mag"])
 def test_compiles_fullgraph(make):
     """The whole step, decision and branch included, as one torch.compile graph (fullgraph=True)."""
     zm = build("flux")
