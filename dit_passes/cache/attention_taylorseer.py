@@ -14,13 +14,13 @@ which we reproduce:
 
 All modules of one call share the step, so the decision and the scalars (step, last update, how many
 factors are stored) are computed once per call (:class:`TaylorSeerDecide`); the factors are per site
-(:class:`SitePredict` in the cond's predict arm, :class:`SiteUpdate` after it). Generations restart when
+(the cond's predict arm, an ATen graph built by the pass: ``passes/taylorseer_cache._predict_arm``;
+:class:`SiteUpdate` after the cond). Generations restart when
 the timestep rises again or with ``new_generation()`` (diffusers resets at the end of a pipeline call).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Sequence, Tuple
 
 import torch
@@ -98,26 +98,6 @@ class TaylorSeerDecide(torch.nn.Module):
         return (use_cache, nan, n_valid, offset, *(s[n] for n in names))
 
 
-class SitePredict(torch.nn.Module):
-    """The cond's predict arm at one site: ``(*live_in, *factors, n_valid, offset) -> outputs``."""
-
-    def __init__(self, num_live_in: int, out_dtypes: Sequence[torch.dtype], max_order: int):
-        super().__init__()
-        self.num_live_in, self.out_dtypes, self.orders = num_live_in, tuple(out_dtypes), max_order + 1
-
-    def forward(self, *flat: torch.Tensor):
-        factors, n_valid, offset = flat[self.num_live_in:-2], flat[-2], flat[-1]
-        outs = []
-        for j, dt in enumerate(self.out_dtypes):
-            ladder = factors[j * self.orders:(j + 1) * self.orders]
-            y = torch.zeros_like(ladder[0], dtype=dt)
-            for o, f in enumerate(ladder):
-                term = f.to(dt) * (offset ** o / math.factorial(o))
-                y = y + term if o == 0 else torch.where(n_valid > o, y + term, y)  # F_0 is always stored
-            outs.append(y)
-        return tuple(outs)
-
-
 class SiteUpdate(torch.nn.Module):
     """After the cond at one site: ``(use_cache, n_valid, offset, *outputs, *factors) -> factors'`` (the new
     ladder on computed steps, the old one on predicted steps)."""
@@ -141,4 +121,4 @@ class SiteUpdate(torch.nn.Module):
         return tuple(new_factors)
 
 
-__all__ = ["TaylorSeerProgram", "build_taylorseer_program", "TaylorSeerDecide", "SitePredict", "SiteUpdate"]
+__all__ = ["TaylorSeerProgram", "build_taylorseer_program", "TaylorSeerDecide", "SiteUpdate"]
