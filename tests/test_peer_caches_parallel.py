@@ -1,7 +1,8 @@
 """FirstBlockCache and MagCache under context parallelism (2 gloo CPU ranks): the same decisions and outputs
 as the single-process pass on every rank, with the collectives the rule needs and no more (FirstBlockCache:
 one all-reduce per call, of its diff's numerator and denominator; MagCache: none, its decision reads no
-activation; MagCache calibration: one per computed step, of the mean magnitude ratio)."""
+activation; MagCache calibration: one per computed step, of the mean magnitude ratio; TaylorSeerCache: none,
+its attention modules, Ulysses' all-to-alls included, sit in the branches)."""
 from __future__ import annotations
 
 import statistics
@@ -55,9 +56,12 @@ def _rank_fn(rank, world):
                                            retention_ratio=0.0), kwargs, zm.model, world, "mag_cache")
     cal = _compare(lambda: passes.MagCache(calibrate=True, num_inference_steps=STEPS), kwargs, zm.model, world,
                    "mag_cache")
+    ts = _compare(lambda: passes.TaylorSeerCache(cache_interval=2, disable_cache_before_step=2,
+                                                 taylor_factors_dtype=torch.float32), kwargs, zm.model, world,
+                  "taylorseer_cache")
     cal["ratios"] = cal["par"].report("mag_cache").mag_ratios()
     cal["ref_ratios"] = cal["single"].report("mag_cache").mag_ratios()
-    for name, r in (("fbc", fbc), ("mag", mag), ("cal", cal)):
+    for name, r in (("fbc", fbc), ("mag", mag), ("cal", cal), ("taylorseer", ts)):
         r.pop("single"), r.pop("par")
         out[name] = r
     return out
@@ -74,6 +78,7 @@ def test_peer_caches_under_ulysses():
         assert any(res["mag"]["cached"]) and not all(res["mag"]["cached"]), res["mag"]["cached"]
         assert res["fbc"]["all_reduce"] == STEPS
         assert res["mag"]["all_reduce"] == 0
+        assert res["taylorseer"]["all_reduce"] == 0 and any(res["taylorseer"]["cached"])
         assert res["cal"]["all_reduce"] == STEPS  # every calibration step computes
         torch.testing.assert_close(torch.tensor(res["cal"]["ratios"]), torch.tensor(res["cal"]["ref_ratios"]),
                                    rtol=1e-5, atol=0)
