@@ -203,13 +203,18 @@ class CompiledDiT(torch.nn.Module):
         """The runtime report pass ``name`` registered (e.g. ``report("dbcache")``: the cache's decisions)."""
         return self.runtime.report(name)
 
+    def cache_report(self) -> Any:
+        """The report of the residual-cache pass (DBCache, FirstBlockCache, MagCache: the one report with a
+        per-generation ``summary``), or None."""
+        stores = [r for r in self.runtime.reports.values() if callable(getattr(r, "summary_string", None))]
+        return stores[0] if stores else None
+
     def cache_summary(self, as_dict: bool = False):
         """Per generation: cached steps, residual diffs and their percentiles (one device sync)."""
-        try:
-            store = self.report("dbcache")
-        except KeyError:
-            raise RuntimeError("this CompiledDiT has no residual cache: add passes.DBCache(...) to passes=[...] "
-                               "(and call it once) before asking for a cache summary") from None
+        store = self.cache_report()
+        if store is None:
+            raise RuntimeError("this CompiledDiT has no residual cache: add passes.DBCache(...) (or FirstBlockCache / "
+                               "MagCache) to passes=[...] (and call it once) before asking for a cache summary")
         return store.summary() if as_dict else store.summary_string()
 
     def fidelity_stats(self) -> Dict[str, Any]:
