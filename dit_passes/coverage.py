@@ -128,7 +128,19 @@ def _compile(model, passes, inputs):
         compiled.lower(**inputs)
         return compiled
     except _refusal_types() as e:
+        if _timed_out(e):  # a refusal type wrapping the cell's deadline: the time ran out, nothing was refused
+            raise
         raise _Refused(_short(e)) from e
+
+
+def _timed_out(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CellTimeout):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _within(rel: float, bound: float, what: str) -> None:

@@ -96,6 +96,18 @@ class _Refuses(Pass):
         raise PassError("refuses: cannot prove the rewrite")
 
 
+class _Slow(Pass):
+    """Runs ``work`` while lowering (a stand-in for a capture or pass that outlasts the cell's deadline)."""
+    name = "slow"
+    phase = Phase.ANALYSIS
+
+    def __init__(self, work):
+        self.work = work
+
+    def run(self, gm, ctx):
+        self.work()
+
+
 def test_cells_classify_refusals_and_errors():
     def refuse(zm, inputs, reference):
         coverage._compile(zm.model, lambda: [_Refuses()], inputs)
@@ -117,11 +129,25 @@ def test_cells_classify_refusals_and_errors():
 def test_cell_timeout_is_an_error():
     import time
 
+    from dit_passes.capture import CaptureError
+
     def slow(zm, inputs, reference):
         time.sleep(5)
 
     cell = coverage.run_cell("dit", slow, 0.5)
     assert cell.status == "error" and "CellTimeout" in cell.detail and cell.seconds < 4
+
+    def slow_capture():  # the deadline inside a capture: the library wraps it in a refusal type
+        try:
+            time.sleep(5)
+        except coverage.CellTimeout as e:
+            raise CaptureError("could not functionalise the graph") from e
+
+    def lowering_times_out(zm, inputs, reference):
+        coverage._compile(zm.model, lambda: [_Slow(slow_capture)], inputs)
+
+    cell = coverage.run_cell("dit", lowering_times_out, 0.5)
+    assert cell.status == "error" and cell.seconds < 4, cell
 
 
 def test_cli_arguments(capsys):
