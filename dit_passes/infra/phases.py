@@ -6,6 +6,8 @@ see in the graph:
 * ``CLEANUP``: canonicalise the captured graph (drop export's metadata asserts and no-op casts).
 * ``SHARD_WEIGHTS``: tensor parallelism; it reads the aten ``linear`` and attention inputs, so it runs
   before anything replaces them.
+* ``LOAD_WEIGHTS``: a model built on the meta device gets the weights no sharding pass read in part from its
+  checkpoint (``compile_dit(weights=...)``), before anything computes from them.
 * ``SHARD_SEQUENCE``: context parallelism (and VAE-P's spatial split); replaces aten attention with
   distributed attention.
 * ``QUANTIZE``: replaces aten ``linear`` by quantized ops (after TP has sliced their weights).
@@ -24,6 +26,7 @@ import enum
 class Phase(enum.IntEnum):
     CLEANUP = 0
     SHARD_WEIGHTS = 10
+    LOAD_WEIGHTS = 15
     SHARD_SEQUENCE = 20
     QUANTIZE = 30
     OFFLOAD = 40
