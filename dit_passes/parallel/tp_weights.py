@@ -103,10 +103,11 @@ class WeightShards:
         if rec is not None:  # lowering again after the full weight was released: the shard made then
             shard = self.ledger.reuse(rec, by=self.owner, token=token, like=attr_node.meta["val"])
         else:
-            full = functools.reduce(getattr, path.split("."), self.gm).detach()
-            name = source_name(full)
+            full = functools.reduce(getattr, path.split("."), self.gm)
+            name = source_name(full)  # (before detach, which drops the mark)
+            full = full.detach()
             if name is not None:  # built on the meta device: read this rank's slice of the checkpoint, nothing else
-                check_shape(self.ledger.source, name, full.shape, f"tensor_parallel ({attr_node.name}, {path})")
+                check_shape(self.ledger.source, name, full.shape, f"tensor_parallel (module {path.rpartition('.')[0]}, rank {self.rank} of {self.tp})")
                 full = shard_from_source(self.ledger.source, name, full, dim, spec.real_segments, self.rank,
                                          self.tp, spec.segments)
             else:

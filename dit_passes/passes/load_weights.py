@@ -50,7 +50,7 @@ class LoadWeights(Pass):
             name = source_name(t)
             if name is None:
                 continue
-            check_shape(source, name, t.shape, f"load_weights ({target}, read by {readers[0].name})")
+            check_shape(source, name, t.shape, f"load_weights (module {'.'.join(parents) or '<root>'}, {leaf})")
             before = source.bytes_read.get(name, 0)
             value = source.read(name, dtype=t.dtype, device=t.device)
             nbytes += source.bytes_read[name] - before
