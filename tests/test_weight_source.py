@@ -8,6 +8,7 @@ meta weights with no checkpoint, a checkpoint missing a name or holding another 
 from __future__ import annotations
 
 import re
+import weakref
 
 import pytest
 import torch
@@ -197,3 +198,53 @@ def test_tp2_slice_shape_mismatch_refused(tp_two):
         assert "tensor_parallel" in msg and "transformer_blocks.0.attn.to_q.weight" in msg, msg
         assert "tensor_parallel (module transformer_blocks.0.attn.to_q, rank" in msg, msg
         assert "has shape [31, 32], the model expects [32, 32]" in msg, msg
+
+
+# ---------------------------------------------------------------- quantization from the checkpoint
+FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))  # K = 64: W4A4 applies
+
+
+class _WatchedWeights(SafetensorsWeights):
+    """Records, at each read of a watched name, how many earlier reads of watched names are still alive."""
+
+    def __init__(self, path, watched):
+        super().__init__(path)
+        self.watched, self.alive_at_read, self._refs = set(watched), [], []
+
+    def read(self, name, index=None, **to):
+        t = super().read(name, index, **to)
+        if name in self.watched:
+            self.alive_at_read.append(sum(r() is not None for r in self._refs))
+            self._refs.append(weakref.ref(t))
+        return t
+
+
+def test_svdquant_from_checkpoint_one_weight_at_a_time(tmp_path):
+    from dit_passes.passes import SVDQuantW4A4
+
+    zm = zoo.build("flux", **FLUX64)
+    kw = zm.make_inputs()
+    path = _save(zm.model, tmp_path / "flux64.safetensors")
+    sd = zm.model.state_dict()
+    cpu = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True)], example_inputs=kw)
+    quantized = set(cpu.released)  # the weights the quantizer replaced (the CPU model holds meta there now)
+    assert quantized and all(k.endswith(".weight") for k in quantized)
+    source = _WatchedWeights(path, quantized)
+    model = _meta_twin("flux", **FLUX64)
+    meta = compile_dit(model, passes=[SVDQuantW4A4(rank=8, dynamic=True)], weights=source, example_inputs=kw)
+    with torch.no_grad():
+        assert torch.equal(meta(**kw)[0], cpu(**kw)[0])  # the same tables: the same numbers
+    # each weight read once, whole; a quantized weight was dropped before the next one was read
+    held = {n.target for n in meta.graph_module.graph.nodes if n.op == "get_attr"}
+    assert set(source.bytes_read) >= quantized and not quantized & held
+    assert all(source.bytes_read[k] == _nbytes(sd[k]) for k in source.bytes_read)
+    assert len(source.alive_at_read) == len(quantized) and max(source.alive_at_read) == 0
+    # the model: quantized weights released (meta, marked), the rest the graph's own tensors
+    assert set(meta.released) == quantized
+    params = dict(model.named_parameters())
+    assert {k for k, p in params.items() if p.is_meta} == quantized
+    rec = [r for r in meta._current().manager.records if r.name == "svdquant_w4a4"]
+    assert rec and "read from the checkpoint one linear at a time" in rec[0].result.report
+    with pytest.raises(PassError, match="calibrate_fn runs the model.*dynamic=True"):
+        compile_dit(_meta_twin("flux", **FLUX64), weights=path, example_inputs=kw,
+                    passes=[SVDQuantW4A4(rank=8, calibrate_fn=lambda: None, serialize_to=str(tmp_path / "q"))])

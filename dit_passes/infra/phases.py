@@ -6,11 +6,12 @@ see in the graph:
 * ``CLEANUP``: canonicalise the captured graph (drop export's metadata asserts and no-op casts).
 * ``SHARD_WEIGHTS``: tensor parallelism; it reads the aten ``linear`` and attention inputs, so it runs
   before anything replaces them.
-* ``LOAD_WEIGHTS``: a model built on the meta device gets the weights no sharding pass read in part from its
-  checkpoint (``compile_dit(weights=...)``), before anything computes from them.
 * ``SHARD_SEQUENCE``: context parallelism (and VAE-P's spatial split); replaces aten attention with
   distributed attention.
 * ``QUANTIZE``: replaces aten ``linear`` by quantized ops (after TP has sliced their weights).
+* ``LOAD_WEIGHTS``: a model built on the meta device gets the weights that no earlier pass replaced from its
+  checkpoint (``compile_dit(weights=...)``); tensor parallelism read only its slices, quantization one weight at a
+  time. Before anything moves or computes from a weight.
 * ``OFFLOAD``: moves block weights off the device and inserts their loads.
 * ``ATTENTION_KERNEL``: pins the SDPA kernel of the aten attention nodes that remain.
 * ``CACHE``: moves a block range into a ``torch.cond`` branch (after everything that rewrites blocks).
@@ -26,9 +27,9 @@ import enum
 class Phase(enum.IntEnum):
     CLEANUP = 0
     SHARD_WEIGHTS = 10
-    LOAD_WEIGHTS = 15
     SHARD_SEQUENCE = 20
     QUANTIZE = 30
+    LOAD_WEIGHTS = 35
     OFFLOAD = 40
     ATTENTION_KERNEL = 50
     CACHE = 60

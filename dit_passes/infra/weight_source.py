@@ -12,7 +12,8 @@ slice's bytes are read from the file), onto a device, and counts the bytes it re
 While lowering, :func:`source_stand_ins` puts a *stand-in* in every meta slot of the model (one element broadcast
 to the full shape on the target device: capture sees shape, dtype and device at no cost), marked with the name
 to read. A pass that replaces a weight reads just what it keeps from the source (tensor parallelism: its rank's
-slice); the implicit :class:`~dit_passes.passes.load_weights.LoadWeights` pass then reads the rest whole. On
+slice, quantization one weight at a time); the implicit :class:`~dit_passes.passes.load_weights.LoadWeights`
+pass then reads the rest whole. On
 exit the model's slots hold what the graph holds (a loaded weight is shared, not copied) or a meta tensor for
 what a pass replaced (see :mod:`dit_passes.infra.ownership`), never a stand-in.
 """
@@ -25,7 +26,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from .ownership import RELEASED, WeightLedger
+from .ownership import RELEASED, SAMPLE, WeightLedger
 
 FROM_SOURCE = "_dit_passes_from_source"  # attribute of a stand-in: the checkpoint name it stands for
 
@@ -168,9 +169,15 @@ def source_stand_ins(model: torch.nn.Module, source: Optional[SafetensorsWeights
                 if isinstance(meta, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
                     new = torch.nn.Parameter(new, requires_grad=False)
                 store[name] = new
-            elif chain:  # read in part by the pass that replaced it: released, as ownership.release_in marks it
-                setattr(meta, RELEASED, (target, chain[0].note()))
-                store[name] = meta
+            elif chain:  # a pass replaced it: as ownership.release_in re-points a slot
+                last = chain[-1].replacement
+                if isinstance(last, torch.Tensor) and last.shape == meta.shape and last.dtype == meta.dtype:
+                    store[name] = torch.nn.Parameter(last, requires_grad=False) if isinstance(
+                        meta, torch.nn.Parameter) and not isinstance(last, torch.nn.Parameter) else last
+                else:
+                    setattr(meta, RELEASED, (target, chain[0].note()))
+                    setattr(meta, SAMPLE, getattr(store[name], SAMPLE, None))  # quantization's fingerprint of it
+                    store[name] = meta
             else:
                 store[name] = meta
 

@@ -2,11 +2,12 @@
 
 ``compile_dit(model, passes, weights=<safetensors>)`` adds this pass itself; it is not meant for ``passes=[...]``.
 
-Contract: phase ``LOAD_WEIGHTS`` (after ``SHARD_WEIGHTS``, before anything computes from a weight); reads and
-writes no fact. Requires: the graph's attributes that stand for checkpoint tensors are stand-ins of
+Contract: phase ``LOAD_WEIGHTS`` (after ``QUANTIZE``, before ``OFFLOAD`` and anything that computes from a
+weight); reads and writes no fact. Requires: the graph's attributes that stand for checkpoint tensors are stand-ins of
 :mod:`dit_passes.infra.weight_source` (one element broadcast to the full shape), the checkpoint in
-``ctx.runtime.weights.source``. A sharding pass has already replaced what it keeps in part (its rank's slice, read
-alone); every stand-in left is read whole, as the stand-in's dtype on its device. Guarantees: no graph attribute
+``ctx.runtime.weights.source``. The passes before have replaced what they keep in another form, reading it from
+the source themselves (tensor parallelism its rank's slice, quantization one weight at a time); every stand-in left
+is read whole, as the stand-in's dtype on its device. Guarantees: no graph attribute
 is a stand-in afterwards; ``into[target]`` is each tensor read (the compiled module puts it in the model's slot,
 so the model and the graph share it). Refuses a checkpoint lacking a name or holding another shape, naming both.
 

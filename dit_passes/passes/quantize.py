@@ -57,9 +57,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..analysis.blocks import get_structure
-from ..infra.ownership import WeightLedger, refusal
+from ..infra.ownership import SAMPLE, WeightLedger, refusal, weight_sample
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
+from ..infra.weight_source import check_shape, source_name
 from ..quant.calibrate import ActAbsMaxObserver
 from ..quant.fp8_int8 import FP8_GRANULARITIES, prepare_fp8, prepare_int8
 from ..quant.int4 import GROUP_SIZE
@@ -264,6 +265,8 @@ class _QuantizeLinears(Pass):
         tables = released_tables(ledger, gm, paths, self)
         if tables is not None:  # lowering again, the full weights released: the tables made the first time
             tables, how = place_tables(tables, weights[paths[0]]), "prepared weights reused, originals released"
+        elif any(source_name(w) is not None for w in weights.values()):  # built on meta: from the checkpoint
+            tables, how = self._tables_from_source(ctx, gm, paths, weights, biases, graph_block_lists(structure))
         else:
             signature = quant_signature(gm, paths, graph_block_lists(structure))
             tables, how = self._tables(ctx, paths, weights, biases, signature, notes)
@@ -273,6 +276,38 @@ class _QuantizeLinears(Pass):
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "
                   f"({how}); {counts['bytes_before']} -> {counts['bytes_after']} bytes ({ratio:.2f}x)")
         return PassResult(True, counts, "; ".join([report] + notes))
+
+    def _tables_from_source(self, ctx, gm, paths, weights, biases, block_lists):
+        """A model built on the meta device (``compile_dit(weights=...)``): each linear's weight and bias are read
+        from the checkpoint, its table prepared and the full weight dropped, one linear at a time, so preparing
+        holds the tables made so far plus one full weight. The fingerprint is taken while each weight is read."""
+        if getattr(self, "calibrate_fn", None) is not None:
+            raise PassError(f"{self.name}: calibrate_fn runs the model, whose weights are on the meta device (read "
+                            f"from the checkpoint only while lowering): quantize with dynamic=True, or calibrate "
+                            f"a loaded model once with serialize_to= and load that with dit_passes.load")
+        source = ctx.runtime.weights.source
+
+        def read(t: Optional[torch.Tensor], what: str) -> Optional[torch.Tensor]:
+            name = source_name(t)
+            if name is None:
+                return t
+            check_shape(source, name, t.shape, f"{self.name} (module {what})")
+            return source.read(name, dtype=t.dtype, device=t.device)
+        tables = {}
+        for p in paths:
+            full = read(weights[p], p)
+            if full is not weights[p]:
+                setattr(weights[p], SAMPLE, weight_sample(full))  # what quant_signature hashes
+            tables[p] = self.prepare(p, full, read(biases[p], p), None)
+            del full
+        signature = quant_signature(gm, paths, block_lists)
+        if self.serialize_to is not None:
+            flat = {f"{p}.{f}": t for p, tab in tables.items() for f, t in tab.items()}
+            save_quantized(self.serialize_to, flat, self.config(), signature)
+        w0 = weights[paths[0]]
+        key = (self.describe(), signature["weights_sha256"], tuple(paths))
+        self._state(ctx)[key] = self._state(ctx)[(key, w0.device, w0.dtype)] = tables
+        return tables, "read from the checkpoint one linear at a time, no calibration"
 
     def _tables(self, ctx, paths, weights, biases, signature, notes):
         state = self._state(ctx)
