@@ -154,10 +154,23 @@ def _tp_bad_slice(rank, world, path):
     return "no error"
 
 
+def _tp_dry_run(rank, world):
+    """Shape-only: the meta model, meta inputs, no checkpoint (how bench/tp_meta_weights.py sizes FLUX.1-dev)."""
+    import functools
+
+    from dit_passes.passes.tensor_parallel import TensorParallel
+
+    _, kw = _reference("flux", False, 2)
+    meta_kw = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    gm = compile_dit(_meta_twin("flux"), passes=[TensorParallel(world)], example_inputs=meta_kw).graph_module
+    held = {n.target: functools.reduce(getattr, n.target.split("."), gm) for n in gm.graph.nodes if n.op == "get_attr"}
+    return {k: (t.is_meta, _nbytes(t)) for k, t in held.items()}
+
+
 def _tp_ranks(rank, world, paths):
     return {"flux": _tp_case(rank, world, "flux", False, paths["flux"]),
             "flux_fused": _tp_case(rank, world, "flux", True, paths["flux_fused"]),
-            "bad": _tp_bad_slice(rank, world, paths["bad"])}
+            "bad": _tp_bad_slice(rank, world, paths["bad"]), "dry": _tp_dry_run(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +203,12 @@ def test_tp2_reads_only_its_slices(tp_two, case):
         assert not (r["model_meta"] - set(full)) & set(read)
         if case == "flux":
             assert r["model_meta"] == sharded
+
+
+def test_tp2_dry_run_on_meta_plans_the_same_bytes(tp_two):
+    for res in tp_two:  # nothing allocated, and each weight as large as what the checkpoint build reads and keeps
+        assert all(is_meta for is_meta, _ in res["dry"].values())
+        assert {k: b for k, (_, b) in res["dry"].items()} == res["flux"]["local"]
 
 
 def test_tp2_slice_shape_mismatch_refused(tp_two):

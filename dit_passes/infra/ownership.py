@@ -203,7 +203,8 @@ class WeightLedger:
                 if isinstance(old, torch.nn.Parameter):
                     new = torch.nn.Parameter(new, requires_grad=False)
                 setattr(new, RELEASED, (rec.target, rec.note()))
-                setattr(new, SAMPLE, weight_sample(old))
+                if not old.is_meta:  # a shape-only (meta) lowering has no values to sample
+                    setattr(new, SAMPLE, weight_sample(old))
             elif isinstance(old, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
                 new = torch.nn.Parameter(new, requires_grad=False)
             store[name] = new
