@@ -75,7 +75,8 @@ def main() -> None:
         out[f"tp{args.size}_{mode}_counts"] = per_rank[0][mode]["counts"]
         lines.append(f"| {mode} | {full / GIB:.2f} | {', '.join(f'{b / GIB:.2f}' for b in ranks)} | {ratio:.3f} | "
                      f"{max(r[mode]['seconds'] for r in per_rank):.1f} |")
-    lines += ["", "Ratio: the largest rank's bytes over the single-GPU weight bytes (issue 21 target <= 0.55). With "
+    lines += ["", f"Host: torch {torch.__version__}, CPU, 1 torch thread per rank (a shared 2-core machine: the lowering "
+              "seconds are contended, not a timing result).", "", "Ratio: the largest rank's bytes over the single-GPU weight bytes (issue 21 target <= 0.55). With "
               "`modulation=\"replicate\"` (the default) the AdaLN modulation linears, about a quarter of FLUX's "
               "weights, stay whole on every rank; `\"column\"` shards them too.",
               "Built with `compile_dit(..., weights=<checkpoint>)` a rank reads exactly these bytes from the "
