@@ -28,6 +28,7 @@ from .capture import CaptureError, capture
 from .compiled import CompiledDiT, Runtime
 from .infra.pass_base import Pass, PassContext, PassError, PassResult
 from .infra.pass_manager import PassManager
+from .infra.weight_source import SafetensorsWeights
 from .analysis.blocks import NoRepeatedBlocksError, get_structure
 from . import passes  # noqa: F401  (dit_passes.passes.<PassName>)
 from .passes.vae_parallel import parallel_vae  # noqa: F401  (VAE-P: dit_passes.parallel_vae(pipe.vae, size=2))
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_inputs: Optional[Dict[str, Any]] = None,
                 dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None,
                 cleanup: bool = True, torch_compile: Optional[Dict[str, Any]] = None,
-                keep_original: bool = False) -> CompiledDiT:
+                keep_original: bool = False, weights: Any = None, device: Any = None) -> CompiledDiT:
     """Wrap ``model`` in a :class:`CompiledDiT` that runs ``passes`` on its captured graph.
 
     With ``example_inputs`` (the keyword arguments of one call) capture happens now; otherwise at the first
@@ -53,9 +54,15 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
     the replacement itself, when shape and dtype match), so each weight is held once (``compiled.released``,
     ``compiled.memory_report()``). ``keep_original=True`` keeps ``model`` whole instead, at the cost of a full
     copy of every replaced weight besides what the passes made (then it can still run, be restored, reloaded).
+
+    ``weights``: the checkpoint of a model built on the meta device (``with torch.device("meta"): model = ...``):
+    a safetensors file, a list of them, a directory, or a :class:`~dit_passes.infra.weight_source.SafetensorsWeights`
+    (whose ``bytes_read`` counts what was read). Each weight still on the meta device is read while lowering onto
+    ``device`` (default: the inputs' device), once: tensor parallelism reads only its rank's slice, the rest is read
+    whole and shared by the graph and ``model``. Without ``weights``, meta weights and real inputs are refused.
     """
     compiled = CompiledDiT(model, passes, cleanup=cleanup, dump_dir=dump_dir, block_lists=block_lists,
-                           torch_compile=torch_compile, keep_original=keep_original)
+                           torch_compile=torch_compile, keep_original=keep_original, weights=weights, device=device)
     if example_inputs is not None:
         compiled.lower(**example_inputs)
     return compiled
@@ -63,11 +70,12 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
 
 # cache-dit-compatible front end: `import dit_passes as cache_dit`
 from .frontend import (CacheStats, DBCacheConfig, ParallelismConfig, QuantizeConfig, TaylorSeerCalibratorConfig,  # noqa: E402
-                       disable_cache, enable_cache, layerwise_offload, load, quantize, refresh_context, steps_mask,
+                       FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig, disable_cache, enable_cache, layerwise_offload, load, quantize, refresh_context, steps_mask,
                        strify, summary)
 
 __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGradPass", "capture", "Pass",
            "PassContext", "PassResult", "PassManager", "PassError", "CaptureError", "NoRepeatedBlocksError",
-           "get_structure", "passes",
+           "get_structure", "passes", "SafetensorsWeights",
            "enable_cache", "disable_cache", "layerwise_offload", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
-           "CacheStats", "DBCacheConfig", "TaylorSeerCalibratorConfig", "ParallelismConfig", "QuantizeConfig"]
+           "CacheStats", "DBCacheConfig", "TaylorSeerCalibratorConfig", "FirstBlockCacheConfig", "MagCacheConfig", "TaylorSeerCacheConfig",
+           "ParallelismConfig", "QuantizeConfig"]

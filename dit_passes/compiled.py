@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -30,7 +30,9 @@ from .infra.pass_base import Pass, PassContext
 from .infra.pass_manager import PassManager
 from .infra.phases import Phase
 from .infra.runtime import Runtime
+from .infra.weight_source import as_weight_source, check_has_source, source_stand_ins
 from .passes.cleanup import Cleanup
+from .passes.load_weights import LoadWeights
 
 
 @dataclasses.dataclass
@@ -91,7 +93,8 @@ def _output_class():
 class CompiledDiT(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, passes: Sequence[Pass] = (), *, cleanup: bool = True,
                  dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None,
-                 torch_compile: Optional[Dict[str, Any]] = None, keep_original: bool = False):
+                 torch_compile: Optional[Dict[str, Any]] = None, keep_original: bool = False, weights: Any = None,
+                 device: Union[str, torch.device, None] = None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_dit expects an nn.Module (a diffusers transformer), got {type(model).__name__}")
@@ -100,6 +103,10 @@ class CompiledDiT(torch.nn.Module):
         self.keep_original = bool(keep_original)
         self.graphs = torch.nn.ModuleDict()
         self.runtime = Runtime()
+        # a model built on the meta device: its weights are read from this checkpoint while lowering, onto
+        # ``device`` (default: the call's inputs' device); a sharding pass reads only its slice
+        self.runtime.weights.source = as_weight_source(weights)
+        self._device = None if device is None else torch.device(device)
         self._passes = list(passes)
         self._cleanup = cleanup
         self._dump_dir = dump_dir
@@ -203,13 +210,18 @@ class CompiledDiT(torch.nn.Module):
         """The runtime report pass ``name`` registered (e.g. ``report("dbcache")``: the cache's decisions)."""
         return self.runtime.report(name)
 
+    def cache_report(self) -> Any:
+        """The report of the residual-cache pass (DBCache, FirstBlockCache, MagCache: the one report with a
+        per-generation ``summary``), or None."""
+        stores = [r for r in self.runtime.reports.values() if callable(getattr(r, "summary_string", None))]
+        return stores[0] if stores else None
+
     def cache_summary(self, as_dict: bool = False):
         """Per generation: cached steps, residual diffs and their percentiles (one device sync)."""
-        try:
-            store = self.report("dbcache")
-        except KeyError:
-            raise RuntimeError("this CompiledDiT has no residual cache: add passes.DBCache(...) to passes=[...] "
-                               "(and call it once) before asking for a cache summary") from None
+        store = self.cache_report()
+        if store is None:
+            raise RuntimeError("this CompiledDiT has no residual cache: add passes.DBCache(...) (or FirstBlockCache / "
+                               "MagCache) to passes=[...] (and call it once) before asking for a cache summary")
         return store.summary() if as_dict else store.summary_string()
 
     def fidelity_stats(self) -> Dict[str, Any]:
@@ -233,10 +245,18 @@ class CompiledDiT(torch.nn.Module):
         key = base if value_leaves is None else (base, value_key(kwargs, value_leaves))
         if key in self._by_key:
             return self._by_key[key]
-        passes = ([Cleanup()] if self._cleanup else []) + self._passes + ([self._regional] if self._regional else [])
         ledger = self.runtime.weights
+        tensors = [x for x in pytree.tree_leaves(kwargs) if isinstance(x, torch.Tensor)]
+        check_has_source(self.original, ledger.source, tensors)
+        device = self._device or (tensors[0].device if tensors else torch.device("cpu"))
+        read: Dict[str, torch.Tensor] = {}  # what LoadWeights reads from the checkpoint: it goes into the model too
+        passes = ([Cleanup()] if self._cleanup else []) + ([LoadWeights(read)] if ledger.source is not None else []) \
+            + self._passes + ([self._regional] if self._regional else [])
         loaded = [t for p in passes for t in p.loads_weights]
-        with ledger.stand_ins(self.original, loaded):  # weights released by an earlier lowering: shape-only stand-ins
+        # weights released by an earlier lowering, and weights on the meta device that the checkpoint holds:
+        # shape-only stand-ins while capturing and running the passes
+        with ledger.stand_ins(self.original, loaded), source_stand_ins(self.original, ledger.source, device, read,
+                                                                       ledger):
             captured = capture(self.original, (), kwargs, templates=default_templates())
             if captured.value_leaves:
                 self._value_leaves[base] = captured.value_leaves

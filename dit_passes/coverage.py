@@ -15,6 +15,10 @@ exports: a class without a zoo config shows as "no config"); columns are :data:`
   error, a sharding / mesh error: what a user reads);
 * ``error: <type: msg>``: anything else (a crash while running, a wrong result, a timeout): a defect.
 
+The models are the zoo's tiny configs with every all-zero floating parameter redrawn (seeded, the same on
+every rank: ``zoo.build(..., redraw_zeros=True)``): diffusers zero-initialises gates, modulation and output
+projections and norm biases, and behind a zero gate a check against eager cannot see a wrong rewrite.
+
 The local columns run in this process, one model build per cell; the parallel ones run in one
 ``run_ranks`` call on 2 gloo ranks for every family, each cell on its own process group with the cell's
 timeout, so a hang in one cell cannot stall the rest. Writes ``coverage.md`` / ``coverage.json`` to --out.
@@ -124,7 +128,19 @@ def _compile(model, passes, inputs):
         compiled.lower(**inputs)
         return compiled
     except _refusal_types() as e:
+        if _timed_out(e):  # a refusal type wrapping the cell's deadline: the time ran out, nothing was refused
+            raise
         raise _Refused(_short(e)) from e
+
+
+def _timed_out(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CellTimeout):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _within(rel: float, bound: float, what: str) -> None:
@@ -190,12 +206,13 @@ def _parallel_checks(group) -> Dict[str, Callable]:
 
 
 def run_cell(family: str, check: Callable, timeout: float, batch: int = 1) -> Cell:
-    """Build ``family`` fresh (a pass may keep state on the module), run eager, then ``check``."""
+    """Build ``family`` fresh (a pass may keep state on the module; zero parameters redrawn, see the module
+    docstring), run eager, then ``check``."""
     from .models.zoo import build
     start = time.perf_counter()
     try:
         with _deadline(timeout):
-            zm = build(family)
+            zm = build(family, redraw_zeros=True)
             inputs = zm.make_inputs(batch=batch, seed=1)
             with torch.no_grad():
                 reference = zm.model(**inputs)

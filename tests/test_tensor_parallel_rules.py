@@ -9,7 +9,10 @@ pattern a diffusers family has (the coverage matrix runs the families themselves
 * a projection writing the residual stream though its role says mlp_up (HunyuanDiT's skip_linear): replicated;
 * a feed-forward applied to two token groups (CogView4): its weights sharded once, held once;
 * MLP hidden sizes that do not divide tp (Mochi, Z-Image): zero-padded, exact, reported;
-* refusals: a weight two linears shard differently, padding a hidden that a norm reads, with the working sizes.
+* a flex attention with a per-head block mask (Kandinsky 6 SR's NABLA): heads sharded, the mask's heads sliced;
+* a value all-gathered before an op without a rule, then viewed as only its traced layout allows (SANA-WM);
+* refusals: a weight two linears shard differently, padding a hidden that a norm reads, with the working sizes, a
+  flex attention whose score function reads the head index.
 """
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ class _Block(nn.Module):
     """One DiT block; the options switch on the patterns of the module docstring."""
 
     def __init__(self, kv_heads=HEADS, q_norm=None, stacked=False, mlp="gelu", hidden=64, mlp_norm=False,
-                 skip=False, ff_groups=1, kv_repeat=True):
+                 skip=False, ff_groups=1, kv_repeat=True, attn="sdpa", flip_heads=False):
         super().__init__()
+        self.attn_kind, self.flip_heads = attn, flip_heads
         self.kv_heads, self.q_norm_kind, self.stacked, self.mlp_kind = kv_heads, q_norm, stacked, mlp
         self.kv_repeat = kv_repeat  # False: one kv head broadcast over the q heads by the attention (OmniGen)
         self.hidden, self.ff_groups = hidden, ff_groups
@@ -66,8 +70,14 @@ class _Block(nn.Module):
             k, v = (t.view(b, s, self.kv_heads, HEAD_DIM).transpose(1, 2) for t in (self.to_k(x), self.to_v(x)))
             if self.kv_heads != HEADS and self.kv_repeat:
                 k, v = (t.repeat_interleave(HEADS // self.kv_heads, dim=1) for t in (k, v))
-        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, DIM)
-        return self.to_out(o)
+        if self.attn_kind.startswith("flex"):
+            o = _flex(q, k, v, head_bias=self.attn_kind == "flex_head")
+        else:
+            o = F.scaled_dot_product_attention(q, k, v)
+        if self.flip_heads:  # an op the rules all-gather, then a view that only the traced layout allows
+            o = o.contiguous().transpose(1, 2).flip(2).transpose(1, 2).view(b, HEADS, s * HEAD_DIM)
+            o = o.view(b, HEADS, s, HEAD_DIM)
+        return self.to_out(o.transpose(1, 2).reshape(b, s, DIM))
 
     def mlp(self, x):
         if self.mlp_kind == "tied":
@@ -89,6 +99,24 @@ class _Block(nn.Module):
         return x + torch.cat([self.mlp(g) for g in h.chunk(self.ff_groups, 1)], 1)
 
 
+def _flex(q, k, v, block=4, head_bias=False):
+    """Flex attention with a per-head block mask from the heads' own block scores (Kandinsky 6 SR's NABLA):
+    each query block keeps its diagonal key block and the best-scoring one, a different pick per head."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    b, h, s, d = q.shape
+    qa = q.reshape(b, h, s // block, block, d).mean(-2)
+    ka = k.reshape(b, h, s // block, block, d).mean(-2)
+    scores = qa @ ka.transpose(-2, -1)  # (b, h, 2, 2): per head
+    keep = (scores >= scores.amax(-1, keepdim=True)) | torch.eye(2, dtype=torch.bool)
+    first = keep[..., 0].int()  # key block 0 first when kept (2 blocks: the order is [0, 1] or [1, 0])
+    kv_num = keep.sum(-1).to(torch.int32)
+    kv_idx = torch.stack([1 - first, first], -1).to(torch.int32)
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=block, compute_q_blocks=False)
+    if head_bias:  # a score that reads the head index: local on each rank, refused
+        return flex_attention(q, k, v, score_mod=lambda sc, bi, hi, qi, ki: sc + 0.1 * hi, block_mask=mask)
+    return flex_attention(q, k, v, score_mod=lambda sc, bi, hi, qi, ki: sc + 0.01 * (qi - ki), block_mask=mask)
+
+
 class _ToyDiT(nn.Module):
     def __init__(self, second=None, **options):
         super().__init__()
@@ -108,11 +136,16 @@ CASES = {
     # one kv head, repeated (Stable Audio) then broadcast (OmniGen), a sliced SwiGLU of hidden 21 (Mochi),
     # applied to two token groups (CogView4)
     "kv1_padded_swiglu_tied": dict(kv_heads=1, mlp="swiglu", hidden=21, ff_groups=2, second=dict(kv_repeat=False)),
+    # a flex attention over sharded heads with a per-head block mask (Kandinsky 6 SR, Wan-Animate 2)
+    "flex_heads": dict(attn="flex"),
 }
+# exact through an all-gather the rules fall back to (a flip over the heads), the traced layout kept
+GATHERED = {"flip_heads_view": dict(flip_heads=True)}
 REFUSALS = {
     "tied_differently": dict(mlp="tied"),
     "pad_under_norm": dict(mlp="gelu", hidden=63, mlp_norm=True),
     "group_norm": dict(q_norm="group"),
+    "flex_reads_head": dict(attn="flex_head"),
 }
 
 
@@ -161,7 +194,7 @@ def _refusal(options, world):
 
 
 def _ranks(rank, world):
-    out = {name: _run_case(options, world) for name, options in CASES.items()}
+    out = {name: _run_case(options, world) for name, options in {**CASES, **GATHERED}.items()}
     out.update({name: _refusal(options, world) for name, options in REFUSALS.items()})
     return out
 
@@ -233,3 +266,28 @@ def test_refusals_name_the_cause_and_the_sizes_that_work(rule_ranks):
         assert "zero-padding the MLP hidden is refused" in msg and "layer_norm" in msg, msg
         msg = res["group_norm"]
         assert "normalises over the sharded hidden size" in msg, msg
+
+
+def test_flex_attention_sharded_over_heads(rule_ranks):
+    for r, c in _exact(rule_ranks, "flex_heads"):
+        # to_q / to_k / to_v / up column-parallel, to_out / down row-parallel; the block-score matmul local
+        assert (c["column_parallel"], c["row_parallel"], c["replicated_column"]) == (8, 4, 0), c
+        assert r["shapes"]["blocks.0.to_q.weight"] == (DIM // 2, DIM)
+        assert c["local_slices"] >= 2, c  # the rank's heads of the block mask (kv_num_blocks, kv_indices) per block
+
+
+def test_gathered_value_keeps_its_traced_layout(rule_ranks):
+    for rank, res in enumerate(rule_ranks):
+        r = res["flip_heads_view"]
+        c = r["counts"]
+        assert r["err"] <= TOL, (rank, r["err"])
+        # one all-gather per block before the flip (the view after it needs the traced layout), nothing else
+        assert c["fallback_all_gather"] == 2 and "aten.flip.default" in r["report"], r["report"]
+        assert r["comm"].get("all_gather_into_tensor", 0) == 2, r["comm"]
+        assert r["comm"].get("all_reduce", 0) == c["all_reduce"] == c["row_parallel"] == 2, (r["comm"], c)
+
+
+def test_flex_attention_reading_the_head_index_is_refused(rule_ranks):
+    for res in rule_ranks:
+        msg = res["flex_reads_head"]
+        assert "score_mod reads the head index" in msg and "tensor_parallel" in msg, msg

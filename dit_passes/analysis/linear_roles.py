@@ -2,7 +2,7 @@
 
 Roles (checked in this order, all by walking the graph, never by module names):
 1. ``q`` / ``k`` / ``v`` / ``qkv``: the output reaches argument 0 / 1 / 2 (several: ``qkv``) of an
-   attention node before any other linear (cross-attention K/V over the text too).
+   attention node (SDPA or a flex attention) before any other linear (cross-attention K/V over the text too).
 2. ``modulation``: the input does not depend on the block's residual streams (AdaLN linears on temb).
 3. walking back from the input, stopping at norms, attention and stream-dependent linears (reaching
    the block's raw residual stream instead skips to 4: a norm-less pre-MLP input is the residual):
@@ -22,6 +22,9 @@ from .structure import AttentionSite, Block, LinearSite
 
 aten = torch.ops.aten
 SDPA_OPS = {aten.scaled_dot_product_attention.default}
+# attention for the roles of the linears around it (q / k / v, attn_out); only SDPA is an AttentionSite, which
+# the sequence passes rewrite: a flex attention's block mask and score function are not theirs to shard
+ROLE_ATTENTION_OPS = SDPA_OPS | {torch.ops.higher_order.flex_attention}
 NORM_OPS = {aten.layer_norm.default, aten.rms_norm.default, aten.group_norm.default,
             aten.native_layer_norm.default}
 LINEAR = aten.linear.default
@@ -57,7 +60,7 @@ def _forward_reach(start: fx.Node, inside: Set[fx.Node]) -> Tuple[Set[int], List
         for u in x.users:
             if u in seen or u not in inside:
                 continue
-            if u.target in SDPA_OPS:
+            if u.target in ROLE_ATTENTION_OPS:
                 slots.update(i for i, a in enumerate(u.args[:3]) if a is x)
                 continue
             if u.target is LINEAR:
@@ -85,7 +88,7 @@ def _backward_reach(start: fx.Node, inside: Set[fx.Node], modulation: Set[fx.Nod
         if x in seen or x not in inside:
             continue
         seen.add(x)
-        if x.target in SDPA_OPS:
+        if x.target in ROLE_ATTENTION_OPS:
             attn = True
             continue
         if x.target is LINEAR:

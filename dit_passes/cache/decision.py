@@ -80,6 +80,21 @@ def _mask_slot_is_one(mask: Sequence[int], step: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def generation_starts(state: State, timestep, num_inference_steps: Optional[int] = None,
+                      direction: str = "decreasing") -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(new_gen, t, calls_done)`` for this call: a new generation starts on the first call (``step < 0``),
+    when the timestep ``t`` moves against the schedule (``direction``), or after ``num_inference_steps`` calls."""
+    calls_done = state["step"] + 1
+    new_gen = state["step"] < 0
+    t = _timestep_value(timestep, state["step"])
+    if t is not None and direction != "none":
+        moved_back = (t > state["last_t"]) if direction == "decreasing" else (t < state["last_t"])
+        new_gen = new_gen | moved_back  # NaN last_t (first call) compares False
+    if num_inference_steps is not None:
+        new_gen = new_gen | (calls_done >= num_inference_steps)
+    return new_gen, t, calls_done
+
+
 def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheConfig, *,
            allreduce: Optional[AllReduce] = None, partner: Optional[State] = None,
            timestep_direction: str = "decreasing") -> Tuple[torch.Tensor, State, torch.Tensor]:
@@ -108,14 +123,7 @@ def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheCon
     dev_like = s["step"]
 
     # -- new generation / forced refresh (the reference recreates its context: everything restarts) --------
-    calls_done = s["step"] + 1
-    new_gen = s["step"] < 0
-    t = _timestep_value(timestep, dev_like)
-    if t is not None and timestep_direction != "none":
-        moved_back = (t > s["last_t"]) if timestep_direction == "decreasing" else (t < s["last_t"])
-        new_gen = new_gen | moved_back  # NaN last_t (first call) compares False
-    if config.num_inference_steps is not None:
-        new_gen = new_gen | (calls_done >= config.num_inference_steps)
+    new_gen, t, calls_done = generation_starts(s, timestep, config.num_inference_steps, timestep_direction)
     reset = new_gen
     if config.force_refresh_step_hint is not None:
         due = calls_done == config.force_refresh_step_hint
@@ -286,5 +294,5 @@ def update_after_branch(state: State, use_cache: torch.Tensor, values: Sequence[
     return s
 
 
-__all__ = ["decide", "middle_cache_values", "hit_values", "apply_hit", "update_after_branch",
+__all__ = ["decide", "generation_starts", "middle_cache_values", "hit_values", "apply_hit", "update_after_branch",
            "stores_hidden_states", "NO_STEP"]

@@ -1,7 +1,8 @@
-"""The two small modules the DBCache pass inserts into the graph around its ``torch.cond``.
+"""The two small modules a residual-cache pass inserts into the graph around its ``torch.cond``.
 
 ``decide``: ``(fn_residual, timestep, *state, *partner) -> (use_cache, diff, *hit_values, *state')``
-    The step decision of :func:`~dit_passes.cache.decision.decide` plus the values a cache hit adds to the
+    The step decision of the program's rule (DBCache: :func:`~dit_passes.cache.decision.decide`; the
+    diffusers methods: :mod:`~dit_passes.cache.peer_rules`) plus the values a cache hit adds to the
     streams (the stored middle residuals, or TaylorSeer's prediction of them).
 ``commit``: ``(use_cache, *middle_residuals, *state') -> (*state'')``
     After the branch: a computed step stores the middle blocks' residuals (or advances the TaylorSeer
@@ -33,8 +34,11 @@ class StateSpec:
     shape: Tuple[int, ...]
     dtype: torch.dtype
     fill: float = 0.0
+    values: Optional[Tuple[float, ...]] = None  # a constant table (MagCache's ratios) instead of one fill value
 
     def allocate(self, device: torch.device) -> torch.Tensor:
+        if self.values is not None:  # once per context and generation: a host-to-device copy here is fine
+            return torch.tensor(self.values, dtype=self.dtype).reshape(self.shape).to(device)
         return torch.full(self.shape, self.fill, dtype=self.dtype, device=device)
 
 
@@ -56,15 +60,7 @@ class Decide(torch.nn.Module):
         self.program = program
 
     def forward(self, fn_residual: torch.Tensor, timestep: torch.Tensor, *flat: torch.Tensor):
-        p = self.program
-        names = p.names
-        state = dict(zip(names, flat[:len(names)]))
-        partner = dict(zip(PARTNER_KEYS, flat[len(names):])) if p.uses_partner else None
-        allreduce = _group_mean_pair(p.group) if p.group is not None and p.group.size() > 1 else None
-        use_cache, new, diff = decide(state, fn_residual, timestep if p.has_timestep else None, p.config,
-                                      allreduce=allreduce, partner=partner)
-        hits = hit_values(new, p.num_streams, p.calibrator)
-        return (use_cache, diff, *hits, *(new[n] for n in names))
+        return self.program.decide_call(fn_residual, timestep, flat)
 
 
 class Commit(torch.nn.Module):
@@ -73,28 +69,36 @@ class Commit(torch.nn.Module):
         self.program = program
 
     def forward(self, use_cache: torch.Tensor, *flat: torch.Tensor):
-        p = self.program
-        names = p.names
-        values, state = flat[:p.num_streams], dict(zip(names, flat[p.num_streams:]))
-        new = update_after_branch(state, use_cache, values, p.calibrator)
-        return tuple(new[n] for n in names)
+        return self.program.commit_call(use_cache, flat)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, kw_only=True)
 class CacheProgram:
-    config: DBCacheConfig
-    calibrator: Optional[TaylorSeerCalibratorConfig]
+    """One graph's cache program: the state it threads and its decision rule.
+
+    A rule is a subclass implementing ``decide_call(fn_residual, timestep, flat)`` (``flat``: the state in
+    :attr:`state_spec` order, then the partner's scalars when :attr:`uses_partner`) returning
+    ``(use_cache, diff, *hit_values, *state')`` and ``commit_call(use_cache, flat)`` (``flat``: one
+    :func:`~dit_passes.cache.decision.middle_cache_values` per stream, then the state) returning the state
+    after the branch. The state must hold the scalars :class:`~dit_passes.cache.stats.CacheStats` records
+    (``gen``, ``step``, ``diff``, ``diff_step``, ``use_cache``). ``reads_fn_residual=False``: the rule does not
+    look at its first argument (the pass then inserts no Fn residual; MagCache caches the whole range).
+    """
+
     state_spec: List[StateSpec]
     num_streams: int
     has_timestep: bool
     group: object = None  # torch.distributed ProcessGroup whose ranks must agree, or None
+    reads_fn_residual: bool = True
+    separate_cfg: bool = False  # the call parity picks the context when no context is named (CacheStore)
+    cfg_compute_first: bool = False
 
     def __post_init__(self) -> None:
         self.names: Tuple[str, ...] = tuple(s.name for s in self.state_spec)  # state order, built once
 
     @property
     def uses_partner(self) -> bool:
-        return bool(self.config.enable_separate_cfg) and not self.config.cfg_diff_compute_separate
+        return False
 
     @property
     def input_spec(self) -> List[StateSpec]:
@@ -110,6 +114,16 @@ class CacheProgram:
                 torch.full((), NO_STEP, dtype=torch.int64, device=device),
                 torch.full((), float("nan"), dtype=torch.float64, device=device)]
 
+    def allreduce_means(self):
+        """``allreduce(num, den)`` averaging both over :attr:`group`, or None on one rank."""
+        return _group_mean_pair(self.group) if self.group is not None and self.group.size() > 1 else None
+
+    def decide_call(self, fn_residual: torch.Tensor, timestep: torch.Tensor, flat: Sequence[torch.Tensor]):
+        raise NotImplementedError
+
+    def commit_call(self, use_cache: torch.Tensor, flat: Sequence[torch.Tensor]):
+        raise NotImplementedError
+
     @property
     def decide(self) -> Decide:
         return Decide(self)
@@ -117,6 +131,33 @@ class CacheProgram:
     @property
     def commit(self) -> Commit:
         return Commit(self)
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class DBCacheProgram(CacheProgram):
+    """cache-dit's DBCache rule (:func:`~dit_passes.cache.decision.decide`) with its calibrator."""
+
+    config: DBCacheConfig
+    calibrator: Optional[TaylorSeerCalibratorConfig] = None
+
+    @property
+    def uses_partner(self) -> bool:
+        return bool(self.config.enable_separate_cfg) and not self.config.cfg_diff_compute_separate
+
+    def decide_call(self, fn_residual, timestep, flat):
+        names = self.names
+        state = dict(zip(names, flat[:len(names)]))
+        partner = dict(zip(PARTNER_KEYS, flat[len(names):])) if self.uses_partner else None
+        use_cache, new, diff = decide(state, fn_residual, timestep if self.has_timestep else None, self.config,
+                                      allreduce=self.allreduce_means(), partner=partner)
+        hits = hit_values(new, self.num_streams, self.calibrator)
+        return (use_cache, diff, *hits, *(new[n] for n in names))
+
+    def commit_call(self, use_cache, flat):
+        names = self.names
+        values, state = flat[:self.num_streams], dict(zip(names, flat[self.num_streams:]))
+        new = update_after_branch(state, use_cache, values, self.calibrator)
+        return tuple(new[n] for n in names)
 
 
 def build_program(config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorConfig], *,
@@ -130,7 +171,9 @@ def build_program(config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibrat
                          "calibrator_cache_type='residual' (the default)")
     spec = state_spec(config, calibrator, image_residual, stream_residuals)
     specs = [StateSpec(name, tuple(shape), dtype, fill) for name, (shape, dtype, fill) in spec.items()]
-    return CacheProgram(config, calibrator, specs, len(stream_residuals), has_timestep, group)
+    return DBCacheProgram(config=config, calibrator=calibrator, state_spec=specs, num_streams=len(stream_residuals),
+                          has_timestep=has_timestep, group=group, separate_cfg=bool(config.enable_separate_cfg),
+                          cfg_compute_first=config.cfg_compute_first)
 
 
-__all__ = ["CacheProgram", "StateSpec", "build_program", "PARTNER_KEYS"]
+__all__ = ["CacheProgram", "DBCacheProgram", "StateSpec", "build_program", "PARTNER_KEYS"]

@@ -41,11 +41,12 @@ class CacheStore:
         self._cuts[graph_id] = cut
 
     def _context(self, graph_id: int, context: str) -> str:
-        if context != "default" or not self.config.enable_separate_cfg:
+        program = self._programs[graph_id][0]
+        if context != "default" or not program.separate_cfg:
             return context
         n = self._parity.get(graph_id, 0)
         self._parity[graph_id] = n + 1
-        cfg_call = (n % 2 == 0) if self.config.cfg_compute_first else (n % 2 == 1)
+        cfg_call = (n % 2 == 0) if program.cfg_compute_first else (n % 2 == 1)
         return CFG if cfg_call else NON_CFG
 
     def inputs(self, graph_id: int, context: str) -> List[torch.Tensor]:

@@ -1,11 +1,12 @@
 """cache-dit 1.5.3's user-facing API over ``compile_dit``: ``import dit_passes as cache_dit`` and keep your code.
 
     cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(), quantize_config=QuantizeConfig())
+    cache_dit.enable_cache(pipe, cache_config=diffusers.hooks.FirstBlockCacheConfig(threshold=0.1))  # or MagCacheConfig
     out = pipe(...)
     cache_dit.summary(pipe); cache_dit.strify(pipe); cache_dit.disable_cache(pipe)
 
 A pipeline: each of ``pipe.transformer`` / ``pipe.transformer_2`` (Wan 2.2) is replaced, on that instance, by a
-:class:`~dit_passes.compiled.CompiledDiT` running [parallel, quantization, DBCache] passes; ``disable_cache(pipe)``
+:class:`~dit_passes.compiled.CompiledDiT` running [parallel, quantization, cache] passes; ``disable_cache(pipe)``
 puts the original objects back (refused where those passes released weights, unless ``keep_original=True``). A bare
 transformer: the CompiledDiT is *returned* (``pipe.transformer = enable_cache(pipe.transformer, ...)``); the module
 is not changed in place. The cache starts a new generation when
@@ -31,12 +32,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..cache.config import DBCacheConfig, TaylorSeerCalibratorConfig, full_tag
+from ..cache.config import DBCacheConfig, TaylorSeerCalibratorConfig
 from ..cache.steps_mask import steps_mask
 from ..compiled import CompiledDiT
 from ..infra.pass_manager import PassManager
-from ..passes import DBCache
 from ..passes.load_quantized import LoadQuantized
+from .cache_configs import CACHE_PASSES, cache_pass, cache_tag
+from .cache_configs import convert as _convert
+from .cache_configs import resolve_cache_config as _resolve_cache_config
 from .configs import ParallelismConfig, QuantizeConfig, calibrate
 
 logger = logging.getLogger("dit_passes")
@@ -147,28 +150,6 @@ def _check_target(owner: Any, attr: Optional[str], module: Any, allow_extend: bo
 
 
 # ------------------------------------------------------------------------------------------ configs
-def _convert(cfg: Any, cls: type, probe: str) -> Any:
-    """A copy of ``cfg`` as ``cls``; an object with the same field names (e.g. cache-dit's config) is converted."""
-    if cfg is None or isinstance(cfg, cls):
-        return copy.deepcopy(cfg)
-    if not hasattr(cfg, probe):
-        raise TypeError(f"expected a {cls.__name__}, got {type(cfg).__name__}")
-    return cls(**{f.name: copy.deepcopy(getattr(cfg, f.name)) for f in dataclasses.fields(cls) if hasattr(cfg, f.name)})
-
-
-def _resolve_cache_config(cache_config: Any, others_given: bool) -> Optional[DBCacheConfig]:
-    if cache_config is None:
-        if others_given:  # the reference: a default DBCache only when no other optimisation is asked for
-            return None
-        cache_config = DBCacheConfig()
-    cfg = _convert(cache_config, DBCacheConfig, "Fn_compute_blocks")
-    if not isinstance(cfg.cache_type, str):  # cache-dit's CacheType enum
-        cfg = dataclasses.replace(cfg, cache_type=str(getattr(cfg.cache_type, "value", cfg.cache_type)))
-    if cfg.enable_separate_cfg is None:
-        cfg = dataclasses.replace(cfg, enable_separate_cfg=False)  # see the module docstring
-    return cfg
-
-
 def _check_parallel_env(pc: ParallelismConfig) -> None:
     import torch.distributed as dist
     pc.check_supported()
@@ -195,7 +176,7 @@ def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[Compil
     if q is not None:
         passes.append(q.to_pass(original, calibrated))
     if state.cache_config is not None:
-        passes.append(DBCache(state.cache_config, calibrator=state.calibrator_config))
+        passes.append(cache_pass(state.cache_config, state.calibrator_config))
     state.passes = passes
     compiled = CompiledDiT(original, passes, keep_original=keep_original)  # validates the pass list and its order
     if base is not None:  # the weights base's passes released: their replacements are in its ledger
@@ -328,14 +309,14 @@ def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig],
                    cal: Optional[TaylorSeerCalibratorConfig], rank: int = 0, world_size: int = 1) -> list:
     """The pass list, built in each Ray worker (its process group exists there; CP x TP builds subgroups)."""
     passes = (pc.to_passes() if pc is not None else []) + ([q.to_pass(None)] if q is not None else []) \
-        + ([DBCache(cfg, calibrator=cal)] if cfg is not None else [])
+        + ([cache_pass(cfg, cal)] if cfg is not None else [])
     PassManager(passes)
     return passes
 
 
 def _worker_cache_summary(worker: Any) -> List[Dict[str, Any]]:  # runs on a Ray worker (run_on_workers)
     compiled = worker.compiled[0]
-    return compiled.cache_summary(as_dict=True) if "dbcache" in compiled.runtime.reports else []
+    return compiled.cache_summary(as_dict=True) if compiled.cache_report() is not None else []
 
 
 def disable_cache(pipe_or_module: Any) -> Any:
@@ -389,10 +370,6 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
     (e.g. ``num_inference_steps=50``) the cache is rebuilt; its graphs are lowered again at the next call."""
     if cache_config is not None and cache_fields:
         raise TypeError("pass either cache_config=DBCacheConfig(...) or cache fields, not both")
-    names = {f.name for f in dataclasses.fields(DBCacheConfig)}
-    if set(cache_fields) - names:
-        raise TypeError(f"refresh_context: {sorted(set(cache_fields) - names)} are not DBCacheConfig fields "
-                        f"({sorted(names)})")
     change = cache_config is not None or bool(cache_fields) or calibrator_config is not None
     for _, attr, module in _targets(pipe_or_module):
         state = _state_of(module)
@@ -401,6 +378,10 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
         if state.engine is not None and change:
             raise NotImplementedError("refresh_context with a new config on Ray workers: disable_cache, then "
                                       "enable_cache again")
+        names = {f.name for f in dataclasses.fields(type(state.cache_config))}
+        if set(cache_fields) - names:
+            raise TypeError(f"refresh_context: {sorted(set(cache_fields) - names)} are not "
+                            f"{type(state.cache_config).__name__} fields ({sorted(names)})")
         new = state.cache_config
         if cache_config is not None:
             new = _resolve_cache_config(cache_config, False)
@@ -412,10 +393,10 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
             module.new_generation()
         else:
             state.cache_config, state.calibrator_config = new, cal
-            state.passes = [p for p in state.passes if not isinstance(p, DBCache)] + [DBCache(new, calibrator=cal)]
+            state.passes = [p for p in state.passes if not isinstance(p, CACHE_PASSES)] + [cache_pass(new, cal)]
             module.set_passes(state.passes)
         if verbose:
-            logger.info("refresh_context(%s): %s", _name(attr, module), full_tag(new, cal))
+            logger.info("refresh_context(%s): %s", _name(attr, module), cache_tag(new, cal))
     return pipe_or_module
 
 
@@ -454,7 +435,7 @@ def summary(pipe_or_module: Any, details: bool = False, logging: bool = True, **
         if state.engine is not None:
             gens = state.engine.run_on_workers(_worker_cache_summary)[0] if state.cache_config is not None else []
         else:
-            gens = module.cache_summary(as_dict=True) if "dbcache" in module.runtime.reports else []
+            gens = module.cache_summary(as_dict=True) if module.cache_report() is not None else []
         st = stats_from_summary(gens, state)
         out.append(st)
         if logging:
@@ -476,7 +457,7 @@ def strify(pipe_or_stats: Any) -> str:
     cfg, parts = options.get("cache_config"), []
     if cfg is not None:
         cal = options.get("calibrator_config")
-        parts.append(f"{cfg.strify()}_{cal.strify() if cal is not None else 'T0O0'}")
+        parts.append(cache_tag(cfg, cal))
     parts += [extra.strify() for extra in (par, quant) if extra is not None and extra.strify()]
     return "_".join(parts) + (f"_S{acc}" if acc and cfg is not None else "")
 

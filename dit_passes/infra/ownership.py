@@ -99,6 +99,9 @@ class WeightLedger:
     def __init__(self) -> None:
         self.records: Dict[str, List[Released]] = {}
         self._replaced: Dict[str, "weakref.ref[torch.Tensor]"] = {}  # target -> model's tensor, until release_in
+        # where weights on the meta device are read from (compile_dit(weights=...), infra/weight_source.py): a
+        # pass replacing such a weight reads only what it keeps (tensor parallelism: its rank's slice)
+        self.source: Any = None
 
     # -- passes ---------------------------------------------------------------------------------
     def replace(self, gm: torch.nn.Module, target: str, new: torch.Tensor, *, by: Any, how: str,
@@ -200,7 +203,8 @@ class WeightLedger:
                 if isinstance(old, torch.nn.Parameter):
                     new = torch.nn.Parameter(new, requires_grad=False)
                 setattr(new, RELEASED, (rec.target, rec.note()))
-                setattr(new, SAMPLE, weight_sample(old))
+                if not old.is_meta:  # a shape-only (meta) lowering has no values to sample
+                    setattr(new, SAMPLE, weight_sample(old))
             elif isinstance(old, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
                 new = torch.nn.Parameter(new, requires_grad=False)
             store[name] = new

@@ -9,6 +9,9 @@ see in the graph:
 * ``SHARD_SEQUENCE``: context parallelism (and VAE-P's spatial split); replaces aten attention with
   distributed attention.
 * ``QUANTIZE``: replaces aten ``linear`` by quantized ops (after TP has sliced their weights).
+* ``LOAD_WEIGHTS``: a model built on the meta device gets the weights that no earlier pass replaced from its
+  checkpoint (``compile_dit(weights=...)``); tensor parallelism read only its slices, quantization one weight at a
+  time. Before anything moves or computes from a weight.
 * ``OFFLOAD``: moves block weights off the device and inserts their loads.
 * ``ATTENTION_KERNEL``: pins the SDPA kernel of the aten attention nodes that remain.
 * ``CACHE``: moves a block range into a ``torch.cond`` branch (after everything that rewrites blocks).
@@ -26,6 +29,7 @@ class Phase(enum.IntEnum):
     SHARD_WEIGHTS = 10
     SHARD_SEQUENCE = 20
     QUANTIZE = 30
+    LOAD_WEIGHTS = 35
     OFFLOAD = 40
     ATTENTION_KERNEL = 50
     CACHE = 60

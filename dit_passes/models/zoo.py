@@ -50,7 +50,7 @@ from dit_passes.models.zoo_more_av import MORE_AV_FAMILIES
 from dit_passes.models.zoo_video import VIDEO_FAMILIES
 
 __all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ZooModel", "build", "config_for", "class_name_of",
-           "model_class"]
+           "model_class", "redraw_zero_parameters"]
 
 _CURATED = IMAGE_FAMILIES + VIDEO_FAMILIES
 MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES + EXTRA_IMAGE_FAMILIES + EXTRA_AV_FAMILIES
@@ -151,11 +151,32 @@ def _init_uninitialized(model: torch.nn.Module, again: Callable[[], torch.nn.Mod
                 p.copy_(torch.randn(p.shape, generator=gen) / fan_in ** 0.5)
 
 
-def build(family: str, seed: int = 0, **overrides: Any) -> ZooModel:
+def redraw_zero_parameters(model: torch.nn.Module, seed: int) -> list[str]:
+    """Redraw every all-zero floating parameter of ``model`` in place; returns their names.
+
+    diffusers zero-initialises gates and modulation / output projections (adaLN-Zero, PRX's ``modulation.lin``,
+    Lumina-Next's ``gate``, Kandinsky 5's ``out_layer``) and most norm biases; behind a zero weight a block's
+    output does not depend on what feeds it, so a check against eager cannot see a wrong rewrite there. The new
+    values are ``N(0, 1/fan_in)`` (fan-in: the elements per output row; a vector's length), from a generator
+    seeded by ``seed`` and walked in parameter order: every build of a family (each rank's) gets the same."""
+    gen = torch.Generator().manual_seed(int(seed) + 2)
+    redrawn = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.numel() and not p.any():
+                fan_in = p.numel() // p.shape[0] if p.dim() > 1 else p.numel()
+                p.copy_(torch.randn(p.shape, generator=gen) / max(fan_in, 1) ** 0.5)
+                redrawn.append(name)
+    return redrawn
+
+
+def build(family: str, seed: int = 0, redraw_zeros: bool = False, **overrides: Any) -> ZooModel:
     """Build the tiny ``family`` model with weights drawn from ``seed`` (fp32, CPU, eval mode).
 
     ``overrides`` replace config fields (e.g. ``num_layers=3``); ``expected`` and ``make_inputs``
-    follow them. The global torch RNG state is left as it was.
+    follow them. ``redraw_zeros``: redraw the parameters diffusers leaves all-zero
+    (:func:`redraw_zero_parameters`; what ``dit-passes coverage`` builds). The global torch RNG state is left
+    as it was.
     """
     spec = _spec(family)
     config = _checked_config(spec, overrides)
@@ -167,6 +188,8 @@ def build(family: str, seed: int = 0, **overrides: Any) -> ZooModel:
         _init_uninitialized(model, lambda: cls(**config), int(seed))
         if spec.after_build is not None:
             spec.after_build(model)
+        if redraw_zeros:
+            redraw_zero_parameters(model, int(seed))
     # diffusers builds fp32 CPU modules already; no .to(dtype), which would warn about and override
     # the classes' keep-in-fp32 lists for nothing
     model.eval()

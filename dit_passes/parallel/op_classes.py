@@ -74,5 +74,10 @@ ALIASES = SIZE_VIEWS | {aten.transpose.int, aten.permute.default, aten.slice.Ten
                         aten.detach.default, aten.dropout.default, aten.chunk.default, operator.getitem}
 
 
+# elementwise, though ATen does not tag them pointwise (the operators ``|`` / ``&`` of Python code)
+UNTAGGED_POINTWISE = {aten.__or__.Tensor, aten.__or__.Scalar, aten.__and__.Tensor, aten.__and__.Scalar}
+
+
 def is_pointwise(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    return target in UNTAGGED_POINTWISE or (isinstance(target, torch._ops.OpOverload)
+                                            and torch.Tag.pointwise in target.tags)

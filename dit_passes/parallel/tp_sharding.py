@@ -23,9 +23,10 @@ import torch.fx as fx
 from ..infra.ownership import WeightLedger
 from ..infra.pass_base import PassError
 from . import op_classes as oc
-from . import tp_norms
-from .propagate import (Placement, Propagation, Touches, agree, aligned_dim, arg, broadcast_dim, moved_dim, repropagate,
-                        resize_view, segment_cut, segment_runs, split_dim, split_sizes, view_dims)
+from . import tp_flex, tp_norms
+from .propagate import (Placement, Propagation, PropagationError, Touches, agree, aligned_dim, arg, broadcast_dim,
+                        memory_order, moved_dim, repropagate, resize_view, segment_cut, segment_runs, split_dim,
+                        split_sizes, view_dims)
 from .tp_plan import divisors, slice_range
 from .tp_weights import ShardingError, WeightShards, shard_along  # noqa: F401 (tests import them here)
 
@@ -148,8 +149,15 @@ class TPRules(Propagation):
             raise ShardingError(f"{x.name} holds a zero-padded MLP hidden, which only a down projection may read")
         loc = spec.local_segments(self.tp)
         runs = [(sum(loc[:i]), n) for i, n in enumerate(loc)] if len(loc) > 1 else None
+        order = list(memory_order(x.meta["val"]))  # (still the full traced value: repropagate() comes later)
         with self.g.inserting_before(before):
-            return self.all_gather(x, spec.dim, [spec.local(self.tp)] * self.tp, before, runs)
+            full = self.all_gather(x, spec.dim, [spec.local(self.tp)] * self.tp, before, runs)
+            if order != sorted(order):  # the traced layout: an op after it may be a view that relies on it
+                inverse = [order.index(d) for d in range(len(order))]
+                full = self.emit(aten.permute.default, (full, order), like=before)
+                full = self.emit(aten.permute.default, (self.emit(aten.contiguous.default, (full,), like=before),
+                                                        inverse), like=before)
+            return full
 
     # -- propagation -----------------------------------------------------------------------------
     def propagate(self) -> None:
@@ -165,7 +173,10 @@ class TPRules(Propagation):
     def repropagate(self) -> None:
         """Local shapes of everything the rewrite touched, from the resharded parameters on."""
         params = [n for n in self.g.nodes if n.op == "get_attr" and n.target in self.weights.shards]
-        repropagate(self.g, self.inserted | set(self.place), changed=params)
+        try:  # layouts too: a view that the traced layout allowed is checked on the rewritten one
+            repropagate(self.g, self.inserted | set(self.place), changed=params, strides=True)
+        except PropagationError as e:
+            raise PassError(f"tensor_parallel: {e}; the rewrite would fail there, so it is refused") from None
 
     def _fallback(self, n: fx.Node, what: str) -> None:
         for a in list(n.all_input_nodes):
@@ -201,6 +212,8 @@ class TPRules(Propagation):
                 n.args = new
                 self.counts["views"] += 1
             return sx.with_dim(od)
+        if t in oc.NEW_TENSORS and all(self._s(a) is None for a in args[1:]):
+            return None  # its size is an argument: replicated, whatever lends it a dtype
         if t is aten.type_as.default and sx is None:
             return None  # a replicated value cast to a sharded one's dtype: argument 1 gives only the dtype
         if sx is not None and t in oc.SPLITS:
@@ -209,6 +222,12 @@ class TPRules(Propagation):
             return self._cat(n)
         if t is oc.SDPA:
             return self._sdpa(n)
+        if t is oc.FLEX_ATTENTION:
+            return tp_flex.flex_attention(self, n)
+        if t in (aten.matmul.default, aten.bmm.default):
+            out = self._batched_matmul(n)
+            if out is not None:
+                return out
         if sx is not None and sx.padded and (t in oc.REDUCTIONS or t in oc.LAYER_NORMS or t is aten.rms_norm.default):
             raise ShardingError("a reduction over a zero-padded MLP hidden")
         if sx is not None and t is aten.rms_norm.default:
@@ -402,6 +421,30 @@ class TPRules(Propagation):
             if self._s(mask) is None and hd >= 0 and int(mv.shape[hd]) > 1:
                 n.replace_input_with(mask, self._local(mask, hd, ShardSpec(hd, (int(mv.shape[hd]),)), n))
         return specs[0] or ShardSpec(1, (int(q.meta["val"].shape[1]),))
+
+    def _batched_matmul(self, n: fx.Node) -> Optional[ShardSpec]:
+        """A matmul whose operands are sharded alike along a batch dim (per-head scores of q and k, as
+        Kandinsky 6 SR's sparse-mask selection computes), or one of them is and the other is broadcast along it:
+        local, the shard in the output's batch dim. None: not that case (all-gathered by the fallback)."""
+        a, b = n.args[:2]
+        out_dim = n.meta["val"].dim()
+        dims, ref = set(), None
+        for x in (a, b):
+            s, nd = self._s(x), x.meta["val"].dim()
+            if s is not None:
+                if s.dim >= nd - 2 or (ref is not None and s.segments != ref.segments):
+                    return None
+                dims.add(s.dim + out_dim - nd)
+                ref = s
+        if len(dims) != 1 or ref.padded:
+            return None
+        d = dims.pop()
+        for x in (a, b):  # a replicated operand must be broadcast along the batch dim
+            nd = x.meta["val"].dim()
+            j = d - out_dim + nd
+            if self._s(x) is None and 0 <= j < nd - 2 and int(x.meta["val"].shape[j]) != 1:
+                return None
+        return ref.with_dim(d)
 
     def _reduction(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
         """Reduction over some dims: local if the sharded dim is kept, else completed by an all-reduce

@@ -13,13 +13,14 @@ other op reading a sharded weight, are refused with the readers named.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 from ..infra.ownership import WeightLedger
 from ..infra.pass_base import PassError
+from ..infra.weight_source import check_shape, source_name
 from .propagate import segment_runs
 
 
@@ -27,27 +28,53 @@ class ShardingError(ValueError):
     """A value cannot be sharded consistently (a view that mixes the sharded dim, an odd size)."""
 
 
-def shard_along(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, tp: int,
-                padded: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``t`` along ``dim`` (see the module docstring), a new contiguous tensor;
-    ``padded``: each segment taken as zero-padded to that size first (the zeros past its end)."""
-    if sum(segments) != t.shape[dim]:
-        raise ShardingError(f"segments {list(segments)} sum to {sum(segments)}, tensor has {t.shape[dim]} "
-                            f"along dim {dim}")
+def shard_pieces(segments: Sequence[int], rank: int, tp: int,
+                 padded: Optional[Sequence[int]] = None) -> List[Tuple[int, int, int]]:
+    """Rank ``rank``'s shard along the sharded dim as ``(start, length, zeros)`` pieces, in order: ``length``
+    elements of the full tensor from ``start``, then ``zeros`` zero elements (padding past a segment's end)."""
     if padded is None or tuple(padded) == tuple(segments):
-        return torch.cat([t.narrow(dim, s, n) for s, n in segment_runs(segments, tp, rank)], dim=dim).contiguous()
+        return [(s, n, 0) for s, n in segment_runs(segments, tp, rank)]
     pieces, base = [], 0
     for real, size in zip(segments, padded):
         local = size // tp
         start = min(real, rank * local)
         n = min(real, start + local) - start
-        pieces.append(t.narrow(dim, base + start, n))
-        if n < local:
-            shape = list(t.shape)
-            shape[dim] = local - n
-            pieces.append(t.new_zeros(shape))
+        pieces.append((base + start, n, local - n))
         base += real
-    return torch.cat(pieces, dim=dim).contiguous()
+    return pieces
+
+
+def _assemble(read: Callable[[int, int], torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
+              device: torch.device, dim: int, segments: Sequence[int], rank: int, tp: int,
+              padded: Optional[Sequence[int]]) -> torch.Tensor:
+    if sum(segments) != shape[dim]:
+        raise ShardingError(f"segments {list(segments)} sum to {sum(segments)}, tensor has {shape[dim]} "
+                            f"along dim {dim}")
+    parts = []
+    for start, n, zeros in shard_pieces(segments, rank, tp, padded):
+        if n:
+            parts.append(read(start, n))
+        if zeros:
+            parts.append(torch.zeros([*shape[:dim], zeros, *shape[dim + 1:]], dtype=dtype, device=device))
+    if not parts:  # a rank whose pieces are all empty
+        return torch.empty([*shape[:dim], 0, *shape[dim + 1:]], dtype=dtype, device=device)
+    return torch.cat(parts, dim=dim).contiguous()
+
+
+def shard_along(t: torch.Tensor, dim: int, segments: Sequence[int], rank: int, tp: int,
+                padded: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``t`` along ``dim`` (see the module docstring), a new contiguous tensor;
+    ``padded``: each segment taken as zero-padded to that size first (the zeros past its end)."""
+    return _assemble(lambda s, n: t.narrow(dim, s, n), t.shape, t.dtype, t.device, dim, segments, rank, tp, padded)
+
+
+def shard_from_source(source: Any, name: str, like: torch.Tensor, dim: int, segments: Sequence[int], rank: int,
+                      tp: int, padded: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """:func:`shard_along` of checkpoint tensor ``name`` (shaped as ``like``, a stand-in: its dtype and device),
+    reading only the rows / columns of this rank's shard from ``source`` (infra/weight_source.py)."""
+    def read(start: int, n: int) -> torch.Tensor:
+        return source.read_narrow(name, dim, start, n, dtype=like.dtype, device=like.device)
+    return _assemble(read, like.shape, like.dtype, like.device, dim, segments, rank, tp, padded)
 
 
 class WeightShards:
@@ -76,9 +103,16 @@ class WeightShards:
         if rec is not None:  # lowering again after the full weight was released: the shard made then
             shard = self.ledger.reuse(rec, by=self.owner, token=token, like=attr_node.meta["val"])
         else:
-            full = functools.reduce(getattr, path.split("."), self.gm).detach()
-            shard = torch.nn.Parameter(shard_along(full, dim, spec.real_segments, self.rank, self.tp, spec.segments),
-                                       requires_grad=False)
+            full = functools.reduce(getattr, path.split("."), self.gm)
+            name = source_name(full)  # (before detach, which drops the mark)
+            full = full.detach()
+            if name is not None:  # built on the meta device: read this rank's slice of the checkpoint, nothing else
+                check_shape(self.ledger.source, name, full.shape, f"tensor_parallel (module {path.rpartition('.')[0]}, rank {self.rank} of {self.tp})")
+                full = shard_from_source(self.ledger.source, name, full, dim, spec.real_segments, self.rank,
+                                         self.tp, spec.segments)
+            else:
+                full = shard_along(full, dim, spec.real_segments, self.rank, self.tp, spec.segments)
+            shard = torch.nn.Parameter(full, requires_grad=False)
         # the graph's attribute becomes the shard; the ledger re-points the caller's model afterwards
         pad = f", zero-padded {list(spec.real_segments)} -> {list(spec.segments)}" if spec.padded else ""
         self.ledger.replace(self.gm, path, shard, by=self.owner, token=token,

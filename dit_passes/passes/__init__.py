@@ -1,6 +1,9 @@
 """The graph passes users put in ``compile_dit(model, passes=[...])``."""
 from .cleanup import Cleanup
 from .dbcache import DBCache
+from .first_block_cache import FirstBlockCache
+from .mag_cache import MagCache
+from .taylorseer_cache import TaylorSeerCache
 from .quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 from .load_quantized import LoadQuantized
 from .context_parallel import USP, Ring, Ulysses
@@ -10,5 +13,5 @@ from .regional_compile import RegionalCompile
 from .attention_backend import AttentionBackend
 from .vae_parallel import VAEParallel
 
-__all__ = ["Cleanup", "DBCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "LoadQuantized", "Ulysses", "Ring", "USP",
+__all__ = ["Cleanup", "DBCache", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "LoadQuantized", "Ulysses", "Ring", "USP",
            "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend", "VAEParallel"]

@@ -29,7 +29,8 @@ from ..infra.phases import Phase
 from ..quant.loading import read_checkpoint
 from ..quant.serialize import QuantizedCheckpointError
 from ..quant.signature import graph_block_lists, place_tables, quant_signature, tensor_at
-from .quantize import QUANT_KINDS, apply_by_kind, released_tables
+from .quantize import QUANT_KINDS
+from .quantize_graph import apply_by_kind, released_tables
 
 
 class LoadQuantized(Pass):

@@ -72,9 +72,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..analysis.blocks import get_structure
-from ..infra.ownership import WeightLedger, refusal
+from ..infra.ownership import SAMPLE, weight_sample
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
+from ..infra.weight_source import check_shape, source_name
 from ..quant.calibrate import ActAbsMaxObserver
 from ..quant.fp8_int8 import FP8_GRANULARITIES, prepare_fp8, prepare_int8
 from ..quant.int4 import GROUP_SIZE
@@ -84,7 +85,8 @@ from ..quant.svdquant import SMOOTH_MODES, prepare_svdquant
 from ..quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from ..quant.w8a16 import prepare_w8a16
 
-from ..patterns.quant_linear import QUANT_KINDS, replace_linears
+from ..patterns.quant_linear import QUANT_KINDS
+from .quantize_graph import apply_by_kind, released_tables
 
 ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "other")
 DEFAULT_EXCLUDE: Tuple[str, ...] = ()  # every block linear; the modulation ones too (SVDQuant: weight-only int8)
@@ -152,79 +154,6 @@ def calibrate_linears(weights: Dict[str, torch.Tensor], calibrate_fn: Callable[[
     with torch.no_grad(), mode:
         calibrate_fn()
     return {p: o.absmax for p, o in mode.observers.items() if o.absmax is not None}
-
-
-# --------------------------------------------------------------------------------- substitution
-def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, Dict[str, torch.Tensor]],
-                    kind: str, ledger: WeightLedger, owner: Pass) -> Dict[str, int]:
-    """Replace every site whose module path has a table by the ``kind`` op (the fx patterns of
-    ``dit_passes.patterns.quant_linear``); drop the replaced weights from ``gm``, recorded in ``ledger`` as
-    replaced by ``owner`` (the compiled module then releases them in the user's model). Returns counts per
-    role and bytes before / after."""
-    counts: Dict[str, int] = {}
-    bytes_before = bytes_after = 0
-    seen = set()
-    targets = {}
-    how = f"quantized ({kind})"
-    for site in sites:
-        table = tables.get(site.module_path)
-        if table is None:
-            continue
-        if site.module_path not in seen:
-            seen.add(site.module_path)
-            for attr in (site.weight, site.bias):
-                t = tensor_at(gm, attr) if attr else None
-                bytes_before += 0 if t is None else t.numel() * t.element_size()
-            bytes_after += sum(t.numel() * t.element_size() for t in table.values())
-            if site.bias and "bias" in table:
-                # The op's bias buffer takes the original's name (<path>.bias): the same values, so any
-                # other reader of that attribute is unaffected; the parameter itself leaves the graph.
-                ledger.drop(gm, site.bias, by=owner, how=how, replacement=table["bias"])
-        targets[site.node] = (site.module_path, table)
-    roles = {site.node: site.role for site in sites}
-    for match in replace_linears(gm, kind, targets):
-        role = roles[match.nodes_map[match.anchor]]
-        counts[f"replaced_{role}"] = counts.get(f"replaced_{role}", 0) + 1
-    gm.graph.eliminate_dead_code()
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for site in sites:
-        for attr in (site.weight, site.bias):
-            if attr and attr not in used and site.module_path in tables:
-                table = tables[site.module_path]
-                replacement = table if attr == site.weight else table.get("bias")
-                ledger.drop(gm, attr, by=owner, how=how, replacement=replacement)
-    gm.recompile()
-    counts["replaced"] = sum(v for k, v in counts.items() if k.startswith("replaced_"))
-    counts["bytes_before"], counts["bytes_after"] = bytes_before, bytes_after
-    return counts
-
-
-def apply_by_kind(gm: fx.GraphModule, sites: Sequence[Any], kinds: Dict[str, str],
-                  tables: Dict[str, Dict[str, torch.Tensor]], ledger: WeightLedger, owner: Pass) -> Dict[str, int]:
-    """:func:`apply_quantized` once per kind (``kinds``: module path -> kind), the counts summed; ``kind_<kind>``
-    counts the linear nodes of each."""
-    total: Dict[str, int] = {}
-    for kind in dict.fromkeys(kinds[s.module_path] for s in sites):
-        counts = apply_quantized(gm, [s for s in sites if kinds[s.module_path] == kind], tables, kind, ledger, owner)
-        for k, v in counts.items():
-            total[k] = total.get(k, 0) + v
-        total[f"kind_{kind}"] = counts["replaced"]
-    return total
-
-
-def released_tables(ledger: WeightLedger, gm: fx.GraphModule, paths: Sequence[str], owner: Pass
-                    ) -> Optional[Dict[str, Dict[str, torch.Tensor]]]:
-    """Lowering again after the weights of ``paths`` were released: the tables ``owner`` made then (PassError
-    if only some were released, or by another pass / configuration); None when none was released."""
-    recs = {p: ledger.released(gm, f"{p}.weight") for p in paths}
-    if not any(recs.values()):
-        return None
-    whole = [p for p, r in recs.items() if r is None]
-    if whole:
-        some = next(r for r in recs.values() if r is not None)
-        raise PassError(refusal(some, f"{owner.name} now also selects {whole[:3]}, whose weights are whole, "
-                                      f"and needs the released ones whole again to quantize them alike"))
-    return {p: ledger.reuse(r, by=owner) for p, r in recs.items()}
 
 
 # --------------------------------------------------------------------------------------- passes
@@ -306,6 +235,9 @@ class _QuantizeLinears(Pass):
         tables = released_tables(ledger, gm, paths, self)
         if tables is not None:  # lowering again, the full weights released: the tables made the first time
             tables, how = place_tables(tables, weights[paths[0]]), "prepared weights reused, originals released"
+        elif any(source_name(w) is not None for w in weights.values()):  # built on meta: from the checkpoint
+            tables, how = self._tables_from_source(ctx, gm, paths, kinds, weights, biases, graph_block_lists(structure),
+                                                   notes)
         else:
             signature = quant_signature(gm, paths, graph_block_lists(structure))
             tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
@@ -316,6 +248,36 @@ class _QuantizeLinears(Pass):
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "
                   f"[{per_kind}] ({how}); {counts['bytes_before']} -> {counts['bytes_after']} bytes ({ratio:.2f}x)")
         return PassResult(True, counts, "; ".join([report] + notes))
+
+    def _tables_from_source(self, ctx, gm, paths, kinds, weights, biases, block_lists, notes):
+        """A model built on the meta device (``compile_dit(weights=...)``): each linear's weight and bias are read
+        from the checkpoint, its table prepared and the full weight dropped, one linear at a time, so preparing
+        holds the tables made so far plus one full weight. The fingerprint is taken while each weight is read."""
+        if getattr(self, "calibrate_fn", None) is not None:
+            raise PassError(f"{self.name}: calibrate_fn runs the model, whose weights are on the meta device (read "
+                            f"from the checkpoint only while lowering): quantize with dynamic=True, or calibrate "
+                            f"a loaded model once with serialize_to= and load that with dit_passes.load")
+        source = ctx.runtime.weights.source
+
+        def read(t: Optional[torch.Tensor], what: str) -> Optional[torch.Tensor]:
+            name = source_name(t)
+            if name is None:
+                return t
+            check_shape(source, name, t.shape, f"{self.name} (module {what})")
+            return source.read(name, dtype=t.dtype, device=t.device)
+        tables = {}
+        for p in paths:
+            full = read(weights[p], p)
+            if full is not weights[p]:
+                setattr(weights[p], SAMPLE, weight_sample(full))  # what quant_signature hashes
+            tables[p] = self.prepare(p, full, read(biases[p], p), None, kinds[p])
+            del full
+        signature = quant_signature(gm, paths, block_lists)
+        self._save(tables, kinds, signature, notes)
+        w0 = weights[paths[0]]
+        key = (self.describe(), signature["weights_sha256"], tuple(paths))
+        self._state(ctx)[key] = self._state(ctx)[(key, w0.device, w0.dtype)] = tables
+        return tables, "read from the checkpoint one linear at a time, no calibration"
 
     def _tables(self, ctx, paths, kinds, weights, biases, signature, notes):
         state = self._state(ctx)
@@ -351,16 +313,19 @@ class _QuantizeLinears(Pass):
         for p in paths:
             absmax = None if stats is None else stats.get(p)
             tables[p] = self.prepare(p, weights[p], biases[p], absmax, kinds[p])
-        if self.serialize_to is not None:
-            flat = {f"{p}.{f}": t for p, tab in tables.items() for f, t in tab.items()}
-            config = self.config()
-            other = {p: k for p, k in sorted(kinds.items()) if k != self.kind}
-            if other:  # the linears whose kind is not config["kind"] (LoadQuantized reads it)
-                config["kind_of"] = other
-            written = save_quantized(self.serialize_to, flat, config, signature)
-            notes.append(f"saved to {written}")
+        self._save(tables, kinds, signature, notes)
         state[key] = state[placed] = tables
         return tables, "calibrated" if stats is not None else "no calibration"
+
+    def _save(self, tables, kinds, signature, notes) -> None:
+        if self.serialize_to is None:
+            return
+        flat = {f"{p}.{f}": t for p, tab in tables.items() for f, t in tab.items()}
+        config = self.config()
+        other = {p: k for p, k in sorted(kinds.items()) if k != self.kind}
+        if other:  # the linears whose kind is not config["kind"] (LoadQuantized reads it)
+            config["kind_of"] = other
+        notes.append(f"saved to {save_quantized(self.serialize_to, flat, config, signature)}")
 
 
 class SVDQuantW4A4(_QuantizeLinears):

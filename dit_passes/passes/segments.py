@@ -147,13 +147,21 @@ def _stream_inputs(block) -> List[fx.Node]:
     return out
 
 
+def _bounds(s: DiTStructure, fn: int, bn: int, pos: Dict[fx.Node, int]) -> Tuple[int, int]:
+    """Graph positions ``[lo, hi)`` of the middle: after block ``fn - 1`` (from block 0's first node when
+    ``fn == 0``: the whole range is cached) up to block ``n - bn``."""
+    blocks = s.blocks
+    lo = pos[blocks[fn - 1].last] + 1 if fn else pos[blocks[0].first]
+    hi = pos[blocks[len(blocks) - bn].first] if bn else pos[blocks[-1].last] + 1
+    return lo, hi
+
+
 def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int,
                exclude: Set[fx.Node] = frozenset()) -> MiddleSegment:
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     blocks = s.blocks
-    lo = pos[blocks[fn - 1].last] + 1
-    hi = pos[blocks[len(blocks) - bn].first] if bn else pos[blocks[-1].last] + 1
+    lo, hi = _bounds(s, fn, bn, pos)
     middle = [n for n in nodes[lo:hi] if n.op == "call_function" and n not in exclude]
     inside = set(middle)
     live_in: List[fx.Node] = []
@@ -165,13 +173,14 @@ def cut_middle(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int,
     bad = [a.name for a in live_in + live_out if not isinstance(a.meta.get("val"), torch.Tensor)]
     if bad:
         raise PassError(f"dbcache: values crossing the cached range are not tensors: {bad}")
-    start = pos[blocks[0].first]
-    streams_at_cut = [a for a in live_in if pos[a] >= start]
-    before_of = _bases(live_out, middle, streams_at_cut)
-
     ins = _stream_inputs(blocks[0])
     if not ins:
         raise PassError("dbcache: block 0 has no residual stream input")
+    start = pos[blocks[0].first]
+    # the streams at the cut: produced by the Fn blocks, or with no Fn block the streams entering block 0
+    streams_at_cut = [a for a in live_in if pos[a] >= start] if fn else [a for a in ins if a in live_in]
+    before_of = _bases(live_out, middle, streams_at_cut)
+
     image_in = next((x for x in ins if "hidden_states" in _ancestor_placeholders(x)
                      and "encoder_hidden_states" not in _ancestor_placeholders(x)), None)
     if image_in is None:
@@ -188,11 +197,10 @@ def keep_loads_with_blocks(gm: fx.GraphModule, s: DiTStructure, fn: int, bn: int
     stays where it is but is excluded from the cut (returned, for ``cut_middle(exclude=...)``), so it
     still runs ahead of its block. A load goes together with the getitems that read it.
     Returns ``(loads moved, nodes to exclude from the middle)``."""
-    blocks, n = s.blocks, len(s.blocks)
+    n = len(s.blocks)
     nodes = list(gm.graph.nodes)
     pos = {x: i for i, x in enumerate(nodes)}
-    lo = pos[blocks[fn - 1].last] + 1
-    hi = pos[blocks[n - bn].first] if bn else pos[blocks[-1].last] + 1
+    lo, hi = _bounds(s, fn, bn, pos)
     moved, exclude = 0, set()
     for load, index in loads.items():
         if load not in pos:

@@ -1,0 +1,259 @@
+"""The residual-cache rewrite every block-range cache pass shares: cut, branch, decide, commit, state I/O.
+
+A cache pass (``DBCache``, ``FirstBlockCache``, ``MagCache``) picks the cut (Fn leading blocks always run,
+Bn trailing blocks always run, the middle is cached) and a :class:`~dit_passes.cache.program.CacheProgram`
+(its state and decision rule); :func:`insert_cache_branch` writes, under the pass's name ``<name>``::
+
+    fn_residual = <stream after the Fn blocks> - <stream entering block 0>     # only if the rule reads it
+    decide = self.<name>_decide(fn_residual, timestep, *cache_state)           # device-side, no .item()
+    use_cache = decide[0]
+    cond = torch.ops.higher_order.cond(use_cache, self.<name>_cached, self.<name>_compute,
+                                       (*live_in, *hit_values))
+    new_state = self.<name>_commit(use_cache, *middle_residuals, *decided_state)
+    return (*user_outputs, *new_state, use_cache, diff)
+
+and registers the state with a :class:`~dit_passes.cache.store.CacheStore` (``runtime.state[<name>]``, also
+the pass's report). With ``Fn = 0`` the whole block range is the middle (MagCache) and the cut is the
+streams entering block 0. Not a pass: a helper of the cache passes, as ``segments`` is.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from ..analysis.blocks import get_structure
+from ..infra.facts import CacheCut, StateIO, facts_of
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
+from .segments import MiddleSegment, cut_middle, keep_loads_with_blocks
+
+
+def _branch(gm: fx.GraphModule, seg: MiddleSegment, k: int, cached: bool, name: str) -> fx.GraphModule:
+    """The two arms of the cond. Operands: (*live_in, *residual_to_use[k]). Outputs: (*live_out, *residual[k])."""
+    g = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    root = torch.nn.Module()
+    for a in seg.live_in:
+        env[a] = g.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    res_in = [g.placeholder(f"residual_{i}") for i in range(k)]
+    for r, o in zip(res_in, seg.live_out):
+        r.meta["val"] = o.meta["val"]
+    def base(o: fx.Node):
+        """The node the residual of ``o`` is taken against (None: ``o`` is cached whole)."""
+        b = seg.before_of[o]
+        if len(b.parts) == 1:
+            return env[b.parts[0]]
+        if not b.parts:
+            return None
+        return g.call_function(torch.ops.aten.cat.default, ([env[p] for p in b.parts], b.dim))
+
+    if cached:
+        outs = []
+        for o, r in zip(seg.live_out, res_in):
+            against = base(o)
+            outs.append(g.call_function(torch.ops.aten.clone.default, (r,)) if against is None
+                        else g.call_function(torch.ops.aten.add.Tensor, (against, r)))
+        res = [g.call_function(torch.ops.aten.clone.default, (r,)) for r in res_in]  # outputs may not alias inputs
+    else:
+        from ..infra.graph_utils import _share_attr
+
+        def lookup(a: fx.Node) -> fx.Node:
+            if a not in env:
+                if a.op != "get_attr":
+                    raise PassError(f"{name}: '{a.name}' is used by the middle blocks but not available")
+                _share_attr(gm, root, a.target)
+                env[a] = g.get_attr(a.target)
+            return env[a]
+
+        for n in seg.nodes:
+            env[n] = g.node_copy(n, lookup)
+        # both arms must return tensors of the same layout: a stream that leaves the middle as a view (Flux's
+        # single blocks end with a slice of the joint sequence) is copied to a fresh contiguous tensor
+        outs = [g.call_function(torch.ops.aten.clone.default, (env[o],), {"memory_format": torch.contiguous_format})
+                if _is_view_like(o) else env[o] for o in seg.live_out]
+        res = []
+        for o in seg.live_out:
+            against = base(o)
+            res.append(g.call_function(torch.ops.aten.clone.default, (env[o],)) if against is None
+                       else g.call_function(torch.ops.aten.sub.Tensor, (env[o], against)))
+    g.output(tuple(outs + res))
+    return fx.GraphModule(root, g, class_name="CacheBranchCached" if cached else "CacheBranchCompute")
+
+
+def _is_view_like(n: fx.Node) -> bool:
+    v = n.meta["val"]
+    return v.storage_offset() != 0 or not v.is_contiguous()
+
+
+def _fake_call(fn, args, mode):
+    from torch.utils._pytree import tree_map
+    fakes = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, args)
+    with mode:
+        return fn(*fakes)
+
+
+
+def add_state_inputs(gm: fx.GraphModule, program, device: torch.device, mode) -> List[fx.Node]:
+    """One placeholder per state tensor of ``program`` (``cache_<name>``), after the user's inputs."""
+    g = gm.graph
+    last = [p for p in g.nodes if p.op == "placeholder"][-1]
+    state_in: List[fx.Node] = []
+    with g.inserting_after(last):
+        for spec in reversed(program.input_spec):
+            ph = g.placeholder(f"cache_{spec.name}")
+            with mode:
+                ph.meta["val"] = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            state_in.insert(0, ph)
+    return state_in
+
+
+def _getitems(g: fx.Graph, node: fx.Node, vals, names: Sequence[str]) -> List[fx.Node]:
+    out = []
+    for i, (v, name) in enumerate(zip(vals, names)):
+        it = g.create_node("call_function", operator.getitem, (node, i), name=name)  # readable prints
+        it.meta["val"] = v
+        out.append(it)
+    return out
+
+
+def finish_state_io(gm: fx.GraphModule, ctx: PassContext, name: str, make_store: Callable[[], object], program,
+                    device: torch.device, state_out: Sequence[fx.Node], use_cache: fx.Node, diff: fx.Node,
+                    cut=None) -> None:
+    """Return ``(*user outputs, *state_out, use_cache, diff)``, register the program with the pass's store
+    (``ctx.runtime.state[name]``, also its report) and the state I/O with ``facts.state_io``; dead code goes."""
+    g = gm.graph
+    out_node = g.output_node()
+    user_outs = list(out_node.args[0])
+    facts = facts_of(gm)
+    prev_user = facts.num_user_outputs if facts.num_user_outputs is not None else len(user_outs)
+    out_node.args = (tuple(user_outs) + tuple(state_out) + (use_cache, diff),)
+    g.eliminate_dead_code()
+    gm.recompile()
+    store = ctx.runtime.state.get(name)
+    if store is None:
+        store = ctx.runtime.state[name] = make_store()
+    ctx.runtime.register_report(name, store)
+    graph_id = ctx.graph_id
+    store.register_graph(graph_id, program, device, cut)
+    facts.num_user_outputs = prev_user
+    facts.inference_only = True
+    facts.state_io.append(StateIO(inputs=lambda rt, _s=store, _g=graph_id: _s.inputs(_g, rt.context),
+                                  outputs=lambda rt, vals, _s=store, _g=graph_id: _s.outputs(_g, rt.context, vals),
+                                  num_outputs=len(state_out) + 2))
+
+
+def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: int, bn: int, tag: str,
+                        make_program: Callable[..., object], make_store: Callable[[], object],
+                        check_segment: Callable[[MiddleSegment], Optional[dict]] = lambda seg: None) -> PassResult:
+    """Rewrite ``gm`` as the module docstring shows. ``make_program(image_residual=, stream_residuals=,
+    has_timestep=, group=)`` builds the graph's :class:`CacheProgram`; ``make_store()`` the store kept in
+    ``ctx.runtime.state[name]`` (created once per runtime); ``check_segment`` may refuse a cut its rule
+    cannot serve (raising :class:`PassError`) and returns extra keywords for ``make_program`` (or None). ``tag``: the config's tag, for the report line."""
+    s = get_structure(gm)
+    n = len(s.blocks)
+    if fn + bn >= n:
+        raise PassError(f"{name}: Fn_compute_blocks + Bn_compute_blocks = {fn} + {bn} must be smaller than "
+                        f"the number of blocks ({n}, lists {[(b.name, b.count) for b in s.block_lists]}), "
+                        f"so that at least one middle block can be cached")
+    relocated, outside = keep_loads_with_blocks(gm, s, fn, bn, facts_of(gm).offload_loads)
+    seg = cut_middle(gm, s, fn, bn, exclude=outside)
+    extra = check_segment(seg) or {}
+    k = len(seg.live_out)
+    g = gm.graph
+    mode = detect_fake_mode([a.meta["val"] for a in seg.live_in])
+    placeholders = [p for p in g.nodes if p.op == "placeholder"]
+    timestep = next((p for p in placeholders if p.target == "timestep"), None)
+
+    group = facts_of(gm).parallel_group  # set by the context/tensor-parallel passes
+    program = make_program(image_residual=seg.image_at_cut.meta["val"],
+                           stream_residuals=[o.meta["val"] for o in seg.live_out],
+                           has_timestep=timestep is not None, group=group, **extra)
+    gm.add_submodule(f"{name}_decide", program.decide)
+    gm.add_submodule(f"{name}_commit", program.commit)
+    gm.add_submodule(f"{name}_compute", _branch(gm, seg, k, cached=False, name=name))
+    gm.add_submodule(f"{name}_cached", _branch(gm, seg, k, cached=True, name=name))
+
+    state_in = add_state_inputs(gm, program, seg.image_at_cut.meta["val"].device, mode)
+    state_names = [spec.name for spec in program.state_spec]
+    getitems = functools.partial(_getitems, g)
+
+    first_after = seg.nodes[-1].next
+    with g.inserting_before(seg.nodes[0]):
+        if program.reads_fn_residual:
+            r = g.create_node("call_function", torch.ops.aten.sub.Tensor, (seg.image_at_cut, seg.image_in),
+                              name="fn_residual")
+            with mode:
+                r.meta["val"] = seg.image_at_cut.meta["val"] - seg.image_in.meta["val"]
+        else:  # the rule ignores it: pass the stream itself rather than computing a difference
+            r = seg.image_at_cut
+        t_arg = timestep if timestep is not None else r
+        d_args = (r, t_arg, *state_in)
+        dec = g.call_module(f"{name}_decide", d_args)
+        dec_vals = _fake_call(program.decide, d_args, mode)
+        dec.meta["val"] = dec_vals
+        dec_items = getitems(dec, dec_vals, ["use_cache", "residual_diff"] + [f"hit_residual_{i}" for i in range(k)]
+                             + [f"decided_{n}" for n in state_names])
+        use_cache, diff = dec_items[0], dec_items[1]
+        use_res = dec_items[2:2 + k]
+        state_mid = dec_items[2 + k:]
+        t_graph, f_graph = g.get_attr(f"{name}_cached"), g.get_attr(f"{name}_compute")
+        operands = tuple(seg.live_in) + tuple(use_res)
+        cond = g.call_function(torch.ops.higher_order.cond, (use_cache, t_graph, f_graph, operands))
+        cond_vals = _fake_call(getattr(gm, f"{name}_compute"), operands, mode)
+        cond.meta["val"] = tuple(cond_vals)
+        cond_items = getitems(cond, cond_vals, [f"stream_{i}" for i in range(k)] + [f"middle_residual_{i}" for i in range(k)])
+    outs, new_res = cond_items[:k], cond_items[k:]
+    for o, new in zip(seg.live_out, outs):
+        o.replace_all_uses_with(new, delete_user_cb=lambda u: u not in set(seg.nodes))
+    with g.inserting_before(first_after):
+        c_args = (use_cache, *new_res, *state_mid)
+        com = g.call_module(f"{name}_commit", c_args)
+        com_vals = _fake_call(program.commit, c_args, mode)
+        com.meta["val"] = com_vals
+        state_out = getitems(com, com_vals, [f"next_{n}" for n in state_names])
+    for node in reversed(seg.nodes):
+        g.erase_node(node)
+    cut = CacheCut(fn, bn, n, len(seg.nodes), k)
+    finish_state_io(gm, ctx, name, make_store, program, seg.image_at_cut.meta["val"].device, state_out,
+                    use_cache, diff, cut)
+    facts = facts_of(gm)
+    facts.structure_at_cut = s
+    facts.cache_cut = cut
+    bases = [len(b.parts) for b in seg.before_of.values()]
+    counts = {"blocks_in_branch": n - fn - bn, "cond": 1, "state_tensors": len(state_in), "streams_cached": k,
+              # leaving streams that are the join of entering ones (a hand-over inside the range), and
+              # those with no entering stream of their shape, cached whole
+              "streams_joined": sum(p > 1 for p in bases), "streams_cached_whole": sum(p == 0 for p in bases),
+              "offload_loads_moved": relocated}
+    return PassResult(True, counts, f"blocks {fn}..{n - bn - 1} of {n} moved into a torch.cond branch "
+                                    f"({len(seg.nodes)} nodes); {k} stream residual(s) cached; tag {tag}")
+
+
+class PeerCachePass(Pass):
+    """What the passes of diffusers' block-range caches share: phase, facts, and a config given whole
+    (ours, or diffusers' class of the same name) or as its fields. Subclasses set ``config_class`` (the name
+    of the class in :mod:`dit_passes.cache.peer_configs`) and ``run``."""
+
+    phase = Phase.CACHE
+    reads = ("structure", "offload_loads", "parallel_group", "num_user_outputs")
+    writes = ("num_user_outputs", "state_io", "inference_only", "structure_at_cut", "cache_cut")
+    invalidates = ("structure",)
+    config_class = ""
+
+    def __init__(self, config=None, **fields: Any):
+        from ..cache import peer_configs
+        cls = getattr(peer_configs, self.config_class)
+        if config is not None and fields:
+            raise TypeError(f"pass either config={cls.__name__}(...) or its fields as keywords, not both")
+        self.config = peer_configs.from_peer(config) if config is not None else cls(**fields)
+        if not isinstance(self.config, cls):
+            raise TypeError(f"{type(self).__name__}: config must be a {cls.__name__}, got {type(config).__name__}")
+
+    def config_items(self) -> Dict[str, Any]:
+        return {"tag": self.config.strify()}
