@@ -238,19 +238,21 @@ class _WatchedWeights(SafetensorsWeights):
         return t
 
 
-def test_svdquant_from_checkpoint_one_weight_at_a_time(tmp_path):
+@pytest.mark.parametrize("modulation", ["w8a16", "w4a16_lr"])  # the default; int4 + low-rank factors
+def test_svdquant_from_checkpoint_one_weight_at_a_time(tmp_path, modulation):
     from dit_passes.passes import SVDQuantW4A4
 
     zm = zoo.build("flux", **FLUX64)
     kw = zm.make_inputs()
     path = _save(zm.model, tmp_path / "flux64.safetensors")
     sd = zm.model.state_dict()
-    cpu = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True)], example_inputs=kw)
+    cpu = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation=modulation)], example_inputs=kw)
     quantized = set(cpu.released)  # the weights the quantizer replaced (the CPU model holds meta there now)
     assert quantized and all(k.endswith(".weight") for k in quantized)
     source = _WatchedWeights(path, quantized)
     model = _meta_twin("flux", **FLUX64)
-    meta = compile_dit(model, passes=[SVDQuantW4A4(rank=8, dynamic=True)], weights=source, example_inputs=kw)
+    meta = compile_dit(model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation=modulation)], weights=source,
+                       example_inputs=kw)
     with torch.no_grad():
         assert torch.equal(meta(**kw)[0], cpu(**kw)[0])  # the same tables: the same numbers
     # each weight read once, whole; a quantized weight was dropped before the next one was read
