@@ -35,8 +35,8 @@ class ParallelismConfig:
     -> :class:`~dit_passes.launch.ray_launcher.RayLauncher` (built by ``dit_passes.frontend.api``).
     Uneven sequence lengths are always exact here, so ``ulysses_anything`` needs nothing; the ring exchange
     is point-to-point (``ring_rotate_method="p2p"``) or one all-gather of K / V (``"allgather"``: the same
-    result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` / ``attention_backend`` are accepted and ignored (the plan
-    is derived from the graph). CP together with TP builds both on one mesh
+    result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` /
+    ``attention_backend`` are accepted and ignored (the plan is derived from the graph). CP together with TP builds both on one mesh
     (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). Not implemented (``NotImplementedError``):
     ``ulysses_async``, ``extra_parallel_modules`` with ``use_ray``. ``ulysses_float8=True`` sends the Ulysses
     all-to-alls as e4m3 rows with per-row scales (approximate).

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from dit_passes.parallel.collectives import CollectiveCounter, all_gather, all_to_all_single, ring_exchange
 
-__all__ = ["ROTATE_METHODS", "attention_with_lse", "fp8_rows", "from_fp8_rows", "even_shard_sizes", "gather_sequence", "ring_attention", "shard_sequence",
-           "ulysses_attention", "usp_attention"]
+__all__ = ["ROTATE_METHODS", "attention_with_lse", "fp8_rows", "from_fp8_rows", "even_shard_sizes", "gather_sequence",
+           "ring_attention", "shard_sequence", "ulysses_attention", "usp_attention"]
 
 
 # --- sharding helpers ------------------------------------------------------------------------------

@@ -13,5 +13,5 @@ from .regional_compile import RegionalCompile
 from .attention_backend import AttentionBackend
 from .vae_parallel import VAEParallel
 
-__all__ = ["Cleanup", "DBCache", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "LoadQuantized", "Ulysses", "Ring", "USP",
-           "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend", "VAEParallel"]
+__all__ = ["Cleanup", "DBCache", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SVDQuantW4A4", "Fp8Linear",
+           "Int8Linear", "LoadQuantized", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend", "VAEParallel"]

@@ -40,8 +40,9 @@ def parallel_passes(ulysses: int = 1, ring: int = 1, tp: int = 1,
                     ulysses_float8: bool = False) -> List[Pass]:
     """The parallel passes for ``ulysses × ring × tp`` ranks of ``group`` (default: the world); sizes of
     1 drop their pass; ``ring_rotate_method``: how ring attention's K / V travel ("p2p" or "allgather");
-    ``ulysses_float8``: the Ulysses all-to-alls in e4m3 (approximate). Context and tensor parallelism together build the subgroups of a (cp, tp) mesh:
-    a collective, every rank calls it with the same sizes; one kind alone needs no process group yet."""
+    ``ulysses_float8``: the Ulysses all-to-alls in e4m3 (approximate). Context and tensor parallelism together
+    build the subgroups of a (cp, tp) mesh: a collective, every rank calls it with the same sizes; one kind alone
+    needs no process group yet."""
     _check_sizes("parallel_passes", ulysses=ulysses, ring=ring, tp=tp)
     cp_group = tp_group = group
     if tp > 1 and ulysses * ring > 1:

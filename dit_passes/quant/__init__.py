@@ -21,6 +21,7 @@ __all__ = [
     "quantize_activation_w4", "quantize_weight_w4", "unpack_int4", "w4a4_gemm_reference", "w4a4_linear_reference",
     "QuantizedCheckpointError", "load_quantized", "memory_report", "save_quantized", "structure_signature",
     "SVDQuantWeight", "prepare_svdquant", "prepare_w4a4_plain", "randomized_svd", "relative_error", "search_alpha",
-    "smoothing_vector", "svdq_w4a4_linear_reference", "W4A16Weight", "prepare_w4a16", "W4A16LRWeight", "prepare_w4a16_lr",
+    "smoothing_vector", "svdq_w4a4_linear_reference", "W4A16Weight", "prepare_w4a16", "W4A16LRWeight",
+    "prepare_w4a16_lr",
     "W8A16Weight", "dequantize_w8a16", "prepare_w8a16",
 ]
