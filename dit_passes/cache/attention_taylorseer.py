@@ -25,9 +25,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from .decision import _reset_to, generation_starts
 from .peer_configs import TaylorSeerCacheConfig
-from .peer_rules import _scalar_specs
+from .peer_rules import _scalar_specs, begin_call
 from .program import CacheProgram, StateSpec
 
 
@@ -73,15 +72,8 @@ class TaylorSeerDecide(torch.nn.Module):
         p, cfg = self.program, self.program.config
         names = p.scalar_names
         s = dict(zip(names, flat))
-        new_gen, t, calls_done = generation_starts(s, timestep if p.has_timestep else None)
-        keep = ~new_gen
-        for spec in p.state_spec[:len(names)]:
-            if spec.name not in ("step", "gen", "last_t"):
-                s[spec.name] = _reset_to(s[spec.name], new_gen, keep, spec.fill)
-        s["gen"] = s["gen"] + new_gen
-        step = s["step"] = torch.where(new_gen, 0, calls_done)
-        if t is not None:
-            s["last_t"] = t
+        s = begin_call(s, p.state_spec[:len(names)], timestep if p.has_timestep else None)
+        step = s["step"]
         before = cfg.disable_cache_before_step
         compute = (step < before) | (torch.remainder(step - before - 1, cfg.cache_interval) == 0)
         if cfg.disable_cache_after_step is not None:

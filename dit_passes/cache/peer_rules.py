@@ -47,6 +47,22 @@ def _scalar_specs(extra: Dict[str, Tuple[torch.dtype, float]] = {}) -> List[Stat
     return [StateSpec(k, (), dt, v) for k, (dt, v) in table.items()]
 
 
+def begin_call(s: Dict[str, torch.Tensor], scalars: Sequence[StateSpec], timestep: Optional[torch.Tensor],
+               num_inference_steps: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """``s`` at the start of a call of a peer rule: a new generation resets every scalar of ``scalars`` to its
+    fill (but the step / generation bookkeeping), counts the generation, and sets the step."""
+    new_gen, t, calls_done = generation_starts(s, timestep, num_inference_steps)
+    keep = ~new_gen
+    for spec in scalars:
+        if spec.name not in _KEEP_ON_RESET:
+            s[spec.name] = _reset_to(s[spec.name], new_gen, keep, spec.fill)
+    s["gen"] = s["gen"] + new_gen
+    s["step"] = torch.where(new_gen, 0, calls_done)
+    if t is not None:
+        s["last_t"] = t
+    return s
+
+
 @dataclasses.dataclass(eq=False, kw_only=True)
 class _PeerProgram(CacheProgram):
     num_inference_steps: Optional[int] = None  # calls after which a generation restarts
@@ -55,20 +71,10 @@ class _PeerProgram(CacheProgram):
         return dict(zip(self.names, flat[:len(self.names)]))
 
     def _begin(self, flat: Sequence[torch.Tensor], timestep) -> Dict[str, torch.Tensor]:
-        """The state at the start of this call: a new generation resets every scalar (the tensors are written
-        before they are read again: ``has_prev`` is reset), the step advances."""
-        s = self._unpack(flat)
-        new_gen, t, calls_done = generation_starts(s, timestep if self.has_timestep else None,
-                                                   self.num_inference_steps)
-        keep = ~new_gen
-        for spec in self.state_spec:
-            if spec.shape == () and spec.name not in _KEEP_ON_RESET:
-                s[spec.name] = _reset_to(s[spec.name], new_gen, keep, spec.fill)
-        s["gen"] = s["gen"] + new_gen
-        s["step"] = torch.where(new_gen, 0, calls_done)
-        if t is not None:
-            s["last_t"] = t
-        return s
+        """The state at the start of this call (:func:`begin_call`; the tensors are written before they are read
+        again: ``has_prev`` is reset)."""
+        return begin_call(self._unpack(flat), [spec for spec in self.state_spec if spec.shape == ()],
+                          timestep if self.has_timestep else None, self.num_inference_steps)
 
     def _finish(self, s: Dict[str, torch.Tensor], use_cache: torch.Tensor, diff: torch.Tensor,
                 recorded: torch.Tensor) -> None:
