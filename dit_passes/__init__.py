@@ -48,7 +48,9 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
     arguments of ``torch.compile`` applied to each lowered graph (``{}`` for the defaults: Inductor,
     ``fullgraph=True``); the graph, cache branch included, then compiles as one. With ``"regional": True``
     in it, the other keys go to :class:`~dit_passes.passes.RegionalCompile` instead, which compiles each
-    distinct block program once and leaves the rest eager (a much shorter first generation).
+    distinct block program once and leaves the rest eager (a much shorter first generation). ``{"regional": True,
+    "mode": "reduce-overhead"}`` also replays each call as one CUDA graph, the cache decision a conditional node
+    read by the GPU (no host sync per step; CUDA >= 12.4, see :mod:`dit_passes.infra.cuda_graph_step`).
 
     Weights a pass replaces (shards, quantized tables) leave ``model``: its parameters become meta tensors (or
     the replacement itself, when shape and dtype match), so each weight is held once (``compiled.released``,

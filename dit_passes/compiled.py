@@ -24,6 +24,8 @@ from .capture import Captured, bind_call, capture, signature_key, value_key
 from .infra.trace_templates import default_templates
 from .analysis.blocks import get_structure
 from .infra.facts import facts_of
+from .infra.cuda_graph_step import FIX as CUDA_GRAPH_FIX
+from .infra.cuda_graph_step import CudaGraphStep, CudaGraphUnavailable
 from .infra.graph_runner import GraphRunner
 from .infra.memory import MemoryReport, memory_report, onloaded_tensors
 from .infra.pass_base import Pass, PassContext
@@ -115,12 +117,18 @@ class CompiledDiT(torch.nn.Module):
             raise TypeError(f"torch_compile must be a dict of torch.compile keyword arguments (e.g. "
                             f"{{'mode': 'max-autotune-no-cudagraphs'}}), got {type(torch_compile).__name__}")
         self._regional = None  # torch_compile={"regional": True, ...}: a RegionalCompile pass, run after the others
+        # torch_compile={"regional": True, "mode": "reduce-overhead"}: the blocks compiled by Inductor, the whole
+        # step (top graph, regions, both cache arms) replayed as one CUDA graph (infra/cuda_graph_step.py)
+        self._cuda_graphs = False
+        self._graph_pool: Any = None
         if torch_compile is not None and torch_compile.get("regional"):
             from .passes.regional_compile import RegionalCompile
             if any(p.phase is Phase.COMPILE for p in passes if isinstance(p, Pass)):
                 raise ValueError("torch_compile={'regional': True} adds passes.RegionalCompile; a compile-phase pass "
                                  "is in passes=[...] already: keep one")
-            self._regional = RegionalCompile(**{k: v for k, v in torch_compile.items() if k != "regional"})
+            self._cuda_graphs = torch_compile.get("mode") == "reduce-overhead"
+            self._regional = RegionalCompile(**{k: v for k, v in torch_compile.items()
+                                                if k != "regional" and not (k == "mode" and self._cuda_graphs)})
             torch_compile = None
         elif torch_compile is not None:
             torch_compile = {k: v for k, v in torch_compile.items() if k != "regional"}
@@ -249,6 +257,10 @@ class CompiledDiT(torch.nn.Module):
         tensors = [x for x in pytree.tree_leaves(kwargs) if isinstance(x, torch.Tensor)]
         check_has_source(self.original, ledger.source, tensors)
         device = self._device or (tensors[0].device if tensors else torch.device("cpu"))
+        if self._cuda_graphs and device.type != "cuda":  # refused before capturing
+            raise CudaGraphUnavailable(f"torch_compile={{'regional': True, 'mode': 'reduce-overhead'}} replays the "
+                                       f"step as a CUDA graph: the call's tensors are on {device}; run on a CUDA "
+                                       f"device or {CUDA_GRAPH_FIX}")
         read: Dict[str, torch.Tensor] = {}  # what LoadWeights reads from the checkpoint: it goes into the model too
         passes = ([Cleanup()] if self._cleanup else []) + ([LoadWeights(read)] if ledger.source is not None else []) \
             + self._passes + ([self._regional] if self._regional else [])
@@ -275,9 +287,18 @@ class CompiledDiT(torch.nn.Module):
         # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph
         runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True, **self._torch_compile})
         lowered = LoweredGraph(gm, captured, manager, runner)
+        if self._cuda_graphs:
+            lowered.runner = self._cuda_graph_step(lowered)
         self.graphs[f"g{len(self._by_key)}"] = gm
         self._by_key[key] = lowered
         return lowered
+
+    def _cuda_graph_step(self, lowered: LoweredGraph) -> CudaGraphStep:
+        """The lowered graph's eager runner, replayed as a CUDA graph (mode="reduce-overhead"); refused here, at
+        lowering, where it cannot apply."""
+        if self._graph_pool is None:  # one memory pool for every signature's graph: they never run at once
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return CudaGraphStep(lowered.eager, pool=self._graph_pool)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = bind_call(self.original, args, kwargs)

@@ -1,0 +1,204 @@
+"""Issue 23's table: the fastest FLUX.1-dev-size generation on one GPU, our stacks and their step profile.
+
+Rows (``dit_passes.bench``'s model: FLUX.1-dev config, random bf16 weights, 4096 + 512 tokens, its 28-step toy
+loop and forced schedule F8B0, 8 warm-up steps, then always cached: 20 of 28 steps cached):
+
+* ``reference``: the model itself, eager, no cache: the output every row's relative error is measured against;
+* ``ours_bf16_eagerstep``: ``compile_dit(DBCache)`` + ``torch_compile={"regional": True}`` (the step's top graph
+  eager, one host read of the cache decision per step);
+* ``ours_bf16``: the same with ``"mode": "reduce-overhead"``: the step replayed as one CUDA graph, the cache
+  decision a conditional node (``dit_passes/infra/cuda_graph_step.py``);
+* ``ours_fp8``: ``ours_bf16`` plus ``Fp8Linear`` on every block linear (fast accumulation), built last: it
+  releases the bf16 block weights from the model.
+
+Each row: capture + passes (``build_s``), the first generation (compile and CUDA-graph capture included, cold
+Inductor cache where ``bench/device_env.sh`` set one), the median of ``--repeats`` more, the relative error of
+the final latents vs ``reference``, resident and peak GPU bytes. Then the step profile of the graphed step:
+wall time per call (back to back, no sync between) against the GPU kernel time torch.profiler records, for a
+computed step and a cached step. cache-dit + ``compile_repeated_blocks`` runs in its own process
+(``bench/flux_peers.py --rows cacheditregional_always``, same model, inputs and schedule: one process cannot
+hold both patched models' compiles cleanly) and ``--peers`` merges its JSON into this table.
+
+    python bench/h200_fastest.py --out $OUT --peers $OUT/flux_peers.json     # bench/h200_fastest.sh
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+from dit_passes import bench as B
+
+
+def generation(module, inputs: Dict[str, Any]) -> Tuple[float, torch.Tensor]:
+    """``bench.generation``'s loop, also returning the final latents."""
+    kw = dict(inputs)
+    ts = [torch.tensor([1.0 - i / B.STEPS], device="cuda", dtype=inputs["timestep"].dtype) for i in range(B.STEPS)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    x = kw["hidden_states"]
+    with torch.inference_mode():
+        for t in ts:
+            kw["timestep"] = t
+            x = x + 0.01 * module(**kw)[0]
+            kw["hidden_states"] = x
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, x
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def step_profile(fn: Callable[[], Any], steps: int = 10) -> Dict[str, float]:
+    """Wall ms per call over ``steps`` back-to-back calls, and the GPU kernel ms per call in a profiled run."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1000 / steps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+    kernel_us, launches = 0.0, 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += e.device_time
+            launches += 1
+    return {"wall_ms": wall, "kernel_ms": kernel_us / 1000 / steps, "kernels_per_step": launches / steps}
+
+
+def build_row(name: str, model, inputs):
+    from dit_passes import compile_dit, passes
+    from dit_passes.passes.quantize import Fp8Linear
+    from dit_passes.quant import dispatch
+    schedule = B.schedules()["always"]
+    compile_kwargs: Dict[str, Any] = {"regional": True}
+    chosen: List[Any] = [passes.DBCache(**schedule)]
+    if name in ("ours_bf16", "ours_fp8"):
+        compile_kwargs["mode"] = "reduce-overhead"
+    if name == "ours_fp8":
+        os.environ[dispatch.FAST_ACCUM_ENV] = "1"
+        chosen.append(Fp8Linear(exclude=()))
+    ex = {k: v for k, v in inputs.items()}
+    return compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=compile_kwargs)
+
+
+def measure(name: str, module, inputs, repeats: int, ref) -> Dict[str, Any]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    first, x = generation(module, inputs)
+    runs = [generation(module, inputs)[0] for _ in range(repeats)]
+    row = {"first_generation_s": first, "generation_s": statistics.median(runs), "runs_s": runs,
+           "resident_gib": torch.cuda.memory_allocated() / 2 ** 30,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+    if ref is not None:
+        row["rel_err_vs_reference"] = rel_err(x, ref)
+    summary = getattr(module, "cache_summary", None)
+    if callable(summary):
+        row["cached_steps"] = len(module.cache_summary(as_dict=True)[-1]["cached_steps"])
+    return row, x
+
+
+def write(res: Dict[str, Any], out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "h200_fastest.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = [f"# Fastest FLUX.1-dev-size generation ({res['gpu']}, torch {res['torch']})", "",
+             f"Command: `{res['command']}`", "",
+             "| row | first generation s | 28 steps s | rel. err vs uncached | cached steps | resident GiB "
+             "| peak GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in res["rows"].items():
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error'][:150]} | | | | | |")
+            continue
+        lines.append(f"| {name} | {r.get('first_generation_s', float('nan')):.2f} | {r['generation_s']:.3f} | "
+                     f"{r.get('rel_err_vs_reference', float('nan')):.4f} | {r.get('cached_steps', '')} | "
+                     f"{r.get('resident_gib', float('nan')):.2f} | {r.get('peak_gib', float('nan')):.2f} |")
+    for k in ("compute_step", "cached_step"):
+        if k in res:
+            p = res[k]
+            lines.append(f"\n{k} (graphed): wall {p['wall_ms']:.2f} ms, kernels {p['kernel_ms']:.2f} ms, "
+                         f"{p['kernels_per_step']:.0f} kernels")
+    lines.append("\n```\n" + json.dumps(res.get("summary", {}), indent=1) + "\n```")
+    with open(os.path.join(out, "h200_fastest.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="out/fastest")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--peers", default=None, help="flux_peers.py's JSON with the cacheditregional_always row")
+    p.add_argument("--rows", default="reference,ours_bf16_eagerstep,ours_bf16,profile,ours_fp8")
+    a = p.parse_args(argv)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    model = B.build_model("full", dev, dt)
+    inputs = B.make_inputs("full", dev, dt)
+    res: Dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "command": "python bench/h200_fastest.py " + " ".join(sys.argv[1:]), "rows": {}}
+    ref = None
+    for name in a.rows.split(","):
+        t0 = time.perf_counter()
+        try:
+            if name == "reference":
+                res["rows"][name], ref = measure(name, model, inputs, 1, None)
+            elif name == "profile":  # the graphed step, computed and cached, back to back
+                from dit_passes import compile_dit, passes
+                for key, sched in (("compute_step", "never"), ("cached_step", "always")):
+                    s = {**B.schedules()[sched], "max_warmup_steps": 1}
+                    m = compile_dit(model, passes=[passes.DBCache(**s)], example_inputs=dict(inputs),
+                                    torch_compile={"regional": True, "mode": "reduce-overhead"})
+                    res[key] = step_profile(lambda: m(**inputs))
+                    del m
+            else:
+                module = build_row(name, model, inputs)
+                build_s = time.perf_counter() - t0
+                row, _ = measure(name, module, inputs, a.repeats, ref)
+                res["rows"][name] = {"build_s": build_s, **row}
+                res["rows"][name]["first_generation_s"] += build_s  # capture + passes count in the first one
+                del module
+        except Exception as e:  # noqa: BLE001 - a failed row is recorded, the others still run
+            import traceback
+            res["rows"][name] = {"error": f"{type(e).__name__}: {e}"[:600], "trace": traceback.format_exc()[-2000:]}
+        print(name, json.dumps({k: v for k, v in res["rows"].get(name, {}).items() if k != "trace"}), flush=True)
+        torch.cuda.empty_cache()
+        write(res, a.out)
+    peers = {}
+    if a.peers and os.path.exists(a.peers):
+        peers = json.load(open(a.peers))["rows"].get("cacheditregional_always", {})
+        if "generation_s" in peers:
+            res["rows"]["cachedit_compiled (separate process)"] = peers
+    rows = res["rows"]
+
+    def get(row, key):
+        return rows.get(row, {}).get(key)
+    res["summary"] = {
+        "cachedit_compiled_s": peers.get("generation_s"), "cachedit_compiled_first_s": peers.get("first_generation_s"),
+        "ours_bf16_s": get("ours_bf16", "generation_s"), "ours_bf16_first_s": get("ours_bf16", "first_generation_s"),
+        "ours_fp8_s": get("ours_fp8", "generation_s"),
+        "cached_step_wall_ms": res.get("cached_step", {}).get("wall_ms"),
+        "cached_step_kernel_ms": res.get("cached_step", {}).get("kernel_ms"),
+        "compute_step_wall_ms": res.get("compute_step", {}).get("wall_ms"),
+        "compute_step_kernel_ms": res.get("compute_step", {}).get("kernel_ms")}
+    write(res, a.out)
+    print(json.dumps(res["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
