@@ -1,0 +1,10 @@
+#!/bin/bash
+# The whole coverage matrix (issue 20) in one device call, on the machine's CPU cores (no GPU use): shards of
+# families side by side (bench/coverage_shards.py), merged into $OUT/coverage/coverage.{json,md}.
+#   device tool: run(command="bash bench/device_coverage.sh", carry=[".whl"])   (.whl: diffusers and its wheels)
+set -u
+source bench/device_env.sh
+export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=""
+timeout ${COVERAGE_TIMEOUT:-560} python3 "$repo/bench/coverage_shards.py" --shards ${SHARDS:-10} --timeout 300 \
+  --earlier "$repo/bench/results/coverage.json" --out "$out/coverage"
+echo "coverage rc=$?"
