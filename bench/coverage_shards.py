@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--earlier", default="bench/results/coverage.json", help="an earlier matrix: its cell seconds")
     p.add_argument("--out", default="out/coverage")
     p.add_argument("--families", default="", help="comma-separated: only these (a trial run)")
+    p.add_argument("--deadline", type=float, default=0.0, help="seconds: then stop the shards still running and "
+                   "merge the finished ones (their families are listed as unfinished)")
     a = p.parse_args(argv)
     from dit_passes.coverage import merge_rows, select_rows, summarize, to_markdown
     rows = select_rows([f for f in a.families.split(",") if f] or None)
@@ -48,8 +50,17 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "dit_passes.cli", "coverage", "--families", ",".join(fams),
                "--timeout", str(a.timeout), "--out", d]
         procs.append((d, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
-    codes = [proc.wait() for _, proc in procs]
+    codes = []
+    for _, proc in procs:
+        left = None if a.deadline <= 0 else max(1.0, a.deadline - (time.perf_counter() - t0))
+        try:
+            codes.append(proc.wait(timeout=left))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append("killed at the deadline")
     wall = time.perf_counter() - t0
+    unfinished = [f for (d, _), fams in zip(procs, shards) for f in fams
+                  if not os.path.exists(os.path.join(d, "coverage.json"))]
     parts = [json.load(open(os.path.join(d, "coverage.json"))) for d, _ in procs
              if os.path.exists(os.path.join(d, "coverage.json"))]
     if not parts:
@@ -65,11 +76,12 @@ def main(argv=None) -> int:
     merged["command"] = (f"python bench/coverage_shards.py --shards {a.shards} --timeout {a.timeout:g} "
                          f"(one `dit-passes coverage --families ...` per shard, {os.cpu_count()} CPUs)")
     merged["shard_exit_codes"] = codes
+    merged["unfinished_families"] = unfinished
     with open(os.path.join(a.out, "coverage.json"), "w") as f:
         json.dump(merged, f, indent=1)
     with open(os.path.join(a.out, "coverage.md"), "w") as f:
         f.write(to_markdown(merged, merged["command"]))
-    print(json.dumps({"wall_s": wall, "rows": len(merged["rows"]), "exit_codes": codes,
+    print(json.dumps({"wall_s": wall, "rows": len(merged["rows"]), "exit_codes": codes, "unfinished": unfinished,
                       "summary": merged["summary"]}, indent=1))
     return 0 if all(c == 0 for c in codes) else 1
 

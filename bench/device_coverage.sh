@@ -5,6 +5,7 @@
 set -u
 source bench/device_env.sh
 export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=""
-timeout ${COVERAGE_TIMEOUT:-560} python3 "$repo/bench/coverage_shards.py" --shards ${SHARDS:-10} --timeout 300 \
+timeout ${COVERAGE_TIMEOUT:-580} python3 "$repo/bench/coverage_shards.py" --shards ${SHARDS:-10} --timeout 300 \
+  --deadline ${COVERAGE_DEADLINE:-540} \
   --earlier "$repo/bench/results/coverage.json" --out "$out/coverage"
 echo "coverage rc=$?"

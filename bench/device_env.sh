@@ -5,7 +5,7 @@
 # from the repository root, `python -m` would import the uninstalled source folder dit_passes/ instead.
 repo=$(pwd)
 out=${OUT:-$repo/out/bench}
-site=/tmp/dit_site
+site=${DIT_SITE:-/tmp/dit_site}  # two scripts side by side: give one another DIT_SITE
 rm -rf "$site" && mkdir -p "$site"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" . >&2 || exit 1
 if compgen -G ".whl/*.whl" >/dev/null; then
