@@ -24,13 +24,12 @@ hold both patched models' compiles cleanly) and ``--peers`` merges its JSON into
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
@@ -81,20 +80,13 @@ def step_profile(fn: Callable[[], Any], steps: int = 10) -> Dict[str, float]:
     return {"wall_ms": wall, "kernel_ms": kernel_us / 1000 / steps, "kernels_per_step": launches / steps}
 
 
+# our rows are dit-passes bench's (the command users run: dit-passes bench --size full --preset fastest)
+ROW_OF = {"ours_bf16_eagerstep": "compiled_regional_always", "ours_bf16": "graphed_regional_always",
+          "ours_fp8": "graphed_regional_fp8_always"}
+
+
 def build_row(name: str, model, inputs):
-    from dit_passes import compile_dit, passes
-    from dit_passes.passes.quantize import Fp8Linear
-    from dit_passes.quant import dispatch
-    schedule = B.schedules()["always"]
-    compile_kwargs: Dict[str, Any] = {"regional": True}
-    chosen: List[Any] = [passes.DBCache(**schedule)]
-    if name in ("ours_bf16", "ours_fp8"):
-        compile_kwargs["mode"] = "reduce-overhead"
-    if name == "ours_fp8":
-        os.environ[dispatch.FAST_ACCUM_ENV] = "1"
-        chosen.append(Fp8Linear(exclude=()))
-    ex = {k: v for k, v in inputs.items()}
-    return compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=compile_kwargs)
+    return B.row_factories(model, inputs, {})[ROW_OF[name]]()
 
 
 def measure(name: str, module, inputs, repeats: int, ref) -> Dict[str, Any]:

@@ -11,6 +11,11 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
   first generation's time (compile included) and the steady 28-step time;
 * ``compiled_regional_never`` / ``compiled_regional_always``: ``dbcache_*`` with ``torch_compile={"regional":
   True, ...}`` (``passes.RegionalCompile``: one Inductor compile per distinct block program, the rest eager);
+* ``graphed_regional_always``: ``compiled_regional_always`` with ``"mode": "reduce-overhead"``: the whole step
+  replayed as one CUDA graph, the cache decision a conditional node (no host read per step);
+  ``graphed_regional_fp8_always``: the same plus ``Fp8Linear`` on every block linear (fast accumulation, set by
+  ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset); it releases the bf16 block weights, so it runs last;
+* ``--preset fastest``: ``compiled_regional_always,graphed_regional_always,graphed_regional_fp8_always``;
 * ``--attention cudnn`` adds ``passes.AttentionBackend("cudnn")`` to every captured row (not ``eager``);
 * host time of capture + passes.
 
@@ -40,7 +45,8 @@ TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=14, at
 SIZES = {"full": (FLUX_DEV, 4096, 512), "tiny": (TINY, 256, 32)}
 STEPS, WARMUP = 28, 8
 ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "compiled_never", "compiled_always",
-        "compiled_regional_never", "compiled_regional_always")
+        "compiled_regional_never", "compiled_regional_always", "graphed_regional_always", "graphed_regional_fp8_always")
+PRESETS = {"fastest": "compiled_regional_always,graphed_regional_always,graphed_regional_fp8_always"}
 
 
 def build_model(size: str, device: torch.device, dtype: torch.dtype):
@@ -110,15 +116,25 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
     ex = {k: v for k, v in inputs.items()}
     regional = {**compile_kwargs, "regional": True}
 
-    def make(schedule: Optional[str], torch_compile: Optional[Dict[str, Any]] = None):
-        chosen = ([passes.DBCache(**s[schedule])] if schedule else []) + (
-            [passes.AttentionBackend(attention)] if attention else [])
-        return lambda: compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=torch_compile)
+    graphed = {**regional, "mode": "reduce-overhead"}
+
+    def make(schedule: Optional[str], torch_compile: Optional[Dict[str, Any]] = None, fp8: bool = False):
+        def build():
+            chosen = ([passes.DBCache(**s[schedule])] if schedule else []) + (
+                [passes.AttentionBackend(attention)] if attention else [])
+            if fp8:
+                from .quant.dispatch import FAST_ACCUM_ENV
+                os.environ.setdefault(FAST_ACCUM_ENV, "1")  # sm_90's fast fp8 accumulation, unless the user chose
+                chosen.append(passes.Fp8Linear(exclude=()))
+            return compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=torch_compile)
+        return build
 
     return {"eager": lambda: model, "graph": make(None), "dbcache_never": make("never"),
             "dbcache_always": make("always"), "compiled_graph": make(None, compile_kwargs),
             "compiled_never": make("never", compile_kwargs), "compiled_always": make("always", compile_kwargs),
-            "compiled_regional_never": make("never", regional), "compiled_regional_always": make("always", regional)}
+            "compiled_regional_never": make("never", regional), "compiled_regional_always": make("always", regional),
+            "graphed_regional_always": make("always", graphed),
+            "graphed_regional_fp8_always": make("always", graphed, fp8=True)}
 
 
 def measure_row(name: str, make: Callable[[], Any], inputs, repeats: int) -> Dict[str, Any]:
@@ -198,6 +214,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--size", choices=tuple(SIZES), default="tiny")
     p.add_argument("--rows", default="eager,graph,dbcache_never,dbcache_always",
                    help=f"comma-separated rows (default: the eager ones); all: {','.join(ROWS)}")
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None, help=f"named rows (overrides --rows): "
+                   f"{'; '.join(f'{k}: {v}' for k, v in PRESETS.items())}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile-mode", default=None, help="torch.compile mode for the compiled_* rows")
     p.add_argument("--attention", default=None, choices=("cudnn", "flash", "efficient", "math"),
@@ -205,7 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)
     compile_kwargs = {} if args.compile_mode is None else {"mode": args.compile_mode}
-    results = run(args.size, [r.strip() for r in args.rows.split(",") if r.strip()], args.out, args.repeats,
+    rows = PRESETS[args.preset] if args.preset else args.rows
+    results = run(args.size, [r.strip() for r in rows.split(",") if r.strip()], args.out, args.repeats,
                   compile_kwargs, args.attention)
     print(table(results))
     return 0
