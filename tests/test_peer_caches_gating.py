@@ -179,24 +179,6 @@ def test_tea_cache_matches_paper_rule(coefficients):
     assert compiled.report("tea_cache").fidelity_stats()["executed_block_fraction"] < 1.0
 
 
-@pytest.mark.parametrize("make,backend", [
-    (lambda: passes.SeaCache(threshold=0.5, num_inference_steps=STEPS, timestep_scale=1000.0), "eager"),
-    (lambda: passes.TeaCache(threshold=1.0, num_inference_steps=STEPS, coefficients=(1.0, 0.0)), "aot_eager")],
-    ids=["sea", "tea"])
-def test_compiles_fullgraph(make, backend):
-    """The whole step, decision (FFT indicator included) and branch, as one torch.compile graph."""
-    zm = build("flux")
-    kwargs = zm.make_inputs()
-    eager = compile_dit(zm.model, passes=[make()])
-    ref, _ = denoise(eager, kwargs, generations=1)
-    fresh = compile_dit(zm.model, passes=[make()], torch_compile={"backend": backend, "fullgraph": True})
-    out, _ = denoise(fresh, kwargs, generations=1)
-    assert fresh._current().runner is not fresh.graph_module
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    a, b = fresh.cache_report().last_generation(), eager.cache_report().last_generation()
-    assert a["step_cached"] == b["step_cached"] and any(a["step_cached"])
-
-
 def test_frontend_and_refusals():
     import dit_passes as cache_dit
     from dit_passes.infra.pass_base import PassError

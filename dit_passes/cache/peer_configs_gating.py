@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional, Tuple
 
 
 def _number(cls: str, name: str, v: Any, lo: float = -math.inf, strict: bool = False) -> float:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > lo if strict else v >= lo)
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+          and (v > lo if strict else v >= lo))
     if not ok:
         raise ValueError(f"{cls}.{name}={v!r}: use a finite number {'>' if strict else '>='} {lo}")
     return float(v)

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
 
 from .decision import _timestep_value
 from .peer_configs_gating import SeaCacheConfig, TeaCacheConfig
-from .peer_rules import _PeerProgram, _scalar_specs
+from .peer_rules import ImageResidualProgram, _PeerProgram, _scalar_specs
 from .program import StateSpec
 
 
@@ -90,7 +90,8 @@ class SeaProgram(_PeerProgram):
         sigma = t / cfg.timestep_scale if t is not None else torch.zeros((), dtype=torch.float64, device=step.device)
         ind = sea_indicator(sea_latents(hidden_states), sigma, cfg.power_exp)
         prev = s["ind"]
-        per_sample = (ind.float() - prev.float()).abs().flatten(1).mean(1) / (prev.float().abs().flatten(1).mean(1) + 1e-16)
+        num = (ind.float() - prev.float()).abs().flatten(1).mean(1)
+        per_sample = num / (prev.float().abs().flatten(1).mean(1) + 1e-16)  # one relative L1 per sample
         dist = per_sample.to(torch.float64).mean()
         forced = (step < cfg.retention_steps) | ~s["has_ind"]
         if cfg.cache_end_steps:
@@ -148,10 +149,8 @@ def build_sea_program(config: SeaCacheConfig, *, image_stream: int, image_residu
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
-class TeaProgram(_PeerProgram):
+class TeaProgram(ImageResidualProgram):
     config: TeaCacheConfig
-    image_stream: int = 0
-    passthrough: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...] = ()  # (shape, dtype) of every stream
 
     def decide_call(self, modulated, timestep, flat):
         s = self._begin(flat, timestep)
@@ -170,15 +169,11 @@ class TeaProgram(_PeerProgram):
         nan = torch.full((), float("nan"), dtype=torch.float64, device=step.device)
         diff = torch.where(edge, nan, acc)  # the accumulated rescaled distance stands for the diff
         self._finish(s, use_cache, diff, ~edge)
-        hits = [s["res"] if i == self.image_stream else torch.zeros(shape, dtype=dt, device=step.device)
-                for i, (shape, dt) in enumerate(self.passthrough)]
-        return (use_cache, diff, *hits, *self._pack(s))
+        return (use_cache, diff, *self._image_hits(s), *self._pack(s))
 
     def commit_call(self, use_cache, flat):
         values, s = flat[:self.num_streams], self._unpack(flat[self.num_streams:])
-        compute = ~use_cache
-        s["res"] = torch.where(compute, values[self.image_stream].to(s["res"].dtype), s["res"])
-        s["last_compute_step"] = torch.where(compute, s["step"], s["last_compute_step"])
+        self._store_image_residual(s, ~use_cache, values)
         return self._pack(s)
 
 

@@ -1,8 +1,8 @@
 """The residual-cache rewrite every block-range cache pass shares: cut, branch, decide, commit, state I/O.
 
-A cache pass (``DBCache``, ``FirstBlockCache``, ``MagCache``) picks the cut (Fn leading blocks always run,
-Bn trailing blocks always run, the middle is cached) and a :class:`~dit_passes.cache.program.CacheProgram`
-(its state and decision rule); :func:`insert_cache_branch` writes, under the pass's name ``<name>``::
+A cache pass (``DBCache``, ``FirstBlockCache``, ``MagCache``, ``SeaCache``, ``TeaCache``) picks the cut (Fn
+leading blocks always run, Bn trailing blocks always run, the middle is cached) and a
+:class:`~dit_passes.cache.program.CacheProgram` (its state and decision rule); :func:`insert_cache_branch` writes, under the pass's name ``<name>``::
 
     fn_residual = <stream after the Fn blocks> - <stream entering block 0>     # only if the rule reads it
     decide = self.<name>_decide(fn_residual, timestep, *cache_state)           # device-side, no .item()
@@ -156,10 +156,10 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
     """Rewrite ``gm`` as the module docstring shows. ``make_program(image_residual=, stream_residuals=,
     has_timestep=, group=)`` builds the graph's :class:`CacheProgram`; ``make_store()`` the store kept in
     ``ctx.runtime.state[name]`` (created once per runtime); ``check_segment`` may refuse a cut its rule
-    cannot serve (raising :class:`PassError`) and returns extra keywords for ``make_program`` (or None). ``tag``: the config's tag, for the report line.
-    ``decide_input(gm, seg)``: the node the decision reads instead of the Fn residual (called with the graph
-    inserting before the cached range; SeaCache: an input, TeaCache: a copy of block 0's modulated input);
-    ``make_program`` then gets its value as ``image_residual``."""
+    cannot serve (raising :class:`PassError`) and returns extra keywords for ``make_program`` (or None).
+    ``tag``: the config's tag, for the report line. ``decide_input(gm, seg)``: the node the decision reads
+    instead of the Fn residual (called with the graph inserting before the cached range; SeaCache: an input,
+    TeaCache: a copy of block 0's modulated input); ``make_program`` then gets its value as ``image_residual``."""
     s = get_structure(gm)
     n = len(s.blocks)
     if fn + bn >= n:

@@ -1,4 +1,4 @@
-"""TeaCache: timestep-embedding-aware caching (Liu et al. 2024) as a graph pass (decision on the device, ``torch.cond``).
+"""TeaCache: timestep-embedding-aware caching (Liu et al. 2024) as a graph pass (device decision, ``torch.cond``).
 
 Requires: ``structure``. Provides: the cache branch (facts ``state_io``, ``cache_cut``, ``structure_at_cut``).
 Invalidates: ``structure``. diffusers ships no TeaCache hook: the rule is the paper's
