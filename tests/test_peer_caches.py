@@ -1,4 +1,5 @@
-"""FirstBlockCache and MagCache passes side by side with diffusers 0.42's hooks on the same tiny transformers.
+"""FirstBlockCache, MagCache and TaylorSeerCache passes side by side with diffusers 0.42's hooks on the same tiny
+transformers (SeaCache / TeaCache: test_peer_caches_gating.py; all five compile with fullgraph=True here).
 
 The reference is diffusers' own hook (``model.enable_cache(FirstBlockCacheConfig(...))`` /
 ``MagCacheConfig``) on a copy of the same fp32 CPU transformer; both run the same denoising loop (falling
@@ -219,18 +220,22 @@ def test_taylorseer_refusals():
         passes.TaylorSeerCache(disable_cache_before_step=0)
 
 
-@pytest.mark.parametrize("make", [lambda: passes.FirstBlockCache(threshold=0.4),
-                                  lambda: passes.TaylorSeerCache(cache_interval=2, disable_cache_before_step=2),
-                                  lambda: passes.MagCache(threshold=0.3, num_inference_steps=STEPS, max_skip_steps=2,
-                                                          mag_ratios=[1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 0.95, 1.0])],
-                         ids=["fbc", "taylorseer", "mag"])
-def test_compiles_fullgraph(make):
+@pytest.mark.parametrize("make,backend", [
+    (lambda: passes.FirstBlockCache(threshold=0.4), "eager"),
+    (lambda: passes.TaylorSeerCache(cache_interval=2, disable_cache_before_step=2), "eager"),
+    (lambda: passes.MagCache(threshold=0.3, num_inference_steps=STEPS, max_skip_steps=2,
+                             mag_ratios=[1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 0.95, 1.0]), "eager"),
+    # SeaCache's FFT indicator: eager backend (aot_eager takes ~3 min on 2 CPU cores); TeaCache: aot_eager
+    (lambda: passes.SeaCache(threshold=0.5, num_inference_steps=STEPS, timestep_scale=1000.0), "eager"),
+    (lambda: passes.TeaCache(threshold=1.0, num_inference_steps=STEPS, coefficients=(1.0, 0.0)), "aot_eager")],
+    ids=["fbc", "taylorseer", "mag", "sea", "tea"])
+def test_compiles_fullgraph(make, backend):
     """The whole step, decision and branch included, as one torch.compile graph (fullgraph=True)."""
     zm = build("flux")
     kwargs = zm.make_inputs()
     eager = compile_dit(zm.model, passes=[make()])
     ref, _ = denoise(eager, kwargs, generations=1)
-    fresh = compile_dit(zm.model, passes=[make()], torch_compile={"backend": "eager"})
+    fresh = compile_dit(zm.model, passes=[make()], torch_compile={"backend": backend})
     out, _ = denoise(fresh, kwargs, generations=1)
     assert fresh._current().runner is not fresh.graph_module
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

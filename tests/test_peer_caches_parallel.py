@@ -2,7 +2,9 @@
 as the single-process pass on every rank, with the collectives the rule needs and no more (FirstBlockCache:
 one all-reduce per call, of its diff's numerator and denominator; MagCache: none, its decision reads no
 activation; MagCache calibration: one per computed step, of the mean magnitude ratio; TaylorSeerCache: none,
-its attention modules, Ulysses' all-to-alls included, sit in the branches)."""
+its attention modules, Ulysses' all-to-alls included, sit in the branches; SeaCache: none, its indicator
+reads the transformer's input, whole on every rank; TeaCache: one per call, of its distance's two means over
+the token-sharded modulated input)."""
 from __future__ import annotations
 
 import statistics
@@ -59,9 +61,13 @@ def _rank_fn(rank, world):
     ts = _compare(lambda: passes.TaylorSeerCache(cache_interval=2, disable_cache_before_step=2,
                                                  taylor_factors_dtype=torch.float32), kwargs, zm.model, world,
                   "taylorseer_cache")
+    sea = _compare(lambda: passes.SeaCache(threshold=0.2, num_inference_steps=STEPS, timestep_scale=1000.0), kwargs,
+                   zm.model, world, "sea_cache")
+    tea = _compare(lambda: passes.TeaCache(threshold=0.5, num_inference_steps=STEPS, coefficients=(1.0, 0.0)), kwargs,
+                   zm.model, world, "tea_cache")
     cal["ratios"] = cal["par"].report("mag_cache").mag_ratios()
     cal["ref_ratios"] = cal["single"].report("mag_cache").mag_ratios()
-    for name, r in (("fbc", fbc), ("mag", mag), ("cal", cal), ("taylorseer", ts)):
+    for name, r in (("fbc", fbc), ("mag", mag), ("cal", cal), ("taylorseer", ts), ("sea", sea), ("tea", tea)):
         r.pop("single"), r.pop("par")
         out[name] = r
     return out
@@ -80,6 +86,10 @@ def test_peer_caches_under_ulysses():
         assert res["mag"]["all_reduce"] == 0
         assert res["taylorseer"]["all_reduce"] == 0 and any(res["taylorseer"]["cached"])
         assert res["cal"]["all_reduce"] == STEPS  # every calibration step computes
+        for name in ("sea", "tea"):
+            assert any(res[name]["cached"]) and not all(res[name]["cached"]), (name, res[name]["cached"])
+        assert res["sea"]["all_reduce"] == 0  # its indicator reads the full input every rank is given
+        assert res["tea"]["all_reduce"] == STEPS  # the modulated input is token-sharded: its two means
         torch.testing.assert_close(torch.tensor(res["cal"]["ratios"]), torch.tensor(res["cal"]["ref_ratios"]),
                                    rtol=1e-5, atol=0)
     assert results[0]["fbc"]["cached"] == results[1]["fbc"]["cached"]

@@ -1,4 +1,5 @@
-"""Configs of diffusers 0.42's caches, as ours: ``FirstBlockCacheConfig``, ``MagCacheConfig``, ``TaylorSeerCacheConfig``.
+"""Configs of diffusers 0.42's caches, as ours: ``FirstBlockCacheConfig``, ``MagCacheConfig``, ``TaylorSeerCacheConfig``
+(``SeaCacheConfig`` and the paper-defined ``TeaCacheConfig``: :mod:`.peer_configs_gating`, re-exported here).
 
 Same class names, field names and defaults as ``diffusers.hooks.FirstBlockCacheConfig`` /
 ``MagCacheConfig`` / ``TaylorSeerCacheConfig``, so a user's config carries over (:func:`from_peer` converts one of
@@ -15,6 +16,8 @@ import dataclasses
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
+
+from .peer_configs_gating import SeaCacheConfig, TeaCacheConfig
 
 
 def _is_number(v: Any) -> bool:
@@ -145,7 +148,7 @@ class TaylorSeerCacheConfig:
                 f"_A{self.disable_cache_after_step}_O{self.max_order}")
 
 
-PEER_CONFIGS = (FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig)
+PEER_CONFIGS = (FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig, SeaCacheConfig, TeaCacheConfig)
 
 
 def from_peer(cfg: Any) -> Any:
@@ -159,4 +162,5 @@ def from_peer(cfg: Any) -> Any:
     return None
 
 
-__all__ = ["FirstBlockCacheConfig", "MagCacheConfig", "TaylorSeerCacheConfig", "resample_nearest", "from_peer", "PEER_CONFIGS"]
+__all__ = ["FirstBlockCacheConfig", "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
+           "resample_nearest", "from_peer", "PEER_CONFIGS"]

@@ -123,10 +123,27 @@ def build_first_block_program(config: FirstBlockCacheConfig, *, image_residual: 
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
-class MagProgram(_PeerProgram):
-    config: MagCacheConfig
+class ImageResidualProgram(_PeerProgram):
+    """A rule caching the whole range with one residual, of the image stream (state ``res``); the other
+    streams leave the range unchanged on a skipped call (MagCache, TeaCache)."""
+
     image_stream: int = 0
     passthrough: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...] = ()  # (shape, dtype) of every stream
+
+    def _image_hits(self, s: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+        """What a skipped call adds per stream: the stored residual to the image stream, zeros elsewhere."""
+        return [s["res"] if i == self.image_stream else torch.zeros(shape, dtype=dt, device=s["res"].device)
+                for i, (shape, dt) in enumerate(self.passthrough)]
+
+    def _store_image_residual(self, s: Dict[str, torch.Tensor], compute: torch.Tensor,
+                              values: Sequence[torch.Tensor]) -> None:
+        s["res"] = torch.where(compute, values[self.image_stream].to(s["res"].dtype), s["res"])
+        s["last_compute_step"] = torch.where(compute, s["step"], s["last_compute_step"])
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class MagProgram(ImageResidualProgram):
+    config: MagCacheConfig
 
     def decide_call(self, fn_residual, timestep, flat):
         s = self._begin(flat, timestep)
@@ -151,9 +168,7 @@ class MagProgram(_PeerProgram):
             s["acc_err"] = torch.where(use_cache, err, torch.where(restart, 0.0, s["acc_err"]))
             diff = torch.where(active, err.to(torch.float64), nan)  # the accumulated error stands for the diff
             self._finish(s, use_cache, diff, active)
-        hits = [s["res"] if i == self.image_stream else torch.zeros(shape, dtype=dt, device=step.device)
-                for i, (shape, dt) in enumerate(self.passthrough)]
-        return (use_cache, diff, *hits, *self._pack(s))
+        return (use_cache, diff, *self._image_hits(s), *self._pack(s))
 
     def commit_call(self, use_cache, flat):
         values, s = flat[:self.num_streams], self._unpack(flat[self.num_streams:])
@@ -168,8 +183,7 @@ class MagProgram(_PeerProgram):
             ratio = torch.where(s["last_compute_step"] >= 0, ratio.to(torch.float64), 1.0)
             written = torch.index_put(s["calib"], (s["step"].reshape(1),), ratio.reshape(1))
             s["calib"] = torch.where(compute, written, s["calib"])
-        s["res"] = torch.where(compute, res.to(s["res"].dtype), s["res"])
-        s["last_compute_step"] = torch.where(compute, s["step"], s["last_compute_step"])
+        self._store_image_residual(s, compute, values)
         return self._pack(s)
 
 
@@ -208,4 +222,4 @@ class MagCacheStore(CacheStore):
         return [float(x) for x in state["calib"][:done].tolist()]
 
 
-__all__ = ["FirstBlockProgram", "MagProgram", "build_first_block_program", "build_mag_program", "MagCacheStore"]
+__all__ = ["FirstBlockProgram", "ImageResidualProgram", "MagProgram", "build_first_block_program", "build_mag_program", "MagCacheStore"]

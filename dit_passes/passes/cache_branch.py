@@ -1,8 +1,8 @@
 """The residual-cache rewrite every block-range cache pass shares: cut, branch, decide, commit, state I/O.
 
-A cache pass (``DBCache``, ``FirstBlockCache``, ``MagCache``) picks the cut (Fn leading blocks always run,
-Bn trailing blocks always run, the middle is cached) and a :class:`~dit_passes.cache.program.CacheProgram`
-(its state and decision rule); :func:`insert_cache_branch` writes, under the pass's name ``<name>``::
+A cache pass (``DBCache``, ``FirstBlockCache``, ``MagCache``, ``SeaCache``, ``TeaCache``) picks the cut (Fn
+leading blocks always run, Bn trailing blocks always run, the middle is cached) and a
+:class:`~dit_passes.cache.program.CacheProgram` (its state and decision rule); :func:`insert_cache_branch` writes, under the pass's name ``<name>``::
 
     fn_residual = <stream after the Fn blocks> - <stream entering block 0>     # only if the rule reads it
     decide = self.<name>_decide(fn_residual, timestep, *cache_state)           # device-side, no .item()
@@ -150,11 +150,16 @@ def finish_state_io(gm: fx.GraphModule, ctx: PassContext, name: str, make_store:
 
 def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: int, bn: int, tag: str,
                         make_program: Callable[..., object], make_store: Callable[[], object],
-                        check_segment: Callable[[MiddleSegment], Optional[dict]] = lambda seg: None) -> PassResult:
+                        check_segment: Callable[[MiddleSegment], Optional[dict]] = lambda seg: None,
+                        decide_input: Optional[Callable[[fx.GraphModule, MiddleSegment], fx.Node]] = None
+                        ) -> PassResult:
     """Rewrite ``gm`` as the module docstring shows. ``make_program(image_residual=, stream_residuals=,
     has_timestep=, group=)`` builds the graph's :class:`CacheProgram`; ``make_store()`` the store kept in
     ``ctx.runtime.state[name]`` (created once per runtime); ``check_segment`` may refuse a cut its rule
-    cannot serve (raising :class:`PassError`) and returns extra keywords for ``make_program`` (or None). ``tag``: the config's tag, for the report line."""
+    cannot serve (raising :class:`PassError`) and returns extra keywords for ``make_program`` (or None).
+    ``tag``: the config's tag, for the report line. ``decide_input(gm, seg)``: the node the decision reads
+    instead of the Fn residual (called with the graph inserting before the cached range; SeaCache: an input,
+    TeaCache: a copy of block 0's modulated input); ``make_program`` then gets its value as ``image_residual``."""
     s = get_structure(gm)
     n = len(s.blocks)
     if fn + bn >= n:
@@ -170,8 +175,12 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
     placeholders = [p for p in g.nodes if p.op == "placeholder"]
     timestep = next((p for p in placeholders if p.target == "timestep"), None)
 
+    probe = None
+    if decide_input is not None:
+        with g.inserting_before(seg.nodes[0]):
+            probe = decide_input(gm, seg)
     group = facts_of(gm).parallel_group  # set by the context/tensor-parallel passes
-    program = make_program(image_residual=seg.image_at_cut.meta["val"],
+    program = make_program(image_residual=(probe if probe is not None else seg.image_at_cut).meta["val"],
                            stream_residuals=[o.meta["val"] for o in seg.live_out],
                            has_timestep=timestep is not None, group=group, **extra)
     gm.add_submodule(f"{name}_decide", program.decide)
@@ -185,7 +194,9 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
 
     first_after = seg.nodes[-1].next
     with g.inserting_before(seg.nodes[0]):
-        if program.reads_fn_residual:
+        if probe is not None:
+            r = probe
+        elif program.reads_fn_residual:
             r = g.create_node("call_function", torch.ops.aten.sub.Tensor, (seg.image_at_cut, seg.image_in),
                               name="fn_residual")
             with mode:
@@ -233,6 +244,21 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
               "offload_loads_moved": relocated}
     return PassResult(True, counts, f"blocks {fn}..{n - bn - 1} of {n} moved into a torch.cond branch "
                                     f"({len(seg.nodes)} nodes); {k} stream residual(s) cached; tag {tag}")
+
+
+def image_stream_index(name: str, seg: MiddleSegment) -> Dict[str, int]:
+    """``{"image_stream": i}``: the image stream's index among the streams leaving the range, for the rules that
+    cache the whole range and keep a residual of the image stream only; refuses joined sequences."""
+    odd = [o.name for o in seg.live_out if len(seg.before_of[o].parts) != 1]
+    if odd:
+        raise PassError(f"{name}: the streams {odd} leave the block range with a shape no entering stream "
+                        f"has (a joined sequence); its residual is defined per stream here: use "
+                        f"DBCache or FirstBlockCache for this model")
+    image = [i for i, o in enumerate(seg.live_out) if seg.before_of[o].parts[0] is seg.image_at_cut]
+    if len(image) != 1:
+        raise PassError(f"{name}: the image stream '{seg.image_at_cut.name}' does not leave the block "
+                        f"range as one stream (leaving: {[o.name for o in seg.live_out]})")
+    return {"image_stream": image[0]}
 
 
 class PeerCachePass(Pass):

@@ -35,13 +35,11 @@ shape heuristics for joined sequences are not reproduced).
 from __future__ import annotations
 
 import functools
-from typing import Dict
 
 import torch.fx as fx
 
-from ..infra.pass_base import PassContext, PassError, PassResult
-from .cache_branch import PeerCachePass, insert_cache_branch
-from .segments import MiddleSegment
+from ..infra.pass_base import PassContext, PassResult
+from .cache_branch import PeerCachePass, image_stream_index, insert_cache_branch
 
 
 class MagCache(PeerCachePass):
@@ -51,21 +49,10 @@ class MagCache(PeerCachePass):
     name = "mag_cache"
     config_class = "MagCacheConfig"
 
-    def _image_stream(self, seg: MiddleSegment) -> Dict[str, int]:
-        odd = [o.name for o in seg.live_out if len(seg.before_of[o].parts) != 1]
-        if odd:
-            raise PassError(f"mag_cache: the streams {odd} leave the block range with a shape no entering stream "
-                            f"has (a joined sequence); MagCache's residual is defined per stream here: use "
-                            f"DBCache or FirstBlockCache for this model")
-        image = [i for i, o in enumerate(seg.live_out) if seg.before_of[o].parts[0] is seg.image_at_cut]
-        if len(image) != 1:
-            raise PassError(f"mag_cache: the image stream '{seg.image_at_cut.name}' does not leave the block "
-                            f"range as one stream (leaving: {[o.name for o in seg.live_out]})")
-        return {"image_stream": image[0]}
-
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         from ..cache.peer_rules import MagCacheStore, build_mag_program
 
         return insert_cache_branch(gm, ctx, name=self.name, fn=0, bn=0, tag=self.config.strify(),
                                    make_program=functools.partial(build_mag_program, self.config),
-                                   make_store=lambda: MagCacheStore(self.config), check_segment=self._image_stream)
+                                   make_store=lambda: MagCacheStore(self.config),
+                                   check_segment=functools.partial(image_stream_index, self.name))
