@@ -1,9 +1,10 @@
 """Which cache pass a front-end ``cache_config`` asks for.
 
 ``enable_cache(pipe, cache_config=...)`` takes cache-dit's ``DBCacheConfig`` (-> ``passes.DBCache``), or
-diffusers' ``FirstBlockCacheConfig`` / ``MagCacheConfig`` / ``TaylorSeerCacheConfig`` -- diffusers' own classes
-or ours of the same name (``dit_passes.FirstBlockCacheConfig`` ...) -> ``passes.FirstBlockCache`` /
-``passes.MagCache`` / ``passes.TaylorSeerCache``. A config of
+diffusers' ``FirstBlockCacheConfig`` / ``MagCacheConfig`` / ``TaylorSeerCacheConfig`` /
+``PyramidAttentionBroadcastConfig`` / ``FasterCacheConfig`` -- diffusers' own classes or ours of the same name
+(``dit_passes.FirstBlockCacheConfig`` ...) -> ``passes.FirstBlockCache`` / ``passes.MagCache`` /
+``passes.TaylorSeerCache`` / ``passes.PyramidAttentionBroadcast`` / ``passes.FasterCache``. A config of
 another class with DBCacheConfig's field names (cache-dit's) is converted field by field.
 """
 from __future__ import annotations
@@ -13,11 +14,13 @@ import dataclasses
 from typing import Any, Optional
 
 from ..cache.config import DBCacheConfig, full_tag
-from ..cache.peer_configs import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig, from_peer
-from ..passes import DBCache, FirstBlockCache, MagCache, TaylorSeerCache
+from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
+                                  PyramidAttentionBroadcastConfig, TaylorSeerCacheConfig, from_peer)
+from ..passes import DBCache, FasterCache, FirstBlockCache, MagCache, PyramidAttentionBroadcast, TaylorSeerCache
 
-_PASS_OF = {FirstBlockCacheConfig: FirstBlockCache, MagCacheConfig: MagCache, TaylorSeerCacheConfig: TaylorSeerCache}
-CACHE_PASSES = (DBCache, FirstBlockCache, MagCache, TaylorSeerCache)
+_PASS_OF = {FirstBlockCacheConfig: FirstBlockCache, MagCacheConfig: MagCache, TaylorSeerCacheConfig: TaylorSeerCache,
+            PyramidAttentionBroadcastConfig: PyramidAttentionBroadcast, FasterCacheConfig: FasterCache}
+CACHE_PASSES = tuple(dict.fromkeys((DBCache, *_PASS_OF.values())))
 
 
 def convert(cfg: Any, cls: type, probe: str) -> Any:
