@@ -2,7 +2,8 @@
 as the single-process pass on every rank, with the collectives the rule needs and no more (FirstBlockCache:
 one all-reduce per call, of its diff's numerator and denominator; MagCache: none, its decision reads no
 activation; MagCache calibration: one per computed step, of the mean magnitude ratio; TaylorSeerCache: none,
-its attention modules, Ulysses' all-to-alls included, sit in the branches)."""
+its attention modules, Ulysses' all-to-alls included, sit in the branches; PyramidAttentionBroadcast and
+FasterCache (guidance distilled): none either)."""
 from __future__ import annotations
 
 import statistics
@@ -59,9 +60,12 @@ def _rank_fn(rank, world):
     ts = _compare(lambda: passes.TaylorSeerCache(cache_interval=2, disable_cache_before_step=2,
                                                  taylor_factors_dtype=torch.float32), kwargs, zm.model, world,
                   "taylorseer_cache")
+    pab = _compare(lambda: passes.PyramidAttentionBroadcast(spatial_attention_block_skip_range=2), kwargs, zm.model,
+                   world, "pab")
+    faster = _compare(lambda: passes.FasterCache(is_guidance_distilled=True), kwargs, zm.model, world, "faster_cache")
     cal["ratios"] = cal["par"].report("mag_cache").mag_ratios()
     cal["ref_ratios"] = cal["single"].report("mag_cache").mag_ratios()
-    for name, r in (("fbc", fbc), ("mag", mag), ("cal", cal), ("taylorseer", ts)):
+    for name, r in (("fbc", fbc), ("mag", mag), ("cal", cal), ("taylorseer", ts), ("pab", pab), ("faster", faster)):
         r.pop("single"), r.pop("par")
         out[name] = r
     return out
@@ -78,7 +82,8 @@ def test_peer_caches_under_ulysses():
         assert any(res["mag"]["cached"]) and not all(res["mag"]["cached"]), res["mag"]["cached"]
         assert res["fbc"]["all_reduce"] == STEPS
         assert res["mag"]["all_reduce"] == 0
-        assert res["taylorseer"]["all_reduce"] == 0 and any(res["taylorseer"]["cached"])
+        for name in ("taylorseer", "pab", "faster"):  # attention-level: the decision reads only the timestep
+            assert res[name]["all_reduce"] == 0 and any(res[name]["cached"]), (name, res[name]["cached"])
         assert res["cal"]["all_reduce"] == STEPS  # every calibration step computes
         torch.testing.assert_close(torch.tensor(res["cal"]["ratios"]), torch.tensor(res["cal"]["ref_ratios"]),
                                    rtol=1e-5, atol=0)

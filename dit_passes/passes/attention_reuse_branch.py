@@ -1,7 +1,8 @@
 """The rewrite the attention-reuse passes share (``PyramidAttentionBroadcast``, ``FasterCache``): a ``torch.cond``
 around each attention module, one decision per call, the stored outputs as graph state.
 
-The sites are the attention modules (the module path of each attention op the structure analysis finds) that
+The sites are the attention modules (the module path of each attention op: ATen's, or the parallel or kernel
+passes' replacement) that
 the config's identifiers select, by kind (spatial / temporal / cross; ``re.search`` on the module path, as
 diffusers). diffusers reads ``module.is_cross_attention``, an attribute the graph does not carry; here a module
 is cross attention when its keys are not computed from any input its queries are computed from (PixArt's
@@ -33,12 +34,21 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from ..analysis.blocks import get_structure
 from ..infra.pass_base import PassContext, PassError, PassResult
 from .cache_branch import (PeerCachePass, _fake_call, _getitems, add_state_inputs, finish_state_io, module_arm,
                            module_path, module_sites, site_io)
 
 aten = torch.ops.aten
+
+
+def _is_attention(target) -> bool:
+    """An attention op (q, k, v first): ATen's, the attention-kernel pass's, or a context-parallel wrapper."""
+    from ..analysis.linear_roles import ROLE_ATTENTION_OPS
+    from ..parallel import sequence_ops
+    if target in ROLE_ATTENTION_OPS or (
+            isinstance(target, torch._ops.OpOverload) and target.name() == "dit_passes::sdpa_backend"):
+        return True
+    return getattr(target, "__module__", "") == sequence_ops.__name__ and target.__name__.endswith("_attention")
 
 
 def _is_cross(nodes: List[fx.Node], live_in: List[fx.Node], q: fx.Node, k: fx.Node) -> bool:
@@ -85,8 +95,9 @@ def _reuse_arm(num_live_in: int, num_outputs: int, rule: str, weight: float, cfg
 def classify(gm: fx.GraphModule, cfg: Any, kinds: Sequence[str], name: str, prefilter=None) -> Dict[str, List[str]]:
     """kind -> the attention module paths of that kind (diffusers' order: spatial, temporal, cross)."""
     paths: Dict[str, Tuple[fx.Node, fx.Node]] = {}
-    for a in get_structure(gm).attention:
-        paths.setdefault(module_path(a.node), (a.q, a.k))
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _is_attention(n.target):
+            paths.setdefault(module_path(n), (n.args[0], n.args[1]))
     paths.pop("", None)
     sites = module_sites(gm, list(paths), name, "the attention ops' modules must not contain each other")
     out: Dict[str, List[str]] = {k: [] for k in kinds}
@@ -106,7 +117,7 @@ class AttentionReusePass(PeerCachePass):
     """The shared ``run`` of the attention-reuse passes; subclasses set ``name``, ``config_class``, ``rule``,
     ``kinds`` (and FasterCache its prefilter)."""
 
-    reads = ("structure", "num_user_outputs")
+    reads = ("num_user_outputs",)
     writes = ("num_user_outputs", "state_io", "inference_only")
     invalidates = ("structure",)
     rule = "pab"
