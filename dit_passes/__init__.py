@@ -71,7 +71,8 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
 # cache-dit-compatible front end: `import dit_passes as cache_dit`
 from .frontend import (CacheStats, DBCacheConfig, ParallelismConfig, QuantizeConfig,  # noqa: E402
                        TaylorSeerCalibratorConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig,
-                       PyramidAttentionBroadcastConfig, FasterCacheConfig, disable_cache, enable_cache, layerwise_offload, load, quantize, refresh_context, steps_mask,
+                       PyramidAttentionBroadcastConfig, FasterCacheConfig, disable_cache, enable_cache,
+                       layerwise_offload, load, quantize, refresh_context, steps_mask,
                        strify, summary)
 
 __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGradPass", "capture", "Pass",

@@ -129,7 +129,8 @@ def test_faster_cache_cfg_batch_matches_diffusers():
     approximated in frequency space on the steps diffusers skips it, and attention is reused only there."""
     fields = dict(spatial_attention_block_skip_range=2, unconditional_batch_skip_range=3,
                   unconditional_batch_timestep_skip_range=(-1, 900), spatial_attention_timestep_skip_range=(-1, 800),
-                  low_frequency_weight_update_timestep_range=(99, 700), high_frequency_weight_update_timestep_range=(-1, 500),
+                  low_frequency_weight_update_timestep_range=(99, 700),
+                  high_frequency_weight_update_timestep_range=(-1, 500),
                   alpha_low_frequency=1.2, alpha_high_frequency=1.05, tensor_format="BCHW")
     cfg = hooks.FasterCacheConfig(**fields, attention_weight_callback=lambda _: 0.5)
     zm, kwargs, compiled, out = _check("pixart", cfg, passes.FasterCache(**fields), batch=2)
@@ -173,5 +174,5 @@ def test_frontend_and_refusals():
     with pytest.raises(PassError, match="batched CFG"):  # Flux's output is (B, S, C) tokens, batch 1
         compile_dit(zm.model, passes=[passes.FasterCache()], example_inputs=zm.make_inputs())
     with pytest.raises(PassError, match="no attention module"):
-        compile_dit(zm.model, passes=[passes.PyramidAttentionBroadcast(spatial_attention_block_identifiers=("nothing",))],
-                    example_inputs=zm.make_inputs())
+        compile_dit(zm.model, example_inputs=zm.make_inputs(),
+                    passes=[passes.PyramidAttentionBroadcast(spatial_attention_block_identifiers=("nothing",))])

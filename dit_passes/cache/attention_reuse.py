@@ -122,7 +122,8 @@ class AttentionReuseDecide(torch.nn.Module):
         if p.rule == "faster" and not cfg.is_guidance_distilled:
             skip_uncond = ((step > 0) & _inside(t, cfg.unconditional_batch_timestep_skip_range)
                            & (torch.remainder(step, cfg.unconditional_batch_skip_range) != 0))
-            w_low = torch.where(_inside(t, cfg.low_frequency_weight_update_timestep_range), cfg.alpha_low_frequency, one)
+            w_low = torch.where(_inside(t, cfg.low_frequency_weight_update_timestep_range), cfg.alpha_low_frequency,
+                                one)
             w_high = torch.where(_inside(t, cfg.high_frequency_weight_update_timestep_range), cfg.alpha_high_frequency,
                                  one)
         reuse = []

@@ -1,5 +1,5 @@
-"""Configs of diffusers 0.42's caches, as ours: ``FirstBlockCacheConfig``, ``MagCacheConfig``, ``TaylorSeerCacheConfig``,
-``PyramidAttentionBroadcastConfig``, ``FasterCacheConfig``.
+"""Configs of diffusers 0.42's caches, as ours: ``FirstBlockCacheConfig``, ``MagCacheConfig``,
+``TaylorSeerCacheConfig``, ``PyramidAttentionBroadcastConfig``, ``FasterCacheConfig``.
 
 Same class names, field names and defaults as ``diffusers.hooks.FirstBlockCacheConfig`` /
 ``MagCacheConfig`` / ``TaylorSeerCacheConfig``, so a user's config carries over (:func:`from_peer` converts one of
@@ -147,7 +147,8 @@ class TaylorSeerCacheConfig:
 
 
 # diffusers' identifiers (``hooks/_common.py``, ``hooks/faster_cache.py``), matched with ``re.search``
-PAB_SPATIAL_IDENTIFIERS = ("blocks", "transformer_blocks", "single_transformer_blocks", "layers", "visual_transformer_blocks")
+PAB_SPATIAL_IDENTIFIERS = ("blocks", "transformer_blocks", "single_transformer_blocks", "layers",
+                           "visual_transformer_blocks")
 PAB_TEMPORAL_IDENTIFIERS = ("temporal_transformer_blocks",)
 PAB_CROSS_IDENTIFIERS = ("blocks", "transformer_blocks", "layers")
 FASTER_SPATIAL_IDENTIFIERS = ("^blocks.*attn", "^transformer_blocks.*attn", "^single_transformer_blocks.*attn")
@@ -283,7 +284,8 @@ class FasterCacheConfig:
 
     def strify(self) -> str:
         cfg = "D" if self.is_guidance_distilled else f"U{self.unconditional_batch_skip_range}"
-        return f"FasterCache_S{self.spatial_attention_block_skip_range}_T{self.temporal_attention_block_skip_range}_{cfg}"
+        spatial, temporal = self.spatial_attention_block_skip_range, self.temporal_attention_block_skip_range
+        return f"FasterCache_S{spatial}_T{temporal}_{cfg}"
 
 
 PEER_CONFIGS = (FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig, PyramidAttentionBroadcastConfig,

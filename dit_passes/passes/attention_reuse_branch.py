@@ -219,8 +219,8 @@ class AttentionReusePass(PeerCachePass):
         fmt, val = self.config.tensor_format, out0.meta.get("val")
         rank = 4 if fmt == "BCHW" else 5
         if not isinstance(val, torch.Tensor) or val.dim() != rank or val.shape[0] % 2:
-            raise PassError(f"{self.name}: is_guidance_distilled=False approximates the unconditional half of a batched "
-                            f"CFG call (batch 2B, unconditional first) in frequency space; the output "
+            raise PassError(f"{self.name}: is_guidance_distilled=False approximates the unconditional half of a "
+                            f"batched CFG call (batch 2B, unconditional first) in frequency space; the output "
                             f"{tuple(getattr(val, 'shape', ()))} is not an even-batch {rank}-D {fmt} tensor (set "
                             f"tensor_format, call with the CFG batch, or is_guidance_distilled=True)")
         for path, _, _, live_out in plans:
