@@ -222,8 +222,10 @@ def test_taylorseer_refusals():
 @pytest.mark.parametrize("make", [lambda: passes.FirstBlockCache(threshold=0.4),
                                   lambda: passes.TaylorSeerCache(cache_interval=2, disable_cache_before_step=2),
                                   lambda: passes.MagCache(threshold=0.3, num_inference_steps=STEPS, max_skip_steps=2,
-                                                          mag_ratios=[1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 0.95, 1.0])],
-                         ids=["fbc", "taylorseer", "mag"])
+                                                          mag_ratios=[1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 0.95, 1.0]),
+                                  lambda: passes.PyramidAttentionBroadcast(spatial_attention_block_skip_range=2),
+                                  lambda: passes.FasterCache(is_guidance_distilled=True)],
+                         ids=["fbc", "taylorseer", "mag", "pab", "faster"])
 def test_compiles_fullgraph(make):
     """The whole step, decision and branch included, as one torch.compile graph (fullgraph=True)."""
     zm = build("flux")
