@@ -141,6 +141,16 @@ def test_faster_cache_cfg_batch_matches_diffusers():
     assert ((plain - out)[:, 0].abs().max() / plain.abs().max()).item() > 1e-4  # the approximated half differs
 
 
+def test_pab_state_per_cache_context():
+    """CFG's cond / uncond calls (cache contexts) each count their own calls and keep their own outputs (diffusers'
+    PAB keeps one state per module, which the two contexts would share)."""
+    zm = build("flux")
+    pab = passes.PyramidAttentionBroadcast(spatial_attention_block_skip_range=2)
+    _, cached, _ = ours(zm.model, zm.make_inputs(), pab, generations=1, contexts=("cond", "uncond"))
+    expected = [False, False, False, True, False, True, False, True]  # t in (100, 800) from step 2; odd steps reuse
+    assert cached[0::2] == expected and cached[1::2] == expected
+
+
 def test_frontend_and_refusals():
     import dit_passes as cache_dit
     zm = build("flux")
