@@ -168,6 +168,8 @@ def test_frontend_and_refusals():
         passes.FasterCache(hooks.FasterCacheConfig(attention_weight_callback=lambda _: 0.3))
     with pytest.raises(PassError, match="batched CFG"):  # Flux's output is (B, S, C) tokens, batch 1
         compile_dit(zm.model, passes=[passes.FasterCache()], example_inputs=zm.make_inputs())
+    with pytest.warns(UserWarning, match="timestep_scale=1000"):  # the zoo's Flux inputs carry t / 1000, as Flux's
+        compile_dit(zm.model, passes=[passes.PyramidAttentionBroadcast()], example_inputs=zm.make_inputs())
     with pytest.raises(PassError, match="no attention module"):
         compile_dit(zm.model, example_inputs=zm.make_inputs(),
                     passes=[passes.PyramidAttentionBroadcast(spatial_attention_block_identifiers=("nothing",))])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
@@ -137,6 +138,7 @@ class AttentionReusePass(PeerCachePass):
         if timestep is None:
             raise PassError(f"{name}: the graph has no 'timestep' input; the rule compares the timestep with its "
                             f"ranges")
+        self._check_timestep_scale(ctx)
         sites = module_sites(gm, [p for v in by_kind.values() for p in v], name, "")
         kind_of = {p: i for i, v in enumerate(by_kind.values()) for p in v}
         plans = [(path, nodes, *site_io(nodes, name, path)) for path, nodes in sites.items()]
@@ -211,6 +213,19 @@ class AttentionReusePass(PeerCachePass):
                   **{f"sites_{k.name}": k.sites for k in kinds}, "cfg_guidance": int(cfg_half)}
         return PassResult(True, counts, f"{len(plans)} attention modules ({plans[0][0]} ...) behind torch.cond; "
                                         f"tag {cfg.strify()}")
+
+    def _check_timestep_scale(self, ctx: PassContext) -> None:
+        """Warn (once per lowering: one host read of the example input) when the first call's timestep is <= 1 while
+        the ranges are in the pipeline's 0..1000 units: a pipeline passing t / 1000 (Flux's) needs
+        ``timestep_scale=1000``, else no timestep ever falls inside the ranges."""
+        t = ctx.example_inputs.get("timestep")
+        if self.config.timestep_scale != 1.0 or not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_meta:
+            return
+        first = float(t.detach().reshape(-1)[0])
+        if 0.0 < first <= 1.0:
+            warnings.warn(f"{self.name}: the transformer's timestep is {first:.3g} (<= 1) while the timestep ranges "
+                          f"are in the pipeline's units (0 .. 1000); if the pipeline passes t / 1000 (FluxPipeline, "
+                          f"QwenImagePipeline) pass timestep_scale=1000", stacklevel=2)
 
     def _check_cfg_batch(self, out0: fx.Node, plans) -> Tuple[int, ...]:
         """FasterCache's CFG part needs a batched CFG call: an even batch on the output and on every site's outputs,
