@@ -14,7 +14,9 @@ Bn trailing blocks always run, the middle is cached) and a :class:`~dit_passes.c
 
 and registers the state with a :class:`~dit_passes.cache.store.CacheStore` (``runtime.state[<name>]``, also
 the pass's report). With ``Fn = 0`` the whole block range is the middle (MagCache) and the cut is the
-streams entering block 0. Not a pass: a helper of the cache passes, as ``segments`` is.
+streams entering block 0. The attention-level caches (TaylorSeer, PAB, FasterCache) share ``module_sites`` /
+``site_io`` / ``module_arm``: one module's run of nodes, its inputs and outputs, and its compute arm. Not a pass: a
+helper of the cache passes, as ``segments`` is.
 """
 from __future__ import annotations
 
