@@ -73,7 +73,8 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
 # cache-dit-compatible front end: `import dit_passes as cache_dit`
 from .frontend import (CacheStats, DBCacheConfig, ParallelismConfig, QuantizeConfig,  # noqa: E402
                        TaylorSeerCalibratorConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig,
-                       SeaCacheConfig, TeaCacheConfig, disable_cache, enable_cache, layerwise_offload, load, quantize, refresh_context, steps_mask,
+                       SeaCacheConfig, TeaCacheConfig, PyramidAttentionBroadcastConfig, FasterCacheConfig,
+                       disable_cache, enable_cache, layerwise_offload, load, quantize, refresh_context, steps_mask,
                        strify, summary)
 
 __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGradPass", "capture", "Pass",
@@ -82,4 +83,5 @@ __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGrad
            "enable_cache", "disable_cache", "layerwise_offload", "refresh_context", "summary", "strify", "steps_mask",
            "quantize", "load", "CacheStats", "DBCacheConfig", "TaylorSeerCalibratorConfig", "FirstBlockCacheConfig",
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
+           "PyramidAttentionBroadcastConfig", "FasterCacheConfig",
            "ParallelismConfig", "QuantizeConfig"]

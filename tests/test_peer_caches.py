@@ -227,8 +227,10 @@ def test_taylorseer_refusals():
                              mag_ratios=[1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 0.95, 1.0]), "eager"),
     # SeaCache's FFT indicator: eager backend (aot_eager takes ~3 min on 2 CPU cores); TeaCache: aot_eager
     (lambda: passes.SeaCache(threshold=0.5, num_inference_steps=STEPS, timestep_scale=1000.0), "eager"),
-    (lambda: passes.TeaCache(threshold=1.0, num_inference_steps=STEPS, coefficients=(1.0, 0.0)), "aot_eager")],
-    ids=["fbc", "taylorseer", "mag", "sea", "tea"])
+    (lambda: passes.TeaCache(threshold=1.0, num_inference_steps=STEPS, coefficients=(1.0, 0.0)), "aot_eager"),
+    (lambda: passes.PyramidAttentionBroadcast(spatial_attention_block_skip_range=2), "eager"),
+    (lambda: passes.FasterCache(is_guidance_distilled=True), "eager")],
+    ids=["fbc", "taylorseer", "mag", "sea", "tea", "pab", "faster"])
 def test_compiles_fullgraph(make, backend):
     """The whole step, decision and branch included, as one torch.compile graph (fullgraph=True)."""
     zm = build("flux")

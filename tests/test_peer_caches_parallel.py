@@ -4,7 +4,7 @@ one all-reduce per call, of its diff's numerator and denominator; MagCache: none
 activation; MagCache calibration: one per computed step, of the mean magnitude ratio; TaylorSeerCache: none,
 its attention modules, Ulysses' all-to-alls included, sit in the branches; SeaCache: none, its indicator
 reads the transformer's input, whole on every rank; TeaCache: one per call, of its distance's two means over
-the token-sharded modulated input)."""
+the token-sharded modulated input; PyramidAttentionBroadcast and FasterCache (guidance distilled): none)."""
 from __future__ import annotations
 
 import statistics
@@ -65,9 +65,13 @@ def _rank_fn(rank, world):
                    zm.model, world, "sea_cache")
     tea = _compare(lambda: passes.TeaCache(threshold=0.5, num_inference_steps=STEPS, coefficients=(1.0, 0.0)), kwargs,
                    zm.model, world, "tea_cache")
+    pab = _compare(lambda: passes.PyramidAttentionBroadcast(spatial_attention_block_skip_range=2), kwargs, zm.model,
+                   world, "pab")
+    faster = _compare(lambda: passes.FasterCache(is_guidance_distilled=True), kwargs, zm.model, world, "faster_cache")
     cal["ratios"] = cal["par"].report("mag_cache").mag_ratios()
     cal["ref_ratios"] = cal["single"].report("mag_cache").mag_ratios()
-    for name, r in (("fbc", fbc), ("mag", mag), ("cal", cal), ("taylorseer", ts), ("sea", sea), ("tea", tea)):
+    for name, r in (("fbc", fbc), ("mag", mag), ("cal", cal), ("taylorseer", ts), ("sea", sea), ("tea", tea),
+                    ("pab", pab), ("faster", faster)):
         r.pop("single"), r.pop("par")
         out[name] = r
     return out
@@ -84,7 +88,8 @@ def test_peer_caches_under_ulysses():
         assert any(res["mag"]["cached"]) and not all(res["mag"]["cached"]), res["mag"]["cached"]
         assert res["fbc"]["all_reduce"] == STEPS
         assert res["mag"]["all_reduce"] == 0
-        assert res["taylorseer"]["all_reduce"] == 0 and any(res["taylorseer"]["cached"])
+        for name in ("taylorseer", "pab", "faster"):  # attention-level: the decision reads only the timestep
+            assert res[name]["all_reduce"] == 0 and any(res[name]["cached"]), (name, res[name]["cached"])
         assert res["cal"]["all_reduce"] == STEPS  # every calibration step computes
         for name in ("sea", "tea"):
             assert any(res[name]["cached"]) and not all(res[name]["cached"]), (name, res[name]["cached"])

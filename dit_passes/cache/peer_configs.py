@@ -1,5 +1,6 @@
-"""Configs of diffusers 0.42's caches, as ours: ``FirstBlockCacheConfig``, ``MagCacheConfig``, ``TaylorSeerCacheConfig``
-(``SeaCacheConfig`` and the paper-defined ``TeaCacheConfig``: :mod:`.peer_configs_gating`, re-exported here).
+"""Configs of diffusers 0.42's caches, as ours: ``FirstBlockCacheConfig``, ``MagCacheConfig``,
+``TaylorSeerCacheConfig``, ``PyramidAttentionBroadcastConfig``, ``FasterCacheConfig`` (``SeaCacheConfig`` and the
+paper-defined ``TeaCacheConfig``: :mod:`.peer_configs_gating`, re-exported here).
 
 Same class names, field names and defaults as ``diffusers.hooks.FirstBlockCacheConfig`` /
 ``MagCacheConfig`` / ``TaylorSeerCacheConfig``, so a user's config carries over (:func:`from_peer` converts one of
@@ -148,7 +149,150 @@ class TaylorSeerCacheConfig:
                 f"_A{self.disable_cache_after_step}_O{self.max_order}")
 
 
-PEER_CONFIGS = (FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig, SeaCacheConfig, TeaCacheConfig)
+# diffusers' identifiers (``hooks/_common.py``, ``hooks/faster_cache.py``), matched with ``re.search``
+PAB_SPATIAL_IDENTIFIERS = ("blocks", "transformer_blocks", "single_transformer_blocks", "layers",
+                           "visual_transformer_blocks")
+PAB_TEMPORAL_IDENTIFIERS = ("temporal_transformer_blocks",)
+PAB_CROSS_IDENTIFIERS = ("blocks", "transformer_blocks", "layers")
+FASTER_SPATIAL_IDENTIFIERS = ("^blocks.*attn", "^transformer_blocks.*attn", "^single_transformer_blocks.*attn")
+FASTER_TEMPORAL_IDENTIFIERS = ("^temporal_transformer_blocks.*attn",)
+_TIMESTEP_NOTE = ("the timestep ranges compare the pipeline's timestep (what diffusers' current_timestep_callback "
+                  "returns) = the transformer's timestep input x timestep_scale")
+
+
+def _check_range(cls: str, name: str, v: Any) -> Tuple[float, float]:
+    if not (isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_number(x) for x in v)):
+        raise ValueError(f"{cls}.{name}={v!r}: use a (low, high) pair of numbers")
+    return (v[0], v[1])
+
+
+def _check_skip(cls: str, name: str, v: Any, optional: bool = True) -> None:
+    if (v is None and optional) or (_is_int(v) and v >= 1):
+        return
+    raise ValueError(f"{cls}.{name}={v!r}: use {'None or ' if optional else ''}an int >= 1")
+
+
+def _check_common(cfg: Any, cls: str) -> None:
+    if not _is_number(cfg.timestep_scale) or cfg.timestep_scale <= 0:
+        raise ValueError(f"{cls}.timestep_scale={cfg.timestep_scale!r}: use a number > 0 ({_TIMESTEP_NOTE}; "
+                         f"FluxPipeline passes t / 1000: use 1000)")
+
+
+@dataclasses.dataclass
+class PyramidAttentionBroadcastConfig:
+    """diffusers' Pyramid Attention Broadcast: each attention module of a kind (spatial / temporal / cross, by
+    its module path, ``re.search`` of the kind's identifiers) reuses its last output on every call but each
+    ``<kind>_attention_block_skip_range``-th (counted from the generation's first call) while the timestep lies
+    strictly inside ``<kind>_attention_timestep_skip_range``. With no skip range given, spatial uses 2 (as
+    diffusers). Cross attention is recognised in the graph (keys not computed from the queries' input).
+    ``timestep_scale`` (ours): the pipeline's timestep = the transformer's ``timestep`` input x the scale;
+    diffusers' ``current_timestep_callback`` is not used (the graph reads its own timestep input)."""
+
+    spatial_attention_block_skip_range: Optional[int] = None
+    temporal_attention_block_skip_range: Optional[int] = None
+    cross_attention_block_skip_range: Optional[int] = None
+    spatial_attention_timestep_skip_range: Tuple[float, float] = (100, 800)
+    temporal_attention_timestep_skip_range: Tuple[float, float] = (100, 800)
+    cross_attention_timestep_skip_range: Tuple[float, float] = (100, 800)
+    spatial_attention_block_identifiers: Tuple[str, ...] = PAB_SPATIAL_IDENTIFIERS
+    temporal_attention_block_identifiers: Tuple[str, ...] = PAB_TEMPORAL_IDENTIFIERS
+    cross_attention_block_identifiers: Tuple[str, ...] = PAB_CROSS_IDENTIFIERS
+    timestep_scale: float = 1.0
+
+    KINDS = ("spatial", "temporal", "cross")
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        for kind in self.KINDS:
+            _check_skip(cls, f"{kind}_attention_block_skip_range", getattr(self, f"{kind}_attention_block_skip_range"))
+            name = f"{kind}_attention_timestep_skip_range"
+            setattr(self, name, _check_range(cls, name, getattr(self, name)))
+        if all(getattr(self, f"{k}_attention_block_skip_range") is None for k in self.KINDS):
+            self.spatial_attention_block_skip_range = 2  # diffusers' default (it warns)
+        _check_common(self, cls)
+
+    def kind(self, name: str):
+        """``(block_skip_range, (low, high), identifiers)`` of one kind."""
+        return tuple(getattr(self, f"{name}_attention_{f}") for f in ("block_skip_range", "timestep_skip_range",
+                                                                       "block_identifiers"))
+
+    def strify(self) -> str:
+        parts = [f"{k[0].upper()}{getattr(self, f'{k}_attention_block_skip_range')}" for k in self.KINDS
+                 if getattr(self, f"{k}_attention_block_skip_range") is not None]
+        return "PAB_" + "_".join(parts)
+
+
+@dataclasses.dataclass
+class FasterCacheConfig:
+    """diffusers' FasterCache. Attention part: each spatial / temporal attention module (module paths matching
+    the kind's identifiers, ``re.search``; cross attention excluded) whose call is skipped returns
+    ``y1 + (y1 - y2) * attention_weight`` from its last two outputs, where skipped = timestep strictly inside the
+    kind's range and the step is not a positive multiple of ``<kind>_attention_block_skip_range``, and the model
+    is guidance distilled or the call approximates its unconditional half. CFG part (``is_guidance_distilled=
+    False``; a batched CFG call, unconditional half first): on steps inside ``unconditional_batch_timestep_skip_
+    range`` that are not multiples of ``unconditional_batch_skip_range`` the output's unconditional half is the
+    conditional half plus the stored low / high frequency deltas (scaled by ``alpha_*`` inside their ranges),
+    else the deltas are measured. Callbacks are not taken (a Python call per step): ``attention_weight`` (ours)
+    replaces ``attention_weight_callback``; ``timestep_scale`` (ours) as for PyramidAttentionBroadcastConfig."""
+
+    spatial_attention_block_skip_range: int = 2
+    temporal_attention_block_skip_range: Optional[int] = None
+    spatial_attention_timestep_skip_range: Tuple[float, float] = (-1, 681)
+    temporal_attention_timestep_skip_range: Tuple[float, float] = (-1, 681)
+    low_frequency_weight_update_timestep_range: Tuple[float, float] = (99, 901)
+    high_frequency_weight_update_timestep_range: Tuple[float, float] = (-1, 301)
+    alpha_low_frequency: float = 1.1
+    alpha_high_frequency: float = 1.1
+    unconditional_batch_skip_range: int = 5
+    unconditional_batch_timestep_skip_range: Tuple[float, float] = (-1, 641)
+    spatial_attention_block_identifiers: Tuple[str, ...] = FASTER_SPATIAL_IDENTIFIERS
+    temporal_attention_block_identifiers: Tuple[str, ...] = FASTER_TEMPORAL_IDENTIFIERS
+    attention_weight_callback: Any = None
+    low_frequency_weight_callback: Any = None
+    high_frequency_weight_callback: Any = None
+    tensor_format: str = "BCFHW"
+    is_guidance_distilled: bool = False
+    attention_weight: float = 0.5
+    timestep_scale: float = 1.0
+
+    KINDS = ("spatial", "temporal")
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        _check_skip(cls, "spatial_attention_block_skip_range", self.spatial_attention_block_skip_range)
+        _check_skip(cls, "temporal_attention_block_skip_range", self.temporal_attention_block_skip_range)
+        _check_skip(cls, "unconditional_batch_skip_range", self.unconditional_batch_skip_range, optional=False)
+        for name in ("spatial_attention_timestep_skip_range", "temporal_attention_timestep_skip_range",
+                     "low_frequency_weight_update_timestep_range", "high_frequency_weight_update_timestep_range",
+                     "unconditional_batch_timestep_skip_range"):
+            setattr(self, name, _check_range(cls, name, getattr(self, name)))
+        for name in ("alpha_low_frequency", "alpha_high_frequency", "attention_weight"):
+            if not _is_number(getattr(self, name)):
+                raise TypeError(f"{cls}.{name} must be a float, got {getattr(self, name)!r}")
+        given = [n for n in ("attention_weight_callback", "low_frequency_weight_callback",
+                             "high_frequency_weight_callback") if getattr(self, n) is not None]
+        if given:
+            raise ValueError(f"{cls}: {given} are Python callbacks called every step, which a graph cannot run "
+                             f"without a host call per step; give attention_weight= (a float) and the alpha_* / "
+                             f"*_weight_update_timestep_range fields instead")
+        if self.tensor_format not in ("BCFHW", "BFCHW", "BCHW"):
+            raise ValueError(f"{cls}.tensor_format={self.tensor_format!r}: use 'BCFHW', 'BFCHW' or 'BCHW'")
+        if not isinstance(self.is_guidance_distilled, bool):
+            raise TypeError(f"{cls}.is_guidance_distilled must be a bool, got {self.is_guidance_distilled!r}")
+        _check_common(self, cls)
+
+    def kind(self, name: str):
+        return tuple(getattr(self, f"{name}_attention_{f}") for f in ("block_skip_range", "timestep_skip_range",
+                                                                       "block_identifiers"))
+
+    def strify(self) -> str:
+        cfg = "D" if self.is_guidance_distilled else f"U{self.unconditional_batch_skip_range}"
+        spatial, temporal = self.spatial_attention_block_skip_range, self.temporal_attention_block_skip_range
+        return f"FasterCache_S{spatial}_T{temporal}_{cfg}"
+
+
+PEER_CONFIGS = (FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig, SeaCacheConfig, TeaCacheConfig,
+                PyramidAttentionBroadcastConfig, FasterCacheConfig)
 
 
 def from_peer(cfg: Any) -> Any:
@@ -163,4 +307,4 @@ def from_peer(cfg: Any) -> Any:
 
 
 __all__ = ["FirstBlockCacheConfig", "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
-           "resample_nearest", "from_peer", "PEER_CONFIGS"]
+           "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "resample_nearest", "from_peer", "PEER_CONFIGS"]

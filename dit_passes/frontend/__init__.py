@@ -1,7 +1,8 @@
 """cache-dit-compatible front end: ``enable_cache`` / ``disable_cache`` / ``summary`` / ``strify`` / ... over
 ``compile_dit`` (see :mod:`dit_passes.frontend.api`)."""
 from ..cache.config import DBCacheConfig, TaylorSeerCalibratorConfig
-from ..cache.peer_configs import (FirstBlockCacheConfig, MagCacheConfig, SeaCacheConfig, TaylorSeerCacheConfig,
+from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
+                                  PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
                                   TeaCacheConfig)
 from .api import (CacheStats, FrontendState, disable_cache, enable_cache, load, quantize, refresh_context, steps_mask,
                   strify, summary)
@@ -10,5 +11,6 @@ from .offload import layerwise_offload
 
 __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
            "CacheStats", "FrontendState", "DBCacheConfig", "TaylorSeerCalibratorConfig", "FirstBlockCacheConfig",
-           "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig", "ParallelismConfig",
+           "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
+           "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "ParallelismConfig",
            "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "layerwise_offload"]

@@ -1,10 +1,11 @@
 """Which cache pass a front-end ``cache_config`` asks for.
 
 ``enable_cache(pipe, cache_config=...)`` takes cache-dit's ``DBCacheConfig`` (-> ``passes.DBCache``), or
-diffusers' ``FirstBlockCacheConfig`` / ``MagCacheConfig`` / ``TaylorSeerCacheConfig`` / ``SeaCacheConfig`` --
-diffusers' own classes or ours of the same name (``dit_passes.FirstBlockCacheConfig`` ...) ->
-``passes.FirstBlockCache`` / ``passes.MagCache`` / ``passes.TaylorSeerCache`` / ``passes.SeaCache``; ours only:
-``TeaCacheConfig`` -> ``passes.TeaCache``. A config of
+diffusers' ``FirstBlockCacheConfig`` / ``MagCacheConfig`` / ``TaylorSeerCacheConfig`` / ``SeaCacheConfig`` /
+``PyramidAttentionBroadcastConfig`` / ``FasterCacheConfig`` -- diffusers' own classes or ours of the same name
+(``dit_passes.FirstBlockCacheConfig`` ...) -> ``passes.FirstBlockCache`` / ``passes.MagCache`` /
+``passes.TaylorSeerCache`` / ``passes.SeaCache`` / ``passes.PyramidAttentionBroadcast`` / ``passes.FasterCache``;
+ours only: ``TeaCacheConfig`` -> ``passes.TeaCache``. A config of
 another class with DBCacheConfig's field names (cache-dit's) is converted field by field.
 """
 from __future__ import annotations
@@ -14,13 +15,16 @@ import dataclasses
 from typing import Any, Optional
 
 from ..cache.config import DBCacheConfig, full_tag
-from ..cache.peer_configs import (FirstBlockCacheConfig, MagCacheConfig, SeaCacheConfig, TaylorSeerCacheConfig,
+from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
+                                  PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
                                   TeaCacheConfig, from_peer)
-from ..passes import DBCache, FirstBlockCache, MagCache, SeaCache, TaylorSeerCache, TeaCache
+from ..passes import (DBCache, FasterCache, FirstBlockCache, MagCache, PyramidAttentionBroadcast, SeaCache,
+                      TaylorSeerCache, TeaCache)
 
 _PASS_OF = {FirstBlockCacheConfig: FirstBlockCache, MagCacheConfig: MagCache, TaylorSeerCacheConfig: TaylorSeerCache,
-            SeaCacheConfig: SeaCache, TeaCacheConfig: TeaCache}
-CACHE_PASSES = (DBCache, FirstBlockCache, MagCache, TaylorSeerCache, SeaCache, TeaCache)
+            SeaCacheConfig: SeaCache, TeaCacheConfig: TeaCache,
+            PyramidAttentionBroadcastConfig: PyramidAttentionBroadcast, FasterCacheConfig: FasterCache}
+CACHE_PASSES = tuple(dict.fromkeys((DBCache, *_PASS_OF.values())))
 
 
 def convert(cfg: Any, cls: type, probe: str) -> Any:

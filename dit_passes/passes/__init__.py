@@ -6,6 +6,8 @@ from .mag_cache import MagCache
 from .taylorseer_cache import TaylorSeerCache
 from .sea_cache import SeaCache
 from .tea_cache import TeaCache
+from .pyramid_attention_broadcast import PyramidAttentionBroadcast
+from .faster_cache import FasterCache
 from .quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 from .load_quantized import LoadQuantized
 from .context_parallel import USP, Ring, Ulysses
@@ -15,5 +17,6 @@ from .regional_compile import RegionalCompile
 from .attention_backend import AttentionBackend
 from .vae_parallel import VAEParallel
 
-__all__ = ["Cleanup", "DBCache", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache", "SVDQuantW4A4", "Fp8Linear",
+__all__ = ["Cleanup", "DBCache", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
+           "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "Fp8Linear",
            "Int8Linear", "LoadQuantized", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend", "VAEParallel"]

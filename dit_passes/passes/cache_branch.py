@@ -14,7 +14,9 @@ leading blocks always run, Bn trailing blocks always run, the middle is cached) 
 
 and registers the state with a :class:`~dit_passes.cache.store.CacheStore` (``runtime.state[<name>]``, also
 the pass's report). With ``Fn = 0`` the whole block range is the middle (MagCache) and the cut is the
-streams entering block 0. Not a pass: a helper of the cache passes, as ``segments`` is.
+streams entering block 0. The attention-level caches (TaylorSeer, PAB, FasterCache) share ``module_sites`` /
+``site_io`` / ``module_arm``: one module's run of nodes, its inputs and outputs, and its compute arm. Not a pass: a
+helper of the cache passes, as ``segments`` is.
 """
 from __future__ import annotations
 
@@ -97,6 +99,67 @@ def _fake_call(fn, args, mode):
     with mode:
         return fn(*fakes)
 
+
+
+def module_path(n: fx.Node) -> str:
+    return n.meta.get("dit_module_path") or ""
+
+
+def module_sites(gm: fx.GraphModule, paths, name: str, advice: str) -> Dict[str, List[fx.Node]]:
+    """Module path -> its nodes (graph order), for the attention-level caches (the branch sits around one
+    module's run of nodes), in graph order; refuses nested paths and modules interleaved with other code."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    nested = [(a, b) for a in paths for b in paths if b.startswith(a + ".")]
+    if nested:
+        raise PassError(f"{name}: matched modules nest ({nested[:3]}); {advice}")
+    pos = {n: i for i, n in enumerate(calls)}
+    sites: Dict[str, List[fx.Node]] = {}
+    for m in paths:
+        nodes = [n for n in calls if module_path(n) == m or module_path(n).startswith(m + ".")]
+        if pos[nodes[-1]] - pos[nodes[0]] + 1 != len(nodes):
+            raise PassError(f"{name}: module '{m}' is not one contiguous run of graph nodes (other code runs inside "
+                            f"it); its outputs cannot be reused as a unit")
+        sites[m] = nodes
+    return dict(sorted(sites.items(), key=lambda kv: pos[kv[1][0]]))
+
+
+def site_io(nodes: List[fx.Node], name: str, path: str):
+    """``(live_in, live_out)`` of one module's nodes: the values it reads from outside (weights excluded) and
+    those read after it; refuses non-tensor values crossing its border."""
+    inside = set(nodes)
+    live_in = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside and a.op != "get_attr"))
+    live_out = [n for n in nodes if any(u not in inside for u in n.users)]
+    bad = [a.name for a in live_in + live_out if not isinstance(a.meta.get("val"), torch.Tensor)]
+    if bad:
+        raise PassError(f"{name}: module '{path}' exchanges non-tensor values {bad}")
+    return live_in, live_out
+
+
+def module_arm(gm: fx.GraphModule, nodes: List[fx.Node], live_in: List[fx.Node], live_out: List[fx.Node],
+               num_extra: int, class_name: str) -> fx.GraphModule:
+    """The compute arm of a module-level cond: ``(*live_in, *unused extras) -> live_out``, the module's nodes,
+    weights shared with ``gm``."""
+    from ..infra.graph_utils import _share_attr
+    g, root, env = fx.Graph(), torch.nn.Module(), {}
+    for a in live_in:
+        env[a] = g.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for i in range(num_extra):
+        g.placeholder(f"unused_{i}")
+
+    def lookup(a: fx.Node) -> fx.Node:
+        if a not in env:
+            _share_attr(gm, root, a.target)
+            env[a] = g.get_attr(a.target)
+        return env[a]
+
+    for n in nodes:
+        env[n] = g.node_copy(n, lookup)
+    # the other arm returns fresh contiguous tensors: both arms must agree on the layout
+    outs = [g.call_function(torch.ops.aten.clone.default, (env[o],), {"memory_format": torch.contiguous_format})
+            if _is_view_like(o) else env[o] for o in live_out]
+    g.output(tuple(outs))
+    return fx.GraphModule(root, g, class_name=class_name)
 
 
 def add_state_inputs(gm: fx.GraphModule, program, device: torch.device, mode) -> List[fx.Node]:

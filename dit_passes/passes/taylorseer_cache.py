@@ -43,60 +43,19 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..infra.pass_base import PassContext, PassError, PassResult
-from .cache_branch import PeerCachePass, _fake_call, _getitems, _is_view_like, add_state_inputs, finish_state_io
+from .cache_branch import (PeerCachePass, _fake_call, _getitems, add_state_inputs, finish_state_io, module_arm,
+                           module_path, module_sites, site_io)
 
 DEFAULT_IDENTIFIERS = ("^blocks.*attn", "^transformer_blocks.*attn", "^single_transformer_blocks.*attn",
                        "^temporal_transformer_blocks.*attn")
 
 
-def _path(n: fx.Node) -> str:
-    return n.meta.get("dit_module_path") or ""
-
-
 def _sites(gm: fx.GraphModule, patterns) -> Dict[str, List[fx.Node]]:
     """Matched module path -> its nodes (graph order); refuses nested matches and interleaved modules."""
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    prefixes = {".".join(p.split(".")[:i]) for p in map(_path, calls) if p for i in range(1, p.count(".") + 2)}
-    matched = sorted(p for p in prefixes if any(re.fullmatch(pat, p) for pat in patterns))
-    nested = [(a, b) for a in matched for b in matched if b.startswith(a + ".")]
-    if nested:
-        raise PassError(f"taylorseer_cache: matched modules nest ({nested[:3]}); give cache_identifiers that "
-                        f"match one level")
-    pos = {n: i for i, n in enumerate(calls)}
-    sites: Dict[str, List[fx.Node]] = {}
-    for m in matched:
-        nodes = [n for n in calls if _path(n) == m or _path(n).startswith(m + ".")]
-        if pos[nodes[-1]] - pos[nodes[0]] + 1 != len(nodes):
-            raise PassError(f"taylorseer_cache: module '{m}' is not one contiguous run of graph nodes (other code "
-                            f"runs inside it); its outputs cannot be predicted as a unit")
-        sites[m] = nodes
-    return dict(sorted(sites.items(), key=lambda kv: pos[kv[1][0]]))
-
-
-def _compute_arm(gm: fx.GraphModule, nodes: List[fx.Node], live_in: List[fx.Node], live_out: List[fx.Node],
-                 num_extra: int) -> fx.GraphModule:
-    """``(*live_in, *unused extras) -> live_out``: the module's nodes, weights shared with ``gm``."""
-    from ..infra.graph_utils import _share_attr
-    g, root, env = fx.Graph(), torch.nn.Module(), {}
-    for a in live_in:
-        env[a] = g.placeholder(a.name)
-        env[a].meta = dict(a.meta)
-    for i in range(num_extra):
-        g.placeholder(f"unused_{i}")
-
-    def lookup(a: fx.Node) -> fx.Node:
-        if a not in env:
-            _share_attr(gm, root, a.target)
-            env[a] = g.get_attr(a.target)
-        return env[a]
-
-    for n in nodes:
-        env[n] = g.node_copy(n, lookup)
-    # the predict arm returns fresh contiguous tensors: both arms must agree on the layout
-    outs = [g.call_function(torch.ops.aten.clone.default, (env[o],), {"memory_format": torch.contiguous_format})
-            if _is_view_like(o) else env[o] for o in live_out]
-    g.output(tuple(outs))
-    return fx.GraphModule(root, g, class_name="TaylorSeerCompute")
+    prefixes = {".".join(p.split(".")[:i]) for p in map(module_path, calls) if p for i in range(1, p.count(".") + 2)}
+    matched = [p for p in prefixes if any(re.fullmatch(pat, p) for pat in patterns)]
+    return module_sites(gm, matched, "taylorseer_cache", "give cache_identifiers that match one level")
 
 
 def _predict_arm(num_live_in: int, out_dtypes, max_order: int) -> fx.GraphModule:
@@ -148,16 +107,7 @@ class TaylorSeerCache(PeerCachePass):
             raise PassError(f"taylorseer_cache: no module path matches {patterns}; pass cache_identifiers= "
                             f"naming the attention modules (e.g. r'^layers\\.\\d+\\.attn')")
         g = gm.graph
-        plans = []
-        for path, nodes in sites.items():
-            inside = set(nodes)
-            live_in = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
-                                         if a not in inside and a.op != "get_attr"))
-            live_out = [n for n in nodes if any(u not in inside for u in n.users)]
-            bad = [a.name for a in live_in + live_out if not isinstance(a.meta.get("val"), torch.Tensor)]
-            if bad:
-                raise PassError(f"taylorseer_cache: module '{path}' exchanges non-tensor values {bad}")
-            plans.append((path, nodes, live_in, live_out))
+        plans = [(path, nodes, *site_io(nodes, self.name, path)) for path, nodes in sites.items()]
         mode = detect_fake_mode([p[3][0].meta["val"] for p in plans])
         device = plans[0][3][0].meta["val"].device
         timestep = next((p for p in g.nodes if p.op == "placeholder" and p.target == "timestep"), None)
@@ -179,7 +129,8 @@ class TaylorSeerCache(PeerCachePass):
         order = cfg.max_order
         for i, (path, nodes, live_in, live_out) in enumerate(plans):
             factors = [by_name[n] for n in program.factor_names(i)]
-            gm.add_submodule(f"taylorseer_compute_{i}", _compute_arm(gm, nodes, live_in, live_out, len(factors) + 2))
+            gm.add_submodule(f"taylorseer_compute_{i}", module_arm(gm, nodes, live_in, live_out, len(factors) + 2,
+                                                                              "TaylorSeerCompute"))
             gm.add_submodule(f"taylorseer_predict_{i}", _predict_arm(len(live_in),
                                                                      [o.meta["val"].dtype for o in live_out], order))
             gm.add_submodule(f"taylorseer_update_{i}", SiteUpdate(len(live_out), order))
