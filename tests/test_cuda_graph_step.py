@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dit_passes import compile_dit, passes
-from dit_passes.infra.cuda_graph_step import BothArms, CudaGraphUnavailable
+from dit_passes.infra.cuda_graph_step import BothArms, CudaGraphUnavailable, IfNodeCapture
 from dit_passes.models.zoo import build
 from dit_passes.testing.counting import OpCounter
 
@@ -135,3 +135,31 @@ def test_graph_step_with_inductor_regions():
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert graphed._last.runner.replays == len(steps) - 1
+
+
+@needs_cuda
+def test_if_node_capture_replays_the_arm_the_device_picks():
+    """Our IfNodeCapture (for a torch with CUDAGraph's IF-node calls but not torch's dispatch mode) on a bare cond:
+    one capture, replayed with the predicate flipped on the device."""
+    from dit_passes.infra.cuda_graph_step import IF_NODE_CALLS
+    if not all(hasattr(torch.cuda.CUDAGraph, m) for m in IF_NODE_CALLS):
+        pytest.skip(f"torch {torch.__version__}: CUDAGraph has no IF-node capture")
+    cond = torch.ops.higher_order.cond
+    pred = torch.zeros((), dtype=torch.bool, device="cuda")
+    x = torch.arange(4.0, device="cuda")
+
+    def step(p, v):
+        (y,) = cond(p, lambda a: (a * 2 + 1,), lambda a: (a - 3,), (v,))
+        return y * 10
+
+    with BothArms():
+        step(pred, x)  # warm both arms
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), IfNodeCapture():
+        out = step(pred, x)
+    for flag in (True, False, True):
+        pred.fill_(flag)
+        x.add_(1)
+        graph.replay()
+        torch.testing.assert_close(out, (x * 2 + 1 if flag else x - 3) * 10)

@@ -3,7 +3,8 @@
 Why: a residual-cache step decides on the device (``torch.cond(use_cache, cached, compute, ...)``), but run
 eagerly ``torch.cond`` reads its predicate on the host: one device sync per step, and every launch of the top
 graph and of the compiled block regions is paid in Python. Captured with ``torch.cuda.graph`` under torch's
-``CUDAGraphCaptureControlFlowOpDispatchMode``, each ``cond`` becomes a pair of CUDA conditional (IF) nodes
+``CUDAGraphCaptureControlFlowOpDispatchMode`` (or our :class:`IfNodeCapture` on a torch with the IF-node calls but
+not that mode), each ``cond`` becomes a pair of CUDA conditional (IF) nodes
 whose predicate the GPU reads: a replay is one launch, no host read, whichever arm runs.
 
 The life of one signature's step (``LoweredGraph`` owns one CudaGraphStep)::
@@ -41,21 +42,60 @@ class CudaGraphUnavailable(RuntimeError):
 
 
 def conditional_capture_mode() -> type:
-    """torch's dispatch mode that turns ``torch.cond`` into CUDA conditional nodes while capturing; raises
-    :class:`CudaGraphUnavailable` where this torch / CUDA has none."""
+    """A dispatch mode that turns ``torch.cond`` into CUDA conditional nodes while capturing: torch's own
+    (``torch._higher_order_ops.cudagraph_conditional_nodes``, torch >= 2.12) or, on a torch whose CUDAGraph has
+    the IF-node capture calls but not that module, :class:`IfNodeCapture`. Raises :class:`CudaGraphUnavailable`
+    where neither exists or CUDA is older than 12.4."""
     if not torch.cuda.is_available():
         raise CudaGraphUnavailable(f"mode='reduce-overhead' replays the step as a CUDA graph: no CUDA device "
                                    f"here; {FIX}")
-    try:
-        from torch._higher_order_ops.cudagraph_conditional_nodes import CUDAGraphCaptureControlFlowOpDispatchMode
-    except ImportError as e:
-        raise CudaGraphUnavailable(f"torch {torch.__version__} has no CUDA-graph conditional nodes for torch.cond "
-                                   f"({e}); {FIX}") from e
     cuda = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
     if cuda < (12, 4):
         raise CudaGraphUnavailable(f"CUDA-graph conditional nodes need CUDA >= 12.4, torch is built with "
                                    f"{torch.version.cuda}; {FIX}")
-    return CUDAGraphCaptureControlFlowOpDispatchMode
+    try:
+        from torch._higher_order_ops.cudagraph_conditional_nodes import CUDAGraphCaptureControlFlowOpDispatchMode
+        return CUDAGraphCaptureControlFlowOpDispatchMode
+    except ImportError:
+        pass
+    if all(hasattr(torch.cuda.CUDAGraph, m) for m in IF_NODE_CALLS):
+        return IfNodeCapture
+    raise CudaGraphUnavailable(f"torch {torch.__version__} has no CUDA-graph conditional nodes for torch.cond "
+                               f"(CUDAGraph lacks {', '.join(IF_NODE_CALLS)}); {FIX}")
+
+
+IF_NODE_CALLS = ("get_currently_capturing_graph", "begin_capture_to_if_node", "end_capture_to_conditional_node")
+
+
+class IfNodeCapture(TorchDispatchMode):
+    """While a CUDA graph captures: each ``torch.cond`` becomes two IF nodes (``pred``, then ``not pred``) whose
+    bodies capture the two arms; the false arm's outputs are copied into the true arm's, so the rest of the graph
+    reads one set of buffers whichever arm ran. (CUDA's IF/ELSE node needs 12.8; two IF nodes work from 12.4.)"""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not _COND:
+            return func(*args, **(kwargs or {}))
+        pred, true_fn, false_fn, operands = args
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        with self:  # nested conds inside an arm become nested conditional nodes
+            graph.begin_capture_to_if_node(pred)
+            try:
+                out = true_fn(*operands)
+            finally:
+                graph.end_capture_to_conditional_node()
+            graph.begin_capture_to_if_node(torch.logical_not(pred))
+            try:
+                for mine, other in zip(pytree.tree_leaves(out), pytree.tree_leaves(false_fn(*operands))):
+                    mine.copy_(other)
+            finally:
+                graph.end_capture_to_conditional_node()
+        return out
 
 
 class BothArms(TorchDispatchMode):
@@ -159,4 +199,4 @@ class CudaGraphStep:
         self.graph = graph
 
 
-__all__ = ["BothArms", "CudaGraphStep", "CudaGraphUnavailable", "conditional_capture_mode"]
+__all__ = ["BothArms", "CudaGraphStep", "CudaGraphUnavailable", "IfNodeCapture", "conditional_capture_mode"]
