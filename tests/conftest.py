@@ -81,7 +81,8 @@ def pytest_collection_modifyitems(session, config, items):
 # descendants (pooled ranks, read from /proc) and the reaped ones (RUSAGE_CHILDREN: subprocess.run, ended pools).
 # A process moves from the first to the second when it is reaped, so nothing is counted twice (the ranks' own
 # per-call reports were, once a test ended the pools: their whole lifetime landed on that test). A pooled rank's
-# start-up is charged to the first test that uses its pool.
+# start-up is charged to the first test that uses its pool. Not for Ray tests: Ray's workers leave this process's tree
+# (reparented when their raylet ends them), so their CPU is lost and a Ray test can even read negative.
 _CPU_DIR = os.environ.get("DIT_PASSES_CPU_REPORT")
 
 
