@@ -76,9 +76,13 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.get_closest_marker("ends_rank_pools") is not None)
 
 
-# DIT_PASSES_CPU_REPORT=<dir>: each test's CPU seconds (this process + its ranks + reaped children such as
-# subprocess.run), written per pytest process to <dir>/cpu-<pid>.tsv: what a test costs on a busy machine, where wall
-# time says little.
+# DIT_PASSES_CPU_REPORT=<dir>: each test's CPU seconds, written per pytest process to <dir>/cpu-<pid>.tsv (CPU s, wall
+# s, test id): what a test costs on a busy machine, where wall time says little. Counted: this process, its live
+# descendants (pooled ranks, read from /proc) and the reaped ones (RUSAGE_CHILDREN: subprocess.run, ended pools).
+# A process moves from the first to the second when it is reaped, so nothing is counted twice (the ranks' own
+# per-call reports were, once a test ended the pools: their whole lifetime landed on that test). A pooled rank's
+# start-up is charged to the first test that uses its pool. Not for Ray tests: Ray's workers leave this process's tree
+# (reparented when their raylet ends them), so their CPU is lost and a Ray test can even read negative.
 _CPU_DIR = os.environ.get("DIT_PASSES_CPU_REPORT")
 
 
@@ -86,10 +90,28 @@ if _CPU_DIR:
     import resource
     import time
 
+    _TICK = os.sysconf("SC_CLK_TCK")
+
+    def _live_descendants_cpu() -> float:
+        parent, cpu = {}, {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # after "(comm)": state ppid ... utime(12) stime(13) cutime(14) cstime(15), 0-based from state
+            parent[int(pid)] = int(fields[1])
+            cpu[int(pid)] = sum(int(x) for x in fields[11:15]) / _TICK
+        mine, frontier = set(), {os.getpid()}
+        while frontier:
+            frontier = {p for p, pp in parent.items() if pp in frontier} - mine
+            mine |= frontier
+        return sum(cpu[p] for p in mine)
+
     def _cpu_now():
-        from dit_passes.testing import multiproc
         child = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return time.process_time() + child.ru_utime + child.ru_stime + multiproc.rank_cpu_s[0]
+        return time.process_time() + child.ru_utime + child.ru_stime + _live_descendants_cpu()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):

@@ -100,15 +100,18 @@ class _ToyDiT(nn.Module):
 
 # ---------------------------------------------------------------- per-rank bodies
 def _expected(model, kw):
-    """Row-parallel count and per-rank bytes of the TP linears, from an independent capture."""
+    """Row-parallel count and per-rank bytes of the TP linears, from a capture of their own (not the pass's
+    analysis). It goes to the process's trace templates (the suite reuses captures, tests/conftest.py), so the
+    compile_dit that follows binds this model into the same graph instead of exporting it a second time."""
     from dit_passes.analysis.blocks import get_structure
     from dit_passes.capture import capture
 
     from dit_passes.infra.pass_base import PassContext
+    from dit_passes.infra.trace_templates import default_templates
     from dit_passes.passes.cleanup import Cleanup
 
     kw = {k: v for k, v in kw.items() if k != "return_dict"}
-    gm = capture(model, (), kw).gm
+    gm = capture(model, (), kw, templates=default_templates()).gm
     Cleanup().run(gm, PassContext())  # as compile_dit does: dead code (an unused last text MLP) goes
     st = get_structure(gm)
     params = dict(model.named_parameters())
