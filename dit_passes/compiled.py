@@ -25,7 +25,7 @@ from .infra.trace_templates import default_templates
 from .analysis.blocks import get_structure
 from .infra.facts import facts_of
 from .infra.cuda_graph_step import FIX as CUDA_GRAPH_FIX
-from .infra.cuda_graph_step import CudaGraphStep, CudaGraphUnavailable
+from .infra.cuda_graph_step import CudaGraphStep, CudaGraphUnavailable, conditional_capture_mode
 from .infra.graph_runner import GraphRunner
 from .infra.memory import MemoryReport, memory_report, onloaded_tensors
 from .infra.pass_base import Pass, PassContext
@@ -257,10 +257,12 @@ class CompiledDiT(torch.nn.Module):
         tensors = [x for x in pytree.tree_leaves(kwargs) if isinstance(x, torch.Tensor)]
         check_has_source(self.original, ledger.source, tensors)
         device = self._device or (tensors[0].device if tensors else torch.device("cpu"))
-        if self._cuda_graphs and device.type != "cuda":  # refused before capturing
-            raise CudaGraphUnavailable(f"torch_compile={{'regional': True, 'mode': 'reduce-overhead'}} replays the "
-                                       f"step as a CUDA graph: the call's tensors are on {device}; run on a CUDA "
-                                       f"device or {CUDA_GRAPH_FIX}")
+        if self._cuda_graphs:  # refused before capturing
+            if device.type != "cuda":
+                raise CudaGraphUnavailable(f"torch_compile={{'regional': True, 'mode': 'reduce-overhead'}} replays the "
+                                           f"step as a CUDA graph: the call's tensors are on {device}; run on a CUDA "
+                                           f"device or {CUDA_GRAPH_FIX}")
+            conditional_capture_mode()  # this torch / CUDA has conditional nodes
         read: Dict[str, torch.Tensor] = {}  # what LoadWeights reads from the checkpoint: it goes into the model too
         passes = ([Cleanup()] if self._cleanup else []) + ([LoadWeights(read)] if ledger.source is not None else []) \
             + self._passes + ([self._regional] if self._regional else [])
@@ -285,7 +287,8 @@ class CompiledDiT(torch.nn.Module):
         if not self.keep_original:
             ledger.release_in(self.original)  # what the passes replaced leaves the user's module
         # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph
-        runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True, **self._torch_compile})
+        runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True,
+                                                                            **self._torch_compile})
         lowered = LoweredGraph(gm, captured, manager, runner)
         if self._cuda_graphs:
             lowered.runner = self._cuda_graph_step(lowered)

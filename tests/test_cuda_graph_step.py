@@ -6,12 +6,24 @@ import pytest
 import torch
 
 from dit_passes import compile_dit, passes
-from dit_passes.infra.cuda_graph_step import BothArms, CudaGraphUnavailable, IfNodeCapture
+from dit_passes.infra.cuda_graph_step import BothArms, CudaGraphUnavailable, IfNodeCapture, conditional_capture_mode
 from dit_passes.models.zoo import build
 from dit_passes.testing.counting import OpCounter
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA (a CUDA graph with conditional nodes)")
+
+
+def _conditional_nodes() -> str:
+    """Why this torch cannot capture conditional nodes ("" when it can)."""
+    try:
+        conditional_capture_mode()
+        return ""
+    except CudaGraphUnavailable as e:
+        return str(e)
+
+
+WHY_NOT = _conditional_nodes() if CUDA else "no CUDA"
+needs_cuda = pytest.mark.skipif(bool(WHY_NOT), reason=f"needs a CUDA graph with conditional nodes: {WHY_NOT[:120]}")
 
 
 def _dbcache():
@@ -137,7 +149,18 @@ def test_graph_step_with_inductor_regions():
     assert graphed._last.runner.replays == len(steps) - 1
 
 
-@needs_cuda
+@pytest.mark.skipif(not CUDA or not WHY_NOT, reason="needs a CUDA device whose torch has no conditional nodes")
+def test_reduce_overhead_is_refused_before_capture_where_torch_has_no_conditional_nodes():
+    zm = build("flux")
+    model = zm.model.cuda()
+    kw = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in zm.make_inputs(batch=1, seed=0).items()}
+    c = compile_dit(model, passes=[_dbcache()], torch_compile={"regional": True, "mode": "reduce-overhead"})
+    with pytest.raises(CudaGraphUnavailable, match="conditional nodes.*regional"):
+        c(**kw)
+    assert not c._by_key
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_if_node_capture_replays_the_arm_the_device_picks():
     """Our IfNodeCapture (for a torch with CUDAGraph's IF-node calls but not torch's dispatch mode) on a bare cond:
     one capture, replayed with the predicate flipped on the device."""
