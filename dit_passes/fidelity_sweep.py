@@ -125,6 +125,22 @@ def work_fraction(config_report: dict) -> Tuple[float, str]:
     return 1.0 - sum(decisions) / len(decisions), MODULE_X
 
 
+def mark_fronts(points: Dict[str, List[dict]]) -> Dict[str, List[list]]:
+    """Marks ``pareto_work`` / ``pareto_speed`` on the points of every method; returns both fronts as
+    ``[method, threshold]`` pairs. The work front compares block fractions only: a point whose x is another
+    quantity (an attention-level cache's module calls) is left off it (it stays on the speed front's)."""
+    flat = [(m, p) for m, pts in points.items() for p in pts]
+    fronts = {
+        "work": pareto_front([(p["work_fraction"] if p["x"] == BLOCK_X else math.nan, p["psnr_mean"])
+                              for _, p in flat], x_lower_is_better=True),
+        "speed": pareto_front([(p["speedup"], p["psnr_mean"]) for _, p in flat], x_lower_is_better=False),
+    }
+    for key, idx in fronts.items():
+        for i in idx:
+            flat[i][1][f"pareto_{key}"] = True
+    return {k: [[flat[i][0], flat[i][1]["threshold"]] for i in idx] for k, idx in fronts.items()}
+
+
 def config_name(method: str, threshold: float) -> str:
     return f"{method}@{threshold:g}"
 
@@ -190,21 +206,13 @@ def run_sweep(methods: Sequence[str], seeds: Sequence[int], labels: Sequence[int
             "cached_calls": sum(sum(bool(c) for c in run.get("step_cached", [])) for run in r["stats"]) / len(r["stats"])
             if r["stats"] else 0.0,
         })
-    flat = [(m, p) for m in methods for p in points[m]]
-    fronts = {
-        "work": pareto_front([(p["work_fraction"], p["psnr_mean"]) for _, p in flat], x_lower_is_better=True),
-        "speed": pareto_front([(p["speedup"], p["psnr_mean"]) for _, p in flat], x_lower_is_better=False),
-    }
-    for key, idx in fronts.items():
-        for i in idx:
-            flat[i][1][f"pareto_{key}"] = True
     return {
         "model": "trained digits DiT (Flux transformer, 12 blocks) through FluxPipeline",
         "steps": steps, "seeds": list(seeds), "labels": list(labels), "true_cfg_scale": true_cfg_scale,
         "device": str(device), "threads": torch.get_num_threads(),
         "baseline_median_s": seconds["baseline"], "timing_repeats": timing_repeats, "sweep_s": time.perf_counter() - t0,
         "methods": points,
-        "pareto": {k: [[flat[i][0], flat[i][1]["threshold"]] for i in idx] for k, idx in fronts.items()},
+        "pareto": mark_fronts(points),
         "calibrations": ctx.calibrations,
     }
 
@@ -222,7 +230,7 @@ def format_table(report: dict) -> str:
 
 
 def front_line(report: dict, key: str) -> str:
-    what = "work executed" if key == "work" else "speedup"
+    what = "block work executed" if key == "work" else "speedup"
     by = {(m, p["threshold"]): p for m, pts in report["methods"].items() for p in pts}
     parts = []
     for m, t in report["pareto"][key]:
@@ -278,7 +286,8 @@ def write_plot(report: dict, path: Path) -> bool:
                 ax.annotate(f"{p['threshold']:g}", (p[field], y(p)), textcoords="offset points", xytext=(3, 3),
                             fontsize=6, color=color)
         front = [by[(m, t)] for m, t in report["pareto"][key]]
-        ax.plot([p[field] for p in front], [y(p) for p in front], "k--", lw=1, zorder=0, label="Pareto front")
+        ax.plot([p[field] for p in front], [y(p) for p in front], "k--", lw=1, zorder=0,
+                label="Pareto front" + (" (block-work points)" if key == "work" else ""))
         ax.scatter([p[field] for p in front], [y(p) for p in front], s=110, facecolors="none", edgecolors="k", lw=1)
         if len(finite) < sum(len(v) for v in report["methods"].values()):
             ax.axhline(top, color="gray", lw=0.5, ls=":")

@@ -42,6 +42,17 @@ def test_work_fraction_block_or_module_calls():
     assert math.isnan(x) and kind == fs.MODULE_X
 
 
+def test_work_front_compares_block_fractions_only():
+    pts = {"fbc": [{"threshold": 0.1, "work_fraction": 0.5, "x": fs.BLOCK_X, "psnr_mean": 40.0, "speedup": 2.0},
+                   {"threshold": 0.2, "work_fraction": 0.4, "x": fs.BLOCK_X, "psnr_mean": 35.0, "speedup": 1.5}],
+           "attn": [{"threshold": 2, "work_fraction": 0.3, "x": fs.MODULE_X, "psnr_mean": 50.0, "speedup": 1.2}]}
+    fronts = fs.mark_fronts(pts)
+    # the attention-level point would dominate both on x: it is another quantity, so it is off the work front
+    assert fronts["work"] == [["fbc", 0.2], ["fbc", 0.1]]
+    assert fronts["speed"] == [["attn", 2], ["fbc", 0.1]]  # fbc@0.2 is slower and worse than fbc@0.1
+    assert [p.get("pareto_work", False) for p in pts["fbc"] + pts["attn"]] == [True, True, False]
+
+
 def test_sweep_context_computes_a_calibration_once():
     ctx = fs.SweepContext(pipe=None, steps=4, seeds=[0], labels=[1], true_cfg_scale=1.0)
     calls = []
