@@ -11,6 +11,7 @@ writes a PNG grid (baseline row, then one row per configuration), a plot of per-
     dit-passes demo                               # the default DBCache, a steps-mask preset, TaylorSeer
     dit-passes demo --device cuda                 # on the GPU
     dit-passes fidelity --configs dbcache,fast_mask_taylorseer --seeds 0 1 2 --steps 28 --out out/fid
+    dit-passes fidelity --sweep                   # every caching method over its thresholds: one plot
 
 Layering: this module (the commands) uses :mod:`dit_passes.fidelity` (the harness) and
 :mod:`dit_passes.cache.presets` (the configurations); neither imports it.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -145,5 +147,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "dit-passes demo",
 
 
 def fidelity_main(argv: Optional[List[str]] = None) -> int:
-    """``dit-passes fidelity``: the demo's harness with every preset by default (see ``--list``)."""
+    """``dit-passes fidelity``: the demo's harness with every preset by default (see ``--list``);
+    ``dit-passes fidelity --sweep ...``: every caching method over its thresholds (:mod:`dit_passes.fidelity_sweep`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--sweep" in argv:
+        from .fidelity_sweep import main as sweep_main
+        return sweep_main([a for a in argv if a != "--sweep"])
     return main(argv, prog="dit-passes fidelity", default_configs=tuple(cache_presets(28)))
