@@ -7,7 +7,7 @@ a mask of arbitrary objects) and fails, or silently does something else, mid-gen
 
 Fields the reference has beyond the brief's list, and what we do with them:
 
-* ``cache_type``: only ``"DBCache"`` is implemented here (``DBPrune`` / ``NONE`` are rejected).
+* ``cache_type``: ``"DBCache"`` here; ``"DBPrune"`` is :class:`DBPruneConfig`'s (``NONE`` is rejected).
 * ``force_refresh_step_hint`` / ``force_refresh_step_policy``: implemented (the state is reset at that call
   index, once or every ``hint`` calls), except together with ``enable_separate_cfg=True``: the reference
   counts the hint in transformer calls across both CFG branches and can flip the branch parity at an odd
@@ -19,7 +19,7 @@ Fields the reference has beyond the brief's list, and what we do with them:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 _POLICIES = ("dynamic", "static")
 _REFRESH_POLICIES = ("once", "repeat")
@@ -67,15 +67,18 @@ class DBCacheConfig:
     force_refresh_step_hint: Optional[int] = None
     force_refresh_step_policy: str = "once"
 
+    CACHE_TYPE: ClassVar[str] = "DBCache"  # the cache_type this class accepts
+
     def __post_init__(self) -> None:
         self.validate()
 
     # -- validation -------------------------------------------------------------------------------
     def validate(self) -> "DBCacheConfig":
         """Raise ``ValueError`` / ``TypeError`` naming the offending field and the accepted values."""
-        if _cache_type_name(self.cache_type) != "DBCache":
-            raise ValueError(f"DBCacheConfig.cache_type={self.cache_type!r}: only 'DBCache' is implemented "
-                             f"(DBPrune / NONE are not); drop the field or set it to 'DBCache'")
+        if _cache_type_name(self.cache_type) != self.CACHE_TYPE:
+            raise ValueError(f"{type(self).__name__}.cache_type={self.cache_type!r}: this class takes "
+                             f"only {self.CACHE_TYPE!r} (use DBCacheConfig for DBCache, DBPruneConfig for DBPrune; NONE is "
+                             f"not implemented); drop the field or set it to {self.CACHE_TYPE!r}")
 
         def need_int(name: str, lo: int, hint: str) -> None:
             v = getattr(self, name)
@@ -177,6 +180,66 @@ class DBCacheConfig:
         if self.enable_separate_cfg is not None:
             tag += f"_CFG{int(self.enable_separate_cfg)}"
         return tag
+
+
+@dataclasses.dataclass
+class DBPruneConfig(DBCacheConfig):
+    """cache-dit 1.5.3's ``DBPruneConfig`` (dynamic block pruning; ``cache_contexts/prune_config.py``): the
+    DBCache fields and defaults, plus the prune-threshold controls below. Every block but the first
+    ``Fn_compute_blocks``, the last ``Bn_compute_blocks`` and ``non_prune_block_ids`` may be skipped on its
+    own (its stored residual reused) when its input barely changed since it last ran.
+
+    ``enable_dynamic_prune_threshold``: the threshold of a block is raised to ``mean * relax_ratio`` of the
+    positive diffs among the first five recorded this step, while that stays below
+    ``max_dynamic_prune_threshold`` (None: twice ``residual_diff_threshold``). ``force_reduce_calibrator_vram``
+    only matters with a calibrator, which DBPrune does not take here. Not supported (refused when the cache
+    is built): ``enable_separate_cfg=True`` together with the dynamic threshold or with
+    ``cfg_diff_compute_separate=False`` (the reference reads the other branch's list of diffs there, or
+    compares a list with a float).
+    """
+
+    cache_type: Any = "DBPrune"
+    enable_dynamic_prune_threshold: bool = False
+    max_dynamic_prune_threshold: Optional[float] = None
+    dynamic_prune_threshold_relax_ratio: float = 1.25
+    non_prune_block_ids: List[int] = dataclasses.field(default_factory=list)
+    force_reduce_calibrator_vram: bool = False
+
+    CACHE_TYPE: ClassVar[str] = "DBPrune"
+
+    def validate(self) -> "DBPruneConfig":
+        super().validate()
+        for name in ("enable_dynamic_prune_threshold", "force_reduce_calibrator_vram"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"DBPruneConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        cap = self.max_dynamic_prune_threshold
+        if cap is not None and not _is_number(cap):
+            raise TypeError(f"DBPruneConfig.max_dynamic_prune_threshold must be None or a float, got {cap!r}")
+        if not _is_number(self.dynamic_prune_threshold_relax_ratio):
+            raise TypeError("DBPruneConfig.dynamic_prune_threshold_relax_ratio must be a float, got "
+                            f"{self.dynamic_prune_threshold_relax_ratio!r}")
+        ids = self.non_prune_block_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"DBPruneConfig.non_prune_block_ids must be a list of block indices >= 0, got {ids!r}")
+        self.non_prune_block_ids = list(ids)
+        if self.enable_separate_cfg and (self.enable_dynamic_prune_threshold or not self.cfg_diff_compute_separate):
+            raise ValueError("DBPruneConfig: enable_separate_cfg=True is supported only with "
+                             "enable_dynamic_prune_threshold=False and cfg_diff_compute_separate=True (the "
+                             "reference's CFG branch reads the other branch's diffs there)")
+        return self
+
+    def prunable(self, num_blocks: int) -> List[int]:
+        """The blocks that may be pruned: all but the first Fn, the last Bn and ``non_prune_block_ids``."""
+        keep = set(range(min(self.Fn_compute_blocks, num_blocks)))
+        keep |= set(range(num_blocks - min(self.Bn_compute_blocks, num_blocks), num_blocks))
+        keep |= set(self.non_prune_block_ids)
+        return [i for i in range(num_blocks) if i not in keep]
+
+    def strify(self) -> str:
+        """The reference's tag, e.g. ``DBPrune_F8B0_W8I1M0MC0_R0.08`` (no suffixes, as the reference)."""
+        return (f"{_cache_type_name(self.cache_type)}_F{self.Fn_compute_blocks}B{self.Bn_compute_blocks}_"
+                f"W{self.max_warmup_steps}I{self.warmup_interval}M{max(0, self.max_cached_steps)}"
+                f"MC{max(0, self.max_continuous_cached_steps)}_R{self.residual_diff_threshold}")
 
 
 @dataclasses.dataclass

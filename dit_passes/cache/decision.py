@@ -95,6 +95,41 @@ def generation_starts(state: State, timestep, num_inference_steps: Optional[int]
     return new_gen, t, calls_done
 
 
+def start_call(state: State, timestep, config: DBCacheConfig,
+               timestep_direction: str = "decreasing") -> Tuple[State, torch.Tensor]:
+    """``(state, step)`` at the start of a call (the reference's ``mark_step_begin``): a new generation or a
+    forced refresh resets every scalar of :data:`SCALARS` (but ``gen`` / ``refreshed`` / ``last_t``) and every
+    ``*_valid`` flag (TaylorSeer ladders, DBPrune's stored block inputs); the step advances; a step that
+    does not follow a cached one ends the run of cached steps."""
+    s = dict(state)
+    # -- new generation / forced refresh (the reference recreates its context: everything restarts) --------
+    new_gen, t, calls_done = generation_starts(s, timestep, config.num_inference_steps, timestep_direction)
+    reset = new_gen
+    if config.force_refresh_step_hint is not None:
+        due = calls_done == config.force_refresh_step_hint
+        if config.force_refresh_step_policy == "once":
+            due = due & ~s["refreshed"]
+        refresh = due & ~new_gen
+        reset = new_gen | refresh
+        s["refreshed"] = torch.where(new_gen, torch.zeros_like(s["refreshed"]), s["refreshed"] | refresh)
+    keep = ~reset
+    for k, (dt, init) in SCALARS.items():
+        if k not in _KEEP_ON_RESET and k != "step":
+            s[k] = _reset_to(s[k], reset, keep, init)
+    for k in state:
+        if k.endswith("_valid"):  # nothing defined after a reset
+            s[k] = torch.where(reset, 0, s[k])
+    s["gen"] = s["gen"] + reset  # int64 + bool: int64
+    step = torch.where(reset, 0, calls_done)
+    s["step"] = step
+    if t is not None:
+        s["last_t"] = t
+
+    # A compute step breaks the run of cached steps (mark_step_begin).
+    s["continuous"] = torch.where(s["last_cached_step"] != step - 1, 0, s["continuous"])
+    return s, step
+
+
 def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheConfig, *,
            allreduce: Optional[AllReduce] = None, partner: Optional[State] = None,
            timestep_direction: str = "decreasing") -> Tuple[torch.Tensor, State, torch.Tensor]:
@@ -122,31 +157,7 @@ def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheCon
     s = dict(state)
     dev_like = s["step"]
 
-    # -- new generation / forced refresh (the reference recreates its context: everything restarts) --------
-    new_gen, t, calls_done = generation_starts(s, timestep, config.num_inference_steps, timestep_direction)
-    reset = new_gen
-    if config.force_refresh_step_hint is not None:
-        due = calls_done == config.force_refresh_step_hint
-        if config.force_refresh_step_policy == "once":
-            due = due & ~s["refreshed"]
-        refresh = due & ~new_gen
-        reset = new_gen | refresh
-        s["refreshed"] = torch.where(new_gen, torch.zeros_like(s["refreshed"]), s["refreshed"] | refresh)
-    keep = ~reset
-    for k, (dt, init) in SCALARS.items():
-        if k not in _KEEP_ON_RESET and k != "step":
-            s[k] = _reset_to(s[k], reset, keep, init)
-    for k in state:
-        if k.endswith("_valid"):  # TaylorSeer ladders: nothing defined after a reset
-            s[k] = torch.where(reset, 0, s[k])
-    s["gen"] = s["gen"] + reset  # int64 + bool: int64
-    step = torch.where(reset, 0, calls_done)
-    s["step"] = step
-    if t is not None:
-        s["last_t"] = t
-
-    # A compute step breaks the run of cached steps (mark_step_begin).
-    s["continuous"] = torch.where(s["last_cached_step"] != step - 1, 0, s["continuous"])
+    s, step = start_call(s, timestep, config, timestep_direction)
 
     # -- the checks, first match wins ----------------------------------------------------------------------
     # ``decided`` / ``result`` are Python bools while no check has answered on the device (most checks are
@@ -294,5 +305,5 @@ def update_after_branch(state: State, use_cache: torch.Tensor, values: Sequence[
     return s
 
 
-__all__ = ["decide", "generation_starts", "middle_cache_values", "hit_values", "apply_hit", "update_after_branch",
+__all__ = ["decide", "start_call", "generation_starts", "middle_cache_values", "hit_values", "apply_hit", "update_after_branch",
            "stores_hidden_states", "NO_STEP"]
