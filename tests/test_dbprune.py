@@ -21,6 +21,7 @@ from dit_passes.models.zoo import build
 
 cache_dit = pytest.importorskip("cache_dit")
 from cache_dit import steps_mask as ref_steps_mask  # noqa: E402
+from test_dbcache_pass import assert_same, step_loop  # noqa: E402
 
 logging.getLogger("cache_dit").setLevel(logging.ERROR)
 STEPS = 8
@@ -43,25 +44,10 @@ CASES = [("flux", "dynamic"), ("wan", "caps"), ("wan", "mask_always"), ("qwenima
          ("qwenimage", "mask_static")]
 
 
-def step_loop(model, kwargs, after_call=None, calls_per_step=1):
-    """An Euler-like loop: the timestep falls, the latents move with the model's output."""
-    outs, lat = [], kwargs["hidden_states"].clone()
-    for i in range(STEPS):
-        kw = dict(kwargs, hidden_states=lat, timestep=torch.full_like(kwargs["timestep"], 1000.0 * (1 - i / STEPS)))
-        for _ in range(calls_per_step):
-            with torch.no_grad():
-                o = model(**kw)[0]
-            outs.append(o)
-            if after_call is not None:
-                after_call()
-        lat = lat - 0.05 * o.reshape(lat.shape)
-    return torch.stack(outs)
-
-
 def reference_run(model, kwargs, cfg, calls_per_step=1):
     ref = copy.deepcopy(model)
     cache_dit.enable_cache(ref, cache_config=cache_dit.DBPruneConfig(num_inference_steps=STEPS, **cfg))
-    out = step_loop(ref, kwargs, calls_per_step=calls_per_step)
+    out = step_loop(ref, kwargs, STEPS, calls_per_step)
     return out, cache_dit.summary(ref, logging=False)[0]
 
 
@@ -75,7 +61,7 @@ def ours_run(model, kwargs, cfg, calls_per_step=1, contexts=("default",)):
         calls.append(ctx)
         records[ctx].append(last_pruned(compiled.runtime.state["dbprune"], ctx))
 
-    out = step_loop(compiled, kwargs, record, calls_per_step)
+    out = step_loop(compiled, kwargs, STEPS, calls_per_step, after_call=record)
     return out, records, compiled.runtime.state["dbprune"]
 
 
@@ -95,10 +81,6 @@ def assert_same_as_reference(records, pruned_blocks, residual_diffs, threshold, 
                 assert p == (d < threshold or d == -1.0)
 
 
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 @pytest.mark.reference
 @pytest.mark.parametrize("family, name", CASES)
 def test_dbprune_matches_cache_dit(family, name):
@@ -113,7 +95,8 @@ def test_dbprune_matches_cache_dit(family, name):
     assert_same_as_reference(records, ref_stats.pruned_blocks, dict(ref_stats.residual_diffs), static,
                              ref_stats.pruned_steps)
     assert store.summary()[-1]["cached_steps"] == ref_stats.cached_steps
-    assert rel_err(ours, ref) <= 1e-5
+    assert store.fidelity_stats()["executed_block_fraction"] == pytest.approx(1 - ref_stats.pruned_ratio)
+    assert_same(ref, ours, rel=1e-5)
 
 
 @pytest.mark.reference
@@ -124,14 +107,14 @@ def test_dbprune_separate_cfg_by_call_parity_matches_cache_dit():
     cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=0.12, max_warmup_steps=2, enable_separate_cfg=True)
     ref_model = copy.deepcopy(zm.model)
     cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBPruneConfig(num_inference_steps=STEPS, **cfg))
-    ref = step_loop(ref_model, kwargs, calls_per_step=2)
+    ref = step_loop(ref_model, kwargs, STEPS, calls_per_step=2)
     st = cache_dit.summary(ref_model, logging=False)[0]
     ours, records, _ = ours_run(zm.model, kwargs, cfg, calls_per_step=2, contexts=("non_cfg", "cfg"))
     assert_same_as_reference(records["non_cfg"], st.pruned_blocks, dict(st.residual_diffs), 0.12, st.pruned_steps)
     assert_same_as_reference(records["cfg"], st.cfg_pruned_blocks, dict(st.cfg_residual_diffs), 0.12,
                              st.cfg_pruned_steps)
     assert sum(st.pruned_blocks) and sum(st.cfg_pruned_blocks), "nothing pruned: the test tells nothing apart"
-    assert rel_err(ours, ref) <= 1e-5
+    assert_same(ref, ours, rel=1e-5)
 
 
 def test_dbprune_graph_and_refusals():
@@ -158,3 +141,40 @@ def test_dbprune_graph_and_refusals():
                                                                                            Bn_compute_blocks=1)])
     with pytest.raises(PassError, match="no block can be pruned"):
         everything_kept.lower(**build("wan", num_layers=2).make_inputs())
+
+
+# -- through the front end, on a real FluxPipeline ----------------------------------------------------------
+@pytest.mark.reference
+def test_enable_cache_dbprune_matches_cache_dit():
+    from test_frontend import rel_err as latents_err, run, tiny_flux, tiny_pipe
+
+    import dit_passes
+    cfg = dict(Fn_compute_blocks=1, Bn_compute_blocks=1, residual_diff_threshold=0.2, max_warmup_steps=2,
+               enable_dynamic_prune_threshold=True)
+    tr = tiny_flux()
+    ref_pipe = tiny_pipe(copy.deepcopy(tr))
+    cache_dit.enable_cache(ref_pipe, cache_config=cache_dit.DBPruneConfig(**cfg))
+    ref = run(ref_pipe)
+    ref_st = cache_dit.summary(ref_pipe, logging=False)[0]
+
+    pipe = tiny_pipe(tr)
+    dit_passes.enable_cache(pipe, cache_config=dit_passes.DBPruneConfig(**cfg))
+    ours = run(pipe)
+    st = dit_passes.summary(pipe, logging=False)[0]
+    assert sum(ref_st.pruned_blocks) >= 2, f"the reference pruned too little to test anything: {ref_st.pruned_blocks}"
+    for k in ("pruned_steps", "pruned_blocks", "actual_blocks", "cached_steps", "cfg_pruned_blocks"):
+        assert getattr(st, k) == getattr(ref_st, k), k
+    assert st.pruned_ratio == pytest.approx(ref_st.pruned_ratio)
+    assert st.residual_diffs.keys() == ref_st.residual_diffs.keys()
+    for k, v in ref_st.residual_diffs.items():
+        assert st.residual_diffs[k] == pytest.approx(v, rel=1e-5), k
+    assert latents_err(ours, ref) <= 1e-5
+    # the reference's tag of its transformer's stats (strify(pipe) reads its last, empty, Flux block list's)
+    percent = round(100 * ref_st.pruned_ratio, 2)
+    assert dit_passes.strify(pipe) == cache_dit.strify(ref_st) == \
+        f"DBPrune_F1B1_W2I1M0MC0_R0.2_P{percent}_T0O0_S{len(ref_st.pruned_steps)}"
+    # a migrating user's cache-dit DBPruneConfig is taken as it is
+    other = tiny_pipe(tiny_flux())
+    dit_passes.enable_cache(other, cache_config=cache_dit.DBPruneConfig(**cfg))
+    assert other.transformer.runtime.state["frontend"].cache_config == dit_passes.DBPruneConfig(
+        **cfg, enable_separate_cfg=False)

@@ -1,4 +1,5 @@
-"""Residual-cache configuration: cache-dit 1.5.3's ``DBCacheConfig`` and ``TaylorSeerCalibratorConfig``.
+"""Residual-cache configuration: cache-dit 1.5.3's ``DBCacheConfig`` / ``DBPruneConfig`` and its calibrator
+configs (``TaylorSeerCalibratorConfig``, ``FoCaCalibratorConfig``).
 
 Same field names, defaults and ``strify()`` tags as the reference (``cache_dit/caching/cache_contexts/
 cache_config.py`` and ``calibrators/__init__.py``), so a user's existing config carries over. Unlike the
@@ -77,8 +78,8 @@ class DBCacheConfig:
         """Raise ``ValueError`` / ``TypeError`` naming the offending field and the accepted values."""
         if _cache_type_name(self.cache_type) != self.CACHE_TYPE:
             raise ValueError(f"{type(self).__name__}.cache_type={self.cache_type!r}: this class takes "
-                             f"only {self.CACHE_TYPE!r} (use DBCacheConfig for DBCache, DBPruneConfig for DBPrune; NONE is "
-                             f"not implemented); drop the field or set it to {self.CACHE_TYPE!r}")
+                             f"only {self.CACHE_TYPE!r} (use DBCacheConfig for DBCache, DBPruneConfig for DBPrune; "
+                             f"NONE is not implemented); drop the field or set it to {self.CACHE_TYPE!r}")
 
         def need_int(name: str, lo: int, hint: str) -> None:
             v = getattr(self, name)
@@ -242,54 +243,92 @@ class DBPruneConfig(DBCacheConfig):
                 f"MC{max(0, self.max_continuous_cached_steps)}_R{self.residual_diff_threshold}")
 
 
+_CALIBRATOR_CLASSES = ("TaylorSeerCalibratorConfig: 'taylorseer', FoCaCalibratorConfig: 'foca', "
+                       "DMDCalibratorConfig: 'dmd'")
+
+
 @dataclasses.dataclass
-class TaylorSeerCalibratorConfig:
-    """cache-dit's TaylorSeer calibrator settings (same fields and defaults).
+class CalibratorConfig:
+    """The fields every cache-dit calibrator config has (``calibrators/__init__.py``'s ``CalibratorConfig``); use
+    a subclass. ``enable_calibrator`` applies to the image stream (stream 0), ``enable_encoder_calibrator`` to the
+    other streams. ``calibrator_cache_type``: ``"residual"`` predicts the middle blocks' residual (added to the
+    Fn output on a cached step), ``"hidden_states"`` predicts their output directly. ``calibrator_kwargs`` only
+    feed the reference calibrator's own ``step()`` schedule, which DBCache does not use; they are kept for
+    round-tripping and have no effect."""
 
-    ``enable_calibrator`` applies to the image stream (stream 0), ``enable_encoder_calibrator`` to the
-    other streams. ``calibrator_cache_type``: ``"residual"`` predicts the middle blocks' residual (added to
-    the Fn output on a cached step), ``"hidden_states"`` predicts their output directly.
-    ``calibrator_kwargs`` only feed the reference calibrator's own ``step()`` schedule, which DBCache does
-    not use; they are kept for round-tripping and have no effect.
-    """
-
-    enable_calibrator: bool = True
-    enable_encoder_calibrator: bool = True
-    calibrator_type: str = "taylorseer"
+    enable_calibrator: bool = False
+    enable_encoder_calibrator: bool = False
+    calibrator_type: str = ""
     calibrator_cache_type: str = "residual"
     calibrator_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    taylorseer_order: int = 1
+
+    CALIBRATOR_TYPE: ClassVar[str] = ""  # the calibrator_type a subclass takes
 
     def __post_init__(self) -> None:
-        if self.calibrator_type != "taylorseer":
-            raise ValueError(f"TaylorSeerCalibratorConfig.calibrator_type={self.calibrator_type!r}: only "
-                             f"'taylorseer' is implemented (FoCa / DMD are not)")
+        self.validate()
+
+    def validate(self) -> None:
+        name = type(self).__name__
+        if self.calibrator_type != self.CALIBRATOR_TYPE or not self.CALIBRATOR_TYPE:
+            raise ValueError(f"{name}.calibrator_type={self.calibrator_type!r}: this class takes only "
+                             f"{self.CALIBRATOR_TYPE!r}; one class per calibrator ({_CALIBRATOR_CLASSES})")
         if self.calibrator_cache_type not in ("residual", "hidden_states"):
-            raise ValueError(f"TaylorSeerCalibratorConfig.calibrator_cache_type={self.calibrator_cache_type!r}: "
-                             f"must be 'residual' or 'hidden_states'")
-        if not _is_int(self.taylorseer_order) or self.taylorseer_order < 0:
-            raise ValueError(f"TaylorSeerCalibratorConfig.taylorseer_order={self.taylorseer_order!r}: use an "
-                             f"int >= 0 (1 = first-order Taylor)")
-        for name in ("enable_calibrator", "enable_encoder_calibrator"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"TaylorSeerCalibratorConfig.{name} must be a bool")
+            raise ValueError(f"{name}.calibrator_cache_type={self.calibrator_cache_type!r}: must be 'residual' or "
+                             f"'hidden_states'")
+        for field in ("enable_calibrator", "enable_encoder_calibrator"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"{name}.{field} must be a bool")
         if not isinstance(self.calibrator_kwargs, dict):
-            raise TypeError("TaylorSeerCalibratorConfig.calibrator_kwargs must be a dict")
+            raise TypeError(f"{name}.calibrator_kwargs must be a dict")
 
     def stream_enabled(self, stream: int) -> bool:
         """Whether stream ``stream`` (0 = image, >= 1 = encoder) is predicted by the calibrator."""
         return self.enable_calibrator if stream == 0 else self.enable_encoder_calibrator
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class TaylorSeerCalibratorConfig(CalibratorConfig):
+    """cache-dit's TaylorSeer calibrator settings (same fields and defaults): the ladder of finite differences
+    of order ``taylorseer_order`` (:mod:`dit_passes.cache.taylorseer`)."""
+
+    enable_calibrator: bool = True
+    enable_encoder_calibrator: bool = True
+    calibrator_type: str = "taylorseer"
+    taylorseer_order: int = 1
+
+    CALIBRATOR_TYPE: ClassVar[str] = "taylorseer"
+
+    def validate(self) -> None:
+        super().validate()
+        if not _is_int(self.taylorseer_order) or self.taylorseer_order < 0:
+            raise ValueError(f"TaylorSeerCalibratorConfig.taylorseer_order={self.taylorseer_order!r}: use an "
+                             f"int >= 0 (1 = first-order Taylor)")
 
     def strify(self, details: bool = False) -> str:
         if not self.taylorseer_order:
             return "NONE"
         return f"TaylorSeer_O({self.taylorseer_order})" if details else f"T1O{self.taylorseer_order}"
 
-    def as_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+
+@dataclasses.dataclass
+class FoCaCalibratorConfig(CalibratorConfig):
+    """cache-dit's FoCa calibrator (Forecast then Calibrate: a BDF2 predictor with a Heun corrector anchored to the
+    last computed step, :mod:`dit_passes.cache.foca`); no parameters of its own."""
+
+    enable_calibrator: bool = True
+    enable_encoder_calibrator: bool = True
+    calibrator_type: str = "foca"
+
+    CALIBRATOR_TYPE: ClassVar[str] = "foca"
+
+    def strify(self, details: bool = False) -> str:
+        return "FoCa"
 
 
-def full_tag(config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorConfig] = None,
+def full_tag(config: DBCacheConfig, calibrator: Optional[CalibratorConfig] = None,
              accumulated_cached_steps: Optional[int] = None) -> str:
     """The reference's ``cache_dit.strify(pipe)`` cache part: ``<config>_<calibrator or T0O0>[_S<cached>]``."""
     tag = f"{config.strify()}_{calibrator.strify() if calibrator is not None else 'T0O0'}"

@@ -23,7 +23,7 @@ per block ``in{j}`` / ``in{j}_valid`` / ``res{j}_{k}`` (stream k), and this call
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,11 +31,15 @@ from .config import DBPruneConfig
 from .decision import _mask_slot_is_one, start_call
 from .program import CacheProgram, StateSpec
 from .state import SCALARS
+from .stats import CFG_CONTEXTS, diff_statistics
+from .store import CacheStore
 
 # how many of a step's recorded diffs the dynamic threshold averages (the reference's ``[:5]``)
 DYNAMIC_WINDOW = 5
 # per-call temporaries threaded from block to block: diffs recorded, and the positive ones among the first five
 STEP_KEYS = ("n_diffs", "pos_sum", "pos_count")
+# the reference's prune fields of a summary (``CacheStats``), per context
+PRUNE_FIELDS = ("pruned_steps", "pruned_blocks", "actual_blocks", "pruned_ratio")
 
 
 def _block_keys(j: int, streams: int) -> List[str]:
@@ -50,6 +54,7 @@ class DBPruneProgram(CacheProgram):
     config: DBPruneConfig
     blocks: Tuple[int, ...]
     block_streams: Tuple[int, ...]
+    total_blocks: int  # every block of the range, pruned or not (the reference's ``actual_blocks`` per call)
 
     # -- the modules the pass inserts ---------------------------------------------------------------------
     def begin_call(self, timestep, flat: Sequence[torch.Tensor]):
@@ -176,7 +181,8 @@ class Finish(_Call):
         return self.fn(flat)
 
 
-def build_prune_program(config: DBPruneConfig, *, blocks: Sequence[int], inputs: Sequence[torch.Tensor],
+def build_prune_program(config: DBPruneConfig, *, total_blocks: int, blocks: Sequence[int],
+                        inputs: Sequence[torch.Tensor],
                         residuals: Sequence[Sequence[torch.Tensor]], has_timestep: bool) -> DBPruneProgram:
     """The program for one graph. ``inputs[i]``: the image stream entering block ``blocks[i]`` (real or fake,
     for shapes); ``residuals[i]``: one example per stream that block leaves."""
@@ -188,13 +194,74 @@ def build_prune_program(config: DBPruneConfig, *, blocks: Sequence[int], inputs:
     specs.append(StateSpec("block_pruned", (len(blocks),), torch.bool))
     specs.append(StateSpec("block_diffs", (len(blocks),), torch.float64, float("nan")))
     return DBPruneProgram(config=config, blocks=tuple(blocks), block_streams=tuple(len(r) for r in residuals),
-                          state_spec=specs, num_streams=0, has_timestep=has_timestep,
+                          total_blocks=total_blocks, state_spec=specs, num_streams=0, has_timestep=has_timestep,
                           separate_cfg=bool(config.enable_separate_cfg), cfg_compute_first=config.cfg_compute_first)
 
 
 def block_state_keys(program: DBPruneProgram, i: int) -> List[str]:
     """The state names block ``program.blocks[i]`` reads and writes, in the order its modules take them."""
     return _block_keys(program.blocks[i], program.block_streams[i])
+
+
+class PruneStore(CacheStore):
+    """The :class:`CacheStore` of a DBPrune graph: also keeps each call's per-block record (pruned flags and
+    diffs, device tensors: no sync per call), and its :meth:`summary` adds the reference's prune fields per
+    generation and context: ``pruned_steps``, ``pruned_blocks`` / ``actual_blocks`` (per call),
+    ``pruned_ratio``, and ``residual_diffs`` as the list of the step's diffs, block by block."""
+
+    def __init__(self, config: DBPruneConfig, stats_capacity: int = 4096):
+        super().__init__(config, None, stats_capacity)
+        self._blocks: List[Optional[Tuple[int, torch.Tensor]]] = [None] * stats_capacity
+        self._calls = 0
+
+    def outputs(self, graph_id: int, context: str, values: Sequence[torch.Tensor]) -> None:
+        super().outputs(graph_id, context, values)
+        program = self._programs[graph_id][0]
+        names = program.names
+        row = torch.cat([values[names.index("block_pruned")].to(torch.float64), values[names.index("block_diffs")]])
+        self._blocks[self._calls % len(self._blocks)] = (program.total_blocks, row)
+        self._calls += 1
+
+    def summary(self) -> List[Dict[str, Any]]:
+        gens = super().summary()
+        by_gen = {g["generation"]: g for g in gens}
+        kept = min(self._calls, len(self._blocks))
+        order = [(self._calls - kept + i) % len(self._blocks) for i in range(kept)]
+        rows = [(self._blocks[p][0], self._blocks[p][1].cpu().tolist()) for p in order]  # the one sync
+        for r, (total, row) in zip(self.stats.records(), rows):
+            c = by_gen[r["generation"]]["contexts"][r["context"]]
+            if "pruned_blocks" not in c:
+                c.update(pruned_blocks=[], actual_blocks=[], residual_diffs={})
+            half = len(row) // 2
+            c["pruned_blocks"].append(int(sum(row[:half])))
+            c["actual_blocks"].append(total)
+            diffs = [d for d in row[half:] if d == d]
+            if diffs:
+                c["residual_diffs"][str(r["step"])] = diffs
+        for g in gens:
+            for c in g["contexts"].values():
+                c["pruned_steps"] = list(c["cached_steps"])
+                actual = sum(c.get("actual_blocks", ()))
+                c["pruned_ratio"] = sum(c["pruned_blocks"]) / actual if c.get("pruned_blocks") and actual else None
+                c["residual_diff_stats"] = diff_statistics([d for v in c.get("residual_diffs", {}).values() for d in v])
+            for prefix, names in (("", [n for n in g["contexts"] if n not in CFG_CONTEXTS]),
+                                  ("cfg_", [n for n in g["contexts"] if n in CFG_CONTEXTS])):
+                if len(names) == 1:
+                    c = g["contexts"][names[0]]
+                    for k in PRUNE_FIELDS + ("residual_diffs", "residual_diff_stats"):
+                        g[prefix + k] = c.get(k)
+        return gens
+
+    def fidelity_stats(self) -> Dict[str, Any]:
+        """The last generation's decisions and the fraction of block work executed (blocks run / blocks)."""
+        out = self.last_generation()
+        if out["step_cached"]:
+            contexts = self.summary()[-1]["contexts"].values()
+            actual = sum(sum(c.get("actual_blocks", ())) for c in contexts)
+            pruned = sum(sum(c.get("pruned_blocks", ())) for c in contexts)
+            out["executed_block_fraction"] = 1.0 - pruned / actual if actual else 1.0
+            out["cached_steps"] = sum(out["step_cached"])
+        return out
 
 
 def last_pruned(store, context: str = "default") -> Dict[str, list]:
@@ -205,4 +272,5 @@ def last_pruned(store, context: str = "default") -> Dict[str, list]:
             "diffs": [None if d != d else d for d in state["block_diffs"].tolist()]}
 
 
-__all__ = ["DBPruneProgram", "build_prune_program", "block_state_keys", "last_pruned", "STEP_KEYS"]
+__all__ = ["DBPruneProgram", "PruneStore", "PRUNE_FIELDS", "build_prune_program", "block_state_keys", "last_pruned",
+           "STEP_KEYS"]

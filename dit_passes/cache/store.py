@@ -77,7 +77,8 @@ class CacheStore:
                           dict(zip(program.names, state)), use_cache)
 
     # -- caller API ----------------------------------------------------------------------------
-    def state_of(self, context: str = "default", graph_id: Optional[int] = None) -> Tuple[CacheProgram, Dict[str, torch.Tensor]]:
+    def state_of(self, context: str = "default",
+                 graph_id: Optional[int] = None) -> Tuple[CacheProgram, Dict[str, torch.Tensor]]:
         """``(program, name -> tensor)``: the state kept for ``context`` (of ``graph_id``, else of the first graph
         that has one), as the last call left it."""
         for (gid, ctx), state in self._slots.items():

@@ -1,8 +1,8 @@
 """DBPrune: skip single blocks whose input barely changed since they last ran (cache-dit's dynamic block pruning).
 
 Requires: ``structure``; block indices count over the whole block range as DBCache's do (Flux: the dual-
-then the single-stream blocks, as the reference's default Flux adapter). Provides: one cache branch per prunable block (facts ``state_io``,
-``structure_at_cut``). Invalidates: ``structure`` (the prunable blocks move into branch subgraphs). Same
+then the single-stream blocks, as the reference's default Flux adapter). Provides: one cache branch per
+prunable block (facts ``state_io``, ``structure_at_cut``). Invalidates: ``structure`` (the prunable blocks move into branch subgraphs). Same
 design as DBCache (decisions on the device, the state as graph inputs / outputs, per cache context, no host
 read per step); the rule is :mod:`dit_passes.cache.prune`.
 
@@ -82,10 +82,9 @@ class DBPrune(Pass):
         return blocks
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        from ..cache.prune import Begin, BlockCommit, BlockDecide, Finish, STEP_KEYS, block_state_keys, \
-            build_prune_program
+        from ..cache.prune import Begin, BlockCommit, BlockDecide, Finish, PruneStore, STEP_KEYS, \
+            block_state_keys, build_prune_program
         from ..cache.state import SCALARS
-        from ..cache.store import CacheStore
 
         s = get_structure(gm)
         n = len(s.blocks)
@@ -94,7 +93,8 @@ class DBPrune(Pass):
         g = gm.graph
         mode = detect_fake_mode([segs[0].image_at_cut.meta["val"]])
         timestep = next((p for p in g.nodes if p.op == "placeholder" and p.target == "timestep"), None)
-        program = build_prune_program(self.config, blocks=blocks, inputs=[q.image_at_cut.meta["val"] for q in segs],
+        program = build_prune_program(self.config, total_blocks=n, blocks=blocks,
+                                      inputs=[q.image_at_cut.meta["val"] for q in segs],
                                       residuals=[[o.meta["val"] for o in q.live_out] for q in segs],
                                       has_timestep=timestep is not None)
         device = segs[0].image_at_cut.meta["val"].device
@@ -129,8 +129,8 @@ class DBPrune(Pass):
             gm.add_submodule(f"{self.name}_b{j}_compute", _branch(gm, seg, k, cached=False, name=self.name))
             gm.add_submodule(f"{self.name}_b{j}_cached", _branch(gm, seg, k, cached=True, name=self.name))
             with g.inserting_before(seg.nodes[0]):
-                d = call(f"b{j}_decide", BlockDecide(program.block_decide, i), [h, *scalars, cur[keys[0]], cur[keys[1]]],
-                         ["prune", "diff"] + list(SCALARS) + list(STEP_KEYS))
+                d = call(f"b{j}_decide", BlockDecide(program.block_decide, i),
+                         [h, *scalars, cur[keys[0]], cur[keys[1]]], ["prune", "diff"] + list(SCALARS) + list(STEP_KEYS))
                 prune, scalars = d[0], d[2:]
                 operands = tuple(seg.live_in) + tuple(cur[x] for x in keys[2:])
                 cond = g.call_function(torch.ops.higher_order.cond, (prune, g.get_attr(f"{self.name}_b{j}_cached"),
@@ -156,7 +156,7 @@ class DBPrune(Pass):
         state_out.update(zip(SCALARS, scalars[:len(SCALARS)]))
         state_out.update(zip(("block_pruned", "block_diffs"), rec))
         last = dict(zip(SCALARS, scalars))
-        finish_state_io(gm, ctx, self.name, lambda: CacheStore(self.config), program, device,
+        finish_state_io(gm, ctx, self.name, lambda: PruneStore(self.config), program, device,
                         [state_out[x] for x in program.names], last["use_cache"], last["diff"])
         facts_of(gm).structure_at_cut = s
         counts = {"blocks_prunable": len(blocks), "cond": len(blocks), "state_tensors": len(state_in),
