@@ -71,7 +71,8 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
 
 
 # cache-dit-compatible front end: `import dit_passes as cache_dit`
-from .frontend import (CacheStats, DBCacheConfig, ParallelismConfig, QuantizeConfig,  # noqa: E402
+from .frontend import (CacheStats, DBCacheConfig, DBPruneConfig, FoCaCalibratorConfig,  # noqa: E402
+                       ParallelismConfig, QuantizeConfig,
                        TaylorSeerCalibratorConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig,
                        SeaCacheConfig, TeaCacheConfig, PyramidAttentionBroadcastConfig, FasterCacheConfig,
                        disable_cache, enable_cache, layerwise_offload, load, quantize, refresh_context, steps_mask,
@@ -81,7 +82,8 @@ __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGrad
            "PassContext", "PassResult", "PassManager", "PassError", "CaptureError", "NoRepeatedBlocksError",
            "get_structure", "passes", "SafetensorsWeights",
            "enable_cache", "disable_cache", "layerwise_offload", "refresh_context", "summary", "strify", "steps_mask",
-           "quantize", "load", "CacheStats", "DBCacheConfig", "TaylorSeerCalibratorConfig", "FirstBlockCacheConfig",
+           "quantize", "load", "CacheStats", "DBCacheConfig", "DBPruneConfig", "TaylorSeerCalibratorConfig",
+           "FoCaCalibratorConfig", "FirstBlockCacheConfig",
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
            "PyramidAttentionBroadcastConfig", "FasterCacheConfig",
            "ParallelismConfig", "QuantizeConfig"]

@@ -41,8 +41,9 @@ CONFIGS = {
 }
 
 
-def step_loop(model, kwargs, steps=STEPS, calls_per_step=1):
-    """A plain Euler-like loop: the timestep falls, the latents move with the model's output."""
+def step_loop(model, kwargs, steps=STEPS, calls_per_step=1, after_call=None):
+    """A plain Euler-like loop: the timestep falls, the latents move with the model's output. ``after_call()``
+    runs after each transformer call (to read per-call records)."""
     outs, lat = [], kwargs["hidden_states"].clone()
     for i in range(steps):
         kw = dict(kwargs, hidden_states=lat, timestep=torch.full_like(kwargs["timestep"], 1000.0 * (1 - i / steps)))
@@ -50,6 +51,8 @@ def step_loop(model, kwargs, steps=STEPS, calls_per_step=1):
             with torch.no_grad():
                 o = model(**kw)[0]
             outs.append(o)
+            if after_call is not None:
+                after_call()
         lat = lat - 0.05 * o.reshape(lat.shape)
     return torch.stack(outs)
 

@@ -1,4 +1,5 @@
-"""Residual-cache configuration: cache-dit 1.5.3's ``DBCacheConfig`` and ``TaylorSeerCalibratorConfig``.
+"""Residual-cache configuration: cache-dit 1.5.3's ``DBCacheConfig`` / ``DBPruneConfig`` and its calibrator
+configs (``TaylorSeerCalibratorConfig``, ``FoCaCalibratorConfig``).
 
 Same field names, defaults and ``strify()`` tags as the reference (``cache_dit/caching/cache_contexts/
 cache_config.py`` and ``calibrators/__init__.py``), so a user's existing config carries over. Unlike the
@@ -7,7 +8,7 @@ a mask of arbitrary objects) and fails, or silently does something else, mid-gen
 
 Fields the reference has beyond the brief's list, and what we do with them:
 
-* ``cache_type``: only ``"DBCache"`` is implemented here (``DBPrune`` / ``NONE`` are rejected).
+* ``cache_type``: ``"DBCache"`` here; ``"DBPrune"`` is :class:`DBPruneConfig`'s (``NONE`` is rejected).
 * ``force_refresh_step_hint`` / ``force_refresh_step_policy``: implemented (the state is reset at that call
   index, once or every ``hint`` calls), except together with ``enable_separate_cfg=True``: the reference
   counts the hint in transformer calls across both CFG branches and can flip the branch parity at an odd
@@ -19,7 +20,7 @@ Fields the reference has beyond the brief's list, and what we do with them:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 _POLICIES = ("dynamic", "static")
 _REFRESH_POLICIES = ("once", "repeat")
@@ -67,15 +68,18 @@ class DBCacheConfig:
     force_refresh_step_hint: Optional[int] = None
     force_refresh_step_policy: str = "once"
 
+    CACHE_TYPE: ClassVar[str] = "DBCache"  # the cache_type this class accepts
+
     def __post_init__(self) -> None:
         self.validate()
 
     # -- validation -------------------------------------------------------------------------------
     def validate(self) -> "DBCacheConfig":
         """Raise ``ValueError`` / ``TypeError`` naming the offending field and the accepted values."""
-        if _cache_type_name(self.cache_type) != "DBCache":
-            raise ValueError(f"DBCacheConfig.cache_type={self.cache_type!r}: only 'DBCache' is implemented "
-                             f"(DBPrune / NONE are not); drop the field or set it to 'DBCache'")
+        if _cache_type_name(self.cache_type) != self.CACHE_TYPE:
+            raise ValueError(f"{type(self).__name__}.cache_type={self.cache_type!r}: this class takes "
+                             f"only {self.CACHE_TYPE!r} (use DBCacheConfig for DBCache, DBPruneConfig for DBPrune; "
+                             f"NONE is not implemented); drop the field or set it to {self.CACHE_TYPE!r}")
 
         def need_int(name: str, lo: int, hint: str) -> None:
             v = getattr(self, name)
@@ -180,53 +184,151 @@ class DBCacheConfig:
 
 
 @dataclasses.dataclass
-class TaylorSeerCalibratorConfig:
-    """cache-dit's TaylorSeer calibrator settings (same fields and defaults).
+class DBPruneConfig(DBCacheConfig):
+    """cache-dit 1.5.3's ``DBPruneConfig`` (dynamic block pruning; ``cache_contexts/prune_config.py``): the
+    DBCache fields and defaults, plus the prune-threshold controls below. Every block but the first
+    ``Fn_compute_blocks``, the last ``Bn_compute_blocks`` and ``non_prune_block_ids`` may be skipped on its
+    own (its stored residual reused) when its input barely changed since it last ran.
 
-    ``enable_calibrator`` applies to the image stream (stream 0), ``enable_encoder_calibrator`` to the
-    other streams. ``calibrator_cache_type``: ``"residual"`` predicts the middle blocks' residual (added to
-    the Fn output on a cached step), ``"hidden_states"`` predicts their output directly.
-    ``calibrator_kwargs`` only feed the reference calibrator's own ``step()`` schedule, which DBCache does
-    not use; they are kept for round-tripping and have no effect.
+    ``enable_dynamic_prune_threshold``: the threshold of a block is raised to ``mean * relax_ratio`` of the
+    positive diffs among the first five recorded this step, while that stays below
+    ``max_dynamic_prune_threshold`` (None: twice ``residual_diff_threshold``). ``force_reduce_calibrator_vram``
+    only matters with a calibrator, which DBPrune does not take here. Not supported (refused when the cache
+    is built): ``enable_separate_cfg=True`` together with the dynamic threshold or with
+    ``cfg_diff_compute_separate=False`` (the reference reads the other branch's list of diffs there, or
+    compares a list with a float).
     """
 
-    enable_calibrator: bool = True
-    enable_encoder_calibrator: bool = True
-    calibrator_type: str = "taylorseer"
+    cache_type: Any = "DBPrune"
+    enable_dynamic_prune_threshold: bool = False
+    max_dynamic_prune_threshold: Optional[float] = None
+    dynamic_prune_threshold_relax_ratio: float = 1.25
+    non_prune_block_ids: List[int] = dataclasses.field(default_factory=list)
+    force_reduce_calibrator_vram: bool = False
+
+    CACHE_TYPE: ClassVar[str] = "DBPrune"
+
+    def validate(self) -> "DBPruneConfig":
+        super().validate()
+        for name in ("enable_dynamic_prune_threshold", "force_reduce_calibrator_vram"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"DBPruneConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        cap = self.max_dynamic_prune_threshold
+        if cap is not None and not _is_number(cap):
+            raise TypeError(f"DBPruneConfig.max_dynamic_prune_threshold must be None or a float, got {cap!r}")
+        if not _is_number(self.dynamic_prune_threshold_relax_ratio):
+            raise TypeError("DBPruneConfig.dynamic_prune_threshold_relax_ratio must be a float, got "
+                            f"{self.dynamic_prune_threshold_relax_ratio!r}")
+        ids = self.non_prune_block_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"DBPruneConfig.non_prune_block_ids must be a list of block indices >= 0, got {ids!r}")
+        self.non_prune_block_ids = list(ids)
+        if self.enable_separate_cfg and (self.enable_dynamic_prune_threshold or not self.cfg_diff_compute_separate):
+            raise ValueError("DBPruneConfig: enable_separate_cfg=True is supported only with "
+                             "enable_dynamic_prune_threshold=False and cfg_diff_compute_separate=True (the "
+                             "reference's CFG branch reads the other branch's diffs there)")
+        return self
+
+    def prunable(self, num_blocks: int) -> List[int]:
+        """The blocks that may be pruned: all but the first Fn, the last Bn and ``non_prune_block_ids``."""
+        keep = set(range(min(self.Fn_compute_blocks, num_blocks)))
+        keep |= set(range(num_blocks - min(self.Bn_compute_blocks, num_blocks), num_blocks))
+        keep |= set(self.non_prune_block_ids)
+        return [i for i in range(num_blocks) if i not in keep]
+
+    def strify(self) -> str:
+        """The reference's tag, e.g. ``DBPrune_F8B0_W8I1M0MC0_R0.08`` (no suffixes, as the reference)."""
+        return (f"{_cache_type_name(self.cache_type)}_F{self.Fn_compute_blocks}B{self.Bn_compute_blocks}_"
+                f"W{self.max_warmup_steps}I{self.warmup_interval}M{max(0, self.max_cached_steps)}"
+                f"MC{max(0, self.max_continuous_cached_steps)}_R{self.residual_diff_threshold}")
+
+
+_CALIBRATOR_CLASSES = ("TaylorSeerCalibratorConfig: 'taylorseer', FoCaCalibratorConfig: 'foca', "
+                       "DMDCalibratorConfig: 'dmd'")
+
+
+@dataclasses.dataclass
+class CalibratorConfig:
+    """The fields every cache-dit calibrator config has (``calibrators/__init__.py``'s ``CalibratorConfig``); use
+    a subclass. ``enable_calibrator`` applies to the image stream (stream 0), ``enable_encoder_calibrator`` to the
+    other streams. ``calibrator_cache_type``: ``"residual"`` predicts the middle blocks' residual (added to the
+    Fn output on a cached step), ``"hidden_states"`` predicts their output directly. ``calibrator_kwargs`` only
+    feed the reference calibrator's own ``step()`` schedule, which DBCache does not use; they are kept for
+    round-tripping and have no effect."""
+
+    enable_calibrator: bool = False
+    enable_encoder_calibrator: bool = False
+    calibrator_type: str = ""
     calibrator_cache_type: str = "residual"
     calibrator_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    taylorseer_order: int = 1
+
+    CALIBRATOR_TYPE: ClassVar[str] = ""  # the calibrator_type a subclass takes
 
     def __post_init__(self) -> None:
-        if self.calibrator_type != "taylorseer":
-            raise ValueError(f"TaylorSeerCalibratorConfig.calibrator_type={self.calibrator_type!r}: only "
-                             f"'taylorseer' is implemented (FoCa / DMD are not)")
+        self.validate()
+
+    def validate(self) -> None:
+        name = type(self).__name__
+        if self.calibrator_type != self.CALIBRATOR_TYPE or not self.CALIBRATOR_TYPE:
+            raise ValueError(f"{name}.calibrator_type={self.calibrator_type!r}: this class takes only "
+                             f"{self.CALIBRATOR_TYPE!r}; one class per calibrator ({_CALIBRATOR_CLASSES})")
         if self.calibrator_cache_type not in ("residual", "hidden_states"):
-            raise ValueError(f"TaylorSeerCalibratorConfig.calibrator_cache_type={self.calibrator_cache_type!r}: "
-                             f"must be 'residual' or 'hidden_states'")
-        if not _is_int(self.taylorseer_order) or self.taylorseer_order < 0:
-            raise ValueError(f"TaylorSeerCalibratorConfig.taylorseer_order={self.taylorseer_order!r}: use an "
-                             f"int >= 0 (1 = first-order Taylor)")
-        for name in ("enable_calibrator", "enable_encoder_calibrator"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"TaylorSeerCalibratorConfig.{name} must be a bool")
+            raise ValueError(f"{name}.calibrator_cache_type={self.calibrator_cache_type!r}: must be 'residual' or "
+                             f"'hidden_states'")
+        for field in ("enable_calibrator", "enable_encoder_calibrator"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"{name}.{field} must be a bool")
         if not isinstance(self.calibrator_kwargs, dict):
-            raise TypeError("TaylorSeerCalibratorConfig.calibrator_kwargs must be a dict")
+            raise TypeError(f"{name}.calibrator_kwargs must be a dict")
 
     def stream_enabled(self, stream: int) -> bool:
         """Whether stream ``stream`` (0 = image, >= 1 = encoder) is predicted by the calibrator."""
         return self.enable_calibrator if stream == 0 else self.enable_encoder_calibrator
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class TaylorSeerCalibratorConfig(CalibratorConfig):
+    """cache-dit's TaylorSeer calibrator settings (same fields and defaults): the ladder of finite differences
+    of order ``taylorseer_order`` (:mod:`dit_passes.cache.taylorseer`)."""
+
+    enable_calibrator: bool = True
+    enable_encoder_calibrator: bool = True
+    calibrator_type: str = "taylorseer"
+    taylorseer_order: int = 1
+
+    CALIBRATOR_TYPE: ClassVar[str] = "taylorseer"
+
+    def validate(self) -> None:
+        super().validate()
+        if not _is_int(self.taylorseer_order) or self.taylorseer_order < 0:
+            raise ValueError(f"TaylorSeerCalibratorConfig.taylorseer_order={self.taylorseer_order!r}: use an "
+                             f"int >= 0 (1 = first-order Taylor)")
 
     def strify(self, details: bool = False) -> str:
         if not self.taylorseer_order:
             return "NONE"
         return f"TaylorSeer_O({self.taylorseer_order})" if details else f"T1O{self.taylorseer_order}"
 
-    def as_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+
+@dataclasses.dataclass
+class FoCaCalibratorConfig(CalibratorConfig):
+    """cache-dit's FoCa calibrator (Forecast then Calibrate: a BDF2 predictor with a Heun corrector anchored to the
+    last computed step, :mod:`dit_passes.cache.foca`); no parameters of its own."""
+
+    enable_calibrator: bool = True
+    enable_encoder_calibrator: bool = True
+    calibrator_type: str = "foca"
+
+    CALIBRATOR_TYPE: ClassVar[str] = "foca"
+
+    def strify(self, details: bool = False) -> str:
+        return "FoCa"
 
 
-def full_tag(config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorConfig] = None,
+def full_tag(config: DBCacheConfig, calibrator: Optional[CalibratorConfig] = None,
              accumulated_cached_steps: Optional[int] = None) -> str:
     """The reference's ``cache_dit.strify(pipe)`` cache part: ``<config>_<calibrator or T0O0>[_S<cached>]``."""
     tag = f"{config.strify()}_{calibrator.strify() if calibrator is not None else 'T0O0'}"

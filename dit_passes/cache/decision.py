@@ -25,8 +25,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .config import DBCacheConfig, TaylorSeerCalibratorConfig
+from .config import CalibratorConfig, DBCacheConfig
 from .state import NO_STEP, SCALARS, stream_keys
+from .foca import foca_after_call, foca_predict
 from .taylorseer import taylor_predict, taylor_update
 
 State = Dict[str, torch.Tensor]
@@ -95,6 +96,41 @@ def generation_starts(state: State, timestep, num_inference_steps: Optional[int]
     return new_gen, t, calls_done
 
 
+def start_call(state: State, timestep, config: DBCacheConfig,
+               timestep_direction: str = "decreasing") -> Tuple[State, torch.Tensor]:
+    """``(state, step)`` at the start of a call (the reference's ``mark_step_begin``): a new generation or a
+    forced refresh resets every scalar of :data:`SCALARS` (but ``gen`` / ``refreshed`` / ``last_t``) and every
+    ``*_valid`` flag (TaylorSeer ladders, DBPrune's stored block inputs); the step advances; a step that
+    does not follow a cached one ends the run of cached steps."""
+    s = dict(state)
+    # -- new generation / forced refresh (the reference recreates its context: everything restarts) --------
+    new_gen, t, calls_done = generation_starts(s, timestep, config.num_inference_steps, timestep_direction)
+    reset = new_gen
+    if config.force_refresh_step_hint is not None:
+        due = calls_done == config.force_refresh_step_hint
+        if config.force_refresh_step_policy == "once":
+            due = due & ~s["refreshed"]
+        refresh = due & ~new_gen
+        reset = new_gen | refresh
+        s["refreshed"] = torch.where(new_gen, torch.zeros_like(s["refreshed"]), s["refreshed"] | refresh)
+    keep = ~reset
+    for k, (dt, init) in SCALARS.items():
+        if k not in _KEEP_ON_RESET and k != "step":
+            s[k] = _reset_to(s[k], reset, keep, init)
+    for k in state:
+        if k.endswith("_valid"):  # nothing defined after a reset
+            s[k] = torch.where(reset, 0, s[k])
+    s["gen"] = s["gen"] + reset  # int64 + bool: int64
+    step = torch.where(reset, 0, calls_done)
+    s["step"] = step
+    if t is not None:
+        s["last_t"] = t
+
+    # A compute step breaks the run of cached steps (mark_step_begin).
+    s["continuous"] = torch.where(s["last_cached_step"] != step - 1, 0, s["continuous"])
+    return s, step
+
+
 def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheConfig, *,
            allreduce: Optional[AllReduce] = None, partner: Optional[State] = None,
            timestep_direction: str = "decreasing") -> Tuple[torch.Tensor, State, torch.Tensor]:
@@ -122,31 +158,7 @@ def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheCon
     s = dict(state)
     dev_like = s["step"]
 
-    # -- new generation / forced refresh (the reference recreates its context: everything restarts) --------
-    new_gen, t, calls_done = generation_starts(s, timestep, config.num_inference_steps, timestep_direction)
-    reset = new_gen
-    if config.force_refresh_step_hint is not None:
-        due = calls_done == config.force_refresh_step_hint
-        if config.force_refresh_step_policy == "once":
-            due = due & ~s["refreshed"]
-        refresh = due & ~new_gen
-        reset = new_gen | refresh
-        s["refreshed"] = torch.where(new_gen, torch.zeros_like(s["refreshed"]), s["refreshed"] | refresh)
-    keep = ~reset
-    for k, (dt, init) in SCALARS.items():
-        if k not in _KEEP_ON_RESET and k != "step":
-            s[k] = _reset_to(s[k], reset, keep, init)
-    for k in state:
-        if k.endswith("_valid"):  # TaylorSeer ladders: nothing defined after a reset
-            s[k] = torch.where(reset, 0, s[k])
-    s["gen"] = s["gen"] + reset  # int64 + bool: int64
-    step = torch.where(reset, 0, calls_done)
-    s["step"] = step
-    if t is not None:
-        s["last_t"] = t
-
-    # A compute step breaks the run of cached steps (mark_step_begin).
-    s["continuous"] = torch.where(s["last_cached_step"] != step - 1, 0, s["continuous"])
+    s, step = start_call(s, timestep, config, timestep_direction)
 
     # -- the checks, first match wins ----------------------------------------------------------------------
     # ``decided`` / ``result`` are Python bools while no check has answered on the device (most checks are
@@ -233,29 +245,31 @@ def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheCon
 
 
 # -- the cached values: what a cache hit applies, and what a computed step stores ----------------------------
-def _calibrated(calibrator: Optional[TaylorSeerCalibratorConfig], stream: int) -> bool:
+def _calibrated(calibrator: Optional[CalibratorConfig], stream: int) -> bool:
     return calibrator is not None and calibrator.stream_enabled(stream)
 
 
-def stores_hidden_states(calibrator: Optional[TaylorSeerCalibratorConfig], stream: int) -> bool:
+def stores_hidden_states(calibrator: Optional[CalibratorConfig], stream: int) -> bool:
     """Whether stream ``stream`` caches the middle blocks' output (else their residual), as the reference."""
     return _calibrated(calibrator, stream) and calibrator.calibrator_cache_type == "hidden_states"
 
 
 def middle_cache_values(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
-                        calibrator: Optional[TaylorSeerCalibratorConfig] = None) -> List[torch.Tensor]:
+                        calibrator: Optional[CalibratorConfig] = None) -> List[torch.Tensor]:
     """Per stream, what a computed step caches: ``after - before`` (residual) or ``after`` (hidden states)."""
     return [a if stores_hidden_states(calibrator, i) else a - b for i, (b, a) in enumerate(zip(before, after))]
 
 
 def hit_values(state: State, num_streams: int,
-               calibrator: Optional[TaylorSeerCalibratorConfig] = None) -> List[torch.Tensor]:
-    """Per stream, the cached value a cache hit uses: the stored one, or the TaylorSeer prediction.
-    ``state``: the state ``decide`` returned for this call (its step is this call's step)."""
+               calibrator: Optional[CalibratorConfig] = None) -> List[torch.Tensor]:
+    """Per stream, the cached value a cache hit uses: the stored one, or the calibrator's prediction (TaylorSeer,
+    FoCa). ``state``: the state ``decide`` returned for this call (its step is this call's step)."""
     out = []
     for i in range(num_streams):
-        if _calibrated(calibrator, i):
-            keys = stream_keys(i, True, calibrator.taylorseer_order)
+        if _calibrated(calibrator, i) and calibrator.calibrator_type == "foca":
+            out.append(foca_predict(state, i, state["step"] - state["last_compute_step"]))
+        elif _calibrated(calibrator, i):
+            keys = stream_keys(i, calibrator)
             out.append(taylor_predict([state[k] for k in keys[:-1]], state[keys[-1]], state["step"],
                                       state["last_compute_step"]))
         else:
@@ -264,21 +278,24 @@ def hit_values(state: State, num_streams: int,
 
 
 def apply_hit(fn_streams: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-              calibrator: Optional[TaylorSeerCalibratorConfig] = None) -> List[torch.Tensor]:
+              calibrator: Optional[CalibratorConfig] = None) -> List[torch.Tensor]:
     """The streams after a cache hit: ``value + h`` for residuals, ``value`` for cached hidden states."""
     return [v if stores_hidden_states(calibrator, i) else v + h for i, (h, v) in enumerate(zip(fn_streams, values))]
 
 
 def update_after_branch(state: State, use_cache: torch.Tensor, values: Sequence[torch.Tensor],
-                        calibrator: Optional[TaylorSeerCalibratorConfig] = None) -> State:
-    """The state after the branch. ``values``: per stream, :func:`middle_cache_values` of this call (only
-    read on a computed step). Computed step: store them (or advance the TaylorSeer ladder); cached step:
-    keep everything."""
+                        calibrator: Optional[CalibratorConfig] = None) -> State:
+    """The state after the branch. ``values``: per stream, what the branch produced: :func:`middle_cache_values`
+    on a computed step, the :func:`hit_values` on a cached one (the cached arm passes them through; only FoCa
+    reads them there). Computed step: store them (or advance the calibrator); cached step: keep everything but
+    FoCa's rolling pair, which takes the prediction."""
     s = dict(state)
     compute = ~use_cache
     for i, v in enumerate(values):
-        if _calibrated(calibrator, i):
-            keys = stream_keys(i, True, calibrator.taylorseer_order)
+        if _calibrated(calibrator, i) and calibrator.calibrator_type == "foca":
+            s.update(foca_after_call(s, i, use_cache, v))
+        elif _calibrated(calibrator, i):
+            keys = stream_keys(i, calibrator)
             ladder, valid = [s[k] for k in keys[:-1]], s[keys[-1]]
             new, new_valid = taylor_update(ladder, valid, v.to(ladder[0].dtype), s["step"], s["last_compute_step"])
             for k, old, nv in zip(keys[:-1], ladder, new):
@@ -294,5 +311,5 @@ def update_after_branch(state: State, use_cache: torch.Tensor, values: Sequence[
     return s
 
 
-__all__ = ["decide", "generation_starts", "middle_cache_values", "hit_values", "apply_hit", "update_after_branch",
+__all__ = ["decide", "start_call", "generation_starts", "middle_cache_values", "hit_values", "apply_hit", "update_after_branch",
            "stores_hidden_states", "NO_STEP"]

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import DBCacheConfig, TaylorSeerCalibratorConfig
+from .config import CalibratorConfig, DBCacheConfig
 from .decision import decide, hit_values, update_after_branch
 from .state import NO_STEP, state_spec
 
@@ -138,7 +138,7 @@ class DBCacheProgram(CacheProgram):
     """cache-dit's DBCache rule (:func:`~dit_passes.cache.decision.decide`) with its calibrator."""
 
     config: DBCacheConfig
-    calibrator: Optional[TaylorSeerCalibratorConfig] = None
+    calibrator: Optional[CalibratorConfig] = None
 
     @property
     def uses_partner(self) -> bool:
@@ -160,13 +160,13 @@ class DBCacheProgram(CacheProgram):
         return tuple(new[n] for n in names)
 
 
-def build_program(config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorConfig], *,
+def build_program(config: DBCacheConfig, calibrator: Optional[CalibratorConfig], *,
                   image_residual: torch.Tensor, stream_residuals: Sequence[torch.Tensor], has_timestep: bool,
                   group=None) -> CacheProgram:
     """The program for one graph. ``image_residual``: the Fn residual (real or fake tensor, for shapes);
     ``stream_residuals``: one example per stream leaving the middle blocks (image first)."""
     if calibrator is not None and calibrator.calibrator_cache_type != "residual":
-        raise ValueError("DBCache pass: TaylorSeerCalibratorConfig(calibrator_cache_type="
+        raise ValueError(f"DBCache pass: {type(calibrator).__name__}(calibrator_cache_type="
                          f"{calibrator.calibrator_cache_type!r}) is not supported by the graph pass; use "
                          "calibrator_cache_type='residual' (the default)")
     spec = state_spec(config, calibrator, image_residual, stream_residuals)

@@ -14,7 +14,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import DBCacheConfig, TaylorSeerCalibratorConfig
+from .config import CalibratorConfig, DBCacheConfig
+from .foca import foca_keys
 
 # Values no real step takes: "no cached step recorded" / "no diff recorded".
 NO_STEP = -(2 ** 40)
@@ -38,13 +39,17 @@ SCALARS: Dict[str, Tuple[torch.dtype, float]] = {
 }
 
 
-def stream_keys(stream: int, calibrated: bool, order: int) -> List[str]:
-    if calibrated:
-        return [f"ts{stream}_{k}" for k in range(order + 1)] + [f"ts{stream}_valid"]
-    return [f"res{stream}"]
+def stream_keys(stream: int, calibrator: Optional[CalibratorConfig] = None) -> List[str]:
+    """The state names of stream ``stream``: its stored residual, or its calibrator's state (TaylorSeer's ladder
+    and flag, FoCa's four tensors and flags); names ending in ``_valid`` are 0-dim int64 flags."""
+    if calibrator is None or not calibrator.stream_enabled(stream):
+        return [f"res{stream}"]
+    if calibrator.calibrator_type == "foca":
+        return foca_keys(stream)
+    return [f"ts{stream}_{k}" for k in range(calibrator.taylorseer_order + 1)] + [f"ts{stream}_valid"]
 
 
-def state_spec(config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorConfig],
+def state_spec(config: DBCacheConfig, calibrator: Optional[CalibratorConfig],
                fn_residual: torch.Tensor, streams: Sequence[torch.Tensor]) -> Dict[str, Tuple[tuple, torch.dtype, float]]:
     """``name -> (shape, dtype, fill)`` of every state tensor, from example tensors (real or fake).
 
@@ -53,10 +58,8 @@ def state_spec(config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorC
     """
     spec: Dict[str, Tuple[tuple, torch.dtype, float]] = {k: ((), dt, v) for k, (dt, v) in SCALARS.items()}
     spec["R_prev"] = (tuple(fn_residual.shape), fn_residual.dtype, 0.0)
-    order = calibrator.taylorseer_order if calibrator is not None else 0
     for i, s in enumerate(streams):
-        cal = calibrator is not None and calibrator.stream_enabled(i)
-        for k in stream_keys(i, cal, order):
+        for k in stream_keys(i, calibrator):
             if k.endswith("_valid"):
                 spec[k] = ((), torch.int64, 0)
             else:
@@ -71,7 +74,7 @@ class CacheState:
     ``new_generation()`` is the explicit host-side reset (the next call is step 0 of a new generation).
     """
 
-    def __init__(self, config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorConfig] = None):
+    def __init__(self, config: DBCacheConfig, calibrator: Optional[CalibratorConfig] = None):
         self.config = config
         self.calibrator = calibrator
         self._spec: Optional[Dict[str, Tuple[tuple, torch.dtype, float]]] = None
@@ -147,7 +150,7 @@ class CacheContexts:
 
     CFG, NON_CFG, DEFAULT = "cfg", "non_cfg", "default"
 
-    def __init__(self, config: DBCacheConfig, calibrator: Optional[TaylorSeerCalibratorConfig] = None):
+    def __init__(self, config: DBCacheConfig, calibrator: Optional[CalibratorConfig] = None):
         self.config = config
         self.calibrator = calibrator
         self._states: Dict[str, CacheState] = {}

@@ -77,6 +77,16 @@ class CacheStore:
                           dict(zip(program.names, state)), use_cache)
 
     # -- caller API ----------------------------------------------------------------------------
+    def state_of(self, context: str = "default",
+                 graph_id: Optional[int] = None) -> Tuple[CacheProgram, Dict[str, torch.Tensor]]:
+        """``(program, name -> tensor)``: the state kept for ``context`` (of ``graph_id``, else of the first graph
+        that has one), as the last call left it."""
+        for (gid, ctx), state in self._slots.items():
+            if ctx == context and graph_id in (None, gid):
+                program = self._programs[gid][0]
+                return program, dict(zip(program.names, state))
+        raise KeyError(f"CacheStore: no state for context {context!r} yet (run the model once)")
+
     def new_generation(self) -> None:
         """Start a new generation on the next call (serving: call between requests). Without it a new
         generation is still detected on the device, from the timestep rising again."""

@@ -1,6 +1,6 @@
 """cache-dit-compatible front end: ``enable_cache`` / ``disable_cache`` / ``summary`` / ``strify`` / ... over
 ``compile_dit`` (see :mod:`dit_passes.frontend.api`)."""
-from ..cache.config import DBCacheConfig, TaylorSeerCalibratorConfig
+from ..cache.config import DBCacheConfig, DBPruneConfig, FoCaCalibratorConfig, TaylorSeerCalibratorConfig
 from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
                                   PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
                                   TeaCacheConfig)
@@ -10,7 +10,8 @@ from .configs import SUPPORTED_QUANT_TYPES, ParallelismConfig, QuantizeConfig
 from .offload import layerwise_offload
 
 __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
-           "CacheStats", "FrontendState", "DBCacheConfig", "TaylorSeerCalibratorConfig", "FirstBlockCacheConfig",
+           "CacheStats", "FrontendState", "DBCacheConfig", "DBPruneConfig", "TaylorSeerCalibratorConfig",
+           "FoCaCalibratorConfig", "FirstBlockCacheConfig",
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
            "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "ParallelismConfig",
            "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "layerwise_offload"]

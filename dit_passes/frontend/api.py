@@ -32,13 +32,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..cache.config import DBCacheConfig, TaylorSeerCalibratorConfig
+from ..cache.config import CalibratorConfig, DBCacheConfig, DBPruneConfig, FoCaCalibratorConfig, \
+    TaylorSeerCalibratorConfig
+from ..cache.prune import PRUNE_FIELDS
 from ..cache.steps_mask import steps_mask
 from ..compiled import CompiledDiT
 from ..infra.pass_manager import PassManager
 from ..passes.load_quantized import LoadQuantized
-from .cache_configs import CACHE_PASSES, cache_pass, cache_tag
-from .cache_configs import convert as _convert
+from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator
 from .cache_configs import resolve_cache_config as _resolve_cache_config
 from .configs import ParallelismConfig, QuantizeConfig, calibrate
 
@@ -52,7 +53,7 @@ class FrontendState:
     """What ``enable_cache`` / ``quantize`` / ``load`` applied to one transformer (kept with its wrapper)."""
 
     cache_config: Optional[DBCacheConfig]
-    calibrator_config: Optional[TaylorSeerCalibratorConfig]
+    calibrator_config: Optional[CalibratorConfig]
     parallelism_config: Optional[ParallelismConfig]
     quantize_config: Optional[QuantizeConfig]
     passes: list
@@ -86,6 +87,15 @@ class CacheStats:
     accumulated_transformer_executed_steps: int = 0
     residual_diff_stats: Dict[str, float] = dataclasses.field(default_factory=dict)
     cfg_residual_diff_stats: Dict[str, float] = dataclasses.field(default_factory=dict)
+    # Dynamic Block Prune (DBPruneConfig): per call, the pruned and the existing blocks
+    pruned_steps: List[int] = dataclasses.field(default_factory=list)
+    pruned_blocks: List[int] = dataclasses.field(default_factory=list)
+    actual_blocks: List[int] = dataclasses.field(default_factory=list)
+    pruned_ratio: Optional[float] = None
+    cfg_pruned_steps: List[int] = dataclasses.field(default_factory=list)
+    cfg_pruned_blocks: List[int] = dataclasses.field(default_factory=list)
+    cfg_actual_blocks: List[int] = dataclasses.field(default_factory=list)
+    cfg_pruned_ratio: Optional[float] = None
     parallelism_config: Optional[ParallelismConfig] = None
     quantize_config: Optional[QuantizeConfig] = None
     generations: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -191,7 +201,7 @@ def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[Compil
 def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfig] = None,
                  parallelism_config: Optional[ParallelismConfig] = None,
                  quantize_config: Optional[QuantizeConfig] = None,
-                 calibrator_config: Optional[TaylorSeerCalibratorConfig] = None, keep_original: bool = False) -> Any:
+                 calibrator_config: Optional[CalibratorConfig] = None, keep_original: bool = False) -> Any:
     """Accelerate a pipeline (returned, its transformer(s) replaced) or a transformer (its wrapper is returned:
     use that). ``cache_config=None``: the default ``DBCacheConfig()`` when no parallelism / quantize config is
     given, else no residual cache (the reference's rule). Weights that tensor parallelism or quantization replace
@@ -207,7 +217,7 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     if pc is not None and not pc.use_ray and pc.ray_transfer_fn is not None:
         logger.warning("ParallelismConfig.ray_transfer_fn is ignored without use_ray=True")
     cfg = _resolve_cache_config(cache_config, pc is not None or quantize_config is not None)
-    cal = _convert(calibrator_config, TaylorSeerCalibratorConfig, "taylorseer_order")
+    cal = resolve_calibrator(calibrator_config)
     if cal is not None and cfg is None:
         raise ValueError("calibrator_config needs a residual cache: pass cache_config=DBCacheConfig(...) too")
     if pc is not None and pc.is_noop():
@@ -306,7 +316,7 @@ def _route_to_proxy(module: torch.nn.Module, proxy: Any, state: FrontendState) -
 
 
 def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig], cfg: Optional[DBCacheConfig],
-                   cal: Optional[TaylorSeerCalibratorConfig], rank: int = 0, world_size: int = 1) -> list:
+                   cal: Optional[CalibratorConfig], rank: int = 0, world_size: int = 1) -> list:
     """The pass list, built in each Ray worker (its process group exists there; CP x TP builds subgroups)."""
     passes = (pc.to_passes() if pc is not None else []) + ([q.to_pass(None)] if q is not None else []) \
         + ([cache_pass(cfg, cal)] if cfg is not None else [])
@@ -364,7 +374,7 @@ def disable_cache(pipe_or_module: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------ refresh
 def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] = None,
-                    calibrator_config: Optional[TaylorSeerCalibratorConfig] = None, verbose: bool = False,
+                    calibrator_config: Optional[CalibratorConfig] = None, verbose: bool = False,
                     **cache_fields: Any) -> Any:
     """Start a new generation. With ``cache_config`` (a new config) or cache fields merged into the current one
     (e.g. ``num_inference_steps=50``) the cache is rebuilt; its graphs are lowered again at the next call."""
@@ -388,7 +398,7 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
         elif cache_fields:
             new = dataclasses.replace(state.cache_config, **cache_fields)
         cal = state.calibrator_config if calibrator_config is None else \
-            _convert(calibrator_config, TaylorSeerCalibratorConfig, "taylorseer_order")
+            resolve_calibrator(calibrator_config)
         if new == state.cache_config and cal == state.calibrator_config:
             module.new_generation()
         else:
@@ -410,8 +420,8 @@ def stats_from_summary(gens: List[Dict[str, Any]], state: Optional[FrontendState
     if gens:
         g = gens[-1]
         for k in ("cached_steps", "residual_diffs", "residual_diff_stats", "cfg_cached_steps", "cfg_residual_diffs",
-                  "cfg_residual_diff_stats"):
-            if k in g:
+                  "cfg_residual_diff_stats") + PRUNE_FIELDS + tuple("cfg_" + f for f in PRUNE_FIELDS):
+            if g.get(k) is not None:
                 setattr(st, k, copy.deepcopy(g[k]))
         st.accumulated_cached_steps = len(st.cached_steps)
         st.cfg_accumulated_cached_steps = len(st.cfg_cached_steps)
@@ -454,10 +464,11 @@ def strify(pipe_or_stats: Any) -> str:
     else:
         st = pipe_or_stats if isinstance(pipe_or_stats, CacheStats) else summary(pipe_or_stats, logging=False)[0]
         options, acc, par, quant = st.cache_options, st.accumulated_cached_steps, st.parallelism_config, st.quantize_config
+    ratio = None if isinstance(pipe_or_stats, dict) else st.pruned_ratio
     cfg, parts = options.get("cache_config"), []
     if cfg is not None:
         cal = options.get("calibrator_config")
-        parts.append(cache_tag(cfg, cal))
+        parts.append(cache_tag(cfg, cal, ratio))
     parts += [extra.strify() for extra in (par, quant) if extra is not None and extra.strify()]
     return "_".join(parts) + (f"_S{acc}" if acc and cfg is not None else "")
 
@@ -500,5 +511,7 @@ def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, *
 
 
 __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
-           "CacheStats", "FrontendState", "DBCacheConfig", "TaylorSeerCalibratorConfig", "ParallelismConfig",
+           "CacheStats", "FrontendState", "DBCacheConfig", "DBPruneConfig", "TaylorSeerCalibratorConfig",
+           "FoCaCalibratorConfig",
+           "ParallelismConfig",
            "QuantizeConfig", "stats_from_summary"]

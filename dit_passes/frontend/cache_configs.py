@@ -1,12 +1,14 @@
 """Which cache pass a front-end ``cache_config`` asks for.
 
-``enable_cache(pipe, cache_config=...)`` takes cache-dit's ``DBCacheConfig`` (-> ``passes.DBCache``), or
+``enable_cache(pipe, cache_config=...)`` takes cache-dit's ``DBCacheConfig`` (-> ``passes.DBCache``) or
+``DBPruneConfig`` (-> ``passes.DBPrune``), or
 diffusers' ``FirstBlockCacheConfig`` / ``MagCacheConfig`` / ``TaylorSeerCacheConfig`` / ``SeaCacheConfig`` /
 ``PyramidAttentionBroadcastConfig`` / ``FasterCacheConfig`` -- diffusers' own classes or ours of the same name
 (``dit_passes.FirstBlockCacheConfig`` ...) -> ``passes.FirstBlockCache`` / ``passes.MagCache`` /
 ``passes.TaylorSeerCache`` / ``passes.SeaCache`` / ``passes.PyramidAttentionBroadcast`` / ``passes.FasterCache``;
 ours only: ``TeaCacheConfig`` -> ``passes.TeaCache``. A config of
-another class with DBCacheConfig's field names (cache-dit's) is converted field by field.
+another class with DBCacheConfig's field names (cache-dit's) is converted field by field (to DBPruneConfig when
+its ``cache_type`` is DBPrune).
 """
 from __future__ import annotations
 
@@ -14,17 +16,18 @@ import copy
 import dataclasses
 from typing import Any, Optional
 
-from ..cache.config import DBCacheConfig, full_tag
+from ..cache.config import (CalibratorConfig, DBCacheConfig, DBPruneConfig, FoCaCalibratorConfig,
+                            TaylorSeerCalibratorConfig, full_tag)
 from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
                                   PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
                                   TeaCacheConfig, from_peer)
-from ..passes import (DBCache, FasterCache, FirstBlockCache, MagCache, PyramidAttentionBroadcast, SeaCache,
+from ..passes import (DBCache, DBPrune, FasterCache, FirstBlockCache, MagCache, PyramidAttentionBroadcast, SeaCache,
                       TaylorSeerCache, TeaCache)
 
 _PASS_OF = {FirstBlockCacheConfig: FirstBlockCache, MagCacheConfig: MagCache, TaylorSeerCacheConfig: TaylorSeerCache,
             SeaCacheConfig: SeaCache, TeaCacheConfig: TeaCache,
             PyramidAttentionBroadcastConfig: PyramidAttentionBroadcast, FasterCacheConfig: FasterCache}
-CACHE_PASSES = tuple(dict.fromkeys((DBCache, *_PASS_OF.values())))
+CACHE_PASSES = tuple(dict.fromkeys((DBCache, DBPrune, *_PASS_OF.values())))
 
 
 def convert(cfg: Any, cls: type, probe: str) -> Any:
@@ -46,7 +49,9 @@ def resolve_cache_config(cache_config: Any, others_given: bool) -> Any:
     peer = from_peer(cache_config)
     if peer is not None:
         return peer
-    cfg = convert(cache_config, DBCacheConfig, "Fn_compute_blocks")
+    kind = getattr(cache_config, "cache_type", "DBCache")
+    prune = str(getattr(kind, "value", kind)) == "DBPrune"
+    cfg = convert(cache_config, DBPruneConfig if prune else DBCacheConfig, "Fn_compute_blocks")
     if not isinstance(cfg.cache_type, str):  # cache-dit's CacheType enum
         cfg = dataclasses.replace(cfg, cache_type=str(getattr(cfg.cache_type, "value", cfg.cache_type)))
     if cfg.enable_separate_cfg is None:
@@ -54,19 +59,43 @@ def resolve_cache_config(cache_config: Any, others_given: bool) -> Any:
     return cfg
 
 
+_CALIBRATORS = {c.CALIBRATOR_TYPE: c for c in (TaylorSeerCalibratorConfig, FoCaCalibratorConfig)}
+
+
+def resolve_calibrator(calibrator: Any) -> Optional[CalibratorConfig]:
+    """Our calibrator config for ``calibrator`` (ours, or cache-dit's of the same ``calibrator_type``: converted
+    field by field), or None."""
+    if calibrator is None:
+        return None
+    kind = getattr(calibrator, "calibrator_type", None)
+    if kind not in _CALIBRATORS:
+        raise ValueError(f"calibrator_config: calibrator_type={kind!r} is not one of {sorted(_CALIBRATORS)} (DMD is "
+                         f"not implemented)")
+    return convert(calibrator, _CALIBRATORS[kind], "calibrator_type")
+
+
 def cache_pass(cfg: Any, calibrator: Optional[Any] = None):
-    """The pass for a resolved config (``calibrator``: cache-dit's TaylorSeer, DBCache only)."""
+    """The pass for a resolved config (``calibrator``: cache-dit's TaylorSeer / FoCa, DBCache only)."""
+    if isinstance(cfg, DBPruneConfig):
+        return DBPrune(cfg, calibrator=calibrator)
     for cls, pass_cls in _PASS_OF.items():
         if isinstance(cfg, cls):
             if calibrator is not None:
-                raise ValueError(f"calibrator_config (TaylorSeer) applies to DBCacheConfig only, not {cls.__name__}")
+                raise ValueError(f"calibrator_config applies to DBCacheConfig only, not {cls.__name__}")
             return pass_cls(cfg)
     return DBCache(cfg, calibrator=calibrator)
 
 
-def cache_tag(cfg: Any, calibrator: Optional[Any] = None) -> str:
-    """The config's tag for ``strify``: cache-dit's ``<config>_<calibrator or T0O0>``, or the peer config's."""
-    return full_tag(cfg, calibrator) if isinstance(cfg, DBCacheConfig) else cfg.strify()
+def cache_tag(cfg: Any, calibrator: Optional[Any] = None, pruned_ratio: Optional[float] = None) -> str:
+    """The config's tag for ``strify``: cache-dit's ``<config>[_P<pruned %>]_<calibrator or T0O0>``, or the peer
+    config's."""
+    if not isinstance(cfg, DBCacheConfig):
+        return cfg.strify()
+    tag = full_tag(cfg, calibrator)
+    if isinstance(cfg, DBPruneConfig) and pruned_ratio is not None:
+        head = cfg.strify()
+        tag = f"{head}_P{round(pruned_ratio * 100, 2)}{tag[len(head):]}"
+    return tag
 
 
-__all__ = ["convert", "resolve_cache_config", "cache_pass", "cache_tag", "CACHE_PASSES"]
+__all__ = ["convert", "resolve_cache_config", "resolve_calibrator", "cache_pass", "cache_tag", "CACHE_PASSES"]

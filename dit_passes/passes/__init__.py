@@ -1,6 +1,7 @@
 """The graph passes users put in ``compile_dit(model, passes=[...])``."""
 from .cleanup import Cleanup
 from .dbcache import DBCache
+from .dbprune import DBPrune
 from .first_block_cache import FirstBlockCache
 from .mag_cache import MagCache
 from .taylorseer_cache import TaylorSeerCache
@@ -17,6 +18,6 @@ from .regional_compile import RegionalCompile
 from .attention_backend import AttentionBackend
 from .vae_parallel import VAEParallel
 
-__all__ = ["Cleanup", "DBCache", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
+__all__ = ["Cleanup", "DBCache", "DBPrune", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
            "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "Fp8Linear",
            "Int8Linear", "LoadQuantized", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend", "VAEParallel"]

@@ -1,0 +1,168 @@
+"""DBPrune: skip single blocks whose input barely changed since they last ran (cache-dit's dynamic block pruning).
+
+Requires: ``structure``; block indices count over the whole block range as DBCache's do (Flux: the dual-
+then the single-stream blocks, as the reference's default Flux adapter). Provides: one cache branch per
+prunable block (facts ``state_io``, ``structure_at_cut``). Invalidates: ``structure`` (the prunable blocks move into branch subgraphs). Same
+design as DBCache (decisions on the device, the state as graph inputs / outputs, per cache context, no host
+read per step); the rule is :mod:`dit_passes.cache.prune`.
+
+Before (Fn=1, Bn=0, three blocks)::
+
+    h1 = <block 0>(h0, temb)
+    h2 = <block 1>(h1, temb)
+    h3 = <block 2>(h2, temb)
+
+After::
+
+    h1 = <block 0>(h0, temb)                                         # Fn / Bn / non_prune_block_ids run
+    begin = self.dbprune_begin(timestep, *scalars, *valid)           # step, generation, per-step diff list
+    d1 = self.dbprune_b1_decide(h1, *begin_scalars, in1, in1_valid)  # prune1, diff1, *scalars'
+    c1 = torch.ops.higher_order.cond(d1[0], self.dbprune_b1_cached, self.dbprune_b1_compute, (h1, temb, res1_0))
+    h2 = c1[0]                                                       # block 1, or h1 + its stored residual
+    s1 = self.dbprune_b1_commit(d1[0], h1, c1[1], in1, in1_valid, res1_0)   # input / residual stored if computed
+    d2 = self.dbprune_b2_decide(h2, *d1_scalars, in2, in2_valid)
+    ...                                                              # the same for block 2
+    rec = self.dbprune_finish(prune1, prune2, diff1, diff2)          # this call's per-block record
+    return (out, *scalars', *s1, *s2, *rec, use_cache, diff)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from ..analysis.blocks import get_structure
+from ..infra.facts import facts_of
+from ..infra.pass_base import Pass, PassContext, PassError, PassResult
+from ..infra.phases import Phase
+from .cache_branch import _branch, _fake_call, _getitems, add_state_inputs, finish_state_io
+from .segments import cut_middle
+
+
+class DBPrune(Pass):
+    """Dynamic block pruning with cache-dit 1.5.3's ``DBPruneConfig`` (given whole or as its fields)."""
+
+    name = "dbprune"
+    phase = Phase.CACHE
+    reads = ("structure", "offload_loads", "parallel_group", "num_user_outputs")
+    writes = ("num_user_outputs", "state_io", "inference_only", "structure_at_cut")
+    invalidates = ("structure",)
+
+    def __init__(self, config=None, calibrator=None, **fields: Any):
+        from ..cache.config import DBPruneConfig
+        if config is not None and fields:
+            raise TypeError("pass either config=DBPruneConfig(...) or its fields as keywords, not both")
+        self.config = config if config is not None else DBPruneConfig(**fields)
+        if not isinstance(self.config, DBPruneConfig):
+            raise TypeError(f"DBPrune: config must be a DBPruneConfig, got {type(self.config).__name__}")
+        if calibrator is not None:
+            raise ValueError("DBPrune: a calibrator with DBPruneConfig is not implemented (the reference calibrates "
+                             "every block's residual separately); drop calibrator_config or use DBCacheConfig")
+        self.calibrator = None
+
+    def config_items(self) -> Dict[str, Any]:
+        return {"tag": self.config.strify()}
+
+    def _refuse(self, gm: fx.GraphModule, s) -> List[int]:
+        facts = facts_of(gm)
+        group = facts.parallel_group
+        if group is not None and group.size() > 1:
+            raise PassError(f"{self.name}: pruning under context / tensor parallelism is not implemented (the "
+                            f"reference refuses it too); drop the parallel passes or use DBCache")
+        if facts.offload_loads:
+            raise PassError(f"{self.name}: layerwise offload with pruning is not implemented; use DBCache")
+        blocks = self.config.prunable(len(s.blocks))
+        if not blocks:
+            raise PassError(f"{self.name}: no block can be pruned ({len(s.blocks)} blocks, Fn_compute_blocks="
+                            f"{self.config.Fn_compute_blocks}, Bn_compute_blocks={self.config.Bn_compute_blocks}, "
+                            f"non_prune_block_ids={self.config.non_prune_block_ids})")
+        return blocks
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        from ..cache.prune import Begin, BlockCommit, BlockDecide, Finish, PruneStore, STEP_KEYS, \
+            block_state_keys, build_prune_program
+        from ..cache.state import SCALARS
+
+        s = get_structure(gm)
+        n = len(s.blocks)
+        blocks = self._refuse(gm, s)
+        segs = [cut_middle(gm, s, j, n - j - 1) for j in blocks]  # all cut before any rewrite
+        g = gm.graph
+        mode = detect_fake_mode([segs[0].image_at_cut.meta["val"]])
+        timestep = next((p for p in g.nodes if p.op == "placeholder" and p.target == "timestep"), None)
+        program = build_prune_program(self.config, total_blocks=n, blocks=blocks,
+                                      inputs=[q.image_at_cut.meta["val"] for q in segs],
+                                      residuals=[[o.meta["val"] for o in q.live_out] for q in segs],
+                                      has_timestep=timestep is not None)
+        device = segs[0].image_at_cut.meta["val"].device
+        state_in = dict(zip(program.names, add_state_inputs(gm, program, device, mode)))
+        valid_names = [k for k in program.names if k.endswith("_valid")]
+
+        def call(module_name: str, module: torch.nn.Module, args, names: List[str]) -> List[fx.Node]:
+            gm.add_submodule(f"{self.name}_{module_name}", module)
+            node = g.call_module(f"{self.name}_{module_name}", tuple(args))
+            vals = _fake_call(module, args, mode)
+            node.meta["val"] = vals
+            return _getitems(g, node, vals, [f"{module_name}_{x}" for x in names])
+
+        with g.inserting_before(segs[0].nodes[0]):
+            t_arg = timestep if timestep is not None else segs[0].image_at_cut
+            out = call("begin", Begin(program.begin_call), [t_arg, *(state_in[k] for k in SCALARS),
+                                                            *(state_in[k] for k in valid_names)],
+                       list(SCALARS) + list(STEP_KEYS) + valid_names)
+        scalars = out[:len(SCALARS) + len(STEP_KEYS)]
+        cur = dict(state_in, **dict(zip(valid_names, out[len(scalars):])))
+        state_out: Dict[str, fx.Node] = {}
+        replaced: Dict[fx.Node, fx.Node] = {}  # a rewritten block's leaving value -> its cond output
+        prunes, diffs, moved = [], [], 0
+        for i, (j, seg) in enumerate(zip(blocks, segs)):
+            fix = lambda x: replaced.get(x, x)  # noqa: E731 - earlier rewrites replaced this block's inputs
+            seg = dataclasses.replace(seg, live_in=[fix(a) for a in seg.live_in], image_at_cut=fix(seg.image_at_cut),
+                                      before_of={o: dataclasses.replace(b, parts=tuple(fix(p) for p in b.parts))
+                                                 for o, b in seg.before_of.items()})
+            k = len(seg.live_out)
+            keys = block_state_keys(program, i)  # in{j}, in{j}_valid, res{j}_*
+            h = seg.image_at_cut
+            gm.add_submodule(f"{self.name}_b{j}_compute", _branch(gm, seg, k, cached=False, name=self.name))
+            gm.add_submodule(f"{self.name}_b{j}_cached", _branch(gm, seg, k, cached=True, name=self.name))
+            with g.inserting_before(seg.nodes[0]):
+                d = call(f"b{j}_decide", BlockDecide(program.block_decide, i),
+                         [h, *scalars, cur[keys[0]], cur[keys[1]]], ["prune", "diff"] + list(SCALARS) + list(STEP_KEYS))
+                prune, scalars = d[0], d[2:]
+                operands = tuple(seg.live_in) + tuple(cur[x] for x in keys[2:])
+                cond = g.call_function(torch.ops.higher_order.cond, (prune, g.get_attr(f"{self.name}_b{j}_cached"),
+                                                                     g.get_attr(f"{self.name}_b{j}_compute"), operands))
+                cond_vals = _fake_call(getattr(gm, f"{self.name}_b{j}_compute"), operands, mode)
+                cond.meta["val"] = tuple(cond_vals)
+                items = _getitems(g, cond, cond_vals, [f"b{j}_stream_{x}" for x in range(k)]
+                                  + [f"b{j}_residual_{x}" for x in range(k)])
+                new_state = call(f"b{j}_commit", BlockCommit(program.block_commit),
+                                 [prune, h, *items[k:], *(cur[x] for x in keys)], [f"next_{x}" for x in keys])
+            state_out.update(zip(keys, new_state))
+            inside = set(seg.nodes)
+            for o, new in zip(seg.live_out, items[:k]):
+                o.replace_all_uses_with(new, delete_user_cb=lambda u: u not in inside)
+                replaced[o] = new
+            for node in reversed(seg.nodes):
+                g.erase_node(node)
+            moved += len(seg.nodes)
+            prunes.append(prune)
+            diffs.append(d[1])
+        with g.inserting_before(g.output_node()):
+            rec = call("finish", Finish(program.finish_call), prunes + diffs, ["block_pruned", "block_diffs"])
+        state_out.update(zip(SCALARS, scalars[:len(SCALARS)]))
+        state_out.update(zip(("block_pruned", "block_diffs"), rec))
+        last = dict(zip(SCALARS, scalars))
+        finish_state_io(gm, ctx, self.name, lambda: PruneStore(self.config), program, device,
+                        [state_out[x] for x in program.names], last["use_cache"], last["diff"])
+        facts_of(gm).structure_at_cut = s
+        counts = {"blocks_prunable": len(blocks), "cond": len(blocks), "state_tensors": len(state_in),
+                  "nodes_in_branches": moved}
+        return PassResult(True, counts, f"blocks {blocks} of {n} each in its own torch.cond branch; tag "
+                                        f"{self.config.strify()}")
+
+
+__all__ = ["DBPrune"]

@@ -1,0 +1,138 @@
+"""cache-dit 1.5.3's FoCa calibrator beside TaylorSeer, side by side with the reference.
+
+First on synthetic calls through cache-dit's own context manager (the harness of ``test_cache_decision``: the
+decision and the calibrator exactly as its block forward drives them), then as the DBCache graph pass on a tiny
+Flux, and through ``enable_cache(calibrator_config=...)`` on a real pipeline.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from dit_passes import compile_dit, passes
+from dit_passes.cache.config import FoCaCalibratorConfig
+from dit_passes.cache.decision import apply_hit, decide, hit_values, middle_cache_values, update_after_branch
+from dit_passes.cache.state import CacheContexts
+from dit_passes.models.zoo import build
+
+cache_dit = pytest.importorskip("cache_dit")
+from test_cache_decision import Ours, Reference, make_calls, timesteps  # noqa: E402
+from test_dbcache_pass import step_loop  # noqa: E402
+
+logging.getLogger("cache_dit").setLevel(logging.ERROR)
+
+
+class ReferenceWith(Reference):
+    """The reference manager with any of its calibrator configs."""
+
+    def __init__(self, cfg: dict, calibrator):
+        super().__init__(cfg)
+        self.kw["calibrator_config"] = calibrator
+
+
+class OursWith(Ours):
+    """Our decision with a calibrator; the branch's values are the hits on a cached step (as the graph's)."""
+
+    def __init__(self, cfg: dict, calibrator):
+        super().__init__(cfg)
+        self.ts = calibrator
+        self.ctxs = CacheContexts(self.cfg, calibrator)
+
+    def step(self, state, r, t, h, e, mid, mid_e, partner=None):
+        use, new, diff = decide(state, r, t, self.cfg, partner=partner)
+        hits = hit_values(new, 2, self.ts)
+        computed = [h + mid, e + mid_e]
+        outs = [torch.where(use, a, b) for a, b in zip(apply_hit([h, e], hits, self.ts), computed)]
+        values = [torch.where(use, a, b) for a, b in zip(hits, middle_cache_values([h, e], computed, self.ts))]
+        return use, update_after_branch(new, use, values, self.ts), diff, outs[0], outs[1]
+
+
+def side_by_side(cfg, ref_cal, our_cal, n=20, gens=2):
+    ref, ours = ReferenceWith(cfg, ref_cal), OursWith(cfg, our_cal)
+    decisions = []
+    for gen in range(gens):
+        ref.new_generation()
+        seq = []
+        for i, c in enumerate(make_calls(n, 3 + 11 * gen)):
+            hit, h, e, _ = ref.call(c)
+            use, h2, e2, _, _ = ours.call(c, timesteps(n)[i])
+            assert bool(use) == hit, f"gen {gen} call {i}: ours {bool(use)} vs cache-dit {hit} ({seq})"
+            torch.testing.assert_close(h2, h, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(e2, e, rtol=1e-5, atol=1e-5)
+            seq.append(hit)
+        decisions.append(seq)
+    return decisions
+
+
+def runs_of_cached(seq):
+    """The lengths of the runs of cached calls."""
+    out, n = [], 0
+    for s in seq + [False]:
+        if s:
+            n += 1
+        elif n:
+            out.append(n)
+            n = 0
+    return out
+
+
+@pytest.mark.parametrize("variant", ["residual", "hidden_states", "image_only"])
+def test_foca_matches_cache_dit(variant):
+    kw = {"hidden_states": dict(calibrator_cache_type="hidden_states"),
+          "image_only": dict(enable_encoder_calibrator=False)}.get(variant, {})
+    # runs of up to 5 cached steps: the Heun step (elapsed <= 3) and the damped one beyond it
+    cfg = dict(max_warmup_steps=4, residual_diff_threshold=0.6, max_continuous_cached_steps=5)
+    gens = side_by_side(cfg, cache_dit.FoCaCalibratorConfig(**kw), FoCaCalibratorConfig(**kw))
+    assert max(runs_of_cached(gens[0])) >= 4, gens[0]
+
+
+# -- the graph pass and the front end -------------------------------------------------------------------------
+STEPS = 10
+
+
+@pytest.mark.reference
+def test_foca_dbcache_pass_matches_cache_dit():
+    zm = build("flux")
+    kwargs = zm.make_inputs()
+    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=1.0, max_warmup_steps=3, max_continuous_cached_steps=4,
+               enable_separate_cfg=False, num_inference_steps=STEPS)
+    ref_model = copy.deepcopy(zm.model)
+    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBCacheConfig(**cfg),
+                           calibrator_config=cache_dit.FoCaCalibratorConfig())
+    ref = step_loop(ref_model, kwargs)
+    ref_stats = cache_dit.summary(ref_model, logging=False)[0]
+    compiled = compile_dit(zm.model, passes=[passes.DBCache(calibrator=FoCaCalibratorConfig(), **cfg)])
+    ours = step_loop(compiled, kwargs)
+    # warm-up 3, then always cached but for every fifth step: runs of 4 (elapsed up to 4: both FoCa forms)
+    assert compiled.runtime.state["dbcache"].summary()[-1]["cached_steps"] == ref_stats.cached_steps == [3, 4, 5, 6, 8, 9]
+    err = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-5, err
+    plain = step_loop(compile_dit(zm.model, passes=[passes.DBCache(**cfg)]), kwargs)
+    assert (plain - ref).abs().max() > 100 * (ours - ref).abs().max(), "FoCa made no difference: nothing tested"
+
+
+@pytest.mark.reference
+def test_enable_cache_with_foca_matches_cache_dit():
+    """``enable_cache(pipe, cache_config=..., calibrator_config=FoCaCalibratorConfig())`` on a real FluxPipeline."""
+    from test_frontend import CFG, rel_err, run, tiny_flux, tiny_pipe
+
+    import dit_passes
+    tr = tiny_flux()
+    ref_pipe = tiny_pipe(copy.deepcopy(tr))
+    cache_dit.enable_cache(ref_pipe, cache_config=cache_dit.DBCacheConfig(**CFG),
+                           calibrator_config=cache_dit.FoCaCalibratorConfig())
+    ref = run(ref_pipe)
+    ref_stats = cache_dit.summary(ref_pipe, logging=False)[0]
+    pipe = tiny_pipe(tr)
+    dit_passes.enable_cache(pipe, cache_config=dit_passes.DBCacheConfig(**CFG),
+                            calibrator_config=cache_dit.FoCaCalibratorConfig())  # the reference's class, converted
+    ours = run(pipe)
+    st = dit_passes.summary(pipe, logging=False)[0]
+    assert len(st.cached_steps) >= 2 and st.cached_steps == ref_stats.cached_steps
+    assert rel_err(ours, ref) <= 1e-5
+    assert isinstance(pipe.transformer.runtime.state["frontend"].calibrator_config, FoCaCalibratorConfig)
+    tag = f"DBCache_F1B1_W2I1M0MC0_R0.3_CFG0_FoCa_S{len(st.cached_steps)}"  # Flux: separate CFG resolved off
+    assert dit_passes.strify(pipe) == cache_dit.strify(ref_stats) == tag
