@@ -145,10 +145,9 @@ class ParallelismConfig:
 
 # ----------------------------------------------------------------------------------------- quantize
 SUPPORTED_QUANT_TYPES = ("float8_per_row", "float8_per_tensor", "int8_per_row", "svdq_int4_r{rank}",
-                         "svdq_int4_r{rank}_dq")
-_REFERENCE_ONLY = ("float8_per_block", "float8_weight_only", "int8_per_tensor", "int8_weight_only",
-                   "svdq_nvfp4_r{rank}", "svdq_nvfp4_r{rank}_dq")
-_SVDQ = re.compile(r"^svdq_int4_r(\d+)(_dq)?$")
+                         "svdq_int4_r{rank}_dq", "svdq_nvfp4_r{rank}", "svdq_nvfp4_r{rank}_dq")
+_REFERENCE_ONLY = ("float8_per_block", "float8_weight_only", "int8_per_tensor", "int8_weight_only")
+_SVDQ = re.compile(r"^svdq_(int4|nvfp4)_r(\d+)(_dq)?$")
 # the reference's SVDQ smooth strategies -> dit_passes' SVDQuantW4A4(smooth=...)
 _SMOOTH = {"activation": "act", "weight": "weight", "identity": "none"}
 
@@ -161,8 +160,8 @@ def parse_quant_type(quant_type: str) -> Tuple[str, Dict[str, Any]]:
     if qt == "int8_per_row":
         return "int8", {}
     m = _SVDQ.match(qt) if isinstance(qt, str) else None
-    if m and int(m.group(1)) > 0:
-        return "svdq", {"rank": int(m.group(1)), "dynamic": m.group(2) is not None}
+    if m and int(m.group(2)) > 0:
+        return "svdq", {"rank": int(m.group(2)), "dynamic": m.group(3) is not None, "precision": m.group(1)}
     raise ValueError(f"QuantizeConfig.quant_type={quant_type!r} is not supported; supported: "
                      f"{list(SUPPORTED_QUANT_TYPES)} (rank a positive int, e.g. 'svdq_int4_r32_dq'). cache-dit also "
                      f"names {list(_REFERENCE_ONLY)}, which dit_passes does not implement")
@@ -176,7 +175,9 @@ class QuantizeConfig:
     ignored when ``filter_fn(module, name) -> bool`` is given (reference rule). Its default is cache-dit's, which
     keeps the AdaLN modulation linears unquantized; without ``"modulation"`` / ``"mod"`` in it they are quantized
     too (SVDQ: weight-only int8, ``SVDQuantW4A4(modulation="w8a16")``; fp8 / int8: their own form). Only the
-    repeated blocks' linears are quantized (``regional_quantize=True``). SVDQ PTQ (``svdq_int4_r{rank}``) needs
+    repeated blocks' linears are quantized (``regional_quantize=True``). ``svdq_nvfp4_*``: the same with NVFP4 in
+    place of int4 (checkpoints in the NVFP4 layout; the reference on CPU, fp8 tensor cores on sm_89+). SVDQ PTQ
+    (``svdq_int4_r{rank}``, ``svdq_nvfp4_r{rank}``) needs
     ``calibrate_fn`` (called with no arguments; it runs the pipeline holding the original transformer) and
     ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs`` supports
     ``smooth_strategy`` only ("activation" for PTQ; "identity" (default) or "weight" for ``_dq``).
@@ -275,10 +276,11 @@ class QuantizeConfig:
             return Int8Linear(**common)
         a = self.args
         if a["dynamic"]:
-            return SVDQuantW4A4(rank=a["rank"], dynamic=True, smooth=a["smooth"], **common)
+            return SVDQuantW4A4(rank=a["rank"], dynamic=True, smooth=a["smooth"], precision=a["precision"], **common)
         if calibrated is None:
             raise ValueError(f"{self.quant_type}: run calibrate(config, model) first (SVDQuant PTQ)")
-        return Precalibrated(calibrated, rank=a["rank"], calibrate_fn=self.calibrate_fn, **common)
+        return Precalibrated(calibrated, rank=a["rank"], calibrate_fn=self.calibrate_fn, precision=a["precision"],
+                             **common)
 
     def strify(self) -> str:
         qt = self.quant_type

@@ -79,6 +79,7 @@ from ..infra.weight_source import check_shape, source_name
 from ..quant.calibrate import ActAbsMaxObserver
 from ..quant.fp8_int8 import FP8_GRANULARITIES, prepare_fp8, prepare_int8
 from ..quant.int4 import GROUP_SIZE
+from ..quant.nvfp4 import BLOCK as NVFP4_BLOCK, prepare_svdquant_nvfp4
 from ..quant.serialize import save_quantized
 from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
 from ..quant.svdquant import SMOOTH_MODES, prepare_svdquant
@@ -93,6 +94,8 @@ DEFAULT_EXCLUDE: Tuple[str, ...] = ()  # every block linear; the modulation ones
 W8A16, W4A16, W4A16_LR = "w8a16", "w4a16", "w4a16_lr"
 WEIGHT_ONLY = (W8A16, W4A16, W4A16_LR)
 MODULATION_FORMS = (W8A16, W4A16, W4A16_LR, "svdq", None)
+# SVDQuant's 4-bit format (cache-dit's ``precision``) -> the quantized kind its linears get
+PRECISIONS = {"int4": "svdq_w4a4", "nvfp4": "svdq_nvfp4"}
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -176,7 +179,7 @@ class _QuantizeLinears(Pass):
         self.serialize_to = None if serialize_to is None else str(serialize_to)
 
     # subclasses: quant_type(), config(), prepare(path, weight, bias, absmax, kind) -> tensors, kind_of(site),
-    # needs_group_k(kind)
+    # k_multiple(kind)
     def quant_type(self) -> str:
         raise NotImplementedError
 
@@ -184,9 +187,9 @@ class _QuantizeLinears(Pass):
         """The quantized kind a selected linear gets (``QUANT_KINDS``): the pass's own unless a subclass says."""
         return self.kind
 
-    def needs_group_k(self, kind: str) -> bool:
-        """Whether ``kind`` quantizes K in groups of ``GROUP_SIZE`` (int4), so that K must be a multiple of it."""
-        return False
+    def k_multiple(self, kind: str) -> int:
+        """The group K must be a multiple of for ``kind`` (int4: ``GROUP_SIZE``; NVFP4: 16; 1: any K)."""
+        return 1
 
     def config(self) -> Dict[str, Any]:
         return {"format": FORMAT, "kind": self.kind, "quant_type": self.quant_type()}
@@ -213,16 +216,17 @@ class _QuantizeLinears(Pass):
         sites = select_linears(structure, self.include, self.exclude, self.filter_fn)
         notes: List[str] = []
         skipped = 0
-        bad = [s for s in sites if s.in_features % GROUP_SIZE and self.needs_group_k(self.kind_of(s))]
+        bad = [s for s in sites if s.in_features % self.k_multiple(self.kind_of(s))]
         if bad:
+            group = self.k_multiple(self.kind_of(bad[0]))
             if self.include is not None:
-                raise PassError(f"{self.name}: include= selected linears whose K is not a multiple of {GROUP_SIZE}, "
-                                f"which int4 (groups of {GROUP_SIZE}) cannot quantize: "
+                raise PassError(f"{self.name}: include= selected linears whose K is not a multiple of {group}, the "
+                                f"group {self.kind_of(bad[0])} quantizes K in: "
                                 f"{[(s.module_path, s.in_features) for s in bad][:5]}; "
                                 "narrow include= or add them to exclude=")
             paths = sorted({s.module_path for s in bad})
             skipped = len(paths)
-            notes.append(f"skipped {len(paths)} linear(s) with K % {GROUP_SIZE} != 0 "
+            notes.append(f"skipped {len(paths)} linear(s) with K % {group} != 0 "
                          f"(e.g. {paths[0]} K={bad[0].in_features})")
             sites = [s for s in sites if s.module_path not in paths]
         if not sites:
@@ -338,6 +342,12 @@ class SVDQuantW4A4(_QuantizeLinears):
     ``dit_passes.svdq_w4a4_linear`` (true W4A4), or on Hopper (and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8``)
     are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors).
 
+    ``precision="nvfp4"``: the residual and the activations in NVFP4 instead (``quant/nvfp4.py``: e2m1 values, e4m3
+    scales per 16 along K, an fp32 global scale; the checkpoint layout Blackwell reads), smoothing and the low-rank
+    branch unchanged; quant type ``svdq_nvfp4_r<rank>[_dq]``. The linears call ``dit_passes.svdq_nvfp4_linear`` (the
+    exact dequantization in fp32) or, on sm_89+ GPUs, the exact split GEMM on fp8 tensor cores
+    (``graph_forms.svdq_nvfp4_fp8_linear_form``).
+
     ``modulation``: the form of the AdaLN modulation linears (role ``modulation``, about a quarter of FLUX's weights):
     ``"w8a16"`` (default) int8 weights per output row with the activations left in their dtype (any K; half the
     bf16 bytes); ``"w4a16"`` weight-only int4 (W4A4's weights, a quarter of the bytes); ``"w4a16_lr"`` weight-only
@@ -353,8 +363,13 @@ the factors); ``"svdq"`` W4A4 like the
 
     def __init__(self, rank: int = 32, calibrate_fn: Optional[Callable[[], Any]] = None, dynamic: bool = False,
                  alpha: float = 0.5, serialize_to=None, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
-                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W8A16):
+                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W8A16,
+                 precision: str = "int4"):
         super().__init__(include, exclude, filter_fn, serialize_to)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(PRECISIONS)} (the 4-bit format of the residual and the "
+                             f"activations), got {precision!r}")
+        self.precision, self.kind = precision, PRECISIONS[precision]
         if modulation not in MODULATION_FORMS:
             raise ValueError(f"modulation must be one of {MODULATION_FORMS} (the AdaLN modulation linears' form: "
                              f"weight-only int8 or int4, W4A4 like the rest, or unquantized), got {modulation!r}")
@@ -388,22 +403,24 @@ the factors); ``"svdq"`` W4A4 like the
         self.alpha, self.smooth, self.seed = float(alpha), smooth, int(seed)
 
     def quant_type(self) -> str:
-        return f"svdq_int4_r{self.rank}" + ("_dq" if self.dynamic else "")
+        return f"svdq_{self.precision}_r{self.rank}" + ("_dq" if self.dynamic else "")
 
     def config(self) -> Dict[str, Any]:
         return {**super().config(), "rank": self.rank, "alpha": self.alpha, "smooth": self.smooth,
-                "dynamic": self.dynamic, "group_size": GROUP_SIZE, "seed": self.seed, "modulation": self.modulation}
+                "dynamic": self.dynamic, "group_size": self.k_multiple(self.kind), "seed": self.seed,
+                "modulation": self.modulation, "precision": self.precision}
 
     def config_items(self) -> Dict[str, Any]:
         fn = getattr(self.calibrate_fn, "__qualname__", repr(self.calibrate_fn)) if self.calibrate_fn else None
         return {"rank": self.rank, "dynamic": self.dynamic, "alpha": self.alpha, "smooth": self.smooth,
-                "modulation": self.modulation, "calibrate_fn": fn, **super().config_items()}
+                "modulation": self.modulation, "precision": self.precision, "calibrate_fn": fn,
+                **super().config_items()}
 
     def kind_of(self, site) -> str:
         return self.modulation if site.role == "modulation" and self.modulation in WEIGHT_ONLY else self.kind
 
-    def needs_group_k(self, kind: str) -> bool:
-        return kind != W8A16
+    def k_multiple(self, kind: str) -> int:
+        return {W8A16: 1, "svdq_nvfp4": NVFP4_BLOCK}.get(kind, GROUP_SIZE)
 
     def calibrate(self, weights):
         if self.calibrate_fn is None:
@@ -422,7 +439,8 @@ the factors); ``"svdq"`` W4A4 like the
         if kind == W4A16_LR:
             return prepare_w4a16_lr(weight, bias, rank=self.rank, seed=self.seed, dtype=weight.dtype).tensors()
         smooth = self.smooth if (absmax is not None or self.smooth != "act") else "weight"
-        q = prepare_svdquant(weight, bias, act_absmax=absmax, rank=self.rank, alpha=self.alpha, smooth=smooth,
+        prepare = prepare_svdquant_nvfp4 if kind == "svdq_nvfp4" else prepare_svdquant
+        q = prepare(weight, bias, act_absmax=absmax, rank=self.rank, alpha=self.alpha, smooth=smooth,
                              seed=self.seed, dtype=weight.dtype)
         return q.tensors()
 
