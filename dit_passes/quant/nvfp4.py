@@ -34,12 +34,13 @@ largest), whose products then round at 2**-9 * 8 * g, 2**-18 of the row's larges
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from .fp8_int8 import FP8_DTYPE, FP8_MAX
+from .svdquant import TensorTable, low_rank_split, smoothing_vector
 
 aten = torch.ops.aten
 BLOCK = 16
@@ -192,7 +193,7 @@ def _times_block(values: torch.Tensor, s: torch.Tensor, dims: Tuple[int, int]) -
 
 
 @dataclass
-class SVDQuantNVFP4Weight:
+class SVDQuantNVFP4Weight(TensorTable):
     """The NVFP4 SVDQuant form of one linear. Shapes: qweight uint8 [N, K/2], wscale e4m3 [N, K/16], wglobal fp32
     [1], lora_down [rank, K] and lora_up [N, rank] (activation dtype), smooth_inv fp32 [K], bias [N] or None."""
 
@@ -206,6 +207,7 @@ class SVDQuantNVFP4Weight:
     N: int
     K: int
     rank: int
+    _tensor_fields = TENSOR_FIELDS  # not annotated: a class constant, not a field
 
     def __post_init__(self) -> None:
         n, k, r = self.N, self.K, self.rank
@@ -221,19 +223,6 @@ class SVDQuantNVFP4Weight:
                 raise ValueError(f"SVDQuantNVFP4Weight.{name} must be {dtype or 'float'} {list(shape)} for N={n}, "
                                  f"K={k}, rank={r}; got {t.dtype} {list(t.shape)}")
 
-    def tensors(self) -> Dict[str, torch.Tensor]:
-        out = {name: getattr(self, name) for name in TENSOR_FIELDS}
-        if out["bias"] is None:
-            del out["bias"]
-        return out
-
-    def to(self, device) -> "SVDQuantNVFP4Weight":
-        kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in TENSOR_FIELDS:
-            if kw[name] is not None:
-                kw[name] = kw[name].to(device)
-        return SVDQuantNVFP4Weight(**kw)
-
     def effective_weight(self) -> torch.Tensor:
         """fp32 [N, K] weight this stands for (ignoring activation quantization)."""
         w_s = dequantize_weight_nvfp4(self.qweight, self.wscale, self.wglobal)
@@ -244,11 +233,9 @@ class SVDQuantNVFP4Weight:
 
 def prepare_svdquant_nvfp4(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                            act_absmax: Optional[torch.Tensor] = None, rank: int = 32, alpha: float = 0.5,
-                           smooth: str = "act", seed: int = 0, dtype: Optional[torch.dtype] = None
-                           ) -> SVDQuantNVFP4Weight:
+                           smooth: str = "act", seed: int = 0, dtype: Optional[torch.dtype] = None,
+                           svd: str = "low", refine_iters: int = 0) -> SVDQuantNVFP4Weight:
     """SVDQuant's smoothing and low-rank branch exactly as :func:`svdquant.prepare_svdquant`, the residual in NVFP4."""
-    from .svdquant import low_rank_split, smoothing_vector
-
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"weight must be a 2-D float tensor [N, K], got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
@@ -258,7 +245,8 @@ def prepare_svdquant_nvfp4(weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     dtype = dtype or weight.dtype
     w = weight.detach().float()
     s = smoothing_vector(w, act_absmax, alpha, smooth)
-    lora_up, lora_down, residual = low_rank_split(w * s.unsqueeze(0), rank, seed, dtype)
+    lora_up, lora_down, residual = low_rank_split(w * s.unsqueeze(0), rank, seed, dtype, svd, refine_iters,
+                                                  lambda r: dequantize_weight_nvfp4(*quantize_weight_nvfp4(r)))
     qweight, wscale, wglobal = quantize_weight_nvfp4(residual)
     b = None if bias is None else bias.detach().clone()
     return SVDQuantNVFP4Weight(qweight, wscale, wglobal, lora_down, lora_up, (1.0 / s).contiguous(), b, N=n, K=k,
