@@ -217,11 +217,7 @@ class SVDQuantNVFP4Weight(TensorTable):
                   "smooth_inv": ((k,), _F32)}
         if self.bias is not None:
             expect["bias"] = ((n,), None)
-        for name, (shape, dtype) in expect.items():
-            t = getattr(self, name)
-            if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
-                raise ValueError(f"SVDQuantNVFP4Weight.{name} must be {dtype or 'float'} {list(shape)} for N={n}, "
-                                 f"K={k}, rank={r}; got {t.dtype} {list(t.shape)}")
+        self.check_fields(expect, f"N={n}, K={k}, rank={r}")
 
     def effective_weight(self) -> torch.Tensor:
         """fp32 [N, K] weight this stands for (ignoring activation quantization)."""

@@ -52,6 +52,14 @@ class TensorTable:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    def check_fields(self, expect: Dict[str, Tuple[tuple, Optional[torch.dtype]]], what: str) -> None:
+        """ValueError unless each named field has its ``(shape, dtype)`` (dtype None: any float)."""
+        for name, (shape, dtype) in expect.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+                raise ValueError(f"{type(self).__name__}.{name} must be {dtype or 'float'} {list(shape)} for {what}; "
+                                 f"got {t.dtype} {list(t.shape)}")
+
 
 @dataclass
 class SVDQuantWeight(TensorTable):
@@ -81,11 +89,7 @@ class SVDQuantWeight(TensorTable):
         }
         if self.bias is not None:
             expect["bias"] = ((n,), None)
-        for name, (shape, dtype) in expect.items():
-            t = getattr(self, name)
-            if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
-                raise ValueError(f"SVDQuantWeight.{name} must be {dtype or 'float'} {list(shape)} for "
-                                 f"N={n}, K={k}, rank={r}; got {t.dtype} {list(t.shape)}")
+        self.check_fields(expect, f"N={n}, K={k}, rank={r}")
         if self.lora_down.dtype != self.lora_up.dtype:
             raise ValueError(f"lora_down ({self.lora_down.dtype}) and lora_up ({self.lora_up.dtype}) "
                              "must share the activation dtype")
