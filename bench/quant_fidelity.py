@@ -9,7 +9,8 @@ images goes to ``<out>/quant_fidelity/``). The PTQ configs calibrate on a separa
 digits, through the pipeline holding the original transformer.
 
 Configs: SVDQuant W4A4 PTQ rank 16 and 32, SVDQuant W4A4 DQ rank 32 (no calibration, weight-only
-smoothing), plain W4A4 (rank 0, no smoothing: the baseline SVDQuant improves on), fp8 e4m3 per row,
+smoothing), plain W4A4 (rank 0, no smoothing: the baseline SVDQuant improves on), the same three (rank 32) in NVFP4
+(``precision="nvfp4"``: e2m1 values, e4m3 scales per 16, fp32 global; the reference on CPU), fp8 e4m3 per row,
 int8 per row. All quantize the same linears: every linear of the 12 blocks (their K is 64 or a multiple, so none
 is skipped for int4); embedders and the final projection stay. The AdaLN modulation linears (``--modulation``):
 ``w8a16`` (default, the passes' default) SVDQuant gives them weight-only int8 per row, fp8 / int8 their own form;
@@ -52,15 +53,18 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
         own.set_progress_bar_config(disable=True)
         sample(own, list(range(10)), seed=CALIB_SEED, steps=steps, cond=pipe.digits_cond)
 
-    def ptq(rank):
-        return lambda: SVDQuantW4A4(rank=rank, calibrate_fn=calibrate, serialize_to=os.path.join(workdir, f"r{rank}"),
-                                    **svdq)
+    def ptq(rank, precision="int4"):
+        return lambda: SVDQuantW4A4(rank=rank, calibrate_fn=calibrate, precision=precision,
+                                    serialize_to=os.path.join(workdir, f"{precision}_r{rank}"), **svdq)
 
     makers = {
         "svdq_r16_ptq": ptq(16),
         "svdq_r32_ptq": ptq(32),
         "svdq_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, **svdq),
         "w4a4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", **svdq),
+        "svdq_nvfp4_r32_ptq": ptq(32, "nvfp4"),
+        "svdq_nvfp4_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, precision="nvfp4", **svdq),
+        "nvfp4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", precision="nvfp4", **svdq),
         "fp8_per_row": lambda: Fp8Linear("per_row", exclude=exclude),
         "int8_per_row": lambda: Int8Linear(exclude=exclude),
     }

@@ -47,8 +47,9 @@ from torch.fx.subgraph_rewriter import ReplacedPatterns, replace_pattern_with_fi
 import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
 from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
-from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4a16_linear_form,
-                                          w4a16_lr_linear_form, w8a16_linear_form)
+from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form,
+                                          svdq_nvfp4_fp8_linear_form, w4a16_linear_form, w4a16_lr_linear_form,
+                                          w8a16_linear_form)
 
 
 def linear_pattern(x, weight, bias):
@@ -61,6 +62,11 @@ def linear_pattern_no_bias(x, weight):
 
 def svdq_w4a4_replacement(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
     return torch.ops.dit_passes.svdq_w4a4_linear.default(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
+
+
+def svdq_nvfp4_replacement(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv, bias):
+    return torch.ops.dit_passes.svdq_nvfp4_linear.default(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv,
+                                                          bias)
 
 
 def fp8_per_row_replacement(x, qweight, wscale, bias):
@@ -123,6 +129,25 @@ def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optio
     return svdq_fp8_form_replacement(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
 
 
+@functools.lru_cache(maxsize=None)
+def svdq_nvfp4_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape) -> Callable:
+    """NVFP4 SVDQuant's exact split GEMM on fp8 tensor cores for one shape and GEMM, as a replacement."""
+    def svdq_nvfp4_fp8_form(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv, bias):
+        return svdq_nvfp4_fp8_linear_form(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv, bias, shape,
+                                          gemm, fast_accum)
+    return svdq_nvfp4_fp8_form
+
+
+def _nvfp4_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
+    qweight = tensors["qweight"]
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    if dispatch.nvfp4_form(x_val, n, k) != "fp8":
+        return None
+    gemm = dispatch.fp8_gemm_backend(x_val, n, 4 * k, "per_row")
+    shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=tensors["lora_down"].shape[0])
+    return svdq_nvfp4_fp8_form_replacement(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
+
+
 @dataclass(frozen=True)
 class QuantKind:
     """One quantized linear: its replacement function, the op it calls (None: the replacement is a graph form of
@@ -140,6 +165,9 @@ _8BIT_ARGS = ("qweight", "wscale", "bias")
 QUANT_KINDS: Dict[str, QuantKind] = {
     "svdq_w4a4": QuantKind(svdq_w4a4_replacement, torch.ops.dit_passes.svdq_w4a4_linear.default,
                            ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias"), _svdq_inline),
+    "svdq_nvfp4": QuantKind(svdq_nvfp4_replacement, torch.ops.dit_passes.svdq_nvfp4_linear.default,
+                            ("qweight", "wscale", "wglobal", "lora_down", "lora_up", "smooth_inv", "bias"),
+                            _nvfp4_inline),
     "fp8_per_row": QuantKind(fp8_per_row_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,
                              _fp8_inline("per_row")),
     "fp8_per_tensor": QuantKind(fp8_per_tensor_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,

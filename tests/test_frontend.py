@@ -236,6 +236,9 @@ def test_quant_types_map_onto_the_passes():
     assert "modulation" in p.exclude and p.modulation == "w8a16"
     p = QuantizeConfig(quant_type="svdq_int4_r16_dq", exclude_layers=["embed"]).to_pass()
     assert p.exclude == ("embed",) and p.modulation == "w8a16"
+    p = QuantizeConfig(quant_type="svdq_nvfp4_r16_dq").to_pass()
+    assert type(p) is SVDQuantW4A4 and (p.precision, p.kind, p.quant_type()) == ("nvfp4", "svdq_nvfp4",
+                                                                                  "svdq_nvfp4_r16_dq")
     q = QuantizeConfig(quant_type="svdq_int4_r16_dq", svdq_kwargs={"smooth_strategy": "weight"})
     assert q.to_pass().smooth == "weight" and q.strify() == "svdq_int4_r16_dq_weight"
     # the reference's filter_fn(module, name) is adapted to the pass's filter_fn(path, role)

@@ -33,10 +33,10 @@ Seed example -> test (or why it is not run). PC = ParallelismConfig, QC = Quanti
   ... + quantize_config=QC(quant_type=...)                          same test (float8_per_row, as in seed 004)
   quantize(pipe.transformer, quant_config=QC("svdq_nvfp4_r32",
     calibrate_fn, serialize_to="path")); load(pipe.transformer, "path") test_svdq_ptq_quantize_and_load (nvfp4
-                                                                    refused by name; the same flow in int4)
+                                                                    and int4)
   quantize(pipe.transformer, quant_config=QC("svdq_{int4|nvfp4}_r{32|..}_dq",
-    svdq_kwargs={"smooth_strategy": "few_shot"}))                   test_svdq_dq_examples (few_shot, nvfp4
-                                                                    refused by name; int4 r32 _dq runs)
+    svdq_kwargs={"smooth_strategy": "few_shot"}))                   test_svdq_dq_examples (few_shot refused by
+                                                                    name; int4 and nvfp4 r32 _dq run)
   layerwise_offload(pipe, onload_device="cuda", ..., "8gib")        test_layerwise_offload_seed_options
   gh skill install ... / /cache-dit-model-integration "..."         agent commands, not run
 002 TE-P, VAE-P, CN-P
@@ -128,12 +128,13 @@ def test_one_line_enable_cache(tmp_path):
     assert 0 < rel(output, baseline) < 0.02
 
 
-def test_svdq_ptq_quantize_and_load(tmp_path):
+@pytest.mark.parametrize("quant_type", ["svdq_nvfp4_r32", "svdq_int4_r32"])
+def test_svdq_ptq_quantize_and_load(tmp_path, quant_type):
     """Seed 001 (README) SVDQuant PTQ: ``quantize(pipe.transformer, quant_config=QuantizeConfig(quant_type=
     "svdq_nvfp4_r32", calibrate_fn=calibrate_fn, serialize_to="path"))`` then ``load(pipe.transformer, "path")``;
     seed 004 (README-CN, quickstart 3): ``QuantizeConfig(quant_type="svdq_int4_r32", calibrate_fn=...,
     serialize_to=...)``, ``pipe.transformer = cache_dit.quantize(pipe.transformer, quant_config)``, ``pipe(...)``.
-    NVFP4 is refused by name (dit_passes implements INT4 W4A4 only); the quickstart's
+    NVFP4 runs as data (its checkpoint layout, the reference linear on CPU); the quickstart's
     ``serialize_to="quantized_model.safetensors"`` is refused as by the reference (a directory, or
     ``<dir>/<quant_type>.safetensors``)."""
     pipe = flux_pipeline(build("flux", num_attention_heads=4).model)  # inner dim 64: W4A4 groups of 64
@@ -147,20 +148,17 @@ def test_svdq_ptq_quantize_and_load(tmp_path):
                 calls.append(prompt)
                 _ = call(pipe, steps=2)
 
-    with pytest.raises(ValueError, match=r"'svdq_nvfp4_r32' is not supported.*svdq_int4_r\{rank\}"):
-        cache_dit.QuantizeConfig(quant_type="svdq_nvfp4_r32", calibrate_fn=calibrate_fn,
-                                 serialize_to=str(tmp_path / "path"))
-    with pytest.raises(ValueError, match=r"quantized_model\.safetensors.*svdq_int4_r32\.safetensors"):
-        cache_dit.QuantizeConfig(quant_type="svdq_int4_r32", calibrate_fn=calibrate_fn,
+    with pytest.raises(ValueError, match=rf"quantized_model\.safetensors.*{quant_type}\.safetensors"):
+        cache_dit.QuantizeConfig(quant_type=quant_type, calibrate_fn=calibrate_fn,
                                  serialize_to=str(tmp_path / "quantized_model.safetensors"))
-    quant_config = cache_dit.QuantizeConfig(quant_type="svdq_int4_r32", calibrate_fn=calibrate_fn,
+    quant_config = cache_dit.QuantizeConfig(quant_type=quant_type, calibrate_fn=calibrate_fn,
                                             serialize_to=str(tmp_path / "path"))
     original = pipe.transformer
     pipe.transformer = cache_dit.quantize(pipe.transformer, quant_config)
-    assert calls == [0, 1] and (tmp_path / "path" / "svdq_int4_r32.safetensors").exists()
+    assert calls == [0, 1] and (tmp_path / "path" / f"{quant_type}.safetensors").exists()
     output = call(pipe, steps=2)
-    assert "svdq_w4a4_linear" in pipe.transformer.code
-    assert 0 < rel(output, baseline) < 0.05  # measured ~5e-3 (W4A4 with a rank-32 low-rank branch)
+    assert ("svdq_nvfp4_linear" if "nvfp4" in quant_type else "svdq_w4a4_linear") in pipe.transformer.code
+    assert 0 < rel(output, baseline) < 0.05  # measured ~5e-3 (4-bit with a rank-32 low-rank branch)
     pipe.transformer = cache_dit.load(pipe.transformer, str(tmp_path / "path"))
     assert isinstance(pipe.transformer, CompiledDiT) and pipe.transformer.original is original
     assert torch.equal(call(pipe, steps=2), output)
@@ -169,22 +167,23 @@ def test_svdq_ptq_quantize_and_load(tmp_path):
 def test_svdq_dq_examples():
     """Seed 001 (README) SVDQuant DQ: ``quantize(pipe.transformer, quant_config=QuantizeConfig(quant_type=
     "svdq_{int4|nvfp4}_r{32|...}_dq", svdq_kwargs={"smooth_strategy": "few_shot"}))``, ``pipe(...)``.
-    ``few_shot`` (smoothing from the first real forwards) and NVFP4 are refused by name; int4 r32 _dq runs with
-    W4A4 linears in the graph."""
+    ``few_shot`` (smoothing from the first real forwards) is refused by name; int4 and nvfp4 r32 _dq run with
+    their 4-bit linears in the graph."""
     with pytest.raises(NotImplementedError, match=r"'few_shot' is not supported for svdq_int4_r32_dq"):
         cache_dit.QuantizeConfig(quant_type="svdq_int4_r32_dq", svdq_kwargs={"smooth_strategy": "few_shot"})
-    with pytest.raises(ValueError, match=r"'svdq_nvfp4_r32_dq' is not supported"):
+    with pytest.raises(NotImplementedError, match=r"'few_shot' is not supported for svdq_nvfp4_r32_dq"):
         cache_dit.QuantizeConfig(quant_type="svdq_nvfp4_r32_dq", svdq_kwargs={"smooth_strategy": "few_shot"})
     tr = build("flux", num_attention_heads=4).model
-    pipe = flux_pipeline(tr)
-    baseline = call(pipe, steps=2)
-    pipe.transformer = cache_dit.quantize(pipe.transformer, quant_config=cache_dit.QuantizeConfig(
-        quant_type="svdq_int4_r32_dq"))
-    output = call(pipe, steps=2)
     n_block_linears = sum(isinstance(m, torch.nn.Linear) and "norm" not in p for p, m in tr.named_modules()
                           if "transformer_blocks" in p)
-    assert pipe.transformer.code.count("svdq_w4a4_linear") >= n_block_linears > 0
-    assert 0 < rel(output, baseline) < 0.05  # measured ~5e-3
+    pipe = flux_pipeline(tr)
+    baseline = call(pipe, steps=2)
+    for quant_type, op in (("svdq_int4_r32_dq", "svdq_w4a4_linear"), ("svdq_nvfp4_r32_dq", "svdq_nvfp4_linear")):
+        pipe.transformer = cache_dit.quantize(tr, quant_config=cache_dit.QuantizeConfig(quant_type=quant_type),
+                                              keep_original=True)  # quantized twice
+        output = call(pipe, steps=2)
+        assert pipe.transformer.code.count(op) >= n_block_linears > 0
+        assert 0 < rel(output, baseline) < 0.05  # measured ~5e-3
 
 
 def test_layerwise_offload_seed_options():

@@ -184,7 +184,7 @@ def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[Compil
     if state.parallelism_config is not None:
         passes += state.parallelism_config.to_passes()
     if q is not None:
-        passes.append(q.to_pass(original, calibrated))
+        passes += q.to_passes(original, calibrated)
     if state.cache_config is not None:
         passes.append(cache_pass(state.cache_config, state.calibrator_config))
     state.passes = passes
@@ -318,7 +318,7 @@ def _route_to_proxy(module: torch.nn.Module, proxy: Any, state: FrontendState) -
 def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig], cfg: Optional[DBCacheConfig],
                    cal: Optional[CalibratorConfig], rank: int = 0, world_size: int = 1) -> list:
     """The pass list, built in each Ray worker (its process group exists there; CP x TP builds subgroups)."""
-    passes = (pc.to_passes() if pc is not None else []) + ([q.to_pass(None)] if q is not None else []) \
+    passes = (pc.to_passes() if pc is not None else []) + (q.to_passes(None) if q is not None else []) \
         + ([cache_pass(cfg, cal)] if cfg is not None else [])
     PassManager(passes)
     return passes

@@ -1,7 +1,7 @@
 """cache-dit 1.5.3's ``ParallelismConfig`` and ``QuantizeConfig``: same field names and defaults, mapped onto passes.
 
 ``ParallelismConfig.to_passes()`` gives the context-parallel / tensor-parallel passes for the current process
-group; ``QuantizeConfig.to_pass(model)`` gives the quantization pass. What the reference accepts but these
+group; ``QuantizeConfig.to_passes(model)`` gives the quantization passes. What the reference accepts but these
 passes do not implement raises ``NotImplementedError`` naming the field (never a silent fallback); fields that
 only tune the reference's own kernels and have no meaning here are accepted and logged.
 """
@@ -14,6 +14,7 @@ import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4, calibrate_linears
+from ..quant.svdquant import SVD_PRECISIONS
 
 logger = logging.getLogger("dit_passes")
 
@@ -145,10 +146,9 @@ class ParallelismConfig:
 
 # ----------------------------------------------------------------------------------------- quantize
 SUPPORTED_QUANT_TYPES = ("float8_per_row", "float8_per_tensor", "int8_per_row", "svdq_int4_r{rank}",
-                         "svdq_int4_r{rank}_dq")
-_REFERENCE_ONLY = ("float8_per_block", "float8_weight_only", "int8_per_tensor", "int8_weight_only",
-                   "svdq_nvfp4_r{rank}", "svdq_nvfp4_r{rank}_dq")
-_SVDQ = re.compile(r"^svdq_int4_r(\d+)(_dq)?$")
+                         "svdq_int4_r{rank}_dq", "svdq_nvfp4_r{rank}", "svdq_nvfp4_r{rank}_dq")
+_REFERENCE_ONLY = ("float8_per_block", "float8_weight_only", "int8_per_tensor", "int8_weight_only")
+_SVDQ = re.compile(r"^svdq_(int4|nvfp4)_r(\d+)(_dq)?$")
 # the reference's SVDQ smooth strategies -> dit_passes' SVDQuantW4A4(smooth=...)
 _SMOOTH = {"activation": "act", "weight": "weight", "identity": "none"}
 
@@ -161,8 +161,8 @@ def parse_quant_type(quant_type: str) -> Tuple[str, Dict[str, Any]]:
     if qt == "int8_per_row":
         return "int8", {}
     m = _SVDQ.match(qt) if isinstance(qt, str) else None
-    if m and int(m.group(1)) > 0:
-        return "svdq", {"rank": int(m.group(1)), "dynamic": m.group(2) is not None}
+    if m and int(m.group(2)) > 0:
+        return "svdq", {"rank": int(m.group(2)), "dynamic": m.group(3) is not None, "precision": m.group(1)}
     raise ValueError(f"QuantizeConfig.quant_type={quant_type!r} is not supported; supported: "
                      f"{list(SUPPORTED_QUANT_TYPES)} (rank a positive int, e.g. 'svdq_int4_r32_dq'). cache-dit also "
                      f"names {list(_REFERENCE_ONLY)}, which dit_passes does not implement")
@@ -175,11 +175,18 @@ class QuantizeConfig:
     ``exclude_layers``: substrings of module paths (or dit_passes role names such as ``"modulation"``);
     ignored when ``filter_fn(module, name) -> bool`` is given (reference rule). Its default is cache-dit's, which
     keeps the AdaLN modulation linears unquantized; without ``"modulation"`` / ``"mod"`` in it they are quantized
-    too (SVDQ: weight-only int8, ``SVDQuantW4A4(modulation="w8a16")``; fp8 / int8: their own form). Only the
-    repeated blocks' linears are quantized (``regional_quantize=True``). SVDQ PTQ (``svdq_int4_r{rank}``) needs
+    too (SVDQ: weight-only int8, ``SVDQuantW4A4(modulation="w8a16")``; fp8 / int8: their own form). Which linears:
+    ``regional_quantize=True`` (default) those inside the module's ``_repeated_blocks`` classes, else inside
+    ``repeated_blocks``, else every linear (the reference's rule, :meth:`region`); ``regional_quantize=False`` every
+    linear. ``precision_plan={layer-name substring: quant type}`` (float8 / int8 types) gives those linears their own
+    type, the rest ``quant_type`` (:meth:`to_passes`). ``svdq_nvfp4_*``: the same with NVFP4 in
+    place of int4 (checkpoints in the NVFP4 layout; the reference on CPU, fp8 tensor cores on sm_89+). SVDQ PTQ
+    (``svdq_int4_r{rank}``, ``svdq_nvfp4_r{rank}``) needs
     ``calibrate_fn`` (called with no arguments; it runs the pipeline holding the original transformer) and
-    ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs`` supports
-    ``smooth_strategy`` only ("activation" for PTQ; "identity" (default) or "weight" for ``_dq``).
+    ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs``: ``smooth_strategy``
+    ("activation" for PTQ; "identity" (default) or "weight" for ``_dq``), ``calibrate_precision`` and
+    ``svd_refine_iters`` (``SVDQuantW4A4(svd_precision=, refine_iters=)``); the keys that only tune the reference's
+    calibration memory and kernels are accepted and logged.
     """
 
     backend: Any = "auto"
@@ -204,10 +211,7 @@ class QuantizeConfig:
             raise TypeError("QuantizeConfig.filter_fn must be callable(module, name) -> bool")
         if self.svdq_kwargs is not None and self.kind != "svdq":
             raise ValueError("QuantizeConfig.svdq_kwargs is only valid when quant_type starts with 'svdq'")
-        extra = sorted(set(self.svdq_kwargs or {}) - {"smooth_strategy"})
-        if extra:
-            raise NotImplementedError(f"QuantizeConfig.svdq_kwargs keys {extra} are not supported by dit_passes "
-                                      "(only 'smooth_strategy')")
+        self.svdq_options = _svdq_options(self.svdq_kwargs or {})
         if self.kind == "svdq":
             dynamic = self.args["dynamic"]
             default = "identity" if dynamic else "activation"
@@ -237,18 +241,36 @@ class QuantizeConfig:
         return self.kind == "svdq" and not self.args["dynamic"]
 
     def check_supported(self) -> None:
-        if not self.regional_quantize:
-            raise NotImplementedError("QuantizeConfig.regional_quantize=False: dit_passes quantizes the linears of "
-                                      "the repeated transformer blocks only")
-        if self.repeated_blocks:
-            raise NotImplementedError("QuantizeConfig.repeated_blocks: blocks are discovered from the graph; "
-                                      "pass block_lists= to compile_dit to override discovery")
-        if self.precision_plan is not None:
-            raise NotImplementedError("QuantizeConfig.precision_plan is not supported")
+        plan = self.precision_plan
+        if plan is not None:
+            if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+                raise TypeError(f"QuantizeConfig.precision_plan must map layer-name substrings to quant types, got "
+                                f"{plan!r}")
+            bad = sorted({v for v in plan.values() if v.lower() not in PLAN_QUANT_TYPES})
+            if bad:
+                raise NotImplementedError(f"QuantizeConfig.precision_plan quant types {bad}: a plan takes "
+                                          f"{list(PLAN_QUANT_TYPES)} (the reference's torchao types dit_passes has)")
+        if self.repeated_blocks is not None and not (isinstance(self.repeated_blocks, (list, tuple)) and all(
+                isinstance(c, str) and c for c in self.repeated_blocks)):
+            raise TypeError(f"QuantizeConfig.repeated_blocks must be a list of block class names, got "
+                            f"{self.repeated_blocks!r}")
         comps = self.components_to_quantize
         if comps is not None and (not isinstance(comps, list) or set(comps) - {"transformer", "transformer_2"}):
             raise NotImplementedError(f"QuantizeConfig.components_to_quantize={comps!r}: only the transformer(s) "
                                       "can be quantized")
+
+    def region(self, model: Any = None) -> Dict[str, Any]:
+        """Which linears, as the reference decides: ``regional_quantize=False`` every linear of the module; else those
+        inside the module's ``_repeated_blocks`` classes (diffusers' attribute, which wins), else inside
+        ``repeated_blocks``; with neither, every linear (the reference then turns regional quantization off). Without
+        the module (Ray workers rebuild it) and no ``repeated_blocks``: the blocks discovered in the graph."""
+        if not self.regional_quantize:
+            return {"regional": False}
+        classes = getattr(model, "_repeated_blocks", None) if model is not None else None
+        classes = classes or self.repeated_blocks or None
+        if classes:
+            return {"block_classes": tuple(classes)}
+        return {} if model is None else {"regional": False}
 
     def serialize_dir(self) -> Optional[str]:
         if self.serialize_to is None:
@@ -256,10 +278,26 @@ class QuantizeConfig:
         path = os.fspath(self.serialize_to)
         return os.path.dirname(path) if path.endswith(".safetensors") else path
 
-    def to_pass(self, model: Any = None, calibrated: Optional[Dict[str, Any]] = None):
-        """The quantization pass. ``model``: the original transformer (for ``filter_fn``'s module argument);
-        ``calibrated``: activation abs-max per linear path, from :func:`calibrate` (SVDQ PTQ)."""
+    def to_passes(self, model: Any = None, calibrated: Optional[Dict[str, Any]] = None) -> List[Any]:
+        """The quantization passes: :meth:`to_pass` for the linears no ``precision_plan`` entry names, then one pass
+        per quant type of the plan (the reference's order; each takes the linears whose path contains one of its
+        layer names and no earlier plan type took). The reference runs the plan first; the partition is the same,
+        and this order keeps the default pass's role analysis (the AdaLN ``modulation`` linears it excludes) on the
+        graph before any plan pass rewrote it."""
         self.check_supported()
+        by_type: Dict[str, List[str]] = {}
+        for name, qt in (self.precision_plan or {}).items():
+            by_type.setdefault(qt.lower(), []).append(name)
+        planned = tuple(n for names in by_type.values() for n in names)
+        out = [self.to_pass(model, calibrated, skip=_PlanFilter(planned, inverted=True) if planned else None)]
+        for qt in PLAN_QUANT_TYPES:
+            if qt in by_type:
+                kind, args = parse_quant_type(qt)
+                out.append(_basic_pass(kind, args, dict(self._common(model, _PlanFilter(tuple(by_type[qt]))),
+                                                        serialize_to=None)))
+        return out
+
+    def _common(self, model: Any, plan: Optional[Callable[[str, str], bool]] = None) -> Dict[str, Any]:
         user_fn = self.filter_fn
         exclude = () if user_fn is not None else tuple(self.exclude_layers or ())
         filter_fn = None
@@ -268,23 +306,96 @@ class QuantizeConfig:
                 raise NotImplementedError("QuantizeConfig.filter_fn needs the transformer object, which Ray workers "
                                           "rebuild: use exclude_layers with use_ray=True")
             filter_fn = _ModuleFilter(user_fn, model)
-        common = dict(exclude=exclude, filter_fn=filter_fn, serialize_to=self.serialize_dir())
-        if self.kind == "fp8":
-            return Fp8Linear(self.args["granularity"], **common)
-        if self.kind == "int8":
-            return Int8Linear(**common)
+        if plan is not None:
+            filter_fn = plan if filter_fn is None else _Both(plan, filter_fn)
+        return dict(exclude=exclude, filter_fn=filter_fn, serialize_to=self.serialize_dir(), **self.region(model))
+
+    def to_pass(self, model: Any = None, calibrated: Optional[Dict[str, Any]] = None,
+                skip: Optional[Callable[[str, str], bool]] = None):
+        """The quantization pass of ``quant_type``. ``model``: the original transformer (for ``filter_fn``'s module
+        argument and its ``_repeated_blocks``); ``calibrated``: activation abs-max per linear path, from
+        :func:`calibrate` (SVDQ PTQ); ``skip``: a further ``(path, role) -> bool`` the linears must pass."""
+        self.check_supported()
+        common = self._common(model, skip)
+        if self.kind != "svdq":
+            return _basic_pass(self.kind, self.args, common)
         a = self.args
         if a["dynamic"]:
-            return SVDQuantW4A4(rank=a["rank"], dynamic=True, smooth=a["smooth"], **common)
+            return SVDQuantW4A4(rank=a["rank"], dynamic=True, smooth=a["smooth"], precision=a["precision"],
+                                **self.svdq_options, **common)
         if calibrated is None:
             raise ValueError(f"{self.quant_type}: run calibrate(config, model) first (SVDQuant PTQ)")
-        return Precalibrated(calibrated, rank=a["rank"], calibrate_fn=self.calibrate_fn, **common)
+        return Precalibrated(calibrated, rank=a["rank"], calibrate_fn=self.calibrate_fn, precision=a["precision"],
+                             **self.svdq_options, **common)
 
     def strify(self) -> str:
         qt = self.quant_type
         if self.kind == "svdq" and self.args["dynamic"] and self.args["smooth"] != "none":
             qt += "_weight"
         return qt
+
+
+# cache-dit's svdq_kwargs: those that change the quantized weights map onto SVDQuantW4A4's arguments; those that
+# only place or schedule the reference's own calibration and kernels (its memory, its GEMM variant, where its SVD
+# runs) have no counterpart here and leave the result unchanged: accepted and logged. few_shot's need few_shot.
+_SVDQ_MAPPED = {"calibrate_precision": "svd_precision", "svd_refine_iters": "refine_iters"}
+_SVDQ_TUNING_ONLY = ("streaming", "runtime_kernel", "quantize_device", "offload_quantized_layers_to_cpu",
+                     "layerwise_offload", "async_transfer", "transfer_buckets", "prefetch_limit", "max_copy_streams",
+                     "max_inflight_prefetch_bytes", "persistent_buckets", "persistent_bins",
+                     "defer_move_to_execution_device", "activation_buffer_flush_sample_count",
+                     "activation_buffer_flush_cpu_bytes", "fused_mlp")
+
+
+def _svdq_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """SVDQuantW4A4's keyword arguments from cache-dit's ``svdq_kwargs`` (``smooth_strategy`` is read apart)."""
+    out: Dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key == "smooth_strategy":
+            continue
+        if key in _SVDQ_MAPPED:
+            if key == "calibrate_precision":
+                value = str(value).lower()
+            out[_SVDQ_MAPPED[key]] = value
+            if key == "calibrate_precision" and value not in SVD_PRECISIONS:
+                raise ValueError(f"svdq_kwargs['calibrate_precision'] must be one of {SVD_PRECISIONS}, got {value!r}")
+            if key == "svd_refine_iters" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"svdq_kwargs['svd_refine_iters'] must be a non-negative int, got {value!r}")
+        elif key in _SVDQ_TUNING_ONLY:
+            logger.info("QuantizeConfig.svdq_kwargs[%r]=%r tunes the reference's own calibration / kernels; it "
+                        "changes nothing here", key, value)
+        elif key.startswith("few_shot_"):
+            raise NotImplementedError(f"QuantizeConfig.svdq_kwargs[{key!r}] belongs to smooth_strategy='few_shot', "
+                                      "which dit_passes does not implement")
+        else:
+            raise ValueError(f"QuantizeConfig.svdq_kwargs: unknown key {key!r}; cache-dit's keys: "
+                             f"{sorted(['smooth_strategy', *_SVDQ_MAPPED, *_SVDQ_TUNING_ONLY])} and few_shot_*")
+    return out
+
+
+PLAN_QUANT_TYPES = ("float8_per_tensor", "float8_per_row", "int8_per_row")  # the reference's plan order
+
+
+def _basic_pass(kind: str, args: Dict[str, Any], common: Dict[str, Any]):
+    return Fp8Linear(args["granularity"], **common) if kind == "fp8" else Int8Linear(**common)
+
+
+class _PlanFilter:
+    """A precision-plan entry's linears: those whose module path contains one of ``names`` (the reference's rule);
+    ``inverted``: the others."""
+
+    def __init__(self, names: Tuple[str, ...], inverted: bool = False):
+        self.names, self.inverted = names, inverted
+
+    def __call__(self, path: str, role: str) -> bool:
+        return any(n in path for n in self.names) != self.inverted
+
+
+class _Both:
+    def __init__(self, *fns: Callable[[str, str], bool]):
+        self.fns = fns
+
+    def __call__(self, path: str, role: str) -> bool:
+        return all(f(path, role) for f in self.fns)
 
 
 class _ModuleFilter:

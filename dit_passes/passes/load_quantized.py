@@ -37,8 +37,7 @@ class LoadQuantized(Pass):
     """Substitute stored quantized tensors into the graph (the rewrite of the quantization passes).
 
     ``tensors``: ``{"<linear path>.<field>": tensor}``; ``config``: the saved config (``kind`` picks the op,
-    ``kind_of`` overrides it per linear). Every stored linear must be found as an ``aten.linear`` of a block in the
-    graph.
+    ``kind_of`` overrides it per linear). Every stored linear must be found as an ``aten.linear`` in the graph.
     """
 
     name = "load_quantized"
@@ -89,12 +88,12 @@ class LoadQuantized(Pass):
         if ctx.frontend != "export":
             raise PassError("loading quantized weights needs compile_dit / dit_passes.load (the export front end)")
         structure = get_structure(gm)
-        sites = [s for s in structure.linears
-                 if s.block is not None and s.module_path in self.tables and not s.node.meta.get("dit_quant")]
+        # any linear of the graph: a checkpoint of regional=False holds the ones outside the blocks too
+        sites = [s for s in structure.linears if s.module_path in self.tables and not s.node.meta.get("dit_quant")]
         found = {s.module_path for s in sites}
         absent = [p for p in self.tables if p not in found]
         if absent:
-            raise PassError(f"{self.source}: stored linears not found among the graph's block linears: {absent[:5]}")
+            raise PassError(f"{self.source}: stored linears not found among the graph's linears: {absent[:5]}")
         ledger = ctx.runtime.weights
         if released_tables(ledger, gm, list(self.tables), self) is None:  # else: released by this pass before
             sig = quant_signature(gm, list(self.tables), graph_block_lists(structure))

@@ -38,7 +38,8 @@ low-rank branch, which runs beside it in the activation dtype (``graph_forms.w4a
 Fp8Linear and Int8Linear quantize them in their own form.
 
 Which linears: those of ``structure.linears`` inside a block (prologue/epilogue embedders and the final
-projection stay), minus ``exclude`` (default: none), restricted to ``include`` when given, then
+projection stay; ``regional=False``: every linear of the graph; ``block_classes=("FluxTransformerBlock", ...)``:
+those inside a module of these class names, by the node's ``nn_module_stack``), minus ``exclude`` (default: none), restricted to ``include`` when given, then
 ``filter_fn(module_path, role)``; a linear an earlier quantization pass already rewrote is never taken again. An
 include/exclude entry that is a role name (``q``, ``mlp_up``, ...) matches that role; any other string matches
 module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0: other linears of an int4 kind are skipped with a
@@ -64,7 +65,7 @@ biases at the op's bias buffers), unless ``keep_original=True`` (DESIGN.md §14)
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.fx as fx
@@ -79,52 +80,22 @@ from ..infra.weight_source import check_shape, source_name
 from ..quant.calibrate import ActAbsMaxObserver
 from ..quant.fp8_int8 import FP8_GRANULARITIES, prepare_fp8, prepare_int8
 from ..quant.int4 import GROUP_SIZE
+from ..quant.nvfp4 import BLOCK as NVFP4_BLOCK, prepare_svdquant_nvfp4
 from ..quant.serialize import save_quantized
 from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
-from ..quant.svdquant import SMOOTH_MODES, prepare_svdquant
+from ..quant.svdquant import SMOOTH_MODES, SVD_PRECISIONS, prepare_svdquant
 from ..quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from ..quant.w8a16 import prepare_w8a16
 
 from ..patterns.quant_linear import QUANT_KINDS
 from .quantize_graph import apply_by_kind, released_tables
+from .quantize_select import DEFAULT_EXCLUDE, ROLE_NAMES, check_patterns, inside_classes, select_linears  # noqa: F401
 
-ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "other")
-DEFAULT_EXCLUDE: Tuple[str, ...] = ()  # every block linear; the modulation ones too (SVDQuant: weight-only int8)
 W8A16, W4A16, W4A16_LR = "w8a16", "w4a16", "w4a16_lr"
 WEIGHT_ONLY = (W8A16, W4A16, W4A16_LR)
 MODULATION_FORMS = (W8A16, W4A16, W4A16_LR, "svdq", None)
-
-
-# ------------------------------------------------------------------------------------- selection
-def _matches(entry: str, path: str, role: str) -> bool:
-    return role == entry if entry in ROLE_NAMES else entry in path
-
-
-def _check_patterns(name: str, value: Optional[Sequence[str]]) -> Optional[Tuple[str, ...]]:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = (value,)
-    if not all(isinstance(v, str) and v for v in value):
-        raise TypeError(f"{name} must be a list of non-empty strings (roles or module-path substrings), got {value!r}")
-    return tuple(value)
-
-
-def select_linears(structure, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None) -> List[Any]:
-    """The LinearSites of the blocks that ``include`` / ``exclude`` / ``filter_fn`` accept, graph order."""
-    out = []
-    for site in structure.linears:
-        if site.block is None or site.node.meta.get("dit_quant"):  # outside the blocks, or quantized already
-            continue
-        path, role = site.module_path, site.role
-        if include is not None and not any(_matches(e, path, role) for e in include):
-            continue
-        if any(_matches(e, path, role) for e in exclude):
-            continue
-        if filter_fn is not None and not filter_fn(path, role):
-            continue
-        out.append(site)
-    return out
+# SVDQuant's 4-bit format (cache-dit's ``precision``) -> the quantized kind its linears get
+PRECISIONS = {"int4": "svdq_w4a4", "nvfp4": "svdq_nvfp4"}
 
 
 # ---------------------------------------------------------------------------------- calibration
@@ -165,9 +136,12 @@ class _QuantizeLinears(Pass):
     invalidates = ("structure",)
     kind = ""
 
-    def __init__(self, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, serialize_to=None):
-        self.include = _check_patterns("include", include)
-        self.exclude = _check_patterns("exclude", exclude) or ()
+    def __init__(self, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, serialize_to=None, regional=True,
+                 block_classes=None):
+        self.include = check_patterns("include", include)
+        self.regional = bool(regional)
+        self.block_classes = check_patterns("block_classes", block_classes)
+        self.exclude = check_patterns("exclude", exclude) or ()
         if filter_fn is not None and not callable(filter_fn):
             raise TypeError(f"filter_fn must be callable(module_path, role) -> bool, got {filter_fn!r}")
         self.filter_fn = filter_fn
@@ -176,7 +150,7 @@ class _QuantizeLinears(Pass):
         self.serialize_to = None if serialize_to is None else str(serialize_to)
 
     # subclasses: quant_type(), config(), prepare(path, weight, bias, absmax, kind) -> tensors, kind_of(site),
-    # needs_group_k(kind)
+    # k_multiple(kind)
     def quant_type(self) -> str:
         raise NotImplementedError
 
@@ -184,16 +158,16 @@ class _QuantizeLinears(Pass):
         """The quantized kind a selected linear gets (``QUANT_KINDS``): the pass's own unless a subclass says."""
         return self.kind
 
-    def needs_group_k(self, kind: str) -> bool:
-        """Whether ``kind`` quantizes K in groups of ``GROUP_SIZE`` (int4), so that K must be a multiple of it."""
-        return False
+    def k_multiple(self, kind: str) -> int:
+        """The group K must be a multiple of for ``kind`` (int4: ``GROUP_SIZE``; NVFP4: 16; 1: any K)."""
+        return 1
 
     def config(self) -> Dict[str, Any]:
         return {"format": FORMAT, "kind": self.kind, "quant_type": self.quant_type()}
 
     def config_items(self) -> Dict[str, Any]:
         return {"quant_type": self.quant_type(), "include": self.include, "exclude": self.exclude,
-                "serialize_to": self.serialize_to}
+                "regional": self.regional, "block_classes": self.block_classes, "serialize_to": self.serialize_to}
 
     def calibrate(self, weights: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         return None
@@ -210,19 +184,24 @@ class _QuantizeLinears(Pass):
             raise PassError(f"{self.name} rewrites weights, which the {ctx.frontend!r} front end passes as graph "
                             "inputs: use compile_dit(model, passes=[...]) instead of the torch.compile backend")
         structure = get_structure(gm)
-        sites = select_linears(structure, self.include, self.exclude, self.filter_fn)
+        sites = select_linears(structure, self.include, self.exclude, self.filter_fn, self.regional, self.block_classes)
+        if self.block_classes is not None and not any(inside_classes(s, self.block_classes) for s in structure.linears):
+            raise PassError(f"{self.name}: block_classes={list(self.block_classes)}: no linear of the graph lies inside "
+                            f"a module of these classes (the block lists found: "
+                            f"{[bl.cls.rsplit('.', 1)[-1] for bl in structure.block_lists]})")
         notes: List[str] = []
         skipped = 0
-        bad = [s for s in sites if s.in_features % GROUP_SIZE and self.needs_group_k(self.kind_of(s))]
+        bad = [s for s in sites if s.in_features % self.k_multiple(self.kind_of(s))]
         if bad:
+            group = self.k_multiple(self.kind_of(bad[0]))
             if self.include is not None:
-                raise PassError(f"{self.name}: include= selected linears whose K is not a multiple of {GROUP_SIZE}, "
-                                f"which int4 (groups of {GROUP_SIZE}) cannot quantize: "
+                raise PassError(f"{self.name}: include= selected linears whose K is not a multiple of {group}, the "
+                                f"group {self.kind_of(bad[0])} quantizes K in: "
                                 f"{[(s.module_path, s.in_features) for s in bad][:5]}; "
                                 "narrow include= or add them to exclude=")
             paths = sorted({s.module_path for s in bad})
             skipped = len(paths)
-            notes.append(f"skipped {len(paths)} linear(s) with K % {GROUP_SIZE} != 0 "
+            notes.append(f"skipped {len(paths)} linear(s) with K % {group} != 0 "
                          f"(e.g. {paths[0]} K={bad[0].in_features})")
             sites = [s for s in sites if s.module_path not in paths]
         if not sites:
@@ -338,6 +317,16 @@ class SVDQuantW4A4(_QuantizeLinears):
     ``dit_passes.svdq_w4a4_linear`` (true W4A4), or on Hopper (and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8``)
     are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors).
 
+    ``svd_precision`` (``"low"``: seeded randomized SVD, ``"medium"``: full SVD in fp32, ``"high"``: in fp64) and
+    ``refine_iters`` (rounds refitting the low-rank branch to what the residual's quantization leaves): cache-dit's
+    ``calibrate_precision`` and ``svd_refine_iters`` (``svdquant.low_rank_split``).
+
+    ``precision="nvfp4"``: the residual and the activations in NVFP4 instead (``quant/nvfp4.py``: e2m1 values, e4m3
+    scales per 16 along K, an fp32 global scale; the checkpoint layout Blackwell reads), smoothing and the low-rank
+    branch unchanged; quant type ``svdq_nvfp4_r<rank>[_dq]``. The linears call ``dit_passes.svdq_nvfp4_linear`` (the
+    exact dequantization in fp32) or, on sm_89+ GPUs, the exact split GEMM on fp8 tensor cores
+    (``graph_forms.svdq_nvfp4_fp8_linear_form``).
+
     ``modulation``: the form of the AdaLN modulation linears (role ``modulation``, about a quarter of FLUX's weights):
     ``"w8a16"`` (default) int8 weights per output row with the activations left in their dtype (any K; half the
     bf16 bytes); ``"w4a16"`` weight-only int4 (W4A4's weights, a quarter of the bytes); ``"w4a16_lr"`` weight-only
@@ -353,8 +342,19 @@ the factors); ``"svdq"`` W4A4 like the
 
     def __init__(self, rank: int = 32, calibrate_fn: Optional[Callable[[], Any]] = None, dynamic: bool = False,
                  alpha: float = 0.5, serialize_to=None, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
-                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W8A16):
-        super().__init__(include, exclude, filter_fn, serialize_to)
+                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W8A16,
+                 precision: str = "int4", regional: bool = True, block_classes=None, svd_precision: str = "low",
+                 refine_iters: int = 0):
+        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes)
+        if svd_precision not in SVD_PRECISIONS:
+            raise ValueError(f"svd_precision must be one of {SVD_PRECISIONS}, got {svd_precision!r}")
+        if isinstance(refine_iters, bool) or not isinstance(refine_iters, int) or refine_iters < 0:
+            raise ValueError(f"refine_iters must be a non-negative int, got {refine_iters!r}")
+        self.svd_precision, self.refine_iters = svd_precision, refine_iters
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(PRECISIONS)} (the 4-bit format of the residual and the "
+                             f"activations), got {precision!r}")
+        self.precision, self.kind = precision, PRECISIONS[precision]
         if modulation not in MODULATION_FORMS:
             raise ValueError(f"modulation must be one of {MODULATION_FORMS} (the AdaLN modulation linears' form: "
                              f"weight-only int8 or int4, W4A4 like the rest, or unquantized), got {modulation!r}")
@@ -388,22 +388,26 @@ the factors); ``"svdq"`` W4A4 like the
         self.alpha, self.smooth, self.seed = float(alpha), smooth, int(seed)
 
     def quant_type(self) -> str:
-        return f"svdq_int4_r{self.rank}" + ("_dq" if self.dynamic else "")
+        return f"svdq_{self.precision}_r{self.rank}" + ("_dq" if self.dynamic else "")
 
     def config(self) -> Dict[str, Any]:
         return {**super().config(), "rank": self.rank, "alpha": self.alpha, "smooth": self.smooth,
-                "dynamic": self.dynamic, "group_size": GROUP_SIZE, "seed": self.seed, "modulation": self.modulation}
+                "dynamic": self.dynamic, "group_size": self.k_multiple(self.kind), "seed": self.seed,
+                "modulation": self.modulation, "precision": self.precision, "svd_precision": self.svd_precision,
+                "refine_iters": self.refine_iters}
 
     def config_items(self) -> Dict[str, Any]:
         fn = getattr(self.calibrate_fn, "__qualname__", repr(self.calibrate_fn)) if self.calibrate_fn else None
         return {"rank": self.rank, "dynamic": self.dynamic, "alpha": self.alpha, "smooth": self.smooth,
-                "modulation": self.modulation, "calibrate_fn": fn, **super().config_items()}
+                "modulation": self.modulation, "precision": self.precision, "svd_precision": self.svd_precision,
+                "refine_iters": self.refine_iters, "calibrate_fn": fn,
+                **super().config_items()}
 
     def kind_of(self, site) -> str:
         return self.modulation if site.role == "modulation" and self.modulation in WEIGHT_ONLY else self.kind
 
-    def needs_group_k(self, kind: str) -> bool:
-        return kind != W8A16
+    def k_multiple(self, kind: str) -> int:
+        return {W8A16: 1, "svdq_nvfp4": NVFP4_BLOCK}.get(kind, GROUP_SIZE)
 
     def calibrate(self, weights):
         if self.calibrate_fn is None:
@@ -422,8 +426,9 @@ the factors); ``"svdq"`` W4A4 like the
         if kind == W4A16_LR:
             return prepare_w4a16_lr(weight, bias, rank=self.rank, seed=self.seed, dtype=weight.dtype).tensors()
         smooth = self.smooth if (absmax is not None or self.smooth != "act") else "weight"
-        q = prepare_svdquant(weight, bias, act_absmax=absmax, rank=self.rank, alpha=self.alpha, smooth=smooth,
-                             seed=self.seed, dtype=weight.dtype)
+        prepare = prepare_svdquant_nvfp4 if kind == "svdq_nvfp4" else prepare_svdquant
+        q = prepare(weight, bias, act_absmax=absmax, rank=self.rank, alpha=self.alpha, smooth=smooth,
+                    seed=self.seed, dtype=weight.dtype, svd=self.svd_precision, refine_iters=self.refine_iters)
         return q.tensors()
 
 
@@ -434,8 +439,8 @@ class Fp8Linear(_QuantizeLinears):
     name = "fp8_linear"
 
     def __init__(self, granularity: str = "per_row", include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
-                 serialize_to=None):
-        super().__init__(include, exclude, filter_fn, serialize_to)
+                 serialize_to=None, regional=True, block_classes=None):
+        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes)
         if granularity not in FP8_GRANULARITIES:
             raise ValueError(f"granularity must be one of {FP8_GRANULARITIES}, got {granularity!r}")
         self.granularity = granularity

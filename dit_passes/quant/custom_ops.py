@@ -4,6 +4,8 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 
 * ``dit_passes::svdq_w4a4_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor lora_down,
   Tensor lora_up, Tensor smooth_inv, Tensor? bias) -> Tensor`` (shapes: see ``int4.w4a4_linear_reference``)
+* ``dit_passes::svdq_nvfp4_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor wglobal, Tensor lora_down,
+  Tensor lora_up, Tensor smooth_inv, Tensor? bias) -> Tensor`` (NVFP4 W4A4; see ``nvfp4.nvfp4_linear_reference``)
 * ``dit_passes::fp8_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias, str granularity) -> Tensor``
 * ``dit_passes::int8_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor``
 
@@ -26,6 +28,7 @@ import torch
 from . import dispatch
 from .fp8_int8 import FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference
 from .int4 import w4a4_linear_reference
+from .nvfp4 import BLOCK, nvfp4_linear_reference
 
 
 # ---------------------------------------------------------------------------------------------- W4A4
@@ -34,12 +37,20 @@ from .int4 import w4a4_linear_reference
 def _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias) -> None:
     k = x.shape[-1]
     n = qweight.shape[0]
-    r = lora_down.shape[0]
     problems = []
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] * 2 != k:
         problems.append(f"qweight must be uint8 [N, {k}//2], got {qweight.dtype} {list(qweight.shape)}")
     if wscale.dim() != 2 or wscale.shape[0] != n or wscale.shape[1] * 64 != k:
         problems.append(f"wscale must be [{n}, {k}//64], got {list(wscale.shape)}")
+    problems += _branch_problems(k, n, lora_down, lora_up, smooth_inv, bias)
+    if problems:
+        raise ValueError("dit_passes::svdq_w4a4_linear: " + "; ".join(problems))
+
+
+def _branch_problems(k: int, n: int, lora_down, lora_up, smooth_inv, bias) -> list:
+    """The SVDQuant tensors beside the 4-bit weight: low-rank factors, smoothing, bias."""
+    r = lora_down.shape[0]
+    problems = []
     if lora_down.dim() != 2 or lora_down.shape[1] != k:
         problems.append(f"lora_down must be [rank, {k}], got {list(lora_down.shape)}")
     if lora_up.dim() != 2 or lora_up.shape[0] != n or lora_up.shape[1] != r:
@@ -48,8 +59,7 @@ def _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
         problems.append(f"smooth_inv must be [{k}], got {list(smooth_inv.shape)}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         problems.append(f"bias must be [{n}], got {list(bias.shape)}")
-    if problems:
-        raise ValueError("dit_passes::svdq_w4a4_linear: " + "; ".join(problems))
+    return problems
 
 
 @torch.library.custom_op("dit_passes::svdq_w4a4_linear", mutates_args=())
@@ -72,7 +82,39 @@ def _svdq_w4a4_linear_fake(x, qweight, wscale, lora_down, lora_up, smooth_inv, b
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
-# --------------------------------------------------------------------------------------- fp8 / int8
+# --------------------------------------------------------------------------------------------- NVFP4
+
+
+def _check_nvfp4_shapes(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv, bias) -> None:
+    k, n = x.shape[-1], qweight.shape[0]
+    problems = []
+    if k % BLOCK:
+        problems.append(f"K={k} must be a multiple of {BLOCK}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] * 2 != k:
+        problems.append(f"qweight must be uint8 [N, {k}//2], got {qweight.dtype} {list(qweight.shape)}")
+    if wscale.dtype != torch.float8_e4m3fn or wscale.dim() != 2 or tuple(wscale.shape) != (n, k // BLOCK):
+        problems.append(f"wscale must be float8_e4m3fn [{n}, {k}//{BLOCK}], got {wscale.dtype} {list(wscale.shape)}")
+    if wglobal.dtype != torch.float32 or wglobal.numel() != 1:
+        problems.append(f"wglobal must be one fp32 value, got {wglobal.dtype} {list(wglobal.shape)}")
+    problems += _branch_problems(k, n, lora_down, lora_up, smooth_inv, bias)
+    if problems:
+        raise ValueError("dit_passes::svdq_nvfp4_linear: " + "; ".join(problems))
+
+
+@torch.library.custom_op("dit_passes::svdq_nvfp4_linear", mutates_args=())
+def svdq_nvfp4_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, wglobal: torch.Tensor,
+                      lora_down: torch.Tensor, lora_up: torch.Tensor, smooth_inv: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """SVDQuant NVFP4 W4A4 linear, reference implementation (any device: the exact dequantization in fp32). On
+    sm_89+ GPUs the quantize passes write the fp8 graph form instead (``graph_forms.svdq_nvfp4_fp8_linear_form``)."""
+    _check_nvfp4_shapes(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv, bias)
+    return nvfp4_linear_reference(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv, bias)
+
+
+@svdq_nvfp4_linear.register_fake
+def _svdq_nvfp4_linear_fake(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv, bias):
+    _check_nvfp4_shapes(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv, bias)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 def _check_8bit_shapes(op: str, x, qweight, wscale, bias, per_row: bool) -> None:

@@ -18,6 +18,10 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   SVDQuant's linears are written as W4A8 on fp8 tensor cores (``graph_forms.svdq_fp8_linear_form``) on Hopper
   by default and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (its GEMM follows :func:`fp8_gemm_backend`: the
   reference on CPU), else as the custom op (true W4A4, above): :func:`svdq_form`.
+* ``dit_passes::svdq_nvfp4_linear`` (NVFP4 SVDQuant), :func:`nvfp4_form`: written as the exact split GEMM on fp8
+  tensor cores (``graph_forms.svdq_nvfp4_fp8_linear_form``) by default wherever ``_scaled_mm`` takes it (sm_89+,
+  bf16) and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (the reference GEMM off the GPU); else the op (the
+  reference).
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -264,6 +268,17 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
         return "op"
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     return "fp8" if fp8_gemm_backend(x, n, k, "per_row") == "scaled_mm" else "op"
+
+
+def nvfp4_form(x: torch.Tensor, n: int, k: int) -> str:
+    """How an NVFP4 SVDQuant linear [K -> N] is written: ``"fp8"`` (the exact split GEMM on fp8 tensor cores, a
+    graph form) or ``"op"`` (``dit_passes::svdq_nvfp4_linear``, the reference). No GPU here has a native NVFP4 path
+    wired, so ``auto`` takes the fp8 form wherever ``_scaled_mm`` takes its [M, 4K] x [4K, N] GEMM; ``triton`` /
+    ``cutlass`` (no NVFP4 kernel of theirs) get the op."""
+    setting = backend_setting()
+    if setting != "auto":
+        return "fp8" if setting == "fp8" else "op"
+    return "fp8" if fp8_gemm_backend(x, n, 4 * k, "per_row") == "scaled_mm" else "op"
 
 
 def int8_backend(x: torch.Tensor, qweight: torch.Tensor) -> str:

@@ -26,6 +26,15 @@ activations per token in e4m3 instead of per 64-group in int4)::
     y = GEMM(qx, sx, w8, sw, bias)            # as above, out in x.dtype
     y = y + x.dtype(xs) @ lora_down.T @ lora_up.T     # low-rank branch in the activation dtype (addmm: one rounding)
 
+NVFP4 SVDQuant on fp8 tensor cores, :func:`svdq_nvfp4_fp8_linear_form` (the numerics of
+``nvfp4.nvfp4_linear_reference``: every product exact, only the accumulation order differs)::
+
+    xs = float(x.reshape(M, K)) * smooth_inv
+    vx, sx, gx = nvfp4_quantize(xs, per row)                  # e2m1 values, e4m3 scales per 16, fp32 [M, 1]
+    A = [x_hi | x_hi | x_lo | x_lo]   B = [w_hi | w_lo | w_hi | w_lo]    # e4m3 [M, 4K], [N, 4K] (nvfp4.py)
+    y = GEMM(A, 8 * gx, B, 8 * wglobal per row, bias)         # as above, out in x.dtype
+    y = y + x.dtype(xs) @ lora_down.T @ lora_up.T
+
 :func:`w4_to_e4m3`: ``sw[n] = 8 * max_g wscale[n, g] / 448`` maps the largest possible value (|q| <= 8) to e4m3's
 largest, and ``w8[n, k] = e4m3(q[n, k] * (wscale[n, k // 64] / sw[n]))`` is the one new rounding: e4m3 keeps 4
 significant bits, an int4 times a group-scale ratio needs up to 3 + 24 (the fp32 ratio). The other differences from
@@ -69,6 +78,7 @@ import torch
 
 from .fp8_int8 import FP8_DTYPE, FP8_MAX
 from .int4 import GROUP_SIZE, int4_values
+from .nvfp4 import SPLIT_SHIFT, e2m1_decode, nvfp4_fp8_operand, nvfp4_quantize, unpack_fp4
 
 aten = torch.ops.aten
 GEMMS = ("scaled_mm", "reference")
@@ -188,6 +198,26 @@ def svdq_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.T
         y = aten.addmm.default(y, lora_act, aten.t.default(lora_up))
     return _unrows(y, shape)
 
+
+def svdq_nvfp4_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, wglobal: torch.Tensor,
+                               lora_down: torch.Tensor, lora_up: torch.Tensor, smooth_inv: torch.Tensor,
+                               bias: Optional[torch.Tensor], shape: LinearShape, gemm: str,
+                               fast_accum: bool = False) -> torch.Tensor:
+    """NVFP4 SVDQuant's stored tensors on fp8 tensor cores, exact products (module docstring): x [*lead, K] ->
+    [*lead, N]."""
+    xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
+    vx, sx, gx = nvfp4_quantize(xs, True, (shape.m, shape.k))
+    a8 = nvfp4_fp8_operand(vx, sx, False, (shape.m, shape.k))
+    b8 = nvfp4_fp8_operand(e2m1_decode(unpack_fp4(qweight)), wscale, True, (shape.n, shape.k))
+    # each operand carries a 2**-3: its row scales carry the 2**3 back
+    sa = aten.mul.Tensor(gx, 1.0 / SPLIT_SHIFT)
+    sb = aten.repeat.default(aten.mul.Tensor(aten._to_copy.default(wglobal, dtype=_F32), 1.0 / SPLIT_SHIFT),
+                             [shape.n])
+    y = fp8_gemm(a8, sa, b8, sb, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
+    if shape.rank:
+        lora_act = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))
+        y = aten.addmm.default(y, lora_act, aten.t.default(lora_up))
+    return _unrows(y, shape)
 
 
 def w4a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,

@@ -17,7 +17,7 @@ The plain W4A4 baseline is rank 0 with ``s = 1`` (:func:`prepare_w4a4_plain`).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,40 @@ _TINY = 1e-5  # floor for abs-max statistics so that s stays finite and positive
 TENSOR_FIELDS = ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias")
 
 
+class TensorTable:
+    """The tensor fields of a quantized linear's dataclass (``_tensor_fields``, ``bias`` last and optional): by name,
+    moved, counted."""
+
+    _tensor_fields: Tuple[str, ...] = ()
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """The tensors by field name (``bias`` only when present), for serialization."""
+        out = {name: getattr(self, name) for name in self._tensor_fields}
+        if out.get("bias", 0) is None:
+            del out["bias"]
+        return out
+
+    def to(self, device):
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in self._tensor_fields:
+            if kw[name] is not None:
+                kw[name] = kw[name].to(device)
+        return type(self)(**kw)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def check_fields(self, expect: Dict[str, Tuple[tuple, Optional[torch.dtype]]], what: str) -> None:
+        """ValueError unless each named field has its ``(shape, dtype)`` (dtype None: any float)."""
+        for name, (shape, dtype) in expect.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+                raise ValueError(f"{type(self).__name__}.{name} must be {dtype or 'float'} {list(shape)} for {what}; "
+                                 f"got {t.dtype} {list(t.shape)}")
+
+
 @dataclass
-class SVDQuantWeight:
+class SVDQuantWeight(TensorTable):
     """The quantized form of one linear. Shapes: qweight uint8 [N, K/2], wscale bf16 [N, K/group],
     lora_down [rank, K] and lora_up [N, rank] (activation dtype), smooth_inv fp32 [K], bias [N] or None.
     """
@@ -45,6 +77,7 @@ class SVDQuantWeight:
     K: int
     rank: int
     group: int = GROUP_SIZE
+    _tensor_fields = TENSOR_FIELDS  # not annotated: a class constant, not a field
 
     def __post_init__(self) -> None:
         n, k, r = self.N, self.K, self.rank
@@ -56,21 +89,10 @@ class SVDQuantWeight:
         }
         if self.bias is not None:
             expect["bias"] = ((n,), None)
-        for name, (shape, dtype) in expect.items():
-            t = getattr(self, name)
-            if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
-                raise ValueError(f"SVDQuantWeight.{name} must be {dtype or 'float'} {list(shape)} for "
-                                 f"N={n}, K={k}, rank={r}; got {t.dtype} {list(t.shape)}")
+        self.check_fields(expect, f"N={n}, K={k}, rank={r}")
         if self.lora_down.dtype != self.lora_up.dtype:
             raise ValueError(f"lora_down ({self.lora_down.dtype}) and lora_up ({self.lora_up.dtype}) "
                              "must share the activation dtype")
-
-    def tensors(self) -> Dict[str, torch.Tensor]:
-        """The tensors by field name (``bias`` only when present), for serialization."""
-        out = {name: getattr(self, name) for name in TENSOR_FIELDS}
-        if out["bias"] is None:
-            del out["bias"]
-        return out
 
     @classmethod
     def from_tensors(cls, t: Dict[str, torch.Tensor]) -> "SVDQuantWeight":
@@ -81,16 +103,6 @@ class SVDQuantWeight:
         n, kh = t["qweight"].shape
         return cls(t["qweight"], t["wscale"], t["lora_down"], t["lora_up"], t["smooth_inv"], t.get("bias"),
                    N=n, K=kh * 2, rank=t["lora_down"].shape[0])
-
-    def to(self, device) -> "SVDQuantWeight":
-        kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in TENSOR_FIELDS:
-            if kw[name] is not None:
-                kw[name] = kw[name].to(device)
-        return SVDQuantWeight(**kw)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def effective_weight(self) -> torch.Tensor:
         """fp32 [N, K] weight this quantization stands for (ignoring activation quantization):
@@ -158,12 +170,14 @@ def prepare_svdquant(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                      act_absmax: Optional[torch.Tensor] = None, rank: int = 32, alpha: float = 0.5,
                      smooth: str = "act", seed: int = 0, dtype: Optional[torch.dtype] = None,
                      calib_x: Optional[torch.Tensor] = None,
-                     alpha_grid: Optional[Sequence[float]] = None) -> SVDQuantWeight:
+                     alpha_grid: Optional[Sequence[float]] = None, svd: str = "low",
+                     refine_iters: int = 0) -> SVDQuantWeight:
     """Quantize one linear's weight [N, K] (and bias [N]) to SVDQuant W4A4.
 
     ``dtype`` is the activation dtype the factors are stored in (default: the weight's dtype).
     With ``alpha_grid`` the smoothing exponent is chosen by :func:`search_alpha` on ``calib_x``
-    (activations [..., K]), and ``alpha`` is ignored. Computation runs on the weight's device in fp32.
+    (activations [..., K]), and ``alpha`` is ignored. ``svd`` / ``refine_iters``: :func:`low_rank_split`. Computation
+    runs on the weight's device in fp32.
     """
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"weight must be a 2-D float tensor [N, K], got {weight.dtype} {tuple(weight.shape)}")
@@ -182,27 +196,50 @@ def prepare_svdquant(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
     w = weight.detach().float()
     s = smoothing_vector(w, act_absmax, alpha, smooth)
     w_s = w * s.unsqueeze(0)
-    lora_up, lora_down, residual = low_rank_split(w_s, rank, seed, dtype)
+    lora_up, lora_down, residual = low_rank_split(w_s, rank, seed, dtype, svd, refine_iters,
+                                                  lambda r: dequantize_weight_w4(*quantize_weight_w4(r)))
     qweight, wscale = quantize_weight_w4(residual)
     b = None if bias is None else bias.detach().clone()
     return SVDQuantWeight(qweight, wscale, lora_down, lora_up, (1.0 / s).contiguous(), b, N=n, K=k,
                           rank=lora_down.shape[0])
 
 
-def low_rank_split(w: torch.Tensor, rank: int, seed: int, dtype: torch.dtype
+SVD_PRECISIONS = ("low", "medium", "high")
+
+
+def low_rank_split(w: torch.Tensor, rank: int, seed: int, dtype: torch.dtype, svd: str = "low",
+                   refine_iters: int = 0, fake_quant: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SVDQuant's low-rank branch of an fp32 weight [N, K]: ``(lora_up [N, r], lora_down [r, K], residual [N, K])``
-    with r = min(rank, N, K), ``lora_up = U * S`` and ``lora_down = Vh`` of the seeded randomized SVD stored in
-    ``dtype``, and ``residual = w - lora_up.float() @ lora_down.float()`` (from the *stored* factors, so whatever
-    quantizes the residual also absorbs their rounding). Rank 0: empty factors, the residual is ``w``."""
+    with r = min(rank, N, K), ``lora_up = U * S`` and ``lora_down = Vh`` of the SVD stored in ``dtype``, and
+    ``residual = w - lora_up.float() @ lora_down.float()`` (from the *stored* factors, so whatever quantizes the
+    residual also absorbs their rounding). Rank 0: empty factors, the residual is ``w``.
+
+    ``svd`` (cache-dit's ``calibrate_precision``): ``"low"`` the seeded randomized SVD, ``"medium"`` the full SVD in
+    fp32, ``"high"`` the full SVD in fp64. ``refine_iters`` rounds (cache-dit's ``svd_refine_iters``) refit the factors
+    to ``w - fake_quant(residual)`` (the residual quantized and dequantized), so the branch absorbs the error the
+    residual's quantization leaves; the residual stays anchored on ``w``."""
+    if svd not in SVD_PRECISIONS:
+        raise ValueError(f"svd must be one of {SVD_PRECISIONS}, got {svd!r}")
+    if refine_iters and fake_quant is None:
+        raise ValueError("refine_iters needs fake_quant, the residual's quantize-dequantize")
     n, k = w.shape
     rank = min(rank, n, k)
     if rank == 0:
         return (torch.zeros(n, 0, dtype=dtype, device=w.device), torch.zeros(0, k, dtype=dtype, device=w.device), w)
-    u, sv, vh = randomized_svd(w, rank, seed=seed)
-    lora_up = (u * sv.unsqueeze(0)).to(dtype).contiguous()
-    lora_down = vh.to(dtype).contiguous()
-    return lora_up, lora_down, w - lora_up.float() @ lora_down.float()
+    target, residual = w, None
+    for _ in range(1 + int(refine_iters)):
+        if residual is not None:
+            target = w - fake_quant(residual)
+        if svd == "low":
+            u, sv, vh = randomized_svd(target, rank, seed=seed)
+        else:
+            u, sv, vh = torch.linalg.svd(target.double() if svd == "high" else target, full_matrices=False)
+            u, sv, vh = u[:, :rank].float(), sv[:rank].float(), vh[:rank].float()
+        lora_up = (u * sv.unsqueeze(0)).to(dtype).contiguous()
+        lora_down = vh.to(dtype).contiguous()
+        residual = w - lora_up.float() @ lora_down.float()
+    return lora_up, lora_down, residual
 
 
 def prepare_w4a4_plain(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

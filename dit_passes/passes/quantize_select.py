@@ -1,0 +1,59 @@
+"""Which linears the quantize passes take (``passes/quantize.py``): by block (the discovered ones, the modules of named
+classes, or every linear), then ``include`` / ``exclude`` (role names or module-path substrings) and ``filter_fn``."""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "other")
+DEFAULT_EXCLUDE: Tuple[str, ...] = ()  # every block linear; the modulation ones too (SVDQuant: weight-only int8)
+
+
+def _matches(entry: str, path: str, role: str) -> bool:
+    return role == entry if entry in ROLE_NAMES else entry in path
+
+
+def check_patterns(name: str, value: Optional[Sequence[str]]) -> Optional[Tuple[str, ...]]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value,)
+    if not all(isinstance(v, str) and v for v in value):
+        raise TypeError(f"{name} must be a list of non-empty strings (roles or module-path substrings), got {value!r}")
+    return tuple(value)
+
+
+def inside_classes(site, classes: Sequence[str]) -> bool:
+    """Whether the linear of ``site`` lies inside a module whose class is named in ``classes`` (its ``nn_module_stack``,
+    the class names compared without their module)."""
+    for entry in (site.node.meta.get("nn_module_stack") or {}).values():
+        cls = entry[1] if isinstance(entry, tuple) else entry
+        name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].rstrip("'>")
+        if name in classes:
+            return True
+    return False
+
+
+def select_linears(structure, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, regional=True,
+                   block_classes=None) -> List[Any]:
+    """The LinearSites that ``include`` / ``exclude`` / ``filter_fn`` accept, graph order: those of the discovered blocks
+    (``regional``), of the modules whose class ``block_classes`` names, or every linear (``regional=False``)."""
+    out = []
+    for site in structure.linears:
+        if site.node.meta.get("dit_quant"):  # quantized already
+            continue
+        if block_classes is not None:
+            if not inside_classes(site, block_classes):
+                continue
+        elif regional and site.block is None:  # outside the blocks
+            continue
+        path, role = site.module_path, site.role
+        if include is not None and not any(_matches(e, path, role) for e in include):
+            continue
+        if any(_matches(e, path, role) for e in exclude):
+            continue
+        if filter_fn is not None and not filter_fn(path, role):
+            continue
+        out.append(site)
+    return out
+
+
