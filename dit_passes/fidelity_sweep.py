@@ -13,7 +13,7 @@ images, the fraction of work executed, the measured speedup. Outputs in ``--out`
 * ``fidelity_sweep.md`` (the command and a table, Pareto points starred).
 
 The x of a point is the fraction of transformer-block work executed (``executed_block_fraction``: the
-block-range caches) where the method reports it; an attention-level cache (TaylorSeerCache) skips only
+block-range caches) where the method reports it; an attention-level cache (TaylorSeerCache, PAB, FasterCache) skips only
 its attention modules, so its x is the fraction of calls in which those modules ran
 (``executed_module_fraction``, 1 - cached calls / calls): the plot draws those points hollow and says so.
 
@@ -94,6 +94,18 @@ SWEEP_METHODS: Dict[str, Tuple[Callable[[float, SweepContext], list], List[float
                                                   mag_ratios=ctx.once("mag_ratios", calibrate_mag_ratios))],
                   [0.03, 0.06, 0.12, 0.24, 0.5]),
     "taylorseer_cache": (lambda t, ctx: [passes.TaylorSeerCache(cache_interval=int(t))], [2, 3, 4, 6]),
+    "sea_cache": (lambda t, ctx: [passes.SeaCache(threshold=t, num_inference_steps=ctx.steps)],
+                  [0.05, 0.1, 0.15, 0.25, 0.4]),
+    "tea_cache": (lambda t, ctx: [passes.TeaCache(threshold=t, num_inference_steps=ctx.steps)],
+                  [0.2, 0.4, 0.6, 0.8, 1.2]),
+    # FluxPipeline passes t / 1000: timestep_scale=1000 puts the skip ranges on diffusers' 0..1000 scale; the ranges
+    # are widened from diffusers' defaults, which seldom apply over 28 steps of this model
+    "pyramid_attention_broadcast": (lambda t, ctx: [passes.PyramidAttentionBroadcast(
+        spatial_attention_block_skip_range=int(t), spatial_attention_timestep_skip_range=(100, 950),
+        timestep_scale=1000)], [2, 3, 4, 6]),
+    "faster_cache": (lambda t, ctx: [passes.FasterCache(
+        spatial_attention_block_skip_range=int(t), spatial_attention_timestep_skip_range=(-1, 950),
+        is_guidance_distilled=True, timestep_scale=1000)], [2, 3, 4, 6]),
 }
 
 
@@ -119,6 +131,8 @@ def work_fraction(config_report: dict) -> Tuple[float, str]:
     stats_mean = config_report["stats_mean"]
     if BLOCK_X in stats_mean:
         return float(stats_mean[BLOCK_X]), BLOCK_X
+    if "executed_attention_fraction" in stats_mean:  # attention-reuse caches count their module calls themselves
+        return float(stats_mean["executed_attention_fraction"]), MODULE_X
     decisions = [bool(c) for run in config_report["stats"] for c in run.get("step_cached", [])]
     if not decisions:
         return float("nan"), MODULE_X
@@ -203,8 +217,8 @@ def run_sweep(methods: Sequence[str], seeds: Sequence[int], labels: Sequence[int
             "threshold": t, "config": name, "work_fraction": x, "x": kind,
             "psnr_mean": r["psnr_mean"], "psnr_min": r["psnr_min"], "ssim_mean": r["ssim_mean"],
             "speedup": seconds["baseline"] / seconds[name], "median_s": seconds[name], "capture_s": r["capture_s"],
-            "cached_calls": sum(sum(bool(c) for c in run.get("step_cached", [])) for run in r["stats"]) / len(r["stats"])
-            if r["stats"] else 0.0,
+            "cached_calls": (sum(sum(bool(c) for c in run.get("step_cached", [])) for run in r["stats"])
+                             / len(r["stats"]) if r["stats"] else 0.0),
         })
     return {
         "model": "trained digits DiT (Flux transformer, 12 blocks) through FluxPipeline",
@@ -245,11 +259,12 @@ def write_markdown(report: dict, path: Path, command: str) -> None:
              f"Command: `{command}`", "",
              f"{report['model']}; {report['steps']} steps, seeds {report['seeds']}, labels {report['labels']}, "
              f"true CFG {report['true_cfg_scale']}; device {report['device']} ({report['threads']} threads); "
-             f"{report.get('wall_s', report['sweep_s']):.0f} s in all. PSNR / SSIM against the uncached images; work executed: the fraction "
-             f"of block work, or (attn) of the calls of the cached attention modules; speedup: steady-state wall "
-             f"time (median of {report['timing_repeats']} interleaved runs, seed {report['seeds'][0]}) of the uncached "
+             f"{report.get('wall_s', report['sweep_s']):.0f} s in all. PSNR / SSIM against the uncached images; "
+             f"work executed: the fraction of block work, or (attn) of the calls of the cached attention modules; "
+             f"speedup: steady-state wall time (median of {report['timing_repeats']} interleaved runs, seed {report['seeds'][0]}) of the uncached "
              f"pipeline / the cached one (noisy on a shared CPU). "
-             f"TaylorSeerCache's threshold is its cache_interval.", "",
+             f"TaylorSeerCache's threshold is its cache_interval, PAB's and FasterCache's their spatial block "
+             f"skip range.", "",
              format_table(report), "", front_line(report, "work") + ".", "", front_line(report, "speed") + ".", ""]
     if (path.parent / PLOT_NAME).exists():
         lines += [f"![PSNR vs work and speedup]({PLOT_NAME})", ""]
