@@ -261,8 +261,8 @@ def write_markdown(report: dict, path: Path, command: str) -> None:
              f"true CFG {report['true_cfg_scale']}; device {report['device']} ({report['threads']} threads); "
              f"{report.get('wall_s', report['sweep_s']):.0f} s in all. PSNR / SSIM against the uncached images; "
              f"work executed: the fraction of block work, or (attn) of the calls of the cached attention modules; "
-             f"speedup: steady-state wall time (median of {report['timing_repeats']} interleaved runs, seed {report['seeds'][0]}) of the uncached "
-             f"pipeline / the cached one (noisy on a shared CPU). "
+             f"speedup: steady-state wall time (median of {report['timing_repeats']} interleaved runs, seed "
+             f"{report['seeds'][0]}) of the uncached pipeline / the cached one (noisy on a shared CPU). "
              f"TaylorSeerCache's threshold is its cache_interval, PAB's and FasterCache's their spatial block "
              f"skip range.", "",
              format_table(report), "", front_line(report, "work") + ".", "", front_line(report, "speed") + ".", ""]
