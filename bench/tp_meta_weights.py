@@ -68,7 +68,7 @@ def main() -> None:
         full = per_rank[0][mode]["full_bytes"]
         ranks = [r[mode]["rank_bytes"] for r in per_rank]
         ratio = max(ranks) / full
-        key = f"tp{args.size}_rank_weight_ratio" + ("" if mode == "column" else "_modulation_replicate")  # default
+        key = f"tp{args.size}_rank_weight_ratio" + ("" if mode == "replicate" else "_modulation_column")
         out[key] = round(ratio, 4)
         out[f"tp{args.size}_{mode}_rank_weight_bytes"] = ranks
         out["single_gpu_weight_bytes"] = full
@@ -77,8 +77,8 @@ def main() -> None:
                      f"{max(r[mode]['seconds'] for r in per_rank):.1f} |")
     lines += ["", f"Host: torch {torch.__version__}, CPU, 1 torch thread per rank (a shared 2-core machine: the lowering "
               "seconds are contended, not a timing result).", "", "Ratio: the largest rank's bytes over the single-GPU weight bytes (issue 21 target <= 0.55). With "
-              "`modulation=\"column\"` (the default) the AdaLN modulation linears, about a quarter of FLUX's "
-              "weights, are sharded too; `\"replicate\"` keeps them whole on every rank.",
+              "`modulation=\"replicate\"` (the default) the AdaLN modulation linears, about a quarter of FLUX's "
+              "weights, stay whole on every rank; `\"column\"` shards them too.",
               "Built with `compile_dit(..., weights=<checkpoint>)` a rank reads exactly these bytes from the "
               "checkpoint (tests/test_weight_source.py checks it on tiny Flux)."]
     os.makedirs(args.out, exist_ok=True)

@@ -17,9 +17,7 @@ becomes row-parallel. Before / after (rank 0 of 2)::
     view: "f32[1, 16, 2, 16]" = aten.view(linear, [1, 16, 2, 16])              # local heads
     linear_3 = aten.linear(attn, to_out.weight) -> all_reduce -> wait_tensor -> add(., to_out.bias)
 
-AdaLN modulation linears (about a quarter of FLUX's block weights) are sharded by output rows and their small
-output all-gathered (``modulation="column"``, the default: each rank holds 1/size of them); ``"replicate"`` keeps
-them whole on every rank (no all-gather, more memory).
+AdaLN modulation linears stay replicated (``modulation="column"``: rows sharded, output all-gathered).
 What is sharded, replicated or zero-padded is planned first (:mod:`dit_passes.parallel.tp_plan`): a projection
 writing the residual stream stays replicated, so do GQA k / v projections with fewer kv heads than ranks, and an
 MLP hidden that does not divide by ``size`` is zero-padded where the graph proves the padding exact (counted as
@@ -52,7 +50,7 @@ class TensorParallel(Pass):
     writes = ("parallel_group", "tp_group", "tp_size")
     invalidates = ("structure",)
 
-    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, modulation: str = "column"):
+    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, modulation: str = "replicate"):
         check_ranks("TensorParallel(size)", size)
         if modulation not in ("replicate", "column"):
             raise ValueError(f"TensorParallel(modulation=...) is 'replicate' or 'column', got {modulation!r}")
