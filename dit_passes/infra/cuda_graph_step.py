@@ -43,7 +43,7 @@ class CudaGraphUnavailable(RuntimeError):
 
 def conditional_capture_mode() -> type:
     """A dispatch mode that turns ``torch.cond`` into CUDA conditional nodes while capturing: torch's own
-    (``torch._higher_order_ops.cudagraph_conditional_nodes``, torch >= 2.12) or, on a torch whose CUDAGraph has
+    (``torch._higher_order_ops.cudagraph_conditional_nodes``, in torch 2.13; not in 2.11) or, on a torch whose CUDAGraph has
     the IF-node capture calls but not that module, :class:`IfNodeCapture`. Raises :class:`CudaGraphUnavailable`
     where neither exists or CUDA is older than 12.4."""
     if not torch.cuda.is_available():
