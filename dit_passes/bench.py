@@ -15,6 +15,7 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
   replayed as one CUDA graph, the cache decision a conditional node (no host read per step);
   ``graphed_regional_fp8_always``: the same plus ``Fp8Linear`` on every block linear (fast accumulation, set by
   ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset); it releases the bf16 block weights, so it runs last;
+  ``compiled_regional_fp8_always``: the fp8 stack with the step eager (where no CUDA-graph IF nodes exist);
 * ``--preset fastest``: ``compiled_regional_always,graphed_regional_always,graphed_regional_fp8_always``;
 * ``--attention cudnn`` adds ``passes.AttentionBackend("cudnn")`` to every captured row (not ``eager``);
 * host time of capture + passes.
@@ -45,7 +46,8 @@ TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=14, at
 SIZES = {"full": (FLUX_DEV, 4096, 512), "tiny": (TINY, 256, 32)}
 STEPS, WARMUP = 28, 8
 ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "compiled_never", "compiled_always",
-        "compiled_regional_never", "compiled_regional_always", "graphed_regional_always", "graphed_regional_fp8_always")
+        "compiled_regional_never", "compiled_regional_always", "compiled_regional_fp8_always", "graphed_regional_always",
+        "graphed_regional_fp8_always")
 PRESETS = {"fastest": "compiled_regional_always,graphed_regional_always,graphed_regional_fp8_always"}
 
 
@@ -133,6 +135,7 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
             "dbcache_always": make("always"), "compiled_graph": make(None, compile_kwargs),
             "compiled_never": make("never", compile_kwargs), "compiled_always": make("always", compile_kwargs),
             "compiled_regional_never": make("never", regional), "compiled_regional_always": make("always", regional),
+            "compiled_regional_fp8_always": make("always", regional, fp8=True),
             "graphed_regional_always": make("always", graphed),
             "graphed_regional_fp8_always": make("always", graphed, fp8=True)}
 
