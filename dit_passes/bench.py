@@ -46,8 +46,8 @@ TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=14, at
 SIZES = {"full": (FLUX_DEV, 4096, 512), "tiny": (TINY, 256, 32)}
 STEPS, WARMUP = 28, 8
 ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "compiled_never", "compiled_always",
-        "compiled_regional_never", "compiled_regional_always", "compiled_regional_fp8_always", "graphed_regional_always",
-        "graphed_regional_fp8_always")
+        "compiled_regional_never", "compiled_regional_always", "compiled_regional_fp8_always",
+        "graphed_regional_always", "graphed_regional_fp8_always")
 PRESETS = {"fastest": "compiled_regional_always,graphed_regional_always,graphed_regional_fp8_always"}
 
 
