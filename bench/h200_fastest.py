@@ -57,27 +57,12 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def step_profile(fn: Callable[[], Any], steps: int = 10) -> Dict[str, float]:
-    """Wall ms per call over ``steps`` back-to-back calls, and the GPU kernel ms per call in a profiled run."""
-    from torch.profiler import ProfilerActivity, profile
+    """Wall ms per call over ``steps`` back-to-back calls, and the GPU kernel ms per call in a profiled run
+    (``profile_flux_step._profile``'s measure, beside this script)."""
+    from profile_flux_step import _profile
     with torch.inference_mode():
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1000 / steps
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
-    kernel_us, launches = 0.0, 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernel_us += e.device_time
-            launches += 1
-    return {"wall_ms": wall, "kernel_ms": kernel_us / 1000 / steps, "kernels_per_step": launches / steps}
+        p = _profile(fn, steps)
+    return {"wall_ms": p["wall_ms_unprofiled"], "kernel_ms": p["gpu_ms"], "kernels_per_step": p["launches"] / steps}
 
 
 # our rows are dit-passes bench's (the command users run: dit-passes bench --size full --preset fastest)
