@@ -26,7 +26,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -112,15 +112,44 @@ def _mean_scalar_stats(runs: Sequence[dict]) -> dict:
     return out
 
 
-def _sample_all(pipe, module, seeds, labels, steps, true_cfg_scale):
-    """Images of every seed (concatenated), per-run seconds, per-run stats of ``module``."""
+# sampler(transformer or None, seed, steps) -> images [B, C, H, W] in [0, 1] on the CPU; None: the pipeline's own
+Sampler = Callable[[Optional[torch.nn.Module], int, int], torch.Tensor]
+
+
+def digits_sampler(pipe, labels: Sequence[int], true_cfg_scale: float = 1.0) -> Sampler:
+    """The trained digits DiT's pipeline: one image per label (``models.digits.sample``)."""
     from .models.digits import sample
 
+    return lambda transformer, seed, steps: sample(pipe, labels, seed, steps=steps, transformer=transformer,
+                                                   true_cfg_scale=true_cfg_scale)
+
+
+def pipeline_sampler(pipe, **call_kwargs: Any) -> Sampler:
+    """Any diffusers pipeline: ``pipe(**call_kwargs)`` (prompts, sizes, guidance: whatever the pipeline takes),
+    with the transformer under test in a fresh pipeline of the same class sharing every other component (``pipe``
+    itself is never modified), the seed's CPU generator and ``steps`` steps; images (video frames flattened into
+    the batch) as float32 in [0, 1]."""
+    def run(transformer, seed: int, steps: int) -> torch.Tensor:
+        runner = pipe if transformer is None else type(pipe)(**{**pipe.components, "transformer": transformer})
+        runner.set_progress_bar_config(disable=True)
+        reset = getattr(runner.transformer, "new_generation", None)
+        if callable(reset):
+            reset()
+        with torch.no_grad():
+            out = runner(**call_kwargs, num_inference_steps=steps, output_type="pt", return_dict=False,
+                         generator=torch.Generator("cpu").manual_seed(int(seed)))[0]
+        out = torch.as_tensor(out).float().cpu()
+        return out.reshape(-1, *out.shape[-3:]).clamp(0.0, 1.0)
+    return run
+
+
+def _sample_all(sampler: Sampler, module, seeds, steps):
+    """Images of every seed (concatenated), per-run seconds, per-run stats of ``module``."""
     images, seconds, stats = [], [], []
     stats_fn = getattr(module, "fidelity_stats", None) if module is not None else None
     for seed in seeds:
         t0 = time.perf_counter()
-        images.append(sample(pipe, labels, seed, steps=steps, transformer=module, true_cfg_scale=true_cfg_scale))
+        images.append(sampler(module, seed, steps))
         seconds.append(time.perf_counter() - t0)
         if callable(stats_fn):
             s = stats_fn()
@@ -130,13 +159,11 @@ def _sample_all(pipe, module, seeds, labels, steps, true_cfg_scale):
     return torch.cat(images), seconds, stats
 
 
-def _first_call(pipe, module, seed, labels, true_cfg_scale) -> float:
+def _first_call(sampler: Sampler, module, seed) -> float:
     """Seconds of a one-step sampling run: the transformer's first call at the run's shapes, where lazy
     work happens (CompiledDiT: capture + passes). Timed runs come after it, in steady state."""
-    from .models.digits import sample
-
     t0 = time.perf_counter()
-    sample(pipe, labels, seed, steps=1, transformer=module, true_cfg_scale=true_cfg_scale)
+    sampler(module, seed, 1)
     return time.perf_counter() - t0
 
 
@@ -207,13 +234,16 @@ def _write_step_plot(per_config_stats: Mapping[str, Sequence[dict]], path: Path)
 
 def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Module]], seeds: Sequence[int],
                  labels: Sequence[int], steps: int = 28, out_dir: str | Path = "out/fidelity", *,
-                 pipe=None, true_cfg_scale: float = 1.0, device: str | torch.device = "cpu") -> dict:
+                 pipe=None, true_cfg_scale: float = 1.0, device: str | torch.device = "cpu",
+                 sampler: Optional[Sampler] = None) -> dict:
     """Compare every config against the unmodified transformer on the digits DiT; write grid/plot/JSON.
 
     ``configs[name](original) -> module``: built once per config, then sampled for each seed with one
     image per label (so ``len(seeds) * len(labels)`` samples). ``pipe`` defaults to
-    ``load_digits_pipeline(device)``'s. A config that changes the original transformer's weights is an error
-    (it would corrupt every later config), detected by comparing against a snapshot.
+    ``load_digits_pipeline(device)``'s. Another model: ``pipe=<its diffusers pipeline>`` and ``sampler=
+    pipeline_sampler(pipe, prompt=[...], ...)`` (``labels`` then unused). A config that changes the original
+    transformer's weights is an error (it would corrupt every later config), detected by comparing against a
+    snapshot.
 
     Returns (and writes as ``fidelity_report.json``)::
 
@@ -237,12 +267,15 @@ def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Modu
     if "baseline" in configs:
         raise ValueError("'baseline' is reserved for the unmodified transformer; rename that config")
     seeds, labels = [int(s) for s in seeds], [int(x) for x in labels]
-    if not seeds or not labels:
+    if not seeds or (sampler is None and not labels):
         raise ValueError(f"need at least one seed and one label, got seeds={seeds} labels={labels}")
+    if sampler is not None and pipe is None:
+        raise ValueError("run_fidelity(sampler=...) needs pipe=: the pipeline whose transformer is the baseline")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if pipe is None:
         pipe, _ = load_digits_pipeline(device=device)
+    sampler = sampler or digits_sampler(pipe, labels, true_cfg_scale)
     original = pipe.transformer
     snapshot = {k: v.detach().clone() for k, v in original.state_dict().items()}
 
@@ -257,7 +290,7 @@ def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Modu
             raise RuntimeError(f"config {name!r} modified the original transformer's weights "
                                f"({changed[:3]}...); a config must leave the original intact")
 
-    base_first_s = _first_call(pipe, None, seeds[0], labels, true_cfg_scale)
+    base_first_s = _first_call(sampler, None, seeds[0])
     modules, build, first = {}, {}, {}
     for name, make in configs.items():  # build and lower every config first: capture stays out of the timed runs
         t0 = time.perf_counter()
@@ -265,7 +298,7 @@ def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Modu
         build[name] = time.perf_counter() - t0
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"config {name!r} returned {type(module).__name__}, expected an nn.Module")
-        first[name] = _first_call(pipe, module, seeds[0], labels, true_cfg_scale)
+        first[name] = _first_call(sampler, module, seeds[0])
         check_original(name)
         modules[name] = module
     # The timed runs interleave: per seed the baseline, then every config. A machine whose load changes during the
@@ -273,7 +306,7 @@ def run_fidelity(configs: Mapping[str, Callable[[torch.nn.Module], torch.nn.Modu
     runs = {name: {"images": [], "seconds": [], "stats": []} for name in ["baseline", *modules]}
     for seed in seeds:
         for name, run in runs.items():
-            imgs, secs, stats = _sample_all(pipe, modules.get(name), [seed], labels, steps, true_cfg_scale)
+            imgs, secs, stats = _sample_all(sampler, modules.get(name), [seed], steps)
             run["images"].append(imgs)
             run["seconds"] += secs
             run["stats"] += stats

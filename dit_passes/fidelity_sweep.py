@@ -43,7 +43,7 @@ import torch
 
 from . import compile_dit, passes
 from .cache.config import TaylorSeerCalibratorConfig
-from .fidelity import _jsonable, run_fidelity
+from .fidelity import Sampler, _jsonable, digits_sampler, run_fidelity
 from .infra.trace_templates import ENV_FLAG
 
 PLOT_NAME, JSON_NAME, TABLE_NAME = "fidelity_sweep.png", "fidelity_sweep.json", "fidelity_sweep.md"
@@ -56,9 +56,11 @@ class SweepContext:
     """What a builder may need besides its threshold: the run's settings and the pipeline, and ``once``:
     a value computed at the first ask and shared by every later one of the run (a calibration)."""
 
-    def __init__(self, pipe, steps: int, seeds: Sequence[int], labels: Sequence[int], true_cfg_scale: float):
+    def __init__(self, pipe, steps: int, seeds: Sequence[int], labels: Sequence[int], true_cfg_scale: float,
+                 sampler: Optional[Sampler] = None):
         self.pipe, self.steps, self.seeds, self.labels = pipe, steps, list(seeds), list(labels)
         self.true_cfg_scale = true_cfg_scale
+        self.sampler = sampler or digits_sampler(pipe, labels, true_cfg_scale)  # (transformer, seed, steps)
         self.calibrations: Dict[str, Any] = {}  # key -> value, written to the JSON report
 
     def once(self, key: str, compute: Callable[["SweepContext"], Any]) -> Any:
@@ -70,11 +72,9 @@ class SweepContext:
 def calibrate_mag_ratios(ctx: SweepContext) -> List[float]:
     """MagCache's magnitude ratios of this pipeline at ``ctx.steps`` steps: one calibration generation
     (``MagCacheConfig(calibrate=True)``, first seed, the run's labels), as diffusers' calibrate mode does."""
-    from .models.digits import sample
-
     probe = compile_dit(ctx.pipe.transformer, passes=[passes.MagCache(calibrate=True, num_inference_steps=ctx.steps)],
                         keep_original=True)
-    sample(ctx.pipe, ctx.labels, ctx.seeds[0], steps=ctx.steps, transformer=probe, true_cfg_scale=ctx.true_cfg_scale)
+    ctx.sampler(probe, ctx.seeds[0], ctx.steps)
     return probe.report("mag_cache").mag_ratios()
 
 
@@ -164,19 +164,17 @@ def _build(modules: dict, name: str, pass_list: list, original: torch.nn.Module)
     return modules[name]
 
 
-def time_modules(pipe, modules: Dict[str, torch.nn.Module], seed: int, labels: Sequence[int], steps: int,
-                 true_cfg_scale: float, repeats: int) -> Dict[str, float]:
+def time_modules(sampler: Sampler, original: torch.nn.Module, modules: Dict[str, torch.nn.Module], seed: int,
+                 steps: int, repeats: int) -> Dict[str, float]:
     """Median seconds of one sampling run per module (and ``"baseline"``: the original transformer), after one
     untimed round; the rounds interleave every module, so a change of the machine's load hits all alike. Every
     run goes through the same path (a fresh pipeline around the given transformer), the baseline's too."""
-    from .models.digits import sample
-
-    runs = {"baseline": pipe.transformer, **modules}
+    runs = {"baseline": original, **modules}
     times: Dict[str, List[float]] = {name: [] for name in runs}
     for r in range(repeats + 1):
         for name, module in runs.items():
             t0 = time.perf_counter()
-            sample(pipe, labels, seed, steps=steps, transformer=module, true_cfg_scale=true_cfg_scale)
+            sampler(module, seed, steps)
             if r:
                 times[name].append(time.perf_counter() - t0)
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
@@ -185,9 +183,11 @@ def time_modules(pipe, modules: Dict[str, torch.nn.Module], seed: int, labels: S
 def run_sweep(methods: Sequence[str], seeds: Sequence[int], labels: Sequence[int], steps: int,
               thresholds: Optional[Dict[str, List[float]]] = None, *, pipe=None, true_cfg_scale: float = 1.0,
               device: str | torch.device = "cpu", harness_out: Optional[str | Path] = None,
-              timing_repeats: int = 3) -> dict:
+              timing_repeats: int = 3, sampler: Optional[Sampler] = None) -> dict:
     """Every method x threshold against the uncached baseline in one run_fidelity; returns the sweep report
-    (``points`` per method, the two ``pareto`` fronts as ``[method, threshold]`` pairs, ``calibrations``)."""
+    (``points`` per method, the two ``pareto`` fronts as ``[method, threshold]`` pairs, ``calibrations``).
+    Another model than the digits DiT: ``pipe=<its diffusers pipeline>, sampler=fidelity.pipeline_sampler(pipe,
+    prompt=[...], ...)`` (``labels`` then unused)."""
     from .models.digits import load_digits_pipeline
 
     unknown = [m for m in methods if m not in SWEEP_METHODS]
@@ -195,7 +195,7 @@ def run_sweep(methods: Sequence[str], seeds: Sequence[int], labels: Sequence[int
         raise SystemExit(f"unknown method(s) {unknown}; available: {', '.join(SWEEP_METHODS)}")
     if pipe is None:
         pipe, _ = load_digits_pipeline(device=device)
-    ctx = SweepContext(pipe, steps, seeds, labels, true_cfg_scale)
+    ctx = SweepContext(pipe, steps, seeds, labels, true_cfg_scale, sampler)
     grid = {m: list((thresholds or {}).get(m) or SWEEP_METHODS[m][1]) for m in methods}
     configs, owner, modules = {}, {}, {}
     for method, values in grid.items():
@@ -207,8 +207,8 @@ def run_sweep(methods: Sequence[str], seeds: Sequence[int], labels: Sequence[int
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fidelity_sweep_") as tmp:
         fid = run_fidelity(configs, seeds=seeds, labels=labels, steps=steps, out_dir=harness_out or tmp,
-                           pipe=pipe, true_cfg_scale=true_cfg_scale, device=device)
-    seconds = time_modules(pipe, modules, seeds[0], labels, steps, true_cfg_scale, timing_repeats)
+                           pipe=pipe, true_cfg_scale=true_cfg_scale, device=device, sampler=ctx.sampler)
+    seconds = time_modules(ctx.sampler, pipe.transformer, modules, seeds[0], steps, timing_repeats)
     points: Dict[str, List[dict]] = {m: [] for m in methods}
     for name, r in fid["configs"].items():
         method, t = owner[name]
@@ -221,7 +221,8 @@ def run_sweep(methods: Sequence[str], seeds: Sequence[int], labels: Sequence[int
                              / len(r["stats"]) if r["stats"] else 0.0),
         })
     return {
-        "model": "trained digits DiT (Flux transformer, 12 blocks) through FluxPipeline",
+        "model": ("trained digits DiT (Flux transformer, 12 blocks) through FluxPipeline" if sampler is None
+                  else f"{type(pipe.transformer).__name__} through {type(pipe).__name__}"),
         "steps": steps, "seeds": list(seeds), "labels": list(labels), "true_cfg_scale": true_cfg_scale,
         "device": str(device), "threads": torch.get_num_threads(),
         "baseline_median_s": seconds["baseline"], "timing_repeats": timing_repeats, "sweep_s": time.perf_counter() - t0,
@@ -255,7 +256,7 @@ def front_line(report: dict, key: str) -> str:
 
 
 def write_markdown(report: dict, path: Path, command: str) -> None:
-    lines = [f"# Fidelity sweep: every caching method over its thresholds", "",
+    lines = ["# Fidelity sweep: every caching method over its thresholds", "",
              f"Command: `{command}`", "",
              f"{report['model']}; {report['steps']} steps, seeds {report['seeds']}, labels {report['labels']}, "
              f"true CFG {report['true_cfg_scale']}; device {report['device']} ({report['threads']} threads); "
@@ -335,9 +336,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--timing-repeats", type=int, default=3, help="timed runs per config (median)")
     p.add_argument("--out", default="out/fidelity_sweep")
+    p.add_argument("--pipeline", default=None, metavar="MODULE:FUNCTION",
+                   help="another model: a function returning its diffusers pipeline (weights loaded as you like); "
+                        "sampled with --prompt and --call-kwargs instead of the digits")
+    p.add_argument("--prompt", nargs="+", default=None, help="with --pipeline: the prompts (one image each)")
+    p.add_argument("--call-kwargs", default="{}", help="with --pipeline: JSON of further pipeline arguments "
+                   "(height, width, guidance_scale, ...)")
     p.add_argument("--harness-out", default=None,
                    help="also keep run_fidelity's grid / per-step plot / full report there")
     return p
+
+
+def user_pipeline(spec: str, prompts: Optional[List[str]], call_kwargs: str):
+    """``--pipeline MODULE:FUNCTION``: (the pipeline that function returns, its sampler)."""
+    import importlib
+
+    from .fidelity import pipeline_sampler
+    module, _, func = spec.partition(":")
+    if not module or not func:
+        raise SystemExit(f"--pipeline {spec!r}: use MODULE:FUNCTION (a function returning a diffusers pipeline)")
+    if not prompts:
+        raise SystemExit("--pipeline needs --prompt TEXT [TEXT ...] (one image per prompt)")
+    try:
+        extra = json.loads(call_kwargs)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--call-kwargs is not JSON ({e}): e.g. '{{\"height\": 512, \"width\": 512}}'") from e
+    pipe = getattr(importlib.import_module(module), func)()
+    if not hasattr(pipe, "components") or not hasattr(pipe, "transformer"):
+        raise SystemExit(f"--pipeline {spec}: returned {type(pipe).__name__}, not a diffusers pipeline with a "
+                         f"transformer")
+    return pipe, pipeline_sampler(pipe, prompt=list(prompts), **extra)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -356,9 +384,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    pipe = sampler = None
+    if args.pipeline:
+        pipe, sampler = user_pipeline(args.pipeline, args.prompt, args.call_kwargs)
     t0 = time.perf_counter()
     report = run_sweep(methods, args.seeds, args.labels, args.steps, thresholds, true_cfg_scale=args.true_cfg_scale,
-                       device=device, harness_out=args.harness_out,
+                       device=device, harness_out=args.harness_out, pipe=pipe, sampler=sampler,
                        timing_repeats=1 if args.quick else args.timing_repeats)
     command = "dit-passes fidelity --sweep " + " ".join(shlex.quote(a) for a in argv)
     report["command"] = command.strip()

@@ -103,3 +103,49 @@ def test_cli_sweep_writes_plot_json_and_table(tmp_path, capsys):
     assert report["command"] in md and md.count("| mag_cache |") == 2 and "Pareto front" in md
     assert (out / fs.PLOT_NAME).stat().st_size > 10_000  # matplotlib is a dev extra, so present here
     assert "| mag_cache |" in capsys.readouterr().out
+
+
+def _generic_sampler(pipe, labels):
+    """The digits pipeline driven as any diffusers pipeline is: by its call arguments (here, embeddings)."""
+    from dit_passes.fidelity import pipeline_sampler
+    embeds, pooled = pipe.digits_cond(labels)
+    size = pipe.digits_image_size
+    return pipeline_sampler(pipe, prompt_embeds=embeds, pooled_prompt_embeds=pooled, height=size, width=size,
+                            guidance_scale=1.0)
+
+
+def test_pipeline_sampler_is_the_digits_sampler_on_the_digits_pipeline():
+    import torch
+
+    from dit_passes import compile_dit, passes
+    from dit_passes.fidelity import digits_sampler
+    from dit_passes.models.digits import load_digits_pipeline
+    pipe, _ = load_digits_pipeline()
+    generic, digits = _generic_sampler(pipe, [1, 7]), digits_sampler(pipe, [1, 7])
+    assert torch.equal(generic(None, 3, 4), digits(None, 3, 4))
+    cached = compile_dit(pipe.transformer, passes=[passes.FirstBlockCache(threshold=0.2)], keep_original=True)
+    a, b = generic(cached, 3, 6), digits(cached, 3, 6)  # each call starts a new generation
+    assert torch.equal(a, b) and a.shape == (2, 1, pipe.digits_image_size, pipe.digits_image_size)
+
+
+def test_sweep_on_another_pipeline():
+    from dit_passes.models.digits import load_digits_pipeline
+    pipe, _ = load_digits_pipeline()
+    report = fs.run_sweep(["first_block_cache"], seeds=[0], labels=[], steps=6,
+                          thresholds={"first_block_cache": [0.05, 0.5]}, pipe=pipe,
+                          sampler=_generic_sampler(pipe, [2, 4]), timing_repeats=1)
+    points = report["methods"]["first_block_cache"]
+    assert [p["threshold"] for p in points] == [0.05, 0.5]
+    assert report["model"] == "FluxTransformer2DModel through FluxPipeline"
+    assert points[0]["work_fraction"] > points[1]["work_fraction"]  # the higher threshold skips more
+
+
+def test_user_pipeline_bad_input():
+    with pytest.raises(SystemExit, match="MODULE:FUNCTION"):
+        fs.user_pipeline("no_colon_here", ["a cat"], "{}")
+    with pytest.raises(SystemExit, match="--prompt"):
+        fs.user_pipeline("dit_passes.models.digits:load_digits_pipeline", None, "{}")
+    with pytest.raises(SystemExit, match="not JSON"):
+        fs.user_pipeline("dit_passes.models.digits:load_digits_pipeline", ["x"], "{height: 1}")
+    with pytest.raises(SystemExit, match="not a diffusers pipeline"):  # it returns (pipe, info), not a pipeline
+        fs.user_pipeline("dit_passes.models.digits:load_digits_pipeline", ["x"], "{}")
