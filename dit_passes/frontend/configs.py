@@ -39,8 +39,10 @@ class ParallelismConfig:
     result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` /
     ``attention_backend`` are accepted and ignored (the plan is derived from the graph). CP together with TP builds both on one mesh
     (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). Not implemented (``NotImplementedError``):
-    ``ulysses_async``, ``extra_parallel_modules`` with ``use_ray``. ``ulysses_float8=True`` sends the Ulysses
-    all-to-alls as e4m3 rows with per-row scales (approximate).
+    ``extra_parallel_modules`` with ``use_ray``; ``ulysses_async`` with a ring or with ``ulysses_float8``.
+    ``ulysses_float8=True`` sends the Ulysses all-to-alls as e4m3 rows with per-row scales (approximate);
+    ``ulysses_async=True`` issues each q / k / v all-to-all as soon as it is projected and waits for it after the
+    next projection (``passes.Ulysses(size, async_qkv=True)``: exact).
     """
 
     backend: Any = "auto"
@@ -92,9 +94,9 @@ class ParallelismConfig:
         return self.world_size() == 1 and not self.use_ray and not self.extra_parallel_modules
 
     def check_supported(self) -> None:
-        if self.ulysses_async:
-            raise NotImplementedError("ParallelismConfig.ulysses_async=True is not implemented (the Ulysses "
-                                      "all-to-alls run synchronously)")
+        if self.ulysses_async and ((self.ring_size or 1) > 1 or self.ulysses_float8 or (self.ulysses_size or 1) < 2):
+            raise NotImplementedError("ParallelismConfig.ulysses_async=True is implemented for Ulysses alone "
+                                      "(ulysses_size > 1, no ring_size, no ulysses_float8)")
         if self.extra_parallel_modules and self.use_ray:
             raise NotImplementedError("ParallelismConfig.extra_parallel_modules with use_ray=True is not "
                                       "implemented: the Ray workers parallelise the transformer only")
@@ -113,7 +115,7 @@ class ParallelismConfig:
         from ..passes.parallel_plan import parallel_passes
         self.check_supported()
         return parallel_passes(*self.sizes(), ring_rotate_method=self.ring_rotate_method or "p2p",
-                               ulysses_float8=bool(self.ulysses_float8))
+                               ulysses_float8=bool(self.ulysses_float8), ulysses_async=bool(self.ulysses_async))
 
     def ray_transfer(self) -> Optional[str]:
         """RayLauncher's ``transfer=`` for ``ray_transfer_backend`` (None: its default)."""

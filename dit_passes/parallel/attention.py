@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from dit_passes.parallel.collectives import CollectiveCounter, all_gather, all_to_all_single, ring_exchange
 
 __all__ = ["ROTATE_METHODS", "attention_with_lse", "fp8_rows", "from_fp8_rows", "even_shard_sizes", "gather_sequence",
-           "ring_attention", "shard_sequence", "ulysses_attention", "usp_attention"]
+           "ring_attention", "shard_sequence", "ulysses_attention", "ulysses_received", "ulysses_rows", "usp_attention"]
 
 
 # --- sharding helpers ------------------------------------------------------------------------------
@@ -144,6 +144,10 @@ def _check_qkv(q, k, v, sizes, rank, where):
 
 
 def _full_key_mask(attn_mask, q, total, local, stages, where, counter):
+    return full_key_mask(attn_mask, tuple(q.shape[:2]), total, local, stages, where, counter)
+
+
+def full_key_mask(attn_mask, batch_heads, total, local, stages, where, counter):
     """Normalise ``attn_mask`` to 4-D with the key dim over the full sequence (see module doc).
 
     ``stages``: (group, sizes) pairs whose successive all-gathers turn a local key range into the full one.
@@ -155,7 +159,7 @@ def _full_key_mask(attn_mask, q, total, local, stages, where, counter):
         raise ValueError(f"{where}: attn_mask must be at most 4-D [B, H, Sq, Sk], got {tuple(mask.shape)}")
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
-    batch, heads = q.shape[0], q.shape[1]
+    batch, heads = batch_heads
     if mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads):
         raise ValueError(f"{where}: attn_mask {tuple(mask.shape)} must have batch 1 or {batch} and heads 1 or {heads}")
     key_len, query_len = mask.shape[-1], mask.shape[-2]
@@ -216,25 +220,27 @@ def _all_to_all(x, output_sizes, input_sizes, group, counter, float8: bool):
     return from_fp8_rows(all_to_all_single(fp8_rows(x), output_sizes, input_sizes, group, counter=counter), x.dtype)
 
 
-def _ulysses(q, k, v, mask, group, sizes, scale, local_attention: Callable, counter, float8: bool = False):
-    """All-to-all heads <-> sequence, ``local_attention(q, k, v, mask)`` on full-sequence head groups,
-    all-to-all back. ``mask`` has a full key dim; a per-head mask is sliced to this rank's heads."""
-    world, rank = group.size(), group.rank()
-    batch, heads, local = q.shape[0], q.shape[1], q.shape[2]
+def ulysses_rows(x: torch.Tensor, world: int) -> torch.Tensor:
+    """``x [B, H, S_l, D]`` as the rows Ulysses sends: grouped by destination rank, ``[world * S_l, B, H / world, D]``
+    (heads zero-padded to a multiple of ``world``); the chunks received (``S_j`` rows from rank j) concatenate to
+    the full sequence in order. Local; its all-to-all may be issued as soon as ``x`` exists (async Ulysses)."""
+    batch, heads, local, dim = x.shape
     per_rank = -(-heads // world)
+    if per_rank * world > heads:
+        x = F.pad(x, (0, 0, 0, 0, 0, per_rank * world - heads))
+    return x.reshape(batch, world, per_rank, local, dim).permute(1, 3, 0, 2, 4).reshape(world * local, batch, per_rank,
+                                                                                         dim).contiguous()
+
+
+def ulysses_received(qh, kh, vh, mask, group, sizes, local_attention: Callable, counter, float8: bool, heads: int):
+    """The second half of Ulysses: ``qh``, ``kh``, ``vh`` are the received rows ``[S, B, H / world, D]`` (after the
+    q / k / v all-to-alls), ``mask`` has a full key dim and ``heads`` heads (or 1); ``local_attention`` on this
+    rank's heads over the full sequence, then the all-to-all back to ``[B, heads, S_local, Dv]``."""
+    world, rank = group.size(), group.rank()
+    local = sizes[rank]
+    batch, per_rank = qh.shape[1], qh.shape[2]
     padded_heads = per_rank * world
-
-    def heads_to_sequence(x):
-        # [B, H, S_l, D] -> rows grouped by destination rank: [world * S_l, B, per_rank, D]; the
-        # received chunks (S_j rows from rank j) concatenate to the full sequence in order.
-        if padded_heads > heads:
-            x = F.pad(x, (0, 0, 0, 0, 0, padded_heads - heads))
-        dim = x.shape[-1]
-        x = x.reshape(batch, world, per_rank, local, dim).permute(1, 3, 0, 2, 4).reshape(world * local, batch, per_rank, dim)
-        y = _all_to_all(x, sizes, [local] * world, group, counter, float8)
-        return y.permute(1, 2, 0, 3)  # [B, per_rank, S, D]
-
-    qh, kh, vh = heads_to_sequence(q), heads_to_sequence(k), heads_to_sequence(v)
+    qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (qh, kh, vh))  # [B, per_rank, S, D]
     if mask is not None and mask.shape[1] == heads and heads > 1:
         if padded_heads > heads:
             fill = mask.narrow(1, 0, 1).expand(-1, padded_heads - heads, -1, -1)
@@ -245,6 +251,15 @@ def _ulysses(q, k, v, mask, group, sizes, scale, local_attention: Callable, coun
     back = _all_to_all(out.permute(2, 0, 1, 3), [local] * world, sizes, group, counter, float8)
     back = back.reshape(world, local, batch, per_rank, v_dim).permute(2, 0, 3, 1, 4).reshape(batch, padded_heads, local, v_dim)
     return back[:, :heads]
+
+
+def _ulysses(q, k, v, mask, group, sizes, scale, local_attention: Callable, counter, float8: bool = False):
+    """All-to-all heads <-> sequence, ``local_attention(q, k, v, mask)`` on full-sequence head groups,
+    all-to-all back. ``mask`` has a full key dim; a per-head mask is sliced to this rank's heads."""
+    world, local = group.size(), q.shape[2]
+    qh, kh, vh = (_all_to_all(ulysses_rows(x, world), sizes, [local] * world, group, counter, float8)
+                  for x in (q, k, v))
+    return ulysses_received(qh, kh, vh, mask, group, sizes, local_attention, counter, float8, q.shape[1])
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup,

@@ -146,3 +146,35 @@ def attention_shape(q, k, v, attn_mask, *static):
     """Output of any of the attention wrappers: ``q``'s shape with ``v``'s head dim, in the memory
     order given by the last static argument."""
     return _in_order(q.new_empty((*q.shape[:-1], v.shape[-1])), static[-1])
+
+
+# Async Ulysses (``Ulysses(async_qkv=True)``): the q / k / v all-to-alls are graph nodes of their own
+# (``_c10d_functional.all_to_all_single`` on :func:`ulysses_rows`, its ``wait_tensor`` later), and
+# :func:`ulysses_received_attention` runs the rest: the same ops as :func:`ulysses_attention`, so the same bits.
+def ulysses_rows(x: torch.Tensor, batch: int, heads: int, world: int) -> torch.Tensor:
+    """``x`` (broadcast to ``[batch, heads]`` like SDPA's k / v) as the rows its all-to-all sends. Local."""
+    if tuple(x.shape[:2]) != (batch, heads):
+        x = x.expand(batch, heads, *x.shape[2:])
+    return _attn.ulysses_rows(x, world)
+
+
+def ulysses_received_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                               attn_mask: Optional[torch.Tensor], group_name: str, seq_sizes: Sequence[int],
+                               scale: Optional[float], out_order: Sequence[int], heads: int) -> torch.Tensor:
+    """Ulysses attention after the q / k / v all-to-alls (``*h``: the received rows ``[S, B, H / world, D]``):
+    attention on this rank's heads, the output's all-to-all back (one collective), in ``out_order``."""
+    group = resolve_group(group_name)
+    sizes = [int(s) for s in seq_sizes]
+    mask = _attn.full_key_mask(attn_mask, (qh.shape[1], heads), sum(sizes), sizes[group.rank()], [(group, sizes)],
+                               "ulysses_received_attention", None)
+
+    def local_sdpa(q, k, v, m):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
+
+    out = _attn.ulysses_received(qh, kh, vh, mask, group, sizes, local_sdpa, None, False, heads)
+    return _in_order(out, out_order)
+
+
+def ulysses_received_shape(qh, kh, vh, attn_mask, group_name, seq_sizes, scale, out_order, heads):
+    rank = resolve_group(group_name).rank()
+    return _in_order(qh.new_empty((qh.shape[1], heads, int(seq_sizes[rank]), vh.shape[-1])), out_order)

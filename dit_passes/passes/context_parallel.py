@@ -24,9 +24,10 @@ after ``Ulysses(size=2)``, rank 0::
     gather_sequence: "f32[1, 16, 32]" = gather_sequence(slice_8, 1, '0', [8, 8], [], [])   # 1 all_gather
 
 Per attention: Ulysses 4 all-to-alls, Ring ``size - 1`` K/V exchanges (``rotate_method="allgather"``: one
-all-gather; ``Ulysses(float8=True)``: the all-to-alls in e4m3), USP both; one all-gather per
-value leaving the block range or read whole by a non-local op (``nonlocal_gathers``), one all-reduce per
-partial sum over the tokens (linear attention). Meshes are cached in the runtime state (a new signature
+all-gather; ``Ulysses(float8=True)``: the all-to-alls in e4m3; ``Ulysses(async_qkv=True)``: the q / k / v ones
+as graph nodes, each waited for after the next projection, :mod:`~dit_passes.parallel.ulysses_async`), USP both;
+one all-gather per value leaving the block range or read whole by a non-local op (``nonlocal_gathers``), one
+all-reduce per partial sum over the tokens (linear attention). Meshes are cached in the runtime state (a new signature
 reuses them).
 """
 from __future__ import annotations
@@ -61,6 +62,7 @@ class _ContextParallel(Pass):
     group: Optional[dist.ProcessGroup] = None  # the ranks that share the sequence (default: the world)
     ring_rotate_method = "p2p"  # how ring attention's K / V travel: p2p exchanges, or one all-gather
     ulysses_float8 = False      # the Ulysses all-to-alls in e4m3 rows + per-row scales (approximate)
+    ulysses_async = False       # the q / k / v all-to-alls issued early, overlapped with the next projection
 
     @property
     def attention_op(self) -> str:
@@ -99,7 +101,7 @@ class _ContextParallel(Pass):
         plan = analyze(gm, get_structure(gm), spec)
         try:
             counts = apply_plan(gm, plan, mesh.parent.group_name, getattr(ops, self.attention_op),
-                                [mesh.group(d).group_name for d in self.attention_groups])
+                                [mesh.group(d).group_name for d in self.attention_groups], self.ulysses_async)
         except PropagationError as e:
             raise PassError(f"{self.describe()}: the rewritten graph would fail: {e}. The sequence-sharding rules "
                             f"accepted an op whose local form cannot run; report the model") from e
@@ -135,17 +137,25 @@ class _OneAxis(_ContextParallel):
 
 class Ulysses(_OneAxis):
     """DeepSpeed-Ulysses sequence parallelism over ``size`` ranks (all-to-all heads <-> sequence). ``float8=True``:
-    the all-to-alls move e4m3 rows with a per-row fp32 scale (about half of bf16's bytes; approximate)."""
+    the all-to-alls move e4m3 rows with a per-row fp32 scale (about half of bf16's bytes; approximate).
+    ``async_qkv=True``: each of v, q, k is sent (``_c10d_functional.all_to_all_single``) as soon as it is
+    projected and waited for (``wait_tensor``) after the next one is, so the all-to-alls overlap the projections
+    (:mod:`~dit_passes.parallel.ulysses_async`; same collectives, same bits as synchronous Ulysses)."""
 
     name = "ulysses"
     attention_groups = ("ulysses",)
 
-    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, float8: bool = False):
+    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, float8: bool = False,
+                 async_qkv: bool = False):
         super().__init__(size, group)
         self.ulysses_float8 = bool(float8)
+        self.ulysses_async = bool(async_qkv)
+        if self.ulysses_async and self.ulysses_float8:
+            raise ValueError("Ulysses(float8=True, async_qkv=True): the async all-to-alls move the values as they "
+                             "are; choose one of float8 (fewer bytes) or async_qkv (overlap)")
 
     def config_items(self) -> Dict[str, Any]:
-        return {"size": self.ulysses_size, "float8": self.ulysses_float8}
+        return {"size": self.ulysses_size, "float8": self.ulysses_float8, "async_qkv": self.ulysses_async}
 
 
 class Ring(_OneAxis):
@@ -194,6 +204,7 @@ def describe_collectives(gm: fx.GraphModule) -> Dict[str, int]:
     kinds = {getattr(ops, k): k for k in ("ulysses_attention", "ring_attention", "usp_attention", "gather_sequence",
                                           "shard_sequence", "permute_sequence", "ring_allgather_attention",
                                           "usp_allgather_attention", "ulysses_fp8_attention", "usp_fp8_attention",
-                                          "usp_fp8_allgather_attention")}
+                                          "usp_fp8_allgather_attention",
+                                          "ulysses_received_attention")}
     return dict(collections.Counter(kinds[n.target] for n in gm.graph.nodes
                                     if n.op == "call_function" and n.target in kinds))
