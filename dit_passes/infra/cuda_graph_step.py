@@ -44,8 +44,8 @@ class CudaGraphUnavailable(RuntimeError):
 def conditional_capture_mode() -> type:
     """A dispatch mode that turns ``torch.cond`` into CUDA conditional nodes while capturing: torch's own
     (``torch._higher_order_ops.cudagraph_conditional_nodes``, in torch 2.13; not in 2.11) or, on a torch whose
-    CUDAGraph has the IF-node capture calls but not that module, :class:`IfNodeCapture`. Raises :class:`CudaGraphUnavailable`
-    where neither exists or CUDA is older than 12.4."""
+    CUDAGraph has the IF-node capture calls but not that module, :class:`IfNodeCapture`. Raises
+    :class:`CudaGraphUnavailable` where neither exists or CUDA is older than 12.4."""
     if not torch.cuda.is_available():
         raise CudaGraphUnavailable(f"mode='reduce-overhead' replays the step as a CUDA graph: no CUDA device "
                                    f"here; {FIX}")

@@ -19,5 +19,6 @@ from .attention_backend import AttentionBackend
 from .vae_parallel import VAEParallel
 
 __all__ = ["Cleanup", "DBCache", "DBPrune", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
-           "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "Fp8Linear",
-           "Int8Linear", "LoadQuantized", "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend", "VAEParallel"]
+           "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "LoadQuantized",
+           "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend",
+           "VAEParallel"]
