@@ -271,7 +271,8 @@ class RegionalCompile(Pass):
         if compile_kwargs.get("mode") == "reduce-overhead" or cudagraphs:
             raise ValueError("RegionalCompile: mode='reduce-overhead' (CUDA graphs) would copy every block's "
                              "weights on each call (they are template inputs); use the default mode or "
-                             "'max-autotune-no-cudagraphs'")
+                             "'max-autotune-no-cudagraphs', and for CUDA graphs compile_dit(..., torch_compile="
+                             "{'regional': True, 'mode': 'reduce-overhead'}) (the whole step as one graph)")
         if "fullgraph" in compile_kwargs and not compile_kwargs["fullgraph"]:
             raise ValueError("RegionalCompile compiles whole blocks: fullgraph=False is not supported")
         self.min_nodes = int(min_nodes)
