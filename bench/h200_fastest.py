@@ -29,27 +29,11 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict
 
 import torch
 
 from dit_passes import bench as B
-
-
-def generation(module, inputs: Dict[str, Any]) -> Tuple[float, torch.Tensor]:
-    """``bench.generation``'s loop, also returning the final latents."""
-    kw = dict(inputs)
-    ts = [torch.tensor([1.0 - i / B.STEPS], device="cuda", dtype=inputs["timestep"].dtype) for i in range(B.STEPS)]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    x = kw["hidden_states"]
-    with torch.inference_mode():
-        for t in ts:
-            kw["timestep"] = t
-            x = x + 0.01 * module(**kw)[0]
-            kw["hidden_states"] = x
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, x
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -84,8 +68,8 @@ def build_row(name: str, model, inputs):
 def measure(name: str, module, inputs, repeats: int, ref) -> Dict[str, Any]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    first, x = generation(module, inputs)
-    runs = [generation(module, inputs)[0] for _ in range(repeats)]
+    first, x = B.generation_latents(module, inputs)
+    runs = [B.generation(module, inputs) for _ in range(repeats)]
     row = {"first_generation_s": first, "generation_s": statistics.median(runs), "runs_s": runs,
            "resident_gib": torch.cuda.memory_allocated() / 2 ** 30,
            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30}

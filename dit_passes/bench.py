@@ -89,6 +89,11 @@ def _sync(device: torch.device) -> None:
 
 def generation(model, inputs: Dict[str, Any], steps: int = STEPS) -> float:
     """Seconds for one ``steps``-step toy generation (host clock after a device sync)."""
+    return generation_latents(model, inputs, steps)[0]
+
+
+def generation_latents(model, inputs: Dict[str, Any], steps: int = STEPS):
+    """``(seconds, final latents)`` of one ``steps``-step toy generation (:func:`generation`'s loop)."""
     device = inputs["hidden_states"].device
     kw = dict(inputs)
     timesteps = [torch.tensor([1.0 - i / steps], device=device, dtype=inputs["timestep"].dtype) for i in range(steps)]
@@ -102,7 +107,7 @@ def generation(model, inputs: Dict[str, Any], steps: int = STEPS) -> float:
             x = x + 0.01 * out
             kw["hidden_states"] = x
     _sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, x
 
 
 def schedules() -> Dict[str, Dict[str, Any]]:
