@@ -262,7 +262,7 @@ class CompiledDiT(torch.nn.Module):
                 raise CudaGraphUnavailable(f"torch_compile={{'regional': True, 'mode': 'reduce-overhead'}} replays the "
                                            f"step as a CUDA graph: the call's tensors are on {device}; run on a CUDA "
                                            f"device or {CUDA_GRAPH_FIX}")
-            conditional_capture_mode()  # this torch / CUDA has conditional nodes
+            capture_mode = conditional_capture_mode()  # this torch / CUDA has conditional nodes
         read: Dict[str, torch.Tensor] = {}  # what LoadWeights reads from the checkpoint: it goes into the model too
         passes = ([Cleanup()] if self._cleanup else []) + ([LoadWeights(read)] if ledger.source is not None else []) \
             + self._passes + ([self._regional] if self._regional else [])
@@ -291,17 +291,17 @@ class CompiledDiT(torch.nn.Module):
                                                                             **self._torch_compile})
         lowered = LoweredGraph(gm, captured, manager, runner)
         if self._cuda_graphs:
-            lowered.runner = self._cuda_graph_step(lowered)
+            lowered.runner = self._cuda_graph_step(lowered, capture_mode)
         self.graphs[f"g{len(self._by_key)}"] = gm
         self._by_key[key] = lowered
         return lowered
 
-    def _cuda_graph_step(self, lowered: LoweredGraph) -> CudaGraphStep:
-        """The lowered graph's eager runner, replayed as a CUDA graph (mode="reduce-overhead"); refused here, at
-        lowering, where it cannot apply."""
+    def _cuda_graph_step(self, lowered: LoweredGraph, capture_mode: type) -> CudaGraphStep:
+        """The lowered graph's eager runner, replayed as a CUDA graph (mode="reduce-overhead") with the conditional
+        capture ``lower`` checked before capturing."""
         if self._graph_pool is None:  # one memory pool for every signature's graph: they never run at once
             self._graph_pool = torch.cuda.graph_pool_handle()
-        return CudaGraphStep(lowered.eager, pool=self._graph_pool)
+        return CudaGraphStep(lowered.eager, pool=self._graph_pool, capture_mode=capture_mode)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = bind_call(self.original, args, kwargs)

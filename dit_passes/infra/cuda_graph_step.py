@@ -135,7 +135,8 @@ class CudaGraphStep:
     never run at the same time). ``warmup_calls``: eager calls with both arms warmed before the capture.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, pool: Any = None, warmup_calls: int = 1):
+    def __init__(self, fn: Callable[..., Any], *, pool: Any = None, warmup_calls: int = 1,
+                 capture_mode: Optional[type] = None):
         self.fn = fn
         self.pool = pool
         self.warmup_calls = int(warmup_calls)
@@ -145,7 +146,8 @@ class CudaGraphStep:
         self._inputs: List[torch.Tensor] = []
         self._outputs: List[Any] = []
         self._out_spec: Any = None
-        self._capture_mode = conditional_capture_mode()  # refuse here, at lowering, where it cannot work
+        # the caller's checked mode, or checked here: refused at construction where it cannot work
+        self._capture_mode = capture_mode or conditional_capture_mode()
 
     def _check(self, args: Sequence[Any]) -> None:
         for i, a in enumerate(args):
