@@ -129,12 +129,10 @@ def pipeline_sampler(pipe, **call_kwargs: Any) -> Sampler:
     with the transformer under test in a fresh pipeline of the same class sharing every other component (``pipe``
     itself is never modified), the seed's CPU generator and ``steps`` steps; images (video frames flattened into
     the batch) as float32 in [0, 1]."""
+    from .models.digits import pipeline_with
+
     def run(transformer, seed: int, steps: int) -> torch.Tensor:
-        runner = pipe if transformer is None else type(pipe)(**{**pipe.components, "transformer": transformer})
-        runner.set_progress_bar_config(disable=True)
-        reset = getattr(runner.transformer, "new_generation", None)
-        if callable(reset):
-            reset()
+        runner = pipeline_with(pipe, transformer)
         with torch.no_grad():
             out = runner(**call_kwargs, num_inference_steps=steps, output_type="pt", return_dict=False,
                          generator=torch.Generator("cpu").manual_seed(int(seed)))[0]

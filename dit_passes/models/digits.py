@@ -253,6 +253,20 @@ def load_digits_pipeline(device="cpu", dtype: torch.dtype = torch.float32, asset
     return pipe, cond
 
 
+def pipeline_with(pipe, transformer=None):
+    """``pipe`` with ``transformer`` denoising instead (a fresh pipeline of the same class sharing every other
+    component, so ``pipe`` is never modified; ``None``: ``pipe`` itself), its cache state reset for a new
+    generation when it has one (``new_generation()``, CompiledDiT)."""
+    runner = pipe
+    if transformer is not None:
+        runner = type(pipe)(**{**pipe.components, "transformer": transformer})
+        runner.set_progress_bar_config(disable=True)
+    reset = getattr(runner.transformer, "new_generation", None)
+    if callable(reset):
+        reset()
+    return runner
+
+
 @torch.no_grad()
 def sample(pipe, labels: Sequence[int], seed: int, steps: int = 28, transformer=None, *,
            true_cfg_scale: float = 1.0, cond: ClassConditioner | None = None) -> torch.Tensor:
@@ -267,8 +281,6 @@ def sample(pipe, labels: Sequence[int], seed: int, steps: int = 28, transformer=
     guidance with the null class as the negative prompt (two transformer calls per step, in the
     pipeline's "cond" / "uncond" cache contexts).
     """
-    from diffusers import FluxPipeline
-
     labels = [int(x) for x in labels]
     if any(not 0 <= x < NUM_CLASSES for x in labels) or not labels:
         raise ValueError(f"labels must be a non-empty list of digits 0..9, got {labels}")
@@ -278,13 +290,7 @@ def sample(pipe, labels: Sequence[int], seed: int, steps: int = 28, transformer=
     if cond is None:
         raise ValueError("pipe has no digits_cond: build it with load_digits_pipeline(), or pass cond=")
     size = int(getattr(pipe, "digits_image_size", IMAGE_SIZE))
-    runner = pipe
-    if transformer is not None:
-        runner = FluxPipeline(**{**pipe.components, "transformer": transformer})
-        runner.set_progress_bar_config(disable=True)
-    reset = getattr(runner.transformer, "new_generation", None)
-    if callable(reset):
-        reset()
+    runner = pipeline_with(pipe, transformer)
     prompt_embeds, pooled = cond(labels)
     kwargs = dict(prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled, height=size, width=size,
                   num_inference_steps=steps, guidance_scale=1.0,  # no guidance embedding: ignored
