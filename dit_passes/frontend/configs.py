@@ -33,7 +33,9 @@ class ParallelismConfig:
 
     Mapped: ``ulysses_size`` -> ``passes.Ulysses``, ``ring_size`` -> ``passes.Ring``, both -> ``passes.USP``,
     ``tp_size`` -> ``passes.TensorParallel``, on the current (torchrun-initialised) process group; ``use_ray``
-    -> :class:`~dit_passes.launch.ray_launcher.RayLauncher` (built by ``dit_passes.frontend.api``).
+    -> :class:`~dit_passes.launch.ray_launcher.RayLauncher` (built by ``dit_passes.frontend.api``): ``ray_address``
+    -> its ``address`` (``ray.init(address=...)`` when Ray is not initialised here), ``ray_worker_options`` -> its
+    ``worker_options`` (the actors' ``.options(...)``), ``ray_runtime_env`` / ``ray_init_kwargs`` as named.
     Uneven sequence lengths are always exact here, so ``ulysses_anything`` needs nothing; the ring exchange
     is point-to-point (``ring_rotate_method="p2p"``) or one all-gather of K / V (``"allgather"``: the same
     result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` /
