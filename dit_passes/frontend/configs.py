@@ -39,10 +39,11 @@ class ParallelismConfig:
     result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` /
     ``attention_backend`` are accepted and ignored (the plan is derived from the graph). CP together with TP builds both on one mesh
     (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). Not implemented (``NotImplementedError``):
-    ``extra_parallel_modules`` with ``use_ray``; ``ulysses_async`` with a ring or with ``ulysses_float8``.
+    ``extra_parallel_modules`` with ``use_ray``.
     ``ulysses_float8=True`` sends the Ulysses all-to-alls as e4m3 rows with per-row scales (approximate);
     ``ulysses_async=True`` issues each q / k / v all-to-all as soon as it is projected and waits for it after the
-    next projection (``passes.Ulysses(size, async_qkv=True)``: exact).
+    next projection (``passes.Ulysses(size, async_qkv=True)``, with a ring ``passes.USP(..., ulysses_async=True)``:
+    the bits of the synchronous form, float8 included); it needs ``ulysses_size > 1``.
     """
 
     backend: Any = "auto"
@@ -94,9 +95,9 @@ class ParallelismConfig:
         return self.world_size() == 1 and not self.use_ray and not self.extra_parallel_modules
 
     def check_supported(self) -> None:
-        if self.ulysses_async and ((self.ring_size or 1) > 1 or self.ulysses_float8 or (self.ulysses_size or 1) < 2):
-            raise NotImplementedError("ParallelismConfig.ulysses_async=True is implemented for Ulysses alone "
-                                      "(ulysses_size > 1, no ring_size, no ulysses_float8)")
+        if self.ulysses_async and (self.ulysses_size or 1) < 2:
+            raise ValueError("ParallelismConfig.ulysses_async=True overlaps the Ulysses all-to-alls: it needs "
+                             f"ulysses_size > 1 (got ulysses_size={self.ulysses_size}, ring_size={self.ring_size})")
         if self.extra_parallel_modules and self.use_ray:
             raise NotImplementedError("ParallelismConfig.extra_parallel_modules with use_ray=True is not "
                                       "implemented: the Ray workers parallelise the transformer only")

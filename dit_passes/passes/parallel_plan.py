@@ -41,7 +41,7 @@ def parallel_passes(ulysses: int = 1, ring: int = 1, tp: int = 1,
     """The parallel passes for ``ulysses × ring × tp`` ranks of ``group`` (default: the world); sizes of
     1 drop their pass; ``ring_rotate_method``: how ring attention's K / V travel ("p2p" or "allgather");
     ``ulysses_float8``: the Ulysses all-to-alls in e4m3 (approximate); ``ulysses_async``: the q / k / v all-to-alls
-    overlapped with the projections (Ulysses without a ring). Context and tensor parallelism together
+    overlapped with the projections (Ulysses, or USP's Ulysses part). Context and tensor parallelism together
     build the subgroups of a (cp, tp) mesh: a collective, every rank calls it with the same sizes; one kind alone
     needs no process group yet."""
     _check_sizes("parallel_passes", ulysses=ulysses, ring=ring, tp=tp)
@@ -50,14 +50,13 @@ def parallel_passes(ulysses: int = 1, ring: int = 1, tp: int = 1,
         _check_world("parallel_passes", ulysses, ring, tp, group)
         mesh = ParallelMesh((("cp", ulysses * ring), ("tp", tp)), group=group)
         cp_group, tp_group = mesh.group("cp"), mesh.group("tp")
-    if ulysses_async and (ulysses < 2 or ring > 1):
-        raise NotImplementedError(f"parallel_passes(ulysses_async=True) needs Ulysses alone (ulysses > 1, ring = 1), "
-                                  f"got ulysses={ulysses}, ring={ring}: async all-to-alls inside USP are not "
-                                  "implemented; drop ulysses_async or ring_size")
+    if ulysses_async and ulysses < 2:
+        raise ValueError(f"parallel_passes(ulysses_async=True) overlaps the Ulysses all-to-alls, but ulysses={ulysses} "
+                         f"(ring={ring}) runs none: set ulysses > 1 or drop ulysses_async")
     passes: List[Pass] = []
     if ulysses > 1 and ring > 1:
         passes.append(USP(ulysses=ulysses, ring=ring, group=cp_group, ring_rotate_method=ring_rotate_method,
-                          ulysses_float8=ulysses_float8))
+                          ulysses_float8=ulysses_float8, ulysses_async=ulysses_async))
     elif ulysses > 1:
         passes.append(Ulysses(ulysses, group=cp_group, float8=ulysses_float8, async_qkv=ulysses_async))
     elif ring > 1:
