@@ -6,7 +6,7 @@ passes, anything else (text encoders) -> TensorParallel over the whole group.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,23 +80,28 @@ def _is_vae(module: Any) -> bool:
 
 
 def parallelize_module(module: torch.nn.Module, size: int, transformer_passes: Callable[[], list],
-                       group: Optional[dist.ProcessGroup] = None, keep_original: bool = False) -> torch.nn.Module:
+                       group: Optional[dist.ProcessGroup] = None, keep_original: bool = False,
+                       then: Sequence[Pass] = ()) -> torch.nn.Module:
     """The parallel replacement of one extra module (see the module docstring for the rule); ``keep_original``:
-    as ``compile_dit``'s (the sharded weights stay in ``module`` too)."""
+    as ``compile_dit``'s (the sharded weights stay in ``module`` too); ``then``: passes after the parallel ones
+    (quantization of a text encoder), not for a VAE."""
     from .. import compile_dit
 
     if _is_vae(module):
+        if then:
+            raise ValueError(f"parallelize_module: a VAE takes no further passes, got {[p.name for p in then]}")
         return parallel_vae(module, size, group=group)
     if "controlnet" in type(module).__name__.lower():
-        return compile_dit(module, passes=transformer_passes(), keep_original=keep_original)
-    return compile_dit(module, passes=parallel_passes(tp=size, group=group), keep_original=keep_original)
+        return compile_dit(module, passes=[*transformer_passes(), *then], keep_original=keep_original)
+    return compile_dit(module, passes=[*parallel_passes(tp=size, group=group), *then], keep_original=keep_original)
 
 
 def parallelize_extra_modules(pipe: Any, modules: Sequence[Any], size: int, transformer_passes: Callable[[], list],
-                              group: Optional[dist.ProcessGroup] = None, keep_original: bool = False
-                              ) -> List[Tuple[str, Any]]:
-    """Replace each of ``modules`` (components of ``pipe``) by its parallel version; returns
-    ``[(attribute, original), ...]`` so the caller can put the originals back."""
+                              group: Optional[dist.ProcessGroup] = None, keep_original: bool = False,
+                              then: Optional[Dict[int, List[Pass]]] = None) -> List[Tuple[str, Any]]:
+    """Replace each of ``modules`` (components of ``pipe``) by its parallel version (``then[id(module)]``: passes
+    to run after the parallel ones); returns ``[(attribute, original), ...]`` so the caller can put the originals
+    back."""
     components = {id(v): k for k, v in getattr(pipe, "components", {}).items() if v is not None}
     missing = [type(m).__name__ for m in modules if id(m) not in components]
     if missing:
@@ -105,6 +110,7 @@ def parallelize_extra_modules(pipe: Any, modules: Sequence[Any], size: int, tran
     replaced: List[Tuple[str, Any]] = []
     for module in modules:
         attr = components[id(module)]
-        setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group, keep_original))
+        setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group, keep_original,
+                                               (then or {}).get(id(module), ())))
         replaced.append((attr, module))
     return replaced
