@@ -1,5 +1,5 @@
 """Residual-cache configuration: cache-dit 1.5.3's ``DBCacheConfig`` / ``DBPruneConfig`` and its calibrator
-configs (``TaylorSeerCalibratorConfig``, ``FoCaCalibratorConfig``).
+configs (``TaylorSeerCalibratorConfig``, ``FoCaCalibratorConfig``, ``DMDCalibratorConfig``).
 
 Same field names, defaults and ``strify()`` tags as the reference (``cache_dit/caching/cache_contexts/
 cache_config.py`` and ``calibrators/__init__.py``), so a user's existing config carries over. Unlike the
