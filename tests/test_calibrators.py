@@ -134,24 +134,32 @@ def test_dmd_forecast_is_exact_on_exponential_modes():
 STEPS = 10
 
 
-@pytest.mark.reference
-def test_foca_dbcache_pass_matches_cache_dit():
+def against_cache_dit(max_warmup_steps, ref_calibrator, compile_ours):
+    """A tiny Flux over STEPS calls: ``(compiled, ours, ref, cache-dit's cached steps, plain DBCache's outputs)``,
+    cache-dit with ``ref_calibrator`` beside ``compile_ours(model, cfg)``; always cached after the warm-up but for
+    every fifth step (runs of 4)."""
     zm = build("flux")
     kwargs = zm.make_inputs()
-    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=1.0, max_warmup_steps=3, max_continuous_cached_steps=4,
-               enable_separate_cfg=False, num_inference_steps=STEPS)
+    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=1.0, max_warmup_steps=max_warmup_steps,
+               max_continuous_cached_steps=4, enable_separate_cfg=False, num_inference_steps=STEPS)
     ref_model = copy.deepcopy(zm.model)
-    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBCacheConfig(**cfg),
-                           calibrator_config=cache_dit.FoCaCalibratorConfig())
+    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBCacheConfig(**cfg), calibrator_config=ref_calibrator)
     ref = step_loop(ref_model, kwargs)
-    ref_stats = cache_dit.summary(ref_model, logging=False)[0]
-    compiled = compile_dit(zm.model, passes=[passes.DBCache(calibrator=FoCaCalibratorConfig(), **cfg)])
+    ref_cached = cache_dit.summary(ref_model, logging=False)[0].cached_steps
+    compiled = compile_ours(zm.model, cfg)
     ours = step_loop(compiled, kwargs)
+    plain = step_loop(compile_dit(zm.model, passes=[passes.DBCache(**cfg)]), kwargs)
+    return compiled, ours, ref, ref_cached, plain
+
+
+@pytest.mark.reference
+def test_foca_dbcache_pass_matches_cache_dit():
+    compiled, ours, ref, ref_cached, plain = against_cache_dit(3, cache_dit.FoCaCalibratorConfig(), lambda m, cfg: (
+        compile_dit(m, passes=[passes.DBCache(calibrator=FoCaCalibratorConfig(), **cfg)])))
     # warm-up 3, then always cached but for every fifth step: runs of 4 (elapsed up to 4: both FoCa forms)
-    assert compiled.runtime.state["dbcache"].summary()[-1]["cached_steps"] == ref_stats.cached_steps == [3, 4, 5, 6, 8, 9]
+    assert compiled.runtime.state["dbcache"].summary()[-1]["cached_steps"] == ref_cached == [3, 4, 5, 6, 8, 9]
     err = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert err <= 1e-5, err
-    plain = step_loop(compile_dit(zm.model, passes=[passes.DBCache(**cfg)]), kwargs)
     assert (plain - ref).abs().max() > 100 * (ours - ref).abs().max(), "FoCa made no difference: nothing tested"
 
 
@@ -160,24 +168,14 @@ def test_dmd_dbcache_pass_and_enable_cache_match_cache_dit():
     """DMD as the graph pass (through ``enable_cache`` on the transformer, cache-dit's config class converted): the
     same cached steps and outputs as cache-dit on a tiny Flux; its tags as the reference's."""
     import dit_passes
-    zm = build("flux")
-    kwargs = zm.make_inputs()
-    # warm-up 5 (a uniform tail of 5 snapshots), then runs of 4 cached steps: the forecast at horizons 1-4
-    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=1.0, max_warmup_steps=5, max_continuous_cached_steps=4,
-               enable_separate_cfg=False, num_inference_steps=STEPS)
-    ref_model = copy.deepcopy(zm.model)
-    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBCacheConfig(**cfg),
-                           calibrator_config=cache_dit.DMDCalibratorConfig(dmd_history=5))
-    ref = step_loop(ref_model, kwargs)
-    ref_stats = cache_dit.summary(ref_model, logging=False)[0]
-    compiled = dit_passes.enable_cache(zm.model, cache_config=dit_passes.DBCacheConfig(**cfg),
-                                       calibrator_config=cache_dit.DMDCalibratorConfig(dmd_history=5))
-    ours = step_loop(compiled, kwargs)
+    # warm-up 5 (a uniform tail of 5 snapshots), then a run of 4 cached steps: the forecast at horizons 1-4
+    theirs = cache_dit.DMDCalibratorConfig(dmd_history=5)
+    compiled, ours, ref, ref_cached, plain = against_cache_dit(5, theirs, lambda m, cfg: dit_passes.enable_cache(
+        m, cache_config=dit_passes.DBCacheConfig(**cfg), calibrator_config=theirs))
     assert isinstance(compiled.runtime.state["frontend"].calibrator_config, DMDCalibratorConfig)
-    assert compiled.runtime.state["dbcache"].summary()[-1]["cached_steps"] == ref_stats.cached_steps == [5, 6, 7, 8]
+    assert compiled.runtime.state["dbcache"].summary()[-1]["cached_steps"] == ref_cached == [5, 6, 7, 8]
     err = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert err <= 1e-5, err
-    plain = step_loop(compile_dit(zm.model, passes=[passes.DBCache(**cfg)]), kwargs)
     assert (plain - ref).abs().max() > 100 * (ours - ref).abs().max(), "DMD made no difference: nothing tested"
     for precision in ("low", "medium", "high"):
         kw = dict(dmd_history=5, dmd_svd_precision=precision)

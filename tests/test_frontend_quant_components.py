@@ -11,22 +11,17 @@ import torch
 
 import dit_passes as cache_dit
 from dit_passes.compiled import CompiledDiT
-
-STEPS = 2
-
+from test_frontend_parallel import _call  # the pipeline's images (6 steps, decoded)
 
 def _pipeline():
+    """test_frontend_parallel's tiny FluxPipeline (a T5 ``text_encoder_2``) with a CLIP ``text_encoder`` too."""
     import transformers as T
-    from dit_passes.models.zoo import build
-    from dit_passes.testing.pipelines import flux_pipeline
+    from test_frontend_parallel import _pipeline as flux_with_t5
 
-    torch.manual_seed(1)
-    t5 = T.T5EncoderModel(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                     dropout_rate=0.0)).eval()
+    pipe = flux_with_t5()
     clip = T.CLIPTextModel(T.CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=2, max_position_embeddings=16,
                                             bos_token_id=0, eos_token_id=2, pad_token_id=1)).eval()
-    pipe = flux_pipeline(build("flux", num_layers=2, num_single_layers=2).model, text_encoder_2=t5)
     pipe.register_modules(text_encoder=clip)
     return pipe
 
@@ -55,14 +50,6 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def _call(pipe):
-    g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        return pipe(prompt_embeds=torch.randn(1, 7, 32, generator=g), pooled_prompt_embeds=torch.randn(1, 32, generator=g),
-                    height=16, width=16, num_inference_steps=STEPS, guidance_scale=3.5, output_type="latent",
-                    generator=torch.Generator().manual_seed(3)).images
-
-
 def test_list_quantizes_the_transformer_and_the_main_text_encoder(ids):
     pipe = _pipeline()
     t5, clip, transformer = pipe.text_encoder_2, pipe.text_encoder, pipe.transformer
@@ -74,8 +61,8 @@ def test_list_quantizes_the_transformer_and_the_main_text_encoder(ids):
     # a text encoder has no _repeated_blocks: every linear but the default exclude_layers' substrings (none in T5)
     assert _quantized(pipe.text_encoder_2) == {p: "int8_per_row" for p in _linears(t5)}
     assert 0 < _rel(got, want) < 0.05, _rel(got, want)
-    _call(pipe)  # lowers the transformer
-    assert set(_quantized(pipe.transformer).values()) == {"int8_per_row"}
+    frontend = pipe.transformer.runtime.state["frontend"]  # its quantized linears: test_frontend_quant_rows.py
+    assert [p.name for p in frontend.passes] == ["int8_linear"] and frontend.quantize_config.quant_type == "int8_per_row"
     assert pipe.transformer.runtime.state["frontend"].cache_config is None  # a quantize config alone: no cache
     cache_dit.disable_cache(pipe)
     assert pipe.text_encoder_2 is t5 and pipe.transformer is transformer and pipe.text_encoder is clip
@@ -93,8 +80,8 @@ def test_dict_gives_each_component_its_own_fields(ids):
     got_t5, got_clip = _encode(pipe.text_encoder_2, ids), _encode(pipe.text_encoder, ids)
     assert _quantized(pipe.text_encoder_2) == {p: "fp8_per_tensor" for p in _linears(t5, ("DenseReluDense",))}
     assert _quantized(pipe.text_encoder) == {p: "int8_per_row" for p in _linears(clip)}  # a module as the key
-    _call(pipe)
-    assert set(_quantized(pipe.transformer).values()) == {"fp8_per_row"}
+    frontend = pipe.transformer.runtime.state["frontend"]
+    assert [p.name for p in frontend.passes] == ["fp8_linear"] and frontend.quantize_config.quant_type == "float8_per_row"
     assert 0 < _rel(got_t5, want_t5) < 0.1
     assert 0 < _rel(got_clip, want_clip) < 0.05
     assert cache_dit.strify(pipe)  # the transformer's own config is the one it reports
