@@ -42,10 +42,11 @@ from ..infra.pass_manager import PassManager
 from ..passes.load_quantized import LoadQuantized
 from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator
 from .cache_configs import resolve_cache_config as _resolve_cache_config
+from . import components
 from .configs import ParallelismConfig, QuantizeConfig, calibrate
 
 logger = logging.getLogger("dit_passes")
-TRANSFORMER_ATTRS = ("transformer", "transformer_2")
+TRANSFORMER_ATTRS = components.TRANSFORMER_NAMES
 FRONTEND = "frontend"  # key in the CompiledDiT's runtime.state
 
 
@@ -230,22 +231,26 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     if pc is not None:
         _check_parallel_env(pc)
     targets = _targets(pipe_or_module)
+    quantized, others = components.plan(pipe_or_module, quantize_config)  # which components, which config each
     bases = [_check_target(o, a, m, allow_extend=quantize_config is None) for o, a, m in targets]
     wrapped = []
     for (owner, attr, module), base in zip(targets, bases):
-        state = FrontendState(cfg, cal, pc, quantize_config, [], restore=module)
+        state = FrontendState(cfg, cal, pc, quantized.get(attr or "transformer"), [], restore=module)
         original = module.original if base is not None else module
         wrapped.append((owner, attr, _wrap(original, state, module if base is not None else None, keep_original)))
     for owner, attr, compiled in wrapped:  # assigned only once every transformer succeeded
         if owner is not None:
             setattr(owner, attr, compiled)
-    if pc is not None and pc.extra_parallel_modules:  # TE-P / VAE-P / CN-P
-        owner = targets[0][0]
+    owner, first = targets[0][0], _state_of(wrapped[0][2])
+    extra_parallel = list(pc.extra_parallel_modules) if pc is not None and pc.extra_parallel_modules else []
+    # text encoders in components_to_quantize (one also in extra_parallel_modules: its TP passes, then these)
+    first.extra_restore, quant_passes = components.quantize_components(owner, others, keep_original, extra_parallel)
+    if extra_parallel:  # TE-P / VAE-P / CN-P
         if owner is None:
             raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
         from ..passes.parallel_plan import parallelize_extra_modules
-        _state_of(wrapped[0][2]).extra_restore = parallelize_extra_modules(
-            owner, pc.extra_parallel_modules, pc.world_size(), pc.to_passes, keep_original=keep_original)
+        first.extra_restore += parallelize_extra_modules(owner, extra_parallel, pc.world_size(), pc.to_passes,
+                                                         keep_original=keep_original, then=quant_passes)
         logger.info("enable_cache(%s): passes %s", _name(attr, compiled), [p.name for p in _state_of(compiled).passes])
     return pipe_or_module if targets[0][0] is not None else wrapped[0][2]
 
@@ -269,6 +274,11 @@ def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
     run there (``pipe.transformer`` and ``pipe.transformer_2`` become proxies of one engine, both lowered in every
     worker). ``ray_transfer_fn``: the whole-pipeline engine is returned."""
     pc, q = state.parallelism_config, state.quantize_config
+    if q is not None and q.components_to_quantize is not None:
+        if any(not (isinstance(c, str) and c in TRANSFORMER_ATTRS) for c, _ in q.component_configs()):
+            raise NotImplementedError("QuantizeConfig.components_to_quantize beyond the transformer with use_ray=True: "
+                                      "the Ray workers run the transformer only")
+        q = state.quantize_config = components.plan(None, q)[0].get("transformer")
     if q is not None and q.is_ptq():
         raise NotImplementedError("SVDQuant PTQ with use_ray=True: quantize(..., serialize_to=dir) first, then "
                                   "load(transformer, dir) inside ray_transfer_fn")
