@@ -122,23 +122,19 @@ class TPRules(Propagation):
         self.counts["padded"] += padded
 
     def shard_modulation(self, sites) -> None:
-        """``modulation="column"``, after :meth:`propagate`: each modulation linear of ``sites`` (LinearSites) whose
-        input is replicated gets its weight rows sharded and its output all-gathered, so every reader sees the
-        full value. A site the propagation rewrote already (its input is sharded: a row-parallel linear that the
-        roles call modulation) is left as it is. A linear elsewhere reading the same weight (DiT's timestep
-        embedder, run again outside the blocks for the final norm) is sharded and gathered alike: the weight is
-        held once, as a shard."""
+        """``modulation="column"``, after :meth:`propagate`: each modulation linear of ``sites`` (LinearSites) with a
+        replicated input gets its weight rows sharded and its output all-gathered; one the propagation rewrote
+        (input sharded: row-parallel, though its role says modulation) stays as it is. Other linears reading the
+        same weight (DiT's timestep embedder, run again outside the blocks) are sharded and gathered alike."""
         readers: Dict[str, List[fx.Node]] = {}  # weight attribute -> the replicated linears reading it
         for u in self.g.nodes:
             if u.target is oc.LINEAR and self._replicated_linear(u):
                 readers.setdefault(u.args[1].target, []).append(u)
         done: Set[fx.Node] = set()
-        for site in sites:
-            if self._replicated_linear(site.node):
-                for n in [site.node] + readers[site.node.args[1].target]:
-                    if n not in done:
-                        done.add(n)
-                        self._gathered_column(n)
+        for n in (r for s in sites if self._replicated_linear(s.node) for r in readers[s.node.args[1].target]):
+            if n not in done:  # (the site itself is among its weight's readers)
+                done.add(n)
+                self._gathered_column(n)
 
     def _replicated_linear(self, n: fx.Node) -> bool:
         """A linear still in the graph with a replicated input and output and a weight held as an attribute."""
