@@ -182,6 +182,31 @@ def _with_int_bounds(args: tuple, value_of) -> tuple:
     return (args[0], index if isinstance(args[1], tuple) else index[0], *args[2:])
 
 
+# calls that take sizes: a one-element integer tensor there is read as a Python int in C++ (HiDream reshapes its
+# output with the patch grid it keeps in a tensor), which export can only trace as an unbacked size
+_SIZE_CALLS = (torch.Tensor.reshape, torch.Tensor.view, torch.reshape, torch.Tensor.expand, torch.Tensor.repeat,
+               torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty)
+
+
+def _with_int_sizes(func, args: tuple, value_of) -> tuple | None:
+    """``args`` of a size-taking call with each one-element integer tensor among its sizes replaced by
+    ``value_of(tensor)``; None when it has none."""
+    if func not in _SIZE_CALLS or len(args) < 2:
+        return None
+    found = False
+
+    def fix(x):
+        nonlocal found
+        if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_floating_point() and not x.is_complex() \
+                and x.dtype is not torch.bool:
+            found = True
+            return value_of(x)
+        return x
+
+    sizes = tuple(type(a)(fix(x) for x in a) if isinstance(a, (tuple, list)) else fix(a) for a in args[1:])
+    return (args[0], *sizes) if found else None
+
+
 class _ScalarRecorder(TorchFunctionMode):
     """Eager run: records, in call order, every Python scalar read from a tensor (item / tolist / bool / int, tensor
     slice bounds) and every data-dependent length (``nonzero``, boolean-mask indexing, ``repeat_interleave`` with
@@ -194,6 +219,7 @@ class _ScalarRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.values.extend(int(b) for b in _tensor_slice_bounds(func, args))  # replayed before a mask count
+        _with_int_sizes(func, args, lambda size: self.values.append(int(size)))
         if func in _SCALAR_READS:
             self.values.append(out)
         elif func is torch.Tensor.tolist:
@@ -230,6 +256,7 @@ class _ScalarReplay(TorchFunctionMode):
             return self._next(_scalar_source(func, args[0]))
         if _tensor_slice_bounds(func, args):  # x[:, :n] with a traced n: slice at the eager value
             args = _with_int_bounds(args, lambda bound: int(self._next(bound)))
+        args = _with_int_sizes(func, args, lambda size: int(self._next(size))) or args
         kind = _nonzero_call(func, args, kwargs)
         if kind is not None:
             x = args[0]
@@ -342,6 +369,21 @@ def _export_static(wrapper: torch.nn.Module, tensors: tuple, why: str):
     return ep
 
 
+def _export_replayed(wrapper: "_CallWithConstants", tensors: tuple, error: BaseException,
+                     scalars: List[Any] | None = None):
+    """``(exported program, scalars)`` traced with the eager run's tensor scalars replayed (``scalars``, else
+    recorded now); raises ``error`` (the static export's) when the eager run reads none."""
+    if scalars is None:
+        try:
+            scalars = [] if any(x.is_meta for x in tensors) else wrapper.record_scalars(tensors)
+        except Exception:  # noqa: BLE001 - the model does not even run eagerly: report the export error
+            scalars = []
+    if not scalars:
+        raise error
+    wrapper.replay_values = scalars
+    return _export_static(wrapper, tensors, " even specialised on the call's values"), scalars
+
+
 def _data_dependent_shape(gm: fx.GraphModule) -> str | None:
     """The first node whose shape holds an unbacked (data-dependent) size, described; None if there is none."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -384,37 +426,50 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
             return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
                             time.perf_counter() - t0, value_leaves, scalars)
 
-    wrapper = _CallWithConstants(model, spec, is_tensor, constants, accepts_return_dict)
-    # Parameters belong to the wrapped model; export reads them through the wrapper's forward, so make
-    # them visible as the wrapper's own under the same names.
-    for name, mod in model.named_children():
-        wrapper._modules[name] = mod
-    for name, p in model.named_parameters(recurse=False):
-        wrapper._parameters[name] = p
-    for name, b in model.named_buffers(recurse=False):
-        wrapper._buffers[name] = b
-    scalars: List[Any] = []
+    def wrap(traced: torch.nn.Module) -> _CallWithConstants:
+        wrapper = _CallWithConstants(traced, spec, is_tensor, constants, accepts_return_dict)
+        # Parameters belong to the wrapped model; export reads them through the wrapper's forward, so make
+        # them visible as the wrapper's own under the same names.
+        for name, mod in traced.named_children():
+            wrapper._modules[name] = mod
+        for name, p in traced.named_parameters(recurse=False):
+            wrapper._parameters[name] = p
+        for name, b in traced.named_buffers(recurse=False):
+            wrapper._buffers[name] = b
+        return wrapper
+
+    opaque_calls: List[Any] = []
     try:  # (a graph can trace with token counts read from the inputs' values: masks)
-        ep = _export_static(wrapper, tensors, "")
+        ep, scalars = _export_static(wrapper := wrap(model), tensors, ""), []
     except Exception as e:  # noqa: BLE001
-        first_error = e
         try:  # data-dependent Python? retry specialised on the eager run's scalars
-            scalars = [] if any(x.is_meta for x in tensors) else wrapper.record_scalars(tensors)
-        except Exception:  # noqa: BLE001 - the model does not even run eagerly: report the export error
-            scalars = []
-        ep = None
-        if scalars:
-            wrapper.replay_values = scalars
-            try:
-                ep = _export_static(wrapper, tensors, " even specialised on the call's values")
-            except Exception as e2:  # noqa: BLE001
-                first_error, ep = e2, None
-        if ep is None:
+            ep, scalars = _export_replayed(wrapper, tensors, e)
+        except Exception as first_error:  # noqa: BLE001
             e = first_error
-            raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:400]}. Check that the call matches the model's "
-                               f"forward (tensor inputs, constant options) and that the model runs eagerly "
-                               f"with it") from e
+            if not any(x.is_meta for x in tensors):  # a submodule that cannot be traced? run it eagerly
+                from .capture_opaque import export_with_opaque_modules
+
+                def attempt(traced, proxies):
+                    wrapper = wrap(traced)
+                    scalars = wrapper.record_scalars(tensors)  # the proxies record their outputs too
+                    for proxy in proxies.values():
+                        proxy.tracing = True
+                    try:
+                        return _export_static(wrapper, tensors, ""), []
+                    except Exception as e:  # noqa: BLE001
+                        if not scalars:
+                            raise
+                        return _export_replayed(wrapper, tensors, e, scalars)
+
+                try:
+                    (ep, scalars), opaque_calls = export_with_opaque_modules(model, e, attempt)
+                except Exception as last:  # noqa: BLE001
+                    e = last if isinstance(last, CaptureError) else e
+            if not opaque_calls:
+                raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:400]}. Check that the call matches the model's "
+                                   f"forward (tensor inputs, constant options) and that the model runs eagerly "
+                                   f"with it") from e
 
     if _mutates(ep.graph_module.graph):
         # In-place writes into views (Lumina2 / Wan / CogVideoX build tensors with ``x[i, :n] = ...``)
@@ -435,6 +490,9 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
     _flatten_codegen(gm, input_names)
     _register_constants_as_buffers(gm)
     annotate_module_paths(gm)
+    if opaque_calls:
+        from .capture_opaque import install_opaque_modules
+        install_opaque_modules(gm, opaque_calls)
     value_leaves: List[int] = []
     if scalars:
         value_leaves = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
