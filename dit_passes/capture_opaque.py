@@ -6,8 +6,8 @@ as one **opaque call**: a ``dit_passes::opaque_module`` custom-op node that runs
 model is exported as usual, so the passes see and rewrite everything around it.
 
 Contract
-  finds: the innermost submodule of the model (not the model itself) on the failing call stack of the export
-  error; all modules of its class become opaque (same code, same failure); up to ``MAX_ROUNDS`` classes.
+  finds: the innermost submodule of the model (not the model itself, nor a layer of ``torch.nn``) on the failing
+  call stack of the export error; all modules of its class become opaque (same code, same failure); up to ``MAX_ROUNDS`` classes.
   requires: an opaque module's call takes tensors and constants (hashable Python values) and returns tensors,
   ``None`` or constants in a pytree (tensor, tuple, list, dict); it does not write into its inputs or its own
   buffers, and does not return its inputs (checked on the eager run, else CaptureError); its output shapes depend
@@ -192,7 +192,10 @@ def failing_module(model: torch.nn.Module, error: BaseException,
         tb, innermost = e.__traceback__, None
         while tb is not None:
             owner = tb.tb_frame.f_locals.get("self")
-            if isinstance(owner, torch.nn.Module) and id(owner) in paths:
+            # torch's own layers (Linear, LayerNorm ...) fail on what they are given, not by their code: blame the
+            # model code that called them
+            if isinstance(owner, torch.nn.Module) and id(owner) in paths \
+                    and not type(owner).__module__.startswith("torch."):
                 innermost = paths[id(owner)]
             tb = tb.tb_next
         found = innermost or found

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from dit_passes import compile_dit, get_structure
 from dit_passes.capture import CaptureError, capture
-from dit_passes.capture_opaque import is_opaque_call
+from dit_passes.capture_opaque import failing_module, is_opaque_call
 from dit_passes.parallel.sequence_sharding import SequenceShardSpec, analyze
 from dit_passes.passes import DBCache, RegionalCompile
 
@@ -145,3 +145,29 @@ def test_opaque_module_writing_its_input_is_refused():
     model = TinyMoEDiT(in_place=True).eval()
     with pytest.raises(CaptureError, match=r"opaque module blocks\.0\.ff \(HostRoutedMoE\) writes into its inputs"):
         capture(model, (), _inputs())
+
+
+def test_blame_goes_to_the_innermost_module_of_the_model_not_to_torch_layers():
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model = Outer()
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(3))  # raised inside nn.Linear: its caller's code is what to run eagerly
+    assert failing_module(model, info.value) == ("inner", model.inner)
+    with pytest.raises(RuntimeError) as info:
+        model.inner.lin(torch.randn(3))
+    assert failing_module(model.inner, info.value) is None  # only the model itself (and torch's layer) on the stack
