@@ -140,8 +140,11 @@ def _(tensors, handle):
     return _CALLS[handle].fake(tensors)
 
 
+OPAQUE_MODULE_OP = torch.ops.dit_passes.opaque_module.default
+
+
 def is_opaque_call(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops.dit_passes.opaque_module.default
+    return node.op == "call_function" and node.target is OPAQUE_MODULE_OP
 
 
 class _OpaqueProxy(torch.nn.Module):
