@@ -165,7 +165,7 @@ def cleanup(device: torch.device) -> None:
 # -------------------------------------------------------------------------------------------------- steps
 def tensor_bytes(tensors) -> Dict[int, int]:
     """{data_ptr: bytes}, each storage once."""
-    return {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    return {t.data_ptr(): t.numel() * t.element_size() for t in tensors if not t.is_meta}  # meta: released, no bytes
 
 
 def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, device) -> Dict[str, Any]:
