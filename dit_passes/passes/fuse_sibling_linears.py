@@ -38,7 +38,9 @@ its per-output-row tables); the other members' attributes leave the graph. Both 
 takes the fused tensor (or the stand-in a later pass's replacement needs) back from the ledger. After tensor
 parallelism each member is this rank's shard (sliced rows, or replicated): the concatenation of local shards split
 at the local widths gives each shard's output exactly. A model built on the meta device (``weights=``) has each
-member read from the checkpoint here.
+member read from the checkpoint here. The cache passes (phase ``CACHE``) and ``RegionalCompile`` run later: the
+blocks they move into branch subgraphs or outline into templates are already fused (one template per block kind
+still), so there is nothing left to fuse inside a subgraph.
 """
 from __future__ import annotations
 
@@ -203,9 +205,10 @@ def _why_not(gm: fx.GraphModule, n: fx.Node, role: str, adapter_owners, readers:
         return "not_plain"
     ledger = ctx.runtime.weights
     for a in attrs:
-        rec = ledger.released(gm, a.target) if is_stand_in(_tensor(gm, a.target)) else None
-        if is_stand_in(_tensor(gm, a.target)) and (rec is None or rec.by != owner.name):
-            return "released_by_another_pass"  # its values are gone; the pass that released it rebuilds it
+        if is_stand_in(_tensor(gm, a.target)):
+            rec = ledger.released(gm, a.target)
+            if rec is None or rec.by != owner.name:
+                return "released_by_another_pass"  # its values are gone; the pass that released it rebuilds it
     return None
 
 
