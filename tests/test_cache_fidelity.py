@@ -2,7 +2,7 @@
 
 Measured with ``dit-passes fidelity`` (2 seeds x 10 digits, README table): the static "fast" steps
 mask executes 44.3% of the block work at 36.4 dB mean PSNR (31.2 min); TaylorSeer order 1 on the same
-mask 41.7 dB. The floors here are set below those, on one seed.
+mask 41.7 dB. The floors here are set below those, on one seed and five digits.
 """
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ def _fast_mask(order=None):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # CI runs one thread a worker (OMP_NUM_THREADS=1); on 2 shared cores a second one only competes
     configs = {"plain_reuse": _fast_mask(), "taylorseer_o1": _fast_mask(1), "taylorseer_o2": _fast_mask(2)}
-    return run_fidelity(configs, seeds=[0], labels=list(range(10)), steps=STEPS,
+    # five digits, not ten: the floors hold with margin on these (plain 35.2 dB mean, 31.4 min; TaylorSeer o1 39.6,
+    # o2 43.9 when written), and the work fraction / cached steps come from the mask, not the batch
+    return run_fidelity(configs, seeds=[0], labels=[0, 3, 5, 8, 9], steps=STEPS,
                         out_dir=tmp_path_factory.mktemp("fid"))
 
 

@@ -41,7 +41,7 @@ def test_demo_runs_without_dev_packages(tmp_path):
     (tmp_path / "hide" / "sitecustomize.py").write_text(HIDE)
     out = tmp_path / "demo"
     path = [str(tmp_path / "hide")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}  # one thread: CI's setting
     probe = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
                             f"print([n for n in {DEV_ONLY!r} if u.find_spec(n) is not None])"],
                            capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)
@@ -49,7 +49,7 @@ def test_demo_runs_without_dev_packages(tmp_path):
 
     # the default configurations (no --configs): the demo a user runs
     r = subprocess.run([sys.executable, "-m", "dit_passes.cli", "demo", "--steps", "4", "--seeds", "0", "--labels",
-                        "3", "7", "--out", str(out)],
+                        "3", "--out", str(out)],  # one image: the plain-install path is the same for any batch
                        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "note: matplotlib is not installed" in r.stdout
@@ -60,4 +60,4 @@ def test_demo_runs_without_dev_packages(tmp_path):
     assert (out / "fidelity_grid.png").is_file() and not (out / "fidelity_steps.png").exists()
     report = json.loads((out / "fidelity_report.json").read_text())
     assert report["plot"] is None and set(report["configs"]) == {"dbcache", "fast_mask", "fast_mask_taylorseer"}
-    assert report["num_samples"] == 2
+    assert report["num_samples"] == 1

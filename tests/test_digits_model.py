@@ -115,7 +115,9 @@ def test_sampling_is_deterministic_per_seed(pipe_cond):
 def test_samples_are_their_label(pipe_cond):
     pipe, _ = pipe_cond
     clf = digits.fit_digit_classifier()
-    labels = [c for c in range(10) for _ in range(3)]
+    # two samples a class (20): at the default 28 steps they scored 0.95 unguided and 1.0 guided when this was
+    # written; a model that no longer draws the digit (~10% by chance) still fails both bounds by far
+    labels = [c for c in range(10) for _ in range(2)]
     images = digits.sample(pipe, labels, seed=11)
     acc = float((digits.classify(clf, images) == np.array(labels)).mean())
     assert acc >= MIN_ACCURACY, f"classifier accuracy on samples {acc:.3f} < {MIN_ACCURACY}"
@@ -183,19 +185,19 @@ def test_psnr_ssim_properties_and_reference():
 
 def test_run_fidelity_orders_configs_and_writes_outputs(pipe_cond, tmp_path):
     pipe, _ = pipe_cond
-    labels, seeds = [0, 3, 5, 8], [0, 1]
+    labels, seeds = [0, 5], [0, 1]  # two seeds: the per-run stats and timings are lists of two
     configs = {
         "identity": lambda t: NoisyOutput(t, 0.0),
         "noise_small": lambda t: NoisyOutput(t, 0.02),
         "noise_large": lambda t: NoisyOutput(t, 0.3),
     }
-    report = fidelity.run_fidelity(configs, seeds, labels, steps=10, out_dir=tmp_path, pipe=pipe)
+    report = fidelity.run_fidelity(configs, seeds, labels, steps=4, out_dir=tmp_path, pipe=pipe)
     res = report["configs"]
-    assert math.isinf(res["identity"]["psnr_mean"]) and res["identity"]["identical_samples"] == 8
+    assert math.isinf(res["identity"]["psnr_mean"]) and res["identity"]["identical_samples"] == 4
     assert res["identity"]["ssim_mean"] == pytest.approx(1.0)
     assert res["noise_small"]["psnr_mean"] > res["noise_large"]["psnr_mean"]
     assert res["noise_small"]["ssim_mean"] > res["noise_large"]["ssim_mean"]
-    assert len(res["noise_large"]["stats"]) == 2 and res["noise_large"]["stats"][0]["calls"] == 10
+    assert len(res["noise_large"]["stats"]) == 2 and res["noise_large"]["stats"][0]["calls"] == 4
     assert res["noise_large"]["stats_mean"]["noise_scale"] == pytest.approx(0.3)
     grid = Image.open(report["grid"])
     # baseline + 3 configs, upscaled GRID_SCALE times, GRID_GAP pixels between rows
@@ -203,7 +205,7 @@ def test_run_fidelity_orders_configs_and_writes_outputs(pipe_cond, tmp_path):
     assert report["plot"] is not None and Image.open(report["plot"]).width > 100
     saved = json.loads((tmp_path / fidelity.REPORT_NAME).read_text())
     assert saved["configs"]["identity"]["psnr_mean"] == "inf"
-    assert saved["num_samples"] == 8 and len(saved["baseline"]["per_run_s"]) == 2
+    assert saved["num_samples"] == 4 and len(saved["baseline"]["per_run_s"]) == 2
 
 
 def test_run_fidelity_rejects_config_that_edits_original(tmp_path):
