@@ -498,6 +498,7 @@ def test_digits_dit_fidelity_floors(tmp_path):
         "fp8": lambda m: compile_dit(m, passes=[Fp8Linear(exclude=("modulation",))]),
         "dq_r32_w4a16": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, dynamic=True, modulation="w4a16")]),
         "dq_r32_w8a16": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, dynamic=True, modulation="w8a16")]),
+        "dq_r32_default": lambda m: compile_dit(m, passes=[SVDQuantW4A4(rank=32, dynamic=True)]),  # W4A16_LR
     }
     r = run_fidelity(configs, seeds=[0], labels=list(range(10)), steps=steps, out_dir=tmp_path / "out", pipe=pipe)
     c = r["configs"]
