@@ -106,6 +106,7 @@ def main(argv=None) -> int:
                     help="the AdaLN modulation linears under SVDQuant: weight-only int8 (default), weight-only int4, "
                          "weight-only int4 + low-rank branch (w4a16_lr), "
                          "W4A4 like the rest (the flag alone), or none (every config leaves them unquantized)")
+    ap.add_argument("--only", nargs="+", default=None, help="run only these configs (e.g. svdq_r32_ptq svdq_r32_dq)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from dit_passes.quant import dispatch
@@ -120,6 +121,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
         configs = make_configs(pipe, args.steps, work, built, args.modulation)
+        if args.only:
+            unknown = set(args.only) - set(configs)
+            if unknown:
+                raise SystemExit(f"--only: unknown config(s) {sorted(unknown)}; known: {sorted(configs)}")
+            configs = {k: v for k, v in configs.items() if k in args.only}
         report = run_fidelity(configs, seeds=args.seeds, labels=labels,
                               steps=args.steps, out_dir=os.path.join(args.out, args.name), pipe=pipe)
     wall = time.perf_counter() - t0
@@ -133,7 +139,8 @@ def main(argv=None) -> int:
         + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != [0, 1, 2] else "")
         + (f" --name {args.name}" if args.name != "quant_fidelity" else "")
         + (f" --w4a4-backend {args.w4a4_backend}" if args.w4a4_backend != "auto" else "")
-        + (f" --modulation {args.modulation}" if args.modulation != "w8a16" else ""),
+        + (f" --modulation {args.modulation}" if args.modulation != "w8a16" else "")
+        + (f" --only {' '.join(args.only)}" if args.only else ""),
         "w4a4_numerics": "W4A8 (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token)"
         if args.w4a4_backend == "fp8" else "W4A4 (true 4-bit activations, the reference)",
         "modulation": args.modulation, "modulation_quantized": args.modulation != "none",

@@ -232,10 +232,10 @@ def test_quant_types_map_onto_the_passes():
     assert type(p) is Fp8Linear and p.granularity == "per_tensor" and p.exclude == ("attn",)
     p = QuantizeConfig(quant_type="svdq_int4_r16_dq").to_pass()
     assert type(p) is SVDQuantW4A4 and (p.rank, p.dynamic, p.smooth) == (16, True, "none")
-    # cache-dit's default exclude_layers keeps the modulation linears out; without it SVDQ gives them W8A16
-    assert "modulation" in p.exclude and p.modulation == "w8a16"
+    # cache-dit's default exclude_layers keeps the modulation linears out; without it SVDQ gives them W4A16_LR
+    assert "modulation" in p.exclude and p.modulation == "w4a16_lr"
     p = QuantizeConfig(quant_type="svdq_int4_r16_dq", exclude_layers=["embed"]).to_pass()
-    assert p.exclude == ("embed",) and p.modulation == "w8a16"
+    assert p.exclude == ("embed",) and p.modulation == "w4a16_lr"
     p = QuantizeConfig(quant_type="svdq_nvfp4_r16_dq").to_pass()
     assert type(p) is SVDQuantW4A4 and (p.precision, p.kind, p.quant_type()) == ("nvfp4", "svdq_nvfp4",
                                                                                   "svdq_nvfp4_r16_dq")

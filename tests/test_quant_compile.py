@@ -49,8 +49,8 @@ def _int8_dequant(n: torch.fx.Node) -> bool:
 def quantized_nodes(graph: torch.fx.Graph) -> int:
     """Nodes of a graph that compute quantized arithmetic: a quantized-linear op, a cast to a low-bit dtype (the
     activation quantization of the fp8 graph forms, plain ATen ops), an int4 unpack (the weight-only int4 form, and
-    the W4A8 form's weight expansion) or an int8 weight's dequantization (the weight-only int8 form of SVDQuant's
-    modulation linears, the default)."""
+    the W4A8 form's weight expansion, the weight-only int4 forms of SVDQuant's modulation linears) or an int8 weight's
+    dequantization (their weight-only int8 form)."""
     return sum(1 for n in graph.nodes if n.op == "call_function"
                and (n.target in QUANT_OPS or n.target is NIBBLES or n.kwargs.get("dtype") in LOW_BIT
                     or _int8_dequant(n)))
@@ -113,7 +113,7 @@ def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
                  if isinstance(m, torch.nn.Linear) and "blocks." in p and p.endswith(".linear")]  # norm*.linear
         nodes = cnt.graphs[0].graph.nodes
         int8, int4 = sum(_int8_dequant(n) for n in nodes), sum(n.target is NIBBLES for n in nodes)
-        assert (int8, int4) == ((len(adaln), 0) if method == "svdq_w4a4" else (0, len(adaln))) and adaln
+        assert (int8, int4) == (0, len(adaln)) and adaln  # int4 unpacks: W4A16 or the default W4A16_LR
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     _run(c, kw)
     assert cnt.frame_count == 1  # no recompilation

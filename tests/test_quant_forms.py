@@ -19,7 +19,7 @@ from dit_passes.quant import dispatch
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, prepare_fp8, quantize_fp8
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4_to_e4m3,
                                           w4a16_linear_form, w4a16_lr_linear_form, w8a16_linear_form)
-from dit_passes.quant.int4 import dequantize_weight_w4, pack_int4
+from dit_passes.quant.int4 import dequantize_weight_w4, pack_int4, quantize_weight_w4
 from dit_passes.quant.svdquant import prepare_svdquant, relative_error, svdq_w4a4_linear_reference
 from dit_passes.quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from dit_passes.quant.w8a16 import dequantize_w8a16, prepare_w8a16
@@ -222,7 +222,10 @@ def test_svdq_pass_writes_the_fp8_form_when_asked(monkeypatch):
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
     monkeypatch.setenv(dispatch.BACKEND_ENV, "fp8")
-    compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True)], keep_original=True)
+    # the modulation linears W8A16 (not the default W4A16_LR, whose form is the same on every backend) to keep them
+    # apart from the W4A8 linears by kind
+    compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")],
+                           keep_original=True)
     with torch.no_grad():
         out = compiled(**kw)[0]
     gm = compiled.graph_module
@@ -376,7 +379,8 @@ def test_w8a16_error_bound_and_against_int4():
 def test_w4a16_lr_errs_less_than_w4a16_on_outliers():
     """A weight with outlier input channels and rows (what widens int4's group scales): the low-rank branch takes
     them, so the int4 residual's scales shrink and weight-only int4 + rank 16 errs far less than W4A16 on the same
-    weight; rank 0 is W4A16 exactly (empty factors, the same int4 tables); the residual is what int4 quantizes."""
+    weight; rank 0 without the scale search is W4A16 exactly (empty factors, the same int4 tables); the residual is
+    what int4 quantizes, each group's searched scale erring no more than amax / 7 on it."""
     x, w, b = _case(torch.float32, (3, 7), k=256, n=64, seed=2)
     w[:, 5] *= 30
     w[:, 77] *= 20
@@ -389,10 +393,16 @@ def test_w4a16_lr_errs_less_than_w4a16_on_outliers():
     print({k: round(v, 5) for k, v in err.items()})
     assert 0 < err["w4a16_lr"] < 0.5 * err["w4a16"]
     assert q.wscale.float().amax() < 0.5 * q4.wscale.float().amax()  # the outliers left the int4 part
-    residual = w - q.lora_up @ q.lora_down
-    assert ((dequantize_weight_w4(q.qweight, q.wscale) - residual).abs()
-            <= q.wscale.float().repeat_interleave(64, dim=1) / 2 * (1 + 1e-6)).all()
-    q0 = prepare_w4a16_lr(w, b, rank=0)
+    residual = w - q.lora_up.float() @ q.lora_down.float()
+    amax_scaled = quantize_weight_w4(residual)  # amax / 7 per group: every element within half its scale
+    assert ((dequantize_weight_w4(*amax_scaled) - residual).abs()
+            <= amax_scaled[1].float().repeat_interleave(64, dim=1) / 2 * (1 + 1e-6)).all()
+
+    def group_sq_err(packed, scales):
+        return (dequantize_weight_w4(packed, scales) - residual).square().reshape(64, -1, 64).sum(-1)
+    searched, plain = group_sq_err(q.qweight, q.wscale), group_sq_err(*amax_scaled)
+    assert (searched <= plain).all() and searched.sum() < plain.sum()  # the search helps, and never hurts a group
+    q0 = prepare_w4a16_lr(w, b, rank=0, mse_clip=0)
     assert q0.lora_down.shape == (0, 256) and q0.lora_up.shape == (64, 0)
     assert torch.equal(q0.qweight, q4.qweight) and torch.equal(q0.wscale, q4.wscale)
     with pytest.raises(ValueError, match="rank must be a non-negative int"):

@@ -203,7 +203,7 @@ def test_restore_refused_after_release_exact_with_keep_original(flux):
 @pytest.mark.parametrize("modulation,packed", [("w8a16", "int8"), ("w4a16", "int4_packed"),
                                                ("w4a16_lr", "int4_packed")])
 def test_svdquant_modulation_linears_held_quantized(tmp_path, modulation, packed):
-    """SVDQuant's weight-only modulation linears (the default W8A16: int8 per row; W4A16: int4 per group; W4A16_LR:
+    """SVDQuant's weight-only modulation linears (W8A16: int8 per row; W4A16: int4 per group; the default W4A16_LR:
     int4 per group of the residual + low-rank factors; hidden 64: every block linear has K % 64 == 0): their weights
     leave the module like the W4A4 ones, the report counts their int8 / packed int4 weights, scales and low-rank
     factors, nothing full-size stays, and the checkpoint loads into the released model with the same tables and

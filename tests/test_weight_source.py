@@ -238,7 +238,7 @@ class _WatchedWeights(SafetensorsWeights):
         return t
 
 
-@pytest.mark.parametrize("modulation", ["w8a16", "w4a16_lr"])  # the default; int4 + low-rank factors
+@pytest.mark.parametrize("modulation", ["w8a16", "w4a16_lr"])  # int8; the default, int4 + low-rank factors
 def test_svdquant_from_checkpoint_one_weight_at_a_time(tmp_path, modulation):
     from dit_passes.passes import SVDQuantW4A4
 

@@ -37,7 +37,8 @@ def weight_sample(w: torch.Tensor) -> torch.Tensor:
     Kept on a released weight's meta tensor (8 KiB), so loading a checkpoint into the released model checks it."""
     flat = w.detach().reshape(-1)
     step = max(1, flat.numel() // _SAMPLES)
-    return flat[::step][:_SAMPLES].to(torch.bfloat16).cpu().view(torch.int16)
+    # clone: for a bf16 weight on the CPU, to() and cpu() return views, which would keep the whole weight alive
+    return flat[::step][:_SAMPLES].to(torch.bfloat16).cpu().clone().view(torch.int16)
 
 
 @dataclasses.dataclass(eq=False)

@@ -24,17 +24,18 @@ sx, wscale, bias)`` on an sm_89+ GPU or the dequantized fp32 matmul elsewhere (`
     q = torch.ops.dit_passes.svdq_w4a4_linear.default(norm_x, qw, ws, ld, lu, si, b)
 
 The AdaLN modulation linears (role ``modulation``: their input is the conditioning vector, one row per sample)
-under SVDQuantW4A4 get a weight-only form by default (``modulation="w8a16"``: int8 weights per output row, the
-activations left in their dtype, as plain ATen ops; ``quant/graph_forms.w8a16_linear_form``)::
+under SVDQuantW4A4 get a weight-only form by default (``modulation="w4a16_lr"``: int4 weights per group of 64 of
+the residual after SVDQuant's rank-``rank`` low-rank branch, the branch beside it in the activation dtype, the
+activations left in their dtype, as plain ATen ops; ``quant/graph_forms.w4a16_lr_linear_form``)::
 
-    w = self.transformer_blocks.0.norm1.linear.qweight      # int8 [N, K]
-    ws = self.transformer_blocks.0.norm1.linear.wscale      # fp32 [N]
-    deq = aten.type_as(aten.mul(float32(w), aten.unsqueeze(float32(ws), 1)), emb)
-    mod = torch.ops.aten.linear.default(emb, deq, b)
+    w = self.transformer_blocks.0.norm1.linear.qweight      # uint8 [N, K/2], two int4 per byte
+    ws = self.transformer_blocks.0.norm1.linear.wscale      # bf16 [N, K/64]
+    deq = aten.type_as(<unpacked w, times ws per group>, emb)
+    mod = aten.add(aten.linear(emb, deq, b), aten.linear(aten.linear(emb, lora_down), lora_up))
 
-``modulation="w4a16"`` gives them weight-only int4 (W4A4's int4 weights, unpacked and scaled per group of 64 in the
-graph: ``graph_forms.w4a16_linear_form``), ``"w4a16_lr"`` the same on the residual after SVDQuant's rank-``rank``
-low-rank branch, which runs beside it in the activation dtype (``graph_forms.w4a16_lr_linear_form``), ``"svdq"`` W4A4 like the rest, ``None`` leaves them unquantized;
+``modulation="w8a16"`` gives them weight-only int8 per output row (``graph_forms.w8a16_linear_form``; also what a
+modulation linear whose K is not a multiple of 64 gets under the int4 forms), ``"w4a16"`` weight-only int4 without
+the branch (``graph_forms.w4a16_linear_form``), ``"svdq"`` W4A4 like the rest, ``None`` leaves them unquantized;
 Fp8Linear and Int8Linear quantize them in their own form.
 
 Which linears: those of ``structure.linears`` inside a block (prologue/epilogue embedders and the final
@@ -44,7 +45,8 @@ those inside a module of these class names, by the node's ``nn_module_stack``), 
 include/exclude entry that is a role name (``q``, ``mlp_up``, ...) matches that role; any other string matches
 module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0, and no kind quantizes K = 0 (an empty reduction):
 such linears stay in their original precision, counted (``skipped_k``) and listed with the reason in the report
-(``explain()``), or are refused when ``include`` named them (W8A16 takes any K > 0).
+(``explain()``), or are refused when ``include`` named them (W8A16 takes any K > 0, and takes the modulation
+linears int4 cannot group).
 
 Calibration (PTQ, ``calibrate_fn``): the pass runs ``calibrate_fn()`` once under a
 ``TorchFunctionMode`` that records the per-channel abs-max of the input of every ``F.linear`` call
@@ -339,21 +341,22 @@ class SVDQuantW4A4(_QuantizeLinears):
     (``graph_forms.svdq_nvfp4_fp8_linear_form``).
 
     ``modulation``: the form of the AdaLN modulation linears (role ``modulation``, about a quarter of FLUX's weights):
-    ``"w8a16"`` (default) int8 weights per output row with the activations left in their dtype (any K; half the
-    bf16 bytes); ``"w4a16"`` weight-only int4 (W4A4's weights, a quarter of the bytes); ``"w4a16_lr"`` weight-only
-int4 of the residual after a rank-``rank`` low-rank branch (SVDQuant's, unsmoothed; a quarter of the bytes plus
-the factors); ``"svdq"`` W4A4 like the
-    other linears; ``None`` leaves them unquantized. The conditioning vector's activation quantization buys the
-    GEMV no speed and costs the worst images, and int4 weights cost the mean (digits DiT, rank 32 PTQ, mean / min
-    PSNR: unquantized 45.1 / 38.9 dB, W8A16 45.0 / 39.7, W4A16 41.2 / 33.8, W4A16_LR 43.9 / 37.7, W4A4 44.0 / 31.4;
-    bench/results/quant_fidelity_w8a16_modulation.md, quant_fidelity_w4a16lr_modulation.md). They are never calibrated."""
+    ``"w4a16_lr"`` (default) weight-only int4 of the residual after a rank-``rank`` low-rank branch (SVDQuant's,
+    unsmoothed, refit twice to the residual's int4 error; group scales searched for squared error: a quarter of the
+    bytes plus the factors; ``quant/w4a16.py``); ``"w8a16"`` int8 weights per output row (half the bf16 bytes; any K:
+    the int4 forms give it to a modulation linear whose K is not a multiple of 64); ``"w4a16"`` weight-only int4
+    (W4A4's weights); ``"svdq"`` W4A4 like the other linears; ``None`` leaves them unquantized. The activations
+    (the conditioning vector) stay in their dtype: quantizing them buys the GEMV no speed and costs the worst images
+    (digits DiT, rank 32 PTQ, mean / min PSNR: unquantized 45.1 / 38.9 dB, W4A16_LR 44.8 / 37.9, W8A16 45.0 / 39.7,
+    W4A16 41.2 / 33.8, W4A4 44.0 / 31.4; FLUX.1-dev transformer 0.285x its bf16 bytes with W4A16_LR, 0.345x with
+    W8A16; bench/results/quant_fidelity_w4a16lr_refined.md, flux_modulation_error.md). They are never calibrated."""
 
     name = "svdquant_w4a4"
     kind = "svdq_w4a4"
 
     def __init__(self, rank: int = 32, calibrate_fn: Optional[Callable[[], Any]] = None, dynamic: bool = False,
                  alpha: float = 0.5, serialize_to=None, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
-                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W8A16,
+                 smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W4A16_LR,
                  precision: str = "int4", regional: bool = True, block_classes=None, svd_precision: str = "low",
                  refine_iters: int = 0):
         super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes)
@@ -415,7 +418,10 @@ the factors); ``"svdq"`` W4A4 like the
                 **super().config_items()}
 
     def kind_of(self, site) -> str:
-        return self.modulation if site.role == "modulation" and self.modulation in WEIGHT_ONLY else self.kind
+        if site.role != "modulation" or self.modulation not in WEIGHT_ONLY:
+            return self.kind
+        # int4 groups K by 64: a modulation linear it cannot group stays weight-only, in int8 (any K)
+        return W8A16 if site.in_features % self.k_multiple(self.modulation) else self.modulation
 
     def k_multiple(self, kind: str) -> int:
         return {W8A16: 1, "svdq_nvfp4": NVFP4_BLOCK}.get(kind, GROUP_SIZE)

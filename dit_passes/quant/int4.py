@@ -52,10 +52,10 @@ def pack_int4(q: torch.Tensor, check_range: bool = True) -> torch.Tensor:
     if check_range and q.numel() and (int(q.min()) < INT4_MIN or int(q.max()) > INT4_MAX):
         raise ValueError(f"pack_int4 values must lie in [{INT4_MIN}, {INT4_MAX}], got "
                          f"[{int(q.min())}, {int(q.max())}]")
-    q32 = q.to(torch.int32)
-    lo = q32[..., 0::2] & 0xF
-    hi = (q32[..., 1::2] & 0xF) << 4
-    return (lo | hi).to(torch.uint8)
+    q8 = q.to(torch.uint8)  # two's complement bits (the cast wraps): a byte per value, not four
+    lo = q8[..., 0::2] & 0xF
+    hi = (q8[..., 1::2] & 0xF) << 4
+    return lo | hi
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -135,19 +135,54 @@ def fused_act_quant_reference(x: torch.Tensor, smooth_inv: torch.Tensor, lora_do
     return packed, ascale, lora_act
 
 
-def quantize_weight_w4(residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+CLIP_STEP = 0.02  # mse_clip: the candidate scales are amax * (1 - CLIP_STEP * i) / 7, i < mse_clip
+CHUNK_ELEMENTS = 2 ** 22  # quantize_weight_w4 works on about this many weights at a time (16 MiB in fp32)
+
+
+def _scale_w4(g: torch.Tensor, ratio: float) -> torch.Tensor:
+    """bf16 group scales ``amax * ratio / 7`` of fp32 groups [R, G, 64], a zero scale made 1."""
+    amax = g.abs().amax(dim=-1)
+    wscale = true_div(amax * ratio if ratio != 1.0 else amax, 7.0).to(torch.bfloat16)
+    return torch.where(wscale == 0, torch.ones_like(wscale), wscale)
+
+
+def _round_w4(g: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.round(g / wscale.float().unsqueeze(-1)), INT4_MIN, INT4_MAX)
+
+
+def _mse_scale_w4(g: torch.Tensor, candidates: int) -> torch.Tensor:
+    """Per group, of the scales ``amax * (1 - CLIP_STEP * i) / 7`` (i < candidates), the one whose int4 rounding
+    leaves the least squared error (ties: the larger scale)."""
+    best = _scale_w4(g, 1.0)
+    best_err = (_round_w4(g, best) * best.float().unsqueeze(-1) - g).square().sum(-1)
+    for i in range(1, candidates):
+        s = _scale_w4(g, 1.0 - CLIP_STEP * i)
+        err = (_round_w4(g, s) * s.float().unsqueeze(-1) - g).square().sum(-1)
+        better = err < best_err
+        best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+    return best
+
+
+def quantize_weight_w4(residual: torch.Tensor, mse_clip: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Offline per-row, per-group int4 weight quantization of ``residual`` [N, K] (any float dtype).
 
-    Returns ``(packed uint8 [N, K/2], wscale bf16 [N, K/64])``.
+    ``mse_clip`` > 1 (weight-only int4): each group's scale is the best for squared error of ``mse_clip``
+    candidates clipping amax by 0, 2, 4, ... % (outliers then round to -8 / 7 and the rest more finely). Rows are
+    quantized ``CHUNK_ELEMENTS // K`` at a time (each row on its own: the same values). Returns ``(packed uint8 [N, K/2], wscale bf16 [N, K/64])``.
     """
     if residual.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(residual.shape)}")
-    check_group_dim(residual.shape[1])
-    g = _groups(residual.float())
-    wscale = true_div(g.abs().amax(dim=-1), 7.0).to(torch.bfloat16)
-    wscale = torch.where(wscale == 0, torch.ones_like(wscale), wscale)
-    q = torch.clamp(torch.round(g / wscale.float().unsqueeze(-1)), INT4_MIN, INT4_MAX).to(torch.int8)
-    return pack_int4(q.reshape(residual.shape), check_range=False), wscale
+    n, k = residual.shape
+    check_group_dim(k)
+    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=residual.device)
+    wscale = torch.empty(n, k // GROUP_SIZE, dtype=torch.bfloat16, device=residual.device)
+    step = max(1, CHUNK_ELEMENTS // k)  # rows at a time: the temporaries stay a few MiB whatever the weight's size
+    for start in range(0, n, step):
+        g = _groups(residual[start:start + step].float())
+        ws = _mse_scale_w4(g, mse_clip) if mse_clip > 1 else _scale_w4(g, 1.0)
+        packed[start:start + step] = pack_int4(_round_w4(g, ws).to(torch.int8).reshape(-1, k), check_range=False)
+        wscale[start:start + step] = ws
+    return packed, wscale
 
 
 def dequantize_weight_w4(packed: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:

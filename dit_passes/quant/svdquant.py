@@ -193,12 +193,16 @@ def prepare_svdquant(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
             raise ValueError("alpha_grid needs calib_x, calibration activations to measure the output error on")
         alpha, _ = search_alpha(weight, bias, calib_x, act_absmax=act_absmax, rank=rank, alphas=alpha_grid,
                                 smooth=smooth, seed=seed, dtype=dtype)
-    w = weight.detach().float()
-    s = smoothing_vector(w, act_absmax, alpha, smooth)
-    w_s = w * s.unsqueeze(0)
+    # one fp32 copy of the weight, smoothed in place; dropped once the residual is split off (preparing a model from
+    # a checkpoint holds the tables so far plus one linear's weight and these few [N, K] temporaries)
+    w_s = weight.detach().to(torch.float32, copy=True)
+    s = smoothing_vector(w_s, act_absmax, alpha, smooth)
+    w_s.mul_(s.unsqueeze(0))
     lora_up, lora_down, residual = low_rank_split(w_s, rank, seed, dtype, svd, refine_iters,
                                                   lambda r: dequantize_weight_w4(*quantize_weight_w4(r)))
+    del w_s
     qweight, wscale = quantize_weight_w4(residual)
+    del residual
     b = None if bias is None else bias.detach().clone()
     return SVDQuantWeight(qweight, wscale, lora_down, lora_up, (1.0 / s).contiguous(), b, N=n, K=k,
                           rank=lora_down.shape[0])
@@ -229,8 +233,10 @@ def low_rank_split(w: torch.Tensor, rank: int, seed: int, dtype: torch.dtype, sv
         return (torch.zeros(n, 0, dtype=dtype, device=w.device), torch.zeros(0, k, dtype=dtype, device=w.device), w)
     target, residual = w, None
     for _ in range(1 + int(refine_iters)):
-        if residual is not None:
-            target = w - fake_quant(residual)
+        if residual is not None:  # w - fake_quant(residual), written over the dequantized copy (one [N, K] less)
+            dequantized = fake_quant(residual)
+            del residual
+            target = torch.sub(w, dequantized, out=dequantized)
         if svd == "low":
             u, sv, vh = randomized_svd(target, rank, seed=seed)
         else:
@@ -238,7 +244,9 @@ def low_rank_split(w: torch.Tensor, rank: int, seed: int, dtype: torch.dtype, sv
             u, sv, vh = u[:, :rank].float(), sv[:rank].float(), vh[:rank].float()
         lora_up = (u * sv.unsqueeze(0)).to(dtype).contiguous()
         lora_down = vh.to(dtype).contiguous()
-        residual = w - lora_up.float() @ lora_down.float()
+        del target
+        product = lora_up.float() @ lora_down.float()
+        residual = torch.sub(w, product, out=product)  # w - product, in the product's memory
     return lora_up, lora_down, residual
 
 

@@ -26,6 +26,10 @@ import torch
 from .int4 import dequantize_weight_w4, quantize_weight_w4
 from .svdquant import low_rank_split
 
+# W4A16_LR's preparation (bench/results/quant_fidelity_w4a16lr_refined.md): two rounds refitting the branch to the
+# residual's int4 error, and per-group scales searched for squared error among 16 clippings of amax
+LR_REFINE_ITERS, LR_MSE_CLIP = 2, 16
+
 
 @dataclass
 class W4A16Weight:
@@ -76,15 +80,20 @@ class W4A16LRWeight:
 
 
 def prepare_w4a16_lr(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, rank: int = 32, seed: int = 0,
-                     dtype: Optional[torch.dtype] = None) -> W4A16LRWeight:
+                     dtype: Optional[torch.dtype] = None, refine_iters: int = LR_REFINE_ITERS,
+                     mse_clip: int = LR_MSE_CLIP) -> W4A16LRWeight:
     """Split one linear's weight [N, K] (K a multiple of 64) into SVDQuant's rank-``rank`` branch (factors in
-    ``dtype``, default the weight's) and the int4-per-group residual; the bias is kept as is."""
+    ``dtype``, default the weight's) and the int4-per-group residual; the bias is kept as is. ``refine_iters``
+    rounds refit the branch to what the residual's quantization leaves (``svdquant.low_rank_split``); ``mse_clip``
+    candidate scales per group (``int4.quantize_weight_w4``; 0: amax / 7)."""
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-    lora_up, lora_down, residual = low_rank_split(weight.detach().float(), rank, seed, dtype or weight.dtype)
-    qweight, wscale = quantize_weight_w4(residual)
+    lora_up, lora_down, residual = low_rank_split(
+        weight.detach().float(), rank, seed, dtype or weight.dtype, refine_iters=refine_iters if rank else 0,
+        fake_quant=lambda r: dequantize_weight_w4(*quantize_weight_w4(r, mse_clip)))
+    qweight, wscale = quantize_weight_w4(residual, mse_clip)
     return W4A16LRWeight(qweight, wscale, lora_down, lora_up, None if bias is None else bias.detach().clone())
 
 
