@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--earlier", default="bench/results/coverage.json", help="an earlier matrix: its cell seconds")
     p.add_argument("--out", default="out/coverage")
     p.add_argument("--families", default="", help="comma-separated: only these (a trial run)")
+    p.add_argument("--columns", default="", help="comma-separated: only these columns (default: all)")
     p.add_argument("--deadline", type=float, default=0.0, help="seconds: then stop the shards still running and "
                    "merge the finished ones (their families are listed as unfinished)")
     a = p.parse_args(argv)
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
         d = os.path.join(a.out, f"shard{i}")
         log = open(os.path.join(a.out, f"shard{i}.log"), "w")
         cmd = [sys.executable, "-m", "dit_passes.cli", "coverage", "--families", ",".join(fams),
-               "--timeout", str(a.timeout), "--out", d]
+               "--timeout", str(a.timeout), "--out", d] + (["--columns", a.columns] if a.columns else [])
         procs.append((d, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
     codes = []
     for _, proc in procs:
@@ -73,7 +74,8 @@ def main(argv=None) -> int:
     merged["rows"].sort(key=lambda r: order.get((r["class"], r["family"]), len(order)))
     merged["summary"] = summarize(merged["rows"], merged["columns"])
     merged["cell_seconds"], merged["seconds"] = merged["seconds"], round(wall, 1)
-    merged["command"] = (f"python bench/coverage_shards.py --shards {a.shards} --timeout {a.timeout:g} "
+    columns = f" --columns {a.columns}" if a.columns else ""
+    merged["command"] = (f"python bench/coverage_shards.py --shards {a.shards} --timeout {a.timeout:g}{columns} "
                          f"(one `dit-passes coverage --families ...` per shard, {os.cpu_count()} CPUs)")
     merged["shard_exit_codes"] = codes
     merged["unfinished_families"] = unfinished

@@ -10,6 +10,11 @@ and on a CPU, end to end on a small model (backend "eager")::
 
     python bench/h200_quant_step.py --tiny --out /tmp/h200_quant_step
 
+Only the fusion rows and their baselines, no per-linear table (about 3 minutes on an H100)::
+
+    PYTHONPATH=/tmp/site python3 bench/h200_quant_step.py --rows bf16,bf16_fused,fp8_fast_accum,fp8_fused \
+        --linears '' --budget-s 200 --out "$OUT"
+
 Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compile_dit`` plus ``RegionalCompile``
 (Inductor) on every row, each lowered, compiled, timed and freed before the next:
 
@@ -17,6 +22,9 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
 * ``fp8`` / ``fp8_fast_accum``: ``Fp8Linear(exclude=())`` on every block linear, the AdaLN modulation ones included
   (per-channel e4m3 weights, per-token e4m3 activations quantized in the graph, ``_scaled_mm``), with
   ``DIT_PASSES_FP8_FAST_ACCUM`` = 0 / 1;
+* ``bf16_fused`` / ``fp8_fused``: ``FuseSiblingLinears()`` first (each block's q / k / v, and in the single-stream
+  blocks proj_mlp with them, one linear over the concatenated weight and a split), then nothing / the
+  ``fp8_fast_accum`` row's ``Fp8Linear``: one activation quantization and one wider GEMM per group;
 * ``svdq_w4_fp8`` / ``svdq_w4_fp8_fast_accum``: ``SVDQuantW4A4(rank=32, dynamic=True)`` written as W4A8 on fp8
   tensor cores (``DIT_PASSES_W4A4_BACKEND=fp8``: the packed int4 weights expanded to e4m3 once per call with the
   group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16); the AdaLN
@@ -62,7 +70,7 @@ TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers
                    axes_dims_rope=(8, 12, 12))
 TINY = dict(img=64, txt=8, m=72, shapes=((64, 64), (64, 256), (256, 64), (320, 64)))
 # default order: the likely fastest designs first (rows not started within --budget-s are skipped)
-ROWS = ("bf16", "fp8_fast_accum", "svdq_w4_fp8_fast_accum", "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8",
+ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "bf16_fused", "svdq_w4_fp8_fast_accum", "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8",
         "svdq_w4_op")
 DEFAULT_ROWS = ROWS[:-1]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_fp8", "svdq_fp8_fast_accum", "w4_expand", "svdq_op")
@@ -90,6 +98,7 @@ def environ(values: Dict[str, str]):
 
 
 def row_specs():
+    from dit_passes.passes.fuse_sibling_linears import FuseSiblingLinears
     from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
     from dit_passes.quant import dispatch
 
@@ -99,6 +108,9 @@ def row_specs():
         "bf16": (lambda: [], {}),
         "fp8": (lambda: [Fp8Linear(exclude=())], exact),
         "fp8_fast_accum": (lambda: [Fp8Linear(exclude=())], fast),
+        # q / k / v (+ proj_mlp) fused into one linear before quantizing: one activation quantization, one wider GEMM
+        "fp8_fused": (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=())], fast),
+        "bf16_fused": (lambda: [FuseSiblingLinears()], {}),
         "svdq_w4_fp8": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **exact}),
         "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
@@ -153,7 +165,7 @@ def cleanup(device: torch.device) -> None:
 # -------------------------------------------------------------------------------------------------- steps
 def tensor_bytes(tensors) -> Dict[int, int]:
     """{data_ptr: bytes}, each storage once."""
-    return {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    return {t.data_ptr(): t.numel() * t.element_size() for t in tensors if not t.is_meta}  # meta: released, no bytes
 
 
 def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, device) -> Dict[str, Any]:

@@ -62,23 +62,27 @@ def main() -> None:
     out = {"command": COMMAND, "torch": torch.__version__, "model": "FluxTransformer2DModel, FLUX.1-dev config, bf16",
            "tp_size": args.size}
     lines = ["# Tensor-parallel FLUX.1-dev: weight bytes per rank (meta device, nothing allocated)", "",
-             f"Command: `{COMMAND}`", "", "| modulation | single-GPU GiB | rank GiB (each rank) | ratio | lowering s |",
-             "|---|---|---|---|---|"]
+             f"Command: `{COMMAND}`", "", "| modulation | single-GPU GiB | rank GiB (each rank) | ratio | "
+             "all-reduces / all-gathers a step | lowering s |", "|---|---|---|---|---|---|"]
     for mode in ("replicate", "column"):
         full = per_rank[0][mode]["full_bytes"]
         ranks = [r[mode]["rank_bytes"] for r in per_rank]
         ratio = max(ranks) / full
-        key = f"tp{args.size}_rank_weight_ratio" + ("" if mode == "replicate" else "_modulation_column")
+        key = f"tp{args.size}_rank_weight_ratio" + ("" if mode == "column" else "_modulation_replicate")  # default
         out[key] = round(ratio, 4)
         out[f"tp{args.size}_{mode}_rank_weight_bytes"] = ranks
         out["single_gpu_weight_bytes"] = full
         out[f"tp{args.size}_{mode}_counts"] = per_rank[0][mode]["counts"]
+        counts = per_rank[0][mode]["counts"]
+        collectives = (f"{counts['all_reduce'] + counts['norm_all_reduce']} / "
+                       f"{counts['all_gather'] + counts['norm_all_gather'] + counts['fallback_all_gather']}")
         lines.append(f"| {mode} | {full / GIB:.2f} | {', '.join(f'{b / GIB:.2f}' for b in ranks)} | {ratio:.3f} | "
-                     f"{max(r[mode]['seconds'] for r in per_rank):.1f} |")
+                     f"{collectives} | {max(r[mode]['seconds'] for r in per_rank):.1f} |")
     lines += ["", f"Host: torch {torch.__version__}, CPU, 1 torch thread per rank (a shared 2-core machine: the lowering "
               "seconds are contended, not a timing result).", "", "Ratio: the largest rank's bytes over the single-GPU weight bytes (issue 21 target <= 0.55). With "
-              "`modulation=\"replicate\"` (the default) the AdaLN modulation linears, about a quarter of FLUX's "
-              "weights, stay whole on every rank; `\"column\"` shards them too.",
+              "`modulation=\"column\"` (the default) the AdaLN modulation linears, about a quarter of FLUX's "
+              "weights, are sharded too, each one's output all-gathered (one all-gather per modulation linear, "
+              "small: at most B x 6 x 3072 values); `\"replicate\"` keeps them whole on every rank, no all-gather.",
               "Built with `compile_dit(..., weights=<checkpoint>)` a rank reads exactly these bytes from the "
               "checkpoint (tests/test_weight_source.py checks it on tiny Flux)."]
     os.makedirs(args.out, exist_ok=True)

@@ -71,7 +71,7 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
 
 
 # cache-dit-compatible front end: `import dit_passes as cache_dit`
-from .frontend import (CacheStats, DBCacheConfig, DBPruneConfig, FoCaCalibratorConfig,  # noqa: E402
+from .frontend import (CacheStats, DBCacheConfig, DBPruneConfig, DMDCalibratorConfig, FoCaCalibratorConfig,  # noqa: E402
                        ParallelismConfig, QuantizeConfig,
                        TaylorSeerCalibratorConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig,
                        SeaCacheConfig, TeaCacheConfig, PyramidAttentionBroadcastConfig, FasterCacheConfig,
@@ -83,7 +83,7 @@ __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGrad
            "get_structure", "passes", "SafetensorsWeights",
            "enable_cache", "disable_cache", "layerwise_offload", "refresh_context", "summary", "strify", "steps_mask",
            "quantize", "load", "CacheStats", "DBCacheConfig", "DBPruneConfig", "TaylorSeerCalibratorConfig",
-           "FoCaCalibratorConfig", "FirstBlockCacheConfig",
+           "FoCaCalibratorConfig", "DMDCalibratorConfig", "FirstBlockCacheConfig",
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
            "PyramidAttentionBroadcastConfig", "FasterCacheConfig",
            "ParallelismConfig", "QuantizeConfig"]

@@ -19,7 +19,11 @@ indexing, ``repeat_interleave`` with tensor repeats: Qwen-Image 2.1 expands its 
 replays the eager values during tracing, so the graph is specialised on them: the values of the call's
 non-floating tensors (masks) then join the signature (``Captured.value_leaves``), and the graph returns the
 traced scalars as an extra output that is checked against the baked ones at every call
-(:class:`ValueSpecializationError` if they differ).
+(:class:`ValueSpecializationError` if they differ). One-element integer tensors passed as sizes (``reshape(b, gh,
+gw, ...)`` with HiDream's patch grid) are read the same way.
+
+Where export still fails inside a submodule, that submodule's class is captured as opaque eager calls
+(:mod:`dit_passes.capture_opaque`, DESIGN.md section 1) and the rest of the model is exported around them.
 """
 from __future__ import annotations
 
@@ -31,8 +35,8 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.overrides import TorchFunctionMode
 
+from .capture_values import ScalarRecorder, ScalarReplay
 from .infra.trace_templates import TraceTemplates
 from .infra.facts import StateIO, facts_of
 
@@ -100,153 +104,6 @@ def value_key(kwargs: Dict[str, Any], value_leaves: Sequence[int]) -> Tuple:
     return tuple(tuple(leaves[i].detach().cpu().reshape(-1).tolist()) for i in value_leaves)
 
 
-def _flat_values(x: Any) -> List[Any]:
-    return [v for item in x for v in _flat_values(item)] if isinstance(x, list) else [x]
-
-
-_NONZERO = (torch.nonzero, torch.Tensor.nonzero)
-# Python scalars read from a tensor: ``item()``, ``bool(t)``, ``int(t)`` (QwenImage 2.1's prefix length) ...
-_SCALAR_READS = (torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__,
-                 torch.Tensor.__float__)
-_REPEAT_INTERLEAVE = (torch.repeat_interleave, torch.Tensor.repeat_interleave)
-
-
-def _nonzero_call(func, args, kwargs) -> str | None:
-    """``"index"`` for ``nonzero(x)`` (one index tensor), ``"tuple"`` for ``nonzero(x, as_tuple=True)`` (one per
-    dim), None for any other call: the number of non-zeros is a data-dependent length."""
-    if func not in _NONZERO:
-        return None
-    as_tuple = (kwargs or {}).get("as_tuple", args[1] if len(args) > 1 and isinstance(args[1], bool) else False)
-    return "tuple" if as_tuple else "index"
-
-
-def _repeat_interleave_length(func, args, kwargs) -> torch.Tensor | None:
-    """For ``repeat_interleave`` with tensor repeats and no ``output_size``: its output length along the repeated
-    dim, as a tensor (a data-dependent size); None for any other call."""
-    kwargs = kwargs or {}
-    if func not in _REPEAT_INTERLEAVE or kwargs.get("output_size") is not None:
-        return None
-    if len(args) == 1 and "repeats" not in kwargs:  # repeat_interleave(repeats): the repeated indices
-        return args[0].sum() if isinstance(args[0], torch.Tensor) else None
-    x, repeats = args[0], (args[1] if len(args) > 1 else kwargs.get("repeats"))
-    if not isinstance(repeats, torch.Tensor):
-        return None
-    dim = _repeat_interleave_dim(args, kwargs)
-    if repeats.numel() == 1:  # one count for every element
-        return repeats.reshape(()) * (x.numel() if dim is None else x.shape[dim])
-    return repeats.sum()
-
-
-def _scalar_source(func, x: torch.Tensor) -> torch.Tensor:
-    """The tensor whose value equals the scalar that ``func`` reads from ``x`` (the guard compares the two)."""
-    if func is torch.Tensor.__bool__:
-        return x != 0
-    if func in (torch.Tensor.__int__, torch.Tensor.__index__) and x.is_floating_point():
-        return x.trunc()
-    return x
-
-
-def _repeat_interleave_dim(args, kwargs) -> int | None:
-    return args[2] if len(args) > 2 else (kwargs or {}).get("dim")
-
-
-def _bool_mask_index(func, args) -> tuple | None:
-    """``(index tuple, position of its boolean mask)`` for ``x[..., mask, ...]`` (a data-dependent number of rows),
-    else None."""
-    if func is not torch.Tensor.__getitem__ or len(args) < 2:
-        return None
-    index = args[1] if isinstance(args[1], tuple) else (args[1],)
-    masks = [i for i, x in enumerate(index) if isinstance(x, torch.Tensor) and x.dtype == torch.bool]
-    return (index, masks[0]) if len(masks) == 1 else None
-
-
-_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
-
-
-def _tensor_slice_bounds(func, args) -> List[torch.Tensor]:
-    """The tensor bounds of the slices in ``x[..., :n, ...]`` (read or written; HunyuanVideo-Framepack cuts its
-    text to ``mask.sum()`` tokens this way): each is a data-dependent size, read in C++ without ``item()``."""
-    if func not in _INDEXING or len(args) < 2:
-        return []
-    index = args[1] if isinstance(args[1], tuple) else (args[1],)
-    return [b for s in index if isinstance(s, slice) for b in (s.start, s.stop, s.step) if isinstance(b, torch.Tensor)]
-
-
-def _with_int_bounds(args: tuple, value_of) -> tuple:
-    """``args`` of an indexing call with each tensor slice bound replaced by ``value_of(bound)``."""
-    def fix(b):
-        return value_of(b) if isinstance(b, torch.Tensor) else b
-
-    index = args[1] if isinstance(args[1], tuple) else (args[1],)
-    index = tuple(slice(fix(s.start), fix(s.stop), fix(s.step)) if isinstance(s, slice) else s for s in index)
-    return (args[0], index if isinstance(args[1], tuple) else index[0], *args[2:])
-
-
-class _ScalarRecorder(TorchFunctionMode):
-    """Eager run: records, in call order, every Python scalar read from a tensor (item / tolist / bool / int, tensor
-    slice bounds) and every data-dependent length (``nonzero``, boolean-mask indexing, ``repeat_interleave`` with
-    tensor repeats)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.values: List[Any] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.values.extend(int(b) for b in _tensor_slice_bounds(func, args))  # replayed before a mask count
-        if func in _SCALAR_READS:
-            self.values.append(out)
-        elif func is torch.Tensor.tolist:
-            self.values.extend(_flat_values(out))  # FakeTensor.tolist reads them one item() each
-        elif (kind := _nonzero_call(func, args, kwargs)) is not None:
-            self.values.append(int((out[0] if kind == "tuple" else out).shape[0]))
-        elif _repeat_interleave_length(func, args, kwargs) is not None:
-            dim = _repeat_interleave_dim(args, kwargs)
-            self.values.append(int(out.shape[0 if dim is None else dim]))
-        elif (masked := _bool_mask_index(func, args)) is not None:
-            index, at = masked
-            self.values.append(int(index[at].sum()))
-        return out
-
-
-class _ScalarReplay(TorchFunctionMode):
-    """Tracing: answers each scalar read and tensor slice bound with the eager value, keeping the traced tensor as a
-    guard; a ``nonzero`` becomes ``nonzero_static`` of the eager length, guarded by the count of non-zeros, a
-    ``repeat_interleave`` gets the eager ``output_size``, guarded by the sum of its repeats."""
-
-    def __init__(self, values: Sequence[Any]) -> None:
-        super().__init__()
-        self.values = list(values)
-        self.sources: List[torch.Tensor] = []
-
-    def _next(self, source: torch.Tensor) -> Any:
-        if len(self.sources) >= len(self.values):
-            raise CaptureError("the traced model reads more tensor scalars than its eager run did")
-        self.sources.append(source)
-        return self.values[len(self.sources) - 1]
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _SCALAR_READS:
-            return self._next(_scalar_source(func, args[0]))
-        if _tensor_slice_bounds(func, args):  # x[:, :n] with a traced n: slice at the eager value
-            args = _with_int_bounds(args, lambda bound: int(self._next(bound)))
-        kind = _nonzero_call(func, args, kwargs)
-        if kind is not None:
-            x = args[0]
-            rows = torch.nonzero_static(x, size=int(self._next((x != 0).sum())))
-            return tuple(rows.unbind(1)) if kind == "tuple" else rows
-        length = _repeat_interleave_length(func, args, kwargs)
-        if length is not None:  # the eager length, guarded by the sum of the repeats
-            return func(*args, **{**(kwargs or {}), "output_size": int(self._next(length))})
-        masked = _bool_mask_index(func, args)
-        if masked is not None:  # x[mask] == x[rows of nonzero(mask)], with the eager count of rows
-            index, at = masked
-            mask = index[at]
-            rows = torch.nonzero_static(mask, size=int(self._next(mask.sum()))).unbind(1)
-            return args[0][index[:at] + tuple(rows) + index[at + 1:]]
-        return func(*args, **(kwargs or {}))
-
-
 _DYNAMO_SEGMENT = re.compile(r"\['([^']*)'\]|\.([A-Za-z_0-9]+)|\[(\d+)\]")
 
 
@@ -305,7 +162,7 @@ class _CallWithConstants(torch.nn.Module):
         object.__setattr__(self, "_model", model)
         self._spec, self._is_tensor, self._constants = spec, is_tensor, constants
         self._force = force_return_dict_false
-        self.replay_values: List[Any] | None = None  # set: trace with _ScalarReplay, return (out, guard)
+        self.replay_values: List[Any] | None = None  # set: trace with ScalarReplay, return (out, guard)
 
     def forward(self, *tensors):
         it = iter(tensors)
@@ -315,7 +172,7 @@ class _CallWithConstants(torch.nn.Module):
             kw["return_dict"] = False
         if self.replay_values is None:
             return self._model(**kw)
-        replay = _ScalarReplay(self.replay_values)  # fresh per trace: export may run forward twice
+        replay = ScalarReplay(self.replay_values)  # fresh per trace: export may run forward twice
         with replay:
             out = self._model(**kw)
         if len(replay.sources) != len(self.replay_values):
@@ -326,7 +183,7 @@ class _CallWithConstants(torch.nn.Module):
 
     def record_scalars(self, tensors) -> List[Any]:
         """Run the model eagerly once and return the scalars it reads from tensors, in order."""
-        rec = _ScalarRecorder()
+        rec = ScalarRecorder()
         with torch.no_grad(), rec:
             self.forward(*tensors)
         return rec.values
@@ -340,6 +197,21 @@ def _export_static(wrapper: torch.nn.Module, tensors: tuple, why: str):
     if dynamic is not None:
         raise CaptureError(f"the graph has data-dependent shapes{why} ({dynamic}); the passes need static ones")
     return ep
+
+
+def _export_replayed(wrapper: "_CallWithConstants", tensors: tuple, error: BaseException,
+                     scalars: List[Any] | None = None):
+    """``(exported program, scalars)`` traced with the eager run's tensor scalars replayed (``scalars``, else
+    recorded now); raises ``error`` (the static export's) when the eager run reads none."""
+    if scalars is None:
+        try:
+            scalars = [] if any(x.is_meta for x in tensors) else wrapper.record_scalars(tensors)
+        except Exception:  # noqa: BLE001 - the model does not even run eagerly: report the export error
+            scalars = []
+    if not scalars:
+        raise error
+    wrapper.replay_values = scalars
+    return _export_static(wrapper, tensors, " even specialised on the call's values"), scalars
 
 
 def _data_dependent_shape(gm: fx.GraphModule) -> str | None:
@@ -412,37 +284,51 @@ def _trace(model: torch.nn.Module, call: _Call, t0: float) -> Captured:
     t_cpu0 = time.process_time()
     kwargs, leaves, spec, is_tensor, constants, input_names, accepts_return_dict = call
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
-    wrapper = _CallWithConstants(model, spec, is_tensor, constants, accepts_return_dict)
-    # Parameters belong to the wrapped model; export reads them through the wrapper's forward, so make
-    # them visible as the wrapper's own under the same names.
-    for name, mod in model.named_children():
-        wrapper._modules[name] = mod
-    for name, p in model.named_parameters(recurse=False):
-        wrapper._parameters[name] = p
-    for name, b in model.named_buffers(recurse=False):
-        wrapper._buffers[name] = b
-    scalars: List[Any] = []
+
+    def wrap(traced: torch.nn.Module) -> _CallWithConstants:
+        wrapper = _CallWithConstants(traced, spec, is_tensor, constants, accepts_return_dict)
+        # Parameters belong to the wrapped model; export reads them through the wrapper's forward, so make
+        # them visible as the wrapper's own under the same names.
+        for name, mod in traced.named_children():
+            wrapper._modules[name] = mod
+        for name, p in traced.named_parameters(recurse=False):
+            wrapper._parameters[name] = p
+        for name, b in traced.named_buffers(recurse=False):
+            wrapper._buffers[name] = b
+        return wrapper
+
+    opaque_calls: List[Any] = []
     try:  # (a graph can trace with token counts read from the inputs' values: masks)
-        ep = _export_static(wrapper, tensors, "")
+        ep, scalars = _export_static(wrapper := wrap(model), tensors, ""), []
     except Exception as e:  # noqa: BLE001
-        first_error = e
         try:  # data-dependent Python? retry specialised on the eager run's scalars
-            scalars = [] if any(x.is_meta for x in tensors) else wrapper.record_scalars(tensors)
-        except Exception:  # noqa: BLE001 - the model does not even run eagerly: report the export error
-            scalars = []
-        ep = None
-        if scalars:
-            wrapper.replay_values = scalars
-            try:
-                ep = _export_static(wrapper, tensors, " even specialised on the call's values")
-            except Exception as e2:  # noqa: BLE001
-                first_error, ep = e2, None
-        if ep is None:
+            ep, scalars = _export_replayed(wrapper, tensors, e)
+        except Exception as first_error:  # noqa: BLE001
             e = first_error
-            raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:400]}. Check that the call matches the model's "
-                               f"forward (tensor inputs, constant options) and that the model runs eagerly "
-                               f"with it") from e
+            if not any(x.is_meta for x in tensors):  # a submodule that cannot be traced? run it eagerly
+                from .capture_opaque import export_with_opaque_modules
+
+                def attempt(traced, proxies):
+                    wrapper = wrap(traced)
+                    scalars = wrapper.record_scalars(tensors)  # the proxies record their outputs too
+                    for proxy in proxies.values():
+                        proxy.tracing = True
+                    try:
+                        return _export_static(wrapper, tensors, ""), []
+                    except Exception as e:  # noqa: BLE001
+                        if not scalars:
+                            raise
+                        return _export_replayed(wrapper, tensors, e, scalars)
+
+                try:
+                    (ep, scalars), opaque_calls = export_with_opaque_modules(model, e, attempt)
+                except Exception as last:  # noqa: BLE001
+                    e = last if isinstance(last, CaptureError) else e
+            if not opaque_calls:
+                raise CaptureError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:400]}. Check that the call matches the model's "
+                                   f"forward (tensor inputs, constant options) and that the model runs eagerly "
+                                   f"with it") from e
 
     if _mutates(ep.graph_module.graph):
         # In-place writes into views (Lumina2 / Wan / CogVideoX build tensors with ``x[i, :n] = ...``)
@@ -463,6 +349,9 @@ def _trace(model: torch.nn.Module, call: _Call, t0: float) -> Captured:
     _flatten_codegen(gm, input_names)
     _register_constants_as_buffers(gm)
     annotate_module_paths(gm)
+    if opaque_calls:
+        from .capture_opaque import install_opaque_modules
+        install_opaque_modules(gm, opaque_calls)
     value_leaves: List[int] = []
     if scalars:
         value_leaves = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)

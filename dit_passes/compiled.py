@@ -184,8 +184,10 @@ class CompiledDiT(torch.nn.Module):
         return {} if self.keep_original else self.runtime.weights.released_weights()
 
     @contextlib.contextmanager
-    def cache_context(self, name: str) -> Iterator[None]:
-        """Select a named cache context (diffusers pipelines use "cond" / "uncond")."""
+    def cache_context(self, name: str, **where: Any) -> Iterator[None]:
+        """Select a named cache context (diffusers pipelines use "cond" / "uncond"). ``where``: the fields diffusers'
+        ``CacheContext`` takes (``step_index``, ``sigma``, ``num_inference_steps``: WanPipeline passes them) are
+        accepted and unused: the cache passes count steps and generations themselves."""
         prev, self.runtime.context = self.runtime.context, name
         try:
             yield

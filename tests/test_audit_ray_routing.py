@@ -19,8 +19,8 @@ from dit_passes.testing.pipelines import flux_pipeline
 class _Engine:
     world_size = 2
 
-    def as_transformer(self):
-        return RayTransformerProxy(self, {"in_channels": 16}, torch.float32)
+    def as_transformer(self, index=0):
+        return RayTransformerProxy(self, {"in_channels": 16}, torch.float32, index=index)
 
     def shutdown(self):
         pass

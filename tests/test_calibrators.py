@@ -1,4 +1,4 @@
-"""cache-dit 1.5.3's FoCa calibrator beside TaylorSeer, side by side with the reference.
+"""cache-dit 1.5.3's FoCa and DMD calibrators beside TaylorSeer, side by side with the reference.
 
 First on synthetic calls through cache-dit's own context manager (the harness of ``test_cache_decision``: the
 decision and the calibrator exactly as its block forward drives them), then as the DBCache graph pass on a tiny
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 
 import pytest
 import torch
 
 from dit_passes import compile_dit, passes
-from dit_passes.cache.config import FoCaCalibratorConfig
+from dit_passes.cache.config import DMDCalibratorConfig, FoCaCalibratorConfig
 from dit_passes.cache.decision import apply_hit, decide, hit_values, middle_cache_values, update_after_branch
 from dit_passes.cache.state import CacheContexts
 from dit_passes.models.zoo import build
@@ -89,29 +90,98 @@ def test_foca_matches_cache_dit(variant):
     assert max(runs_of_cached(gens[0])) >= 4, gens[0]
 
 
+@pytest.mark.parametrize("variant", ["default", "history4_rank2", "low_image_only"])
+def test_dmd_matches_cache_dit(variant):
+    kw = {"history4_rank2": dict(dmd_history=4, dmd_rank=2),
+          "low_image_only": dict(dmd_history=5, dmd_svd_precision="low", enable_encoder_calibrator=False)
+          }.get(variant, {})
+    # warm-up 5 computed steps (a uniform tail of 5: the DMD forecast), then computed steps at uneven spacings (tails of
+    # 2-3: the Taylor fallback) and evenly spaced again (the forecast on a longer spacing)
+    cfg = dict(max_warmup_steps=5, residual_diff_threshold=0.6, max_continuous_cached_steps=3)
+    # every (tail length, rank) form is evaluated on each call (fixed shapes): one generation where that is costly
+    gens = side_by_side(cfg, cache_dit.DMDCalibratorConfig(**kw), DMDCalibratorConfig(**kw),
+                        gens=2 if variant == "history4_rank2" else 1)
+    assert max(runs_of_cached(gens[0])) >= 2, gens[0]
+
+
+def test_dmd_forecast_is_exact_on_exponential_modes():
+    """The defining property: values that are sums of (damped / oscillating) exponentials of the step are forecast
+    exactly, where the first-order Taylor fallback is not."""
+    from dit_passes.cache.dmd import dmd_after_call, dmd_keys, dmd_predict, dmd_spec
+
+    g = torch.Generator().manual_seed(0)
+    modes = torch.randn(3, 1, 24, dtype=torch.float64, generator=g)
+    rho, theta = 0.9, 0.4
+
+    def value(k):  # one real decaying mode and one damped oscillation
+        return modes[0] * 0.8 ** k + rho ** k * (modes[1] * math.cos(theta * k) + modes[2] * math.sin(theta * k))
+
+    state = {k: torch.full(shape, fill, dtype=dt) for k, (shape, dt, fill) in dmd_spec(0, value(0), 6).items()}
+    last = torch.tensor(-1)
+    for k in range(6):
+        step = torch.tensor(k)
+        state.update(dmd_after_call(state, 0, torch.tensor(False), value(k), step, last))
+        last = step
+    for ahead in (6, 7, 9):
+        pred = dmd_predict(state, 0, torch.tensor(ahead), last)
+        torch.testing.assert_close(pred, value(ahead), rtol=1e-6, atol=1e-7)  # the ridge: 1e-8 of S
+    f = dict(zip(("cur0", "cur1"), (state[k] for k in dmd_keys(0)[2:4])))
+    taylor = f["cur0"] + f["cur1"] * 4
+    assert (taylor - value(9)).abs().max() > 1e3 * (dmd_predict(state, 0, torch.tensor(9), last) - value(9)).abs().max()
+
+
 # -- the graph pass and the front end -------------------------------------------------------------------------
 STEPS = 10
 
 
-@pytest.mark.reference
-def test_foca_dbcache_pass_matches_cache_dit():
+def against_cache_dit(max_warmup_steps, ref_calibrator, compile_ours):
+    """A tiny Flux over STEPS calls: ``(compiled, ours, ref, cache-dit's cached steps, plain DBCache's outputs)``,
+    cache-dit with ``ref_calibrator`` beside ``compile_ours(model, cfg)``; always cached after the warm-up but for
+    every fifth step (runs of 4)."""
     zm = build("flux")
     kwargs = zm.make_inputs()
-    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=1.0, max_warmup_steps=3, max_continuous_cached_steps=4,
-               enable_separate_cfg=False, num_inference_steps=STEPS)
+    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=1.0, max_warmup_steps=max_warmup_steps,
+               max_continuous_cached_steps=4, enable_separate_cfg=False, num_inference_steps=STEPS)
     ref_model = copy.deepcopy(zm.model)
-    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBCacheConfig(**cfg),
-                           calibrator_config=cache_dit.FoCaCalibratorConfig())
+    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBCacheConfig(**cfg), calibrator_config=ref_calibrator)
     ref = step_loop(ref_model, kwargs)
-    ref_stats = cache_dit.summary(ref_model, logging=False)[0]
-    compiled = compile_dit(zm.model, passes=[passes.DBCache(calibrator=FoCaCalibratorConfig(), **cfg)])
+    ref_cached = cache_dit.summary(ref_model, logging=False)[0].cached_steps
+    compiled = compile_ours(zm.model, cfg)
     ours = step_loop(compiled, kwargs)
+    plain = step_loop(compile_dit(zm.model, passes=[passes.DBCache(**cfg)]), kwargs)
+    return compiled, ours, ref, ref_cached, plain
+
+
+@pytest.mark.reference
+def test_foca_dbcache_pass_matches_cache_dit():
+    compiled, ours, ref, ref_cached, plain = against_cache_dit(3, cache_dit.FoCaCalibratorConfig(), lambda m, cfg: (
+        compile_dit(m, passes=[passes.DBCache(calibrator=FoCaCalibratorConfig(), **cfg)])))
     # warm-up 3, then always cached but for every fifth step: runs of 4 (elapsed up to 4: both FoCa forms)
-    assert compiled.runtime.state["dbcache"].summary()[-1]["cached_steps"] == ref_stats.cached_steps == [3, 4, 5, 6, 8, 9]
+    assert compiled.runtime.state["dbcache"].summary()[-1]["cached_steps"] == ref_cached == [3, 4, 5, 6, 8, 9]
     err = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert err <= 1e-5, err
-    plain = step_loop(compile_dit(zm.model, passes=[passes.DBCache(**cfg)]), kwargs)
     assert (plain - ref).abs().max() > 100 * (ours - ref).abs().max(), "FoCa made no difference: nothing tested"
+
+
+@pytest.mark.reference
+def test_dmd_dbcache_pass_and_enable_cache_match_cache_dit():
+    """DMD as the graph pass (through ``enable_cache`` on the transformer, cache-dit's config class converted): the
+    same cached steps and outputs as cache-dit on a tiny Flux; its tags as the reference's."""
+    import dit_passes
+    # warm-up 5 (a uniform tail of 5 snapshots), then a run of 4 cached steps: the forecast at horizons 1-4
+    theirs = cache_dit.DMDCalibratorConfig(dmd_history=5)
+    compiled, ours, ref, ref_cached, plain = against_cache_dit(5, theirs, lambda m, cfg: dit_passes.enable_cache(
+        m, cache_config=dit_passes.DBCacheConfig(**cfg), calibrator_config=theirs))
+    assert isinstance(compiled.runtime.state["frontend"].calibrator_config, DMDCalibratorConfig)
+    assert compiled.runtime.state["dbcache"].summary()[-1]["cached_steps"] == ref_cached == [5, 6, 7, 8]
+    err = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-5, err
+    assert (plain - ref).abs().max() > 100 * (ours - ref).abs().max(), "DMD made no difference: nothing tested"
+    for precision in ("low", "medium", "high"):
+        kw = dict(dmd_history=5, dmd_svd_precision=precision)
+        theirs = cache_dit.DMDCalibratorConfig(**kw)
+        assert DMDCalibratorConfig(**kw).strify() == theirs.strify() and DMDCalibratorConfig(**kw).strify(
+            details=True) == theirs.strify(details=True)
 
 
 @pytest.mark.reference

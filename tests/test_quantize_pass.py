@@ -510,3 +510,54 @@ def test_digits_dit_fidelity_floors(tmp_path):
     # weight-only int8 modulation linears cost far less than int4 ones (measured 44.63 vs 41.40 dB)
     assert c["dq_r32_w8a16"]["psnr_mean"] > c["dq_r32_w4a16"]["psnr_mean"] + 2.0
     assert all(v["identical_samples"] == 0 for v in c.values())  # every config did change the numbers
+
+
+class _EmptyFeatureBlock(torch.nn.Module):
+    """Attention over 64 features plus a linear with no input features (K = 0: its output is its bias, what a
+    NucleusMoE block's empty expert projection computes)."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.to_q, self.to_k, self.to_v, self.to_out = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.empty = torch.nn.Linear(0, dim)
+        torch.nn.init.normal_(self.empty.bias)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (p(x).view(b, s, 2, d // 2).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        return x + self.to_out(a) + self.empty(x[..., :0])
+
+
+class _EmptyFeatureDiT(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_EmptyFeatureBlock(), _EmptyFeatureBlock()])
+
+    def forward(self, hidden_states):
+        for block in self.blocks:
+            hidden_states = block(hidden_states)
+        return (hidden_states,)
+
+
+@pytest.mark.parametrize("make", [lambda: SVDQuantW4A4(rank=4, dynamic=True), lambda: Fp8Linear(),
+                                  lambda: Int8Linear()], ids=["svdquant", "fp8", "int8"])
+def test_linear_without_input_features_stays_unquantized_and_reported(make):
+    """K = 0 has nothing to quantize (no scale, no group): the linear keeps its precision, counted in ``skipped_k``
+    and named in the report with its reason; the others are quantized as usual."""
+    torch.manual_seed(0)
+    model = _EmptyFeatureDiT().eval()
+    x = torch.randn(1, 8, 64)
+    compiled = compile_dit(model, passes=[make()])
+    with torch.no_grad():
+        ref, out = model(hidden_states=x)[0], compiled(hidden_states=x)[0]
+    res = last_result(compiled)
+    assert res.counts["replaced"] == 8 and res.counts["skipped_k"] == 2
+    assert "left 2 linear(s) in their original precision: 2 with K = 0" in res.report
+    assert "blocks.0.empty K=0" in res.report
+    kinds = {n.meta["dit_module_path"] for n in compiled.graph_module.graph.nodes if n.meta.get("dit_quant")}
+    assert not any(p.endswith("empty") for p in kinds) and len(kinds) == 8
+    assert torch.isfinite(out).all() and (out - ref).abs().max() / ref.abs().max() < 0.1
+    strict = compile_dit(model, passes=[SVDQuantW4A4(rank=4, dynamic=True, include=["empty"])])
+    with pytest.raises(PassError, match=r"blocks\.0\.empty \(K=0\): K = 0"):
+        strict(hidden_states=x)

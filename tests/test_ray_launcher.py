@@ -6,6 +6,7 @@ same pipeline run eagerly in this process. After the module, no process of the c
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -227,3 +228,66 @@ def test_worker_killed_mid_call_raises_without_hang(cluster):
     engine.shutdown()
     assert "shut down" in repr(engine)
     assert isinstance(engine, RayEngine)
+
+
+# ------------------------------------------------------------------------------ through the front end
+def wan22_pipeline():
+    """Wan 2.2's layout: a WanPipeline whose ``transformer`` runs the high-noise steps and ``transformer_2`` the
+    low-noise ones (``boundary_ratio``); two tiny zoo Wan transformers, no text encoder, no VAE (latents out)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                       transformer=build("wan", seed=1).model, transformer_2=build("wan", seed=2).model,
+                       boundary_ratio=0.5)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def wan22_call(pipe) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():  # CFG: each step calls the transformer under cache_context("cond" / "uncond", ...)
+        return pipe(prompt_embeds=torch.randn(1, 8, 32, generator=g), negative_prompt_embeds=torch.randn(1, 8, 32, generator=g),
+                    height=32, width=32, num_frames=1, num_inference_steps=6, guidance_scale=4.0, output_type="latent",
+                    generator=torch.Generator().manual_seed(3)).frames
+
+
+def test_frontend_two_transformers_and_refresh_context(cluster):
+    """``enable_cache(wan22_pipe, cache_config=..., parallelism_config=ParallelismConfig(ulysses_size=2,
+    use_ray=True))``: both transformers are lowered in the same two workers (one engine, a proxy each); then
+    ``refresh_context(pipe, cache_config=<another config>)`` lowers them again in those workers (same pids). Each
+    run equals the single process's under the same configs (1e-5 relative, same cached steps per transformer)."""
+    import dit_passes as cache_dit
+    # the tiny Wans' residual diffs are 0.09-0.15: threshold 0.3 caches every step after the warm-up
+    first = cache_dit.DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=0.3,
+                                    max_warmup_steps=1)
+    second = dataclasses.replace(first, max_warmup_steps=2)
+
+    def cached(pipe):
+        return [(s.cached_steps, s.cfg_cached_steps) for s in cache_dit.summary(pipe, logging=False)]
+
+    single = wan22_pipeline()
+    cache_dit.enable_cache(single, cache_config=first)
+    ref = [wan22_call(single), cached(single)]
+    cache_dit.refresh_context(single, cache_config=second)
+    ref += [wan22_call(single), cached(single)]
+
+    pipe = wan22_pipeline()
+    originals = (pipe.transformer, pipe.transformer_2)
+    cache_dit.enable_cache(pipe, cache_config=first, parallelism_config=cache_dit.ParallelismConfig(ulysses_size=2,
+                                                                                                    use_ray=True))
+    try:
+        engine = pipe.transformer._engine
+        assert pipe.transformer_2._engine is engine and type(pipe.transformer_2).__name__ == "RayTransformerProxy"
+        pids = engine.run_on_workers(lambda w: os.getpid())
+        got = [wan22_call(pipe), cached(pipe)]
+        cache_dit.refresh_context(pipe, cache_config=second)
+        got += [wan22_call(pipe), cached(pipe)]
+        after = engine.run_on_workers(lambda w: (os.getpid(), [([p.name for p in c.passes], c.passes[-1].config.max_warmup_steps)
+                                                               for c in w.compiled]))
+    finally:
+        cache_dit.disable_cache(pipe)
+    assert (pipe.transformer, pipe.transformer_2) == originals
+    assert after == [(pid, [(["ulysses", "dbcache"], 2)] * 2) for pid in pids]  # no restart, both refreshed
+    assert ref[1] != ref[3] and all(steps for steps, _ in ref[1])  # the configs differ in what they cache
+    assert got[1] == ref[1] and got[3] == ref[3], (got[1::2], ref[1::2])
+    for a, b in ((got[0], ref[0]), (got[2], ref[2])):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5

@@ -1,13 +1,20 @@
-"""RayLauncher starting (and stopping) Ray itself, with a runtime_env that makes a user module importable.
+"""RayLauncher starting (and stopping) Ray itself, with a runtime_env that makes a user module importable; and
+connecting to a cluster another process runs (``ParallelismConfig.ray_address``).
 
-The other Ray tests share a cluster their fixture starts; here no Ray runs before the launch, so the
-launcher's own ``ray.init`` path is used: its runtime_env is job-wide, the factory lives in a module
-importable only through that PYTHONPATH, and ``shutdown()`` must stop Ray and leave no process behind.
+The other Ray tests share a cluster their fixture starts; here no Ray runs in this process before the launch, so
+the launcher's own ``ray.init`` path is used: its runtime_env is job-wide, the factory lives in a module
+importable only through that PYTHONPATH, and ``shutdown()`` must stop Ray and leave no process behind. With an
+address it connects instead, and ``shutdown()`` only disconnects: the test stops that cluster itself.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -16,7 +23,7 @@ import torch
 ray = pytest.importorskip("ray")
 from dit_passes.launch.ray_launcher import RayLauncher  # noqa: E402
 from dit_passes.passes.context_parallel import Ulysses  # noqa: E402
-from dit_passes.testing.ray_cluster import wait_gone  # noqa: E402
+from dit_passes.testing.ray_cluster import session_processes, wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -72,3 +79,64 @@ def test_launcher_owned_ray_runtime_env_and_clean_shutdown(tmp_path):
     finally:
         sys.path.remove(str(user_dir))
         sys.modules.pop("dp_user_pipeline", None)
+
+
+def _stop_cluster(temp_dir: str) -> list:
+    """Stop the cluster ``ray start`` began in ``temp_dir`` by its processes' ids (``ray stop`` would stop every
+    Ray of this machine's user): SIGTERM, then SIGKILL for those still there after 2 s (gcs_server and the raylet
+    outlast SIGTERM for longer); returns the processes left."""
+    for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 10.0)):
+        for line in session_processes(temp_dir):
+            try:
+                os.kill(int(line.split(":")[0]), sig)
+            except ProcessLookupError:
+                pass
+        left = wait_gone(temp_dir, wait_s=wait_s)
+        if not left:
+            break
+    return left
+
+
+def test_ray_address_and_worker_options_through_enable_cache(monkeypatch):
+    """``ParallelismConfig(ulysses_size=2, use_ray=True, ray_address=<a cluster started by ray start in another
+    process>, ray_worker_options={"num_cpus": 0.5})``: the workers run on that 1-CPU cluster (two of them fit only
+    because each asks for half a CPU: the options reach the actors and their bundles), and the latents equal the
+    single process's; disable_cache disconnects and leaves the cluster running (it is not ours to stop)."""
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster from another test is still running in this process")
+    import dit_passes as cache_dit
+    from dit_passes.models.zoo import build
+    from dit_passes.testing.pipelines import flux_pipeline
+    user_module: dict = {}
+    exec(USER_MODULE, user_module)  # its call_kwargs(): the tiny Flux pipeline's call
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the cluster's mode; with an address the driver keeps its env's
+    temp_dir = tempfile.mkdtemp(prefix="rayx", dir="/tmp")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    try:
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+                        "--node-ip-address=127.0.0.1", "--num-cpus=1", "--include-dashboard=false",
+                        f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+                       check=True, timeout=120, capture_output=True, cwd=temp_dir)
+        pipe = flux_pipeline(build("flux").model)
+        with torch.inference_mode():
+            reference = pipe(**user_module["call_kwargs"]()).images
+        cache_dit.enable_cache(pipe, parallelism_config=cache_dit.ParallelismConfig(
+            ulysses_size=2, use_ray=True, ray_address=f"127.0.0.1:{port}",
+            ray_worker_options={"num_cpus": 0.5}))
+        try:
+            latents = pipe(**user_module["call_kwargs"]()).images
+            seen = pipe.transformer._engine.run_on_workers(lambda w: (
+                ray.get_runtime_context().get_assigned_resources().get("CPU"),
+                ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]))
+        finally:
+            cache_dit.disable_cache(pipe)
+        assert seen == [(0.5, str(port))] * 2, seen
+        torch.testing.assert_close(latents, reference, rtol=0, atol=1e-5)
+        assert not ray.is_initialized(), "disable_cache must disconnect the driver it connected"
+        assert session_processes(temp_dir), "the cluster the driver connected to must keep running"
+    finally:
+        left = _stop_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not left, f"Ray processes left behind: {left}"

@@ -1,8 +1,8 @@
 """TensorParallel: sharding helpers (in process) and the pass on gloo ranks against the single process.
 
 Two spawns carry most checks (many per spawn, the machine is small): 2 ranks (flux, flux with fused
-QKV, sd3, qwenimage, wan; modulation="column"; bad inputs) and 4 ranks (the four families with 4 heads;
-TP on the tp sub-group of a dp x tp mesh).
+QKV, sd3, qwenimage, wan; modulation="column" on flux, and as the default on DiT and Cosmos 3; bad inputs)
+and 4 ranks (the four families with 4 heads; TP on the tp sub-group of a dp x tp mesh).
 """
 from __future__ import annotations
 
@@ -172,6 +172,32 @@ def _case(family, world, group=None, modulation="replicate", fuse=False, **overr
     }
 
 
+def _modulation_case(family, world):
+    """The default TensorParallel (modulation="column") on a zoo family whose modulation linears need more than
+    "shard, gather": exactness, the pass's counts and the collectives that ran."""
+    import torch.utils._pytree as pytree
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from dit_passes.models import zoo
+
+    torch.manual_seed(0)
+    zm = zoo.build(family, redraw_zeros=True)  # (zero-initialised AdaLN weights would hide a wrong gather)
+    kw = zm.make_inputs(batch=2)
+    with torch.no_grad():
+        ref = pytree.tree_leaves(zm.model(**kw))
+    _, _, mods, _ = _expected(zm.model, kw)
+    c = compile_dit(zm.model, passes=[TensorParallel(size=world)])
+    c.lower(**kw)
+    with torch.no_grad(), CommDebugMode() as comm:
+        out = pytree.tree_leaves(c(**kw))
+    rec = [r for r in c._current().manager.records if r.name == "tensor_parallel"][0]
+    rel = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(out, ref) if b.is_floating_point()]
+    return {"err": max(rel),
+            "counts": rec.result.counts, "report": rec.result.report, "n_mods": len(mods),
+            "comm": {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()},
+            "released": dict(c.released)}
+
+
 def _error(fn):
     try:
         fn()
@@ -186,6 +212,7 @@ def _ranks_of_two(rank, world):
     res = {f: _case(f, world) for f in ("flux", "sd3", "qwenimage", "wan")}
     res["flux_fused"] = _case("flux", world, fuse=True)
     res["flux_modcol"] = _case("flux", world, modulation="column")
+    res["dit_default"], res["cosmos3_default"] = _modulation_case("dit", world), _modulation_case("cosmos3", world)
     zm3 = zoo.build("flux", num_attention_heads=3)
     res["heads_error"] = _error(lambda: compile_dit(zm3.model, passes=[TensorParallel(2)])(**zm3.make_inputs()))
     zm = zoo.build("wan")
@@ -227,7 +254,7 @@ def _check_case(name, r, tp):
 
 
 def test_two_ranks():
-    results = run_ranks(_ranks_of_two, 2, timeout=400)
+    results = run_ranks(_ranks_of_two, 2, timeout=600)
     for rank, res in enumerate(results):
         for name in ("flux", "sd3", "qwenimage", "wan", "flux_fused", "flux_modcol"):
             _check_case(f"{name}@{rank}", res[name], 2)
@@ -238,10 +265,31 @@ def test_two_ranks():
         assert mc["counts"]["all_gather"] == mc["n_mods"] == mc["comm"].get("all_gather_into_tensor", 0) == 6
         assert mc["counts"]["block_linear_bytes_after"] < res["flux"]["counts"]["block_linear_bytes_after"]
         assert res["flux"]["comm"].get("all_gather_into_tensor", 0) == 0
+        _check_modulation_defaults(res["dit_default"], res["cosmos3_default"])
         assert "not divisible by 2" in res["heads_error"] and "valid sizes: [1, 3]" in res["heads_error"]
         assert "size=4 but the process group has 2 ranks" in res["size_error"]
         assert res["toy_err"] < 1e-5
     _summary("tp=2", results[0])
+
+
+def _check_modulation_defaults(dit, cosmos3):
+    for name, r in (("dit", dit), ("cosmos3", cosmos3)):
+        assert r["err"] <= TOL, (name, r["err"])
+        assert r["counts"]["fallback_all_gather"] == 0, (name, r["report"])
+        # exactly the collectives the pass inserted ran
+        assert r["comm"].get("all_gather_into_tensor", 0) == r["counts"]["all_gather"], (name, r["comm"])
+        assert r["comm"].get("all_reduce", 0) == r["counts"]["all_reduce"], (name, r["comm"])
+    # DiT: per block 3 modulation linears (timestep embedder linear_1 / linear_2, norm1.linear), each gathered; the
+    # final norm runs block 0's timestep embedder again: those 2 linears read the same 2 shards (weight + bias
+    # each), gathered too, the weights held once
+    c = dit["counts"]
+    assert dit["n_mods"] == 6 and c["all_gather"] == 6 + 2 and c["shared_weights"] == 4, c
+    assert "by tensor_parallel" in dit["released"]["transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight"]
+    # Cosmos 3: its 16 block linears outside the attention's q/k/v all get the modulation role (no residual stream
+    # input found); the 4 attention output projections read the sharded attention, so the propagation made them
+    # row-parallel (one all-reduce each) and the modulation sharding leaves them: the other 12 are gathered
+    c = cosmos3["counts"]
+    assert cosmos3["n_mods"] == 16 and c["row_parallel"] == c["all_reduce"] == 4 and c["all_gather"] == 12, c
 
 
 def test_four_ranks_and_dp_tp_subgroup():

@@ -1,5 +1,5 @@
 """Residual-cache configuration: cache-dit 1.5.3's ``DBCacheConfig`` / ``DBPruneConfig`` and its calibrator
-configs (``TaylorSeerCalibratorConfig``, ``FoCaCalibratorConfig``).
+configs (``TaylorSeerCalibratorConfig``, ``FoCaCalibratorConfig``, ``DMDCalibratorConfig``).
 
 Same field names, defaults and ``strify()`` tags as the reference (``cache_dit/caching/cache_contexts/
 cache_config.py`` and ``calibrators/__init__.py``), so a user's existing config carries over. Unlike the
@@ -326,6 +326,44 @@ class FoCaCalibratorConfig(CalibratorConfig):
 
     def strify(self, details: bool = False) -> str:
         return "FoCa"
+
+
+@dataclasses.dataclass
+class DMDCalibratorConfig(CalibratorConfig):
+    """cache-dit's DMD calibrator (Dynamic Mode Decomposition: an exponential-basis forecast fitted to the last
+    ``dmd_history`` computed values, :mod:`dit_passes.cache.dmd`); same fields and defaults. ``dmd_rank``: the SVD
+    truncation rank (0: from the spectrum); ``dmd_ridge``: added to the kept singular values; ``dmd_svd_precision``:
+    "medium" (LAPACK's default SVD), "high" (the gesvd driver on CUDA, else as medium), "low" (a randomized SVD, one
+    power iteration, its start drawn from a CPU generator seeded 0 as the reference does on CPU)."""
+
+    enable_calibrator: bool = True
+    enable_encoder_calibrator: bool = True
+    calibrator_type: str = "dmd"
+    dmd_history: int = 6
+    dmd_rank: int = 0
+    dmd_ridge: float = 1e-8
+    dmd_svd_precision: str = "medium"
+
+    CALIBRATOR_TYPE: ClassVar[str] = "dmd"
+
+    def validate(self) -> None:
+        super().validate()
+        if not _is_int(self.dmd_history) or self.dmd_history < 1:
+            raise ValueError(f"DMDCalibratorConfig.dmd_history={self.dmd_history!r}: use an int >= 1 (5-6 typical)")
+        if not _is_int(self.dmd_rank) or self.dmd_rank < 0:
+            raise ValueError(f"DMDCalibratorConfig.dmd_rank={self.dmd_rank!r}: use an int >= 0 (0: from the spectrum)")
+        if not isinstance(self.dmd_ridge, (int, float)) or isinstance(self.dmd_ridge, bool) or self.dmd_ridge < 0:
+            raise ValueError(f"DMDCalibratorConfig.dmd_ridge={self.dmd_ridge!r}: use a float >= 0")
+        if self.dmd_svd_precision not in ("low", "medium", "high"):
+            raise ValueError(f"DMDCalibratorConfig.dmd_svd_precision={self.dmd_svd_precision!r}: use 'low', 'medium' "
+                             "or 'high'")
+
+    def strify(self, details: bool = False) -> str:
+        """The reference's tag: ``DMDH6`` (``DMDH6l`` / ``DMDH6h`` for the other precisions)."""
+        if details:
+            return f"DMD_H({self.dmd_history}, {self.dmd_svd_precision})"
+        prec = self.dmd_svd_precision[0]
+        return f"DMDH{self.dmd_history}" + ("" if prec == "m" else prec)
 
 
 def full_tag(config: DBCacheConfig, calibrator: Optional[CalibratorConfig] = None,

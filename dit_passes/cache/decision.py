@@ -27,6 +27,7 @@ import torch
 
 from .config import CalibratorConfig, DBCacheConfig
 from .state import NO_STEP, SCALARS, stream_keys
+from .dmd import dmd_after_call, dmd_predict
 from .foca import foca_after_call, foca_predict
 from .taylorseer import taylor_predict, taylor_update
 
@@ -263,11 +264,14 @@ def middle_cache_values(before: Sequence[torch.Tensor], after: Sequence[torch.Te
 def hit_values(state: State, num_streams: int,
                calibrator: Optional[CalibratorConfig] = None) -> List[torch.Tensor]:
     """Per stream, the cached value a cache hit uses: the stored one, or the calibrator's prediction (TaylorSeer,
-    FoCa). ``state``: the state ``decide`` returned for this call (its step is this call's step)."""
+    FoCa, DMD). ``state``: the state ``decide`` returned for this call (its step is this call's step)."""
     out = []
     for i in range(num_streams):
         if _calibrated(calibrator, i) and calibrator.calibrator_type == "foca":
             out.append(foca_predict(state, i, state["step"] - state["last_compute_step"]))
+        elif _calibrated(calibrator, i) and calibrator.calibrator_type == "dmd":
+            out.append(dmd_predict(state, i, state["step"], state["last_compute_step"], calibrator.dmd_rank,
+                                   calibrator.dmd_ridge, calibrator.dmd_svd_precision))
         elif _calibrated(calibrator, i):
             keys = stream_keys(i, calibrator)
             out.append(taylor_predict([state[k] for k in keys[:-1]], state[keys[-1]], state["step"],
@@ -287,13 +291,15 @@ def update_after_branch(state: State, use_cache: torch.Tensor, values: Sequence[
                         calibrator: Optional[CalibratorConfig] = None) -> State:
     """The state after the branch. ``values``: per stream, what the branch produced: :func:`middle_cache_values`
     on a computed step, the :func:`hit_values` on a cached one (the cached arm passes them through; only FoCa
-    reads them there). Computed step: store them (or advance the calibrator); cached step: keep everything but
+    reads them there; DMD records computed values only). Computed step: store them (or advance the calibrator); cached step: keep everything but
     FoCa's rolling pair, which takes the prediction."""
     s = dict(state)
     compute = ~use_cache
     for i, v in enumerate(values):
         if _calibrated(calibrator, i) and calibrator.calibrator_type == "foca":
             s.update(foca_after_call(s, i, use_cache, v))
+        elif _calibrated(calibrator, i) and calibrator.calibrator_type == "dmd":
+            s.update(dmd_after_call(s, i, use_cache, v, s["step"], s["last_compute_step"]))
         elif _calibrated(calibrator, i):
             keys = stream_keys(i, calibrator)
             ladder, valid = [s[k] for k in keys[:-1]], s[keys[-1]]

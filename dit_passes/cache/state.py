@@ -15,6 +15,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .config import CalibratorConfig, DBCacheConfig
+from .dmd import dmd_keys, dmd_spec
 from .foca import foca_keys
 
 # Values no real step takes: "no cached step recorded" / "no diff recorded".
@@ -46,6 +47,8 @@ def stream_keys(stream: int, calibrator: Optional[CalibratorConfig] = None) -> L
         return [f"res{stream}"]
     if calibrator.calibrator_type == "foca":
         return foca_keys(stream)
+    if calibrator.calibrator_type == "dmd":
+        return dmd_keys(stream)
     return [f"ts{stream}_{k}" for k in range(calibrator.taylorseer_order + 1)] + [f"ts{stream}_valid"]
 
 
@@ -59,6 +62,9 @@ def state_spec(config: DBCacheConfig, calibrator: Optional[CalibratorConfig],
     spec: Dict[str, Tuple[tuple, torch.dtype, float]] = {k: ((), dt, v) for k, (dt, v) in SCALARS.items()}
     spec["R_prev"] = (tuple(fn_residual.shape), fn_residual.dtype, 0.0)
     for i, s in enumerate(streams):
+        if calibrator is not None and calibrator.stream_enabled(i) and calibrator.calibrator_type == "dmd":
+            spec.update(dmd_spec(i, s, calibrator.dmd_history))  # its snapshots: [history, *shape]
+            continue
         for k in stream_keys(i, calibrator):
             if k.endswith("_valid"):
                 spec[k] = ((), torch.int64, 0)

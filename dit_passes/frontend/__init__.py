@@ -1,6 +1,7 @@
 """cache-dit-compatible front end: ``enable_cache`` / ``disable_cache`` / ``summary`` / ``strify`` / ... over
 ``compile_dit`` (see :mod:`dit_passes.frontend.api`)."""
-from ..cache.config import DBCacheConfig, DBPruneConfig, FoCaCalibratorConfig, TaylorSeerCalibratorConfig
+from ..cache.config import (DBCacheConfig, DBPruneConfig, DMDCalibratorConfig, FoCaCalibratorConfig,
+                            TaylorSeerCalibratorConfig)
 from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
                                   PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
                                   TeaCacheConfig)
@@ -11,7 +12,7 @@ from .offload import layerwise_offload
 
 __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
            "CacheStats", "FrontendState", "DBCacheConfig", "DBPruneConfig", "TaylorSeerCalibratorConfig",
-           "FoCaCalibratorConfig", "FirstBlockCacheConfig",
+           "FoCaCalibratorConfig", "DMDCalibratorConfig", "FirstBlockCacheConfig",
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
            "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "ParallelismConfig",
            "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "layerwise_offload"]

@@ -16,9 +16,10 @@ transformer-only mode). No class is patched; the applied configs live in ``compi
 Differences from the reference: all parallel sizes 1 is a logged no-op; ``enable_separate_cfg=None`` resolves to
 False, as pipelines running CFG as two calls name them ``cache_context("cond" / "uncond")`` and each named context
 has its own cache state (the reference shares one state there); a second ``enable_cache`` raises (a wrapper from
-``quantize`` / ``load`` is extended instead); ``use_ray=True`` runs the transformer on Ray workers
-(``pipe.transformer`` becomes a proxy, ``pipe(...)`` works unchanged; a bare transformer is also routed to the
-workers in place, as the reference's transformer wrapper does); a whole-pipeline engine is returned only for
+``quantize`` / ``load`` is extended instead); ``use_ray=True`` runs the transformer(s) on Ray workers
+(``pipe.transformer`` / ``pipe.transformer_2`` become proxies of one engine, ``pipe(...)`` works unchanged; a bare
+transformer is also routed to the workers in place, as the reference's transformer wrapper does; ``refresh_context``
+with a new config lowers again in the same workers); a whole-pipeline engine is returned only for
 ``ray_transfer_fn`` with ``pipe_or_module=None``.
 """
 from __future__ import annotations
@@ -41,10 +42,11 @@ from ..infra.pass_manager import PassManager
 from ..passes.load_quantized import LoadQuantized
 from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator
 from .cache_configs import resolve_cache_config as _resolve_cache_config
+from . import components
 from .configs import ParallelismConfig, QuantizeConfig, calibrate
 
 logger = logging.getLogger("dit_passes")
-TRANSFORMER_ATTRS = ("transformer", "transformer_2")
+TRANSFORMER_ATTRS = components.TRANSFORMER_NAMES
 FRONTEND = "frontend"  # key in the CompiledDiT's runtime.state
 
 
@@ -60,6 +62,7 @@ class FrontendState:
     restore: Any = None  # what disable_cache puts back: the original transformer, or the wrapper extended
     extra_restore: List[Tuple[str, Any]] = dataclasses.field(default_factory=list)  # (pipe attribute, original)
     engine: Any = None  # the RayEngine when the transformer runs on Ray workers
+    engine_index: int = 0  # which of the engine's transformers (1: Wan 2.2's transformer_2)
     routed: Dict[str, Any] = dataclasses.field(default_factory=dict)  # _route_to_proxy: instance entries it replaced
 
     def cache_options(self) -> Dict[str, Any]:
@@ -228,22 +231,26 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     if pc is not None:
         _check_parallel_env(pc)
     targets = _targets(pipe_or_module)
+    quantized, others = components.plan(pipe_or_module, quantize_config)  # which components, which config each
     bases = [_check_target(o, a, m, allow_extend=quantize_config is None) for o, a, m in targets]
     wrapped = []
     for (owner, attr, module), base in zip(targets, bases):
-        state = FrontendState(cfg, cal, pc, quantize_config, [], restore=module)
+        state = FrontendState(cfg, cal, pc, quantized.get(attr or "transformer"), [], restore=module)
         original = module.original if base is not None else module
         wrapped.append((owner, attr, _wrap(original, state, module if base is not None else None, keep_original)))
     for owner, attr, compiled in wrapped:  # assigned only once every transformer succeeded
         if owner is not None:
             setattr(owner, attr, compiled)
-    if pc is not None and pc.extra_parallel_modules:  # TE-P / VAE-P / CN-P
-        owner = targets[0][0]
+    owner, first = targets[0][0], _state_of(wrapped[0][2])
+    extra_parallel = list(pc.extra_parallel_modules) if pc is not None and pc.extra_parallel_modules else []
+    # text encoders in components_to_quantize (one also in extra_parallel_modules: its TP passes, then these)
+    first.extra_restore, quant_passes = components.quantize_components(owner, others, keep_original, extra_parallel)
+    if extra_parallel:  # TE-P / VAE-P / CN-P
         if owner is None:
             raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
         from ..passes.parallel_plan import parallelize_extra_modules
-        _state_of(wrapped[0][2]).extra_restore = parallelize_extra_modules(
-            owner, pc.extra_parallel_modules, pc.world_size(), pc.to_passes, keep_original=keep_original)
+        first.extra_restore += parallelize_extra_modules(owner, extra_parallel, pc.world_size(), pc.to_passes,
+                                                         keep_original=keep_original, then=quant_passes)
         logger.info("enable_cache(%s): passes %s", _name(attr, compiled), [p.name for p in _state_of(compiled).passes])
     return pipe_or_module if targets[0][0] is not None else wrapped[0][2]
 
@@ -256,21 +263,22 @@ def _ray_launcher(pc: ParallelismConfig):
     if pc.world_size() > 1 and n != pc.world_size():
         raise ValueError(f"ParallelismConfig.ray_num_workers={n} differs from the parallel sizes' product "
                          f"{pc.world_size()}")
-    if pc.ray_address:
-        raise NotImplementedError("ParallelismConfig.ray_address: call ray.init(address=...) yourself before "
-                                  "enable_cache; the launcher uses a running Ray as is")
-    if pc.ray_worker_options:
-        raise NotImplementedError("ParallelismConfig.ray_worker_options is not supported by RayLauncher")
     if pc.ray_master_port:
         logger.info("ParallelismConfig.ray_master_port is ignored: rank 0 picks a free port on its node")
-    return RayLauncher(world_size=n, runtime_env=pc.ray_runtime_env,
-                       ray_init_kwargs=dict(pc.ray_init_kwargs or {}))
+    return RayLauncher(world_size=n, runtime_env=pc.ray_runtime_env, ray_init_kwargs=dict(pc.ray_init_kwargs or {}),
+                       address=pc.ray_address, worker_options=dict(pc.ray_worker_options or {}))
 
 
 def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
-    """``use_ray=True``: RayLauncher workers build and run the passes. A pipeline / transformer: the transformer
-    runs there (``pipe.transformer`` becomes the proxy). ``ray_transfer_fn``: the whole-pipeline engine is returned."""
+    """``use_ray=True``: RayLauncher workers build and run the passes. A pipeline / transformer: the transformer(s)
+    run there (``pipe.transformer`` and ``pipe.transformer_2`` become proxies of one engine, both lowered in every
+    worker). ``ray_transfer_fn``: the whole-pipeline engine is returned."""
     pc, q = state.parallelism_config, state.quantize_config
+    if q is not None and q.components_to_quantize is not None:
+        if any(not (isinstance(c, str) and c in TRANSFORMER_ATTRS) for c, _ in q.component_configs()):
+            raise NotImplementedError("QuantizeConfig.components_to_quantize beyond the transformer with use_ray=True: "
+                                      "the Ray workers run the transformer only")
+        q = state.quantize_config = components.plan(None, q)[0].get("transformer")
     if q is not None and q.is_ptq():
         raise NotImplementedError("SVDQuant PTQ with use_ray=True: quantize(..., serialize_to=dir) first, then "
                                   "load(transformer, dir) inside ray_transfer_fn")
@@ -283,20 +291,21 @@ def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
             logger.warning("ray_transfer_fn is set: the workers build their own pipeline; the one given is unused")
         return launcher.launch(pc.ray_transfer_fn, passes_fn, transfer="factory", compile=bool(pc.ray_use_compile))
     targets = _targets(pipe_or_module)
-    if len(targets) > 1:
-        raise NotImplementedError("use_ray=True with two transformers (transformer_2) is not implemented")
-    owner, attr, module = targets[0]
-    _check_target(owner, attr, module, allow_extend=False)
-    engine = launcher.launch(module, passes_fn, level="transformer", transfer=pc.ray_transfer(),
-                             compile=bool(pc.ray_use_compile))
-    proxy = engine.as_transformer()
-    state.restore, state.engine = module, engine
-    proxy.__dict__["_dit_frontend"] = state
-    if owner is None:
-        _route_to_proxy(module, proxy, state)
-        return proxy
-    setattr(owner, attr, proxy)
-    return owner
+    for owner, attr, module in targets:
+        _check_target(owner, attr, module, allow_extend=False)
+    modules = [module for _, _, module in targets]
+    engine = launcher.launch(modules if len(modules) > 1 else modules[0], passes_fn, level="transformer",
+                             transfer=pc.ray_transfer(), compile=bool(pc.ray_use_compile))
+    for index, (owner, attr, module) in enumerate(targets):
+        proxy = engine.as_transformer(index)
+        proxy.__dict__["_dit_frontend"] = own = dataclasses.replace(state, passes=list(state.passes), restore=module,
+                                                                    engine=engine, engine_index=index,
+                                                                    extra_restore=[], routed={})
+        if owner is None:
+            _route_to_proxy(module, proxy, own)
+            return proxy
+        setattr(owner, attr, proxy)
+    return targets[0][0]
 
 
 _ROUTED = ("forward", "cache_context", "to", "cuda", "cpu", "_dit_frontend")
@@ -324,9 +333,14 @@ def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig],
     return passes
 
 
-def _worker_cache_summary(worker: Any) -> List[Dict[str, Any]]:  # runs on a Ray worker (run_on_workers)
-    compiled = worker.compiled[0]
+def _worker_cache_summary(worker: Any, index: int = 0) -> List[Dict[str, Any]]:  # runs on a Ray worker
+    compiled = worker.compiled[index]
     return compiled.cache_summary(as_dict=True) if compiled.cache_report() is not None else []
+
+
+def _with_cache_pass(cfg: DBCacheConfig, cal: Optional[CalibratorConfig], passes: list) -> list:
+    """``passes`` with its cache pass replaced by one for ``cfg`` (refresh_context; in Ray workers too)."""
+    return [p for p in passes if not isinstance(p, CACHE_PASSES)] + [cache_pass(cfg, cal)]
 
 
 def disable_cache(pipe_or_module: Any) -> Any:
@@ -385,9 +399,6 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
         state = _state_of(module)
         if state is None or state.cache_config is None:
             raise RuntimeError(f"refresh_context: {_name(attr, module)} has no residual cache from enable_cache")
-        if state.engine is not None and change:
-            raise NotImplementedError("refresh_context with a new config on Ray workers: disable_cache, then "
-                                      "enable_cache again")
         names = {f.name for f in dataclasses.fields(type(state.cache_config))}
         if set(cache_fields) - names:
             raise TypeError(f"refresh_context: {sorted(set(cache_fields) - names)} are not "
@@ -400,11 +411,14 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
         cal = state.calibrator_config if calibrator_config is None else \
             resolve_calibrator(calibrator_config)
         if new == state.cache_config and cal == state.calibrator_config:
-            module.new_generation()
+            (state.engine.as_transformer(state.engine_index) if state.engine is not None else module).new_generation()
         else:
             state.cache_config, state.calibrator_config = new, cal
-            state.passes = [p for p in state.passes if not isinstance(p, CACHE_PASSES)] + [cache_pass(new, cal)]
-            module.set_passes(state.passes)
+            state.passes = _with_cache_pass(new, cal, state.passes)
+            if state.engine is not None:  # the same workers lower it again: no restart
+                state.engine.set_passes(functools.partial(_with_cache_pass, new, cal), state.engine_index)
+            else:
+                module.set_passes(state.passes)
         if verbose:
             logger.info("refresh_context(%s): %s", _name(attr, module), cache_tag(new, cal))
     return pipe_or_module
@@ -443,7 +457,8 @@ def summary(pipe_or_module: Any, details: bool = False, logging: bool = True, **
         if state is None:
             continue
         if state.engine is not None:
-            gens = state.engine.run_on_workers(_worker_cache_summary)[0] if state.cache_config is not None else []
+            gens = state.engine.run_on_workers(_worker_cache_summary, state.engine_index)[0] \
+                if state.cache_config is not None else []
         else:
             gens = module.cache_summary(as_dict=True) if module.cache_report() is not None else []
         st = stats_from_summary(gens, state)

@@ -16,7 +16,7 @@ import copy
 import dataclasses
 from typing import Any, Optional
 
-from ..cache.config import (CalibratorConfig, DBCacheConfig, DBPruneConfig, FoCaCalibratorConfig,
+from ..cache.config import (CalibratorConfig, DBCacheConfig, DBPruneConfig, DMDCalibratorConfig, FoCaCalibratorConfig,
                             TaylorSeerCalibratorConfig, full_tag)
 from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
                                   PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
@@ -59,7 +59,7 @@ def resolve_cache_config(cache_config: Any, others_given: bool) -> Any:
     return cfg
 
 
-_CALIBRATORS = {c.CALIBRATOR_TYPE: c for c in (TaylorSeerCalibratorConfig, FoCaCalibratorConfig)}
+_CALIBRATORS = {c.CALIBRATOR_TYPE: c for c in (TaylorSeerCalibratorConfig, FoCaCalibratorConfig, DMDCalibratorConfig)}
 
 
 def resolve_calibrator(calibrator: Any) -> Optional[CalibratorConfig]:
@@ -69,13 +69,12 @@ def resolve_calibrator(calibrator: Any) -> Optional[CalibratorConfig]:
         return None
     kind = getattr(calibrator, "calibrator_type", None)
     if kind not in _CALIBRATORS:
-        raise ValueError(f"calibrator_config: calibrator_type={kind!r} is not one of {sorted(_CALIBRATORS)} (DMD is "
-                         f"not implemented)")
+        raise ValueError(f"calibrator_config: calibrator_type={kind!r} is not one of {sorted(_CALIBRATORS)}")
     return convert(calibrator, _CALIBRATORS[kind], "calibrator_type")
 
 
 def cache_pass(cfg: Any, calibrator: Optional[Any] = None):
-    """The pass for a resolved config (``calibrator``: cache-dit's TaylorSeer / FoCa, DBCache only)."""
+    """The pass for a resolved config (``calibrator``: cache-dit's TaylorSeer / FoCa / DMD, DBCache only)."""
     if isinstance(cfg, DBPruneConfig):
         return DBPrune(cfg, calibrator=calibrator)
     for cls, pass_cls in _PASS_OF.items():

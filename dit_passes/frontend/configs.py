@@ -33,16 +33,19 @@ class ParallelismConfig:
 
     Mapped: ``ulysses_size`` -> ``passes.Ulysses``, ``ring_size`` -> ``passes.Ring``, both -> ``passes.USP``,
     ``tp_size`` -> ``passes.TensorParallel``, on the current (torchrun-initialised) process group; ``use_ray``
-    -> :class:`~dit_passes.launch.ray_launcher.RayLauncher` (built by ``dit_passes.frontend.api``).
+    -> :class:`~dit_passes.launch.ray_launcher.RayLauncher` (built by ``dit_passes.frontend.api``): ``ray_address``
+    -> its ``address`` (``ray.init(address=...)`` when Ray is not initialised here), ``ray_worker_options`` -> its
+    ``worker_options`` (the actors' ``.options(...)``), ``ray_runtime_env`` / ``ray_init_kwargs`` as named.
     Uneven sequence lengths are always exact here, so ``ulysses_anything`` needs nothing; the ring exchange
     is point-to-point (``ring_rotate_method="p2p"``) or one all-gather of K / V (``"allgather"``: the same
     result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` /
     ``attention_backend`` are accepted and ignored (the plan is derived from the graph). CP together with TP builds both on one mesh
     (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). Not implemented (``NotImplementedError``):
-    ``extra_parallel_modules`` with ``use_ray``; ``ulysses_async`` with a ring or with ``ulysses_float8``.
+    ``extra_parallel_modules`` with ``use_ray``.
     ``ulysses_float8=True`` sends the Ulysses all-to-alls as e4m3 rows with per-row scales (approximate);
     ``ulysses_async=True`` issues each q / k / v all-to-all as soon as it is projected and waits for it after the
-    next projection (``passes.Ulysses(size, async_qkv=True)``: exact).
+    next projection (``passes.Ulysses(size, async_qkv=True)``, with a ring ``passes.USP(..., ulysses_async=True)``:
+    the bits of the synchronous form, float8 included); it needs ``ulysses_size > 1``.
     """
 
     backend: Any = "auto"
@@ -94,9 +97,9 @@ class ParallelismConfig:
         return self.world_size() == 1 and not self.use_ray and not self.extra_parallel_modules
 
     def check_supported(self) -> None:
-        if self.ulysses_async and ((self.ring_size or 1) > 1 or self.ulysses_float8 or (self.ulysses_size or 1) < 2):
-            raise NotImplementedError("ParallelismConfig.ulysses_async=True is implemented for Ulysses alone "
-                                      "(ulysses_size > 1, no ring_size, no ulysses_float8)")
+        if self.ulysses_async and (self.ulysses_size or 1) < 2:
+            raise ValueError("ParallelismConfig.ulysses_async=True overlaps the Ulysses all-to-alls: it needs "
+                             f"ulysses_size > 1 (got ulysses_size={self.ulysses_size}, ring_size={self.ring_size})")
         if self.extra_parallel_modules and self.use_ray:
             raise NotImplementedError("ParallelismConfig.extra_parallel_modules with use_ray=True is not "
                                       "implemented: the Ray workers parallelise the transformer only")
@@ -188,7 +191,11 @@ class QuantizeConfig:
     ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs``: ``smooth_strategy``
     ("activation" for PTQ; "identity" (default) or "weight" for ``_dq``), ``calibrate_precision`` and
     ``svd_refine_iters`` (``SVDQuantW4A4(svd_precision=, refine_iters=)``); the keys that only tune the reference's
-    calibration memory and kernels are accepted and logged.
+    calibration memory and kernels are accepted and logged. ``components_to_quantize`` (a list of pipeline component
+    names or modules, or ``{name: {field: value}}``): those components only, each with its config
+    (:meth:`component_configs`); ``"text_encoder"`` names the pipeline's largest text encoder as in the reference
+    (``text_encoder_2`` where there is one); other components than the transformer(s) quantize every linear but
+    ``exclude_layers`` (float8 / int8 types; see :mod:`~dit_passes.frontend.components`).
     """
 
     backend: Any = "auto"
@@ -256,10 +263,40 @@ class QuantizeConfig:
                 isinstance(c, str) and c for c in self.repeated_blocks)):
             raise TypeError(f"QuantizeConfig.repeated_blocks must be a list of block class names, got "
                             f"{self.repeated_blocks!r}")
+        self.component_configs()  # checks components_to_quantize
+
+    def component_configs(self) -> List[Tuple[Any, "QuantizeConfig"]]:
+        """``(component, config)`` per entry of ``components_to_quantize`` (the reference's ``expand_configs``): a
+        list names components (pipeline attribute names, or the modules themselves) quantized to this config; a
+        dict ``{name: {field: value}}`` gives each its own fields (``quant_type``, ``exclude_layers``, ...), the rest
+        from this config. ``None``: ``[("transformer", self)]``. SVDQuant types take the transformer(s) only (the
+        reference refuses ``components_to_quantize`` with them)."""
         comps = self.components_to_quantize
-        if comps is not None and (not isinstance(comps, list) or set(comps) - {"transformer", "transformer_2"}):
-            raise NotImplementedError(f"QuantizeConfig.components_to_quantize={comps!r}: only the transformer(s) "
-                                      "can be quantized")
+        if comps is None:
+            return [("transformer", self)]
+        if isinstance(comps, dict):
+            entries = list(comps.items())
+        elif isinstance(comps, (list, tuple)):
+            entries = [(c, {}) for c in comps]
+        else:
+            raise TypeError(f"QuantizeConfig.components_to_quantize must be a list of component names (or modules) or "
+                            f"a dict {{name: {{field: value}}}}, got {type(comps).__name__}")
+        fields = {f.name for f in dataclasses.fields(self)} - {"components_to_quantize"}
+        out = []
+        for component, overrides in entries:
+            if not (isinstance(component, str) and component) and not callable(getattr(component, "forward", None)):
+                raise TypeError(f"QuantizeConfig.components_to_quantize: {component!r} is neither a component name "
+                                "nor a module")
+            if not isinstance(overrides, dict) or set(overrides) - fields:
+                raise ValueError(f"QuantizeConfig.components_to_quantize[{component!r}] must be a dict of "
+                                 f"QuantizeConfig fields, got {overrides!r}")
+            config = dataclasses.replace(self, components_to_quantize=[component], **overrides)
+            if config.kind == "svdq" and component not in ("transformer", "transformer_2"):
+                raise ValueError(f"QuantizeConfig.components_to_quantize: {component!r} with {config.quant_type}: "
+                                 "SVDQuant quantizes the transformer(s) only (as the reference); give that component "
+                                 "a float8 / int8 quant_type ({name: {'quant_type': ...}})")
+            out.append((component, config))
+        return out
 
     def region(self, model: Any = None) -> Dict[str, Any]:
         """Which linears, as the reference decides: ``regional_quantize=False`` every linear of the module; else those

@@ -8,6 +8,10 @@ see in the graph:
   before anything replaces them.
 * ``SHARD_SEQUENCE``: context parallelism (and VAE-P's spatial split); replaces aten attention with
   distributed attention.
+* ``FUSE_LINEARS``: merges linears that read one input into one wider linear (``FuseSiblingLinears``, opt-in).
+  A phase of its own: it must see the local shards the sharding phases left (a sharded linear is still a linear
+  of this rank's rows, so fusing it stays exact) and must run before ``QUANTIZE`` so the quantizers see one wider
+  GEMM; putting it in either neighbour would make the order hang on the order the user listed the passes in.
 * ``QUANTIZE``: replaces aten ``linear`` by quantized ops (after TP has sliced their weights).
 * ``LOAD_WEIGHTS``: a model built on the meta device gets the weights that no earlier pass replaced from its
   checkpoint (``compile_dit(weights=...)``); tensor parallelism read only its slices, quantization one weight at a
@@ -28,6 +32,7 @@ class Phase(enum.IntEnum):
     CLEANUP = 0
     SHARD_WEIGHTS = 10
     SHARD_SEQUENCE = 20
+    FUSE_LINEARS = 25
     QUANTIZE = 30
     LOAD_WEIGHTS = 35
     OFFLOAD = 40

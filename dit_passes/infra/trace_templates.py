@@ -184,6 +184,11 @@ def _model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _calls_a_module(node: fx.Node) -> bool:
+    """An opaque module call of capture (``dit_passes::opaque_module``): it runs one instance's module."""
+    return node.op == "call_function" and str(node.target).startswith("dit_passes.opaque_module")
+
+
 def _attr_at(gm: fx.GraphModule, target: str) -> Any:
     owner_path, _, attr = target.rpartition(".")
     return getattr(gm.get_submodule(owner_path) if owner_path else gm, attr)
@@ -277,7 +282,7 @@ class TraceTemplates:
 
     def store(self, model: torch.nn.Module, key: Hashable, values: Hashable, gm: fx.GraphModule,
               fields: Dict[str, Any]) -> None:
-        if any(n.op == "call_module" for n in gm.graph.nodes) or any(
+        if any(n.op == "call_module" or _calls_a_module(n) for n in gm.graph.nodes) or any(
                 next(m.parameters(), None) is not None or next(m.buffers(), None) is not None
                 for n in gm.graph.nodes if n.op == "get_attr"
                 for m in [_attr_at(gm, n.target)] if isinstance(m, torch.nn.Module)):

@@ -9,9 +9,11 @@
     pipe.to("cuda")                                                      # moves VAE etc., not the proxy
 
 What ``launch`` does: starts Ray if it is not running (``ray.init(num_cpus=..., include_dashboard=False,
-_temp_dir=<short /tmp path>)`` with ``RAY_AUTH_MODE=disabled``; a Ray the user initialised is used as
-is), reserves a placement group of one bundle per rank (PACK or SPREAD), starts one actor per rank
-(``num_gpus=1`` each when the cluster has enough GPUs, else CPU workers), joins them in a process group
+_temp_dir=<short /tmp path>)`` with ``RAY_AUTH_MODE=disabled``), or with ``address`` connects to that running
+cluster (``ray.init(address=...)``; ``shutdown()`` disconnects, the cluster keeps running); a Ray the user
+initialised is used as is. It reserves a placement group of one bundle per rank (PACK or SPREAD; each bundle
+holds what one actor asks for), starts one actor per rank (``num_gpus=1`` each when the cluster has enough GPUs,
+else CPU workers; ``worker_options`` go to the actors' ``.options(...)`` over these), joins them in a process group
 (nccl / gloo) that rendezvouses at rank 0's node IP on a free port found there, transfers the model
 (see :mod:`dit_passes.launch.transfer`), and applies ``compile_dit(transformer, passes)`` in every
 worker. No class is replaced: the engine and the proxy are new objects.
@@ -101,11 +103,19 @@ class RayLauncher:
         ray_init_kwargs: extra ``ray.init`` keyword arguments (override the defaults) when starting Ray.
         timeout_s: bound of every wait (start-up steps, each call) and the process group's timeout.
         use_gpus: None = GPUs when the cluster has ``world_size`` of them, else CPU; True / False forces.
+        address: a running cluster to connect to when Ray is not initialised here (``ray.init(address=...)``,
+            e.g. ``"10.0.0.1:6379"``, ``"auto"``); its resources are the cluster's, so ``num_cpus`` is not given.
+        worker_options: Ray actor options for every rank (``.options(**worker_options)``), over the launcher's
+            (``num_cpus``, ``num_gpus``, ``max_restarts=0``, the placement-group strategy). The bundles reserve the
+            actor's ``num_cpus`` / ``num_gpus`` / ``resources`` / ``memory``; a ``scheduling_strategy`` of yours
+            replaces the placement group (none is made). A ``num_gpus`` given here decides GPU vs CPU workers
+            unless ``use_gpus`` is set.
     """
 
     def __init__(self, world_size: int = 2, num_cpus_per_worker: float = 1, runtime_env: Optional[dict] = None,
                  placement: str = "pack", ray_init_kwargs: Optional[dict] = None, timeout_s: float = 120.0,
-                 use_gpus: Optional[bool] = None):
+                 use_gpus: Optional[bool] = None, address: Optional[str] = None,
+                 worker_options: Optional[dict] = None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise RayLauncherError(f"world_size must be a positive int, got {world_size!r}")
         if not isinstance(num_cpus_per_worker, (int, float)) or num_cpus_per_worker <= 0:
@@ -114,6 +124,11 @@ class RayLauncher:
             raise RayLauncherError(f"placement must be 'pack' or 'spread', got {placement!r}")
         if runtime_env is not None and not isinstance(runtime_env, dict):
             raise RayLauncherError(f"runtime_env must be a dict (Ray runtime_env), got {type(runtime_env).__name__}")
+        if worker_options is not None and not isinstance(worker_options, dict):
+            raise RayLauncherError(f"worker_options must be a dict of Ray actor options, got "
+                                   f"{type(worker_options).__name__}")
+        if address is not None and not isinstance(address, str):
+            raise RayLauncherError(f"address must be a Ray cluster address string, got {address!r}")
         if not timeout_s or timeout_s <= 0:
             raise RayLauncherError(f"timeout_s must be positive seconds, got {timeout_s!r}")
         self.world_size = world_size
@@ -123,14 +138,18 @@ class RayLauncher:
         self.ray_init_kwargs = dict(ray_init_kwargs or {})
         self.timeout_s = float(timeout_s)
         self.use_gpus = use_gpus
+        self.address = address
+        self.worker_options = dict(worker_options or {})
 
     def launch(self, pipe_or_factory: Any, passes: Union[Sequence[Any], Callable[[int, int], list]] = (), *,
                transfer: Optional[str] = None, compile: Union[bool, dict] = False, level: str = "pipeline",
                copy_weights: bool = False) -> "RayEngine":
         """Start the workers and load ``pipe_or_factory`` into them; returns a :class:`RayEngine`.
 
-        ``pipe_or_factory``: a diffusers pipeline, a transformer (``level="transformer"``), or a
-        zero-argument callable building either inside each worker (then ``transfer`` is "factory").
+        ``pipe_or_factory``: a diffusers pipeline, a transformer or a list of transformers (``level="transformer"``:
+        each is lowered in every worker; ``engine.as_transformer(i)`` runs the i-th, e.g. Wan 2.2's ``transformer``
+        and ``transformer_2``), or a zero-argument callable building one of these inside each worker (then
+        ``transfer`` is "factory").
         ``passes``: picklable pass objects (each worker unpickles its own) or ``passes_fn(rank, world_size)``.
         ``transfer``: "object_store" (default for objects), "snapshot", "factory" (default for callables).
         ``compile``: True, or a dict of ``torch.compile`` options, compiles each lowered graph in the workers.
@@ -138,7 +157,8 @@ class RayLauncher:
         """
         if level not in ("pipeline", "transformer"):
             raise RayLauncherError(f"level must be 'pipeline' or 'transformer', got {level!r}")
-        is_object = isinstance(pipe_or_factory, torch.nn.Module) or _is_pipeline(pipe_or_factory)
+        is_object = isinstance(pipe_or_factory, torch.nn.Module) or _is_pipeline(pipe_or_factory) \
+            or _is_module_list(pipe_or_factory)
         if transfer is None:
             transfer = "object_store" if is_object else "factory"
         if transfer not in ("object_store", "snapshot", "factory"):
@@ -151,9 +171,9 @@ class RayLauncher:
                                    f"nn.Module (got {type(pipe_or_factory).__name__}); for a callable use "
                                    "transfer='factory'")
         if is_object:
-            if level == "pipeline" and isinstance(pipe_or_factory, torch.nn.Module):
+            if level == "pipeline" and not _is_pipeline(pipe_or_factory):
                 raise RayLauncherError(f"level='pipeline' needs a pipeline; {type(pipe_or_factory).__name__} is a "
-                                       "module: use level='transformer' and engine.as_transformer()")
+                                       "module (or a list): use level='transformer' and engine.as_transformer()")
             if level == "transformer" and _is_pipeline(pipe_or_factory):
                 pipe_or_factory = pipe_or_factory.transformer  # only the transformer travels
         passes_blob = self._check_passes(passes)
@@ -196,7 +216,7 @@ class RayEngine:
         self._snapshot_dir: Optional[tempfile.TemporaryDirectory] = None
         self._broken: Optional[str] = None
         self._closed = False
-        self._proxy: Optional[RayTransformerProxy] = None
+        self._proxies: Dict[int, RayTransformerProxy] = {}
         self._info: Dict[str, Any] = {}
         self.startup: Dict[str, float] = {}
         self.transfer_report: Dict[str, Any] = {}
@@ -213,6 +233,17 @@ class RayEngine:
                 warnings.warn("Ray was initialised before RayLauncher: runtime_env is set on the launcher's actors "
                               "only (merged with the job's), not job-wide; put it in your ray.init(runtime_env=...) "
                               "to apply it everywhere", stacklevel=4)
+            if launcher.address is not None:
+                warnings.warn(f"Ray was initialised before RayLauncher: address={launcher.address!r} is not used; "
+                              "the workers run on the cluster this process is connected to", stacklevel=4)
+            return
+        if launcher.address is not None:
+            # A cluster someone else runs: its resources and its session dir are its own (ray.init refuses
+            # num_cpus there), and its authentication mode is the user's environment's, left as it is.
+            kwargs = dict(address=launcher.address, runtime_env=launcher.runtime_env, log_to_driver=True)
+            kwargs.update(launcher.ray_init_kwargs)
+            ray.init(**kwargs)
+            self._owns_ray = True  # our connection: shutdown() disconnects it (the cluster keeps running)
             return
         # Unix socket paths are limited to ~107 bytes: keep Ray's session dir short.
         self._ray_temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
@@ -243,28 +274,24 @@ class RayEngine:
         self.startup["ray_init_s"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        gpus = ray.cluster_resources().get("GPU", 0)
-        self.use_gpus = gpus >= n if launcher.use_gpus is None else bool(launcher.use_gpus)
-        if self.use_gpus and gpus < n:
-            raise RayLauncherError(f"use_gpus=True but the Ray cluster has {gpus:g} GPUs for world_size={n}")
-        bundle = {"CPU": launcher.num_cpus_per_worker, **({"GPU": 1} if self.use_gpus else {})}
-        self._pg = placement_group([dict(bundle) for _ in range(n)], strategy=launcher.placement.upper())
-        try:
-            ray.get(self._pg.ready(), timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RayLauncherError(f"the cluster cannot hold {n} x {bundle} ({launcher.placement.upper()}) within "
-                                   f"{self.timeout_s:g} s; free now: {_cpu_gpu(ray.available_resources())} of "
-                                   f"{_cpu_gpu(ray.cluster_resources())} (another engine still running?): lower world_size / "
-                                   "num_cpus_per_worker or add nodes") from None
-        options: Dict[str, Any] = dict(num_cpus=launcher.num_cpus_per_worker, num_gpus=1 if self.use_gpus else 0,
-                                       max_restarts=0)
-        if launcher.runtime_env and not self._owns_ray:
-            options["runtime_env"] = launcher.runtime_env
+        options = self._actor_options(ray.cluster_resources().get("GPU", 0))
+        own_strategy = "scheduling_strategy" in options
+        if not own_strategy:
+            bundle = _bundle(options)
+            self._pg = placement_group([dict(bundle) for _ in range(n)], strategy=launcher.placement.upper())
+            try:
+                ray.get(self._pg.ready(), timeout=self.timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RayLauncherError(
+                    f"the cluster cannot hold {n} x {bundle} ({launcher.placement.upper()}) within {self.timeout_s:g} "
+                    f"s; free now: {_cpu_gpu(ray.available_resources())} of {_cpu_gpu(ray.cluster_resources())} "
+                    "(another engine still running?): lower world_size / num_cpus_per_worker / worker_options or add "
+                    "nodes") from None
         actor_cls = ray.remote(RankWorker)
-        threads = max(1, int(launcher.num_cpus_per_worker))
-        self._actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self._pg, placement_group_bundle_index=rank), **options).remote(rank, n, self.use_gpus, threads)
-            for rank in range(n)]
+        threads = max(1, int(options["num_cpus"]))
+        self._actors = [actor_cls.options(**options, **({} if own_strategy else dict(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank))))
+            .remote(rank, n, self.use_gpus, threads) for rank in range(n)]
         infos = self._gather([a.node_info.remote() for a in self._actors], "starting the workers")
         self._info["workers"] = infos
         self.startup["actors_ready_s"] = time.perf_counter() - t1
@@ -287,7 +314,25 @@ class RayEngine:
         self.startup["transfer_and_passes_s"] = time.perf_counter() - t3
         self.startup["total_s"] = time.perf_counter() - t0
         self.transfer_report["workers"] = [r["timings"] | {"memory": r["memory"]} for r in loaded]
-        self._info["dtype"], self._info["config"] = loaded[0]["dtype"], loaded[0]["config"]
+        self._info["transformers"] = loaded[0]["transformers"]  # (config, dtype) of each lowered transformer
+
+    def _actor_options(self, cluster_gpus: float) -> Dict[str, Any]:
+        """Every rank's actor options: the launcher's, then ``worker_options`` over them. Sets ``use_gpus``."""
+        launcher, n = self._launcher, self.world_size
+        asked = launcher.worker_options.get("num_gpus")
+        if launcher.use_gpus is not None:
+            self.use_gpus = bool(launcher.use_gpus)
+        else:
+            self.use_gpus = bool(asked) if asked is not None else cluster_gpus >= n
+        if self.use_gpus and cluster_gpus < n * (asked or 1):
+            raise RayLauncherError(f"GPU workers asked for, but the Ray cluster has {cluster_gpus:g} GPUs for "
+                                   f"world_size={n} x num_gpus={asked or 1}")
+        options: Dict[str, Any] = dict(num_cpus=launcher.num_cpus_per_worker, num_gpus=1 if self.use_gpus else 0,
+                                       max_restarts=0)
+        if launcher.runtime_env and not self._owns_ray:  # else ray.init took it, job-wide
+            options["runtime_env"] = launcher.runtime_env
+        options.update(launcher.worker_options)
+        return options
 
     def _payload(self, obj: Any, transfer: str):
         ray = _ray()
@@ -361,24 +406,35 @@ class RayEngine:
         ref = ray.put(kwargs)  # serialised once, read by every worker
         return self._gather([a.call.remote(ref) for a in self._actors], "pipeline call")[0]
 
-    def as_transformer(self) -> RayTransformerProxy:
-        """Transformer level: the module to put in ``pipe.transformer`` (one proxy per engine)."""
+    def as_transformer(self, index: int = 0) -> RayTransformerProxy:
+        """Transformer level: the module to put in ``pipe.transformer`` (one proxy per transformer launched;
+        ``index``: which of a launched list, e.g. 1 for ``pipe.transformer_2``)."""
         if self.level != "transformer":
             raise RayLauncherError("as_transformer() needs launch(..., level='transformer'); this engine runs the "
                                    "whole pipeline: call the engine instead")
         self._check_usable()
-        if self._proxy is None:
-            self._proxy = RayTransformerProxy(self, self._info.get("config"), self._info.get("dtype"))
-        return self._proxy
+        described = self._info["transformers"]
+        if not 0 <= index < len(described):
+            raise RayLauncherError(f"as_transformer({index}): this engine runs {len(described)} transformer(s)")
+        if index not in self._proxies:
+            self._proxies[index] = RayTransformerProxy(self, *described[index], index=index)
+        return self._proxies[index]
 
-    def _forward(self, kwargs: Dict[str, Any], context: Optional[str]) -> Any:
+    def _forward(self, kwargs: Dict[str, Any], context: Optional[str], index: int = 0) -> Any:
         self._check_usable()
         ref = _ray().put(kwargs)
-        return self._gather([a.forward.remote(ref, context) for a in self._actors], "transformer forward")[0]
+        return self._gather([a.forward.remote(ref, context, index) for a in self._actors], "transformer forward")[0]
 
-    def _new_generation(self) -> None:
+    def _new_generation(self, index: Optional[int] = None) -> None:
         self._check_usable()
-        self._gather([a.new_generation.remote() for a in self._actors], "new_generation")
+        self._gather([a.new_generation.remote(index) for a in self._actors], "new_generation")
+
+    def set_passes(self, passes_fn: Callable[[List[Any]], List[Any]], index: int = 0) -> None:
+        """On every rank, replace the pass list of the ``index``-th lowered transformer by
+        ``passes_fn(current passes)`` (picklable); its graphs are lowered again at their next call, in the same
+        workers (no restart: the process group, the weights and the other transformers stay)."""
+        self._check_usable()
+        self._gather([a.set_passes.remote(index, passes_fn) for a in self._actors], "set_passes")
 
     def run_on_workers(self, fn: Callable[..., Any], *args: Any) -> List[Any]:
         """``fn(worker, *args)`` on every rank (a :class:`~dit_passes.launch.workers.RankWorker`); results by rank."""
@@ -420,7 +476,7 @@ class RayEngine:
                     ray.util.remove_placement_group(self._pg)
             if self._owns_ray:
                 ray.shutdown()
-        self._actors, self._pg, self._proxy = [], None, None
+        self._actors, self._pg, self._proxies = [], None, {}
         if self._snapshot_dir is not None:
             self._snapshot_dir.cleanup()
             self._snapshot_dir = None
@@ -438,6 +494,20 @@ class RayEngine:
         state = "shut down" if self._closed else ("broken" if self._broken else "running")
         return (f"RayEngine(level={self.level!r}, world_size={self.world_size}, backend={self.backend!r}, "
                 f"{state})")
+
+
+def _bundle(options: Dict[str, Any]) -> Dict[str, float]:
+    """The placement-group bundle that holds one actor with these options."""
+    bundle = {"CPU": options["num_cpus"], **dict(options.get("resources") or {})}
+    if options.get("num_gpus"):
+        bundle["GPU"] = options["num_gpus"]
+    if options.get("memory"):
+        bundle["memory"] = options["memory"]
+    return bundle
+
+
+def _is_module_list(obj: Any) -> bool:
+    return isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(m, torch.nn.Module) for m in obj)
 
 
 def _cpu_gpu(resources: Dict[str, float]) -> Dict[str, float]:

@@ -63,7 +63,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 class RankWorker:
     """One rank. Attributes user code may read (``engine.run_on_workers(fn)`` passes the worker):
-    ``rank``, ``world_size``, ``device``, ``obj`` (the pipeline, or the transformer at transformer
+    ``rank``, ``world_size``, ``device``, ``obj`` (the pipeline, or the transformer(s) at transformer
     level), ``compiled`` (list of the CompiledDiT modules it runs), ``timings``."""
 
     def __init__(self, rank: int, world_size: int, use_gpu: bool, num_threads: int):
@@ -134,16 +134,18 @@ class RankWorker:
         t1 = time.perf_counter()
         pass_list = passes(self.rank, self.world_size) if callable(passes) else list(passes)
         from dit_passes import compile_dit
+
+        def own_passes(i: int) -> list:  # a second denoiser gets its own pass objects: passes hold per-graph state
+            return pass_list if i == 0 else (passes(self.rank, self.world_size) if callable(passes)
+                                             else _fresh_copy(pass_list))
         if level == "transformer":
-            obj = compile_dit(obj, passes=pass_list)
-            self.compiled = [obj]
+            self.compiled = [compile_dit(m, passes=own_passes(i))
+                             for i, m in enumerate(obj if isinstance(obj, list) else [obj])]
+            obj = self.compiled if isinstance(obj, list) else self.compiled[0]
         else:
             names = [n for n in PIPELINE_TRANSFORMERS if isinstance(getattr(obj, n, None), torch.nn.Module)]
             for i, name in enumerate(names):
-                # A second denoiser gets its own pass objects: passes hold per-graph state.
-                own = pass_list if i == 0 else (passes(self.rank, self.world_size) if callable(passes)
-                                                 else _fresh_copy(pass_list))
-                setattr(obj, name, compile_dit(getattr(obj, name), passes=own))
+                setattr(obj, name, compile_dit(getattr(obj, name), passes=own_passes(i)))
                 self.compiled.append(getattr(obj, name))
             if self.rank != 0 and hasattr(obj, "set_progress_bar_config"):
                 obj.set_progress_bar_config(disable=True)  # one progress bar (rank 0's) in the driver's log
@@ -151,18 +153,19 @@ class RankWorker:
         self.timings["passes_s"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        obj = obj.to(self.device)
+        obj = [m.to(self.device) for m in obj] if isinstance(obj, list) else obj.to(self.device)
         self.timings["to_device_s"] = time.perf_counter() - t2
         self.obj, self.level = obj, level
         self.timings["load_s"] = time.perf_counter() - t0
-        first = self.compiled[0]
-        return {"dtype": first.dtype, "config": dict(first.config) if hasattr(first, "config") else None,
-                "timings": dict(self.timings), "memory": memory_status()}
+        described = [(dict(c.config) if hasattr(c, "config") else None, c.dtype) for c in self.compiled]
+        return {"transformers": described, "timings": dict(self.timings), "memory": memory_status()}
 
     def _select(self, obj: Any, level: str, kind: str) -> Any:
         if level == "transformer":
             if isinstance(obj, torch.nn.Module):
                 return obj
+            if isinstance(obj, (list, tuple)) and obj and all(isinstance(m, torch.nn.Module) for m in obj):
+                return list(obj)
             inner = getattr(obj, "transformer", None)
             if not isinstance(inner, torch.nn.Module):
                 raise TypeError(f"level='transformer' needs a transformer (or a pipeline with .transformer); the "
@@ -188,9 +191,9 @@ class RankWorker:
         self._compile_new_graphs()
         return self._result(out)
 
-    def forward(self, kwargs: Dict[str, Any], context: Optional[str]) -> Any:
-        """Transformer level: one denoising step under the driver's cache context."""
-        compiled = self.compiled[0]
+    def forward(self, kwargs: Dict[str, Any], context: Optional[str], index: int = 0) -> Any:
+        """Transformer level: one denoising step of the ``index``-th transformer under the driver's cache context."""
+        compiled = self.compiled[index]
         with torch.inference_mode():
             if context is None:
                 out = compiled(**self._to_device(kwargs))
@@ -200,9 +203,16 @@ class RankWorker:
         self._compile_new_graphs()
         return self._result(out)
 
-    def new_generation(self) -> None:
-        for compiled in self.compiled:
+    def new_generation(self, index: Optional[int] = None) -> None:
+        for compiled in self.compiled if index is None else [self.compiled[index]]:
             compiled.new_generation()
+
+    def set_passes(self, index: int, passes_fn: Callable[[List[Any]], List[Any]]) -> None:
+        """The ``index``-th transformer's passes become ``passes_fn(its passes)``; lowered again at its next call
+        (and compiled again after it with ``compile=True``)."""
+        compiled = self.compiled[index]
+        compiled.set_passes(passes_fn(compiled.passes))
+        self._compiled_graphs = {key for key in self._compiled_graphs if key[0] != id(compiled)}
 
     def _compile_new_graphs(self) -> None:
         """compile=True: torch.compile each lowered graph once it exists (graphs are lowered at their

@@ -30,12 +30,14 @@ class _Config(dict):
 
 class RayTransformerProxy(torch.nn.Module):
     """Drop-in for the transformer of a pipeline: keyword forward, ``.config``, ``.dtype``, ``.device``,
-    ``cache_context(name)``, ``new_generation()``. Built by ``RayEngine.as_transformer()``."""
+    ``cache_context(name)``, ``new_generation()``. Built by ``RayEngine.as_transformer(index)``: it runs the
+    ``index``-th transformer the engine launched."""
 
-    def __init__(self, engine: Any, config: Optional[dict], dtype: torch.dtype):
+    def __init__(self, engine: Any, config: Optional[dict], dtype: torch.dtype, index: int = 0):
         super().__init__()
         # Stored outside _modules/_parameters: the engine is not a submodule (nothing to move or save).
         self.__dict__["_engine"] = engine
+        self._index = index
         self._config = _Config(config or {})
         self._dtype = dtype
         self._device = torch.device("cpu")
@@ -71,8 +73,9 @@ class RayTransformerProxy(torch.nn.Module):
         return self.to("cpu")
 
     @contextlib.contextmanager
-    def cache_context(self, name: str) -> Iterator[None]:
-        """The context is sent with each step, so the workers' cache passes see "cond" / "uncond"."""
+    def cache_context(self, name: str, **where: Any) -> Iterator[None]:
+        """The context is sent with each step, so the workers' cache passes see "cond" / "uncond". ``where``
+        (diffusers' ``CacheContext`` fields: ``step_index``, ``sigma``, ...) is unused, as by ``CompiledDiT``."""
         prev, self._context = self._context, name
         try:
             yield
@@ -80,7 +83,7 @@ class RayTransformerProxy(torch.nn.Module):
             self._context = prev
 
     def new_generation(self) -> None:
-        self._engine._new_generation()
+        self._engine._new_generation(self._index)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if args:
@@ -88,8 +91,8 @@ class RayTransformerProxy(torch.nn.Module):
                             f"got {len(args)} positional argument(s)")
         target = next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), self._device)
         cpu_kwargs = {k: map_tensors(v, lambda t: t.detach().to("cpu")) for k, v in kwargs.items()}
-        out = self._engine._forward(cpu_kwargs, self._context)
+        out = self._engine._forward(cpu_kwargs, self._context, self._index)
         return map_tensors(out, lambda t: t.to(target))
 
     def extra_repr(self) -> str:
-        return f"world_size={self._engine.world_size}, dtype={self._dtype}, device={self._device}"
+        return f"world_size={self._engine.world_size}, index={self._index}, dtype={self._dtype}, device={self._device}"

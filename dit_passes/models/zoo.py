@@ -137,18 +137,32 @@ def _make_inputs(spec: FamilySpec, config: dict, batch: int = 1, variant: str = 
     return spec.inputs(MappingProxyType(config), batch, spec.sizes_by_variant[variant], gen)
 
 
-def _init_uninitialized(model: torch.nn.Module, again: Callable[[], torch.nn.Module], seed: int) -> None:
-    """Draw the parameters a class leaves uninitialised (``torch.empty`` experts, left to a checkpoint load):
-    a second build from the same seed differs exactly there. Redrawn from ``seed``, scaled by 1/sqrt(fan-in),
-    so every build of a family is identical (ranks build their own copy)."""
-    torch.manual_seed(seed)
-    other = dict(again().named_parameters())
+def _construct(cls: type, config: dict) -> torch.nn.Module:
+    """``cls(**config)`` with torch's uninitialised memory filled with NaN (deterministic-algorithms mode, restored
+    after): a parameter a class leaves to a checkpoint load (``torch.empty`` experts) then shows as NaN, where
+    comparing two builds missed it whenever the allocator handed both the same stale bytes (ranks then built
+    different weights)."""
+    was_on, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return cls(**config)
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=warn_only)
+
+
+def _init_uninitialized(model: torch.nn.Module, seed: int) -> None:
+    """Draw the parameters a class leaves uninitialised (NaN after :func:`_construct`) from ``seed``, scaled by
+    1/sqrt(fan-in), so every build of a family is identical (ranks build their own copy)."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.numel() and not torch.equal(p, other[name]):
+            if p.numel() and p.is_floating_point() and torch.isnan(p).any():
                 fan_in = p.shape[-1] if p.dim() > 1 else p.numel()
                 p.copy_(torch.randn(p.shape, generator=gen) / fan_in ** 0.5)
+    stale = [name for name, b in model.named_buffers() if b.is_floating_point() and torch.isnan(b).any()]
+    if stale:
+        raise RuntimeError(f"{type(model).__name__}: buffers {stale} are left uninitialised by the class; "
+                           "the zoo cannot draw a buffer's value (give the family an after_build that sets it)")
 
 
 def redraw_zero_parameters(model: torch.nn.Module, seed: int) -> list[str]:
@@ -184,8 +198,8 @@ def build(family: str, seed: int = 0, redraw_zeros: bool = False, **overrides: A
     # fork_rng: seeding for the weights must not disturb the caller's random stream
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
-        model = cls(**config)
-        _init_uninitialized(model, lambda: cls(**config), int(seed))
+        model = _construct(cls, config)
+        _init_uninitialized(model, int(seed))
         if spec.after_build is not None:
             spec.after_build(model)
         if redraw_zeros:

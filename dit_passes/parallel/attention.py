@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from dit_passes.parallel.collectives import CollectiveCounter, all_gather, all_to_all_single, ring_exchange
 
 __all__ = ["ROTATE_METHODS", "attention_with_lse", "fp8_rows", "from_fp8_rows", "even_shard_sizes", "gather_sequence",
-           "ring_attention", "shard_sequence", "ulysses_attention", "ulysses_received", "ulysses_rows", "usp_attention"]
+           "ring_attention", "shard_sequence", "ulysses_attention", "ulysses_received", "ulysses_rows", "usp_attention",
+           "usp_received", "usp_sizes"]
 
 
 # --- sharding helpers ------------------------------------------------------------------------------
@@ -337,6 +338,26 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
 # --- USP ---------------------------------------------------------------------------------------------
 
 
+def usp_sizes(seq_sizes: Sequence[int], ulysses_group: dist.ProcessGroup, ring_group: dist.ProcessGroup,
+              where: str) -> tuple[list[int], list[int]]:
+    """``(inner, blocks)`` of a USP attention: the shards of this rank's ring block over the Ulysses group, and the
+    ring blocks' lengths (the sums of each block's shards); checked."""
+    ring_size, ulysses_size = ring_group.size(), ulysses_group.size()
+    if len(seq_sizes) != ring_size * ulysses_size:
+        raise ValueError(f"{where}: seq_sizes {list(seq_sizes)} need ring_size * ulysses_size = "
+                         f"{ring_size} * {ulysses_size} entries")
+    ring_rank = ring_group.rank()
+    inner = [int(s) for s in seq_sizes[ring_rank * ulysses_size : (ring_rank + 1) * ulysses_size]]
+    inner = _check_sizes(inner, ulysses_group, where)
+    blocks = [sum(int(s) for s in seq_sizes[j * ulysses_size : (j + 1) * ulysses_size]) for j in range(ring_size)]
+    return inner, _check_sizes(blocks, ring_group, where)
+
+
+def _usp_mask(attn_mask, batch_heads, ulysses_group, ring_group, inner, blocks, where, counter):
+    return full_key_mask(attn_mask, batch_heads, sum(blocks), inner[ulysses_group.rank()],
+                         [(ulysses_group, inner), (ring_group, blocks)], where, counter)
+
+
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group: dist.ProcessGroup,
                   ring_group: dist.ProcessGroup, seq_sizes: Sequence[int], attn_mask: torch.Tensor | None = None,
                   scale: float | None = None, counter: CollectiveCounter | None = None,
@@ -348,24 +369,31 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_
     ``ParallelMesh(("ring", R), ("ulysses", U))``). Ulysses turns a ring block's shards into full
     block sequences on ``H / U`` heads; ring attention then runs over the blocks.
     """
-    ring_size, ulysses_size = ring_group.size(), ulysses_group.size()
-    if len(seq_sizes) != ring_size * ulysses_size:
-        raise ValueError(f"usp_attention: seq_sizes {list(seq_sizes)} need ring_size * ulysses_size = "
-                         f"{ring_size} * {ulysses_size} entries")
-    ring_rank, ulysses_rank = ring_group.rank(), ulysses_group.rank()
-    inner = [int(s) for s in seq_sizes[ring_rank * ulysses_size : (ring_rank + 1) * ulysses_size]]
-    inner = _check_sizes(inner, ulysses_group, "usp_attention")
-    blocks = [sum(int(s) for s in seq_sizes[j * ulysses_size : (j + 1) * ulysses_size]) for j in range(ring_size)]
-    blocks = _check_sizes(blocks, ring_group, "usp_attention")
-    _check_qkv(q, k, v, inner, ulysses_rank, "usp_attention")
-    mask = _full_key_mask(
-        attn_mask, q, sum(blocks), inner[ulysses_rank], [(ulysses_group, inner), (ring_group, blocks)],
-        "usp_attention", counter,
-    )
+    inner, blocks = usp_sizes(seq_sizes, ulysses_group, ring_group, "usp_attention")
+    _check_qkv(q, k, v, inner, ulysses_group.rank(), "usp_attention")
+    mask = _usp_mask(attn_mask, tuple(q.shape[:2]), ulysses_group, ring_group, inner, blocks, "usp_attention", counter)
 
     def ring_over_blocks(qh, kh, vh, m):
         return _ring(qh, kh, vh, m, ring_group, blocks, scale, counter, ring_rotate_method)
 
-    if ulysses_size == 1:
+    if ulysses_group.size() == 1:
         return ring_over_blocks(q, k, v, mask)
     return _ulysses(q, k, v, mask, ulysses_group, inner, scale, ring_over_blocks, counter, ulysses_float8)
+
+
+def usp_received(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, *, ulysses_group: dist.ProcessGroup,
+                 ring_group: dist.ProcessGroup, seq_sizes: Sequence[int], heads: int,
+                 attn_mask: torch.Tensor | None = None, scale: float | None = None,
+                 counter: CollectiveCounter | None = None, ring_rotate_method: str = "p2p",
+                 ulysses_float8: bool = False) -> torch.Tensor:
+    """:func:`usp_attention` after its q / k / v all-to-alls over ``ulysses_group`` (async Ulysses issues them
+    itself): ``*h`` are the received rows ``[S_block, B, H / U, D]`` of q, k, v (``heads``: H); the same ops as
+    :func:`usp_attention` from there on (ring attention over the blocks, the output all-to-all), so the same bits."""
+    inner, blocks = usp_sizes(seq_sizes, ulysses_group, ring_group, "usp_received")
+    mask = _usp_mask(attn_mask, (qh.shape[1], heads), ulysses_group, ring_group, inner, blocks, "usp_received",
+                     counter)
+
+    def ring_over_blocks(q, k, v, m):
+        return _ring(q, k, v, m, ring_group, blocks, scale, counter, ring_rotate_method)
+
+    return ulysses_received(qh, kh, vh, mask, ulysses_group, inner, ring_over_blocks, counter, ulysses_float8, heads)

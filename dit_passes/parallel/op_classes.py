@@ -6,6 +6,8 @@ import operator
 
 import torch
 
+from ..capture_opaque import OPAQUE_MODULE_OP
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
@@ -63,6 +65,9 @@ MIXING = CONVS | SCATTERS | {aten.conv1d.default, aten.conv1d.padding, aten.conv
                              aten.index_select.default, aten.gather.default, aten.index.Tensor, aten.sort.default,
                              aten.topk.default}
 MATMULS = {aten.matmul.default, aten.bmm.default}
+# a submodule capture could not trace, run eagerly as one op (``capture_opaque``): what it computes is not in the
+# graph, so nothing shows that it acts token by token
+OPAQUE_MODULE = OPAQUE_MODULE_OP
 # attention whose score / mask functions (and block mask) index the global query and key positions
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 # higher-order ops that call a body graph under a context (autocast, grad mode): position of the body argument,

@@ -148,9 +148,10 @@ def attention_shape(q, k, v, attn_mask, *static):
     return _in_order(q.new_empty((*q.shape[:-1], v.shape[-1])), static[-1])
 
 
-# Async Ulysses (``Ulysses(async_qkv=True)``): the q / k / v all-to-alls are graph nodes of their own
-# (``_c10d_functional.all_to_all_single`` on :func:`ulysses_rows`, its ``wait_tensor`` later), and
-# :func:`ulysses_received_attention` runs the rest: the same ops as :func:`ulysses_attention`, so the same bits.
+# Async Ulysses (``Ulysses(async_qkv=True)``, ``USP(ulysses_async=True)``): the q / k / v all-to-alls are graph
+# nodes of their own (``_c10d_functional.all_to_all_single`` on :func:`ulysses_rows`, or on :func:`ulysses_fp8_rows`
+# decoded by :func:`from_fp8_rows` after their ``wait_tensor``), and the ``*_received_attention`` wrappers run the
+# rest: the same ops as the synchronous wrappers of the same name, so the same bits.
 def ulysses_rows(x: torch.Tensor, batch: int, heads: int, world: int) -> torch.Tensor:
     """``x`` (broadcast to ``[batch, heads]`` like SDPA's k / v) as the rows its all-to-all sends. Local."""
     if tuple(x.shape[:2]) != (batch, heads):
@@ -158,23 +159,84 @@ def ulysses_rows(x: torch.Tensor, batch: int, heads: int, world: int) -> torch.T
     return _attn.ulysses_rows(x, world)
 
 
-def ulysses_received_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
-                               attn_mask: Optional[torch.Tensor], group_name: str, seq_sizes: Sequence[int],
-                               scale: Optional[float], out_order: Sequence[int], heads: int) -> torch.Tensor:
-    """Ulysses attention after the q / k / v all-to-alls (``*h``: the received rows ``[S, B, H / world, D]``):
-    attention on this rank's heads, the output's all-to-all back (one collective), in ``out_order``."""
-    group = resolve_group(group_name)
+def ulysses_fp8_rows(x: torch.Tensor, batch: int, heads: int, world: int) -> torch.Tensor:
+    """:func:`ulysses_rows` as the e4m3 bytes + per-row scale the float8 all-to-all sends. Local."""
+    return _attn.fp8_rows(ulysses_rows(x, batch, heads, world))
+
+
+def from_fp8_rows(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Received float8 rows back in ``dtype``. Local."""
+    return _attn.from_fp8_rows(payload, dtype)
+
+
+def _received(qh, kh, vh, attn_mask, groups, seq_sizes, scale, out_order, heads, float8=False, rotate="p2p"):
+    """Ulysses (one group name) or USP (the Ulysses then the ring group name) after the q / k / v all-to-alls."""
     sizes = [int(s) for s in seq_sizes]
+    if len(groups) == 2:
+        out = _attn.usp_received(qh, kh, vh, ulysses_group=resolve_group(groups[0]),
+                                 ring_group=resolve_group(groups[1]), seq_sizes=sizes, heads=heads,
+                                 attn_mask=attn_mask, scale=scale, ring_rotate_method=rotate, ulysses_float8=float8)
+        return _in_order(out, out_order)
+    group = resolve_group(groups[0])
     mask = _attn.full_key_mask(attn_mask, (qh.shape[1], heads), sum(sizes), sizes[group.rank()], [(group, sizes)],
                                "ulysses_received_attention", None)
 
     def local_sdpa(q, k, v, m):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
 
-    out = _attn.ulysses_received(qh, kh, vh, mask, group, sizes, local_sdpa, None, False, heads)
-    return _in_order(out, out_order)
+    return _in_order(_attn.ulysses_received(qh, kh, vh, mask, group, sizes, local_sdpa, None, float8, heads), out_order)
 
 
-def ulysses_received_shape(qh, kh, vh, attn_mask, group_name, seq_sizes, scale, out_order, heads):
-    rank = resolve_group(group_name).rank()
+def ulysses_received_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                               attn_mask: Optional[torch.Tensor], group_name: str, seq_sizes: Sequence[int],
+                               scale: Optional[float], out_order: Sequence[int], heads: int) -> torch.Tensor:
+    """Ulysses attention after the q / k / v all-to-alls (``*h``: the received rows ``[S, B, H / world, D]``):
+    attention on this rank's heads, the output's all-to-all back (one collective), in ``out_order``."""
+    return _received(qh, kh, vh, attn_mask, (group_name,), seq_sizes, scale, out_order, heads)
+
+
+def ulysses_fp8_received_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                                   attn_mask: Optional[torch.Tensor], group_name: str, seq_sizes: Sequence[int],
+                                   scale: Optional[float], out_order: Sequence[int], heads: int) -> torch.Tensor:
+    return _received(qh, kh, vh, attn_mask, (group_name,), seq_sizes, scale, out_order, heads, float8=True)
+
+
+def usp_received_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                           ulysses_group_name: str, ring_group_name: str, seq_sizes: Sequence[int],
+                           scale: Optional[float], out_order: Sequence[int], heads: int) -> torch.Tensor:
+    """USP after the q / k / v all-to-alls over the Ulysses group (``*h``: a ring block's rows on this rank's heads):
+    ring attention over the blocks, the output's all-to-all back, in ``out_order``."""
+    return _received(qh, kh, vh, attn_mask, (ulysses_group_name, ring_group_name), seq_sizes, scale, out_order, heads)
+
+
+def usp_fp8_received_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                               attn_mask: Optional[torch.Tensor], ulysses_group_name: str, ring_group_name: str,
+                               seq_sizes: Sequence[int], scale: Optional[float], out_order: Sequence[int],
+                               heads: int) -> torch.Tensor:
+    return _received(qh, kh, vh, attn_mask, (ulysses_group_name, ring_group_name), seq_sizes, scale, out_order, heads,
+                     float8=True)
+
+
+def usp_allgather_received_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                                     attn_mask: Optional[torch.Tensor], ulysses_group_name: str, ring_group_name: str,
+                                     seq_sizes: Sequence[int], scale: Optional[float], out_order: Sequence[int],
+                                     heads: int) -> torch.Tensor:
+    return _received(qh, kh, vh, attn_mask, (ulysses_group_name, ring_group_name), seq_sizes, scale, out_order, heads,
+                     rotate="allgather")
+
+
+def usp_fp8_allgather_received_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                                         attn_mask: Optional[torch.Tensor], ulysses_group_name: str,
+                                         ring_group_name: str, seq_sizes: Sequence[int], scale: Optional[float],
+                                         out_order: Sequence[int], heads: int) -> torch.Tensor:
+    return _received(qh, kh, vh, attn_mask, (ulysses_group_name, ring_group_name), seq_sizes, scale, out_order, heads,
+                     float8=True, rotate="allgather")
+
+
+def received_shape(qh, kh, vh, attn_mask, *static):
+    """Output of any ``*_received_attention`` wrapper: ``[B, heads, S_local, Dv]`` in ``out_order``, ``S_local`` this
+    rank's entry of ``seq_sizes`` (rank ``ring_rank * U + ulysses_rank`` of a USP mesh)."""
+    *groups, seq_sizes, _scale, out_order, heads = static
+    ulysses = resolve_group(groups[0])
+    rank = ulysses.rank() + (resolve_group(groups[1]).rank() * ulysses.size() if len(groups) == 2 else 0)
     return _in_order(qh.new_empty((qh.shape[1], heads, int(seq_sizes[rank]), vh.shape[-1])), out_order)

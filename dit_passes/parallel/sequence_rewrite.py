@@ -9,14 +9,14 @@ rewritten inputs is a :class:`~dit_passes.parallel.propagate.PropagationError` h
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
 from . import op_classes as oc
 from . import sequence_ops as ops
 from .propagate import c10d
-from .ulysses_async import ISSUE_ORDER, overlap
+from .ulysses_async import ISSUE_ORDER, AsyncUlysses, overlap
 from .propagate import Propagation, map_args as _map_args, memory_order, repropagate, val
 from .sequence_plan import Sharded, ShardingPlan, _Gather, _Permute, _Slice
 
@@ -34,12 +34,13 @@ def _order_arg(node: fx.Node) -> tuple:
 
 
 def apply_plan(gm: fx.GraphModule, plan: ShardingPlan, group_name: str, attention_op: Callable,
-               attention_groups: Sequence[str], async_ulysses: bool = False) -> Dict[str, int]:
+               attention_groups: Sequence[str], async_ulysses: Optional[AsyncUlysses] = None) -> Dict[str, int]:
     """Rewrite ``gm`` in place as ``plan`` says. ``group_name`` names the group whose ranks share the
     sequence (the gathers and all-reduces run on it); each distributed attention becomes ``attention_op`` (a
     :mod:`~dit_passes.parallel.sequence_ops` wrapper) on the groups named ``attention_groups``. Returns
-    counts of what was inserted. ``async_ulysses`` (Ulysses on one group): each attention's q / k / v all-to-alls
-    become graph nodes overlapped with the projections (:mod:`~dit_passes.parallel.ulysses_async`)."""
+    counts of what was inserted. ``async_ulysses`` (Ulysses, or USP: the first of ``attention_groups``): each
+    attention's q / k / v all-to-alls become graph nodes overlapped with the projections
+    (:mod:`~dit_passes.parallel.ulysses_async`)."""
     counts = dict(inputs_sharded=0, operands_sliced=0, masks_permuted=0, attention_replaced=0, attention_local=0,
                   outputs_gathered=0, nonlocal_gathers=0, all_reduce=0, regions=0, async_overlapped=0,
                   async_in_order=0)
@@ -64,7 +65,7 @@ class _Rewrite:
         self.full = set() if body else set(plan.streams) | set(plan.late_streams)
         self.group_name, self.attention_op, self.attention_groups = group_name, attention_op, attention_groups
         self.counts = counts
-        self.async_ulysses = False
+        self.async_ulysses: Optional[AsyncUlysses] = None
         self.pos = {n: i for i, n in enumerate(self.g.nodes)}
         self.first = plan.region[0]
         self.prop = Propagation(gm, group_name, self.spec.world, self.spec.rank)  # what it inserts
@@ -175,26 +176,32 @@ class _Rewrite:
     def async_attention(self, n: fx.Node, d, q, k, v, mask) -> None:
         """Ulysses with each input's all-to-all issued after its input, waited for before the attention, and the
         chains reordered so that each all-to-all runs while the next input is projected."""
-        (group,) = self.attention_groups
+        form = self.async_ulysses
         sizes = list(self.spec.rank_lengths(d.layout.segments))
-        world, local = len(sizes), sizes[self.spec.rank]
+        world, block = form.size, self.spec.rank // form.size  # USP: this rank's ring block of Ulysses shards
+        inner, local = sizes[block * world:(block + 1) * world], sizes[self.spec.rank]
         batch, heads = (int(s) for s in val(d.q).shape[:2])
+        rows_op = ops.ulysses_fp8_rows if form.float8 else ops.ulysses_rows
         sent = {}
         for role, x in zip("qkv", (q, k, v)):
             with self.point_after(x):
-                rows = self.prop.emit(ops.ulysses_rows, (x, batch, heads, world), like=n)
+                rows = self.prop.emit(rows_op, (x, batch, heads, world), like=n)
             with self.g.inserting_after(rows):
-                sent[role] = self.prop.emit(c10d.all_to_all_single.default, (rows, sizes, [local] * world, group),
-                                            like=n)
+                sent[role] = self.prop.emit(c10d.all_to_all_single.default,
+                                            (rows, inner, [local] * world, self.attention_groups[0]), like=n)
         with self.g.inserting_before(n):
-            got = {role: self.prop.emit(c10d.wait_tensor.default, (sent[role],), like=n) for role in ISSUE_ORDER}
-            new = self.prop.emit(ops.ulysses_received_attention, (got["q"], got["k"], got["v"], mask, group, sizes,
-                                                                  d.scale, list(d.out_order), heads), like=n)
-        self.shape_fns[new] = ops.ulysses_received_shape
+            waits = {role: self.prop.emit(c10d.wait_tensor.default, (sent[role],), like=n) for role in ISSUE_ORDER}
+            got = dict(waits)
+            if form.float8:  # each back in the dtype it was projected in, as synchronous float8 Ulysses does
+                got = {role: self.prop.emit(ops.from_fp8_rows, (waits[role], val(getattr(d, role)).dtype), like=n)
+                       for role in ISSUE_ORDER}
+            new = self.prop.emit(form.received_op, (got["q"], got["k"], got["v"], mask, *self.attention_groups,
+                                                    sizes, d.scale, list(d.out_order), heads), like=n)
+        self.shape_fns[new] = ops.received_shape
         n.replace_all_uses_with(new)
         self.g.erase_node(n)
         self.counts["attention_replaced"] += 1
-        moved = overlap(self.g, got[ISSUE_ORDER[0]], [sent[role] for role in ISSUE_ORDER])
+        moved = overlap(self.g, waits[ISSUE_ORDER[0]], [sent[role] for role in ISSUE_ORDER])
         self.counts["async_overlapped" if moved else "async_in_order"] += 1
 
     def body(self, n: fx.Node, body: fx.GraphModule, plan: ShardingPlan) -> None:

@@ -124,6 +124,8 @@ class _Analysis(Propagation):
             return None
         if t in oc.MIXING:
             raise _NonLocal(f"{t} mixes tokens")
+        if t is oc.OPAQUE_MODULE:  # run on the whole sequence, as eagerly: correct whatever the module computes
+            raise _NonLocal("an opaque module (captured as one eager call): nothing proves it acts token by token")
         if t is oc.FLEX_ATTENTION:  # a shard's rows would need the mask and score functions re-indexed
             raise _NonLocal("flex attention: its block mask and score / mask functions index global positions")
         if t in oc.NEW_TENSORS:  # a constant of the full size (argument 0 lends only a dtype): replicated

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -121,11 +121,31 @@ class TPRules(Propagation):
         self.counts["column"] += 1
         self.counts["padded"] += padded
 
-    def shard_modulation(self, site) -> None:
-        n = site.node
-        out = int(n.meta["val"].shape[-1])
-        spec = ShardSpec(n.meta["val"].dim() - 1, (out,))
-        self._shard_rows_of(n, spec, f"modulation linear {site.module_path}", "tensor_parallel(modulation='column')")
+    def shard_modulation(self, sites) -> None:
+        """``modulation="column"``, after :meth:`propagate`: each modulation linear of ``sites`` (LinearSites) with a
+        replicated input gets its weight rows sharded and its output all-gathered; one the propagation rewrote
+        (input sharded: row-parallel, though its role says modulation) stays as it is. Other linears reading the
+        same weight (DiT's timestep embedder, run again outside the blocks) are sharded and gathered alike."""
+        readers: Dict[str, List[fx.Node]] = {}  # weight attribute -> the replicated linears reading it
+        for u in self.g.nodes:
+            if u.target is oc.LINEAR and self._replicated_linear(u):
+                readers.setdefault(u.args[1].target, []).append(u)
+        done: Set[fx.Node] = set()
+        for n in (r for s in sites if self._replicated_linear(s.node) for r in readers[s.node.args[1].target]):
+            if n not in done:  # (the site itself is among its weight's readers)
+                done.add(n)
+                self._gathered_column(n)
+
+    def _replicated_linear(self, n: fx.Node) -> bool:
+        """A linear still in the graph with a replicated input and output and a weight held as an attribute."""
+        rewritten = n in self.row_nodes or n in self.inserted or n in self.place
+        return not rewritten and self._s(n.args[0]) is None and isinstance(n.args[1], fx.Node) \
+            and n.args[1].op == "get_attr"
+
+    def _gathered_column(self, n: fx.Node) -> None:
+        spec = ShardSpec(n.meta["val"].dim() - 1, (int(n.meta["val"].shape[-1]),))
+        self._shard_rows_of(n, spec, f"modulation linear {n.meta.get('dit_module_path', n.name)}",
+                            "tensor_parallel(modulation='column')")
         users = list(n.users)
         full = self._gather(n, spec, n.next)
         for u in users:

@@ -15,17 +15,33 @@ after (the chain private to each input moved, in the order v, q, k, to just befo
     wait_tensor_2; wait_tensor; wait_tensor_1
     ulysses_received_attention(wait_tensor, wait_tensor_1, wait_tensor_2, ...)     # output all-to-all inside
 
+With ``float8`` each send is ``ulysses_fp8_rows`` and each wait is followed by ``from_fp8_rows`` (the ops of
+synchronous float8 Ulysses, so its bits); inside USP the all-to-alls run on the Ulysses group and
+``usp*_received_attention`` runs the ring over the blocks and the output all-to-all (the ops of ``usp_attention``).
+
 A node moves only when it is private to one input's chain, inside the attention's block (its module path shares
 the block's first two components) and every node still reads its inputs after they are computed; otherwise the
 attention keeps the original order (sends right after their input, still correct, less overlap): counted apart.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Set
+import dataclasses
+from typing import Callable, Dict, List, Set
 
 import torch.fx as fx
 
 ISSUE_ORDER = ("v", "q", "k")  # v's chain is the shortest (no norm / rotary): its all-to-all starts first
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncUlysses:
+    """How a context-parallel pass asks for async all-to-alls: ``size`` ranks in the Ulysses group (the inner dim of a
+    USP mesh: rank ``g`` is in ring block ``g // size``), the e4m3 payloads or not, and the wrapper of
+    :mod:`~dit_passes.parallel.sequence_ops` that runs the attention after the q / k / v all-to-alls."""
+
+    size: int
+    float8: bool
+    received_op: Callable
 
 
 def _block(n: fx.Node) -> str:

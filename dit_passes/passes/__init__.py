@@ -11,6 +11,7 @@ from .pyramid_attention_broadcast import PyramidAttentionBroadcast
 from .faster_cache import FasterCache
 from .quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 from .load_quantized import LoadQuantized
+from .fuse_sibling_linears import FuseSiblingLinears
 from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .offload import LayerwiseOffload
@@ -19,6 +20,6 @@ from .attention_backend import AttentionBackend
 from .vae_parallel import VAEParallel
 
 __all__ = ["Cleanup", "DBCache", "DBPrune", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
-           "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "LoadQuantized",
+           "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "LoadQuantized", "FuseSiblingLinears",
            "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend",
            "VAEParallel"]

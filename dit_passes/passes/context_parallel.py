@@ -24,7 +24,7 @@ after ``Ulysses(size=2)``, rank 0::
     gather_sequence: "f32[1, 16, 32]" = gather_sequence(slice_8, 1, '0', [8, 8], [], [])   # 1 all_gather
 
 Per attention: Ulysses 4 all-to-alls, Ring ``size - 1`` K/V exchanges (``rotate_method="allgather"``: one
-all-gather; ``Ulysses(float8=True)``: the all-to-alls in e4m3; ``Ulysses(async_qkv=True)``: the q / k / v ones
+all-gather; ``Ulysses(float8=True)``: the all-to-alls in e4m3; ``Ulysses(async_qkv=True)`` / ``USP(ulysses_async=True)``: the q / k / v ones
 as graph nodes, each waited for after the next projection, :mod:`~dit_passes.parallel.ulysses_async`), USP both;
 one all-gather per value leaving the block range or read whole by a non-local op (``nonlocal_gathers``), one
 all-reduce per partial sum over the tokens (linear attention). Meshes are cached in the runtime state (a new signature
@@ -48,6 +48,7 @@ from ..parallel.mesh import ParallelMesh, check_ranks, factorisations
 from ..parallel.propagate import PropagationError
 from ..parallel.sequence_rewrite import apply_plan
 from ..parallel.sequence_sharding import SequenceShardSpec, analyze
+from ..parallel.ulysses_async import AsyncUlysses
 
 __all__ = ["Ulysses", "Ring", "USP"]
 
@@ -70,6 +71,14 @@ class _ContextParallel(Pass):
         fp8 = "_fp8" if self.ulysses_float8 and self.ulysses_size > 1 else ""
         gathered = "_allgather" if self.ring_rotate_method == "allgather" and self.ring_size > 1 else ""
         return f"{self.name}{fp8}{gathered}_attention"
+
+    def async_form(self) -> Optional[AsyncUlysses]:
+        """With ``ulysses_async``: the async all-to-alls' form (the attention wrapper after them is the
+        ``attention_op`` name with ``_received``), else None."""
+        if not self.ulysses_async:
+            return None
+        received = getattr(ops, self.attention_op.replace("_attention", "_received_attention"))
+        return AsyncUlysses(self.ulysses_size, self.ulysses_float8, received)
 
     def config_items(self) -> Dict[str, Any]:
         raise NotImplementedError
@@ -101,7 +110,7 @@ class _ContextParallel(Pass):
         plan = analyze(gm, get_structure(gm), spec)
         try:
             counts = apply_plan(gm, plan, mesh.parent.group_name, getattr(ops, self.attention_op),
-                                [mesh.group(d).group_name for d in self.attention_groups], self.ulysses_async)
+                                [mesh.group(d).group_name for d in self.attention_groups], self.async_form())
         except PropagationError as e:
             raise PassError(f"{self.describe()}: the rewritten graph would fail: {e}. The sequence-sharding rules "
                             f"accepted an op whose local form cannot run; report the model") from e
@@ -140,7 +149,8 @@ class Ulysses(_OneAxis):
     the all-to-alls move e4m3 rows with a per-row fp32 scale (about half of bf16's bytes; approximate).
     ``async_qkv=True``: each of v, q, k is sent (``_c10d_functional.all_to_all_single``) as soon as it is
     projected and waited for (``wait_tensor``) after the next one is, so the all-to-alls overlap the projections
-    (:mod:`~dit_passes.parallel.ulysses_async`; same collectives, same bits as synchronous Ulysses)."""
+    (:mod:`~dit_passes.parallel.ulysses_async`; same collectives, same bits as synchronous Ulysses, with
+    ``float8`` as synchronous float8 Ulysses)."""
 
     name = "ulysses"
     attention_groups = ("ulysses",)
@@ -150,9 +160,6 @@ class Ulysses(_OneAxis):
         super().__init__(size, group)
         self.ulysses_float8 = bool(float8)
         self.ulysses_async = bool(async_qkv)
-        if self.ulysses_async and self.ulysses_float8:
-            raise ValueError("Ulysses(float8=True, async_qkv=True): the async all-to-alls move the values as they "
-                             "are; choose one of float8 (fewer bytes) or async_qkv (overlap)")
 
     def config_items(self) -> Dict[str, Any]:
         return {"size": self.ulysses_size, "float8": self.ulysses_float8, "async_qkv": self.ulysses_async}
@@ -174,22 +181,25 @@ class Ring(_OneAxis):
 
 
 class USP(_ContextParallel):
-    """Unified sequence parallelism: Ulysses (inner, consecutive ranks) inside Ring, ``ulysses * ring`` ranks."""
+    """Unified sequence parallelism: Ulysses (inner, consecutive ranks) inside Ring, ``ulysses * ring`` ranks.
+    ``ulysses_async=True``: the q / k / v all-to-alls over the Ulysses group as in ``Ulysses(async_qkv=True)``
+    (same collectives, same bits as synchronous USP)."""
 
     name = "usp"
     attention_groups = ("ulysses", "ring")
 
     def __init__(self, ulysses: int, ring: int, group: Optional[dist.ProcessGroup] = None,
-                 ring_rotate_method: str = "p2p", ulysses_float8: bool = False):
+                 ring_rotate_method: str = "p2p", ulysses_float8: bool = False, ulysses_async: bool = False):
         self.group = group
         self.ulysses_size = check_ranks("USP(ulysses)", ulysses)
         self.ring_size = check_ranks("USP(ring)", ring)
         self.ring_rotate_method = _rotate_method("USP(ring_rotate_method)", ring_rotate_method)
         self.ulysses_float8 = bool(ulysses_float8)
+        self.ulysses_async = bool(ulysses_async)
 
     def config_items(self) -> Dict[str, Any]:
         return {"ulysses": self.ulysses_size, "ring": self.ring_size, "ring_rotate_method": self.ring_rotate_method,
-                "ulysses_float8": self.ulysses_float8}
+                "ulysses_float8": self.ulysses_float8, "ulysses_async": self.ulysses_async}
 
 
 def _rotate_method(where: str, method: str) -> str:
@@ -204,7 +214,9 @@ def describe_collectives(gm: fx.GraphModule) -> Dict[str, int]:
     kinds = {getattr(ops, k): k for k in ("ulysses_attention", "ring_attention", "usp_attention", "gather_sequence",
                                           "shard_sequence", "permute_sequence", "ring_allgather_attention",
                                           "usp_allgather_attention", "ulysses_fp8_attention", "usp_fp8_attention",
-                                          "usp_fp8_allgather_attention",
-                                          "ulysses_received_attention")}
+                                          "usp_fp8_allgather_attention", "ulysses_received_attention",
+                                          "ulysses_fp8_received_attention", "usp_received_attention",
+                                          "usp_fp8_received_attention", "usp_allgather_received_attention",
+                                          "usp_fp8_allgather_received_attention")}
     return dict(collections.Counter(kinds[n.target] for n in gm.graph.nodes
                                     if n.op == "call_function" and n.target in kinds))

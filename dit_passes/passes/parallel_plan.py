@@ -6,7 +6,7 @@ passes, anything else (text encoders) -> TensorParallel over the whole group.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ def parallel_passes(ulysses: int = 1, ring: int = 1, tp: int = 1,
     """The parallel passes for ``ulysses × ring × tp`` ranks of ``group`` (default: the world); sizes of
     1 drop their pass; ``ring_rotate_method``: how ring attention's K / V travel ("p2p" or "allgather");
     ``ulysses_float8``: the Ulysses all-to-alls in e4m3 (approximate); ``ulysses_async``: the q / k / v all-to-alls
-    overlapped with the projections (Ulysses without a ring). Context and tensor parallelism together
+    overlapped with the projections (Ulysses, or USP's Ulysses part). Context and tensor parallelism together
     build the subgroups of a (cp, tp) mesh: a collective, every rank calls it with the same sizes; one kind alone
     needs no process group yet."""
     _check_sizes("parallel_passes", ulysses=ulysses, ring=ring, tp=tp)
@@ -50,14 +50,13 @@ def parallel_passes(ulysses: int = 1, ring: int = 1, tp: int = 1,
         _check_world("parallel_passes", ulysses, ring, tp, group)
         mesh = ParallelMesh((("cp", ulysses * ring), ("tp", tp)), group=group)
         cp_group, tp_group = mesh.group("cp"), mesh.group("tp")
-    if ulysses_async and (ulysses < 2 or ring > 1):
-        raise NotImplementedError(f"parallel_passes(ulysses_async=True) needs Ulysses alone (ulysses > 1, ring = 1), "
-                                  f"got ulysses={ulysses}, ring={ring}: async all-to-alls inside USP are not "
-                                  "implemented; drop ulysses_async or ring_size")
+    if ulysses_async and ulysses < 2:
+        raise ValueError(f"parallel_passes(ulysses_async=True) overlaps the Ulysses all-to-alls, but ulysses={ulysses} "
+                         f"(ring={ring}) runs none: set ulysses > 1 or drop ulysses_async")
     passes: List[Pass] = []
     if ulysses > 1 and ring > 1:
         passes.append(USP(ulysses=ulysses, ring=ring, group=cp_group, ring_rotate_method=ring_rotate_method,
-                          ulysses_float8=ulysses_float8))
+                          ulysses_float8=ulysses_float8, ulysses_async=ulysses_async))
     elif ulysses > 1:
         passes.append(Ulysses(ulysses, group=cp_group, float8=ulysses_float8, async_qkv=ulysses_async))
     elif ring > 1:
@@ -81,23 +80,28 @@ def _is_vae(module: Any) -> bool:
 
 
 def parallelize_module(module: torch.nn.Module, size: int, transformer_passes: Callable[[], list],
-                       group: Optional[dist.ProcessGroup] = None, keep_original: bool = False) -> torch.nn.Module:
+                       group: Optional[dist.ProcessGroup] = None, keep_original: bool = False,
+                       then: Sequence[Pass] = ()) -> torch.nn.Module:
     """The parallel replacement of one extra module (see the module docstring for the rule); ``keep_original``:
-    as ``compile_dit``'s (the sharded weights stay in ``module`` too)."""
+    as ``compile_dit``'s (the sharded weights stay in ``module`` too); ``then``: passes after the parallel ones
+    (quantization of a text encoder), not for a VAE."""
     from .. import compile_dit
 
     if _is_vae(module):
+        if then:
+            raise ValueError(f"parallelize_module: a VAE takes no further passes, got {[p.name for p in then]}")
         return parallel_vae(module, size, group=group)
     if "controlnet" in type(module).__name__.lower():
-        return compile_dit(module, passes=transformer_passes(), keep_original=keep_original)
-    return compile_dit(module, passes=parallel_passes(tp=size, group=group), keep_original=keep_original)
+        return compile_dit(module, passes=[*transformer_passes(), *then], keep_original=keep_original)
+    return compile_dit(module, passes=[*parallel_passes(tp=size, group=group), *then], keep_original=keep_original)
 
 
 def parallelize_extra_modules(pipe: Any, modules: Sequence[Any], size: int, transformer_passes: Callable[[], list],
-                              group: Optional[dist.ProcessGroup] = None, keep_original: bool = False
-                              ) -> List[Tuple[str, Any]]:
-    """Replace each of ``modules`` (components of ``pipe``) by its parallel version; returns
-    ``[(attribute, original), ...]`` so the caller can put the originals back."""
+                              group: Optional[dist.ProcessGroup] = None, keep_original: bool = False,
+                              then: Optional[Dict[int, List[Pass]]] = None) -> List[Tuple[str, Any]]:
+    """Replace each of ``modules`` (components of ``pipe``) by its parallel version (``then[id(module)]``: passes
+    to run after the parallel ones); returns ``[(attribute, original), ...]`` so the caller can put the originals
+    back."""
     components = {id(v): k for k, v in getattr(pipe, "components", {}).items() if v is not None}
     missing = [type(m).__name__ for m in modules if id(m) not in components]
     if missing:
@@ -106,6 +110,7 @@ def parallelize_extra_modules(pipe: Any, modules: Sequence[Any], size: int, tran
     replaced: List[Tuple[str, Any]] = []
     for module in modules:
         attr = components[id(module)]
-        setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group, keep_original))
+        setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group, keep_original,
+                                               (then or {}).get(id(module), ())))
         replaced.append((attr, module))
     return replaced

@@ -42,8 +42,9 @@ projection stay; ``regional=False``: every linear of the graph; ``block_classes=
 those inside a module of these class names, by the node's ``nn_module_stack``), minus ``exclude`` (default: none), restricted to ``include`` when given, then
 ``filter_fn(module_path, role)``; a linear an earlier quantization pass already rewrote is never taken again. An
 include/exclude entry that is a role name (``q``, ``mlp_up``, ...) matches that role; any other string matches
-module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0: other linears of an int4 kind are skipped with a
-note, or refused when ``include`` named them (W8A16 takes any K).
+module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0, and no kind quantizes K = 0 (an empty reduction):
+such linears stay in their original precision, counted (``skipped_k``) and listed with the reason in the report
+(``explain()``), or are refused when ``include`` named them (W8A16 takes any K > 0).
 
 Calibration (PTQ, ``calibrate_fn``): the pass runs ``calibrate_fn()`` once under a
 ``TorchFunctionMode`` that records the per-channel abs-max of the input of every ``F.linear`` call
@@ -162,6 +163,17 @@ class _QuantizeLinears(Pass):
         """The group K must be a multiple of for ``kind`` (int4: ``GROUP_SIZE``; NVFP4: 16; 1: any K)."""
         return 1
 
+    def cannot_quantize(self, site) -> Optional[str]:
+        """Why the linear of ``site`` stays unquantized (its kind's arithmetic: an empty K has no scale to take, a
+        group must divide K), None if it can be quantized."""
+        kind, k = self.kind_of(site), site.in_features
+        if k <= 0:
+            return f"K = {k} (no input features: nothing to quantize)"
+        group = self.k_multiple(kind)
+        if k % group:
+            return f"K % {group} != 0 ({kind} takes K in groups of {group}: it needs a multiple of {group})"
+        return None
+
     def config(self) -> Dict[str, Any]:
         return {"format": FORMAT, "kind": self.kind, "quant_type": self.quant_type()}
 
@@ -190,20 +202,19 @@ class _QuantizeLinears(Pass):
                             f"a module of these classes (the block lists found: "
                             f"{[bl.cls.rsplit('.', 1)[-1] for bl in structure.block_lists]})")
         notes: List[str] = []
-        skipped = 0
-        bad = [s for s in sites if s.in_features % self.k_multiple(self.kind_of(s))]
-        if bad:
-            group = self.k_multiple(self.kind_of(bad[0]))
-            if self.include is not None:
-                raise PassError(f"{self.name}: include= selected linears whose K is not a multiple of {group}, the "
-                                f"group {self.kind_of(bad[0])} quantizes K in: "
-                                f"{[(s.module_path, s.in_features) for s in bad][:5]}; "
-                                "narrow include= or add them to exclude=")
-            paths = sorted({s.module_path for s in bad})
-            skipped = len(paths)
-            notes.append(f"skipped {len(paths)} linear(s) with K % {group} != 0 "
-                         f"(e.g. {paths[0]} K={bad[0].in_features})")
-            sites = [s for s in sites if s.module_path not in paths]
+        bad = {s.module_path: (why, s.in_features) for s in sites if (why := self.cannot_quantize(s)) is not None}
+        if bad and self.include is not None:
+            raise PassError(f"{self.name}: include= selected linears it cannot quantize: "
+                            f"{[f'{p} (K={k}): {why}' for p, (why, k) in bad.items()][:5]}; narrow include= or add "
+                            "them to exclude=")
+        skipped = len(bad)
+        if bad:  # left in their original precision, the model still quantized around them
+            by_reason: Dict[str, List[str]] = {}
+            for path, (why, k) in bad.items():
+                by_reason.setdefault(why, []).append(f"{path} K={k}")
+            notes.append(f"left {skipped} linear(s) in their original precision: " + "; ".join(
+                f"{len(ps)} with {why} (e.g. {', '.join(ps[:3])})" for why, ps in by_reason.items()))
+            sites = [s for s in sites if s.module_path not in bad]
         if not sites:
             return PassResult(False, {"replaced": 0, "skipped_k": skipped}, "no eligible linear in the blocks; " + "; ".join(notes))
         paths = list(dict.fromkeys(s.module_path for s in sites))

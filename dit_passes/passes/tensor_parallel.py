@@ -17,7 +17,10 @@ becomes row-parallel. Before / after (rank 0 of 2)::
     view: "f32[1, 16, 2, 16]" = aten.view(linear, [1, 16, 2, 16])              # local heads
     linear_3 = aten.linear(attn, to_out.weight) -> all_reduce -> wait_tensor -> add(., to_out.bias)
 
-AdaLN modulation linears stay replicated (``modulation="column"``: rows sharded, output all-gathered).
+AdaLN modulation linears (about a quarter of FLUX's block weights) are sharded by output rows and their small
+output all-gathered (``modulation="column"``, the default: each rank holds 1/size of them; a linear outside the
+blocks reading the same weight, as DiT's final norm reads block 0's timestep embedder, is sharded and gathered
+alike); ``"replicate"`` keeps them whole on every rank (no all-gather, more memory).
 What is sharded, replicated or zero-padded is planned first (:mod:`dit_passes.parallel.tp_plan`): a projection
 writing the residual stream stays replicated, so do GQA k / v projections with fewer kv heads than ranks, and an
 MLP hidden that does not divide by ``size`` is zero-padded where the graph proves the padding exact (counted as
@@ -50,7 +53,7 @@ class TensorParallel(Pass):
     writes = ("parallel_group", "tp_group", "tp_size")
     invalidates = ("structure",)
 
-    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, modulation: str = "replicate"):
+    def __init__(self, size: int, group: Optional[dist.ProcessGroup] = None, modulation: str = "column"):
         check_ranks("TensorParallel(size)", size)
         if modulation not in ("replicate", "column"):
             raise ValueError(f"TensorParallel(modulation=...) is 'replicate' or 'column', got {modulation!r}")
@@ -90,9 +93,7 @@ class TensorParallel(Pass):
             rewriter.shard_column(column)
         rewriter.propagate()
         if self.modulation == "column":
-            for site in structure.linears_with_role("modulation"):
-                if site.block is not None:
-                    rewriter.shard_modulation(site)
+            rewriter.shard_modulation([s for s in structure.linears_with_role("modulation") if s.block is not None])
         rewriter.weights.check_readers()
         rewriter.repropagate()
         after, tp_after = linear_bytes(gm, block_sites), linear_bytes(gm, tp_sites)

@@ -1,0 +1,119 @@
+"""``QuantizeConfig.components_to_quantize`` with cache-dit 1.5.3's semantics, through ``enable_cache(pipe, ...)`` on a
+tiny FluxPipeline with a CLIP ``text_encoder`` and a T5 ``text_encoder_2``: only the listed components are quantized,
+each with its own config (list or dict form); ``"text_encoder"`` names the main (largest) encoder, ``text_encoder_2``
+here, as the reference's ``parse_text_encoder``; a quantized text encoder stays within a bound of the unquantized one's
+output; ``disable_cache`` puts every original back. The expected linears come from module names.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dit_passes as cache_dit
+from dit_passes.compiled import CompiledDiT
+from test_frontend_parallel import _call  # the pipeline's images (6 steps, decoded)
+
+def _pipeline():
+    """test_frontend_parallel's tiny FluxPipeline (a T5 ``text_encoder_2``) with a CLIP ``text_encoder`` too."""
+    import transformers as T
+    from test_frontend_parallel import _pipeline as flux_with_t5
+
+    pipe = flux_with_t5()
+    clip = T.CLIPTextModel(T.CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, max_position_embeddings=16,
+                                            bos_token_id=0, eos_token_id=2, pad_token_id=1)).eval()
+    pipe.register_modules(text_encoder=clip)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+
+
+def _quantized(compiled):
+    """{module path: kind} of the linears the passes replaced."""
+    return {n.meta["dit_module_path"]: n.meta["dit_quant"] for n in compiled.graph_module.graph.nodes
+            if n.op == "call_function" and n.meta.get("dit_quant")}
+
+
+def _linears(module, skip=()):
+    return {p for p, m in module.named_modules() if isinstance(m, torch.nn.Linear) and not any(s in p for s in skip)}
+
+
+def _encode(encoder, ids):
+    with torch.no_grad():
+        return encoder(input_ids=ids).last_hidden_state
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_list_quantizes_the_transformer_and_the_main_text_encoder(ids):
+    pipe = _pipeline()
+    t5, clip, transformer = pipe.text_encoder_2, pipe.text_encoder, pipe.transformer
+    want = _encode(t5, ids)
+    cache_dit.enable_cache(pipe, quantize_config=cache_dit.QuantizeConfig(
+        quant_type="int8_per_row", components_to_quantize=["transformer", "text_encoder"]), keep_original=True)
+    assert isinstance(pipe.text_encoder_2, CompiledDiT) and pipe.text_encoder is clip  # the reference's main encoder
+    got = _encode(pipe.text_encoder_2, ids)
+    # a text encoder has no _repeated_blocks: every linear but the default exclude_layers' substrings (none in T5)
+    assert _quantized(pipe.text_encoder_2) == {p: "int8_per_row" for p in _linears(t5)}
+    assert 0 < _rel(got, want) < 0.05, _rel(got, want)
+    frontend = pipe.transformer.runtime.state["frontend"]  # its quantized linears: test_frontend_quant_rows.py
+    assert [p.name for p in frontend.passes] == ["int8_linear"] and frontend.quantize_config.quant_type == "int8_per_row"
+    assert pipe.transformer.runtime.state["frontend"].cache_config is None  # a quantize config alone: no cache
+    cache_dit.disable_cache(pipe)
+    assert pipe.text_encoder_2 is t5 and pipe.transformer is transformer and pipe.text_encoder is clip
+    assert torch.equal(_encode(pipe.text_encoder_2, ids), want)
+
+
+def test_dict_gives_each_component_its_own_fields(ids):
+    pipe = _pipeline()
+    t5, clip = pipe.text_encoder_2, pipe.text_encoder
+    want_t5, want_clip = _encode(t5, ids), _encode(clip, ids)
+    cache_dit.enable_cache(pipe, quantize_config=cache_dit.QuantizeConfig(components_to_quantize={
+        "transformer": {"quant_type": "float8_per_row"},
+        "text_encoder_2": {"quant_type": "float8_per_tensor", "exclude_layers": ["DenseReluDense"]},
+        clip: {"quant_type": "int8_per_row", "exclude_layers": []}}), keep_original=True)
+    got_t5, got_clip = _encode(pipe.text_encoder_2, ids), _encode(pipe.text_encoder, ids)
+    assert _quantized(pipe.text_encoder_2) == {p: "fp8_per_tensor" for p in _linears(t5, ("DenseReluDense",))}
+    assert _quantized(pipe.text_encoder) == {p: "int8_per_row" for p in _linears(clip)}  # a module as the key
+    frontend = pipe.transformer.runtime.state["frontend"]
+    assert [p.name for p in frontend.passes] == ["fp8_linear"] and frontend.quantize_config.quant_type == "float8_per_row"
+    assert 0 < _rel(got_t5, want_t5) < 0.1
+    assert 0 < _rel(got_clip, want_clip) < 0.05
+    assert cache_dit.strify(pipe)  # the transformer's own config is the one it reports
+    cache_dit.disable_cache(pipe)
+    assert pipe.text_encoder_2 is t5 and pipe.text_encoder is clip
+
+
+def test_only_the_listed_components_are_quantized(ids):
+    pipe = _pipeline()
+    want = _call(pipe)
+    t5 = pipe.text_encoder_2
+    cache_dit.enable_cache(pipe, quantize_config=cache_dit.QuantizeConfig(
+        quant_type="float8_per_row", components_to_quantize=[pipe.text_encoder_2]), keep_original=True)
+    got = _call(pipe)
+    _encode(pipe.text_encoder_2, ids)
+    assert _rel(got, want) <= 1e-5  # the transformer is not quantized: the pipeline's latents as before
+    assert _quantized(pipe.transformer) == {} and set(_quantized(pipe.text_encoder_2).values()) == {"fp8_per_row"}
+    cache_dit.disable_cache(pipe)
+    assert pipe.text_encoder_2 is t5
+
+
+def test_refusals_name_the_way_out():
+    pipe = _pipeline()
+    with pytest.raises(ValueError, match="pass the pipeline"):
+        cache_dit.enable_cache(pipe.transformer, quantize_config=cache_dit.QuantizeConfig(
+            components_to_quantize=["transformer", "text_encoder"]))
+    with pytest.raises(ValueError, match="SVDQuant quantizes the transformer"):
+        cache_dit.QuantizeConfig(quant_type="svdq_int4_r8_dq", components_to_quantize=["text_encoder"]).to_passes()
+    with pytest.raises(NotImplementedError, match="VAE"):
+        cache_dit.enable_cache(pipe, quantize_config=cache_dit.QuantizeConfig(components_to_quantize=["vae"]))
+    with pytest.raises(ValueError, match="tokenizer is not a module"):
+        cache_dit.enable_cache(pipe, quantize_config=cache_dit.QuantizeConfig(components_to_quantize=["tokenizer"]))
+    with pytest.raises(ValueError, match="fields"):
+        cache_dit.QuantizeConfig(components_to_quantize={"text_encoder": {"no_such_field": 1}}).to_passes()
+    assert not isinstance(pipe.transformer, CompiledDiT) and not isinstance(pipe.text_encoder_2, CompiledDiT)
