@@ -11,6 +11,12 @@ export TRITON_INTERPRET=1 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREA
 #    single-process tests on two xdist workers (they take twice the rank tests' time: both cores work on them
 #    once the rank tests are done); 2) the Ray tests alone (a raylet must register within Ray's fixed 30 s: on 2
 #    busy cores it missed it).
+# Captured graphs are shared by all the processes of this run (xdist workers, rank processes, Ray) through a
+# directory (dit_passes/infra/trace_store.py): one process captures a model, the others load it. A fixed hash seed
+# keeps the keys alike across processes (diffusers' configs hold lists built from sets).
+trace_dir=$(mktemp -d)
+trap 'rm -rf "$trace_dir"' EXIT
+export DIT_PASSES_TRACE_DIR=$trace_dir PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 PYTEST=(.venv/bin/python -P -m pytest -q -p no:cacheprovider)
 rc=0
 ranks_log=$(mktemp)

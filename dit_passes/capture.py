@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -242,19 +242,48 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
     if not any(is_tensor):
         raise CaptureError(f"the call to {type(model).__name__} has no tensor arguments: nothing to trace")
     constants = [None if t else x for t, x in zip(is_tensor, leaves)]
-    tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
-    names = _leaf_names(kwargs)
-    input_names = [n for n, t in zip(names, is_tensor) if t]
+    input_names = [n for n, t in zip(_leaf_names(kwargs), is_tensor) if t]
+    call = _Call(kwargs, leaves, spec, is_tensor, constants, input_names, accepts_return_dict)
     call_key = signature_key(kwargs)
-    if templates is not None:
-        hit = templates.lookup(model, call_key, lambda leaves: value_key(kwargs, leaves))
-        if hit is not None:
-            gm, fields = hit
-            out_spec, value_leaves, scalars = fields["out_spec"], fields["value_leaves"], fields["baked_scalars"]
-            if scalars:
-                _install_scalar_guard(gm, model, out_spec.num_leaves, out_spec.num_leaves + 1, scalars)
-            return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
-                            time.perf_counter() - t0, value_leaves, scalars)
+    if templates is None:
+        return _trace(model, call, t0)
+    key = templates.key_of(model, call_key)
+    values_of = lambda value_leaves: value_key(kwargs, value_leaves)  # noqa: E731
+    hit = templates.lookup(model, key, values_of)
+    if hit is None:
+        with templates.exclusive(model, key, values_of) as hit:  # another process may be capturing it
+            if hit is None:
+                captured = _trace(model, call, t0)
+                templates.store(model, key, value_key(kwargs, captured.value_leaves), captured.gm,
+                                {"out_spec": captured.out_spec, "value_leaves": captured.value_leaves,
+                                 "baked_scalars": captured.baked_scalars})
+                return captured
+    gm, fields = hit
+    out_spec, value_leaves, scalars = fields["out_spec"], fields["value_leaves"], fields["baked_scalars"]
+    if scalars:
+        _install_scalar_guard(gm, model, out_spec.num_leaves, out_spec.num_leaves + 1, scalars)
+    return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
+                    time.perf_counter() - t0, value_leaves, scalars)
+
+
+class _Call(NamedTuple):
+    """A call bound to the model's forward keywords (``return_dict`` left out), flattened."""
+    kwargs: Dict[str, Any]
+    leaves: List[Any]
+    spec: pytree.TreeSpec
+    is_tensor: List[bool]
+    constants: List[Any]
+    input_names: List[str]
+    accepts_return_dict: bool
+
+
+def _trace(model: torch.nn.Module, call: _Call, t0: float) -> Captured:
+    """torch.export of ``call``, post-processed into :class:`Captured` (see the module docstring)."""
+    import time
+
+    t_cpu0 = time.process_time()
+    kwargs, leaves, spec, is_tensor, constants, input_names, accepts_return_dict = call
+    tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def wrap(traced: torch.nn.Module) -> _CallWithConstants:
         wrapper = _CallWithConstants(traced, spec, is_tensor, constants, accepts_return_dict)
@@ -328,11 +357,25 @@ def capture(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Dict[str, 
         value_leaves = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
                         and not x.is_floating_point() and not x.is_complex()]
         _install_scalar_guard(gm, model, out_spec.num_leaves, n_flat, scalars)
-    if templates is not None:
-        templates.store(model, call_key, value_key(kwargs, value_leaves), gm,
-                        {"out_spec": out_spec, "value_leaves": value_leaves, "baked_scalars": scalars})
+    _log_capture(model, signature_key(kwargs), time.process_time() - t_cpu0)
     return Captured(gm, input_names, spec, is_tensor, constants, out_spec, accepts_return_dict,
                     time.perf_counter() - t0, value_leaves, scalars)
+
+
+def _log_capture(model: torch.nn.Module, call_key: Tuple, cpu_seconds: float) -> None:
+    """``DIT_PASSES_CAPTURE_LOG=<file>``: one line per torch.export (pid, key hash, CPU s, class, test), to count how
+    often a run captures one key across its processes."""
+    import hashlib
+    import os
+
+    path = os.environ.get("DIT_PASSES_CAPTURE_LOG")
+    if not path:
+        return
+    from .infra.trace_templates import module_fingerprint
+    key = hashlib.sha256(repr((module_fingerprint(model), call_key)).encode()).hexdigest()[:16]
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\t{key}\t{cpu_seconds:.2f}\t{type(model).__name__}\t{test}\n")
 
 
 def _mutates(graph: fx.Graph) -> bool:

@@ -13,6 +13,9 @@ Fixtures that run ranks are session-scoped: one computation serves every test of
 Captures are reused across instances of one architecture and call (``DIT_PASSES_REUSE_TRACES=1``,
 ``dit_passes.infra.trace_templates.py``): the suite builds the same tiny models hundreds of times, and torch.export took
 about half of its CPU time. ``tests/test_trace_templates.py`` checks that a reused graph is the fresh one.
+``.ci/test.sh`` also shares them between its processes (xdist workers, pooled ranks, Ray) through
+``DIT_PASSES_TRACE_DIR`` (``dit_passes/infra/trace_store.py``): each rank of a 2- or 4-rank case captured the same
+model again.
 """
 from __future__ import annotations
 

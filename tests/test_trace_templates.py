@@ -2,18 +2,26 @@
 
 A reused graph must be the graph a fresh capture of the new model gives: same code, same parameters and buffers
 (the new model's own tensors, persistence kept), same output, and nothing of the model it was first traced from;
-anything that can change the trace (config, processor, mode, hooks, call, mask values) must miss.
+anything that can change the trace (config, processor, mode, hooks, call, mask values) must miss. The same holds
+for a graph another process stored (DIT_PASSES_TRACE_DIR): loaded, it is the fresh capture node for node, meta
+included; a key that is not the same in another process is not shared.
 """
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
 
 from dit_passes.capture import ValueSpecializationError, capture
+from dit_passes.infra.trace_store import TraceStore, shared_name
 from dit_passes.infra.trace_templates import TraceTemplates, module_fingerprint
 from dit_passes.infra.facts import facts_of
 from dit_passes.models.zoo import build
@@ -134,3 +142,115 @@ def test_value_specialised_graphs_are_keyed_by_the_mask_values():
     facts.state_io[0].outputs(None, [out[-1]])
     with pytest.raises(ValueSpecializationError):
         facts.state_io[0].outputs(None, [out[-1] + 1])
+
+
+# ---- the store shared between processes (dit_passes.infra.trace_store, DIT_PASSES_TRACE_DIR) ----
+
+def _assert_same_graph(loaded, fresh):
+    """Node for node: name, op, target, args and every meta entry a pass can read (fake values by metadata)."""
+    assert loaded.code == fresh.code
+    for a, b in zip(loaded.graph.nodes, fresh.graph.nodes, strict=True):
+        assert (a.name, a.op, a.target, repr(a.args), repr(a.kwargs)) == (b.name, b.op, b.target, repr(b.args),
+                                                                         repr(b.kwargs))
+        assert a.meta.keys() == b.meta.keys(), a.name
+        for key in a.meta.keys() - {"from_node"}:  # from_node: provenance by graph id, new in every capture
+            va, vb = pytree.tree_flatten(a.meta[key])[0], pytree.tree_flatten(b.meta[key])[0]
+            if key == "val":
+                spec = lambda v: (type(v).__name__, tuple(v.shape), v.stride(), v.storage_offset(), v.dtype,  # noqa
+                                  v.requires_grad) if isinstance(v, torch.Tensor) else v
+                assert [spec(v) for v in va] == [spec(v) for v in vb], a.name
+            else:
+                assert repr(va) == repr(vb), (a.name, key)
+
+
+@pytest.mark.parametrize("family", ["flux", "zimage"])  # zimage: a higher-order op's body
+def test_stored_graph_loads_as_the_fresh_capture(family, tmp_path):
+    first = build(family)
+    inputs = first.make_inputs(batch=1, seed=1)
+    writer = TraceTemplates(shared=TraceStore(str(tmp_path)))
+    capture(first.model, (), inputs, templates=writer)
+    assert writer.shared.writes == 1
+    second = _perturbed(family)
+    reader = TraceTemplates(shared=TraceStore(str(tmp_path)))  # nothing in memory: what another process sees
+    loaded = capture(second.model, (), inputs, templates=reader)
+    assert (reader.hits, reader.misses, reader.loaded, reader.shared.writes) == (1, 0, 1, 0)
+    fresh = capture(second.model, (), inputs)
+    _assert_same_graph(loaded.gm, fresh.gm)
+    for name, sub in fresh.gm.named_children():
+        if isinstance(sub, torch.fx.GraphModule):
+            _assert_same_graph(loaded.gm.get_submodule(name), sub)
+    vals = [n.meta["val"] for n in loaded.gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert detect_fake_mode(vals) is not None  # one fake mode, as passes expect (detect_fake_mode, from_tensor)
+    for name, p in loaded.gm.named_parameters():
+        assert p is second.model.get_parameter(name), name
+    with torch.no_grad():
+        assert torch.equal(loaded.gm(*_flat(inputs))[0], _sample(second.model(**inputs)))
+
+
+def test_stored_value_specialised_graphs_keep_their_mask_values_and_guard(tmp_path):
+    x = torch.randn(1, 6, 8)
+    mask_a, mask_b = torch.tensor([[1, 1, 1, 0, 0, 0]]), torch.tensor([[1, 1, 1, 1, 1, 0]])
+    torch.manual_seed(0)
+    first, second = _Masked(), _Masked()
+    writer = TraceTemplates(shared=TraceStore(str(tmp_path)))
+    capture(first, (), {"hidden_states": x, "mask": mask_a}, templates=writer)
+    capture(first, (), {"hidden_states": x, "mask": mask_b}, templates=writer)
+    assert writer.shared.writes == 2  # one file, both masks' graphs
+    reader = TraceTemplates(shared=TraceStore(str(tmp_path)))
+    loaded = capture(second, (), {"hidden_states": x, "mask": mask_b}, templates=reader)
+    assert reader.loaded == 1 and loaded.baked_scalars == [5]
+    with torch.no_grad():
+        out = loaded.gm(x, mask_b)
+        assert torch.equal(out[0], second(x, mask_b)[0])
+    check = facts_of(loaded.gm).state_io[0].outputs
+    check(None, [out[-1]])
+    with pytest.raises(ValueSpecializationError):
+        check(None, [out[-1] - 1])
+
+
+def test_a_key_that_differs_between_processes_is_not_shared(tmp_path):
+    hooked = build("flux")
+    hooked.model.transformer_blocks[0].register_forward_hook(lambda m, a, out: out)  # keyed by the hook's id
+    inputs = hooked.make_inputs(batch=1, seed=1)
+    assert shared_name(TraceTemplates.key_of(hooked.model, ("call",))) is None
+    assert shared_name(("opaque", repr(object()))) is None  # an address
+    assert shared_name(TraceTemplates.key_of(build("flux").model, ("call",))) is not None
+    templates = TraceTemplates(shared=TraceStore(str(tmp_path)))
+    capture(hooked.model, (), inputs, templates=templates)
+    assert templates.shared.writes == 0 and not any(p.suffix != ".lock" for p in tmp_path.iterdir())
+
+
+_PROCESS = """
+import json, sys, torch, torch.utils._pytree as pytree
+from dit_passes.capture import capture
+from dit_passes.infra.trace_templates import default_templates
+from dit_passes.models.zoo import build
+zm = build("flux", seed=int(sys.argv[1]))
+inputs = zm.make_inputs(batch=1, seed=1)
+templates = default_templates()
+got = capture(zm.model, (), inputs, templates=templates)
+flat = [x for x in pytree.tree_flatten({k: v for k, v in inputs.items() if k != "return_dict"})[0]
+        if isinstance(x, torch.Tensor)]
+with torch.no_grad():
+    same = torch.equal(got.gm(*flat)[0], zm.model(**inputs)[0])
+print(json.dumps({"loaded": templates.loaded, "writes": templates.shared.writes, "same": same}))
+"""
+
+
+def test_processes_asking_at_once_capture_once(tmp_path):
+    """Two processes start on an empty store: one captures (holding the key's lock), the other loads its file; a
+    third process (this one) loads it too and gets the fresh capture's graph."""
+    env = {**os.environ, "DIT_PASSES_REUSE_TRACES": "1", "DIT_PASSES_TRACE_DIR": str(tmp_path),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-P", "-c", _PROCESS, str(seed)], env=env, stdout=subprocess.PIPE,
+                              text=True) for seed in (1, 2)]
+    reports = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted((r["loaded"], r["writes"]) for r in reports) == [(0, 1), (1, 0)], reports
+    assert all(r["same"] for r in reports)
+    third = build("flux", seed=3)
+    inputs = third.make_inputs(batch=1, seed=1)
+    reader = TraceTemplates(shared=TraceStore(str(tmp_path)))
+    loaded = capture(third.model, (), inputs, templates=reader)
+    assert reader.loaded == 1
+    _assert_same_graph(loaded.gm, capture(third.model, (), inputs).gm)

@@ -21,6 +21,7 @@ Ownership: a template holds no tensor of the model it was captured from (issue 2
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import os
@@ -29,6 +30,10 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .trace_store import (ENV_DIR, TraceStore, Unshareable, graph_from_state, graph_state, module_from_state,
+                          module_state, new_fake_mode, shared_name)
 
 ENV_FLAG = "DIT_PASSES_REUSE_TRACES"
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
@@ -116,6 +121,27 @@ class _Template:
             else:  # created inside forward (an arange, a literal): not the model's
                 self.constants[n.target] = val.detach().clone()
 
+    def state(self) -> Dict[str, Any]:
+        """What :mod:`.trace_store` writes (Unshareable if part of it cannot be)."""
+        try:  # a TreeSpec pickles with a deprecation warning of torch's: its JSON form
+            fields = {**self.fields, "out_spec": pytree.treespec_dumps(self.fields["out_spec"])}
+        except Exception as e:  # noqa: BLE001 - an output type pytree cannot name
+            raise Unshareable(f"output structure: {e}") from e
+        return {"graph": graph_state(self.graph), "fields": fields, "constants": self.constants,
+                "aliases": self.aliases, "persistent": self.persistent,
+                "submodules": {k: module_state(m) for k, m in self.submodules.items()}}
+
+    @classmethod
+    def from_state(cls, state: Dict[str, Any]) -> "_Template":
+        mode = new_fake_mode()  # one per loaded graph, as one export has one
+        self = cls.__new__(cls)
+        self.graph = graph_from_state(state["graph"], mode)
+        self.fields = {**state["fields"], "out_spec": pytree.treespec_loads(state["fields"]["out_spec"])}
+        self.constants = state["constants"]
+        self.aliases, self.persistent = state["aliases"], state["persistent"]
+        self.submodules = {k: module_from_state(m, mode) for k, m in state["submodules"].items()}
+        return self
+
     def instantiate(self, model: torch.nn.Module) -> Optional[fx.GraphModule]:
         own = _model_tensors(model)
         root: Dict[str, Any] = {}
@@ -184,18 +210,52 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
 
 
 class TraceTemplates:
-    """Captured graphs by (module fingerprint, call signature); least recently used dropped past ``maxsize``."""
+    """Captured graphs by (module fingerprint, call signature); least recently used dropped past ``maxsize``.
 
-    def __init__(self, maxsize: int = 32):
+    With a :class:`~.trace_store.TraceStore`, a key missing here is read from the store's directory (written by this
+    or another process), and a capture is written there; :meth:`exclusive` lets one process capture a key while the
+    others wait for its file.
+    """
+
+    def __init__(self, maxsize: int = 32, shared: Optional[TraceStore] = None):
         self.maxsize = maxsize
+        self.shared = shared
         self._by_key: "collections.OrderedDict[Hashable, List[Tuple[Hashable, _Template]]]" = collections.OrderedDict()
         self.hits = 0
         self.misses = 0
+        self.loaded = 0  # hits on a template read from the store
 
-    def lookup(self, model: torch.nn.Module, call_key: Hashable,
+    @staticmethod
+    def key_of(model: torch.nn.Module, call_key: Hashable) -> Hashable:
+        return (module_fingerprint(model), call_key)
+
+    def lookup(self, model: torch.nn.Module, key: Hashable,
                values_of: Callable[[List[int]], Hashable]) -> Optional[Tuple[fx.GraphModule, Dict[str, Any]]]:
         """A graph module for ``model`` and the Captured fields, or None (capture afresh)."""
-        key = (module_fingerprint(model), call_key)
+        found = self._find(model, key, values_of)
+        if found is None and self.shared is not None and self._read_store(key):
+            found = self._find(model, key, values_of)
+            self.loaded += found is not None
+        self.hits += found is not None
+        self.misses += found is None
+        return found
+
+    @contextlib.contextmanager
+    def exclusive(self, model: torch.nn.Module, key: Hashable, values_of: Callable[[List[int]], Hashable]):
+        """After a miss: holds the store's lock on ``key`` (no-op without a store or for an unshareable key) and yields
+        what another process stored while this one waited (counted as a hit), or None: capture and :meth:`store`."""
+        name = shared_name(key) if self.shared is not None else None
+        if name is None:
+            yield None
+            return
+        with self.shared.locked(name):
+            found = self._find(model, key, values_of) if self._read_store(key) else None
+            if found is not None:
+                self.hits, self.misses, self.loaded = self.hits + 1, self.misses - 1, self.loaded + 1
+            yield found
+
+    def _find(self, model: torch.nn.Module, key: Hashable,
+              values_of: Callable[[List[int]], Hashable]) -> Optional[Tuple[fx.GraphModule, Dict[str, Any]]]:
         for values, template in self._by_key.get(key, ()):
             if values != values_of(template.fields["value_leaves"]):
                 continue
@@ -203,21 +263,44 @@ class TraceTemplates:
             if gm is None:
                 break
             self._by_key.move_to_end(key)
-            self.hits += 1
             return gm, dict(template.fields)
-        self.misses += 1
         return None
 
-    def store(self, model: torch.nn.Module, call_key: Hashable, values: Hashable, gm: fx.GraphModule,
+    def _read_store(self, key: Hashable) -> bool:
+        """Adds the store's templates of ``key`` to memory; True if it had any."""
+        name = shared_name(key)
+        entries = self.shared.read(name) if name is not None else []
+        templates = []
+        for values, state in entries:
+            try:
+                templates.append((values, _Template.from_state(state)))
+            except Exception:  # noqa: BLE001 - an operator or class this process lacks: capture afresh
+                continue
+        for values, template in templates:
+            self._remember(key, values, template)
+        return bool(templates)
+
+    def store(self, model: torch.nn.Module, key: Hashable, values: Hashable, gm: fx.GraphModule,
               fields: Dict[str, Any]) -> None:
         if any(n.op == "call_module" or _calls_a_module(n) for n in gm.graph.nodes) or any(
                 next(m.parameters(), None) is not None or next(m.buffers(), None) is not None
                 for n in gm.graph.nodes if n.op == "get_attr"
                 for m in [_attr_at(gm, n.target)] if isinstance(m, torch.nn.Module)):
             return  # called submodules, or subgraphs holding tensors: not templated
-        key = (module_fingerprint(model), call_key)
+        template = _Template(gm, model, fields)
+        self._remember(key, values, template)
+        name = shared_name(key) if self.shared is not None else None
+        if name is not None:  # under exclusive(): the file's other entries (other mask values) are kept
+            try:
+                state = template.state()
+            except Unshareable:
+                return
+            entries = [(v, st) for v, st in self.shared.read(name) if v != values]
+            self.shared.write(name, entries + [(values, state)])
+
+    def _remember(self, key: Hashable, values: Hashable, template: _Template) -> None:
         entries = self._by_key.setdefault(key, [])
-        entries[:] = [(v, t) for v, t in entries if v != values] + [(values, _Template(gm, model, fields))]
+        entries[:] = [(v, t) for v, t in entries if v != values] + [(values, template)]
         self._by_key.move_to_end(key)
         while len(self._by_key) > self.maxsize:
             self._by_key.popitem(last=False)
@@ -226,14 +309,19 @@ class TraceTemplates:
         self._by_key.clear()
 
 
-_DEFAULT: Dict[str, TraceTemplates] = {}
+_DEFAULT: Dict[Optional[str], TraceTemplates] = {}  # by store directory
 
 
 def default_templates() -> Optional[TraceTemplates]:
-    """The process's templates when ``DIT_PASSES_REUSE_TRACES=1`` (the test suite sets it), else None."""
+    """The process's templates when ``DIT_PASSES_REUSE_TRACES=1`` (the test suite sets it), else None; shared with
+    other processes through ``DIT_PASSES_TRACE_DIR`` when that is set too (``.ci/test.sh`` sets it for its run)."""
     if os.environ.get(ENV_FLAG) != "1":
         return None
-    return _DEFAULT.setdefault("templates", TraceTemplates())
+    directory = os.environ.get(ENV_DIR) or None
+    templates = _DEFAULT.get(directory)
+    if templates is None:
+        templates = _DEFAULT[directory] = TraceTemplates(shared=TraceStore(directory) if directory else None)
+    return templates
 
 
 __all__ = ["ENV_FLAG", "TraceTemplates", "default_templates", "module_fingerprint"]
