@@ -27,8 +27,10 @@ Where export still fails inside a submodule, that submodule's class is captured 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import logging
 import re
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
@@ -189,9 +191,23 @@ class _CallWithConstants(torch.nn.Module):
         return rec.values
 
 
+@contextlib.contextmanager
+def _shape_warnings_quiet():
+    """torch 2.11's shape environment logs a warning with the whole partial graph when a data-dependent size has no
+    user frame ("Unable to find user code corresponding to {u0}"); capture turns that failure into its retries (value
+    specialisation, opaque modules) or a CaptureError, so the page of graph code is noise."""
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _export_static(wrapper: torch.nn.Module, tensors: tuple, why: str):
     """``torch.export`` of ``wrapper``, refused (CaptureError) if the graph still holds a data-dependent size."""
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad(), _shape_warnings_quiet():
         ep = torch.export.export(wrapper, tensors, strict=False)
     dynamic = _data_dependent_shape(ep.graph_module)
     if dynamic is not None:
