@@ -30,8 +30,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import io
 import logging
 import re
+import sys
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
@@ -192,22 +194,31 @@ class _CallWithConstants(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _shape_warnings_quiet():
-    """torch 2.11's shape environment logs a warning with the whole partial graph when a data-dependent size has no
-    user frame ("Unable to find user code corresponding to {u0}"); capture turns that failure into its retries (value
-    specialisation, opaque modules) or a CaptureError, so the page of graph code is noise."""
+def _export_noise_quiet():
+    """A failed export on torch 2.11 prints its whole partial graph to stderr (``e.partial_fx_graph``), after a shape
+    warning that pages the graph too ("Unable to find user code corresponding to {u0}"); capture turns that failure
+    into its retries (value specialisation, opaque modules) or a CaptureError, so the pages of graph code are noise.
+    Everything else written to stderr meanwhile is passed on."""
     log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = log.level
+    level, buffer = log.level, io.StringIO()
     log.setLevel(logging.ERROR)
     try:
-        yield
+        with contextlib.redirect_stderr(buffer):
+            yield
+    except BaseException as e:
+        graph = str(getattr(e, "partial_fx_graph", "") or "")
+        text = buffer.getvalue()
+        sys.stderr.write(text.replace(graph, "", 1) if graph else text)
+        raise
+    else:
+        sys.stderr.write(buffer.getvalue())
     finally:
         log.setLevel(level)
 
 
 def _export_static(wrapper: torch.nn.Module, tensors: tuple, why: str):
     """``torch.export`` of ``wrapper``, refused (CaptureError) if the graph still holds a data-dependent size."""
-    with torch.inference_mode(False), torch.no_grad(), _shape_warnings_quiet():
+    with torch.inference_mode(False), torch.no_grad(), _export_noise_quiet():
         ep = torch.export.export(wrapper, tensors, strict=False)
     dynamic = _data_dependent_shape(ep.graph_module)
     if dynamic is not None:
