@@ -195,22 +195,16 @@ class _CallWithConstants(torch.nn.Module):
 
 @contextlib.contextmanager
 def _export_noise_quiet():
-    """A failed export on torch 2.11 prints its whole partial graph to stderr (``e.partial_fx_graph``), after a shape
-    warning that pages the graph too ("Unable to find user code corresponding to {u0}"); capture turns that failure
-    into its retries (value specialisation, opaque modules) or a CaptureError, so the pages of graph code are noise.
-    Everything else written to stderr meanwhile is passed on."""
+    """A failed export on torch 2.11 prints its whole partial graph to stderr, after a shape warning that pages the
+    graph too ("Unable to find user code corresponding to {u0}"); capture turns that failure into its retries (value
+    specialisation, opaque modules) or a CaptureError naming the cause, so what a failed attempt wrote to stderr is
+    dropped. A successful export's stderr is passed on."""
     log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     level, buffer = log.level, io.StringIO()
     log.setLevel(logging.ERROR)
     try:
         with contextlib.redirect_stderr(buffer):
             yield
-    except BaseException as e:
-        graph = str(getattr(e, "partial_fx_graph", "") or "")
-        text = buffer.getvalue()
-        sys.stderr.write(text.replace(graph, "", 1) if graph else text)
-        raise
-    else:
         sys.stderr.write(buffer.getvalue())
     finally:
         log.setLevel(level)
