@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -267,35 +267,158 @@ def _ray_launcher(pc: ParallelismConfig):
 def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
     """``use_ray=True``: RayLauncher workers build and run the passes. A pipeline / transformer: the transformer(s)
     run there (``pipe.transformer`` and ``pipe.transformer_2`` become proxies of one engine, both lowered in every
-    worker). ``ray_transfer_fn``: the whole-pipeline engine is returned."""
+    worker), and so do ``extra_parallel_modules`` (each replaced in the workers by its parallel version: TE-P, VAE-P,
+    CN-P; a module proxy in the pipeline). SVDQuant PTQ: ``calibrate_fn`` runs the pipeline here while the workers
+    run the original transformer(s) and record the linears' activations; then they quantize (rank 0 writes
+    ``serialize_to``). ``ray_transfer_fn``: the whole-pipeline engine is returned."""
     pc, q = state.parallelism_config, state.quantize_config
-    if q is not None and q.is_ptq():
-        raise NotImplementedError("SVDQuant PTQ with use_ray=True: quantize(..., serialize_to=dir) first, then "
-                                  "load(transformer, dir) inside ray_transfer_fn")
+    ptq = q is not None and q.is_ptq()
     pc.check_supported()
-    state.passes = _worker_passes(None, q, state.cache_config, state.calibrator_config)  # validated here
-    passes_fn = functools.partial(_worker_passes, pc, q, state.cache_config, state.calibrator_config)
     launcher = _ray_launcher(pc)
     if pc.ray_transfer_fn is not None:
+        if ptq or pc.extra_parallel_modules:
+            raise NotImplementedError(
+                f"{'SVDQuant PTQ' if ptq else 'ParallelismConfig.extra_parallel_modules'} with ray_transfer_fn: this "
+                "process has no pipeline to " + ("calibrate with" if ptq else "name the modules of") + "; pass it "
+                "(enable_cache(pipe, ...)) so they run on the workers" + (", or quantize(..., serialize_to=dir) first "
+                                                                          "and load it inside ray_transfer_fn" if ptq else ""))
+        checked = q if q is None or q.filter_fn is None else dataclasses.replace(q, filter_fn=None)  # no module here
+        state.passes = _worker_passes(None, checked, state.cache_config, state.calibrator_config)  # validated here
         if pipe_or_module is not None:
             logger.warning("ray_transfer_fn is set: the workers build their own pipeline; the one given is unused")
-        return launcher.launch(pc.ray_transfer_fn, passes_fn, transfer="factory", compile=bool(pc.ray_use_compile))
+        return launcher.launch(pc.ray_transfer_fn, _worker_passes_fn(state), transfer="factory",
+                               compile=bool(pc.ray_use_compile))
     targets = _targets(pipe_or_module)
     for owner, attr, module in targets:
         _check_target(owner, attr, module, allow_extend=False)
     modules = [module for _, _, module in targets]
-    engine = launcher.launch(modules if len(modules) > 1 else modules[0], passes_fn, level="transformer",
-                             transfer=pc.ray_transfer(), compile=bool(pc.ray_use_compile))
+    extras = []
+    if pc.extra_parallel_modules:  # TE-P / VAE-P / CN-P, in the workers
+        if targets[0][0] is None:
+            raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
+        from ..passes.parallel_plan import extra_components
+        extras = extra_components(targets[0][0], pc.extra_parallel_modules)
+    state.passes = _worker_passes(None, q, state.cache_config, state.calibrator_config, module=modules[0],
+                                  calibrated={} if ptq else None)  # validated here
+    engine = launcher.launch(modules if len(modules) > 1 else modules[0], _worker_passes_fn(state), level="transformer",
+                             transfer=pc.ray_transfer(), compile=bool(pc.ray_use_compile),
+                             extra_modules=[m for _, m in extras],
+                             extra_fn=functools.partial(_worker_extra, _without_modules(pc)) if extras else None)
+    result = None
     for index, (owner, attr, module) in enumerate(targets):
         proxy = engine.as_transformer(index)
         proxy.__dict__["_dit_frontend"] = own = dataclasses.replace(state, passes=list(state.passes), restore=module,
                                                                     engine=engine, engine_index=index,
-                                                                    extra_restore=[], routed={})
+                                                                    extra_restore=extras if index == 0 else [],
+                                                                    routed={})
         if owner is None:
             _route_to_proxy(module, proxy, own)
-            return proxy
-        setattr(owner, attr, proxy)
-    return targets[0][0]
+            result = proxy
+        else:
+            setattr(owner, attr, proxy)
+    for j, (attr, module) in enumerate(extras):
+        setattr(targets[0][0], attr, engine.as_module(j, module))
+    if ptq:
+        try:
+            _calibrate_on_workers(engine, q)
+        except BaseException:
+            disable_cache(pipe_or_module)
+            raise
+    return result if result is not None else targets[0][0]
+
+
+def _worker_passes_fn(state: FrontendState) -> Callable[..., list]:
+    """What each worker calls to build a transformer's passes. The configs travel without the objects of this
+    process they hold (``calibrate_fn`` holds the pipeline, calibration is driven from here; the extra modules
+    travel once, as modules)."""
+    q = state.quantize_config
+    if q is not None and q.calibrate_fn is not None:
+        q = copy.copy(q)
+        q.calibrate_fn = None
+    return functools.partial(_worker_passes, _without_modules(state.parallelism_config), q, state.cache_config,
+                             state.calibrator_config)
+
+
+def _without_modules(pc: ParallelismConfig) -> ParallelismConfig:
+    out = copy.copy(pc)
+    out.extra_parallel_modules = []
+    return out
+
+
+def _worker_extra(pc: ParallelismConfig, module: torch.nn.Module, rank: int, world_size: int) -> torch.nn.Module:
+    """An extra module's parallel version, in a Ray worker (the single process's rule: a VAE split by rows, a
+    ControlNet with the transformer's passes, a text encoder with tensor parallelism over all ranks)."""
+    from ..passes.parallel_plan import parallelize_module
+    return parallelize_module(module, world_size, pc.to_passes)
+
+
+class _CalibrationHook:
+    """A Ray worker's ``forward_hook`` during SVDQuant PTQ calibration: each step runs the transformer's original
+    module (no passes: every rank sees the whole model and the same inputs) and records each linear's input
+    abs-max, the max over steps as one observer would; the first step's inputs are kept to lower with."""
+
+    def __init__(self) -> None:
+        self.stats: Dict[int, Dict[str, torch.Tensor]] = {}
+        self.first: Dict[int, Dict[str, Any]] = {}
+
+    def __call__(self, worker: Any, index: int, kwargs: Dict[str, Any]) -> Any:
+        from ..passes.quantize import calibrate_linears
+        module = worker.compiled[index].original
+        weights = {p: m.weight for p, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+        out: list = []
+        seen = calibrate_linears(weights, lambda: out.append(module(**kwargs)))
+        mine = self.stats.setdefault(index, {})
+        for path, absmax in seen.items():
+            mine[path] = absmax if path not in mine else torch.maximum(mine[path], absmax)
+        if index not in self.first:
+            with torch.inference_mode(False):
+                self.first[index] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return out[0]
+
+
+def _worker_begin_calibration(worker: Any) -> None:  # runs on a Ray worker
+    worker.forward_hook = _CalibrationHook()
+
+
+def _worker_quantize(worker: Any, q: QuantizeConfig) -> List[str]:  # runs on a Ray worker
+    """After calibration: each transformer gets the PTQ pass(es) for its statistics and is lowered now (rank 0
+    writes ``serialize_to``, as the single process does before enable_cache returns)."""
+    hook, worker.forward_hook = worker.forward_hook, None
+    names = []
+    for index, compiled in enumerate(worker.compiled):
+        if not hook.stats.get(index):
+            raise ValueError(f"QuantizeConfig.calibrate_fn never called transformer {index} (it must run the "
+                             "pipeline enable_cache was given)")
+        quant = q.to_passes(compiled.original, hook.stats[index])
+        if worker.rank != 0:
+            for p in quant:
+                p.serialize_to = None  # one writer
+        worker.set_passes(index, lambda passes, quant=quant: list(passes) + quant)
+        with torch.inference_mode():
+            compiled.lower(**worker._to_device(hook.first[index]))
+        names.append([p.name for p in compiled.passes])
+    return names
+
+
+def _calibrate_on_workers(engine: Any, q: QuantizeConfig) -> None:
+    engine.run_on_workers(_worker_begin_calibration)
+    try:
+        q.calibrate_fn()
+    except BaseException:
+        engine.run_on_workers(_worker_end_calibration)
+        raise
+    stripped = copy.copy(q)
+    stripped.calibrate_fn = _calibrated_on_workers  # the statistics are the workers'; the pipeline stays here
+    engine.run_on_workers(_worker_quantize, stripped)
+
+
+def _calibrated_on_workers() -> None:
+    raise RuntimeError("SVDQuant PTQ on Ray workers: the statistics were recorded while calibrate_fn ran the "
+                       "pipeline in the driver; nothing is calibrated again in a worker")
+
+
+def _worker_end_calibration(worker: Any) -> None:  # runs on a Ray worker
+    worker.forward_hook = None
 
 
 _ROUTED = ("forward", "cache_context", "to", "cuda", "cpu", "_dit_frontend")
@@ -315,10 +438,13 @@ def _route_to_proxy(module: torch.nn.Module, proxy: Any, state: FrontendState) -
 
 
 def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig], cfg: Optional[DBCacheConfig],
-                   cal: Optional[CalibratorConfig], rank: int = 0, world_size: int = 1) -> list:
-    """The pass list, built in each Ray worker (its process group exists there; CP x TP builds subgroups)."""
-    passes = (pc.to_passes() if pc is not None else []) + (q.to_passes(None) if q is not None else []) \
-        + ([cache_pass(cfg, cal)] if cfg is not None else [])
+                   cal: Optional[CalibratorConfig], rank: int = 0, world_size: int = 1, module: Any = None,
+                   calibrated: Optional[Dict[str, Any]] = None) -> list:
+    """The pass list, built in each Ray worker (its process group exists there; CP x TP builds subgroups) for
+    ``module``, the transformer it lowers (``filter_fn``'s modules, ``_repeated_blocks``). SVDQuant PTQ without
+    ``calibrated`` statistics: no quantize pass yet (``_worker_quantize`` adds it after calibration)."""
+    quant = [] if q is None or (q.is_ptq() and calibrated is None) else q.to_passes(module, calibrated)
+    passes = (pc.to_passes() if pc is not None else []) + quant + ([cache_pass(cfg, cal)] if cfg is not None else [])
     PassManager(passes)
     return passes
 
