@@ -97,46 +97,111 @@ def _stop_cluster(temp_dir: str) -> list:
     return left
 
 
-def test_ray_address_and_worker_options_through_enable_cache(monkeypatch):
+def _te_pipeline():
+    """The tiny Flux pipeline with a tiny T5 as ``text_encoder_2`` (TE-P) beside its tiny VAE (VAE-P)."""
+    import transformers as T
+    from dit_passes.models.zoo import build
+    from dit_passes.testing.pipelines import flux_pipeline
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        t5 = T.T5EncoderModel(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                         dropout_rate=0.0)).eval()
+    return flux_pipeline(build("flux").model, text_encoder_2=t5)
+
+
+def _decoded(pipe, user_module) -> torch.Tensor:
+    with torch.inference_mode():  # output_type="pt": the pipeline's own vae.decode runs (VAE-P on the workers)
+        return pipe(**dict(user_module["call_kwargs"](), output_type="pt")).images
+
+
+def _ptq(pipe, user_module, out_dir, filter_fn) -> "object":
+    import dit_passes as cache_dit
+    return cache_dit.QuantizeConfig(quant_type="svdq_int4_r8", filter_fn=filter_fn, serialize_to=str(out_dir),
+                                    calibrate_fn=lambda: _decoded(pipe, user_module))
+
+
+def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_path):
     """``ParallelismConfig(ulysses_size=2, use_ray=True, ray_address=<a cluster started by ray start in another
-    process>, ray_worker_options={"num_cpus": 0.5})``: the workers run on that 1-CPU cluster (two of them fit only
-    because each asks for half a CPU: the options reach the actors and their bundles), and the latents equal the
-    single process's; disable_cache disconnects and leaves the cluster running (it is not ours to stop)."""
+    process>, ray_worker_options={"num_cpus": 0.5}, extra_parallel_modules=[pipe.text_encoder_2, pipe.vae])`` with
+    ``QuantizeConfig(svdq_int4_r8 PTQ, filter_fn=...)``: the workers run on that 1-CPU cluster (two of them fit only
+    because each asks for half a CPU: the options reach the actors and their bundles); the T5 runs tensor-parallel
+    and the VAE's decode row-split there (TE-P / VAE-P inside the workers), ``calibrate_fn`` drives the pipeline
+    while the workers calibrate the transformer they run, filter_fn picks its linears there, rank 0 writes the
+    checkpoint; the decoded images equal the single process's (same PTQ config, no parallelism); disable_cache
+    disconnects and leaves the cluster running (it is not ours to stop)."""
     if ray.is_initialized():
         pytest.skip("a Ray cluster from another test is still running in this process")
     import dit_passes as cache_dit
-    from dit_passes.models.zoo import build
-    from dit_passes.testing.pipelines import flux_pipeline
     user_module: dict = {}
     exec(USER_MODULE, user_module)  # its call_kwargs(): the tiny Flux pipeline's call
+
+    # defined here, not at module level: cloudpickle sends them by value (the workers cannot import this file)
+    def ff_down(module, name: str) -> bool:  # the reference's filter_fn(module, name): the K=128 FF down projections
+        return name.endswith(("ff.net.2", "ff_context.net.2")) and module.in_features % 64 == 0
+
+    def worker_report(w):  # runs on each Ray worker: what TE-P / VAE-P / PTQ did there
+        te, vae, tr = w.extras[0], w.extras[1], w.compiled[0]
+        quant = next(r for r in tr._current().manager.records if r.name == "svdquant_w4a4")
+        return {"te_passes": [r.name for r in te._current().manager.records],
+                "te_all_reduces": sum("all_reduce" in str(n.target) for n in te._current().gm.graph.nodes),
+                "vae": [(k.split("[")[0], v["world_size"], v["rank"]) for k, v in vae.report().items()],
+                "passes": [p.name for p in tr.passes], "quantized": quant.result.counts["replaced"]}
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the cluster's mode; with an address the driver keeps its env's
     temp_dir = tempfile.mkdtemp(prefix="rayx", dir="/tmp")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    starting = None
     try:
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-                        "--node-ip-address=127.0.0.1", "--num-cpus=1", "--include-dashboard=false",
-                        f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-                       check=True, timeout=120, capture_output=True, cwd=temp_dir)
-        pipe = flux_pipeline(build("flux").model)
-        with torch.inference_mode():
-            reference = pipe(**user_module["call_kwargs"]()).images
+        starting = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+                                     "--node-ip-address=127.0.0.1", "--num-cpus=1", "--include-dashboard=false",
+                                     f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=temp_dir)
+        single = _te_pipeline()  # the reference, built and run while the cluster starts
+        cache_dit.enable_cache(single, quantize_config=_ptq(single, user_module, tmp_path / "single", ff_down))
+        reference = _decoded(single, user_module)
+        single_quantized = next(r for r in single.transformer._current().manager.records
+                                if r.name == "svdquant_w4a4").result.counts["replaced"]
+        log, _ = starting.communicate(timeout=120)
+        assert starting.returncode == 0, log.decode(errors="replace")
+
+        pipe = _te_pipeline()
+        t5, vae = pipe.text_encoder_2, pipe.vae
+        ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            te_ref = t5(input_ids=ids).last_hidden_state
         cache_dit.enable_cache(pipe, parallelism_config=cache_dit.ParallelismConfig(
-            ulysses_size=2, use_ray=True, ray_address=f"127.0.0.1:{port}",
-            ray_worker_options={"num_cpus": 0.5}))
+            ulysses_size=2, use_ray=True, ray_address=f"127.0.0.1:{port}", ray_worker_options={"num_cpus": 0.5},
+            extra_parallel_modules=[pipe.text_encoder_2, pipe.vae]),
+            quantize_config=_ptq(pipe, user_module, tmp_path / "ray", ff_down))
         try:
-            latents = pipe(**user_module["call_kwargs"]()).images
-            seen = pipe.transformer._engine.run_on_workers(lambda w: (
+            assert (tmp_path / "ray" / "svdq_int4_r8.safetensors").exists()  # rank 0 wrote it before enable returned
+            assert type(pipe.text_encoder_2).__name__ == type(pipe.vae).__name__ == "RayModuleProxy"
+            images = _decoded(pipe, user_module)
+            te_out = pipe.text_encoder_2(input_ids=ids).last_hidden_state
+            engine = pipe.transformer._engine
+            seen = engine.run_on_workers(lambda w: (
                 ray.get_runtime_context().get_assigned_resources().get("CPU"),
                 ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]))
+            reports = engine.run_on_workers(worker_report)
         finally:
             cache_dit.disable_cache(pipe)
         assert seen == [(0.5, str(port))] * 2, seen
-        torch.testing.assert_close(latents, reference, rtol=0, atol=1e-5)
+        torch.testing.assert_close(images, reference, rtol=0, atol=1e-5)
+        torch.testing.assert_close(te_out, te_ref, rtol=0, atol=1e-5)
+        expected = sum(ff_down(m, n) for n, m in single.transformer.original.named_modules()
+                       if isinstance(m, torch.nn.Linear))
+        for rank, r in enumerate(reports):
+            assert "tensor_parallel" in r["te_passes"] and r["te_all_reduces"] == 4, r  # 2 layers x (attention, FF)
+            assert r["vae"] == [("decode", 2, rank)], r  # the pipeline's one decode, split over the 2 ranks
+            assert r["passes"] == ["ulysses", "svdquant_w4a4"], r
+            assert r["quantized"] == single_quantized == expected > 0, (r, single_quantized, expected)
+        assert pipe.text_encoder_2 is t5 and pipe.vae is vae
         assert not ray.is_initialized(), "disable_cache must disconnect the driver it connected"
         assert session_processes(temp_dir), "the cluster the driver connected to must keep running"
     finally:
+        if starting is not None and starting.poll() is None:
+            starting.communicate(timeout=120)  # ray start returns once its daemons run: then they are stopped
         left = _stop_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert not left, f"Ray processes left behind: {left}"

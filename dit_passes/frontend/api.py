@@ -19,7 +19,9 @@ has its own cache state (the reference shares one state there); a second ``enabl
 ``quantize`` / ``load`` is extended instead); ``use_ray=True`` runs the transformer(s) on Ray workers
 (``pipe.transformer`` / ``pipe.transformer_2`` become proxies of one engine, ``pipe(...)`` works unchanged; a bare
 transformer is also routed to the workers in place, as the reference's transformer wrapper does; ``refresh_context``
-with a new config lowers again in the same workers); a whole-pipeline engine is returned only for
+with a new config lowers again in the same workers; ``extra_parallel_modules`` are parallelised in the workers too,
+the pipeline holding a proxy of each; SVDQuant PTQ calibrates there while ``calibrate_fn`` drives the pipeline);
+a whole-pipeline engine is returned only for
 ``ray_transfer_fn`` with ``pipe_or_module=None``.
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,6 +46,7 @@ from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrat
 from .cache_configs import resolve_cache_config as _resolve_cache_config
 from . import components
 from .configs import ParallelismConfig, QuantizeConfig, calibrate
+from .ray_workers import calibrate_on_workers, worker_extra
 
 logger = logging.getLogger("dit_passes")
 TRANSFORMER_ATTRS = components.TRANSFORMER_NAMES
@@ -272,40 +275,87 @@ def _ray_launcher(pc: ParallelismConfig):
 def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
     """``use_ray=True``: RayLauncher workers build and run the passes. A pipeline / transformer: the transformer(s)
     run there (``pipe.transformer`` and ``pipe.transformer_2`` become proxies of one engine, both lowered in every
-    worker). ``ray_transfer_fn``: the whole-pipeline engine is returned."""
+    worker), and so do ``extra_parallel_modules`` (each replaced in the workers by its parallel version: TE-P, VAE-P,
+    CN-P; a module proxy in the pipeline). SVDQuant PTQ: ``calibrate_fn`` runs the pipeline here while the workers
+    run the original transformer(s) and record the linears' activations; then they quantize (rank 0 writes
+    ``serialize_to``). ``ray_transfer_fn``: the whole-pipeline engine is returned."""
     pc, q = state.parallelism_config, state.quantize_config
     if q is not None and q.components_to_quantize is not None:
         if any(not (isinstance(c, str) and c in TRANSFORMER_ATTRS) for c, _ in q.component_configs()):
             raise NotImplementedError("QuantizeConfig.components_to_quantize beyond the transformer with use_ray=True: "
                                       "the Ray workers run the transformer only")
         q = state.quantize_config = components.plan(None, q)[0].get("transformer")
-    if q is not None and q.is_ptq():
-        raise NotImplementedError("SVDQuant PTQ with use_ray=True: quantize(..., serialize_to=dir) first, then "
-                                  "load(transformer, dir) inside ray_transfer_fn")
+    ptq = q is not None and q.is_ptq()
     pc.check_supported()
-    state.passes = _worker_passes(None, q, state.cache_config, state.calibrator_config)  # validated here
-    passes_fn = functools.partial(_worker_passes, pc, q, state.cache_config, state.calibrator_config)
     launcher = _ray_launcher(pc)
     if pc.ray_transfer_fn is not None:
+        if ptq or pc.extra_parallel_modules:
+            raise NotImplementedError(
+                f"{'SVDQuant PTQ' if ptq else 'ParallelismConfig.extra_parallel_modules'} with ray_transfer_fn: this "
+                "process has no pipeline to " + ("calibrate with" if ptq else "name the modules of") + "; pass it "
+                "(enable_cache(pipe, ...)) so they run on the workers" + (", or quantize(..., serialize_to=dir) first "
+                                                                          "and load it inside ray_transfer_fn" if ptq else ""))
+        checked = q if q is None or q.filter_fn is None else dataclasses.replace(q, filter_fn=None)  # no module here
+        state.passes = _worker_passes(None, checked, state.cache_config, state.calibrator_config)  # validated here
         if pipe_or_module is not None:
             logger.warning("ray_transfer_fn is set: the workers build their own pipeline; the one given is unused")
-        return launcher.launch(pc.ray_transfer_fn, passes_fn, transfer="factory", compile=bool(pc.ray_use_compile))
+        return launcher.launch(pc.ray_transfer_fn, _worker_passes_fn(state), transfer="factory",
+                               compile=bool(pc.ray_use_compile))
     targets = _targets(pipe_or_module)
     for owner, attr, module in targets:
         _check_target(owner, attr, module, allow_extend=False)
     modules = [module for _, _, module in targets]
-    engine = launcher.launch(modules if len(modules) > 1 else modules[0], passes_fn, level="transformer",
-                             transfer=pc.ray_transfer(), compile=bool(pc.ray_use_compile))
+    extras = []
+    if pc.extra_parallel_modules:  # TE-P / VAE-P / CN-P, in the workers
+        if targets[0][0] is None:
+            raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
+        from ..passes.parallel_plan import extra_components
+        extras = extra_components(targets[0][0], pc.extra_parallel_modules)
+    state.passes = _worker_passes(None, q, state.cache_config, state.calibrator_config, module=modules[0],
+                                  calibrated={} if ptq else None)  # validated here
+    engine = launcher.launch(modules if len(modules) > 1 else modules[0], _worker_passes_fn(state), level="transformer",
+                             transfer=pc.ray_transfer(), compile=bool(pc.ray_use_compile),
+                             extra_modules=[m for _, m in extras],
+                             extra_fn=functools.partial(worker_extra, _without_modules(pc)) if extras else None)
+    result = None
     for index, (owner, attr, module) in enumerate(targets):
         proxy = engine.as_transformer(index)
         proxy.__dict__["_dit_frontend"] = own = dataclasses.replace(state, passes=list(state.passes), restore=module,
                                                                     engine=engine, engine_index=index,
-                                                                    extra_restore=[], routed={})
+                                                                    extra_restore=extras if index == 0 else [],
+                                                                    routed={})
         if owner is None:
             _route_to_proxy(module, proxy, own)
-            return proxy
-        setattr(owner, attr, proxy)
-    return targets[0][0]
+            result = proxy
+        else:
+            setattr(owner, attr, proxy)
+    for j, (attr, module) in enumerate(extras):
+        setattr(targets[0][0], attr, engine.as_module(j, module))
+    if ptq:
+        try:
+            calibrate_on_workers(engine, q)
+        except BaseException:
+            disable_cache(pipe_or_module)
+            raise
+    return result if result is not None else targets[0][0]
+
+
+def _worker_passes_fn(state: FrontendState) -> Callable[..., list]:
+    """What each worker calls to build a transformer's passes. The configs travel without the objects of this
+    process they hold (``calibrate_fn`` holds the pipeline, calibration is driven from here; the extra modules
+    travel once, as modules)."""
+    q = state.quantize_config
+    if q is not None and q.calibrate_fn is not None:
+        q = copy.copy(q)
+        q.calibrate_fn = None
+    return functools.partial(_worker_passes, _without_modules(state.parallelism_config), q, state.cache_config,
+                             state.calibrator_config)
+
+
+def _without_modules(pc: ParallelismConfig) -> ParallelismConfig:
+    out = copy.copy(pc)
+    out.extra_parallel_modules = []
+    return out
 
 
 _ROUTED = ("forward", "cache_context", "to", "cuda", "cpu", "_dit_frontend")
@@ -325,10 +375,13 @@ def _route_to_proxy(module: torch.nn.Module, proxy: Any, state: FrontendState) -
 
 
 def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig], cfg: Optional[DBCacheConfig],
-                   cal: Optional[CalibratorConfig], rank: int = 0, world_size: int = 1) -> list:
-    """The pass list, built in each Ray worker (its process group exists there; CP x TP builds subgroups)."""
-    passes = (pc.to_passes() if pc is not None else []) + (q.to_passes(None) if q is not None else []) \
-        + ([cache_pass(cfg, cal)] if cfg is not None else [])
+                   cal: Optional[CalibratorConfig], rank: int = 0, world_size: int = 1, module: Any = None,
+                   calibrated: Optional[Dict[str, Any]] = None) -> list:
+    """The pass list, built in each Ray worker (its process group exists there; CP x TP builds subgroups) for
+    ``module``, the transformer it lowers (``filter_fn``'s modules, ``_repeated_blocks``). SVDQuant PTQ without
+    ``calibrated`` statistics: no quantize pass yet (``_worker_quantize`` adds it after calibration)."""
+    quant = [] if q is None or (q.is_ptq() and calibrated is None) else q.to_passes(module, calibrated)
+    passes = (pc.to_passes() if pc is not None else []) + quant + ([cache_pass(cfg, cal)] if cfg is not None else [])
     PassManager(passes)
     return passes
 
@@ -394,7 +447,6 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
     (e.g. ``num_inference_steps=50``) the cache is rebuilt; its graphs are lowered again at the next call."""
     if cache_config is not None and cache_fields:
         raise TypeError("pass either cache_config=DBCacheConfig(...) or cache fields, not both")
-    change = cache_config is not None or bool(cache_fields) or calibrator_config is not None
     for _, attr, module in _targets(pipe_or_module):
         state = _state_of(module)
         if state is None or state.cache_config is None:

@@ -40,8 +40,10 @@ class ParallelismConfig:
     is point-to-point (``ring_rotate_method="p2p"``) or one all-gather of K / V (``"allgather"``: the same
     result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` /
     ``attention_backend`` are accepted and ignored (the plan is derived from the graph). CP together with TP builds both on one mesh
-    (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). Not implemented (``NotImplementedError``):
-    ``extra_parallel_modules`` with ``use_ray``.
+    (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). ``extra_parallel_modules`` (text encoders: TE-P,
+    a VAE: VAE-P, a ControlNet: CN-P) are parallelised where the transformer runs: this process, or with
+    ``use_ray`` the workers (the pipeline gets a proxy of each). Not implemented (``NotImplementedError``):
+    ``extra_parallel_modules`` with ``ray_transfer_fn`` (no pipeline here to name them in).
     ``ulysses_float8=True`` sends the Ulysses all-to-alls as e4m3 rows with per-row scales (approximate);
     ``ulysses_async=True`` issues each q / k / v all-to-all as soon as it is projected and waits for it after the
     next projection (``passes.Ulysses(size, async_qkv=True)``, with a ring ``passes.USP(..., ulysses_async=True)``:
@@ -100,9 +102,6 @@ class ParallelismConfig:
         if self.ulysses_async and (self.ulysses_size or 1) < 2:
             raise ValueError("ParallelismConfig.ulysses_async=True overlaps the Ulysses all-to-alls: it needs "
                              f"ulysses_size > 1 (got ulysses_size={self.ulysses_size}, ring_size={self.ring_size})")
-        if self.extra_parallel_modules and self.use_ray:
-            raise NotImplementedError("ParallelismConfig.extra_parallel_modules with use_ray=True is not "
-                                      "implemented: the Ray workers parallelise the transformer only")
         if self.ring_rotate_method not in (None, "p2p", "allgather"):
             raise ValueError(f"ParallelismConfig.ring_rotate_method={self.ring_rotate_method!r}: use 'p2p' "
                              "(ring exchanges) or 'allgather' (one all-gather of K / V per attention)")
@@ -342,8 +341,8 @@ class QuantizeConfig:
         filter_fn = None
         if user_fn is not None:
             if model is None:
-                raise NotImplementedError("QuantizeConfig.filter_fn needs the transformer object, which Ray workers "
-                                          "rebuild: use exclude_layers with use_ray=True")
+                raise NotImplementedError("QuantizeConfig.filter_fn needs the transformer object (filter_fn(module, "
+                                          "name)): pass it (to_passes(model))")
             filter_fn = _ModuleFilter(user_fn, model)
         if plan is not None:
             filter_fn = plan if filter_fn is None else _Both(plan, filter_fn)

@@ -38,7 +38,7 @@ import torch
 
 from . import transfer as _transfer
 from .workers import RankWorker
-from .wrappers import RayTransformerProxy
+from .wrappers import RayModuleProxy, RayTransformerProxy
 
 __all__ = ["RayLauncher", "RayEngine", "RayLauncherError", "RayWorkerError", "RayWorkerDiedError",
            "RayWorkerTimeoutError"]
@@ -143,7 +143,8 @@ class RayLauncher:
 
     def launch(self, pipe_or_factory: Any, passes: Union[Sequence[Any], Callable[[int, int], list]] = (), *,
                transfer: Optional[str] = None, compile: Union[bool, dict] = False, level: str = "pipeline",
-               copy_weights: bool = False) -> "RayEngine":
+               copy_weights: bool = False, extra_modules: Sequence[torch.nn.Module] = (),
+               extra_fn: Optional[Callable[[torch.nn.Module, int, int], torch.nn.Module]] = None) -> "RayEngine":
         """Start the workers and load ``pipe_or_factory`` into them; returns a :class:`RayEngine`.
 
         ``pipe_or_factory``: a diffusers pipeline, a transformer or a list of transformers (``level="transformer"``:
@@ -154,6 +155,9 @@ class RayLauncher:
         ``transfer``: "object_store" (default for objects), "snapshot", "factory" (default for callables).
         ``compile``: True, or a dict of ``torch.compile`` options, compiles each lowered graph in the workers.
         ``copy_weights``: give CPU workers private weight copies instead of views of the shared store.
+        ``extra_modules`` (``level="transformer"``, objects): further modules that travel with the transformer(s)
+        (a text encoder, a VAE, a ControlNet); each worker replaces each by ``extra_fn(module, rank, world_size)``
+        (picklable; e.g. its parallel version) and ``engine.as_module(j)`` calls the j-th there.
         """
         if level not in ("pipeline", "transformer"):
             raise RayLauncherError(f"level must be 'pipeline' or 'transformer', got {level!r}")
@@ -176,8 +180,17 @@ class RayLauncher:
                                        "module (or a list): use level='transformer' and engine.as_transformer()")
             if level == "transformer" and _is_pipeline(pipe_or_factory):
                 pipe_or_factory = pipe_or_factory.transformer  # only the transformer travels
+        extra_modules = list(extra_modules)
+        if extra_modules:
+            if level != "transformer" or transfer == "factory" or extra_fn is None \
+                    or not all(isinstance(m, torch.nn.Module) for m in extra_modules):
+                raise RayLauncherError("extra_modules: nn.Modules sent with the transformer(s) (level='transformer', "
+                                       "an object, not a factory) and extra_fn(module, rank, world_size)")
+            transformers = list(pipe_or_factory) if isinstance(pipe_or_factory, (list, tuple)) else [pipe_or_factory]
+            pipe_or_factory = transformers + extra_modules
         passes_blob = self._check_passes(passes)
         engine = RayEngine(self, level)
+        engine._extra = (len(extra_modules), extra_fn)
         try:
             engine._start(pipe_or_factory, transfer, passes_blob, compile, copy_weights)
         except BaseException:
@@ -217,6 +230,8 @@ class RayEngine:
         self._broken: Optional[str] = None
         self._closed = False
         self._proxies: Dict[int, RayTransformerProxy] = {}
+        self._module_proxies: Dict[int, RayModuleProxy] = {}
+        self._extra: tuple = (0, None)  # (how many extra modules, extra_fn)
         self._info: Dict[str, Any] = {}
         self.startup: Dict[str, float] = {}
         self.transfer_report: Dict[str, Any] = {}
@@ -308,8 +323,8 @@ class RayEngine:
         t3 = time.perf_counter()
         payload, arrays_ref = self._payload(obj, transfer)
         self.startup["driver_pack_s"] = time.perf_counter() - t3
-        loaded = self._gather([a.load.remote(payload, arrays_ref, self.level, passes, compile_opts, copy_weights)
-                               for a in self._actors], f"loading the model ({transfer})")
+        loaded = self._gather([a.load.remote(payload, arrays_ref, self.level, passes, compile_opts, copy_weights,
+                                             *self._extra) for a in self._actors], f"loading the model ({transfer})")
         del arrays_ref  # the workers' tensors keep the store object alive; the driver needs no reference
         self.startup["transfer_and_passes_s"] = time.perf_counter() - t3
         self.startup["total_s"] = time.perf_counter() - t0
@@ -420,6 +435,22 @@ class RayEngine:
             self._proxies[index] = RayTransformerProxy(self, *described[index], index=index)
         return self._proxies[index]
 
+    def as_module(self, index: int, original: torch.nn.Module) -> RayModuleProxy:
+        """The proxy of the ``index``-th extra module (``launch(extra_modules=...)``); ``original``: the main
+        process's copy, whose plain attributes (``config``, ``dtype``) the proxy reads."""
+        self._check_usable()
+        if not 0 <= index < self._extra[0]:
+            raise RayLauncherError(f"as_module({index}): this engine runs {self._extra[0]} extra module(s)")
+        if index not in self._module_proxies:
+            self._module_proxies[index] = RayModuleProxy(self, index, original)
+        return self._module_proxies[index]
+
+    def _call_extra(self, index: int, method: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        self._check_usable()
+        ref = _ray().put((list(args), kwargs))
+        return self._gather([a.call_extra.remote(index, method, ref) for a in self._actors],
+                            f"extra module {index}.{method}")[0]
+
     def _forward(self, kwargs: Dict[str, Any], context: Optional[str], index: int = 0) -> Any:
         self._check_usable()
         ref = _ray().put(kwargs)
@@ -476,7 +507,7 @@ class RayEngine:
                     ray.util.remove_placement_group(self._pg)
             if self._owns_ray:
                 ray.shutdown()
-        self._actors, self._pg, self._proxies = [], None, {}
+        self._actors, self._pg, self._proxies, self._module_proxies = [], None, {}, {}
         if self._snapshot_dir is not None:
             self._snapshot_dir.cleanup()
             self._snapshot_dir = None

@@ -6,12 +6,13 @@ process; everything it holds is per-instance.
 
 Life cycle (each step one actor call, driven by the launcher): ``node_info`` (IP), ``open_rendezvous`` (rank 0
 hosts the store) -> ``init_process_group`` -> ``load`` (transfer payload -> object ->
-``compile_dit`` on its transformer(s) with this rank's passes -> device) -> ``call`` / ``forward`` any
-number of times -> ``close``.
+``compile_dit`` on its transformer(s) with this rank's passes, ``extra_fn`` on the extra modules -> device) ->
+``call`` / ``forward`` / ``call_extra`` any number of times -> ``close``.
 """
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -64,7 +65,9 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 class RankWorker:
     """One rank. Attributes user code may read (``engine.run_on_workers(fn)`` passes the worker):
     ``rank``, ``world_size``, ``device``, ``obj`` (the pipeline, or the transformer(s) at transformer
-    level), ``compiled`` (list of the CompiledDiT modules it runs), ``timings``."""
+    level), ``compiled`` (list of the CompiledDiT modules it runs), ``extras`` (the extra modules, e.g. a text
+    encoder or a VAE, as ``extra_fn`` made them), ``timings``; ``forward_hook`` (settable through ``run``):
+    ``hook(worker, index, kwargs)`` runs a transformer step in place of ``compiled[index]`` (calibration)."""
 
     def __init__(self, rank: int, world_size: int, use_gpu: bool, num_threads: int):
         self.rank = rank
@@ -79,6 +82,8 @@ class RankWorker:
         self.obj: Any = None
         self.level: Optional[str] = None
         self.compiled: List[torch.nn.Module] = []
+        self.extras: List[Any] = []
+        self.forward_hook: Optional[Callable[["RankWorker", int, Dict[str, Any]], Any]] = None
         self.timings: Dict[str, float] = {}
         self._compile: Any = False
         self._compiled_graphs: set = set()
@@ -109,12 +114,14 @@ class RankWorker:
 
     # -- loading ---------------------------------------------------------------------------------
     def load(self, payload: tuple, arrays: Any, level: str, passes: Any, compile_opts: Any,
-             copy_weights: bool) -> Dict[str, Any]:
+             copy_weights: bool, n_extra: int = 0, extra_fn: Optional[Callable[..., Any]] = None) -> Dict[str, Any]:
         """Build the object from ``payload``, apply compile_dit to its transformer(s), move it to the device.
 
         ``arrays`` is the object-store dict (Ray resolves the ref before this call, zero-copy) or None.
         ``passes``: a list of passes (already unpickled into this process: fresh objects) or a
-        callable ``passes_fn(rank, world_size) -> list``.
+        callable ``passes_fn(rank, world_size) -> list`` (given ``module=`` the transformer it is for when it takes
+        a ``module`` argument). ``n_extra``: the last ``n_extra`` modules of a transformer-level list are extra
+        modules, each replaced by ``extra_fn(module, rank, world_size)`` instead of lowered.
         """
         from . import transfer
         t0 = time.perf_counter()
@@ -130,22 +137,31 @@ class RankWorker:
             raise ValueError(f"unknown transfer payload {kind!r}")
         self.timings["build_s"] = time.perf_counter() - t0
         obj = self._select(obj, level, kind)
+        if n_extra:
+            if level != "transformer" or not isinstance(obj, list) or len(obj) <= n_extra or extra_fn is None:
+                raise ValueError("extra modules need level='transformer', a list of transformers + extras, extra_fn")
+            obj, extras = obj[:-n_extra], obj[-n_extra:]
+            obj = obj if len(obj) > 1 else obj[0]
 
         t1 = time.perf_counter()
-        pass_list = passes(self.rank, self.world_size) if callable(passes) else list(passes)
         from dit_passes import compile_dit
+        takes_module = callable(passes) and "module" in inspect.signature(passes).parameters
 
-        def own_passes(i: int) -> list:  # a second denoiser gets its own pass objects: passes hold per-graph state
-            return pass_list if i == 0 else (passes(self.rank, self.world_size) if callable(passes)
-                                             else _fresh_copy(pass_list))
+        def own_passes(i: int, module: Any) -> list:  # each denoiser its own pass objects: they hold per-graph state
+            if callable(passes):
+                return passes(self.rank, self.world_size, module=module) if takes_module \
+                    else passes(self.rank, self.world_size)
+            return list(passes) if i == 0 else _fresh_copy(list(passes))
         if level == "transformer":
-            self.compiled = [compile_dit(m, passes=own_passes(i))
+            self.compiled = [compile_dit(m, passes=own_passes(i, m))
                              for i, m in enumerate(obj if isinstance(obj, list) else [obj])]
             obj = self.compiled if isinstance(obj, list) else self.compiled[0]
+            if n_extra:
+                self.extras = [extra_fn(m, self.rank, self.world_size).to(self.device) for m in extras]
         else:
             names = [n for n in PIPELINE_TRANSFORMERS if isinstance(getattr(obj, n, None), torch.nn.Module)]
             for i, name in enumerate(names):
-                setattr(obj, name, compile_dit(getattr(obj, name), passes=own_passes(i)))
+                setattr(obj, name, compile_dit(getattr(obj, name), passes=own_passes(i, getattr(obj, name))))
                 self.compiled.append(getattr(obj, name))
             if self.rank != 0 and hasattr(obj, "set_progress_bar_config"):
                 obj.set_progress_bar_config(disable=True)  # one progress bar (rank 0's) in the driver's log
@@ -195,12 +211,24 @@ class RankWorker:
         """Transformer level: one denoising step of the ``index``-th transformer under the driver's cache context."""
         compiled = self.compiled[index]
         with torch.inference_mode():
-            if context is None:
+            if self.forward_hook is not None:
+                out = self.forward_hook(self, index, self._to_device(kwargs))
+            elif context is None:
                 out = compiled(**self._to_device(kwargs))
             else:
                 with compiled.cache_context(context):
                     out = compiled(**self._to_device(kwargs))
         self._compile_new_graphs()
+        return self._result(out)
+
+    def call_extra(self, index: int, method: str, call: tuple) -> Any:
+        """``extras[index].<method>(*args, **kwargs)`` for ``call = (args, kwargs)`` (``"forward"``: the module
+        called) under inference mode."""
+        args, kwargs = call
+        module = self.extras[index]
+        fn = module if method == "forward" else getattr(module, method)
+        with torch.inference_mode():
+            out = fn(*map_tensors(list(args), lambda t: t.to(self.device)), **self._to_device(kwargs))
         return self._result(out)
 
     def new_generation(self, index: Optional[int] = None) -> None:
@@ -235,7 +263,7 @@ class RankWorker:
 
     def close(self) -> None:
         import torch.distributed as dist
-        self.obj, self.compiled = None, []
+        self.obj, self.compiled, self.extras = None, [], []
         if dist.is_initialized():
             dist.destroy_process_group()
 

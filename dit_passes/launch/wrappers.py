@@ -15,7 +15,7 @@ import torch
 
 from .workers import map_tensors
 
-__all__ = ["RayTransformerProxy"]
+__all__ = ["RayTransformerProxy", "RayModuleProxy"]
 
 
 class _Config(dict):
@@ -96,3 +96,58 @@ class RayTransformerProxy(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"world_size={self._engine.world_size}, index={self._index}, dtype={self._dtype}, device={self._device}"
+
+
+class RayModuleProxy(torch.nn.Module):
+    """Drop-in for an extra module of a pipeline (a text encoder, a VAE, a ControlNet) that runs on the workers:
+    calling it, or any method of the module (``vae.decode(...)``, ``vae.encode(...)``), runs there on every rank
+    and returns rank 0's result; plain attributes (``config``, ``dtype``) are read from the main process's copy,
+    ``original`` (which this proxy does not own: ``.to()`` only records the device, as the transformer proxy's).
+    Built by ``RayEngine.as_module(index, original)``."""
+
+    def __init__(self, engine: Any, index: int, original: torch.nn.Module):
+        super().__init__()
+        self.__dict__["_engine"] = engine  # not submodules: nothing to move or save
+        self.__dict__["_original"] = original
+        self._index = index
+        self._device = torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def to(self, *args: Any, **kwargs: Any) -> "RayModuleProxy":
+        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            self._device = torch.device(device)
+        return self
+
+    def cuda(self, device: Any = None) -> "RayModuleProxy":
+        return self.to("cuda" if device is None else device)
+
+    def cpu(self) -> "RayModuleProxy":
+        return self.to("cpu")
+
+    def _remote(self, method: str, args: tuple, kwargs: dict) -> Any:
+        target = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), self._device)
+        cpu = lambda t: t.detach().to("cpu")  # noqa: E731
+        out = self._engine._call_extra(self._index, method, map_tensors(list(args), cpu),
+                                       {k: map_tensors(v, cpu) for k, v in kwargs.items()})
+        return map_tensors(out, lambda t: t.to(target))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._remote("forward", args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        value = getattr(self.__dict__["_original"], name)
+        if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+            return lambda *args, **kwargs: self._remote(name, args, kwargs)  # a method: it runs on the workers
+        return value
+
+    def extra_repr(self) -> str:
+        return (f"{type(self.__dict__['_original']).__name__} on {self._engine.world_size} Ray workers, "
+                f"index={self._index}, device={self._device}")

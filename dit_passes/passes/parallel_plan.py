@@ -17,7 +17,7 @@ from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .vae_parallel import parallel_vae
 
-__all__ = ["hybrid_passes", "parallel_passes", "parallelize_extra_modules", "parallelize_module"]
+__all__ = ["extra_components", "hybrid_passes", "parallel_passes", "parallelize_extra_modules", "parallelize_module"]
 
 
 def _check_sizes(who: str, **sizes: int) -> None:
@@ -102,15 +102,19 @@ def parallelize_extra_modules(pipe: Any, modules: Sequence[Any], size: int, tran
     """Replace each of ``modules`` (components of ``pipe``) by its parallel version (``then[id(module)]``: passes
     to run after the parallel ones); returns ``[(attribute, original), ...]`` so the caller can put the originals
     back."""
+    replaced = extra_components(pipe, modules)
+    for attr, module in replaced:
+        setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group, keep_original,
+                                               (then or {}).get(id(module), ())))
+    return replaced
+
+
+def extra_components(pipe: Any, modules: Sequence[Any]) -> List[Tuple[str, Any]]:
+    """``[(attribute, module), ...]``: the pipeline attribute holding each of ``modules``; refuses a module that
+    is not one of ``pipe``'s components."""
     components = {id(v): k for k, v in getattr(pipe, "components", {}).items() if v is not None}
     missing = [type(m).__name__ for m in modules if id(m) not in components]
     if missing:
         raise ValueError(f"extra_parallel_modules: {missing} are not components of this pipeline "
                          f"({sorted(getattr(pipe, 'components', {}))}); pass e.g. [pipe.text_encoder, pipe.vae]")
-    replaced: List[Tuple[str, Any]] = []
-    for module in modules:
-        attr = components[id(module)]
-        setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group, keep_original,
-                                               (then or {}).get(id(module), ())))
-        replaced.append((attr, module))
-    return replaced
+    return [(components[id(m)], m) for m in modules]
