@@ -1,12 +1,12 @@
 """cache-dit-compatible front end: ``enable_cache`` / ``disable_cache`` / ``summary`` / ``strify`` / ... over
-``compile_dit`` (see :mod:`dit_passes.frontend.api`)."""
+``compile_dit`` (see :mod:`dit_passes.frontend.api`, reports in :mod:`dit_passes.frontend.reports`)."""
 from ..cache.config import (DBCacheConfig, DBPruneConfig, DMDCalibratorConfig, FoCaCalibratorConfig,
                             TaylorSeerCalibratorConfig)
 from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
                                   PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
                                   TeaCacheConfig)
-from .api import (CacheStats, FrontendState, disable_cache, enable_cache, load, quantize, refresh_context, steps_mask,
-                  strify, summary)
+from .api import FrontendState, disable_cache, enable_cache, load, quantize, refresh_context, steps_mask
+from .reports import CacheStats, strify, summary
 from .configs import SUPPORTED_QUANT_TYPES, ParallelismConfig, QuantizeConfig
 from .offload import layerwise_offload
 
