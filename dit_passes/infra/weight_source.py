@@ -119,6 +119,16 @@ def check_shape(source: SafetensorsWeights, name: str, expected: Sequence[int], 
                                 f"the checkpoint's config (config.json), or pass the matching checkpoint")
 
 
+def read_whole(source: Optional[SafetensorsWeights], t: Optional[torch.Tensor], what: str) -> Optional[torch.Tensor]:
+    """``t``'s values: a stand-in's read whole from the checkpoint (its shape checked first, ``what`` reads it), any
+    other value returned as it is."""
+    name = source_name(t)
+    if name is None:
+        return t
+    check_shape(source, name, t.shape, what)
+    return source.read(name, dtype=t.dtype, device=t.device)
+
+
 def _meta_slots(model: torch.nn.Module) -> Iterator[Tuple[str, Dict[str, Any], str, torch.Tensor]]:
     seen = set()
     for path, mod in model.named_modules(remove_duplicate=False):

@@ -57,7 +57,7 @@ from ..infra.graph_utils import copy_meta, set_val
 from ..infra.ownership import is_stand_in
 from ..infra.pass_base import Pass, PassContext, PassResult
 from ..infra.phases import Phase
-from ..infra.weight_source import check_shape, source_name
+from ..infra.weight_source import read_whole
 
 
 class FuseSiblingLinears(Pass):
@@ -172,14 +172,7 @@ class FuseSiblingLinears(Pass):
         rec = ledger.released(gm, targets[0])
         if rec is not None:
             return ledger.reuse(rec, by=self, token=token, like=first)
-        parts = []
-        for t in targets:
-            x = _tensor(gm, t)
-            name = source_name(x)
-            if name is not None:
-                check_shape(ledger.source, name, x.shape, f"{self.name} (attribute {t})")
-                x = ledger.source.read(name, dtype=x.dtype, device=x.device)
-            parts.append(x.detach())
+        parts = [read_whole(ledger.source, _tensor(gm, t), f"{self.name} (attribute {t})").detach() for t in targets]
         out = torch.cat(parts, 0)
         del parts
         return torch.nn.Parameter(out, requires_grad=False) if isinstance(first, torch.nn.Parameter) else out

@@ -79,7 +79,7 @@ from ..analysis.blocks import get_structure
 from ..infra.ownership import SAMPLE, weight_sample
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
-from ..infra.weight_source import check_shape, source_name
+from ..infra.weight_source import read_whole, source_name
 from ..quant.calibrate import ActAbsMaxObserver
 from ..quant.fp8_int8 import FP8_GRANULARITIES, prepare_fp8, prepare_int8
 from ..quant.int4 import GROUP_SIZE
@@ -252,11 +252,7 @@ class _QuantizeLinears(Pass):
         source = ctx.runtime.weights.source
 
         def read(t: Optional[torch.Tensor], what: str) -> Optional[torch.Tensor]:
-            name = source_name(t)
-            if name is None:
-                return t
-            check_shape(source, name, t.shape, f"{self.name} (module {what})")
-            return source.read(name, dtype=t.dtype, device=t.device)
+            return read_whole(source, t, f"{self.name} (module {what})")
         tables = {}
         for p in paths:
             full = read(weights[p], p)
