@@ -182,6 +182,8 @@ def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, 
             torch.cuda.reset_peak_memory_stats()
         ms = median_ms(lambda: compiled(**kw), args.repeats, device)
         peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+        # GPU time by kernel kind (GEMM, attention, quantize, fused, ...): where a missed target's time goes
+        profiled = step_profile(lambda: compiled(**kw), args.profile_steps) if args.profile_steps else None
         gm = compiled.graph_module
         held = tensor_bytes(list(gm.parameters()) + list(gm.buffers()))
         original = tensor_bytes(model.parameters())
@@ -190,11 +192,17 @@ def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, 
                "rel_err_vs_bf16": 0.0 if ref is None else rel_err(out.float(), ref),
                "weights_gib": gib(sum(held.values())),
                "original_only_gib": gib(sum(b for p, b in original.items() if p not in held)),
-               "peak_gib": gib(peak), "env": env,
+               "peak_gib": gib(peak), "env": env, **({"profile": profiled} if profiled else {}),
                "passes": {r.name: r.result.report for r in records if r.name != "cleanup"}}
     del compiled
     cleanup(device)
     return row, out.float()
+
+
+def step_profile(fn: Callable[[], Any], steps: int) -> Dict[str, Any]:
+    """profile_flux_step's measure (beside this script): kernel ms per step by kind, wall ms, launches."""
+    from profile_flux_step import _profile
+    return _profile(fn, steps)
 
 
 # ------------------------------------------------------------------------------------------------ linears
@@ -431,6 +439,7 @@ def main(argv=None) -> int:
                     help=f"per-linear designs, of {LINEARS} ('' for none)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--linear-repeats", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps per row (GPU time by kind)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no step row after this many seconds")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)

@@ -26,6 +26,8 @@ def _category(name: str) -> str:
         return "attention"
     if any(s in n for s in ("gemm", "nvjet", "sm90_xmma", "cutlass", "triton_mm", "triton_tem", "cublas", "matmul")):
         return "gemm"
+    if ("triton" in n or n.startswith("triton_")) and "amax" in n:
+        return "quantize"  # a fused activation quantization: its per-token scale is an amax (fp8 / SVDQuant rows)
     if n.startswith("triton_") or "triton" in n:
         return "inductor_fused"
     if any(s in n for s in ("memcpy", "memset", "copy", "cat")):
