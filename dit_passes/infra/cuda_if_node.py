@@ -20,9 +20,11 @@ that torch is capturing on the current stream; nothing is built ahead of time.
 
 ``end_capture_to_conditional_node()`` ends the side capture, restores the stream and the pool routing.
 
-The kernel: NVRTC compiles ``cudaGraphSetConditional`` (a ``cudart_builtin`` device function, resolved at module
-load like ``vprintf``; the cubin is byte-identical to the one NVRTC makes with the official header) to a cubin for
-the device's arch; if the driver refuses it, to PTX; if that fails too, relocatable PTX linked with libcudadevrt.
+The kernel: NVRTC compiles it to a cubin for the device's arch (if the driver refuses that, to PTX for the driver to
+JIT). ``cudaGraphSetConditional`` is a ``cudart_builtin`` device function that stays an undefined symbol in every
+image, like ``vprintf``, and the driver binds it at module load: declared here without its header chain, the cubin is
+byte-identical to the one NVRTC 13.0 makes with the official ``cuda_device_runtime_api.h``, and nvJitLink-linking
+relocatable code with libcudadevrt.a leaves it undefined too (checked on a CPU machine), so there is nothing to link.
 
 ABI: the signatures and layouts come from the CUDA 13.0 runtime headers (nvidia-cuda-runtime 13.0.96,
 nvidia-cuda-crt 13.0.88): ``cudaStreamGetCaptureInfo`` / ``cudaGraphAddNode`` / ``cudaStreamUpdateCaptureDependencies``
@@ -71,7 +73,6 @@ GRAPH_COND_TYPE_IF = 0
 CAPTURE_STATUS_ACTIVE = 1
 CAPTURE_MODE_THREAD_LOCAL = 1
 SET_CAPTURE_DEPENDENCIES = 1
-JIT_INPUT_PTX, JIT_INPUT_LIBRARY = 1, 4
 
 
 class ConditionalNodeParams(ctypes.Structure):
@@ -227,7 +228,7 @@ def _nvrtc() -> _Lib:
 
 
 # --------------------------------------------------------------------------------------------------- kernel
-def compile_kernel(arch: str, *, ptx: bool = False, relocatable: bool = False) -> bytes:
+def compile_kernel(arch: str, *, ptx: bool = False) -> bytes:
     """NVRTC: the set-conditional kernel as a cubin for ``arch`` (``sm_90``) or, with ``ptx``, PTX for
     ``compute_XY``. Needs no GPU."""
     nv = _nvrtc()
@@ -236,7 +237,6 @@ def compile_kernel(arch: str, *, ptx: bool = False, relocatable: bool = False) -
             byref(prog), KERNEL_SRC.encode(), b"dit_passes_if_node.cu", 0, None, None)
     try:
         opts = [f"--gpu-architecture={arch.replace('sm_', 'compute_') if ptx else arch}"]
-        opts += ["--relocatable-device-code=true"] if relocatable else []
         arr = (c_char_p * len(opts))(*[o.encode() for o in opts])
         rc = nv.fn("nvrtcCompileProgram", [c_void_p, c_int, POINTER(c_char_p)])(prog, len(opts), arr)
         size = c_size_t()
@@ -256,11 +256,6 @@ def compile_kernel(arch: str, *, ptx: bool = False, relocatable: bool = False) -
         nv.call("nvrtcDestroyProgram", [POINTER(c_void_p)], byref(prog))
 
 
-def _devrt_library() -> Optional[str]:
-    found = _prefer_major(_site_libs("libcudadevrt.a"))
-    return found[0] if found else None
-
-
 @functools.lru_cache(maxsize=None)
 def _kernel(device: int) -> int:
     """The loaded kernel (a CUfunction) for ``device``, in its primary context (the one torch uses)."""
@@ -273,9 +268,9 @@ def _kernel(device: int) -> int:
     drv.call("cuCtxPushCurrent_v2", [c_void_p], ctx)
     errors = []
     try:
-        for how in ("cubin", "ptx", "linked"):
+        for how in ("cubin", "ptx"):
             try:
-                image = _image(how, arch)
+                image = compile_kernel(arch, ptx=how == "ptx")
                 module, fn = c_void_p(), c_void_p()
                 drv.call("cuModuleLoadData", [POINTER(c_void_p), c_char_p], byref(module), image)
                 drv.call("cuModuleGetFunction", [POINTER(c_void_p), c_void_p, c_char_p], byref(fn), module,
@@ -287,29 +282,6 @@ def _kernel(device: int) -> int:
         raise CudaIfNodeError(f"cannot load the set-conditional kernel for {arch}: " + "; ".join(errors))
     finally:
         drv.call("cuCtxPopCurrent_v2", [POINTER(c_void_p)], byref(c_void_p()))
-
-
-def _image(how: str, arch: str) -> bytes:
-    if how == "cubin":
-        return compile_kernel(arch)
-    if how == "ptx":
-        return compile_kernel(arch, ptx=True)
-    devrt = _devrt_library()
-    if devrt is None:
-        raise CudaIfNodeError("no libcudadevrt.a in site-packages/nvidia/*/lib to link relocatable code with")
-    ptx = compile_kernel(arch, ptx=True, relocatable=True)
-    drv, state = _driver(), c_void_p()
-    drv.call("cuLinkCreate_v2", [c_uint, c_void_p, c_void_p, POINTER(c_void_p)], 0, None, None, byref(state))
-    try:
-        drv.call("cuLinkAddData_v2", [c_void_p, c_int, c_char_p, c_size_t, c_char_p, c_uint, c_void_p, c_void_p],
-                 state, JIT_INPUT_PTX, ptx, len(ptx), b"if_node.ptx", 0, None, None)
-        drv.call("cuLinkAddFile_v2", [c_void_p, c_int, c_char_p, c_uint, c_void_p, c_void_p],
-                 state, JIT_INPUT_LIBRARY, devrt.encode(), 0, None, None)
-        cubin, size = c_void_p(), c_size_t()
-        drv.call("cuLinkComplete", [c_void_p, POINTER(c_void_p), POINTER(c_size_t)], state, byref(cubin), byref(size))
-        return ctypes.string_at(cubin, size.value)  # copied before cuLinkDestroy frees it
-    finally:
-        drv.call("cuLinkDestroy", [c_void_p], state)
 
 
 def prepare(device: Optional[int] = None) -> None:
