@@ -96,7 +96,6 @@ def _check_layout() -> None:
                               f"(256, 16, 24, 8, 12, 16): this platform's ABI differs, IF nodes unavailable")
 
 
-_check_layout()
 TRACE = os.environ.get("DIT_PASSES_CUDA_TRACE", "") not in ("", "0")
 
 
@@ -156,7 +155,11 @@ class _Lib:
         return hasattr(self.dll, name)
 
     def fn(self, name: str, argtypes: list, restype: Any = c_int) -> Any:
-        f = getattr(self.dll, name)
+        try:
+            f = getattr(self.dll, name)
+        except AttributeError:
+            raise CudaIfNodeError(f"{self.path} has no {name} (too old a {self.kind} for conditional nodes: "
+                                  f"CUDA >= 12.4 needed)") from None
         f.argtypes, f.restype = argtypes, restype
         return f
 
@@ -174,7 +177,8 @@ class _Lib:
 
     def call(self, name: str, argtypes: list, *args: Any) -> None:
         rc = self.fn(name, argtypes)(*args)
-        _trace(f"{name}{tuple(_show(a) for a in args)} -> {rc} ({self.error_name(rc) if rc else 'ok'})")
+        if TRACE:
+            _trace(f"{name}{tuple(_show(a) for a in args)} -> {rc} ({self.error_name(rc) if rc else 'ok'})")
         if rc != 0:
             raise CudaIfNodeError(f"{name} returned {rc} ({self.error_name(rc)}) [{self.kind} {self.path}]")
 
@@ -289,6 +293,7 @@ def prepare(device: Optional[int] = None) -> None:
     global-mode capture is not allowed). Raises :class:`CudaIfNodeError` saying what is missing."""
     if not torch.cuda.is_available():
         raise CudaIfNodeError("no CUDA device")
+    _check_layout()
     _cudart()
     _kernel(torch.cuda.current_device() if device is None else int(device))
 
@@ -299,7 +304,7 @@ def unavailable_reason(device: Optional[int] = None) -> str:
         prepare(device)
         return ""
     except (CudaIfNodeError, OSError, RuntimeError) as e:
-        return str(e)
+        return " ".join(str(e).split()) or type(e).__name__  # one line (NVRTC logs have newlines)
 
 
 # -------------------------------------------------------------------------------------------------- capture
