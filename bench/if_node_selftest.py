@@ -89,9 +89,9 @@ def _toy_stage():
     with BothArms():
         _toy(pred, inner, x)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    mode = IfNodeCapture(graph)
-    with torch.cuda.graph(graph), mode:
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    mode = IfNodeCapture(pool)
+    with torch.cuda.graph(graph, pool=pool), mode:
         out = _toy(pred, inner, x)
     nodes = mode._ours.nodes if mode._ours is not None else "torch's"
     checked = 0

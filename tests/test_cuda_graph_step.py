@@ -180,8 +180,8 @@ def test_if_node_capture_replays_the_arm_the_device_picks():
     with BothArms():
         step(pred, inner, x)  # warm every arm
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), IfNodeCapture(graph):
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    with torch.cuda.graph(graph, pool=pool), IfNodeCapture(pool):
         out = step(pred, inner, x)
     for flag, flag2 in ((True, 1), (False, 1), (True, 0), (False, 0), (True, 7)):
         pred.fill_(flag)

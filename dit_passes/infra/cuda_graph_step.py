@@ -85,14 +85,15 @@ class IfNodeCapture(TorchDispatchMode):
     bodies capture the two arms; the false arm's outputs are copied into the true arm's, so the rest of the graph
     reads one set of buffers whichever arm ran. (CUDA's IF/ELSE node needs 12.8; two IF nodes work from 12.4.)
 
-    ``graph``: the ``torch.cuda.CUDAGraph`` being captured. Needed where torch has no IF-node calls (torch 2.11):
-    our ctypes IF nodes route the arms' allocations into that graph's memory pool."""
+    ``pool``: the memory pool the capture allocates from (``torch.cuda.graph(g, pool=pool)``). Needed where torch
+    has no IF-node calls (torch 2.11): our ctypes IF nodes route the arms' allocations into it (``CUDAGraph.pool()``
+    cannot say it before the capture ends)."""
 
     supports_higher_order_operators = True
 
-    def __init__(self, graph: Optional[torch.cuda.CUDAGraph] = None) -> None:
+    def __init__(self, pool: Any = None) -> None:
         super().__init__()
-        self.graph = graph
+        self.pool = pool
         self._ours: Optional[cuda_if_node.IfNodeCapturer] = None
 
     @classmethod
@@ -104,10 +105,11 @@ class IfNodeCapture(TorchDispatchMode):
         if torch_has_if_nodes():
             return torch.cuda.CUDAGraph.get_currently_capturing_graph()
         if self._ours is None:
-            if self.graph is None:
+            if self.pool is None:
                 raise CudaGraphUnavailable(f"torch {torch.__version__} has no IF-node capture calls: IfNodeCapture "
-                                           f"needs the CUDAGraph being captured, IfNodeCapture(graph)")
-            self._ours = cuda_if_node.IfNodeCapturer(self.graph.pool(), device=pred.device.index)
+                                           f"needs the capture's memory pool: p = torch.cuda.graph_pool_handle(); "
+                                           f"with torch.cuda.graph(g, pool=p), IfNodeCapture(pool=p): ...")
+            self._ours = cuda_if_node.IfNodeCapturer(self.pool, device=pred.device.index)
         return self._ours
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -231,9 +233,10 @@ class CudaGraphStep:
                                            f"{FIX}") from e
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()  # a private pool, named
         try:
-            mode = self._capture_mode(graph) if issubclass(self._capture_mode, IfNodeCapture) else self._capture_mode()
-            with torch.cuda.graph(graph, pool=self.pool), mode:
+            mode = self._capture_mode(pool) if issubclass(self._capture_mode, IfNodeCapture) else self._capture_mode()
+            with torch.cuda.graph(graph, pool=pool), mode:
                 out = self.fn(*self._inputs)
         except Exception as e:  # noqa: BLE001 - any failure inside the capture is the same refusal
             raise CudaGraphUnavailable(f"capturing the step as a CUDA graph failed ({type(e).__name__}: "
