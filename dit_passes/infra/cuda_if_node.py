@@ -5,7 +5,8 @@ Why: torch 2.13 lets a capture put a ``torch.cond`` arm into a conditional (IF) 
 cache decision. torch 2.11 (the GPU machine's) has neither call. This module does the same from Python for the graph
 that torch is capturing on the current stream; nothing is built ahead of time.
 
-``begin_capture_to_if_node(pred)`` (pred: a one-element bool / integer CUDA tensor):
+``IfNodeCapturer(pool).begin_capture_to_if_node(pred)`` (``pool``: the capture's memory pool, as passed to
+``torch.cuda.graph(g, pool=pool)``; ``pred``: a one-element bool / integer CUDA tensor):
 
 1. ``cudaStreamGetCaptureInfo`` on the capturing stream -> the graph being captured (a body graph when nested);
 2. ``cudaGraphConditionalHandleCreate(&h, graph, 0, 0)``;
@@ -18,7 +19,9 @@ that torch is capturing on the current stream; nothing is built ahead of time.
    capture's memory pool (torch's own routing filter matches the main capture's id only, so without this the
    body's allocations would come from outside the graph's pool).
 
-``end_capture_to_conditional_node()`` ends the side capture, restores the stream and the pool routing.
+``end_capture_to_conditional_node()`` ends the side capture, restores the stream and the pool routing. (The
+allocator holds one routing entry per pool and ending removes the first: each switch ends the current entry, begins
+one for this thread and releases the pool reference that begin took, so the capture's own count is unchanged.)
 
 The kernel: NVRTC compiles it to a cubin for the device's arch (if the driver refuses that, to PTX for the driver to
 JIT). ``cudaGraphSetConditional`` is a ``cudart_builtin`` device function that stays an undefined symbol in every
@@ -32,7 +35,9 @@ take edge data in 13.0; on CUDA 12 (12.4.127 headers) the same signatures are ``
 ``cudaGraphAddNode_v2`` / ``cudaStreamUpdateCaptureDependencies_v2``, used when the library exports them.
 ``cudaGraphNodeParams`` is 256 bytes with its union at offset 16, ``cudaConditionalNodeParams`` 24 bytes
 (handle@0, type@8, size@12, phGraph_out@16), ``cudaGraphEdgeData`` 8 bytes, in both (checked with gcc against the
-headers; ``_check_layout`` asserts the ctypes mirror). Conditional nodes need CUDA >= 12.4 (runtime and driver).
+headers; ``_check_layout`` asserts the ctypes mirror; the capture calls were also run, on a CPU, against a stand-in
+libcudart / libcuda compiled from the 13.0 headers that checks every argument). Conditional nodes need CUDA >= 12.4
+(runtime and driver).
 
 Set ``DIT_PASSES_CUDA_TRACE=1`` to print every CUDA / NVRTC call with its arguments and return code to stderr.
 """
@@ -117,7 +122,8 @@ def _loaded(fragment: str) -> List[str]:
 
 def _site_libs(pattern: str) -> List[str]:
     """``nvidia/*/lib/<pattern>`` under every site-packages (the CUDA wheels torch depends on)."""
-    roots = [p for p in sys.path if p.endswith("-packages")] + list(site.getsitepackages())
+    roots = [os.path.dirname(os.path.dirname(torch.__file__))]  # torch's own site dir holds its CUDA wheels
+    roots += [p for p in sys.path if p.endswith("-packages")] + list(site.getsitepackages())
     try:
         roots.append(site.getusersitepackages())
     except Exception:  # noqa: BLE001 - no user site in some venvs
