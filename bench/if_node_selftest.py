@@ -42,23 +42,33 @@ def stage(name):
             traceback.print_exc()
             sys.stdout.flush()
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode(0)
         return fn
     return wrap
 
 
+def _safe(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the environment report lists what it could not read
+        return f"{type(e).__name__}: {e}"
+
+
 @stage("environment")
 def _env():
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
-            "capability": torch.cuda.get_device_capability(), "torch_has_if_nodes": torch_has_if_nodes(),
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "torch_has_if_nodes": torch_has_if_nodes(),
+            "device": _safe(torch.cuda.get_device_name), "capability": _safe(torch.cuda.get_device_capability),
             "loaded_cudart": m._loaded("libcudart.so"), "loaded_nvrtc": m._loaded("libnvrtc.so"),
             "site_cudart": m._site_libs("libcudart.so*"), "site_nvrtc": m._site_libs("libnvrtc.so*"),
             "pool_calls": [n for n in dir(torch._C) if "AllocateToPool" in n or "AllocateCurrent" in n
-                           or n == "_cuda_releasePool"]}
-    print(json.dumps(info, indent=1), flush=True)
-    rt = m._cudart()
-    info.update(cudart=rt.path, runtime_version=rt.version, names=rt.names, nvrtc=m._nvrtc().path,
-                driver=m._driver().path)
+                           or n == "_cuda_releasePool"],
+            "cudart": _safe(lambda: (m._cudart().path, m._cudart().version, m._cudart().names)),
+            "nvrtc": _safe(lambda: m._nvrtc().path), "driver": _safe(lambda: m._driver().path)}
+    print(json.dumps(info, indent=1, default=str), flush=True)
+    bad = [k for k in ("device", "cudart", "nvrtc", "driver") if isinstance(info[k], str) and ": " in info[k]
+           and not info[k].startswith("/")]
+    assert not bad, f"cannot read {bad}"
     return info
 
 
