@@ -160,29 +160,76 @@ def test_reduce_overhead_is_refused_before_capture_where_torch_has_no_conditiona
     assert not c._by_key
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@needs_cuda
 def test_if_node_capture_replays_the_arm_the_device_picks():
-    """Our IfNodeCapture (for a torch with CUDAGraph's IF-node calls but not torch's dispatch mode) on a bare cond:
-    one capture, replayed with the predicate flipped on the device."""
-    from dit_passes.infra.cuda_graph_step import IF_NODE_CALLS
-    if not all(hasattr(torch.cuda.CUDAGraph, m) for m in IF_NODE_CALLS):
-        pytest.skip(f"torch {torch.__version__}: CUDAGraph has no IF-node capture")
+    """IfNodeCapture (torch's IF-node calls where torch has them, else our ctypes ones: torch 2.11) on a cond with
+    a nested cond in one arm: one capture, replayed with the predicates flipped on the device, no host read."""
     cond = torch.ops.higher_order.cond
     pred = torch.zeros((), dtype=torch.bool, device="cuda")
+    inner = torch.zeros((), dtype=torch.int32, device="cuda")  # an integer predicate: nonzero is true
     x = torch.arange(4.0, device="cuda")
 
-    def step(p, v):
-        (y,) = cond(p, lambda a: (a * 2 + 1,), lambda a: (a - 3,), (v,))
+    def true_arm(i, a):
+        (z,) = cond(i, lambda b: (b * 2 + 1,), lambda b: (b + 100,), (a,))
+        return (z * 1,)
+
+    def step(p, i, v):
+        (y,) = cond(p, lambda a: true_arm(i, a), lambda a: (a - 3,), (v,))
         return y * 10
 
     with BothArms():
-        step(pred, x)  # warm both arms
+        step(pred, inner, x)  # warm every arm
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), IfNodeCapture():
-        out = step(pred, x)
-    for flag in (True, False, True):
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    with torch.cuda.graph(graph, pool=pool), IfNodeCapture(pool):
+        out = step(pred, inner, x)
+    for flag, flag2 in ((True, 1), (False, 1), (True, 0), (False, 0), (True, 7)):
         pred.fill_(flag)
+        inner.fill_(flag2)
         x.add_(1)
-        graph.replay()
-        torch.testing.assert_close(out, (x * 2 + 1 if flag else x - 3) * 10)
+        want = ((x * 2 + 1 if flag2 else x + 100) if flag else x - 3) * 10
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.testing.assert_close(out, want)
+
+
+# ------------------------------------------------------------------------------------------ our ctypes IF nodes
+def test_if_node_ctypes_layout_matches_the_cuda_headers():
+    """The ctypes mirror of cudaGraphNodeParams / cudaConditionalNodeParams against the sizes and offsets of the
+    CUDA 12.4 and 13.0 headers (measured with gcc; a mismatch would corrupt the node the driver reads)."""
+    from dit_passes.infra import cuda_if_node as m
+    m._check_layout()
+    assert m.GraphNodeParams.u.offset + m.ConditionalNodeParams.phGraph_out.offset == 32
+
+
+def _nvrtc_missing() -> str:
+    from dit_passes.infra import cuda_if_node as m
+    try:
+        m._nvrtc()
+        return ""
+    except m.CudaIfNodeError as e:
+        return str(e)
+
+
+@pytest.mark.skipif(bool(_nvrtc_missing()), reason="needs NVRTC (torch's CUDA wheels); no GPU needed")
+def test_if_node_kernel_compiles_with_nvrtc():
+    from dit_passes.infra import cuda_if_node as m
+    cubin = m.compile_kernel("sm_90")
+    assert cubin[:4] == b"\x7fELF" and m.KERNEL.encode() in cubin and b"cudaGraphSetConditional" in cubin
+    assert b".entry " + m.KERNEL.encode() in m.compile_kernel("sm_90", ptx=True)
+
+
+@needs_cuda
+def test_if_node_refuses_a_float_predicate_and_a_stream_not_capturing():
+    from dit_passes.infra import cuda_if_node as m
+    from dit_passes.infra.cuda_graph_step import torch_has_if_nodes
+    if torch_has_if_nodes():
+        pytest.skip("torch has its own IF-node calls: ours are not used")
+    ours = m.IfNodeCapturer(torch.cuda.graph_pool_handle())
+    with pytest.raises(m.CudaIfNodeError, match="bool / integer"):
+        ours.begin_capture_to_if_node(torch.ones((), device="cuda"))
+    with pytest.raises(m.CudaIfNodeError, match="not capturing"):
+        ours.begin_capture_to_if_node(torch.ones((), dtype=torch.bool, device="cuda"))

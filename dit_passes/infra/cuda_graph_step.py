@@ -3,8 +3,9 @@
 Why: a residual-cache step decides on the device (``torch.cond(use_cache, cached, compute, ...)``), but run
 eagerly ``torch.cond`` reads its predicate on the host: one device sync per step, and every launch of the top
 graph and of the compiled block regions is paid in Python. Captured with ``torch.cuda.graph`` under torch's
-``CUDAGraphCaptureControlFlowOpDispatchMode`` (or our :class:`IfNodeCapture` on a torch with the IF-node calls but
-not that mode), each ``cond`` becomes a pair of CUDA conditional (IF) nodes
+``CUDAGraphCaptureControlFlowOpDispatchMode`` (or our :class:`IfNodeCapture`, on a torch with CUDAGraph's IF-node
+calls but not that mode, or on torch 2.11 through :mod:`dit_passes.infra.cuda_if_node`, which makes the IF nodes with
+ctypes), each ``cond`` becomes a pair of CUDA conditional (IF) nodes
 whose predicate the GPU reads: a replay is one launch, no host read, whichever arm runs.
 
 The life of one signature's step (``LoweredGraph`` owns one CudaGraphStep)::
@@ -33,6 +34,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import cuda_if_node
+
 _COND = torch.ops.higher_order.cond
 FIX = "compile without mode='reduce-overhead' (torch_compile={'regional': True}) to run the step eagerly"
 
@@ -43,9 +46,10 @@ class CudaGraphUnavailable(RuntimeError):
 
 def conditional_capture_mode() -> type:
     """A dispatch mode that turns ``torch.cond`` into CUDA conditional nodes while capturing: torch's own
-    (``torch._higher_order_ops.cudagraph_conditional_nodes``, in torch 2.13; not in 2.11) or, on a torch whose
-    CUDAGraph has the IF-node capture calls but not that module, :class:`IfNodeCapture`. Raises
-    :class:`CudaGraphUnavailable` where neither exists or CUDA is older than 12.4."""
+    (``torch._higher_order_ops.cudagraph_conditional_nodes``, in torch 2.13; not in 2.11) or :class:`IfNodeCapture`,
+    on a torch whose CUDAGraph has the IF-node capture calls but not that module, else (torch 2.11) on our ctypes
+    IF nodes (:mod:`~dit_passes.infra.cuda_if_node`; its kernel is compiled and loaded here, outside any capture).
+    Raises :class:`CudaGraphUnavailable` where none works or CUDA is older than 12.4."""
     if not torch.cuda.is_available():
         raise CudaGraphUnavailable(f"mode='reduce-overhead' replays the step as a CUDA graph: no CUDA device "
                                    f"here; {FIX}")
@@ -58,31 +62,64 @@ def conditional_capture_mode() -> type:
         return CUDAGraphCaptureControlFlowOpDispatchMode
     except ImportError:
         pass
-    if all(hasattr(torch.cuda.CUDAGraph, m) for m in IF_NODE_CALLS):
+    if torch_has_if_nodes():
+        return IfNodeCapture
+    why = cuda_if_node.unavailable_reason()
+    if not why:
         return IfNodeCapture
     raise CudaGraphUnavailable(f"torch {torch.__version__} has no CUDA-graph conditional nodes for torch.cond "
-                               f"(CUDAGraph lacks {', '.join(IF_NODE_CALLS)}); {FIX}")
+                               f"(CUDAGraph lacks {', '.join(IF_NODE_CALLS)}) and our ctypes IF nodes cannot work "
+                               f"here ({why}); {FIX}")
 
 
 IF_NODE_CALLS = ("get_currently_capturing_graph", "begin_capture_to_if_node", "end_capture_to_conditional_node")
 
 
+def torch_has_if_nodes() -> bool:
+    """Whether torch's CUDAGraph has the IF-node capture calls (torch 2.13: yes; 2.11: no, ours stand in)."""
+    return all(hasattr(torch.cuda.CUDAGraph, m) for m in IF_NODE_CALLS)
+
+
 class IfNodeCapture(TorchDispatchMode):
     """While a CUDA graph captures: each ``torch.cond`` becomes two IF nodes (``pred``, then ``not pred``) whose
     bodies capture the two arms; the false arm's outputs are copied into the true arm's, so the rest of the graph
-    reads one set of buffers whichever arm ran. (CUDA's IF/ELSE node needs 12.8; two IF nodes work from 12.4.)"""
+    reads one set of buffers whichever arm ran. (CUDA's IF/ELSE node needs 12.8; two IF nodes work from 12.4.)
+
+    ``pool``: the memory pool the capture allocates from (``torch.cuda.graph(g, pool=pool)``). Needed where torch
+    has no IF-node calls (torch 2.11): our ctypes IF nodes route the arms' allocations into it (``CUDAGraph.pool()``
+    cannot say it before the capture ends)."""
 
     supports_higher_order_operators = True
+
+    def __init__(self, pool: Any = None) -> None:
+        super().__init__()
+        self.pool = pool
+        self._ours: Optional[cuda_if_node.IfNodeCapturer] = None
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
+    def _capturing(self, pred: torch.Tensor) -> Any:
+        """torch's capturing CUDAGraph (it has the IF-node calls) or our ctypes stand-in with the same two calls."""
+        if torch_has_if_nodes():
+            return torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        if self._ours is None:
+            if self.pool is None:
+                raise CudaGraphUnavailable(f"torch {torch.__version__} has no IF-node capture calls: IfNodeCapture "
+                                           f"needs the capture's memory pool: p = torch.cuda.graph_pool_handle(); "
+                                           f"with torch.cuda.graph(g, pool=p), IfNodeCapture(pool=p): ...")
+            self._ours = cuda_if_node.IfNodeCapturer(self.pool, device=pred.device.index)
+        return self._ours
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is not _COND:
             return func(*args, **(kwargs or {}))
         pred, true_fn, false_fn, operands = args
-        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        if isinstance(pred, bool):  # a constant decision: nothing for the device to read
+            with self:
+                return true_fn(*operands) if pred else false_fn(*operands)
+        graph = self._capturing(pred)
         with self:  # nested conds inside an arm become nested conditional nodes
             graph.begin_capture_to_if_node(pred)
             try:
@@ -188,10 +225,18 @@ class CudaGraphStep:
         self._inputs = [_static_like(a) for a in args]
         for static, a in zip(self._inputs, args):
             static.copy_(a)
+        if issubclass(self._capture_mode, IfNodeCapture) and not torch_has_if_nodes() and args:
+            try:  # our IF-node kernel loaded for this device before, not inside, the capture
+                cuda_if_node.prepare(args[0].device.index)
+            except cuda_if_node.CudaIfNodeError as e:
+                raise CudaGraphUnavailable(f"our ctypes CUDA-graph IF nodes cannot work on {args[0].device}: {e}; "
+                                           f"{FIX}") from e
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()  # a private pool, named
         try:
-            with torch.cuda.graph(graph, pool=self.pool), self._capture_mode():
+            mode = self._capture_mode(pool) if issubclass(self._capture_mode, IfNodeCapture) else self._capture_mode()
+            with torch.cuda.graph(graph, pool=pool), mode:
                 out = self.fn(*self._inputs)
         except Exception as e:  # noqa: BLE001 - any failure inside the capture is the same refusal
             raise CudaGraphUnavailable(f"capturing the step as a CUDA graph failed ({type(e).__name__}: "
@@ -201,4 +246,5 @@ class CudaGraphStep:
         self.graph = graph
 
 
-__all__ = ["BothArms", "CudaGraphStep", "CudaGraphUnavailable", "IfNodeCapture", "conditional_capture_mode"]
+__all__ = ["BothArms", "CudaGraphStep", "CudaGraphUnavailable", "IfNodeCapture", "conditional_capture_mode",
+           "torch_has_if_nodes"]
