@@ -51,8 +51,8 @@ def reference_run(model, kwargs, cfg, calls_per_step=1):
     return out, cache_dit.summary(ref, logging=False)[0]
 
 
-def ours_run(model, kwargs, cfg, calls_per_step=1, contexts=("default",)):
-    compiled = compile_dit(model, passes=[passes.DBPrune(num_inference_steps=STEPS, **cfg)])
+def ours_run(model, kwargs, cfg, calls_per_step=1, contexts=("default",), calibrator=None):
+    compiled = compile_dit(model, passes=[passes.DBPrune(num_inference_steps=STEPS, calibrator=calibrator, **cfg)])
     records = {c: [] for c in contexts}
     calls = []
 
@@ -100,21 +100,28 @@ def test_dbprune_matches_cache_dit(family, name):
 
 
 @pytest.mark.reference
-def test_dbprune_separate_cfg_by_call_parity_matches_cache_dit():
-    """Two calls per step without named contexts: the CFG branch (odd calls) keeps its own blocks' state."""
+@pytest.mark.parametrize("foca", [False, True], ids=["plain", "foca"])
+def test_dbprune_separate_cfg_by_call_parity_matches_cache_dit(foca):
+    """Two calls per step without named contexts: the CFG branch (odd calls) keeps its own blocks' state (with a
+    calibrator: its own calibrator states, the reference's ``cfg_calibrator``)."""
     zm = build("wan", num_layers=3)
     kwargs = zm.make_inputs()
     cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=0.12, max_warmup_steps=2, enable_separate_cfg=True)
     ref_model = copy.deepcopy(zm.model)
-    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBPruneConfig(num_inference_steps=STEPS, **cfg))
+    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBPruneConfig(num_inference_steps=STEPS, **cfg),
+                           calibrator_config=cache_dit.FoCaCalibratorConfig() if foca else None)
     ref = step_loop(ref_model, kwargs, STEPS, calls_per_step=2)
     st = cache_dit.summary(ref_model, logging=False)[0]
-    ours, records, _ = ours_run(zm.model, kwargs, cfg, calls_per_step=2, contexts=("non_cfg", "cfg"))
+    ours, records, _ = ours_run(zm.model, kwargs, cfg, calls_per_step=2, contexts=("non_cfg", "cfg"),
+                                calibrator=FoCaCalibratorConfig() if foca else None)
     assert_same_as_reference(records["non_cfg"], st.pruned_blocks, dict(st.residual_diffs), 0.12, st.pruned_steps)
     assert_same_as_reference(records["cfg"], st.cfg_pruned_blocks, dict(st.cfg_residual_diffs), 0.12,
                              st.cfg_pruned_steps)
     assert sum(st.pruned_blocks) and sum(st.cfg_pruned_blocks), "nothing pruned: the test tells nothing apart"
     assert_same(ref, ours, rel=1e-5)
+    if foca:  # the reference without it is far off: the forecast was used
+        plain, _ = reference_run(zm.model, kwargs, cfg, calls_per_step=2)
+        assert (plain - ref).abs().max() > 100 * (ours - ref).abs().max(), "FoCa made no difference"
 
 
 # -- with a calibrator: each block's residual forecast from its own calibrator state ---------------------------
