@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dit_passes import compile_dit, passes
-from dit_passes.cache.config import DBPruneConfig
+from dit_passes.cache.config import DBPruneConfig, FoCaCalibratorConfig
 from dit_passes.cache.prune import last_pruned
 from dit_passes.infra.pass_base import PassError
 from dit_passes.models.zoo import build
@@ -51,8 +51,8 @@ def reference_run(model, kwargs, cfg, calls_per_step=1):
     return out, cache_dit.summary(ref, logging=False)[0]
 
 
-def ours_run(model, kwargs, cfg, calls_per_step=1, contexts=("default",)):
-    compiled = compile_dit(model, passes=[passes.DBPrune(num_inference_steps=STEPS, **cfg)])
+def ours_run(model, kwargs, cfg, calls_per_step=1, contexts=("default",), calibrator=None):
+    compiled = compile_dit(model, passes=[passes.DBPrune(num_inference_steps=STEPS, calibrator=calibrator, **cfg)])
     records = {c: [] for c in contexts}
     calls = []
 
@@ -100,21 +100,88 @@ def test_dbprune_matches_cache_dit(family, name):
 
 
 @pytest.mark.reference
-def test_dbprune_separate_cfg_by_call_parity_matches_cache_dit():
-    """Two calls per step without named contexts: the CFG branch (odd calls) keeps its own blocks' state."""
+@pytest.mark.parametrize("foca", [False, True], ids=["plain", "foca"])
+def test_dbprune_separate_cfg_by_call_parity_matches_cache_dit(foca):
+    """Two calls per step without named contexts: the CFG branch (odd calls) keeps its own blocks' state (with a
+    calibrator: its own calibrator states, the reference's ``cfg_calibrator``)."""
     zm = build("wan", num_layers=3)
     kwargs = zm.make_inputs()
     cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=0.12, max_warmup_steps=2, enable_separate_cfg=True)
     ref_model = copy.deepcopy(zm.model)
-    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBPruneConfig(num_inference_steps=STEPS, **cfg))
+    cache_dit.enable_cache(ref_model, cache_config=cache_dit.DBPruneConfig(num_inference_steps=STEPS, **cfg),
+                           calibrator_config=cache_dit.FoCaCalibratorConfig() if foca else None)
     ref = step_loop(ref_model, kwargs, STEPS, calls_per_step=2)
     st = cache_dit.summary(ref_model, logging=False)[0]
-    ours, records, _ = ours_run(zm.model, kwargs, cfg, calls_per_step=2, contexts=("non_cfg", "cfg"))
+    ours, records, _ = ours_run(zm.model, kwargs, cfg, calls_per_step=2, contexts=("non_cfg", "cfg"),
+                                calibrator=FoCaCalibratorConfig() if foca else None)
     assert_same_as_reference(records["non_cfg"], st.pruned_blocks, dict(st.residual_diffs), 0.12, st.pruned_steps)
     assert_same_as_reference(records["cfg"], st.cfg_pruned_blocks, dict(st.cfg_residual_diffs), 0.12,
                              st.cfg_pruned_steps)
     assert sum(st.pruned_blocks) and sum(st.cfg_pruned_blocks), "nothing pruned: the test tells nothing apart"
     assert_same(ref, ours, rel=1e-5)
+    if foca:  # the reference without it is far off: the forecast was used
+        plain, _ = reference_run(zm.model, kwargs, cfg, calls_per_step=2)
+        assert (plain - ref).abs().max() > 100 * (ours - ref).abs().max(), "FoCa made no difference"
+
+
+# -- with a calibrator: each block's residual forecast from its own calibrator state ---------------------------
+CAL_STEPS = 10
+# decisions that differ between blocks (the dynamic threshold, or diffs near the threshold), so blocks forecast from
+# different last computed steps, with runs of two pruned steps (elapsed 1 and 2)
+CAL_CASES = {
+    # through enable_cache, cache-dit's config classes converted; TaylorSeer of order 2 on the image stream only (a
+    # dual-stream block whose image stream leaves second: the calibrator's stream 0 is the image one)
+    "flux-taylorseer": ("flux", "TaylorSeerCalibratorConfig", dict(taylorseer_order=2, enable_encoder_calibrator=False),
+                        dict(Fn_compute_blocks=1, residual_diff_threshold=0.06, max_warmup_steps=4,
+                             max_continuous_cached_steps=3, enable_dynamic_prune_threshold=True)),
+    "wan-foca": ("wan", "FoCaCalibratorConfig", {}, dict(
+        Fn_compute_blocks=1, residual_diff_threshold=0.035, max_warmup_steps=3, max_continuous_cached_steps=3)),
+    # the DMD forecast from the warm-up's 4 evenly spaced residuals, the Taylor fallback after uneven ones; the
+    # decision compares every 4th channel (force_reduce_calibrator_vram, as the reference)
+    "qwenimage-dmd": ("qwenimage", "DMDCalibratorConfig", dict(dmd_history=4), dict(
+        Fn_compute_blocks=1, residual_diff_threshold=0.06, max_warmup_steps=4, max_continuous_cached_steps=2,
+        enable_dynamic_prune_threshold=True, force_reduce_calibrator_vram=True)),
+}
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case", list(CAL_CASES))
+def test_dbprune_with_calibrator_matches_cache_dit(case):
+    """Per call the same pruned blocks and diffs as cache-dit with the same calibrator, outputs within fp32 rounding;
+    the tags as the reference's."""
+    import dit_passes
+    from dit_passes.cache import config as ours_config
+
+    family, cls, cal_kw, cfg = CAL_CASES[case]
+    zm = build(family, **FAMILIES[family])
+    kwargs = zm.make_inputs()
+    theirs = getattr(cache_dit, cls)(**cal_kw)
+    prune_cfg = dict(cfg, num_inference_steps=CAL_STEPS, enable_separate_cfg=False)
+    runs = {}
+    for name, cal in (("ref", theirs), ("ref_plain", None)):
+        model = copy.deepcopy(zm.model)
+        cache_dit.enable_cache(model, cache_config=cache_dit.DBPruneConfig(**prune_cfg), calibrator_config=cal)
+        runs[name] = (step_loop(model, kwargs, CAL_STEPS), cache_dit.summary(model, logging=False)[0], model)
+    ref, st, ref_model = runs["ref"]
+    if family == "flux":
+        compiled = dit_passes.enable_cache(zm.model, cache_config=cache_dit.DBPruneConfig(**prune_cfg),
+                                           calibrator_config=theirs)
+    else:
+        compiled = compile_dit(zm.model, passes=[passes.DBPrune(
+            calibrator=getattr(ours_config, cls)(**cal_kw), **prune_cfg)])
+    records = []
+    ours = step_loop(compiled, kwargs, CAL_STEPS,
+                     after_call=lambda: records.append(last_pruned(compiled.runtime.state["dbprune"])))
+    assert len({tuple(r["pruned"]) for r in records if 0 < sum(r["pruned"]) < len(r["pruned"])}) >= 1, \
+        f"no step pruned only some blocks: {[r['pruned'] for r in records]}"
+    assert_same_as_reference(records, st.pruned_blocks, dict(st.residual_diffs), None, st.pruned_steps)
+    assert_same(ref, ours, rel=1e-5)
+    plain = runs["ref_plain"][0]
+    assert (plain - ref).abs().max() > 100 * (ours - ref).abs().max(), "the calibrator made no difference"
+    if family == "flux":
+        tag = cache_dit.strify(ref_model)
+        assert dit_passes.strify(compiled) == tag and f"_{theirs.strify()}_S" in tag, tag
+        assert isinstance(compiled.runtime.state["frontend"].calibrator_config, ours_config.TaylorSeerCalibratorConfig)
 
 
 def test_dbprune_graph_and_refusals():
@@ -135,8 +202,10 @@ def test_dbprune_graph_and_refusals():
         DBPruneConfig(enable_separate_cfg=True, enable_dynamic_prune_threshold=True)
     with pytest.raises(ValueError, match="cache_type"):
         passes.DBCache(cache_type="DBPrune")
-    with pytest.raises(ValueError, match="calibrator"):
+    with pytest.raises(TypeError, match="TaylorSeerCalibratorConfig"):
         passes.DBPrune(calibrator=object())
+    with pytest.raises(ValueError, match="calibrator_cache_type"):
+        passes.DBPrune(calibrator=FoCaCalibratorConfig(calibrator_cache_type="hidden_states"))
     everything_kept = compile_dit(build("wan", num_layers=2).model, passes=[passes.DBPrune(Fn_compute_blocks=1,
                                                                                            Bn_compute_blocks=1)])
     with pytest.raises(PassError, match="no block can be pruned"):

@@ -193,7 +193,8 @@ class DBPruneConfig(DBCacheConfig):
     ``enable_dynamic_prune_threshold``: the threshold of a block is raised to ``mean * relax_ratio`` of the
     positive diffs among the first five recorded this step, while that stays below
     ``max_dynamic_prune_threshold`` (None: twice ``residual_diff_threshold``). ``force_reduce_calibrator_vram``
-    only matters with a calibrator, which DBPrune does not take here. Not supported (refused when the cache
+    only matters with a calibrator: the decision then compares every 4th channel of the block inputs (the
+    reference's ``downsample_factor`` of 4). Not supported (refused when the cache
     is built): ``enable_separate_cfg=True`` together with the dynamic threshold or with
     ``cfg_diff_compute_separate=False`` (the reference reads the other branch's list of diffs there, or
     compares a list with a float).

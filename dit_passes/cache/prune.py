@@ -16,9 +16,20 @@ Reference: ``PrunedBlocks_Pattern_Base.compute_or_prune`` (cache_blocks/pattern_
 * a pruned block adds its stored residuals to its entering streams; a computed one stores its input
   (``in_j``) and its residuals. The first pruned block of a step counts the step as cached.
 
+With a calibrator (TaylorSeer / FoCa / DMD; the reference's ``set_Bn_buffer`` / ``apply_prune`` through the context's
+calibrator, one state per block and stream named after the block): a computed block feeds its residuals to its own
+calibrator state instead of storing them, a pruned one adds the calibrator's forecast of them (FoCa moves the forecast
+into its rolling pair). The forecast's elapsed steps count from that block's last computed step; the calibrator's
+step frame is the context's, as DBCache's (the reference creates every block's state at the generation's first call,
+where every block computes). The decision itself is unchanged: it compares block inputs, never the forecast. With
+``force_reduce_calibrator_vram=True`` the reference downsamples what the decision compares (``in_j`` stored and ``h``
+compared as ``[..., ::4]``), so here too. The image stream is the calibrator's stream 0 (``enable_calibrator``), the
+block's other streams the encoder ones (``enable_encoder_calibrator``).
+
 State (graph inputs / outputs, per cache context): the DBCache scalars (:data:`~dit_passes.cache.state.SCALARS`),
-per block ``in{j}`` / ``in{j}_valid`` / ``res{j}_{k}`` (stream k), and this call's ``block_pruned`` /
-``block_diffs`` (one entry per prunable block, NaN where no diff was recorded) for reports.
+per block ``in{j}`` / ``in{j}_valid`` and ``b{j}_<stream entries>`` (:func:`~dit_passes.cache.state.stream_keys` of
+each stream, image first: ``b{j}_res{g}``, or the calibrator's entries and ``b{j}_last_compute_step``), and this
+call's ``block_pruned`` / ``block_diffs`` (one entry per prunable block, NaN where no diff was recorded) for reports.
 """
 from __future__ import annotations
 
@@ -27,10 +38,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import DBPruneConfig
-from .decision import _mask_slot_is_one, start_call
+from .config import CalibratorConfig, DBPruneConfig
+from .decision import _mask_slot_is_one, hit_values, start_call, update_after_branch
 from .program import CacheProgram, StateSpec
-from .state import SCALARS
+from .state import SCALARS, stream_keys, stream_spec
 from .stats import CFG_CONTEXTS, diff_statistics
 from .store import CacheStore
 
@@ -40,10 +51,20 @@ DYNAMIC_WINDOW = 5
 STEP_KEYS = ("n_diffs", "pos_sum", "pos_count")
 # the reference's prune fields of a summary (``CacheStats``), per context
 PRUNE_FIELDS = ("pruned_steps", "pruned_blocks", "actual_blocks", "pruned_ratio")
+# ``force_reduce_calibrator_vram``: the reference's ``downsample_factor`` floor for the compared block inputs
+REDUCED_VRAM_DOWNSAMPLE = 4
+LAST_COMPUTE = "last_compute_step"
 
 
-def _block_keys(j: int, streams: int) -> List[str]:
-    return [f"in{j}", f"in{j}_valid"] + [f"res{j}_{k}" for k in range(streams)]
+def calibrator_order(image: int, streams: int) -> List[int]:
+    """The block's leaving streams (indices) in the calibrator's order: the image stream first (stream 0)."""
+    return [image] + [k for k in range(streams) if k != image]
+
+
+def _stream_entries(calibrator: Optional[CalibratorConfig], streams: int) -> List[str]:
+    """One block's per-stream entries in calibrator order (unprefixed), and its last computed step if calibrated."""
+    out = [k for g in range(streams) for k in stream_keys(g, calibrator)]
+    return out + ([LAST_COMPUTE] if calibrator is not None else [])
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -55,6 +76,30 @@ class DBPruneProgram(CacheProgram):
     blocks: Tuple[int, ...]
     block_streams: Tuple[int, ...]
     total_blocks: int  # every block of the range, pruned or not (the reference's ``actual_blocks`` per call)
+    calibrator: Optional[CalibratorConfig] = None
+    image_streams: Tuple[int, ...] = ()  # per block: the index of its image stream among its leaving streams
+    downsample: int = 1  # the decision compares ``h[..., ::downsample]``
+
+    @property
+    def predicts(self) -> bool:
+        """Whether a pruned block adds a forecast (computed by its decide module) rather than stored residuals."""
+        return self.calibrator is not None
+
+    def _entries(self, i: int) -> List[str]:
+        return _stream_entries(self.calibrator, self.block_streams[i])
+
+    def residual_keys(self, i: int) -> List[str]:
+        """Without a calibrator: block ``blocks[i]``'s stored residuals, one per leaving stream in stream order."""
+        order = self._order(i)
+        return [f"b{self.blocks[i]}_res{order.index(x)}" for x in range(len(order))]
+
+    def _view(self, i: int, step: torch.Tensor, store: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Block ``blocks[i]``'s stream entries under the names :mod:`~dit_passes.cache.decision` reads (its last
+        computed step as ``last_compute_step``), with this call's ``step``."""
+        return dict(zip(self._entries(i), store), step=step)
+
+    def _order(self, i: int) -> List[int]:
+        return calibrator_order(self.image_streams[i] if self.image_streams else 0, self.block_streams[i])
 
     # -- the modules the pass inserts ---------------------------------------------------------------------
     def begin_call(self, timestep, flat: Sequence[torch.Tensor]):
@@ -69,13 +114,16 @@ class DBPruneProgram(CacheProgram):
         return (*(s[k] for k in SCALARS), zero, zero.to(torch.float64), zero, *(s[k] for k in valid_names))
 
     def block_decide(self, h: torch.Tensor, flat: Sequence[torch.Tensor], i: int):
-        """Block ``blocks[i]``: ``(h, *scalars, *step temporaries, in_j, in_j_valid) ->
-        (prune, diff, *scalars', *step temporaries')``."""
+        """Block ``blocks[i]``: ``(h, *scalars, *step temporaries, in_j, in_j_valid[, *stream entries]) ->
+        (prune, diff[, *forecasts], *scalars', *step temporaries')``; with a calibrator, the forecasts of the
+        block's residuals (one per leaving stream, in stream order: what a pruned block adds) and its stream
+        entries follow ``in_j_valid``."""
         cfg = self.config
         n = len(SCALARS)
         s = dict(zip(SCALARS, flat[:n]))
         tmp = dict(zip(STEP_KEYS, flat[n:n + 3]))
         prev, valid = flat[n + 3], flat[n + 4]
+        h = h[..., ::self.downsample] if self.downsample > 1 else h
         step = s["step"]
         dev = step.device
         false = torch.zeros((), dtype=torch.bool, device=dev)
@@ -132,16 +180,28 @@ class DBPruneProgram(CacheProgram):
         tmp["n_diffs"] = tmp["n_diffs"] + record
         s["use_cache"] = s["use_cache"] | prune
         out_diff = torch.where(record, diff, float("nan"))
-        return (prune, out_diff, *(s[k] for k in SCALARS), *(tmp[k] for k in STEP_KEYS))
+        hits: List[torch.Tensor] = []
+        if self.predicts:  # on every call (fixed graph); the cached arm adds them where the block is pruned
+            order = self._order(i)
+            forecast = hit_values(self._view(i, step, flat[n + 5:]), len(order), self.calibrator)
+            hits = [forecast[order.index(x)] for x in range(len(order))]
+        return (prune, out_diff, *hits, *(s[k] for k in SCALARS), *(tmp[k] for k in STEP_KEYS))
 
-    def block_commit(self, prune: torch.Tensor, h: torch.Tensor, flat: Sequence[torch.Tensor]):
-        """``(prune, h, *new_residuals, in_j, in_j_valid, *res_j) -> (in_j', in_j_valid', *res_j')``: a computed
-        block stores its input and residuals; a pruned one keeps them."""
-        k = (len(flat) - 2) // 2
-        new, prev, valid, old = flat[:k], flat[k], flat[k + 1], flat[k + 2:]
+    def block_commit(self, prune: torch.Tensor, h: torch.Tensor, flat: Sequence[torch.Tensor], i: int):
+        """``(prune, h, step, *new_values, in_j, in_j_valid, *stream entries) -> (in_j', in_j_valid', *entries')``:
+        ``new_values`` (stream order) are the block's residuals where it computed, what the cached arm added where
+        it was pruned. A computed block stores its input and its residuals (or advances its calibrator states); a
+        pruned one keeps them (FoCa's rolling pair takes the forecast)."""
+        k = self.block_streams[i]
+        step, new, prev, valid, old = flat[0], flat[1:1 + k], flat[1 + k], flat[2 + k], flat[3 + k:]
         compute = ~prune
-        return (torch.where(compute, h.to(prev.dtype), prev), torch.where(compute, 1, valid),
-                *(torch.where(compute, r.to(o.dtype), o) for r, o in zip(new, old)))
+        h = h[..., ::self.downsample] if self.downsample > 1 else h
+        head = (torch.where(compute, h.to(prev.dtype), prev), torch.where(compute, 1, valid))
+        order = self._order(i)
+        if not self.predicts:  # entry g is the residual of stream order[g]
+            return (*head, *(torch.where(compute, new[x].to(o.dtype), o) for x, o in zip(order, old)))
+        after = update_after_branch(self._view(i, step, old), prune, [new[x] for x in order], self.calibrator)
+        return (*head, *(after[e] for e in self._entries(i)))
 
     @staticmethod
     def finish_call(flat: Sequence[torch.Tensor]):
@@ -173,7 +233,7 @@ class BlockDecide(_Call):
 
 class BlockCommit(_Call):
     def forward(self, prune, h, *flat):
-        return self.fn(prune, h, flat)
+        return self.fn(prune, h, flat, *self.extra)
 
 
 class Finish(_Call):
@@ -181,26 +241,53 @@ class Finish(_Call):
         return self.fn(flat)
 
 
+def check_calibrator(calibrator: Optional[CalibratorConfig]) -> None:
+    """Refuse a calibrator DBPrune cannot take, saying what to use."""
+    if calibrator is not None and not isinstance(calibrator, CalibratorConfig):
+        raise TypeError(f"DBPrune: calibrator must be a TaylorSeerCalibratorConfig, FoCaCalibratorConfig or "
+                        f"DMDCalibratorConfig (dit_passes.cache.config; enable_cache converts cache-dit's), got "
+                        f"{type(calibrator).__name__}")
+    if calibrator is not None and calibrator.calibrator_cache_type != "residual":
+        # the reference stores an encoder stream's residual under its hidden-states name and uses it as the stream
+        raise ValueError(f"DBPrune: {type(calibrator).__name__}(calibrator_cache_type="
+                         f"{calibrator.calibrator_cache_type!r}) is not supported (the reference then replaces an "
+                         "encoder stream by the forecast of its residual); use calibrator_cache_type='residual' "
+                         "(the default)")
+
+
 def build_prune_program(config: DBPruneConfig, *, total_blocks: int, blocks: Sequence[int],
-                        inputs: Sequence[torch.Tensor],
-                        residuals: Sequence[Sequence[torch.Tensor]], has_timestep: bool) -> DBPruneProgram:
+                        inputs: Sequence[torch.Tensor], residuals: Sequence[Sequence[torch.Tensor]],
+                        has_timestep: bool, calibrator: Optional[CalibratorConfig] = None,
+                        image_streams: Optional[Sequence[int]] = None) -> DBPruneProgram:
     """The program for one graph. ``inputs[i]``: the image stream entering block ``blocks[i]`` (real or fake,
-    for shapes); ``residuals[i]``: one example per stream that block leaves."""
+    for shapes); ``residuals[i]``: one example per stream that block leaves; ``image_streams[i]``: which of them
+    is the image stream (default: the first)."""
+    check_calibrator(calibrator)
+    images = tuple(image_streams) if image_streams is not None else (0,) * len(blocks)
+    down = REDUCED_VRAM_DOWNSAMPLE if calibrator is not None and config.force_reduce_calibrator_vram else 1
     specs = [StateSpec(k, (), dt, v) for k, (dt, v) in SCALARS.items()]
-    for j, h, res in zip(blocks, inputs, residuals):
-        specs.append(StateSpec(f"in{j}", tuple(h.shape), h.dtype))
+    for j, h, res, image in zip(blocks, inputs, residuals, images):
+        shape = (*h.shape[:-1], -(-h.shape[-1] // down))  # h[..., ::down]
+        specs.append(StateSpec(f"in{j}", tuple(shape), h.dtype))
         specs.append(StateSpec(f"in{j}_valid", (), torch.int64))
-        specs += [StateSpec(f"res{j}_{k}", tuple(r.shape), r.dtype) for k, r in enumerate(res)]
+        for g, x in enumerate(calibrator_order(image, len(res))):
+            specs += [StateSpec(f"b{j}_{name}", shape_, dt, fill)
+                      for name, (shape_, dt, fill) in stream_spec(calibrator, g, res[x]).items()]
+        if calibrator is not None:
+            specs.append(StateSpec(f"b{j}_{LAST_COMPUTE}", (), torch.int64, -1))
     specs.append(StateSpec("block_pruned", (len(blocks),), torch.bool))
     specs.append(StateSpec("block_diffs", (len(blocks),), torch.float64, float("nan")))
     return DBPruneProgram(config=config, blocks=tuple(blocks), block_streams=tuple(len(r) for r in residuals),
-                          total_blocks=total_blocks, state_spec=specs, num_streams=0, has_timestep=has_timestep,
+                          total_blocks=total_blocks, calibrator=calibrator, image_streams=images, downsample=down,
+                          state_spec=specs, num_streams=0, has_timestep=has_timestep,
                           separate_cfg=bool(config.enable_separate_cfg), cfg_compute_first=config.cfg_compute_first)
 
 
 def block_state_keys(program: DBPruneProgram, i: int) -> List[str]:
-    """The state names block ``program.blocks[i]`` reads and writes, in the order its modules take them."""
-    return _block_keys(program.blocks[i], program.block_streams[i])
+    """The state names block ``program.blocks[i]`` reads and writes, in the order its modules take them:
+    ``in{j}``, ``in{j}_valid``, then its stream entries."""
+    j = program.blocks[i]
+    return [f"in{j}", f"in{j}_valid"] + [f"b{j}_{e}" for e in program._entries(i)]
 
 
 class PruneStore(CacheStore):
@@ -273,4 +360,4 @@ def last_pruned(store, context: str = "default") -> Dict[str, list]:
 
 
 __all__ = ["DBPruneProgram", "PruneStore", "PRUNE_FIELDS", "build_prune_program", "block_state_keys", "last_pruned",
-           "STEP_KEYS"]
+           "STEP_KEYS", "check_calibrator", "calibrator_order"]

@@ -62,15 +62,18 @@ def state_spec(config: DBCacheConfig, calibrator: Optional[CalibratorConfig],
     spec: Dict[str, Tuple[tuple, torch.dtype, float]] = {k: ((), dt, v) for k, (dt, v) in SCALARS.items()}
     spec["R_prev"] = (tuple(fn_residual.shape), fn_residual.dtype, 0.0)
     for i, s in enumerate(streams):
-        if calibrator is not None and calibrator.stream_enabled(i) and calibrator.calibrator_type == "dmd":
-            spec.update(dmd_spec(i, s, calibrator.dmd_history))  # its snapshots: [history, *shape]
-            continue
-        for k in stream_keys(i, calibrator):
-            if k.endswith("_valid"):
-                spec[k] = ((), torch.int64, 0)
-            else:
-                spec[k] = (tuple(s.shape), s.dtype, 0.0)
+        spec.update(stream_spec(calibrator, i, s))
     return spec
+
+
+def stream_spec(calibrator: Optional[CalibratorConfig], stream: int,
+                example: torch.Tensor) -> Dict[str, Tuple[tuple, torch.dtype, float]]:
+    """``name -> (shape, dtype, fill)`` of stream ``stream``'s entries (:func:`stream_keys`), ``example`` shaped
+    like the value cached for it."""
+    if calibrator is not None and calibrator.stream_enabled(stream) and calibrator.calibrator_type == "dmd":
+        return dmd_spec(stream, example, calibrator.dmd_history)  # its snapshots: [history, *shape]
+    return {k: ((), torch.int64, 0) if k.endswith("_valid") else (tuple(example.shape), example.dtype, 0.0)
+            for k in stream_keys(stream, calibrator)}
 
 
 class CacheState:

@@ -74,13 +74,13 @@ def resolve_calibrator(calibrator: Any) -> Optional[CalibratorConfig]:
 
 
 def cache_pass(cfg: Any, calibrator: Optional[Any] = None):
-    """The pass for a resolved config (``calibrator``: cache-dit's TaylorSeer / FoCa / DMD, DBCache only)."""
+    """The pass for a resolved config (``calibrator``: TaylorSeer / FoCa / DMD, for DBCache and DBPrune only)."""
     if isinstance(cfg, DBPruneConfig):
         return DBPrune(cfg, calibrator=calibrator)
     for cls, pass_cls in _PASS_OF.items():
         if isinstance(cfg, cls):
             if calibrator is not None:
-                raise ValueError(f"calibrator_config applies to DBCacheConfig only, not {cls.__name__}")
+                raise ValueError(f"calibrator_config applies to DBCacheConfig / DBPruneConfig only, not {cls.__name__}")
             return pass_cls(cfg)
     return DBCache(cfg, calibrator=calibrator)
 

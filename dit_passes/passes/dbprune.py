@@ -6,6 +6,10 @@ prunable block (facts ``state_io``, ``structure_at_cut``). Invalidates: ``struct
 design as DBCache (decisions on the device, the state as graph inputs / outputs, per cache context, no host
 read per step); the rule is :mod:`dit_passes.cache.prune`.
 
+With a calibrator (TaylorSeer / FoCa / DMD, ``calibrator=``), each decide module also returns the forecast of its
+block's residuals from the block's calibrator state, the cond's cached arm adds it instead of the stored residuals,
+and the commit advances the calibrator state (:mod:`dit_passes.cache.prune`'s docstring says what the reference does).
+
 Before (Fn=1, Bn=0, three blocks)::
 
     h1 = <block 0>(h0, temb)
@@ -17,9 +21,9 @@ After::
     h1 = <block 0>(h0, temb)                                         # Fn / Bn / non_prune_block_ids run
     begin = self.dbprune_begin(timestep, *scalars, *valid)           # step, generation, per-step diff list
     d1 = self.dbprune_b1_decide(h1, *begin_scalars, in1, in1_valid)  # prune1, diff1, *scalars'
-    c1 = torch.ops.higher_order.cond(d1[0], self.dbprune_b1_cached, self.dbprune_b1_compute, (h1, temb, res1_0))
+    c1 = torch.ops.higher_order.cond(d1[0], self.dbprune_b1_cached, self.dbprune_b1_compute, (h1, temb, b1_res0))
     h2 = c1[0]                                                       # block 1, or h1 + its stored residual
-    s1 = self.dbprune_b1_commit(d1[0], h1, c1[1], in1, in1_valid, res1_0)   # input / residual stored if computed
+    s1 = self.dbprune_b1_commit(d1[0], h1, step, c1[1], in1, in1_valid, b1_res0)  # input / residual stored if computed
     d2 = self.dbprune_b2_decide(h2, *d1_scalars, in2, in2_valid)
     ...                                                              # the same for block 2
     rec = self.dbprune_finish(prune1, prune2, diff1, diff2)          # this call's per-block record
@@ -58,13 +62,12 @@ class DBPrune(Pass):
         self.config = config if config is not None else DBPruneConfig(**fields)
         if not isinstance(self.config, DBPruneConfig):
             raise TypeError(f"DBPrune: config must be a DBPruneConfig, got {type(self.config).__name__}")
-        if calibrator is not None:
-            raise ValueError("DBPrune: a calibrator with DBPruneConfig is not implemented (the reference calibrates "
-                             "every block's residual separately); drop calibrator_config or use DBCacheConfig")
-        self.calibrator = None
+        from ..cache.prune import check_calibrator
+        check_calibrator(calibrator)
+        self.calibrator = calibrator
 
     def config_items(self) -> Dict[str, Any]:
-        return {"tag": self.config.strify()}
+        return {"tag": self.config.strify() + ("" if self.calibrator is None else f"_{self.calibrator.strify()}")}
 
     def _refuse(self, gm: fx.GraphModule, s) -> List[int]:
         facts = facts_of(gm)
@@ -96,7 +99,8 @@ class DBPrune(Pass):
         program = build_prune_program(self.config, total_blocks=n, blocks=blocks,
                                       inputs=[q.image_at_cut.meta["val"] for q in segs],
                                       residuals=[[o.meta["val"] for o in q.live_out] for q in segs],
-                                      has_timestep=timestep is not None)
+                                      has_timestep=timestep is not None, calibrator=self.calibrator,
+                                      image_streams=[_image_stream(q, self.calibrator) for q in segs])
         device = segs[0].image_at_cut.meta["val"].device
         state_in = dict(zip(program.names, add_state_inputs(gm, program, device, mode)))
         valid_names = [k for k in program.names if k.endswith("_valid")]
@@ -124,23 +128,27 @@ class DBPrune(Pass):
                                       before_of={o: dataclasses.replace(b, parts=tuple(fix(p) for p in b.parts))
                                                  for o, b in seg.before_of.items()})
             k = len(seg.live_out)
-            keys = block_state_keys(program, i)  # in{j}, in{j}_valid, res{j}_*
+            keys = block_state_keys(program, i)  # in{j}, in{j}_valid, b{j}_* (its stream entries)
             h = seg.image_at_cut
             gm.add_submodule(f"{self.name}_b{j}_compute", _branch(gm, seg, k, cached=False, name=self.name))
             gm.add_submodule(f"{self.name}_b{j}_cached", _branch(gm, seg, k, cached=True, name=self.name))
+            hits = [f"forecast_{x}" for x in range(k)] if program.predicts else []
             with g.inserting_before(seg.nodes[0]):
                 d = call(f"b{j}_decide", BlockDecide(program.block_decide, i),
-                         [h, *scalars, cur[keys[0]], cur[keys[1]]], ["prune", "diff"] + list(SCALARS) + list(STEP_KEYS))
-                prune, scalars = d[0], d[2:]
-                operands = tuple(seg.live_in) + tuple(cur[x] for x in keys[2:])
+                         [h, *scalars, *(cur[x] for x in keys[:2 if not program.predicts else None])],
+                         ["prune", "diff"] + hits + list(SCALARS) + list(STEP_KEYS))
+                prune, scalars = d[0], d[2 + len(hits):]
+                adds = d[2:2 + k] if program.predicts else [cur[x] for x in program.residual_keys(i)]
+                operands = tuple(seg.live_in) + tuple(adds)
                 cond = g.call_function(torch.ops.higher_order.cond, (prune, g.get_attr(f"{self.name}_b{j}_cached"),
                                                                      g.get_attr(f"{self.name}_b{j}_compute"), operands))
                 cond_vals = _fake_call(getattr(gm, f"{self.name}_b{j}_compute"), operands, mode)
                 cond.meta["val"] = tuple(cond_vals)
                 items = _getitems(g, cond, cond_vals, [f"b{j}_stream_{x}" for x in range(k)]
                                   + [f"b{j}_residual_{x}" for x in range(k)])
-                new_state = call(f"b{j}_commit", BlockCommit(program.block_commit),
-                                 [prune, h, *items[k:], *(cur[x] for x in keys)], [f"next_{x}" for x in keys])
+                step = scalars[list(SCALARS).index("step")]
+                new_state = call(f"b{j}_commit", BlockCommit(program.block_commit, i),
+                                 [prune, h, step, *items[k:], *(cur[x] for x in keys)], [f"next_{x}" for x in keys])
             state_out.update(zip(keys, new_state))
             inside = set(seg.nodes)
             for o, new in zip(seg.live_out, items[:k]):
@@ -163,6 +171,18 @@ class DBPrune(Pass):
                   "nodes_in_branches": moved}
         return PassResult(True, counts, f"blocks {blocks} of {n} each in its own torch.cond branch; tag "
                                         f"{self.config.strify()}")
+
+
+def _image_stream(seg, calibrator) -> int:
+    """The index of the image stream among the streams leaving one block (the calibrator's stream 0)."""
+    image = [x for x, o in enumerate(seg.live_out) if seg.before_of[o].parts == (seg.image_at_cut,)]
+    if len(image) == 1:
+        return image[0]
+    if calibrator is not None and calibrator.enable_calibrator != calibrator.enable_encoder_calibrator:
+        raise PassError(f"dbprune: the image stream '{seg.image_at_cut.name}' does not leave the block as one stream "
+                        f"(leaving: {[o.name for o in seg.live_out]}), so enable_calibrator and "
+                        f"enable_encoder_calibrator cannot be told apart; set both alike")
+    return 0
 
 
 __all__ = ["DBPrune"]
