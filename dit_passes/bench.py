@@ -132,7 +132,9 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
             if fp8:
                 from .quant.dispatch import FAST_ACCUM_ENV
                 os.environ.setdefault(FAST_ACCUM_ENV, "1")  # sm_90's fast fp8 accumulation, unless the user chose
-                chosen.append(passes.Fp8Linear(exclude=()))
+                # q / k / v (and a single block's proj_mlp) as one linear: one activation quantization, one wider
+                # GEMM (H100: fp8 step 1.277x -> 1.294x bf16, bench/results/h200_quant_step_fused.md)
+                chosen += [passes.FuseSiblingLinears(), passes.Fp8Linear(exclude=())]
             return compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=torch_compile)
         return build
 
