@@ -9,7 +9,8 @@ loop and forced schedule F8B0, 8 warm-up steps, then always cached: 20 of 28 ste
 * ``ours_bf16``: the same with ``"mode": "reduce-overhead"``: the step replayed as one CUDA graph, the cache
   decision a conditional node (``dit_passes/infra/cuda_graph_step.py``);
 * ``ours_fp8``: ``ours_bf16`` plus ``FuseSiblingLinears`` and ``Fp8Linear`` on every block linear (fast
-  accumulation), built last: it releases the bf16 block weights from the model; where torch has no CUDA-graph IF nodes, with the step eager.
+  accumulation), built last: it releases the bf16 block weights from the model; where torch has no CUDA-graph IF
+  nodes, with the step eager.
 
 Each row: capture + passes (``build_s``), the first generation (compile and CUDA-graph capture included, cold
 Inductor cache where ``bench/device_env.sh`` set one), the median of ``--repeats`` more, the relative error of
