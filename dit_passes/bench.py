@@ -14,7 +14,8 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
 * ``graphed_regional_always``: ``compiled_regional_always`` with ``"mode": "reduce-overhead"``: the whole step
   replayed as one CUDA graph, the cache decision a conditional node (no host read per step);
   ``graphed_regional_fp8_always``: the same plus ``FuseSiblingLinears`` and ``Fp8Linear`` on every block linear
-  (fast accumulation, set by ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset); it releases the bf16 block weights, so it runs last;
+  (fast accumulation, set by ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset); it releases the bf16 block weights, so
+  it runs last;
   ``compiled_regional_fp8_always``: the fp8 stack with the step eager (where no CUDA-graph IF nodes exist);
 * ``--preset fastest``: ``compiled_regional_always,graphed_regional_always,graphed_regional_fp8_always``;
 * ``--attention cudnn`` adds ``passes.AttentionBackend("cudnn")`` to every captured row (not ``eager``);
