@@ -10,6 +10,12 @@ and on a CPU, end to end on a small model (backend "eager")::
 
     python bench/h200_quant_step.py --tiny --out /tmp/h200_quant_step
 
+Only the per-linear table for chosen designs, no step rows (the fused W4A8 kernels against their baselines; the
+first call of each fused design autotunes its Triton GEMM per shape)::
+
+    PYTHONPATH=/tmp/site python3 bench/h200_quant_step.py --linears-only \
+        --linears bf16_mm,fp8_gemm,svdq_fp8_fast_accum,svdq_w4a8_fused,svdq_w4a8_fused_fold --out "$OUT"
+
 Only the fusion rows and their baselines, no per-linear table (about 3 minutes on an H100)::
 
     PYTHONPATH=/tmp/site python3 bench/h200_quant_step.py --rows bf16,bf16_fused,fp8_fast_accum,fp8_fused \
@@ -30,6 +36,9 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16); the AdaLN
   modulation linears weight-only int8 (the pass's default ``modulation="w8a16"``: dequantized to bf16 per call);
 * ``svdq_w4_all_fp8_fast_accum``: the same with ``modulation="svdq"``, the AdaLN modulation linears W4A8 too;
+* ``svdq_w4_w4a8_fused`` / ``svdq_w4_w4a8_fused_fold`` (not by default): the same pass with
+  ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``: each linear the op ``dit_passes::svdq_w4a8_linear``, the fused
+  W4A8 Triton kernels (``kernels/w4a8_triton.py``);
 * ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 on the CUTLASS kernels
   (``DIT_PASSES_W4A4_BACKEND=cutlass``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
 
@@ -44,7 +53,10 @@ Per linear (``linear_ms``), M = 4608, the four FLUX shapes K x N: ``bf16_mm`` (`
 (``_scaled_mm`` on pre-quantized operands), ``svdq_fp8`` / ``svdq_fp8_fast_accum`` (rank 32, smoothing calibrated
 on the same activations; the W4A8 form compiled alone, weight expansion and low-rank branch included;
 ``rel_err_w4a4_reference``: true W4A4's error on the same weights), ``w4_expand`` (the int4 -> e4m3 weight expansion
-alone), ``svdq_op`` (the custom op; not by default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
+alone), ``svdq_w4a8_fused`` / ``svdq_w4a8_fused_fold`` (``dit_passes::svdq_w4a8_linear``: the fused W4A8 Triton
+kernels, activation quantization with the low-rank down projection in one pass, the int4 weights turned into e4m3
+inside the GEMM, group scales exact in fp32 / folded into the e4m3 weights, the up projection and bias in its
+epilogue), ``svdq_op`` (the custom op; not by default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
 with 1% outlier channels, weights as ``nn.Linear`` initialises them; bias included; ``bf16_mm``'s error is
 ``F.linear``'s, its time ``torch.mm``'s).
 Writes ``h200_quant_step.json`` / ``.md`` to ``--out`` after every row; rows not started within ``--budget-s``
@@ -70,10 +82,11 @@ TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers
                    axes_dims_rope=(8, 12, 12))
 TINY = dict(img=64, txt=8, m=72, shapes=((64, 64), (64, 256), (256, 64), (320, 64)))
 # default order: the likely fastest designs first (rows not started within --budget-s are skipped)
-ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "bf16_fused", "svdq_w4_fp8_fast_accum", "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8",
-        "svdq_w4_op")
-DEFAULT_ROWS = ROWS[:-1]
-LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_fp8", "svdq_fp8_fast_accum", "w4_expand", "svdq_op")
+ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "bf16_fused", "svdq_w4_fp8_fast_accum", "svdq_w4_all_fp8_fast_accum",
+        "fp8", "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op")
+DEFAULT_ROWS = ROWS[:-3]
+LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_fp8", "svdq_fp8_fast_accum", "svdq_w4a8_fused",
+           "svdq_w4a8_fused_fold", "w4_expand", "svdq_op")
 DEFAULT_LINEARS = LINEARS[:-1]
 RANK = 32
 
@@ -116,6 +129,10 @@ def row_specs():
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
                                        {**w4a8, **fast}),
+        # the fused W4A8 Triton kernels (dit_passes::svdq_w4a8_linear), exact / folded group scales
+        "svdq_w4_w4a8_fused": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "w4a8"}),
+        "svdq_w4_w4a8_fused_fold": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                    {dispatch.BACKEND_ENV: "w4a8_fold"}),
         "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "cutlass", **exact}),
     }
 
@@ -261,13 +278,22 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
             return lambda: fn(x)
         return build
 
+    def svdq_w4a8(fold: bool):
+        def build(x, w, b):
+            q = svdq(x, w, b)
+            args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias, fold)
+            op = torch.ops.dit_passes.svdq_w4a8_linear.default  # the fused kernels on sm_89+, else the reference
+            return lambda: op(x, *args)
+        return build
+
     def w4_expand(x, w, b):
         q = svdq(x, w, b)
         fn = torch.compile(lambda: w4_to_e4m3(q.qweight, q.wscale, q.N, q.K), backend=backend, fullgraph=True)
         return fn
 
     return {"bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
-            "svdq_fp8": svdq_fp8(False), "svdq_fp8_fast_accum": svdq_fp8(True), "w4_expand": w4_expand,
+            "svdq_fp8": svdq_fp8(False), "svdq_fp8_fast_accum": svdq_fp8(True), "svdq_w4a8_fused": svdq_w4a8(False),
+            "svdq_w4a8_fused_fold": svdq_w4a8(True), "w4_expand": w4_expand,
             "svdq_op": svdq_op}
 
 
@@ -437,13 +463,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"step rows, of {ROWS}")
     ap.add_argument("--linears", default=",".join(DEFAULT_LINEARS),
                     help=f"per-linear designs, of {LINEARS} ('' for none)")
+    ap.add_argument("--linears-only", action="store_true", help="the per-linear table only, no step rows")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--linear-repeats", type=int, default=20)
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps per row (GPU time by kind)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no step row after this many seconds")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
+    rows = [] if args.linears_only else [r for r in args.rows.split(",") if r]
     designs = [d for d in args.linears.split(",") if d]
     unknown = sorted(set(rows) - set(ROWS)) + sorted(set(designs) - set(LINEARS))
     if unknown:
@@ -462,6 +489,11 @@ def main(argv=None) -> int:
     if designs:
         r["linears"] = linear_rows(sizes, designs, args, device)
         save(r, args.out)
+    if args.linears_only:
+        r["total_s"] = time.perf_counter() - t_start
+        save(r, args.out)
+        log(markdown(r))
+        return 0
     kw = flux_inputs(config, sizes["img"], sizes["txt"], device, torch.bfloat16)
     specs = row_specs()
     ref = None

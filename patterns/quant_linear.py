@@ -24,6 +24,9 @@ e.g. for ``fp8_per_row`` on an H200::
         qx = aten._to_copy(aten.clamp(xf / sx, -448, 448), dtype=float8_e4m3fn)
         y = aten.view(aten._scaled_mm(qx, aten.t(qw), sx, aten.view(ws, [1, N]), b2, None, bfloat16, False), [B, S, N])
 
+SVDQuant's kind can also be written as ``torch.ops.dit_passes.svdq_w4a8_linear.default(x, ..., b2, fold)`` (the
+fused W4A8 kernels; ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``, ``dispatch.svdq_form``).
+
 A kind without an op (``w8a16`` / ``w4a16`` / ``w4a16_lr``, weight-only int8 / int4 / int4 + low-rank) is always its
 graph form, shape-generic: the int8 values scaled per row (``graph_forms.w8a16_linear_form``) or the int4 values
 unpacked and scaled per group (``graph_forms.w4a16_linear_form``), then ``aten.linear`` on the dequantized weight
@@ -119,9 +122,25 @@ def svdq_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape) -
     return svdq_fp8_form
 
 
+def svdq_w4a8_replacement(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
+    return torch.ops.dit_passes.svdq_w4a8_linear.default(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias,
+                                                         False)
+
+
+def svdq_w4a8_fold_replacement(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
+    return torch.ops.dit_passes.svdq_w4a8_linear.default(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias,
+                                                         True)
+
+
+_W4A8_REPLACEMENTS = {"w4a8": svdq_w4a8_replacement, "w4a8_fold": svdq_w4a8_fold_replacement}
+
+
 def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
     qweight = tensors["qweight"]
-    if dispatch.svdq_form(x_val, qweight) != "fp8":
+    form = dispatch.svdq_form(x_val, qweight)
+    if form in _W4A8_REPLACEMENTS:  # the fused W4A8 kernels' op (exact or folded group scales)
+        return _W4A8_REPLACEMENTS[form]
+    if form != "fp8":
         return None
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     gemm = dispatch.fp8_gemm_backend(x_val, n, k, "per_row")

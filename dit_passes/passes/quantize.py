@@ -324,7 +324,9 @@ class SVDQuantW4A4(_QuantizeLinears):
     (``dynamic=True``): no calibration, smoothing from the weights only (``smooth="weight"``) unless
     ``smooth`` says otherwise; ``serialize_to`` optional (``svdq_int4_r<rank>_dq``). The linears call
     ``dit_passes.svdq_w4a4_linear`` (true W4A4), or on Hopper (and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8``)
-    are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors).
+    are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors);
+    ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold`` writes ``dit_passes.svdq_w4a8_linear`` instead (the fused W4A8
+    Triton kernels: no expanded weight buffer; ``quant/w4a8.py``).
 
     ``svd_precision`` (``"low"``: seeded randomized SVD, ``"medium"``: full SVD in fp32, ``"high"``: in fp64) and
     ``refine_iters`` (rounds refitting the low-rank branch to what the residual's quantization leaves): cache-dit's

@@ -4,6 +4,9 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 
 * ``dit_passes::svdq_w4a4_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor lora_down,
   Tensor lora_up, Tensor smooth_inv, Tensor? bias) -> Tensor`` (shapes: see ``int4.w4a4_linear_reference``)
+* ``dit_passes::svdq_w4a8_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor lora_down, Tensor lora_up,
+  Tensor smooth_inv, Tensor? bias, bool fold) -> Tensor`` (SVDQuant's tensors as W4A8 on fp8 tensor cores, the
+  fused Triton kernels; see ``w4a8.w4a8_linear_reference``)
 * ``dit_passes::svdq_nvfp4_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor wglobal, Tensor lora_down,
   Tensor lora_up, Tensor smooth_inv, Tensor? bias) -> Tensor`` (NVFP4 W4A4; see ``nvfp4.nvfp4_linear_reference``)
 * ``dit_passes::fp8_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias, str granularity) -> Tensor``
@@ -11,8 +14,8 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 
 Each op has three implementations: the reference (any device; the op's body), the fake (meta: checks the
 shapes, allocates the output) and the CUDA one, which asks ``dispatch.py`` which backend runs (W4A4:
-CUTLASS, Triton or the reference; fp8: ``torch._scaled_mm`` or the reference; int8: ``torch._int_mm``
-or the reference).
+CUTLASS, Triton or the reference; W4A8: the fused Triton kernels or the reference; fp8: ``torch._scaled_mm`` or
+the reference; int8: ``torch._int_mm`` or the reference).
 
 The other ``dit_passes::`` ops stay with their subsystems, each next to the only code that emits it:
 ``onload`` (passes/offload.py), ``sdpa_backend`` (passes/attention_backend.py), ``ring_exchange``
@@ -29,12 +32,13 @@ from . import dispatch
 from .fp8_int8 import FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference
 from .int4 import w4a4_linear_reference
 from .nvfp4 import BLOCK, nvfp4_linear_reference
+from .w4a8 import w4a8_linear_reference
 
 
 # ---------------------------------------------------------------------------------------------- W4A4
 
 
-def _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias) -> None:
+def _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, op="svdq_w4a4_linear") -> None:
     k = x.shape[-1]
     n = qweight.shape[0]
     problems = []
@@ -44,7 +48,7 @@ def _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
         problems.append(f"wscale must be [{n}, {k}//64], got {list(wscale.shape)}")
     problems += _branch_problems(k, n, lora_down, lora_up, smooth_inv, bias)
     if problems:
-        raise ValueError("dit_passes::svdq_w4a4_linear: " + "; ".join(problems))
+        raise ValueError(f"dit_passes::{op}: " + "; ".join(problems))
 
 
 def _branch_problems(k: int, n: int, lora_down, lora_up, smooth_inv, bias) -> list:
@@ -79,6 +83,30 @@ def _svdq_w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, b
 @svdq_w4a4_linear.register_fake
 def _svdq_w4a4_linear_fake(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
     _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+# ---------------------------------------------------------------------------------------------- W4A8
+W4A8_OP = "svdq_w4a8_linear"
+
+@torch.library.custom_op("dit_passes::svdq_w4a8_linear", mutates_args=())
+def svdq_w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
+                     lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
+                     fold: bool) -> torch.Tensor:
+    """SVDQuant's stored tensors as W4A8 (per-token e4m3 activations), reference implementation (any device)."""
+    _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, W4A8_OP)
+    return w4a8_linear_reference(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, fold)
+
+
+@svdq_w4a8_linear.register_kernel("cuda")
+def _svdq_w4a8_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, fold):
+    _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, W4A8_OP)
+    return dispatch.w4a8_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, fold)
+
+
+@svdq_w4a8_linear.register_fake
+def _svdq_w4a8_linear_fake(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, fold):
+    _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, W4A8_OP)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 

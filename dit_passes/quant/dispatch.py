@@ -18,6 +18,11 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   SVDQuant's linears are written as W4A8 on fp8 tensor cores (``graph_forms.svdq_fp8_linear_form``) on Hopper
   by default and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (its GEMM follows :func:`fp8_gemm_backend`: the
   reference on CPU), else as the custom op (true W4A4, above): :func:`svdq_form`.
+* ``DIT_PASSES_W4A4_BACKEND`` = ``w4a8`` / ``w4a8_fold``: SVDQuant's linears are written as the op
+  ``dit_passes::svdq_w4a8_linear`` (``fold`` False / True), which runs the fused W4A8 Triton kernels
+  (``dit_passes.kernels.w4a8_triton``: the int4 weights turned into e4m3 inside the GEMM, per-token e4m3 activations
+  quantized with the low-rank down projection in one pass, the up projection and bias in the epilogue) on sm_89+
+  GPUs, else its reference (:func:`w4a8_linear_cuda`). Not the Hopper default until measured faster than ``fp8``.
 * ``dit_passes::svdq_nvfp4_linear`` (NVFP4 SVDQuant), :func:`nvfp4_form`: written as the exact split GEMM on fp8
   tensor cores (``graph_forms.svdq_nvfp4_fp8_linear_form``) by default wherever ``_scaled_mm`` takes it (sm_89+,
   bf16) and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (the reference GEMM off the GPU); else the op (the
@@ -42,10 +47,12 @@ from typing import Dict, Optional
 import torch
 
 from .int4 import w4a4_linear_reference
+from .w4a8 import w4a8_linear_reference
 
 BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
 FAST_ACCUM_ENV = "DIT_PASSES_FP8_FAST_ACCUM"
-BACKENDS = ("auto", "triton", "cutlass", "fp8")
+BACKENDS = ("auto", "triton", "cutlass", "fp8", "w4a8", "w4a8_fold")
+W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 GROUP = 64
 
 
@@ -69,6 +76,12 @@ def w4a4_kernel_module() -> Optional[ModuleType]:
 def w4a4_cutlass_module() -> Optional[ModuleType]:
     """``dit_passes.kernels.w4a4_cutlass_linear`` (``w4a4_linear``), or None."""
     return _import_kernel("w4a4_cutlass_linear", "Triton")
+
+
+@functools.lru_cache(maxsize=None)
+def w4a8_kernel_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.w4a8_triton`` (``w4a8_linear``, ``is_supported``), or None."""
+    return _import_kernel("w4a8_triton", "the reference")
 
 
 def _cutlass_gemm() -> ModuleType:
@@ -218,6 +231,15 @@ def w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias) -
     return w4a4_linear_with_kernel(w4a4_kernel_module(), x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
 
 
+def w4a8_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, fold: bool) -> torch.Tensor:
+    """The CUDA implementation of ``dit_passes::svdq_w4a8_linear``: the fused Triton kernels where they run this
+    linear, else the reference."""
+    kernel = w4a8_kernel_module()
+    if kernel is not None and kernel.is_supported(x.reshape(-1, x.shape[-1]), qweight):
+        return kernel.w4a8_linear(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, fold=fold)
+    return w4a8_linear_reference(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, fold)
+
+
 # ------------------------------------------------------------------------------------------ fp8 / int8
 def capability(device: torch.device) -> tuple:
     """The CUDA compute capability of ``device`` (major, minor)."""
@@ -256,14 +278,16 @@ def fp8_fast_accum() -> bool:
 
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     """How an SVDQuant linear is written into the graph: ``"fp8"`` (W4A8, the activations in e4m3 per token, on fp8
-    tensor cores where ``_scaled_mm`` runs, plain ATen ops) or ``"op"`` (``dit_passes::svdq_w4a4_linear``: true
+    tensor cores where ``_scaled_mm`` runs, plain ATen ops), ``"w4a8"`` / ``"w4a8_fold"`` (the op
+    ``dit_passes::svdq_w4a8_linear``: the fused W4A8 kernels, exact / folded group scales; only when
+    ``DIT_PASSES_W4A4_BACKEND`` names them, on any device) or ``"op"`` (``dit_passes::svdq_w4a4_linear``: true
     W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor cores).
     ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes it on Hopper (compute
     capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape; every other setting,
     device or shape gets the op."""
     setting = backend_setting()
-    if setting == "fp8":
-        return "fp8"
+    if setting == "fp8" or setting in W4A8_FORMS:
+        return setting
     if setting != "auto" or x.device.type != "cuda" or capability(x.device)[0] != 9:
         return "op"
     n, k = qweight.shape[0], 2 * qweight.shape[1]
