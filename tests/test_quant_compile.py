@@ -30,11 +30,13 @@ METHODS = {  # name -> (pass, dispatch settings while the graph is written)
     "fp8_per_tensor": (lambda: Fp8Linear("per_tensor"), {}),
     "svdq_w4a4": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {}),  # the custom op (reference W4A4 on CPU)
     "svdq_w4a8_fp8": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {dispatch.BACKEND_ENV: "fp8"}),  # graph form
+    # the fused W4A8 kernels' op (its reference on CPU)
+    "svdq_w4a8_fused": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {dispatch.BACKEND_ENV: "w4a8"}),
     "svdq_w4a16_mod": (lambda: SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16"), {}),
     "svdq_w4a16lr_mod": (lambda: SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16_lr"), {}),
 }
 QUANT_OPS = {torch.ops.dit_passes.svdq_w4a4_linear.default, torch.ops.dit_passes.fp8_linear.default,
-             torch.ops.dit_passes.int8_linear.default}
+             torch.ops.dit_passes.int8_linear.default, torch.ops.dit_passes.svdq_w4a8_linear.default}
 LOW_BIT = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 NIBBLES = torch.ops.aten.bitwise_right_shift.Tensor_Scalar  # the high nibble's unpack (int4.int4_values)
 
@@ -98,7 +100,8 @@ def uncompiled(flux):
 
 
 # per_tensor and the SVDQuant fp8 form (the larger graph): regional only, to keep the file under a minute
-@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4", "svdq_w4a16_mod", "svdq_w4a16lr_mod"])
+@pytest.mark.parametrize("method", ["int8", "fp8_per_row", "svdq_w4a4", "svdq_w4a8_fused", "svdq_w4a16_mod",
+                                    "svdq_w4a16lr_mod"])
 def test_whole_graph_compiles_fullgraph(flux, uncompiled, method):
     zm, kw = flux
     ref, replaced, quantized = uncompiled[method]
@@ -135,6 +138,18 @@ def test_regional_compile_fullgraph(flux, uncompiled, method):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_w4a8_setting_writes_the_fused_op(flux, uncompiled):
+    """``DIT_PASSES_W4A4_BACKEND=w4a8``: every W4A4 linear becomes ``dit_passes::svdq_w4a8_linear`` (exact group
+    scales), the modulation linears keep their weight-only form; W4A8's output is not W4A4's."""
+    zm, kw = flux
+    c = _lowered(zm, kw, "svdq_w4a8_fused")
+    ops = [n for n in c.graph_module.graph.nodes if n.target is torch.ops.dit_passes.svdq_w4a8_linear.default]
+    adaln = [p for p, m in zm.model.named_modules()
+             if isinstance(m, torch.nn.Linear) and "blocks." in p and p.endswith(".linear")]
+    assert len(ops) == block_linears(zm.model) - len(adaln) and all(n.args[-1] is False for n in ops)
+    assert not torch.equal(uncompiled["svdq_w4a8_fused"][0], uncompiled["svdq_w4a4"][0])
+
+
 def _op_cases():
     g = torch.Generator().manual_seed(0)
     w, b, x = torch.randn(48, 128, generator=g), torch.randn(48, generator=g), torch.randn(2, 5, 128, generator=g)
@@ -145,6 +160,10 @@ def _op_cases():
                       (x, s.qweight, s.wscale, s.lora_down, s.lora_up, s.smooth_inv, s.bias)),
         "svdq_w4a4_no_bias": (torch.ops.dit_passes.svdq_w4a4_linear.default,
                               (x, s.qweight, s.wscale, s.lora_down, s.lora_up, s.smooth_inv, None)),
+        "svdq_w4a8": (torch.ops.dit_passes.svdq_w4a8_linear.default,
+                      (x, s.qweight, s.wscale, s.lora_down, s.lora_up, s.smooth_inv, s.bias, False)),
+        "svdq_w4a8_fold_no_bias": (torch.ops.dit_passes.svdq_w4a8_linear.default,
+                                   (x, s.qweight, s.wscale, s.lora_down, s.lora_up, s.smooth_inv, None, True)),
         "fp8_per_row": (torch.ops.dit_passes.fp8_linear.default, (x, f.qweight, f.wscale, f.bias, "per_row")),
         "fp8_per_tensor": (torch.ops.dit_passes.fp8_linear.default, (x, ft.qweight, ft.wscale, None, "per_tensor")),
         "int8": (torch.ops.dit_passes.int8_linear.default, (x, i.qweight, i.wscale, i.bias)),
