@@ -56,7 +56,9 @@ on the same activations; the W4A8 form compiled alone, weight expansion and low-
 alone), ``svdq_w4a8_fused`` / ``svdq_w4a8_fused_fold`` (``dit_passes::svdq_w4a8_linear``: the fused W4A8 Triton
 kernels, activation quantization with the low-rank down projection in one pass, the int4 weights turned into e4m3
 inside the GEMM, group scales exact in fp32 / folded into the e4m3 weights, the up projection and bias in its
-epilogue), ``svdq_op`` (the custom op; not by default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
+epilogue), ``w4a8_act`` / ``w4a8_gemm`` / ``w4a8_gemm_fold`` (the fused design's two kernels alone, its profile:
+the activation pass, and the GEMM on pre-quantized activations; GPU only), ``svdq_op`` (the custom op; not by
+default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
 with 1% outlier channels, weights as ``nn.Linear`` initialises them; bias included; ``bf16_mm``'s error is
 ``F.linear``'s, its time ``torch.mm``'s).
 Writes ``h200_quant_step.json`` / ``.md`` to ``--out`` after every row; rows not started within ``--budget-s``
@@ -86,7 +88,7 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "bf16_fused", "svdq_w4_fp8_fast_a
         "fp8", "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op")
 DEFAULT_ROWS = ROWS[:-3]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_fp8", "svdq_fp8_fast_accum", "svdq_w4a8_fused",
-           "svdq_w4a8_fused_fold", "w4_expand", "svdq_op")
+           "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold", "w4_expand", "svdq_op")
 DEFAULT_LINEARS = LINEARS[:-1]
 RANK = 32
 
@@ -286,6 +288,19 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
             return lambda: op(x, *args)
         return build
 
+    def w4a8_parts(part: str):
+        def build(x, w, b):
+            kernels = dispatch.w4a8_kernel_module() if device.type == "cuda" else None
+            q = svdq(x, w, b)
+            if kernels is None or not kernels.is_supported(x, q.qweight):
+                return None
+            if part == "act":
+                return lambda: kernels.w4a8_act_quant(x, q.smooth_inv, q.lora_down)
+            qx, sx, la = kernels.w4a8_act_quant(x, q.smooth_inv, q.lora_down)
+            return lambda: kernels.w4a8_gemm(qx, sx, q.qweight, q.wscale, la, q.lora_up, q.bias, x.dtype,
+                                             fold=part == "gemm_fold")
+        return build
+
     def w4_expand(x, w, b):
         q = svdq(x, w, b)
         fn = torch.compile(lambda: w4_to_e4m3(q.qweight, q.wscale, q.N, q.K), backend=backend, fullgraph=True)
@@ -293,7 +308,8 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
 
     return {"bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
             "svdq_fp8": svdq_fp8(False), "svdq_fp8_fast_accum": svdq_fp8(True), "svdq_w4a8_fused": svdq_w4a8(False),
-            "svdq_w4a8_fused_fold": svdq_w4a8(True), "w4_expand": w4_expand,
+            "svdq_w4a8_fused_fold": svdq_w4a8(True), "w4a8_act": w4a8_parts("act"), "w4a8_gemm": w4a8_parts("gemm"),
+            "w4a8_gemm_fold": w4a8_parts("gemm_fold"), "w4_expand": w4_expand,
             "svdq_op": svdq_op}
 
 
@@ -319,6 +335,12 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                 ms = median_ms(fn, args.linear_repeats, device, warmup=3)
                 if name == "w4_expand":  # memory-bound: packed int4 + scales read, e4m3 written
                     res[name] = {"ms": ms, "gb_per_s": (n * k // 2 + n * k) / (ms * 1e6)}
+                    continue
+                if name == "w4a8_act":  # memory-bound: bf16 x read (twice: the second pass mostly from L2), e4m3 written
+                    res[name] = {"ms": ms, "gb_per_s": (m * k * x.element_size() + m * k) / (ms * 1e6)}
+                    continue
+                if name.startswith("w4a8_gemm"):  # the GEMM alone: its time, no error of its own to report
+                    res[name] = {"ms": ms, "tflops": 2 * m * n * k / (ms * 1e9)}
                     continue
                 y = torch.nn.functional.linear(x, w, b) if name == "bf16_mm" else fn()
                 res[name] = {"ms": ms, "tflops": 2 * m * n * k / (ms * 1e9), "rel_err_vs_fp32": rel_err(y.float(), ref)}

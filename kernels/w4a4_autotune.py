@@ -54,20 +54,22 @@ W4A8_INTERPRET_GEMM = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2
 def w4a8_gemm_configs() -> List[triton.Config]:
     """Autotune candidates for ``_w4a8_gemm_kernel`` on sm_90 (kept short: each is a compile on first use).
 
-    fp8 wgmma wants BLOCK_M 128 (two warpgroups of 64 rows with 8 warps); the packed weight tile is half the bytes of
-    an fp8 one, so 3-4 stages fit easily in shared memory. The exact-weight kernel (``FOLD`` off) holds a second
-    [BLOCK_M, BLOCK_N] fp32 tile (the group's dot before its scale), so 128 x 256 is offered to ``FOLD`` only
-    (:func:`w4a8_prune`)."""
+    The kernel computes the tile transposed (the converted weight is wgmma's register A operand, BLOCK_N its M);
+    sm_90 builds compiled ahead of time on a CPU machine (ptxas -v, 8 warps): folded scales 128 x 128 167 registers,
+    256 x 128 and 128 x 256 255 without spills; exact group scales (a second fp32 tile, the group's dot before its
+    scale) 128 x 128 171-193, 64 x 128 / 4 warps 209, 256 x 128 spills (offered to ``FOLD`` only,
+    :func:`w4a8_prune`). The packed weight tile is half the bytes of an fp8 one, so 3-4 stages fit easily."""
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 128, 64, 4, 4),
-                                     (128, 256, 64, 8, 3), (128, 256, 128, 8, 3))]
+            for bm, bn, bk, w, s in ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
+                                     (256, 128, 64, 8, 3), (128, 256, 64, 8, 3))]
 
 
 def w4a8_prune(configs, named_args, **kwargs) -> List[triton.Config]:
-    """The configs whose BLOCK_K divides K, and 128 x 256 tiles only for ``FOLD`` (one accumulator)."""
+    """The configs whose BLOCK_K divides K, and tiles over 128 x 128 only for ``FOLD`` (one accumulator)."""
     args = {**named_args, **kwargs}
     k, fold = int(args["K"]), bool(args.get("FOLD", False))
-    keep = [c for c in configs if k % c.kwargs["BLOCK_K"] == 0 and (fold or c.kwargs["BLOCK_N"] <= 128)]
+    keep = [c for c in configs if k % c.kwargs["BLOCK_K"] == 0
+            and (fold or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128)]
     return keep or [triton.Config({**configs[0].kwargs, "BLOCK_K": 64}, num_warps=configs[0].num_warps,
                                   num_stages=configs[0].num_stages)]
 

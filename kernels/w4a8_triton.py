@@ -42,6 +42,7 @@ from .w4a4_triton import _round_to_bf16_rne
 
 GROUP = 64
 FP8_MAX = 448.0
+E4M3_MAX = tl.constexpr(FP8_MAX)  # what the kernels read (a jit function sees only constexpr globals)
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -98,7 +99,7 @@ def _w4a8_act_kernel(x_ptr, si_ptr, ld_ptr, q_ptr, sx_ptr, la_ptr, M, K, R, M_BU
                 lora = tl.dot(xa32, tl.trans(ld.to(tl.float32)), lora, input_precision="ieee")
             else:
                 lora = tl.dot(xa32.to(x_ptr.dtype.element_ty), tl.trans(ld), lora)
-    scale = tl.math.div_rn(amax, FP8_MAX)
+    scale = tl.math.div_rn(amax, E4M3_MAX)
     scale = tl.where(scale == 0.0, 1.0, scale)
     tl.store(sx_ptr + rows, scale, mask=m_mask)
     if HAS_LORA:
@@ -109,7 +110,7 @@ def _w4a8_act_kernel(x_ptr, si_ptr, ld_ptr, q_ptr, sx_ptr, la_ptr, M, K, R, M_BU
         cols = i * CHUNK + offs_c
         x = tl.load(x_ptr + rows[:, None] * s_xm + cols[None, :], mask=m_mask[:, None], other=0.0)
         xs = x.to(tl.float32) * tl.load(si_ptr + cols)[None, :]
-        y = tl.minimum(tl.maximum(tl.math.div_rn(xs, scale[:, None]), -FP8_MAX), FP8_MAX)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(xs, scale[:, None]), -E4M3_MAX), E4M3_MAX)
         # per group of 64: the 32 even k, then the 32 odd k (the weight's low / high nibbles)
         y_even, y_odd = tl.split(tl.reshape(y, [BLOCK_M, CHUNK // 64, 32, 2]))
         dst = q_ptr + rows[:, None, None] * s_qm + (i * CHUNK + offs_g * 64)[None, :, None] + offs_j[None, None, :]
@@ -150,7 +151,11 @@ def _w4a8_gemm_kernel(qx_ptr, sx_ptr, qw_ptr, ws_ptr, sw_ptr, la_ptr, lu_ptr, bi
     ws_ptrs = ws_ptr + rn * s_wsn
     if FOLD:
         sw = tl.load(sw_ptr + rn)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # The tile is computed transposed, [BLOCK_N, BLOCK_M] = W_tile @ X_tile.T: the weight, converted in registers,
+    # is then wgmma's A operand straight from registers (the activations, B, stream through the pipelined shared
+    # memory); the other orientation would write each converted weight tile to shared memory and fence before the
+    # MMA (sm_90 builds: 128 instead of 236 registers for 128 x 128 x 64, folded, 8 warps).
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kb in range(0, TRIP if TRIP > 0 else K // BLOCK_K):
         for j in tl.static_range(BLOCK_K // 64):
             g = kb * (BLOCK_K // 64) + j
@@ -160,32 +165,32 @@ def _w4a8_gemm_kernel(qx_ptr, sx_ptr, qw_ptr, ws_ptr, sw_ptr, la_ptr, lu_ptr, bi
             ws = tl.load(ws_ptrs + g).to(tl.float32)
             if FOLD:
                 ratio = tl.math.div_rn(ws, sw)[:, None]
-                w_lo = _to_e4m3(tl.minimum(tl.maximum(lo.to(tl.float32) * ratio, -FP8_MAX), FP8_MAX), SOFT)
-                w_hi = _to_e4m3(tl.minimum(tl.maximum(hi.to(tl.float32) * ratio, -FP8_MAX), FP8_MAX), SOFT)
-                acc = tl.dot(a_even, tl.trans(w_lo), acc)
-                acc = tl.dot(a_odd, tl.trans(w_hi), acc)
+                w_lo = _to_e4m3(tl.minimum(tl.maximum(lo.to(tl.float32) * ratio, -E4M3_MAX), E4M3_MAX), SOFT)
+                w_hi = _to_e4m3(tl.minimum(tl.maximum(hi.to(tl.float32) * ratio, -E4M3_MAX), E4M3_MAX), SOFT)
+                acc = tl.dot(w_lo, tl.trans(a_even), acc)
+                acc = tl.dot(w_hi, tl.trans(a_odd), acc)
             else:
-                d = tl.dot(a_even, tl.trans(lo.to(tl.float16).to(tl.float8e4nv)))  # int4 exact in e4m3
-                d = tl.dot(a_odd, tl.trans(hi.to(tl.float16).to(tl.float8e4nv)), d)
-                acc = acc + d * ws[None, :]
+                d = tl.dot(lo.to(tl.float16).to(tl.float8e4nv), tl.trans(a_even))  # int4 exact in e4m3
+                d = tl.dot(hi.to(tl.float16).to(tl.float8e4nv), tl.trans(a_odd), d)
+                acc = acc + d * ws[:, None]
     sx = tl.load(sx_ptr + rm)
     if FOLD:
-        acc = acc * sx[:, None] * sw[None, :]
+        acc = acc * sx[None, :] * sw[:, None]
     else:
-        acc = acc * sx[:, None]
+        acc = acc * sx[None, :]
     if HAS_LORA:
         offs_r = tl.arange(0, R_PAD)
         r_mask = (offs_r < R)[None, :]
         la = tl.load(la_ptr + rm[:, None] * s_lam + offs_r[None, :], mask=r_mask, other=0.0)
         lu = tl.load(lu_ptr + rn[:, None] * s_lun + offs_r[None, :], mask=r_mask, other=0.0).to(tl.float32)
         if LORA_IEEE:
-            acc = tl.dot(la, tl.trans(lu), acc, input_precision="ieee")
+            acc = tl.dot(lu, tl.trans(la), acc, input_precision="ieee")
         else:
-            acc = tl.dot(la, tl.trans(lu), acc, input_precision="tf32")
+            acc = tl.dot(lu, tl.trans(la), acc, input_precision="tf32")
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * s_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        acc = acc + tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+    out = out_ptr + offs_m.to(tl.int64)[None, :] * s_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[None, :] & (offs_n < N)[:, None])
 
 
 # the autotuned launcher; an explicit config (tests, the interpreter) launches the kernel itself
