@@ -78,6 +78,10 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+# the sibling module: bench/ is sys.path[0] for `python bench/h200_quant_step.py`, but not under `python -P`
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from h200_quant_linears import RANK, clear_svdq, linear_designs, svdq  # noqa: E402
+
 FULL = dict(img=4096, txt=512, m=4608, shapes=((3072, 3072), (3072, 12288), (12288, 3072), (15360, 3072)))
 TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
                    num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True,
@@ -90,7 +94,6 @@ DEFAULT_ROWS = ROWS[:-3]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_fp8", "svdq_fp8_fast_accum", "svdq_w4a8_fused",
            "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold", "w4_expand", "svdq_op")
 DEFAULT_LINEARS = LINEARS[:-1]
-RANK = 32
 
 
 def log(*a) -> None:
@@ -225,94 +228,6 @@ def step_profile(fn: Callable[[], Any], steps: int) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ linears
-def svdq(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
-    """SVDQuant r32 of one linear, PTQ: smoothing from these activations' per-channel abs-max."""
-    from dit_passes.quant import prepare_svdquant
-
-    return prepare_svdquant(w, b, act_absmax=x.float().abs().amax(0), rank=RANK, smooth="act", dtype=x.dtype)
-
-
-def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
-    """name -> (x, w, b) -> zero-argument callable computing the quantized linear (or None: not on this device)."""
-    from dit_passes.quant import dispatch, prepare_fp8
-    from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, fp8_quantize, svdq_fp8_linear_form,
-                                              w4_to_e4m3)
-
-    backend = "eager" if tiny else "inductor"
-
-    def bf16_mm(x, w, b):
-        wt = w.t()
-        return lambda: torch.mm(x, wt)
-
-    def fp8(fast: bool):
-        def build(x, w, b):
-            f = prepare_fp8(w, b)
-            n, k = w.shape
-            gemm = dispatch.fp8_gemm_backend(x, n, k, "per_row")
-            shape = LinearShape.of(x, n, k, f.bias, f.wscale)
-            fn = torch.compile(lambda t: fp8_linear_form(t, f.qweight, f.wscale, f.bias, shape, "per_row", gemm,
-                                                         fast and gemm == "scaled_mm"), backend=backend, fullgraph=True)
-            return lambda: fn(x)
-        return build
-
-    def fp8_gemm(x, w, b):
-        if dispatch.fp8_gemm_backend(x, w.shape[0], w.shape[1], "per_row") != "scaled_mm":
-            return None
-        f = prepare_fp8(w, b)
-        qx, sx = fp8_quantize(x.float(), per_row=True)
-        qwt, sw = f.qweight.t(), f.wscale.reshape(1, -1)
-        return lambda: torch._scaled_mm(qx, qwt, scale_a=sx, scale_b=sw, bias=f.bias, out_dtype=x.dtype)
-
-    def svdq_op(x, w, b):
-        q = svdq(x, w, b)
-        args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias)
-        return lambda: torch.ops.dit_passes.svdq_w4a4_linear(x, *args)
-
-    def svdq_fp8(fast: bool):
-        def build(x, w, b):
-            q = svdq(x, w, b)
-            n, k = w.shape
-            gemm = dispatch.fp8_gemm_backend(x, n, k, "per_row")
-            shape = LinearShape.of(x, n, k, q.bias, q.wscale, rank=q.rank)
-            args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias)
-            fn = torch.compile(lambda t: svdq_fp8_linear_form(t, *args, shape, gemm, fast and gemm == "scaled_mm"),
-                               backend=backend, fullgraph=True)
-            return lambda: fn(x)
-        return build
-
-    def svdq_w4a8(fold: bool):
-        def build(x, w, b):
-            q = svdq(x, w, b)
-            args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias, fold)
-            op = torch.ops.dit_passes.svdq_w4a8_linear.default  # the fused kernels on sm_89+, else the reference
-            return lambda: op(x, *args)
-        return build
-
-    def w4a8_parts(part: str):
-        def build(x, w, b):
-            kernels = dispatch.w4a8_kernel_module() if device.type == "cuda" else None
-            q = svdq(x, w, b)
-            if kernels is None or not kernels.is_supported(x, q.qweight):
-                return None
-            if part == "act":
-                return lambda: kernels.w4a8_act_quant(x, q.smooth_inv, q.lora_down)
-            qx, sx, la = kernels.w4a8_act_quant(x, q.smooth_inv, q.lora_down)
-            return lambda: kernels.w4a8_gemm(qx, sx, q.qweight, q.wscale, la, q.lora_up, q.bias, x.dtype,
-                                             fold=part == "gemm_fold")
-        return build
-
-    def w4_expand(x, w, b):
-        q = svdq(x, w, b)
-        fn = torch.compile(lambda: w4_to_e4m3(q.qweight, q.wscale, q.N, q.K), backend=backend, fullgraph=True)
-        return fn
-
-    return {"bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
-            "svdq_fp8": svdq_fp8(False), "svdq_fp8_fast_accum": svdq_fp8(True), "svdq_w4a8_fused": svdq_w4a8(False),
-            "svdq_w4a8_fused_fold": svdq_w4a8(True), "w4a8_act": w4a8_parts("act"), "w4a8_gemm": w4a8_parts("gemm"),
-            "w4a8_gemm_fold": w4a8_parts("gemm_fold"), "w4_expand": w4_expand,
-            "svdq_op": svdq_op}
-
-
 def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, Any]]:
     build = linear_designs(device, args.tiny)
     m = sizes["m"]
@@ -356,6 +271,7 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                     v["speedup_vs_bf16_mm"] = base / v["ms"] if base else None
         out[key] = res
         log("linear", key, {d: round(v["ms"], 4) for d, v in res.items()})
+        clear_svdq()
         cleanup(device)
     return out
 

@@ -147,3 +147,16 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="BLOCK_K=128 must be a multiple of 64 dividing K=192"):
         x2, _, _, q2 = _case(torch.float32, k=192)
         K.w4a8_gemm(*K.w4a8_act_quant(x2, q2.smooth_inv, q2.lora_down)[:2], q2.qweight, q2.wscale, config=BK128)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="a FLUX-size K, compiled and autotuned: GPU only")
+@pytest.mark.parametrize("fold", [False, True])
+def test_flux_size_linear_on_gpu(fold):
+    """One FLUX-size K (3072, the attention projections') through the autotuned kernels: the reference's values up
+    to bf16 rounding and summation order, and the error against the exact linear of W4A8 (below W4A4's)."""
+    x, w, b, q = _case(torch.bfloat16, m=512, k=3072, n=1024, rank=32)
+    out = K.w4a8_linear(x, *_args(q, b), fold=fold)
+    ref = w4a8_linear_reference(x, *_args(q, b), fold=fold)
+    assert relative_error(out, ref) < 4e-3
+    exact = torch.nn.functional.linear(x.double(), w.double().to(DEV), b.double().to(DEV))
+    assert relative_error(out, exact) < relative_error(svdq_w4a4_linear_reference(x, q), exact)
