@@ -54,11 +54,13 @@ W4A8_INTERPRET_GEMM = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2
 def w4a8_gemm_configs() -> List[triton.Config]:
     """Autotune candidates for ``_w4a8_gemm_kernel`` on sm_90 (kept short: each is a compile on first use).
 
-    The kernel computes the tile transposed (the converted weight is wgmma's register A operand, BLOCK_N its M);
-    sm_90 builds compiled ahead of time on a CPU machine (ptxas -v, 8 warps): folded scales 128 x 128 167 registers,
-    256 x 128 and 128 x 256 255 without spills; exact group scales (a second fp32 tile, the group's dot before its
-    scale) 128 x 128 171-193, 64 x 128 / 4 warps 209, 256 x 128 spills (offered to ``FOLD`` only,
-    :func:`w4a8_prune`). The packed weight tile is half the bytes of an fp8 one, so 3-4 stages fit easily."""
+    The kernel computes the tile transposed (the converted weight is wgmma's register A operand, BLOCK_N its M, the
+    tokens BLOCK_M its N). sm_90 builds compiled ahead of time on a CPU machine (ptxas -v), none spilling: folded
+    scales 128 x 128 176 registers (8 warps), 256 x 128 255, 128 x 256 252, 64 x 128 / 4 warps 190; exact group
+    scales (a second fp32 tile: the group's dot before its scale) 128 x 128 196 (BLOCK_K 128: 245), 64 x 128 / 4
+    warps 199, while 256 x 128 spills (offered to ``FOLD`` only, :func:`w4a8_prune`). The weight's conversion costs
+    the same per tile whatever BLOCK_M, so wide token tiles (256) amortise it best. The packed weight tile is half
+    the bytes of an fp8 one, so 3-4 stages fit easily."""
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for bm, bn, bk, w, s in ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
                                      (256, 128, 64, 8, 3), (128, 256, 64, 8, 3))]
