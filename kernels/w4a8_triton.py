@@ -5,7 +5,7 @@ tensor cores). The arithmetic is ``dit_passes.quant.w4a8`` (the executable speci
 
 1. :func:`w4a8_act_quant`, one program per ``BLOCK_M`` tokens, reading x twice in a row (the second pass finds
    the rows in L2): ``x_s = x.float() * smooth_inv``; ``sx = div_rn(amax|x_s|, 448)`` per token (a zero scale
-   becomes 1); ``qx = e4m3(clamp(div_rn(x_s, sx), -448, 448))`` (round to nearest even); and the low-rank down
+   becomes 1); ``qx = e4m3(clamp(x_s * div_rn(1, sx), -448, 448))`` (round to nearest even); and the low-rank down
    projection ``lora_act = x_s.to(x.dtype) @ lora_down.T`` (fp32 accumulation) in the same pass. ``qx`` is stored in
    the GEMM's order: inside each K-group of 64, the 32 even k first, then the 32 odd k (the packed weight's low and
    high nibbles), so that the GEMM multiplies nibble planes by contiguous activation halves with no register
@@ -89,33 +89,35 @@ def _w4a8_act_kernel(x_ptr, si_ptr, ld_ptr, q_ptr, sx_ptr, la_ptr, M, K, R, M_BU
         amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
         if HAS_LORA:
             ld = tl.load(ld_ptr + offs_r[:, None] * s_ldr + cols[None, :], mask=(offs_r < R)[:, None], other=0.0)
-            # "x_s in the activation dtype", bf16 rounded to nearest even explicitly (the interpreter's cast
-            # truncates; on the GPU the later cast of that value is exact)
-            if x_ptr.dtype.element_ty == tl.bfloat16:
-                xa32 = _round_to_bf16_rne(xs)
-            else:
-                xa32 = xs.to(x_ptr.dtype.element_ty).to(tl.float32)
+            # "x_s in the activation dtype": on the GPU the 16-bit cast (round to nearest even) feeds the 16-bit
+            # dot; in the fp32 dot (the interpreter, fp32 x) bf16 is rounded explicitly, the interpreter's cast
+            # truncating
             if DOT_F32:
+                if x_ptr.dtype.element_ty == tl.bfloat16:
+                    xa32 = _round_to_bf16_rne(xs)
+                else:
+                    xa32 = xs.to(x_ptr.dtype.element_ty).to(tl.float32)
                 lora = tl.dot(xa32, tl.trans(ld.to(tl.float32)), lora, input_precision="ieee")
             else:
-                lora = tl.dot(xa32.to(x_ptr.dtype.element_ty), tl.trans(ld), lora)
+                lora = tl.dot(xs.to(x_ptr.dtype.element_ty), tl.trans(ld), lora)
     scale = tl.math.div_rn(amax, E4M3_MAX)
     scale = tl.where(scale == 0.0, 1.0, scale)
+    inv = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)  # one division per token, not per element
     tl.store(sx_ptr + rows, scale, mask=m_mask)
     if HAS_LORA:
         tl.store(la_ptr + rows[:, None] * s_lam + offs_r[None, :], lora, mask=m_mask[:, None] & (offs_r < R)[None, :])
-    offs_g = tl.arange(0, CHUNK // 64)
-    offs_j = tl.arange(0, 32)
+    offs_p = tl.arange(0, CHUNK // 2)
+    plane_cols = (offs_p // 32) * 64 + offs_p % 32  # pair p of the chunk -> its even value's column in qx
     for i in range(0, TRIP if TRIP > 0 else K // CHUNK):  # pass 2: quantize (the rows are in L2 by now)
         cols = i * CHUNK + offs_c
         x = tl.load(x_ptr + rows[:, None] * s_xm + cols[None, :], mask=m_mask[:, None], other=0.0)
         xs = x.to(tl.float32) * tl.load(si_ptr + cols)[None, :]
-        y = tl.minimum(tl.maximum(tl.math.div_rn(xs, scale[:, None]), -E4M3_MAX), E4M3_MAX)
+        y = tl.minimum(tl.maximum(xs * inv[:, None], -E4M3_MAX), E4M3_MAX)
         # per group of 64: the 32 even k, then the 32 odd k (the weight's low / high nibbles)
-        y_even, y_odd = tl.split(tl.reshape(y, [BLOCK_M, CHUNK // 64, 32, 2]))
-        dst = q_ptr + rows[:, None, None] * s_qm + (i * CHUNK + offs_g * 64)[None, :, None] + offs_j[None, None, :]
-        tl.store(dst, _to_e4m3(y_even, SOFT), mask=m_mask[:, None, None])
-        tl.store(dst + 32, _to_e4m3(y_odd, SOFT), mask=m_mask[:, None, None])
+        y_even, y_odd = tl.split(tl.reshape(y, [BLOCK_M, CHUNK // 2, 2]))
+        dst = q_ptr + rows[:, None] * s_qm + (i * CHUNK + plane_cols)[None, :]
+        tl.store(dst, _to_e4m3(y_even, SOFT), mask=m_mask[:, None])
+        tl.store(dst + 32, _to_e4m3(y_odd, SOFT), mask=m_mask[:, None])
 
 
 @triton.jit

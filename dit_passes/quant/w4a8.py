@@ -6,7 +6,7 @@ are SVDQuant's (``svdquant.SVDQuantWeight``: packed int4 [N, K/2], even k in the
 of int4 per group of 64: finer)::
 
     xs = float(x.reshape(M, K)) * smooth_inv
-    sx = amax|xs| / 448 per token [M, 1] (a zero scale becomes 1); qx = e4m3(clamp(xs / sx, -448, 448))
+    sx = amax|xs| / 448 per token [M, 1] (a zero scale becomes 1); qx = e4m3(clamp(xs * (1 / sx), -448, 448))
     fold=False:  acc = sum_g (float(qx_g) @ q_g.T) * wscale[:, g]      # int4 exact in e4m3, group scale in fp32
                  y = acc * sx
     fold=True:   w8, sw = graph_forms.w4_to_e4m3(qweight, wscale)       # the group scale rounded into e4m3
@@ -15,8 +15,9 @@ of int4 per group of 64: finer)::
 
 ``fold=False`` keeps the weights exact (the only rounding is the activations'); ``fold=True`` is the numerics of
 ``graph_forms.svdq_fp8_linear_form`` (one e4m3 rounding of each weight), which frees the GEMM of its per-group fp32
-epilogue. Every division is IEEE true division (the kernels use ``div_rn``). Only the summation order differs from
-the kernels.
+epilogue. Every division is IEEE true division (the kernels use ``div_rn``); the activations are multiplied by
+their scale's reciprocal (one division per token: the fp8 graph forms divide each element, which differs in the
+last fp32 bit at times, and so in e4m3 only at a rounding tie). Only the summation order differs from the kernels.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def w4a8_quantize_activation(x: torch.Tensor, smooth_inv: torch.Tensor
     xs = x.reshape(-1, x.shape[-1]).float() * smooth_inv.float()
     sx = true_div(xs.abs().amax(1, keepdim=True), FP8_MAX)
     sx = torch.where(sx == 0, torch.ones_like(sx), sx)
-    return torch.clamp(xs / sx, -FP8_MAX, FP8_MAX).to(FP8_DTYPE), sx, xs
+    inv = torch.ones_like(sx) / sx
+    return torch.clamp(xs * inv, -FP8_MAX, FP8_MAX).to(FP8_DTYPE), sx, xs
 
 
 def w4a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
