@@ -59,11 +59,14 @@ def w4a8_gemm_configs() -> List[triton.Config]:
     scales 128 x 128 176 registers (8 warps), 256 x 128 255, 128 x 256 252, 64 x 128 / 4 warps 190; exact group
     scales (a second fp32 tile: the group's dot before its scale) 128 x 128 196 (BLOCK_K 128: 245), 64 x 128 / 4
     warps 199, while 256 x 128 spills (offered to ``FOLD`` only, :func:`w4a8_prune`). The weight's conversion costs
-    the same per tile whatever BLOCK_M, so wide token tiles (256) amortise it best. The packed weight tile is half
-    the bytes of an fp8 one, so 3-4 stages fit easily."""
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in ((128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
-                                     (256, 128, 64, 8, 3), (128, 256, 64, 8, 3))]
+    the same per tile whatever BLOCK_M, so wide token tiles (256) amortise it best. ``PREFETCH`` (the next group's
+    conversion overlapping this group's MMAs, its bytes by plain loads) is tried on the two likeliest tiles. The
+    packed weight tile is half the bytes of an fp8 one, so 3-4 stages fit easily."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PREFETCH": pf}, num_warps=w,
+                          num_stages=s)
+            for bm, bn, bk, w, s, pf in ((128, 128, 64, 8, 4, 0), (128, 128, 64, 8, 4, 1), (128, 128, 128, 8, 3, 0),
+                                         (64, 128, 64, 4, 4, 0), (256, 128, 64, 8, 3, 0), (256, 128, 64, 8, 3, 1),
+                                         (128, 256, 64, 8, 3, 0))]
 
 
 def w4a8_prune(configs, named_args, **kwargs) -> List[triton.Config]:

@@ -140,11 +140,26 @@ def _nibble_planes(packed_u8, HALF: tl.constexpr):
 
 
 @triton.jit
+def _convert_group(b_ptrs, ws_ptrs, sw, g, FOLD: tl.constexpr, SOFT: tl.constexpr):
+    """K-group ``g`` of the weight tile as two e4m3 nibble planes [BLOCK_N, 32] and its fp32 group scales: the int4
+    values (exact), or with ``FOLD`` the values times ``wscale / sw`` rounded to e4m3. |q * ratio| <= 448 up to the
+    ratio's rounding, which e4m3 rounding (saturating on the GPU) takes back to 448: the reference's clamp needs no
+    instruction here."""
+    lo, hi = _nibble_planes(tl.load(b_ptrs + g * 32), not FOLD)
+    ws = tl.load(ws_ptrs + g).to(tl.float32)
+    if FOLD:
+        ratio = tl.math.div_rn(ws, sw)[:, None]
+        return _to_e4m3(lo * ratio, SOFT), _to_e4m3(hi * ratio, SOFT), ws
+    return _to_e4m3(lo, SOFT), _to_e4m3(hi, SOFT), ws
+
+
+@triton.jit
 def _w4a8_gemm_kernel(qx_ptr, sx_ptr, qw_ptr, ws_ptr, sw_ptr, la_ptr, lu_ptr, bias_ptr, out_ptr,
                       M, N, K, R, M_BUCKET, s_qxm, s_qwn, s_wsn, s_lam, s_lun, s_om,
                       TRIP: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, R_PAD: tl.constexpr,
                       FOLD: tl.constexpr, SOFT: tl.constexpr, LORA_IEEE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      PREFETCH: tl.constexpr):
     # grouped tile order: GROUP_M row tiles share each column sweep, so the weight tiles stay in L2
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -165,28 +180,45 @@ def _w4a8_gemm_kernel(qx_ptr, sx_ptr, qw_ptr, ws_ptr, sw_ptr, la_ptr, lu_ptr, bi
     ws_ptrs = ws_ptr + rn * s_wsn
     if FOLD:
         sw = tl.load(sw_ptr + rn)
+    else:
+        sw = tl.full([BLOCK_N], 1.0, tl.float32)  # unused
     # The tile is computed transposed, [BLOCK_N, BLOCK_M] = W_tile @ X_tile.T: the weight, converted in registers,
     # is then wgmma's A operand straight from registers (the activations, B, stream through the pipelined shared
     # memory); the other orientation would write each converted weight tile to shared memory and fence before the
     # MMA (sm_90 builds: 128 instead of 236 registers for 128 x 128 x 64, folded, 8 warps).
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for kb in range(0, TRIP if TRIP > 0 else K // BLOCK_K):
-        for j in tl.static_range(BLOCK_K // 64):
-            g = kb * (BLOCK_K // 64) + j
+    if PREFETCH:
+        # the next group's weights converted while this group's MMAs run (ptxas sinks the wgmma wait past that
+        # independent work; sm_90 SASS: ~130 instructions inside the second MMA's window), at the price of plain
+        # loads for its packed bytes instead of the cp.async pipeline's: the autotuner decides
+        w_lo, w_hi, wsg = _convert_group(b_ptrs, ws_ptrs, sw, 0, FOLD, SOFT)
+        for g in range(0, TRIP if TRIP > 0 else K // 64):
             a_even = tl.load(a_ptrs + g * 64)
             a_odd = tl.load(a_ptrs + g * 64 + 32)
-            lo, hi = _nibble_planes(tl.load(b_ptrs + g * 32), not FOLD)
-            ws = tl.load(ws_ptrs + g).to(tl.float32)
             if FOLD:
-                # |q * ratio| <= 448 up to the ratio's rounding, which e4m3 rounding (saturating on the GPU) takes
-                # back to 448: the reference's clamp needs no instruction here
-                ratio = tl.math.div_rn(ws, sw)[:, None]
-                acc = tl.dot(_to_e4m3(lo * ratio, SOFT), tl.trans(a_even), acc)
-                acc = tl.dot(_to_e4m3(hi * ratio, SOFT), tl.trans(a_odd), acc)
+                acc = tl.dot(w_lo, tl.trans(a_even), acc)
+                acc = tl.dot(w_hi, tl.trans(a_odd), acc)
             else:
-                d = tl.dot(_to_e4m3(lo, SOFT), tl.trans(a_even))  # int4 values are exact in e4m3
-                d = tl.dot(_to_e4m3(hi, SOFT), tl.trans(a_odd), d)
-                acc = acc + d * ws[:, None]
+                d = tl.dot(w_lo, tl.trans(a_even))
+                d = tl.dot(w_hi, tl.trans(a_odd), d)
+            nxt_lo, nxt_hi, nxt_ws = _convert_group(b_ptrs, ws_ptrs, sw, tl.minimum(g + 1, K // 64 - 1), FOLD, SOFT)
+            if not FOLD:
+                acc = acc + d * wsg[:, None]
+            w_lo, w_hi, wsg = nxt_lo, nxt_hi, nxt_ws
+    else:
+        for kb in range(0, TRIP if TRIP > 0 else K // BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 64):
+                g = kb * (BLOCK_K // 64) + j
+                a_even = tl.load(a_ptrs + g * 64)
+                a_odd = tl.load(a_ptrs + g * 64 + 32)
+                w_lo, w_hi, wsg = _convert_group(b_ptrs, ws_ptrs, sw, g, FOLD, SOFT)
+                if FOLD:
+                    acc = tl.dot(w_lo, tl.trans(a_even), acc)
+                    acc = tl.dot(w_hi, tl.trans(a_odd), acc)
+                else:  # the group's fp32 dot, then its scale
+                    d = tl.dot(w_lo, tl.trans(a_even))
+                    d = tl.dot(w_hi, tl.trans(a_odd), d)
+                    acc = acc + d * wsg[:, None]
     sx = tl.load(sx_ptr + rm)
     if FOLD:
         acc = acc * sx[None, :] * sw[:, None]
@@ -295,7 +327,8 @@ def w4a8_gemm(qx: torch.Tensor, sx: torch.Tensor, qweight: torch.Tensor, wscale:
     """[M, N] in ``out_dtype`` from :func:`w4a8_act_quant`'s ``qx`` / ``sx`` / ``lora_act`` and SVDQuant's stored
     qweight uint8 [N, K/2] (even k in the low nibble), wscale [N, K/64], lora_up [N, r], bias [N] or None.
     ``config`` (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` (a multiple of 64 dividing K), ``GROUP_M``, optional
-    ``num_warps`` / ``num_stages``) skips the autotuner; the interpreter always runs one (default
+    ``PREFETCH`` (0 / 1: convert the next group's weights during this group's MMAs; BLOCK_K 64), ``num_warps`` /
+    ``num_stages``) skips the autotuner; the interpreter always runs one (default
     ``W4A8_INTERPRET_GEMM``)."""
     m, k = qx.shape
     n = qweight.shape[0]
@@ -342,9 +375,10 @@ def w4a8_gemm(qx: torch.Tensor, sx: torch.Tensor, qweight: torch.Tensor, wscale:
     if config is None and not interpreting():
         _w4a8_gemm_tuned[grid](*args, TRIP=0, **flags)
         return out
-    cfg = dict(config or W4A8_INTERPRET_GEMM)
-    if cfg["BLOCK_K"] % GROUP or k % cfg["BLOCK_K"]:
-        raise ValueError(f"w4a8_gemm: BLOCK_K={cfg['BLOCK_K']} must be a multiple of {GROUP} dividing K={k}")
+    cfg = {"PREFETCH": 0, **(config or W4A8_INTERPRET_GEMM)}
+    if cfg["BLOCK_K"] % GROUP or k % cfg["BLOCK_K"] or (cfg["PREFETCH"] and cfg["BLOCK_K"] != GROUP):
+        raise ValueError(f"w4a8_gemm: BLOCK_K={cfg['BLOCK_K']} must be a multiple of {GROUP} dividing K={k} "
+                         f"({GROUP} with PREFETCH)")
     launch = {"num_warps": cfg.pop("num_warps", 4), "num_stages": cfg.pop("num_stages", 1 if interpreting() else 3)}
     # TRIP: the interpreter's compile-time trip count (see _w4a8_act_kernel); 0 on the GPU
     _w4a8_gemm_kernel[grid(cfg)](*args, TRIP=k // cfg["BLOCK_K"] if interpreting() else 0, **flags, **cfg, **launch)

@@ -29,6 +29,7 @@ if DEV == "cuda" and not K.is_supported(torch.zeros(1, 64, device=DEV), torch.ze
                                                                                      device=DEV)):
     pytest.skip("the W4A8 kernels need an sm_89+ GPU (fp8 tensor cores)", allow_module_level=True)
 BK128 = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 2}
+PREFETCH = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2, "PREFETCH": 1}
 
 
 def _case(dtype, m=40, k=192, n=48, rank=8, seed=0, bias=True):
@@ -79,7 +80,7 @@ def test_act_quant_matches_reference(dtype, k):
 
 @pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [None, BK128], ids=["bk64", "bk128"])
+@pytest.mark.parametrize("config", [None, BK128, PREFETCH], ids=["bk64", "bk128", "prefetch"])
 def test_linear_matches_reference(fold, dtype, config):
     x, w, b, q = _case(dtype, k=256)
     qx, sx, la = K.w4a8_act_quant(x, q.smooth_inv, q.lora_down)
