@@ -106,3 +106,15 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
 def clear_svdq() -> None:
     """Forget the current shape's SVDQuant weights (the next shape's are prepared on first use)."""
     _SVDQ.clear()
+
+
+def w4a8_tile(design: str) -> Dict[str, str]:
+    """``{"gemm_config": ...}``: the tile the W4A8 GEMM's autotuner chose on the design's last call (a fused design or
+    its GEMM alone, on the GPU), else nothing."""
+    if not (design.startswith("svdq_w4a8") or design.startswith("w4a8_gemm")) or not torch.cuda.is_available():
+        return {}
+    from dit_passes.quant import dispatch
+
+    kernels = dispatch.w4a8_kernel_module()
+    best = getattr(getattr(kernels, "_w4a8_gemm_tuned", None), "best_config", None)
+    return {} if best is None else {"gemm_config": str(best)}

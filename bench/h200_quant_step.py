@@ -80,7 +80,7 @@ import torch
 
 # the sibling module: bench/ is sys.path[0] for `python bench/h200_quant_step.py`, but not under `python -P`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from h200_quant_linears import RANK, clear_svdq, linear_designs, svdq  # noqa: E402
+from h200_quant_linears import RANK, clear_svdq, linear_designs, svdq, w4a8_tile  # noqa: E402
 
 FULL = dict(img=4096, txt=512, m=4608, shapes=((3072, 3072), (3072, 12288), (12288, 3072), (15360, 3072)))
 TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
@@ -255,10 +255,11 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                     res[name] = {"ms": ms, "gb_per_s": (m * k * x.element_size() + m * k) / (ms * 1e6)}
                     continue
                 if name.startswith("w4a8_gemm"):  # the GEMM alone: its time, no error of its own to report
-                    res[name] = {"ms": ms, "tflops": 2 * m * n * k / (ms * 1e9)}
+                    res[name] = {"ms": ms, "tflops": 2 * m * n * k / (ms * 1e9), **w4a8_tile(name)}
                     continue
                 y = torch.nn.functional.linear(x, w, b) if name == "bf16_mm" else fn()
-                res[name] = {"ms": ms, "tflops": 2 * m * n * k / (ms * 1e9), "rel_err_vs_fp32": rel_err(y.float(), ref)}
+                res[name] = {"ms": ms, "tflops": 2 * m * n * k / (ms * 1e9), "rel_err_vs_fp32": rel_err(y.float(), ref),
+                             **w4a8_tile(name)}
             if any(d.startswith("svdq") for d in res):  # true W4A4 on the same weights, for the error only
                 from dit_passes.quant import svdq_w4a4_linear_reference
                 r4 = rel_err(svdq_w4a4_linear_reference(x, svdq(x, w, b)).float(), ref)
