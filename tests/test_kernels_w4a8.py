@@ -77,7 +77,8 @@ def test_act_quant_matches_reference(dtype, k):
     assert torch.equal(sx, want_s[:, 0]) and sx[3] == 1  # the zero row's scale is 1
     assert torch.equal(_unpermute(qx), want_q.float())  # every e4m3 value, in the GEMM's nibble order
     assert not torch.equal(qx.float(), want_q.float())  # (the order is not k order: the check above means it)
-    torch.testing.assert_close(la, xs.to(dtype).float() @ q.lora_down.float().t(), rtol=1e-5, atol=1e-5)
+    tol = 1e-4 if DEV == "cuda" else 1e-5  # the GPU sums in another order (tensor cores)
+    torch.testing.assert_close(la, xs.to(dtype).float() @ q.lora_down.float().t(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("fold", [False, True])
