@@ -16,8 +16,9 @@ tensor cores). The arithmetic is ``dit_passes.quant.w4a8`` (the executable speci
    * ``fold=False`` (exact weights, the default): ``d = qx_g @ q_g.T`` on fp8 tensor cores (int4 values are exact
      in e4m3; fp32 group sums), ``acc += d * wscale[n, g]``; at the end ``y = acc * sx[m]``;
    * ``fold=True``: the group scale goes into the weight before the MMA, as ``graph_forms.w4_to_e4m3`` does it:
-     ``w8 = e4m3(clamp(q * (wscale[n, g] / sw[n]), -448, 448))`` with ``sw[n] = 8 * max_g wscale[n, g] / 448``, one
-     fp32 accumulator over all of K (no per-group fp32 epilogue), ``y = acc * sx[m] * sw[n]``;
+     ``w8 = e4m3(clamp(q * (wscale[n, g] / sw[n]), -448, 448))`` with ``sw[n] = 8 * max_g wscale[n, g] / 448``
+     (:func:`fold_row_scale`, one small launch per call), one fp32 accumulator over all of K (no per-group fp32
+     epilogue), ``y = acc * sx[m] * sw[n]``;
 
    then the low-rank up projection ``y += lora_act @ lora_up.T`` (a K=rank tensor-core dot: tf32, full fp32 for an
    fp32 output) and ``y += bias`` in the epilogue, stored in x.dtype.
@@ -239,6 +240,20 @@ def _w4a8_gemm_kernel(qx_ptr, sx_ptr, qw_ptr, ws_ptr, sw_ptr, la_ptr, lu_ptr, bi
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[None, :] & (offs_n < N)[:, None])
 
 
+@triton.jit
+def _fold_scale_kernel(ws_ptr, sw_ptr, N, G, s_wsn, TRIP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, BLOCK_G)
+    amax = tl.zeros([BLOCK_N], dtype=tl.float32)  # the group scales are positive (a zero one is stored as 1)
+    for i in range(0, TRIP if TRIP > 0 else tl.cdiv(G, BLOCK_G)):
+        cols = i * BLOCK_G + offs_g
+        v = tl.load(ws_ptr + rows.to(tl.int64)[:, None] * s_wsn + cols[None, :],
+                    mask=(rows < N)[:, None] & (cols < G)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+    tl.store(sw_ptr + rows, tl.math.div_rn(amax * 8.0, E4M3_MAX), mask=rows < N)
+
+
 # the autotuned launcher; an explicit config (tests, the interpreter) launches the kernel itself
 _w4a8_gemm_tuned = triton.autotune(configs=w4a8_gemm_configs(),
                                    key=["M_BUCKET", "N", "K", "R_PAD", "HAS_LORA", "HAS_BIAS", "FOLD"],
@@ -315,9 +330,17 @@ def w4a8_act_quant(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.T
 
 
 def fold_row_scale(wscale: torch.Tensor) -> torch.Tensor:
-    """``sw[n] = 8 * max_g wscale[n, g] / 448`` (fp32 [N]): the per-row scale of ``fold=True`` (as
-    ``graph_forms.w4_to_e4m3`` computes it)."""
-    return wscale.float().amax(1).mul(8.0).div(FP8_MAX)
+    """``sw[n] = div_rn(8 * max_g wscale[n, g], 448)`` (fp32 [N]): the per-row scale of ``fold=True``
+    (``dit_passes.quant.w4a8.fold_row_scale``), in one launch."""
+    n, groups = wscale.shape
+    ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
+    sw = torch.empty((n,), dtype=torch.float32, device=ws.device)
+    block_n, block_g = 64, 64
+    trip = triton.cdiv(groups, block_g)
+    _fold_scale_kernel[(triton.cdiv(n, block_n),)](ws, sw, n, groups, ws.stride(0),
+                                                    TRIP=trip if interpreting() else 0, BLOCK_N=block_n,
+                                                    BLOCK_G=block_g)
+    return sw
 
 
 def w4a8_gemm(qx: torch.Tensor, sx: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,

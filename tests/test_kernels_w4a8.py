@@ -164,3 +164,12 @@ def test_flux_size_linear_on_gpu(fold):
     assert relative_error(out, ref) < 1e-2  # bf16 output rounding and the fp8 MMA's accumulation (W4A8: 5e-2)
     exact = torch.nn.functional.linear(x.double(), w.double().to(DEV), b.double().to(DEV))
     assert relative_error(out, exact) < relative_error(svdq_w4a4_linear_reference(x, q), exact)
+
+
+def test_fold_row_scale_matches_reference():
+    from dit_passes.quant.w4a8 import fold_row_scale
+
+    g = torch.Generator().manual_seed(5)
+    wscale = (torch.rand(70, 130, generator=g) * 0.03 + 1e-4).to(torch.bfloat16).to(DEV)  # rows / groups past a block
+    assert torch.equal(K.fold_row_scale(wscale), fold_row_scale(wscale))
+    assert torch.equal(K.fold_row_scale(wscale[:, ::2]), fold_row_scale(wscale[:, ::2]))  # strided

@@ -9,13 +9,15 @@ of int4 per group of 64: finer)::
     sx = amax|xs| / 448 per token [M, 1] (a zero scale becomes 1); qx = e4m3(clamp(xs * (1 / sx), -448, 448))
     fold=False:  acc = sum_g (float(qx_g) @ q_g.T) * wscale[:, g]      # int4 exact in e4m3, group scale in fp32
                  y = acc * sx
-    fold=True:   w8, sw = graph_forms.w4_to_e4m3(qweight, wscale)       # the group scale rounded into e4m3
+    fold=True:   sw = 8 * max_g wscale[:, g] / 448                       # per row [N]
+                 w8 = e4m3(clamp(q * (wscale[:, g] / sw), -448, 448))   # the group scale rounded into e4m3
                  y = (float(qx) @ float(w8).T) * sx * sw
     y = y + float(x.dtype(xs)) @ float(lora_down).T @ float(lora_up).T + float(bias)    # all fp32, then x.dtype
 
-``fold=False`` keeps the weights exact (the only rounding is the activations'); ``fold=True`` is the numerics of
-``graph_forms.svdq_fp8_linear_form`` (one e4m3 rounding of each weight), which frees the GEMM of its per-group fp32
-epilogue. Every division is IEEE true division (the kernels use ``div_rn``); the activations are multiplied by
+``fold=False`` keeps the weights exact (the only rounding is the activations'); ``fold=True`` is the weight rounding
+of ``graph_forms.w4_to_e4m3`` (one e4m3 rounding of each weight; its ``sw`` there divides by a Python scalar, which
+CUDA turns into a multiplication, here a true division: at most the last bit of ``sw`` differs), which frees the GEMM
+of its per-group fp32 epilogue. Every division is IEEE true division (the kernels use ``div_rn``); the activations are multiplied by
 their scale's reciprocal (one division per token: the fp8 graph forms divide each element, which differs in the
 last fp32 bit at times, and so in e4m3 only at a rounding tie). Only the summation order differs from the kernels.
 """
@@ -26,7 +28,6 @@ from typing import Optional, Tuple
 import torch
 
 from .fp8_int8 import FP8_DTYPE, FP8_MAX
-from .graph_forms import w4_to_e4m3
 from .int4 import GROUP_SIZE, int4_values, true_div
 
 
@@ -40,6 +41,12 @@ def w4a8_quantize_activation(x: torch.Tensor, smooth_inv: torch.Tensor
     return torch.clamp(xs * inv, -FP8_MAX, FP8_MAX).to(FP8_DTYPE), sx, xs
 
 
+def fold_row_scale(wscale: torch.Tensor) -> torch.Tensor:
+    """``sw[n] = 8 * max_g wscale[n, g] / 448`` (fp32 [N], true division): the per-row scale of ``fold=True``, which
+    maps the largest possible value of a row (|q| <= 8) to e4m3's largest."""
+    return true_div(wscale.float().amax(1) * 8.0, FP8_MAX)
+
+
 def w4a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
                           lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor] = None,
                           fold: bool = False) -> torch.Tensor:
@@ -51,11 +58,13 @@ def w4a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.
                          f"(K must be a multiple of {GROUP_SIZE})")
     qx, sx, xs = w4a8_quantize_activation(x, smooth_inv)
     a = qx.float()
+    q, ws = int4_values(qweight, torch.float32), wscale.float()
     if fold:
-        w8, sw = w4_to_e4m3(qweight, wscale, n, k)
+        sw = fold_row_scale(wscale)
+        ratio = (ws / sw[:, None]).repeat_interleave(GROUP_SIZE, dim=1)                      # [N, K]
+        w8 = torch.clamp(q * ratio, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         acc = (a @ w8.float().t()) * sx * sw
     else:
-        q, ws = int4_values(qweight, torch.float32), wscale.float()
         acc = torch.zeros(a.shape[0], n, dtype=torch.float32, device=x.device)
         for g in range(k // GROUP_SIZE):
             cols = slice(g * GROUP_SIZE, (g + 1) * GROUP_SIZE)
