@@ -10,11 +10,9 @@ and on a CPU, end to end on a small model (backend "eager")::
 
     python bench/h200_quant_step.py --tiny --out /tmp/h200_quant_step
 
-Only the per-linear table for chosen designs, no step rows (the fused W4A8 kernels against their baselines; the
-first call of each fused design autotunes its Triton GEMM per shape)::
+Only the per-linear table for chosen designs (``--linears-only``: no step rows)::
 
-    PYTHONPATH=/tmp/site python3 bench/h200_quant_step.py --linears-only \
-        --linears bf16_mm,fp8_gemm,svdq_fp8_fast_accum,svdq_w4a8_fused,svdq_w4a8_fused_fold --out "$OUT"
+    PYTHONPATH=/tmp/site python3 bench/h200_quant_step.py --linears-only --linears bf16_mm,svdq_w4a8_fused --out "$OUT"
 
 Only the fusion rows and their baselines, no per-linear table (about 3 minutes on an H100)::
 
@@ -53,18 +51,15 @@ Per linear (``linear_ms``), M = 4608, the four FLUX shapes K x N: ``bf16_mm`` (`
 (``_scaled_mm`` on pre-quantized operands), ``svdq_fp8`` / ``svdq_fp8_fast_accum`` (rank 32, smoothing calibrated
 on the same activations; the W4A8 form compiled alone, weight expansion and low-rank branch included;
 ``rel_err_w4a4_reference``: true W4A4's error on the same weights), ``w4_expand`` (the int4 -> e4m3 weight expansion
-alone), ``svdq_w4a8_fused`` / ``svdq_w4a8_fused_fold`` (``dit_passes::svdq_w4a8_linear``: the fused W4A8 Triton
-kernels, activation quantization with the low-rank down projection in one pass, the int4 weights turned into e4m3
-inside the GEMM, group scales exact in fp32 / folded into the e4m3 weights, the up projection and bias in its
-epilogue), ``w4a8_act`` / ``w4a8_gemm`` / ``w4a8_gemm_fold`` (the fused design's two kernels alone, its profile:
-the activation pass, and the GEMM on pre-quantized activations; GPU only), ``svdq_op`` (the custom op; not by
-default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
+alone), ``svdq_w4a8_fused`` / ``_fold`` (``dit_passes::svdq_w4a8_linear``, the fused W4A8 Triton kernels: group
+scales exact in fp32 / folded into the e4m3 weights), ``w4a8_act`` / ``w4a8_gemm`` / ``w4a8_gemm_fold`` (its two
+kernels alone: the activation pass, the GEMM on pre-quantized activations; GPU only), ``svdq_op`` (the custom op; not
+by default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
 with 1% outlier channels, weights as ``nn.Linear`` initialises them; bias included; ``bf16_mm``'s error is
 ``F.linear``'s, its time ``torch.mm``'s).
-Each design is also timed with ``--linear-b2b`` calls enqueued back to back between two events (``ms_b2b``: the
-GPU time, the Python and launch overhead per call hidden as in a step whose CPU runs ahead; ``ms`` starts each call
-on an idle GPU, so it counts that overhead). Writes ``h200_quant_step.json`` / ``.md`` to ``--out`` after every row; rows not started within ``--budget-s``
-are skipped (the device call has a time limit).
+``ms_b2b``: ``--linear-b2b`` calls back to back between two events (GPU time, the per-call Python / launch overhead
+hidden; ``ms`` starts each call on an idle GPU, so counts it). Writes ``h200_quant_step.json`` / ``.md`` to ``--out``
+after every row; rows not started within ``--budget-s`` are skipped (the device call has a time limit).
 """
 from __future__ import annotations
 
@@ -441,6 +436,7 @@ def main(argv=None) -> int:
     ap.add_argument("--linears-only", action="store_true", help="the per-linear table only, no step rows")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--linear-repeats", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps per row (GPU time by kind)")
     ap.add_argument("--linear-b2b", type=int, default=10,
                     help="also time this many per-linear calls back to back (ms_b2b: GPU time; 0: off)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no step row after this many seconds")
