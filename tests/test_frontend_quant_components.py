@@ -117,3 +117,47 @@ def test_refusals_name_the_way_out():
     with pytest.raises(ValueError, match="fields"):
         cache_dit.QuantizeConfig(components_to_quantize={"text_encoder": {"no_such_field": 1}}).to_passes()
     assert not isinstance(pipe.transformer, CompiledDiT) and not isinstance(pipe.text_encoder_2, CompiledDiT)
+
+
+class _Encoder(torch.nn.Module):
+    """A stand-in encoder: its config's width (``hidden_size``, or T5's ``d_model``) and a linear of that width."""
+
+    def __init__(self, width, key="hidden_size"):
+        super().__init__()
+        from types import SimpleNamespace
+        self.config = SimpleNamespace(**{key: width})
+        self.proj = torch.nn.Linear(width, width)
+
+
+def test_main_text_encoder_is_chosen_by_structure(caplog):
+    """cache-dit names the pipelines whose ``text_encoder_2`` is the small one; here widths decide, giving the
+    reference's answer on its pipelines' layouts: ``text_encoder_2`` first (FLUX's T5 beside a CLIP; SD3 / HiDream's
+    CLIP-G beside a CLIP-L, before their T5 in ``text_encoder_3``), unless it is narrower than ``text_encoder``
+    (an LLM encoder beside a CLIP / ByT5) or the transformer attends to ``text_encoder``'s width only (a BERT
+    beside an mT5 whose output is projected); equal widths keep the order. ``extra_parallel_modules`` names resolve
+    by the same rule."""
+    from types import SimpleNamespace
+    from dit_passes.frontend.components import extra_modules, main_text_encoder
+
+    def pipe(transformer_context=None, **encoders):
+        transformer = SimpleNamespace(config=SimpleNamespace(cross_attention_dim=transformer_context))
+        return SimpleNamespace(transformer=transformer, components=encoders, **encoders)
+    assert main_text_encoder(pipe(text_encoder=_Encoder(768), text_encoder_2=_Encoder(4096, "d_model"))) \
+        == "text_encoder_2"  # a CLIP and a T5
+    assert main_text_encoder(pipe(text_encoder=_Encoder(768), text_encoder_2=_Encoder(1280),
+                                  text_encoder_3=_Encoder(4096, "d_model"))) == "text_encoder_2"  # the reference's
+    assert main_text_encoder(pipe(text_encoder=_Encoder(4096), text_encoder_2=_Encoder(768))) == "text_encoder"
+    assert main_text_encoder(pipe(1024, text_encoder=_Encoder(1024), text_encoder_2=_Encoder(2048, "d_model"))) \
+        == "text_encoder"  # the transformer's context is the first encoder's
+    assert main_text_encoder(pipe(text_encoder=_Encoder(32), text_encoder_2=_Encoder(32, "d_model"))) \
+        == "text_encoder_2"  # a tie (the tiny test pipelines): the reference's order
+    assert main_text_encoder(pipe(text_encoder=_Encoder(64), text_encoder_2=None,
+                                  vision_language_encoder=_Encoder(16))) == "vision_language_encoder"
+    assert main_text_encoder(pipe(text_encoder=_Encoder(64))) == "text_encoder"
+    with pytest.raises(ValueError, match="holds no text encoder"):
+        main_text_encoder(pipe(vae=_Encoder(4)))
+    wide, narrow, vae = _Encoder(64), _Encoder(16), _Encoder(4)
+    p = pipe(text_encoder=wide, text_encoder_2=narrow, vae=vae, controlnet=None)
+    with caplog.at_level("WARNING", logger="dit_passes"):
+        assert extra_modules(p, ["text_encoder", "vae", narrow, "controlnet"]) == [wide, vae, narrow]
+    assert "has no module 'controlnet'" in caplog.text  # skipped with a warning, as the reference does

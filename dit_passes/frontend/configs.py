@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4, calibrate_linears
+from ..passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 from ..quant.svdquant import SVD_PRECISIONS
 
 logger = logging.getLogger("dit_passes")
@@ -458,33 +458,6 @@ class Precalibrated(SVDQuantW4A4):
         return {p: self.stats[p] for p in weights if p in self.stats}
 
 
-def calibrate(config: QuantizeConfig, model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """Run ``config.calibrate_fn()`` once: the activation abs-max of every ``nn.Linear`` of ``model`` it calls,
-    and the keyword arguments of ``model``'s first call (to lower the graph now). ``model`` must be the
-    module the pipeline calls, not yet wrapped."""
-    import torch
-    import torch.utils._pytree as pytree
-    weights = {p: m.weight for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    first: List[Dict[str, Any]] = []
-
-    def record(_mod, args, kwargs):
-        if not first:
-            if args:
-                raise TypeError("calibrate_fn called the transformer with positional arguments; call it with "
-                                "keywords, as diffusers pipelines do")
-            first.append(pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, kwargs))
-
-    handle = model.register_forward_pre_hook(record, with_kwargs=True)  # public hook, removed below
-    try:
-        stats = calibrate_linears(weights, lambda: config.calibrate_fn())
-    finally:
-        handle.remove()
-    if not first or not stats:
-        raise ValueError("QuantizeConfig.calibrate_fn never called the transformer being quantized: it must run "
-                         "the pipeline that holds this transformer (before enable_cache / quantize wraps it)")
-    with torch.inference_mode(False):
-        example = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, first[0])
-    return stats, example
-
-
 __all__ = ["ParallelismConfig", "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "parse_quant_type", "calibrate"]
+
+from .calibration import calibrate  # noqa: E402  (re-exported: the PTQ calibration lives apart)
