@@ -161,3 +161,20 @@ def test_main_text_encoder_is_chosen_by_structure(caplog):
     with caplog.at_level("WARNING", logger="dit_passes"):
         assert extra_modules(p, ["text_encoder", "vae", narrow, "controlnet"]) == [wide, vae, narrow]
     assert "has no module 'controlnet'" in caplog.text  # skipped with a warning, as the reference does
+
+
+def test_ray_workers_build_each_transformers_own_quantization():
+    """With ``use_ray`` the workers build each transformer's passes from a tuple of configs, one per
+    ``transformer`` / ``transformer_2`` (``components_to_quantize=["transformer"]`` on a two-transformer pipeline
+    quantizes the first only, as without Ray): the engine's i-th transformer gets the i-th."""
+    from dit_passes.frontend.api import _worker_passes
+    from dit_passes.frontend.components import plan
+    from types import SimpleNamespace
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    pipe = SimpleNamespace(transformer=first, transformer_2=second, components={})
+    transformers, others = plan(pipe, cache_dit.QuantizeConfig(quant_type="int8_per_row",
+                                                               components_to_quantize=["transformer"]))
+    qs = tuple(transformers.get(n) for n in ("transformer", "transformer_2"))
+    assert others == [] and qs[1] is None
+    assert [p.name for p in _worker_passes(None, qs, None, None, module=first, index=0)] == ["int8_linear"]
+    assert _worker_passes(None, qs, None, None, module=second, index=1) == []

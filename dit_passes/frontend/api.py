@@ -20,9 +20,10 @@ has its own cache state (the reference shares one state there); a second ``enabl
 (``pipe.transformer`` / ``pipe.transformer_2`` become proxies of one engine, ``pipe(...)`` works unchanged; a bare
 transformer is also routed to the workers in place, as the reference's transformer wrapper does; ``refresh_context``
 with a new config lowers again in the same workers; ``extra_parallel_modules`` are parallelised in the workers too,
-the pipeline holding a proxy of each; SVDQuant PTQ calibrates there while ``calibrate_fn`` drives the pipeline);
-a whole-pipeline engine is returned only for
-``ray_transfer_fn`` with ``pipe_or_module=None``.
+the pipeline holding a proxy of each; ``components_to_quantize`` beyond the transformer are quantized where they
+run; SVDQuant PTQ calibrates there while ``calibrate_fn`` drives the pipeline); a whole-pipeline engine is returned
+only for ``ray_transfer_fn`` with ``pipe_or_module=None`` (the named extra modules, components and PTQ then done in
+each worker's pipeline, ``calibrate_fn`` running there with ``model=`` its transformer).
 """
 from __future__ import annotations
 
