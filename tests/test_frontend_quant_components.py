@@ -178,3 +178,24 @@ def test_ray_workers_build_each_transformers_own_quantization():
     assert others == [] and qs[1] is None
     assert [p.name for p in _worker_passes(None, qs, None, None, module=first, index=0)] == ["int8_linear"]
     assert _worker_passes(None, qs, None, None, module=second, index=1) == []
+
+
+def test_calibrate_fn_gets_the_keyword_arguments_it_names():
+    """cache-dit calls ``calibrate_fn`` with those of its keyword arguments the function names (all for
+    ``**kwargs``, none for a function of no argument); its own observer object (``calibrator``) has no counterpart
+    here: a function requiring it is refused, naming it."""
+    from types import SimpleNamespace
+    from dit_passes.frontend.calibration import call_calibrate_fn
+    model, seen = torch.nn.Linear(2, 2), []
+    config = SimpleNamespace(svdq_kwargs={"calibrate_precision": "fp64"}, calibrate_fn=None)
+    for fn, want in ((lambda: seen.append({}), {}),
+                     (lambda model, component_name: seen.append(dict(model=model, component_name=component_name)),
+                      {"model": model, "component_name": "Linear"}),
+                     (lambda **kw: seen.append(kw), {"model": model, "quantize_config": config,
+                                                     "component_name": "Linear", "svdq_kwargs": config.svdq_kwargs})):
+        config.calibrate_fn = fn
+        call_calibrate_fn(config, model)
+        assert seen.pop() == want
+    config.calibrate_fn = lambda model, calibrator: None
+    with pytest.raises(TypeError, match=r"requires \['calibrator'\]"):
+        call_calibrate_fn(config, model)
