@@ -121,15 +121,17 @@ def _decoded(pipe, user_module) -> torch.Tensor:
 
 
 def _ptq(pipe, user_module, out_dir, filter_fn) -> "object":
-    """SVDQuant PTQ of the transformer, int8 of the main text encoder (``"text_encoder"``: the T5), float8 of the
-    CLIP (named by the module itself); the encoders without the transformer's filter_fn (each entry inherits the
-    other fields) and, for the CLIP, without the default exclusions ("mod" is in "text_model")."""
+    """SVDQuant PTQ of the transformer, int8 of the main text encoder (``"text_encoder"``: the T5) and of the VAE's
+    linears, float8 of the CLIP (named by the module itself); the components without the transformer's filter_fn
+    (each entry inherits the other fields) and, for the CLIP, without the default exclusions ("mod" is in
+    "text_model")."""
     import dit_passes as cache_dit
     encoder = dict(serialize_to=None, filter_fn=None)
     return cache_dit.QuantizeConfig(quant_type="svdq_int4_r8", filter_fn=filter_fn, serialize_to=str(out_dir),
                                     calibrate_fn=lambda: _decoded(pipe, user_module), components_to_quantize={
                                         "transformer": {},
                                         "text_encoder": dict(encoder, quant_type="int8_per_row"),
+                                        "vae": dict(encoder, quant_type="int8_per_row"),
                                         pipe.text_encoder: dict(encoder, quant_type="float8_per_row", exclude_layers=[])})
 
 
@@ -142,14 +144,14 @@ def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_pa
     """``ParallelismConfig(ulysses_size=2, use_ray=True, ray_address=<a cluster started by ray start in another
     process>, ray_worker_options={"num_cpus": 0.5}, extra_parallel_modules=[pipe.text_encoder_2, pipe.vae])`` with
     ``QuantizeConfig(svdq_int4_r8 PTQ, filter_fn=..., components_to_quantize={"transformer", "text_encoder": int8,
-    pipe.text_encoder: float8})``: the workers run on that 1-CPU cluster (two of them fit only because each asks
-    for half a CPU: the options reach the actors and their bundles); the T5 runs tensor-parallel then int8 and the
-    VAE's decode row-split there (TE-P / VAE-P inside the workers, each component quantized where it runs), the CLIP
-    (not an extra module: it runs here) is quantized here, ``calibrate_fn`` drives the pipeline while the workers
-    calibrate the transformer they run, filter_fn picks its linears there, rank 0 writes the checkpoint; the decoded
-    images equal the single process's (same quantize config, no parallelism), the CLIP's output is its, the T5's
-    within int8's bound of its; disable_cache puts every original back, disconnects and leaves the cluster running
-    (it is not ours to stop)."""
+    "vae": int8, pipe.text_encoder: float8})``: the workers run on that 1-CPU cluster (two of them fit only because
+    each asks for half a CPU: the options reach the actors and their bundles); the T5 runs tensor-parallel then int8
+    and the VAE's decode row-split then int8 there (TE-P / VAE-P inside the workers, each component quantized where
+    it runs), the CLIP (not an extra module: it runs here) is quantized here, ``calibrate_fn`` drives the pipeline
+    while the workers calibrate the transformer they run, filter_fn picks its linears there, rank 0 writes the
+    checkpoint; the decoded images equal the single process's (same quantize config, no parallelism), the CLIP's
+    output is its, the T5's within int8's bound of its; disable_cache puts every original back, disconnects and
+    leaves the cluster running (it is not ours to stop)."""
     if ray.is_initialized():
         pytest.skip("a Ray cluster from another test is still running in this process")
     import dit_passes as cache_dit
@@ -166,6 +168,8 @@ def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_pa
         return {"te_passes": [r.name for r in te._current().manager.records],
                 "te_all_reduces": sum("all_reduce" in str(n.target) for n in te._current().gm.graph.nodes),
                 "vae": [(k.split("[")[0], v["world_size"], v["rank"]) for k, v in vae.report().items()],
+                "vae_int8": [sum(n.meta.get("dit_quant") == "int8_per_row" for n in gm.graph.nodes)
+                             for gm in vae._graphs.values()],
                 "passes": [p.name for p in tr.passes], "quantized": quant.result.counts["replaced"]}
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the cluster's mode; with an address the driver keeps its env's
     temp_dir = tempfile.mkdtemp(prefix="rayx", dir="/tmp")
@@ -221,6 +225,7 @@ def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_pa
             assert [n for n in r["te_passes"] if n != "cleanup"] == ["tensor_parallel", "int8_linear"], r
             assert r["te_all_reduces"] == 4, r  # 2 layers x (attention, FF)
             assert r["vae"] == [("decode", 2, rank)], r  # the pipeline's one decode, split over the 2 ranks
+            assert r["vae_int8"] == [4], r  # then its mid-block attention's linears in int8
             assert r["passes"] == ["ulysses", "svdquant_w4a4"], r
             assert r["quantized"] == single_quantized == expected > 0, (r, single_quantized, expected)
         assert pipe.text_encoder_2 is t5 and pipe.vae is vae and pipe.text_encoder is clip

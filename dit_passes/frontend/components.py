@@ -12,11 +12,13 @@ on it). Any other name is that pipeline attribute; a module is found among the p
 ``extra_parallel_modules`` names are resolved by the same rules (:func:`extra_modules`). Each such component becomes a
 :class:`~dit_passes.compiled.CompiledDiT` running ``config.to_passes(component)``: its linears quantized
 (``Fp8Linear`` / ``Int8Linear`` on the captured graph; a text encoder has no ``_repeated_blocks``, so every linear but
-``exclude_layers``' substrings, the reference's rule). A component the pipeline does not call as ``module(...)`` (a
-VAE: ``vae.decode``) is refused.
+``exclude_layers``' substrings, the reference's rule). A VAE, which the pipeline calls through ``vae.decode`` /
+``vae.encode``, becomes a :class:`~dit_passes.passes.vae_parallel.VAEGraphs`: each call captured and its linears
+(the mid-block attention's) quantized the same way.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -147,26 +149,33 @@ def resolve(pipe: Any, component: Any) -> str:
             raise ValueError(f"QuantizeConfig.components_to_quantize: the {type(component).__name__} given is not a "
                              f"component of this {type(pipe).__name__}")
         attr = found[0]
-    if callable(getattr(getattr(pipe, attr), "decode", None)):
-        raise NotImplementedError(f"QuantizeConfig.components_to_quantize: {attr} is a VAE, which the pipeline calls "
-                                  "through .decode(), not as module(...): quantize text encoders and transformers")
     return attr
 
 
 def quantize_components(pipe: Any, others: List[Tuple[str, QuantizeConfig]], keep_original: bool,
-                        skip: Sequence[torch.nn.Module] = ()) -> Tuple[List[Tuple[str, Any]], Dict[int, list]]:
-    """Replace each of ``others`` (from :func:`plan`) on ``pipe`` by its quantized CompiledDiT. Returns
-    ``[(attribute, original)]`` (what ``disable_cache`` puts back) and, for the modules in ``skip`` (parallelised by
-    the caller, who appends these passes to theirs), ``{id(module): quantization passes}``."""
+                        skip: Sequence[torch.nn.Module] = ()) -> Tuple[List[Tuple[str, Any]], Dict[int, Any]]:
+    """Replace each of ``others`` (from :func:`plan`) on ``pipe`` by its quantized CompiledDiT (a VAE: its
+    VAEGraphs). Returns ``[(attribute, original)]`` (what ``disable_cache`` puts back) and, for the modules in
+    ``skip`` (parallelised by the caller, who appends these passes to theirs), ``{id(module): a callable building
+    its quantization passes}``."""
     from .. import compile_dit
+    from ..passes.vae_parallel import VAEGraphs
 
     replaced: List[Tuple[str, Any]] = []
-    deferred: Dict[int, list] = {}
+    deferred: Dict[int, Any] = {}
     for attr, cfg in others:
         module = getattr(pipe, attr)
+        build = functools.partial(cfg.to_passes, module)  # a VAE builds them for each graph it captures
         if any(module is m for m in skip):
-            deferred[id(module)] = cfg.to_passes(module)
+            deferred[id(module)] = build
             continue
-        setattr(pipe, attr, compile_dit(module, passes=cfg.to_passes(module), keep_original=keep_original))
+        quantized = VAEGraphs(module, build) if _is_vae(module) else \
+            compile_dit(module, passes=build(), keep_original=keep_original)
+        setattr(pipe, attr, quantized)
         replaced.append((attr, module))
     return replaced, deferred
+
+
+def _is_vae(module: torch.nn.Module) -> bool:
+    """A module the pipeline calls through ``decode`` / ``encode`` (a VAE), not as ``module(...)``."""
+    return callable(getattr(module, "decode", None))

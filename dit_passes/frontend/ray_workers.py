@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +26,8 @@ def worker_extra(pc: ParallelismConfig, quant: Dict[int, QuantizeConfig], module
     ControlNet with the transformer's passes, a text encoder with tensor parallelism over all ranks), then the
     quantization ``quant[index]`` asks for (a text encoder also in ``components_to_quantize``)."""
     from ..passes.parallel_plan import parallelize_module
-    then = _one_writer(quant[index], rank).to_passes(module) if index in quant else ()
+    # a callable: a VAE builds its quantization for each graph it captures
+    then = functools.partial(_one_writer(quant[index], rank).to_passes, module) if index in quant else ()
     return parallelize_module(module, world_size, pc.to_passes, then=then)
 
 
