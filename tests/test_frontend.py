@@ -187,10 +187,14 @@ def test_parallelism_all_sizes_one_is_a_logged_noop(caplog):
         enable_cache(fresh, parallelism_config=ParallelismConfig(ulysses_size=2))
     with pytest.raises(RuntimeError, match="Ulysses2_TP2 needs 4 processes"):
         enable_cache(fresh, parallelism_config=ParallelismConfig(ulysses_size=2, tp_size=2))
-    # with use_ray the workers parallelise them (tests/test_ray_launcher_owned.py); not when they build the pipeline
-    with pytest.raises(NotImplementedError, match="extra_parallel_modules with ray_transfer_fn"):
+    # with use_ray the workers parallelise them (tests/test_ray_launcher_owned.py); when they build the pipeline
+    # (ray_transfer_fn) by name, as the reference (tests/test_ray_launcher.py): a module of this process names nothing
+    with pytest.raises(ValueError, match=r"extra_parallel_modules=\['AutoencoderKL'\] with ray_transfer_fn.*name them"):
         enable_cache(fresh, parallelism_config=ParallelismConfig(ulysses_size=2, use_ray=True, ray_transfer_fn=tiny_pipe,
                                                                  extra_parallel_modules=[fresh.vae]))
+    with pytest.raises(ValueError, match="components_to_quantize: a FluxTransformer2DModel of this process"):
+        enable_cache(fresh, parallelism_config=ParallelismConfig(ulysses_size=2, use_ray=True, ray_transfer_fn=tiny_pipe),
+                     quantize_config=QuantizeConfig(components_to_quantize=[fresh.transformer]))
     with pytest.raises(ValueError, match="extra_parallel_modules needs the pipeline"):
         enable_cache(fresh.transformer, parallelism_config=ParallelismConfig(ulysses_size=2, use_ray=True,
                                                                              extra_parallel_modules=[fresh.vae]))

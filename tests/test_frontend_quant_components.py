@@ -32,8 +32,9 @@ def ids():
 
 
 def _quantized(compiled):
-    """{module path: kind} of the linears the passes replaced."""
-    return {n.meta["dit_module_path"]: n.meta["dit_quant"] for n in compiled.graph_module.graph.nodes
+    """{module path: kind} of the linears the passes replaced (a CompiledDiT's, or a graph's)."""
+    gm = getattr(compiled, "graph_module", compiled)
+    return {n.meta["dit_module_path"]: n.meta["dit_quant"] for n in gm.graph.nodes
             if n.op == "call_function" and n.meta.get("dit_quant")}
 
 
@@ -110,10 +111,108 @@ def test_refusals_name_the_way_out():
             components_to_quantize=["transformer", "text_encoder"]))
     with pytest.raises(ValueError, match="SVDQuant quantizes the transformer"):
         cache_dit.QuantizeConfig(quant_type="svdq_int4_r8_dq", components_to_quantize=["text_encoder"]).to_passes()
-    with pytest.raises(NotImplementedError, match="VAE"):
-        cache_dit.enable_cache(pipe, quantize_config=cache_dit.QuantizeConfig(components_to_quantize=["vae"]))
     with pytest.raises(ValueError, match="tokenizer is not a module"):
         cache_dit.enable_cache(pipe, quantize_config=cache_dit.QuantizeConfig(components_to_quantize=["tokenizer"]))
     with pytest.raises(ValueError, match="fields"):
         cache_dit.QuantizeConfig(components_to_quantize={"text_encoder": {"no_such_field": 1}}).to_passes()
     assert not isinstance(pipe.transformer, CompiledDiT) and not isinstance(pipe.text_encoder_2, CompiledDiT)
+
+
+class _Encoder(torch.nn.Module):
+    """A stand-in encoder: its config's width (``hidden_size``, or T5's ``d_model``) and a linear of that width."""
+
+    def __init__(self, width, key="hidden_size"):
+        super().__init__()
+        from types import SimpleNamespace
+        self.config = SimpleNamespace(**{key: width})
+        self.proj = torch.nn.Linear(width, width)
+
+
+def test_main_text_encoder_is_chosen_by_structure(caplog):
+    """cache-dit names the pipelines whose ``text_encoder_2`` is the small one; here widths decide, giving the
+    reference's answer on its pipelines' layouts: ``text_encoder_2`` first (FLUX's T5 beside a CLIP; SD3 / HiDream's
+    CLIP-G beside a CLIP-L, before their T5 in ``text_encoder_3``), unless it is narrower than ``text_encoder``
+    (an LLM encoder beside a CLIP / ByT5) or the transformer attends to ``text_encoder``'s width only (a BERT
+    beside an mT5 whose output is projected); equal widths keep the order. ``extra_parallel_modules`` names resolve
+    by the same rule."""
+    from types import SimpleNamespace
+    from dit_passes.frontend.components import extra_modules, main_text_encoder
+
+    def pipe(transformer_context=None, **encoders):
+        transformer = SimpleNamespace(config=SimpleNamespace(cross_attention_dim=transformer_context))
+        return SimpleNamespace(transformer=transformer, components=encoders, **encoders)
+    assert main_text_encoder(pipe(text_encoder=_Encoder(768), text_encoder_2=_Encoder(4096, "d_model"))) \
+        == "text_encoder_2"  # a CLIP and a T5
+    assert main_text_encoder(pipe(text_encoder=_Encoder(768), text_encoder_2=_Encoder(1280),
+                                  text_encoder_3=_Encoder(4096, "d_model"))) == "text_encoder_2"  # the reference's
+    assert main_text_encoder(pipe(text_encoder=_Encoder(4096), text_encoder_2=_Encoder(768))) == "text_encoder"
+    assert main_text_encoder(pipe(1024, text_encoder=_Encoder(1024), text_encoder_2=_Encoder(2048, "d_model"))) \
+        == "text_encoder"  # the transformer's context is the first encoder's
+    assert main_text_encoder(pipe(text_encoder=_Encoder(32), text_encoder_2=_Encoder(32, "d_model"))) \
+        == "text_encoder_2"  # a tie (the tiny test pipelines): the reference's order
+    assert main_text_encoder(pipe(text_encoder=_Encoder(64), text_encoder_2=None,
+                                  vision_language_encoder=_Encoder(16))) == "vision_language_encoder"
+    assert main_text_encoder(pipe(text_encoder=_Encoder(64))) == "text_encoder"
+    with pytest.raises(ValueError, match="holds no text encoder"):
+        main_text_encoder(pipe(vae=_Encoder(4)))
+    wide, narrow, vae = _Encoder(64), _Encoder(16), _Encoder(4)
+    p = pipe(text_encoder=wide, text_encoder_2=narrow, vae=vae, controlnet=None)
+    with caplog.at_level("WARNING", logger="dit_passes"):
+        assert extra_modules(p, ["text_encoder", "vae", narrow, "controlnet"]) == [wide, vae, narrow]
+    assert "has no module 'controlnet'" in caplog.text  # skipped with a warning, as the reference does
+
+
+def test_ray_workers_build_each_transformers_own_quantization():
+    """With ``use_ray`` the workers build each transformer's passes from a tuple of configs, one per
+    ``transformer`` / ``transformer_2`` (``components_to_quantize=["transformer"]`` on a two-transformer pipeline
+    quantizes the first only, as without Ray): the engine's i-th transformer gets the i-th."""
+    from dit_passes.frontend.api import _worker_passes
+    from dit_passes.frontend.components import plan
+    from types import SimpleNamespace
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    pipe = SimpleNamespace(transformer=first, transformer_2=second, components={})
+    transformers, others = plan(pipe, cache_dit.QuantizeConfig(quant_type="int8_per_row",
+                                                               components_to_quantize=["transformer"]))
+    qs = tuple(transformers.get(n) for n in ("transformer", "transformer_2"))
+    assert others == [] and qs[1] is None
+    assert [p.name for p in _worker_passes(None, qs, None, None, module=first, index=0)] == ["int8_linear"]
+    assert _worker_passes(None, qs, None, None, module=second, index=1) == []
+
+
+def test_calibrate_fn_gets_the_keyword_arguments_it_names():
+    """cache-dit calls ``calibrate_fn`` with those of its keyword arguments the function names (all for
+    ``**kwargs``, none for a function of no argument); its own observer object (``calibrator``) has no counterpart
+    here: a function requiring it is refused, naming it."""
+    from types import SimpleNamespace
+    from dit_passes.frontend.calibration import call_calibrate_fn
+    model, seen = torch.nn.Linear(2, 2), []
+    config = SimpleNamespace(svdq_kwargs={"calibrate_precision": "fp64"}, calibrate_fn=None)
+    for fn, want in ((lambda: seen.append({}), {}),
+                     (lambda model, component_name: seen.append(dict(model=model, component_name=component_name)),
+                      {"model": model, "component_name": "Linear"}),
+                     (lambda **kw: seen.append(kw), {"model": model, "quantize_config": config,
+                                                     "component_name": "Linear", "svdq_kwargs": config.svdq_kwargs})):
+        config.calibrate_fn = fn
+        call_calibrate_fn(config, model)
+        assert seen.pop() == want
+    config.calibrate_fn = lambda model, calibrator: None
+    with pytest.raises(TypeError, match=r"requires \['calibrator'\]"):
+        call_calibrate_fn(config, model)
+
+
+def test_vae_quantized_through_its_decode_graph():
+    """``components_to_quantize=["vae"]`` (cache-dit quantizes its linears too): the pipeline calls ``vae.decode``,
+    so each decode is captured and its linears (the mid-block attention's four) rewritten; the decoded images stay
+    within int8's bound of the unquantized ones, the latents are unchanged; ``disable_cache`` puts the VAE back."""
+    pipe = _pipeline()
+    vae = pipe.vae
+    want = _call(pipe)
+    cache_dit.enable_cache(pipe, quantize_config=cache_dit.QuantizeConfig(quant_type="int8_per_row",
+                                                                          components_to_quantize=["vae"]))
+    got = _call(pipe)
+    (key, gm), = pipe.vae._graphs.items()
+    assert key[0] == "decode" and _quantized(pipe.transformer) == {}
+    assert _quantized(gm) == {f"vae.{p}": "int8_per_row" for p in _linears(vae) if p.startswith("decoder.")}
+    assert 0 < _rel(got, want) < 0.05, _rel(got, want)
+    cache_dit.disable_cache(pipe)
+    assert pipe.vae is vae

@@ -291,3 +291,72 @@ def test_frontend_two_transformers_and_refresh_context(cluster):
     assert got[1] == ref[1] and got[3] == ref[3], (got[1::2], ref[1::2])
     for a, b in ((got[0], ref[0]), (got[2], ref[2])):
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+
+
+def te_pipeline() -> FluxPipeline:
+    """tiny_pipeline with a tiny T5 as ``text_encoder_2`` (the main encoder: ``"text_encoder"``); seeded, so the
+    pipeline each worker builds (ray_transfer_fn) equals this process's."""
+    import transformers as T
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        t5 = T.T5EncoderModel(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                         dropout_rate=0.0)).eval()
+        return flux_pipeline(build("flux").model, text_encoder_2=t5)
+
+
+def calibrate_around(model) -> None:
+    """cache-dit's ``calibrate_fn(model=...)`` form: the calibration call through a pipeline around ``model`` (the
+    transformer being calibrated, wherever it lives: the workers that built it with ray_transfer_fn, or here)."""
+    with torch.inference_mode():
+        flux_pipeline(model)(**call_kwargs())
+
+
+def test_frontend_ray_transfer_fn_extra_modules_components_and_ptq(cluster, tmp_path):
+    """``enable_cache(None, parallelism_config=ParallelismConfig(ulysses_size=2, use_ray=True, ray_transfer_fn=...,
+    extra_parallel_modules=["text_encoder", "vae"]), quantize_config=QuantizeConfig("svdq_int4_r8", calibrate_fn=
+    calibrate_around, components_to_quantize={"transformer": {}, "text_encoder": {"quant_type": "int8_per_row"}}))``:
+    cache-dit's form (its workers run enable_cache on the pipeline each built): in each worker the names resolve in
+    its own pipeline (``"text_encoder"``: the main one, the T5), the T5 runs tensor-parallel then int8, the VAE is
+    row-split, ``calibrate_fn`` runs there with ``model=`` that worker's transformer and rank 0 writes the
+    checkpoint. The latents equal the single process's under the same quantize config (same calibration, Ulysses
+    exact); the T5's output stays within int8's bound of the single process's int8 T5."""
+    import dit_passes as cache_dit
+
+    def factory():  # a closure: cloudpickled by value; te_pipeline resolves through PYTHONPATH=tests/
+        import test_ray_launcher
+        return test_ray_launcher.te_pipeline()
+
+    def quant(out):
+        return cache_dit.QuantizeConfig(quant_type="svdq_int4_r8", serialize_to=str(out), calibrate_fn=calibrate_around,
+                                        components_to_quantize={"transformer": {}, "text_encoder": {
+                                            "quant_type": "int8_per_row", "serialize_to": None}})
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+    single = te_pipeline()
+    cache_dit.enable_cache(single, quantize_config=quant(tmp_path / "single"))
+    with torch.inference_mode():
+        ref, te_ref = single(**call_kwargs()).images, single.text_encoder_2(input_ids=ids).last_hidden_state
+    assert (tmp_path / "single" / "svdq_int4_r8.safetensors").exists()
+
+    def report(w):  # on each worker: what the setup did in the pipeline it built
+        te, tr = w.obj.text_encoder_2, w.obj.transformer
+        with torch.inference_mode():
+            out = te(input_ids=ids).last_hidden_state
+        return {"te": [r.name for r in te._current().manager.records], "vae": type(w.obj.vae).__name__,
+                "passes": [p.name for p in tr.passes], "te_out": out}
+    engine = cache_dit.enable_cache(quantize_config=quant(tmp_path / "ray"), parallelism_config=cache_dit.
+                                    ParallelismConfig(ulysses_size=2, use_ray=True, ray_transfer_fn=factory,
+                                                      extra_parallel_modules=["text_encoder", "vae"]))
+    try:
+        assert isinstance(engine, RayEngine)
+        assert (tmp_path / "ray" / "svdq_int4_r8.safetensors").exists()  # rank 0 wrote it before enable returned
+        got = engine(**call_kwargs()).images
+        reports = engine.run_on_workers(report)
+    finally:
+        engine.shutdown()
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    for r in reports:
+        assert r["passes"] == ["ulysses", "svdquant_w4a4"], r
+        assert [n for n in r["te"] if n != "cleanup"] == ["tensor_parallel", "int8_linear"], r
+        assert r["vae"] == "ParallelVAE", r
+        # TP splits the T5's output projections along K: their int8 rows are scaled per shard, not bit-equal
+        assert ((r["te_out"] - te_ref).abs().max() / te_ref.abs().max()).item() < 0.05

@@ -98,7 +98,8 @@ def _stop_cluster(temp_dir: str) -> list:
 
 
 def _te_pipeline():
-    """The tiny Flux pipeline with a tiny T5 as ``text_encoder_2`` (TE-P) beside its tiny VAE (VAE-P)."""
+    """The tiny Flux pipeline with a tiny T5 as ``text_encoder_2`` (TE-P) beside its tiny VAE (VAE-P), and a tiny
+    CLIP as ``text_encoder`` (run in the driver)."""
     import transformers as T
     from dit_passes.models.zoo import build
     from dit_passes.testing.pipelines import flux_pipeline
@@ -106,7 +107,12 @@ def _te_pipeline():
         torch.manual_seed(1)
         t5 = T.T5EncoderModel(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                          dropout_rate=0.0)).eval()
-    return flux_pipeline(build("flux").model, text_encoder_2=t5)
+        clip = T.CLIPTextModel(T.CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16,
+                                                bos_token_id=0, eos_token_id=2, pad_token_id=1)).eval()
+    pipe = flux_pipeline(build("flux").model, text_encoder_2=t5)
+    pipe.register_modules(text_encoder=clip)
+    return pipe
 
 
 def _decoded(pipe, user_module) -> torch.Tensor:
@@ -115,20 +121,37 @@ def _decoded(pipe, user_module) -> torch.Tensor:
 
 
 def _ptq(pipe, user_module, out_dir, filter_fn) -> "object":
+    """SVDQuant PTQ of the transformer, int8 of the main text encoder (``"text_encoder"``: the T5) and of the VAE's
+    linears, float8 of the CLIP (named by the module itself); the components without the transformer's filter_fn
+    (each entry inherits the other fields) and, for the CLIP, without the default exclusions ("mod" is in
+    "text_model")."""
     import dit_passes as cache_dit
+    encoder = dict(serialize_to=None, filter_fn=None)
     return cache_dit.QuantizeConfig(quant_type="svdq_int4_r8", filter_fn=filter_fn, serialize_to=str(out_dir),
-                                    calibrate_fn=lambda: _decoded(pipe, user_module))
+                                    calibrate_fn=lambda: _decoded(pipe, user_module), components_to_quantize={
+                                        "transformer": {},
+                                        "text_encoder": dict(encoder, quant_type="int8_per_row"),
+                                        "vae": dict(encoder, quant_type="int8_per_row"),
+                                        pipe.text_encoder: dict(encoder, quant_type="float8_per_row", exclude_layers=[])})
+
+
+def _encoded(encoder, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return encoder(input_ids=ids).last_hidden_state
 
 
 def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_path):
     """``ParallelismConfig(ulysses_size=2, use_ray=True, ray_address=<a cluster started by ray start in another
     process>, ray_worker_options={"num_cpus": 0.5}, extra_parallel_modules=[pipe.text_encoder_2, pipe.vae])`` with
-    ``QuantizeConfig(svdq_int4_r8 PTQ, filter_fn=...)``: the workers run on that 1-CPU cluster (two of them fit only
-    because each asks for half a CPU: the options reach the actors and their bundles); the T5 runs tensor-parallel
-    and the VAE's decode row-split there (TE-P / VAE-P inside the workers), ``calibrate_fn`` drives the pipeline
+    ``QuantizeConfig(svdq_int4_r8 PTQ, filter_fn=..., components_to_quantize={"transformer", "text_encoder": int8,
+    "vae": int8, pipe.text_encoder: float8})``: the workers run on that 1-CPU cluster (two of them fit only because
+    each asks for half a CPU: the options reach the actors and their bundles); the T5 runs tensor-parallel then int8
+    and the VAE's decode row-split then int8 there (TE-P / VAE-P inside the workers, each component quantized where
+    it runs), the CLIP (not an extra module: it runs here) is quantized here, ``calibrate_fn`` drives the pipeline
     while the workers calibrate the transformer they run, filter_fn picks its linears there, rank 0 writes the
-    checkpoint; the decoded images equal the single process's (same PTQ config, no parallelism); disable_cache
-    disconnects and leaves the cluster running (it is not ours to stop)."""
+    checkpoint; the decoded images equal the single process's (same quantize config, no parallelism), the CLIP's
+    output is its, the T5's within int8's bound of its; disable_cache puts every original back, disconnects and
+    leaves the cluster running (it is not ours to stop)."""
     if ray.is_initialized():
         pytest.skip("a Ray cluster from another test is still running in this process")
     import dit_passes as cache_dit
@@ -145,6 +168,8 @@ def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_pa
         return {"te_passes": [r.name for r in te._current().manager.records],
                 "te_all_reduces": sum("all_reduce" in str(n.target) for n in te._current().gm.graph.nodes),
                 "vae": [(k.split("[")[0], v["world_size"], v["rank"]) for k, v in vae.report().items()],
+                "vae_int8": [sum(n.meta.get("dit_quant") == "int8_per_row" for n in gm.graph.nodes)
+                             for gm in vae._graphs.values()],
                 "passes": [p.name for p in tr.passes], "quantized": quant.result.counts["replaced"]}
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the cluster's mode; with an address the driver keeps its env's
     temp_dir = tempfile.mkdtemp(prefix="rayx", dir="/tmp")
@@ -160,25 +185,26 @@ def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_pa
         single = _te_pipeline()  # the reference, built and run while the cluster starts
         cache_dit.enable_cache(single, quantize_config=_ptq(single, user_module, tmp_path / "single", ff_down))
         reference = _decoded(single, user_module)
+        ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+        te_single, clip_single = _encoded(single.text_encoder_2, ids), _encoded(single.text_encoder, ids)
         single_quantized = next(r for r in single.transformer._current().manager.records
                                 if r.name == "svdquant_w4a4").result.counts["replaced"]
         log, _ = starting.communicate(timeout=120)
         assert starting.returncode == 0, log.decode(errors="replace")
 
         pipe = _te_pipeline()
-        t5, vae = pipe.text_encoder_2, pipe.vae
-        ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
-        with torch.no_grad():
-            te_ref = t5(input_ids=ids).last_hidden_state
+        t5, vae, clip = pipe.text_encoder_2, pipe.vae, pipe.text_encoder
+        te_ref, clip_ref = _encoded(t5, ids), _encoded(clip, ids)
         cache_dit.enable_cache(pipe, parallelism_config=cache_dit.ParallelismConfig(
             ulysses_size=2, use_ray=True, ray_address=f"127.0.0.1:{port}", ray_worker_options={"num_cpus": 0.5},
             extra_parallel_modules=[pipe.text_encoder_2, pipe.vae]),
-            quantize_config=_ptq(pipe, user_module, tmp_path / "ray", ff_down))
+            quantize_config=_ptq(pipe, user_module, tmp_path / "ray", ff_down), keep_original=True)
         try:
             assert (tmp_path / "ray" / "svdq_int4_r8.safetensors").exists()  # rank 0 wrote it before enable returned
             assert type(pipe.text_encoder_2).__name__ == type(pipe.vae).__name__ == "RayModuleProxy"
             images = _decoded(pipe, user_module)
-            te_out = pipe.text_encoder_2(input_ids=ids).last_hidden_state
+            te_out, clip_out = _encoded(pipe.text_encoder_2, ids), _encoded(pipe.text_encoder, ids)
+            clip_passes = [p.name for p in pipe.text_encoder.passes]  # a CompiledDiT here
             engine = pipe.transformer._engine
             seen = engine.run_on_workers(lambda w: (
                 ray.get_runtime_context().get_assigned_resources().get("CPU"),
@@ -188,15 +214,21 @@ def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_pa
             cache_dit.disable_cache(pipe)
         assert seen == [(0.5, str(port))] * 2, seen
         torch.testing.assert_close(images, reference, rtol=0, atol=1e-5)
-        torch.testing.assert_close(te_out, te_ref, rtol=0, atol=1e-5)
+        assert clip_passes == ["fp8_linear"] and torch.equal(clip_out, clip_single)
+        assert not torch.equal(clip_out, clip_ref)
+        # TP splits the T5's output projections along K: their int8 rows are scaled per shard, not bit-equal
+        assert 0 < ((te_out - te_single).abs().max() / te_single.abs().max()).item() < 0.05
+        assert 0 < ((te_out - te_ref).abs().max() / te_ref.abs().max()).item() < 0.05
         expected = sum(ff_down(m, n) for n, m in single.transformer.original.named_modules()
                        if isinstance(m, torch.nn.Linear))
         for rank, r in enumerate(reports):
-            assert "tensor_parallel" in r["te_passes"] and r["te_all_reduces"] == 4, r  # 2 layers x (attention, FF)
+            assert [n for n in r["te_passes"] if n != "cleanup"] == ["tensor_parallel", "int8_linear"], r
+            assert r["te_all_reduces"] == 4, r  # 2 layers x (attention, FF)
             assert r["vae"] == [("decode", 2, rank)], r  # the pipeline's one decode, split over the 2 ranks
+            assert r["vae_int8"] == [4], r  # then its mid-block attention's linears in int8
             assert r["passes"] == ["ulysses", "svdquant_w4a4"], r
             assert r["quantized"] == single_quantized == expected > 0, (r, single_quantized, expected)
-        assert pipe.text_encoder_2 is t5 and pipe.vae is vae
+        assert pipe.text_encoder_2 is t5 and pipe.vae is vae and pipe.text_encoder is clip
         assert not ray.is_initialized(), "disable_cache must disconnect the driver it connected"
         assert session_processes(temp_dir), "the cluster the driver connected to must keep running"
     finally:

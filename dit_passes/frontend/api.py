@@ -20,9 +20,10 @@ has its own cache state (the reference shares one state there); a second ``enabl
 (``pipe.transformer`` / ``pipe.transformer_2`` become proxies of one engine, ``pipe(...)`` works unchanged; a bare
 transformer is also routed to the workers in place, as the reference's transformer wrapper does; ``refresh_context``
 with a new config lowers again in the same workers; ``extra_parallel_modules`` are parallelised in the workers too,
-the pipeline holding a proxy of each; SVDQuant PTQ calibrates there while ``calibrate_fn`` drives the pipeline);
-a whole-pipeline engine is returned only for
-``ray_transfer_fn`` with ``pipe_or_module=None``.
+the pipeline holding a proxy of each; ``components_to_quantize`` beyond the transformer are quantized where they
+run; SVDQuant PTQ calibrates there while ``calibrate_fn`` drives the pipeline); a whole-pipeline engine is returned
+only for ``ray_transfer_fn`` with ``pipe_or_module=None`` (the named extra modules, components and PTQ then done in
+each worker's pipeline, ``calibrate_fn`` running there with ``model=`` its transformer).
 """
 from __future__ import annotations
 
@@ -44,8 +45,10 @@ from ..passes.load_quantized import LoadQuantized
 from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator
 from .cache_configs import resolve_cache_config as _resolve_cache_config
 from . import components
-from .configs import ParallelismConfig, QuantizeConfig, calibrate
-from .ray_workers import calibrate_on_workers, worker_extra
+from .calibration import calibrate
+from .configs import ParallelismConfig, QuantizeConfig
+from .ray_workers import FactoryPlan, calibrate_on_workers, setup_factory_workers, without_calibrate_fns, \
+    worker_extra
 
 logger = logging.getLogger("dit_passes")
 TRANSFORMER_ATTRS = components.TRANSFORMER_NAMES
@@ -193,10 +196,13 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
         logger.info("ParallelismConfig: every size is 1 / None: no parallelism applied (no-op)")
         pc = None
     if pc is not None and pc.use_ray:
-        return _enable_with_ray(pipe_or_module, FrontendState(cfg, cal, pc, quantize_config, []))
+        return _enable_with_ray(pipe_or_module, FrontendState(cfg, cal, pc, quantize_config, []), keep_original)
     if pc is not None:
         _check_parallel_env(pc)
     targets = _targets(pipe_or_module)
+    extra_parallel = pc.extra_parallel_modules if pc is not None and pc.extra_parallel_modules else []
+    if extra_parallel and targets[0][0] is None:
+        raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
     quantized, others = components.plan(pipe_or_module, quantize_config)  # which components, which config each
     bases = [_check_target(o, a, m, allow_extend=quantize_config is None) for o, a, m in targets]
     wrapped = []
@@ -208,12 +214,10 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
         if owner is not None:
             setattr(owner, attr, compiled)
     owner, first = targets[0][0], _state_of(wrapped[0][2])
-    extra_parallel = list(pc.extra_parallel_modules) if pc is not None and pc.extra_parallel_modules else []
+    extra_parallel = components.extra_modules(owner, extra_parallel)  # names resolved as the reference does
     # text encoders in components_to_quantize (one also in extra_parallel_modules: its TP passes, then these)
     first.extra_restore, quant_passes = components.quantize_components(owner, others, keep_original, extra_parallel)
     if extra_parallel:  # TE-P / VAE-P / CN-P
-        if owner is None:
-            raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
         from ..passes.parallel_plan import parallelize_extra_modules
         first.extra_restore += parallelize_extra_modules(owner, extra_parallel, pc.world_size(), pc.to_passes,
                                                          keep_original=keep_original, then=quant_passes)
@@ -235,82 +239,98 @@ def _ray_launcher(pc: ParallelismConfig):
                        address=pc.ray_address, worker_options=dict(pc.ray_worker_options or {}))
 
 
-def _enable_with_ray(pipe_or_module: Any, state: FrontendState) -> Any:
+def _enable_with_ray(pipe_or_module: Any, state: FrontendState, keep_original: bool = False) -> Any:
     """``use_ray=True``: RayLauncher workers build and run the passes. A pipeline / transformer: the transformer(s)
     run there (``pipe.transformer`` and ``pipe.transformer_2`` become proxies of one engine, both lowered in every
     worker), and so do ``extra_parallel_modules`` (each replaced in the workers by its parallel version: TE-P, VAE-P,
-    CN-P; a module proxy in the pipeline). SVDQuant PTQ: ``calibrate_fn`` runs the pipeline here while the workers
-    run the original transformer(s) and record the linears' activations; then they quantize (rank 0 writes
-    ``serialize_to``). ``ray_transfer_fn``: the whole-pipeline engine is returned."""
+    CN-P; a module proxy in the pipeline). ``components_to_quantize`` beyond the transformer(s): a component that runs
+    in the workers (an extra module) is quantized there after its parallel passes, any other here, where the
+    pipeline runs it. SVDQuant PTQ: ``calibrate_fn`` runs the pipeline here while the workers run the original
+    transformer(s) and record the linears' activations; then they quantize (rank 0 writes ``serialize_to``).
+    ``ray_transfer_fn``: the whole-pipeline engine is returned; the named extra modules, the components to quantize
+    and PTQ (``calibrate_fn`` runs in each worker, ``model=`` its transformer) are done in each worker's pipeline."""
     pc, q = state.parallelism_config, state.quantize_config
-    if q is not None and q.components_to_quantize is not None:
-        if any(not (isinstance(c, str) and c in TRANSFORMER_ATTRS) for c, _ in q.component_configs()):
-            raise NotImplementedError("QuantizeConfig.components_to_quantize beyond the transformer with use_ray=True: "
-                                      "the Ray workers run the transformer only")
-        q = state.quantize_config = components.plan(None, q)[0].get("transformer")
-    ptq = q is not None and q.is_ptq()
     pc.check_supported()
     launcher = _ray_launcher(pc)
     if pc.ray_transfer_fn is not None:
-        if ptq or pc.extra_parallel_modules:
-            raise NotImplementedError(
-                f"{'SVDQuant PTQ' if ptq else 'ParallelismConfig.extra_parallel_modules'} with ray_transfer_fn: this "
-                "process has no pipeline to " + ("calibrate with" if ptq else "name the modules of") + "; pass it "
-                "(enable_cache(pipe, ...)) so they run on the workers" + (", or quantize(..., serialize_to=dir) first "
-                                                                          "and load it inside ray_transfer_fn" if ptq else ""))
-        checked = q if q is None or q.filter_fn is None else dataclasses.replace(q, filter_fn=None)  # no module here
-        state.passes = _worker_passes(None, checked, state.cache_config, state.calibrator_config)  # validated here
+        plan = FactoryPlan.of(pc, q)
+        for tq in plan.transformers:  # validated here (a filter_fn needs the module: there)
+            checked = tq if tq is None or tq.filter_fn is None else dataclasses.replace(tq, filter_fn=None)
+            state.passes = _worker_passes(None, checked, state.cache_config, state.calibrator_config)
         if pipe_or_module is not None:
             logger.warning("ray_transfer_fn is set: the workers build their own pipeline; the one given is unused")
-        return launcher.launch(pc.ray_transfer_fn, _worker_passes_fn(state), transfer="factory",
-                               compile=bool(pc.ray_use_compile))
+        state.quantize_config = without_calibrate_fns(plan.transformers)
+        engine = launcher.launch(pc.ray_transfer_fn, _worker_passes_fn(state), transfer="factory",
+                                 compile=bool(pc.ray_use_compile))
+        if plan.needs_setup():
+            try:
+                done = setup_factory_workers(engine, _without_modules(pc), plan)
+            except BaseException:
+                engine.shutdown()
+                raise
+            logger.info("enable_cache(ray_transfer_fn): in each worker's pipeline %s", done[0])
+        return engine
     targets = _targets(pipe_or_module)
     for owner, attr, module in targets:
         _check_target(owner, attr, module, allow_extend=False)
+    owner = targets[0][0]
+    quantized, others = components.plan(pipe_or_module, q)
+    qs = tuple(quantized.get(n) for n in TRANSFORMER_ATTRS)  # the engine's i-th transformer: TRANSFORMER_ATTRS[i]
+    ptq = any(c is not None and c.is_ptq() for c in qs)
     modules = [module for _, _, module in targets]
     extras = []
     if pc.extra_parallel_modules:  # TE-P / VAE-P / CN-P, in the workers
-        if targets[0][0] is None:
+        if owner is None:
             raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
         from ..passes.parallel_plan import extra_components
-        extras = extra_components(targets[0][0], pc.extra_parallel_modules)
-    state.passes = _worker_passes(None, q, state.cache_config, state.calibrator_config, module=modules[0],
-                                  calibrated={} if ptq else None)  # validated here
+        extras = extra_components(owner, components.extra_modules(owner, pc.extra_parallel_modules))
+    extra_index = {attr: j for j, (attr, _) in enumerate(extras)}
+    # quantized after their TE-P, there (float8 / int8: without the calibrate_fn they inherit, which holds the pipeline)
+    in_workers = {extra_index[a]: without_calibrate_fns([c])[0] for a, c in others if a in extra_index}
+    here = [(a, c) for a, c in others if a not in extra_index]  # quantized in this process, where they run
+    for j, c in in_workers.items():
+        c.to_passes(extras[j][1])  # validated here
+    for i, (_, _, module) in enumerate(targets):
+        state.passes = _worker_passes(None, qs, state.cache_config, state.calibrator_config, module=module,
+                                      calibrated={} if ptq else None, index=i)  # validated here
+    state.quantize_config = qs
     engine = launcher.launch(modules if len(modules) > 1 else modules[0], _worker_passes_fn(state), level="transformer",
                              transfer=pc.ray_transfer(), compile=bool(pc.ray_use_compile),
                              extra_modules=[m for _, m in extras],
-                             extra_fn=functools.partial(worker_extra, _without_modules(pc)) if extras else None)
+                             extra_fn=functools.partial(worker_extra, _without_modules(pc), in_workers)
+                             if extras else None)
     result = None
-    for index, (owner, attr, module) in enumerate(targets):
+    for index, (owner_i, attr, module) in enumerate(targets):
         proxy = engine.as_transformer(index)
         proxy.__dict__["_dit_frontend"] = own = dataclasses.replace(state, passes=list(state.passes), restore=module,
-                                                                    engine=engine, engine_index=index,
-                                                                    extra_restore=extras if index == 0 else [],
-                                                                    routed={})
-        if owner is None:
+                                                                    quantize_config=qs[index], engine=engine,
+                                                                    engine_index=index, routed={},
+                                                                    extra_restore=list(extras) if index == 0 else [])
+        if owner_i is None:
             _route_to_proxy(module, proxy, own)
             result = proxy
         else:
-            setattr(owner, attr, proxy)
+            setattr(owner_i, attr, proxy)
     for j, (attr, module) in enumerate(extras):
-        setattr(targets[0][0], attr, engine.as_module(j, module))
-    if ptq:
-        try:
-            calibrate_on_workers(engine, q)
-        except BaseException:
-            disable_cache(pipe_or_module)
-            raise
-    return result if result is not None else targets[0][0]
+        setattr(owner, attr, engine.as_module(j, module))
+    try:
+        if ptq:
+            calibrate_on_workers(engine, qs)
+        if here:  # after calibration, as the reference quantizes the transformer before the other components
+            restore, _ = components.quantize_components(owner, here, keep_original)
+            _state_of(getattr(owner, targets[0][1])).extra_restore += restore
+    except BaseException:
+        disable_cache(pipe_or_module)
+        raise
+    return result if result is not None else owner
 
 
 def _worker_passes_fn(state: FrontendState) -> Callable[..., list]:
-    """What each worker calls to build a transformer's passes. The configs travel without the objects of this
-    process they hold (``calibrate_fn`` holds the pipeline, calibration is driven from here; the extra modules
-    travel once, as modules)."""
+    """What each worker calls to build a transformer's passes. The configs (one per transformer, a tuple) travel
+    without the objects of this process they hold (``calibrate_fn`` holds the pipeline, calibration is driven from
+    here; the extra modules travel once, as modules)."""
     q = state.quantize_config
-    if q is not None and q.calibrate_fn is not None:
-        q = copy.copy(q)
-        q.calibrate_fn = None
+    q = without_calibrate_fns(q) if isinstance(q, tuple) else without_calibrate_fns([q])[0]
     return functools.partial(_worker_passes, _without_modules(state.parallelism_config), q, state.cache_config,
                              state.calibrator_config)
 
@@ -337,12 +357,15 @@ def _route_to_proxy(module: torch.nn.Module, proxy: Any, state: FrontendState) -
                            _dit_frontend=state)
 
 
-def _worker_passes(pc: Optional[ParallelismConfig], q: Optional[QuantizeConfig], cfg: Optional[DBCacheConfig],
+def _worker_passes(pc: Optional[ParallelismConfig], q: Any, cfg: Optional[DBCacheConfig],
                    cal: Optional[CalibratorConfig], rank: int = 0, world_size: int = 1, module: Any = None,
-                   calibrated: Optional[Dict[str, Any]] = None) -> list:
+                   calibrated: Optional[Dict[str, Any]] = None, index: int = 0) -> list:
     """The pass list, built in each Ray worker (its process group exists there; CP x TP builds subgroups) for
-    ``module``, the transformer it lowers (``filter_fn``'s modules, ``_repeated_blocks``). SVDQuant PTQ without
-    ``calibrated`` statistics: no quantize pass yet (``_worker_quantize`` adds it after calibration)."""
+    ``module``, the ``index``-th transformer it lowers (``filter_fn``'s modules, ``_repeated_blocks``); ``q``: a
+    QuantizeConfig, or a tuple of one per transformer (None: not quantized). SVDQuant PTQ without ``calibrated``
+    statistics: no quantize pass yet (added after calibration, :mod:`~dit_passes.frontend.ray_workers`)."""
+    if isinstance(q, tuple):
+        q = q[index] if index < len(q) else None
     quant = [] if q is None or (q.is_ptq() and calibrated is None) else q.to_passes(module, calibrated)
     passes = (pc.to_passes() if pc is not None else []) + quant + ([cache_pass(cfg, cal)] if cfg is not None else [])
     PassManager(passes)

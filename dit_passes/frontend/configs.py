@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4, calibrate_linears
+from ..passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 from ..quant.svdquant import SVD_PRECISIONS
 
 logger = logging.getLogger("dit_passes")
@@ -42,8 +42,9 @@ class ParallelismConfig:
     ``attention_backend`` are accepted and ignored (the plan is derived from the graph). CP together with TP builds both on one mesh
     (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). ``extra_parallel_modules`` (text encoders: TE-P,
     a VAE: VAE-P, a ControlNet: CN-P) are parallelised where the transformer runs: this process, or with
-    ``use_ray`` the workers (the pipeline gets a proxy of each). Not implemented (``NotImplementedError``):
-    ``extra_parallel_modules`` with ``ray_transfer_fn`` (no pipeline here to name them in).
+    ``use_ray`` the workers (the pipeline gets a proxy of each); given as modules or as names (``"text_encoder"``:
+    the main encoder, :func:`~dit_passes.frontend.components.extra_modules`). With ``ray_transfer_fn`` each worker
+    builds its pipeline and resolves the names there (modules of this process are refused: they name nothing there).
     ``ulysses_float8=True`` sends the Ulysses all-to-alls as e4m3 rows with per-row scales (approximate);
     ``ulysses_async=True`` issues each q / k / v all-to-all as soon as it is projected and waits for it after the
     next projection (``passes.Ulysses(size, async_qkv=True)``, with a ring ``passes.USP(..., ulysses_async=True)``:
@@ -186,15 +187,18 @@ class QuantizeConfig:
     type, the rest ``quant_type`` (:meth:`to_passes`). ``svdq_nvfp4_*``: the same with NVFP4 in
     place of int4 (checkpoints in the NVFP4 layout; the reference on CPU, fp8 tensor cores on sm_89+). SVDQ PTQ
     (``svdq_int4_r{rank}``, ``svdq_nvfp4_r{rank}``) needs
-    ``calibrate_fn`` (called with no arguments; it runs the pipeline holding the original transformer) and
+    ``calibrate_fn`` (it runs the pipeline holding the original transformer; called as the reference calls it, with
+    those of ``model=``, ``quantize_config=``, ``component_name=``, ``svdq_kwargs=`` it names: see
+    :func:`~dit_passes.frontend.calibration.call_calibrate_fn`) and
     ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs``: ``smooth_strategy``
     ("activation" for PTQ; "identity" (default) or "weight" for ``_dq``), ``calibrate_precision`` and
     ``svd_refine_iters`` (``SVDQuantW4A4(svd_precision=, refine_iters=)``); the keys that only tune the reference's
     calibration memory and kernels are accepted and logged. ``components_to_quantize`` (a list of pipeline component
     names or modules, or ``{name: {field: value}}``): those components only, each with its config
-    (:meth:`component_configs`); ``"text_encoder"`` names the pipeline's largest text encoder as in the reference
-    (``text_encoder_2`` where there is one); other components than the transformer(s) quantize every linear but
-    ``exclude_layers`` (float8 / int8 types; see :mod:`~dit_passes.frontend.components`).
+    (:meth:`component_configs`); ``"text_encoder"`` names the pipeline's main text encoder as the reference picks
+    it (:func:`~dit_passes.frontend.components.main_text_encoder`); other components than the transformer(s)
+    quantize every linear but ``exclude_layers`` (float8 / int8 types; see :mod:`~dit_passes.frontend.components`),
+    with ``use_ray`` where they run (the workers for an extra parallel module, else this process).
     """
 
     backend: Any = "auto"
@@ -458,33 +462,6 @@ class Precalibrated(SVDQuantW4A4):
         return {p: self.stats[p] for p in weights if p in self.stats}
 
 
-def calibrate(config: QuantizeConfig, model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """Run ``config.calibrate_fn()`` once: the activation abs-max of every ``nn.Linear`` of ``model`` it calls,
-    and the keyword arguments of ``model``'s first call (to lower the graph now). ``model`` must be the
-    module the pipeline calls, not yet wrapped."""
-    import torch
-    import torch.utils._pytree as pytree
-    weights = {p: m.weight for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    first: List[Dict[str, Any]] = []
-
-    def record(_mod, args, kwargs):
-        if not first:
-            if args:
-                raise TypeError("calibrate_fn called the transformer with positional arguments; call it with "
-                                "keywords, as diffusers pipelines do")
-            first.append(pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, kwargs))
-
-    handle = model.register_forward_pre_hook(record, with_kwargs=True)  # public hook, removed below
-    try:
-        stats = calibrate_linears(weights, lambda: config.calibrate_fn())
-    finally:
-        handle.remove()
-    if not first or not stats:
-        raise ValueError("QuantizeConfig.calibrate_fn never called the transformer being quantized: it must run "
-                         "the pipeline that holds this transformer (before enable_cache / quantize wraps it)")
-    with torch.inference_mode(False):
-        example = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, first[0])
-    return stats, example
-
-
 __all__ = ["ParallelismConfig", "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "parse_quant_type", "calibrate"]
+
+from .calibration import calibrate  # noqa: E402  (re-exported: the PTQ calibration lives apart)

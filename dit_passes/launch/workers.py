@@ -119,9 +119,10 @@ class RankWorker:
 
         ``arrays`` is the object-store dict (Ray resolves the ref before this call, zero-copy) or None.
         ``passes``: a list of passes (already unpickled into this process: fresh objects) or a
-        callable ``passes_fn(rank, world_size) -> list`` (given ``module=`` the transformer it is for when it takes
-        a ``module`` argument). ``n_extra``: the last ``n_extra`` modules of a transformer-level list are extra
-        modules, each replaced by ``extra_fn(module, rank, world_size)`` instead of lowered.
+        callable ``passes_fn(rank, world_size) -> list`` (given ``module=`` the transformer it is for and ``index=``
+        its position when it takes those arguments). ``n_extra``: the last ``n_extra`` modules of a transformer-level
+        list are extra modules, each replaced by ``extra_fn(module, rank, world_size)`` (``index=`` its position
+        among them when it takes one) instead of lowered.
         """
         from . import transfer
         t0 = time.perf_counter()
@@ -145,19 +146,17 @@ class RankWorker:
 
         t1 = time.perf_counter()
         from dit_passes import compile_dit
-        takes_module = callable(passes) and "module" in inspect.signature(passes).parameters
-
         def own_passes(i: int, module: Any) -> list:  # each denoiser its own pass objects: they hold per-graph state
             if callable(passes):
-                return passes(self.rank, self.world_size, module=module) if takes_module \
-                    else passes(self.rank, self.world_size)
+                return passes(self.rank, self.world_size, **_offered(passes, module=module, index=i))
             return list(passes) if i == 0 else _fresh_copy(list(passes))
         if level == "transformer":
             self.compiled = [compile_dit(m, passes=own_passes(i, m))
                              for i, m in enumerate(obj if isinstance(obj, list) else [obj])]
             obj = self.compiled if isinstance(obj, list) else self.compiled[0]
             if n_extra:
-                self.extras = [extra_fn(m, self.rank, self.world_size).to(self.device) for m in extras]
+                self.extras = [extra_fn(m, self.rank, self.world_size, **_offered(extra_fn, index=j)).to(self.device)
+                               for j, m in enumerate(extras)]
         else:
             names = [n for n in PIPELINE_TRANSFORMERS if isinstance(getattr(obj, n, None), torch.nn.Module)]
             for i, name in enumerate(names):
@@ -266,6 +265,13 @@ class RankWorker:
         self.obj, self.compiled, self.extras = None, [], []
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _offered(fn: Callable[..., Any], **optional: Any) -> Dict[str, Any]:
+    """The keyword arguments among ``optional`` that ``fn`` names (``module``: the transformer a passes_fn builds
+    for; ``index``: which transformer / extra module, so one callable can give each its own)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in optional.items() if k in params}
 
 
 def _fresh_copy(pass_list: List[Any]) -> List[Any]:

@@ -6,7 +6,7 @@ passes, anything else (text encoders) -> TensorParallel over the whole group.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -81,27 +81,27 @@ def _is_vae(module: Any) -> bool:
 
 def parallelize_module(module: torch.nn.Module, size: int, transformer_passes: Callable[[], list],
                        group: Optional[dist.ProcessGroup] = None, keep_original: bool = False,
-                       then: Sequence[Pass] = ()) -> torch.nn.Module:
+                       then: Union[Sequence[Pass], Callable[[], Sequence[Pass]]] = ()) -> torch.nn.Module:
     """The parallel replacement of one extra module (see the module docstring for the rule); ``keep_original``:
     as ``compile_dit``'s (the sharded weights stay in ``module`` too); ``then``: passes after the parallel ones
-    (quantization of a text encoder), not for a VAE."""
+    (a quantization), or a callable building them (a VAE runs them on each graph it captures: give a callable,
+    so that each gets its own)."""
     from .. import compile_dit
 
+    build = then if callable(then) else (lambda: list(then))
     if _is_vae(module):
-        if then:
-            raise ValueError(f"parallelize_module: a VAE takes no further passes, got {[p.name for p in then]}")
-        return parallel_vae(module, size, group=group)
+        return parallel_vae(module, size, group=group, then=build if callable(then) or then else None)
     if "controlnet" in type(module).__name__.lower():
-        return compile_dit(module, passes=[*transformer_passes(), *then], keep_original=keep_original)
-    return compile_dit(module, passes=[*parallel_passes(tp=size, group=group), *then], keep_original=keep_original)
+        return compile_dit(module, passes=[*transformer_passes(), *build()], keep_original=keep_original)
+    return compile_dit(module, passes=[*parallel_passes(tp=size, group=group), *build()], keep_original=keep_original)
 
 
 def parallelize_extra_modules(pipe: Any, modules: Sequence[Any], size: int, transformer_passes: Callable[[], list],
                               group: Optional[dist.ProcessGroup] = None, keep_original: bool = False,
-                              then: Optional[Dict[int, List[Pass]]] = None) -> List[Tuple[str, Any]]:
+                              then: Optional[Dict[int, Any]] = None) -> List[Tuple[str, Any]]:
     """Replace each of ``modules`` (components of ``pipe``) by its parallel version (``then[id(module)]``: passes
-    to run after the parallel ones); returns ``[(attribute, original), ...]`` so the caller can put the originals
-    back."""
+    to run after the parallel ones, or a callable building them, as :func:`parallelize_module` takes); returns
+    ``[(attribute, original), ...]`` so the caller can put the originals back."""
     replaced = extra_components(pipe, modules)
     for attr, module in replaced:
         setattr(pipe, attr, parallelize_module(module, size, transformer_passes, group, keep_original,

@@ -22,7 +22,7 @@ this pass run by a PassManager, ``explain()``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,18 +84,18 @@ class _Call(torch.nn.Module):
         return self.vae.encode(x).latent_dist.parameters
 
 
-class ParallelVAE(torch.nn.Module):
-    """Drop-in for a diffusers VAE whose ``decode`` / ``encode`` run split over the ranks of ``group``.
+class VAEGraphs(torch.nn.Module):
+    """Drop-in for a diffusers VAE whose ``decode`` / ``encode`` run as captured graphs rewritten by the passes
+    ``then()`` returns (a fresh list per graph: e.g. a quantization's ``Int8Linear`` on the VAE's linears).
 
     Holds the original (``.vae``; ``.config``, ``.dtype``, ``.device`` and any other attribute are
     forwarded to it) and one rewritten graph per (kind, input shape, dtype, device)."""
 
-    def __init__(self, vae: torch.nn.Module, group: dist.ProcessGroup):
+    def __init__(self, vae: torch.nn.Module, then: Optional[Callable[[], Sequence[Pass]]] = None):
         super().__init__()
         self.vae = vae
-        object.__setattr__(self, "_group", group)
+        object.__setattr__(self, "_then", then)
         object.__setattr__(self, "_graphs", {})
-        object.__setattr__(self, "_reports", {})
         object.__setattr__(self, "_managers", {})
 
     def __getattr__(self, name: str) -> Any:
@@ -104,30 +104,19 @@ class ParallelVAE(torch.nn.Module):
         except AttributeError:
             return getattr(self._modules["vae"], name)
 
+    def _further(self) -> List[Pass]:
+        return list(self._then()) if self._then is not None else []
+
     def graph(self, kind: str, x: torch.Tensor) -> fx.GraphModule:
         """The rewritten graph for an input like ``x`` (captured on first use)."""
         key = (kind, tuple(x.shape), x.dtype, x.device)
         gm = self._graphs.get(key)
         if gm is None:
-            if getattr(self.vae, "use_tiling", False):
-                raise ValueError("VAE-P replaces tiling: call vae.disable_tiling() before parallel_vae")
-            full = capture(_Call(self.vae, kind), (x,)).gm  # the single-process graph: reference shapes
-            full.graph.eliminate_dead_code()
-            hd, rank = x.dim() - 2, self._group.rank()
-            height, out_h = x.shape[hd], _val(full.graph.output_node().args[0][0]).shape[-2]
-            unit = height // out_h if out_h < height else 1  # encode: slabs of whole downsampled rows
-            if height % unit:
-                raise ValueError(f"VAE-P {kind}: height {height} is not a multiple of the downsampling {unit}")
-            rows = vae_ops.split_rows(height, self._group.size(), unit)
-            local = x.narrow(hd, sum(rows[:rank]), rows[rank]).contiguous()
-            gm = capture(_Call(self.vae, kind), (local,)).gm
+            gm = capture(_Call(self.vae, kind), (x,)).gm
             gm.graph.eliminate_dead_code()
-            manager = PassManager([VAEParallel(self._group.size(), self._group, rows=rows, reference=full)])
+            manager = PassManager(self._further())
             manager.run(gm)
-            counts = manager.records[-1].result.counts
-            gm.meta["vae_parallel"] = {"kind": kind, "rows": rows, "rank": rank, **counts}
             self._managers[key] = manager
-            self._reports[key] = {**vae_ops.activation_memory(full), **vae_ops.census(full)}
             self._graphs[key] = gm
         return gm
 
@@ -158,6 +147,47 @@ class ParallelVAE(torch.nn.Module):
         """The pass manager's explain() of every graph built so far (what VAEParallel rewrote)."""
         return "\n".join(f"-- {k}{list(s)}\n{m.explain()}" for (k, s, *_), m in self._managers.items())
 
+class ParallelVAE(VAEGraphs):
+    """Drop-in for a diffusers VAE whose ``decode`` / ``encode`` run split over the ranks of ``group`` (then
+    rewritten by the passes ``then()`` returns, e.g. a quantization of its linears).
+
+    Holds the original (``.vae``; ``.config``, ``.dtype``, ``.device`` and any other attribute are
+    forwarded to it) and one rewritten graph per (kind, input shape, dtype, device)."""
+
+    def __init__(self, vae: torch.nn.Module, group: dist.ProcessGroup,
+                 then: Optional[Callable[[], Sequence[Pass]]] = None):
+        super().__init__(vae, then)
+        object.__setattr__(self, "_group", group)
+        object.__setattr__(self, "_reports", {})
+
+    def graph(self, kind: str, x: torch.Tensor) -> fx.GraphModule:
+        """The rewritten graph for an input like ``x`` (captured on first use)."""
+        key = (kind, tuple(x.shape), x.dtype, x.device)
+        gm = self._graphs.get(key)
+        if gm is None:
+            if getattr(self.vae, "use_tiling", False):
+                raise ValueError("VAE-P replaces tiling: call vae.disable_tiling() before parallel_vae")
+            full = capture(_Call(self.vae, kind), (x,)).gm  # the single-process graph: reference shapes
+            full.graph.eliminate_dead_code()
+            hd, rank = x.dim() - 2, self._group.rank()
+            height, out_h = x.shape[hd], _val(full.graph.output_node().args[0][0]).shape[-2]
+            unit = height // out_h if out_h < height else 1  # encode: slabs of whole downsampled rows
+            if height % unit:
+                raise ValueError(f"VAE-P {kind}: height {height} is not a multiple of the downsampling {unit}")
+            rows = vae_ops.split_rows(height, self._group.size(), unit)
+            local = x.narrow(hd, sum(rows[:rank]), rows[rank]).contiguous()
+            gm = capture(_Call(self.vae, kind), (local,)).gm
+            gm.graph.eliminate_dead_code()
+            manager = PassManager([VAEParallel(self._group.size(), self._group, rows=rows, reference=full),
+                                   *self._further()])
+            manager.run(gm)
+            counts = next(r for r in manager.records if r.name == VAEParallel.name).result.counts
+            gm.meta["vae_parallel"] = {"kind": kind, "rows": rows, "rank": rank, **counts}
+            self._managers[key] = manager
+            self._reports[key] = {**vae_ops.activation_memory(full), **vae_ops.census(full)}
+            self._graphs[key] = gm
+        return gm
+
     def report(self) -> Dict[str, Any]:
         """Per graph: rows per rank, inserted collectives, and activation bytes on this rank against the
         same call captured on the full input (what one process would hold), from the graphs' shapes."""
@@ -171,15 +201,17 @@ class ParallelVAE(torch.nn.Module):
         return out
 
 
-def parallel_vae(vae: torch.nn.Module, size: int, group: Optional[dist.ProcessGroup] = None):
-    """Split ``vae``'s decode / encode over ``size`` ranks of ``group`` (default: the world group).
+def parallel_vae(vae: torch.nn.Module, size: int, group: Optional[dist.ProcessGroup] = None,
+                 then: Optional[Callable[[], Sequence[Pass]]] = None):
+    """Split ``vae``'s decode / encode over ``size`` ranks of ``group`` (default: the world group); ``then()``:
+    further passes for each graph after the split (a quantization).
 
-    ``size=1`` returns ``vae`` itself (nothing to split). Otherwise ``size`` must equal the group's size
-    and a process group must be initialised. The result is a :class:`ParallelVAE`; every rank must call
-    it with the same input, and every rank receives the full output."""
+    ``size=1`` returns ``vae`` itself (nothing to split), or with ``then`` a :class:`VAEGraphs`. Otherwise
+    ``size`` must equal the group's size and a process group must be initialised. The result is a
+    :class:`ParallelVAE`; every rank must call it with the same input, and every rank receives the full output."""
     check_ranks("parallel_vae(size)", size)
     if size == 1:
-        return vae
+        return vae if then is None else VAEGraphs(vae, then)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"parallel_vae(size={size}) needs a torch.distributed process group: call "
                            f"torch.distributed.init_process_group(...) on every rank first")
@@ -187,4 +219,4 @@ def parallel_vae(vae: torch.nn.Module, size: int, group: Optional[dist.ProcessGr
     if group.size() != size:
         raise ValueError(f"parallel_vae: size={size}, but the process group has {group.size()} ranks; "
                          f"pass size={group.size()} or a group of {size} ranks")
-    return ParallelVAE(vae, group)
+    return ParallelVAE(vae, group, then)
