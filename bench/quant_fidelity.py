@@ -16,7 +16,8 @@ is skipped for int4); embedders and the final projection stay. The AdaLN modulat
 ``w8a16`` (default, the passes' default) SVDQuant gives them weight-only int8 per row, fp8 / int8 their own form;
 ``w4a16`` SVDQuant weight-only int4; ``w4a16_lr`` weight-only int4 of the residual after a low-rank branch of the
 config's rank; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the
-configs quantizes them.
+configs quantizes them. ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
+F8B0, 8 warm-up steps, then always cached; and the same with sibling linears fused and fp8 per row).
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ CALIB_SEED = 1000
 def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w8a16"):
     from dit_passes import compile_dit
     from dit_passes.models.digits import sample
+    from dit_passes.bench import schedules
+    from dit_passes.passes import DBCache, FuseSiblingLinears
     from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 
     exclude = ("modulation",) if modulation == "none" else ()
@@ -67,11 +70,18 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
         "nvfp4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", precision="nvfp4", **svdq),
         "fp8_per_row": lambda: Fp8Linear("per_row", exclude=exclude),
         "int8_per_row": lambda: Int8Linear(exclude=exclude),
+        # issue 23's stacks (dit-passes bench --preset fastest): its forced schedule (F8B0, 8 warm-up steps, then
+        # always cached) alone, and with the fp8 linears of the fp8 row (sibling linears fused first)
+        "stack_dbcache": lambda: [DBCache(**schedules()["always"])],
+        "stack_dbcache_fp8": lambda: [DBCache(**schedules()["always"]), FuseSiblingLinears(),
+                                      Fp8Linear("per_row", exclude=exclude)],
     }
 
     def config(name, make_pass):
         def build(original):
-            module = compile_dit(original, passes=[make_pass()], keep_original=True)  # the next configs reuse it
+            made = make_pass()
+            module = compile_dit(original, passes=made if isinstance(made, list) else [made],
+                                 keep_original=True)  # the next configs reuse it
             built[name] = module
             return module
         return build
@@ -80,7 +90,9 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
 
 
 def pass_result(module):
-    rec = module._current().manager.records[-1]
+    records = module._current().manager.records
+    # the quantization pass's record (a stack also holds cache / fusion passes), else the last one
+    rec = next((r for r in reversed(records) if "replaced" in r.result.counts), records[-1])
     return {"counts": dict(rec.result.counts), "report": rec.result.report}
 
 
@@ -129,7 +141,7 @@ def main(argv=None) -> int:
         report = run_fidelity(configs, seeds=args.seeds, labels=labels,
                               steps=args.steps, out_dir=os.path.join(args.out, args.name), pipe=pipe)
     wall = time.perf_counter() - t0
-    linears = quantized_linears(next(iter(built.values())))
+    linears = max((quantized_linears(m) for m in built.values()), key=len)  # a cache-only stack quantizes none
     paths = sorted({p for ps in linears.values() for p in ps})
     all_linears = {n: m for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
     k_dims = sorted({all_linears[p].in_features for p in paths})
