@@ -29,6 +29,8 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
 * ``bf16_fused`` / ``fp8_fused``: ``FuseSiblingLinears()`` first (each block's q / k / v, and in the single-stream
   blocks proj_mlp with them, one linear over the concatenated weight and a split), then nothing / the
   ``fp8_fast_accum`` row's ``Fp8Linear``: one activation quantization and one wider GEMM per group;
+  ``fp8_fused_rowquant``: ``fp8_fused`` with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (each activation quantized by the
+  op ``dit_passes::fp8_quantize_rows``: one Triton kernel, one read, ``kernels/fp8_rowquant_triton.py``);
 * ``svdq_w4_fp8`` / ``svdq_w4_fp8_fast_accum``: ``SVDQuantW4A4(rank=32, dynamic=True)`` written as W4A8 on fp8
   tensor cores (``DIT_PASSES_W4A4_BACKEND=fp8``: the packed int4 weights expanded to e4m3 once per call with the
   group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16); the AdaLN
@@ -85,8 +87,8 @@ TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers
                    axes_dims_rope=(8, 12, 12))
 TINY = dict(img=64, txt=8, m=72, shapes=((64, 64), (64, 256), (256, 64), (320, 64)))
 # default order: the likely fastest designs first (rows not started within --budget-s are skipped)
-ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "bf16_fused", "svdq_w4_fp8_fast_accum", "svdq_w4_all_fp8_fast_accum",
-        "fp8", "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op")
+ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused", "svdq_w4_fp8_fast_accum",
+        "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op")
 DEFAULT_ROWS = ROWS[:-3]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_fp8", "svdq_fp8_fast_accum", "svdq_w4a8_fused",
            "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold", "w4_expand", "svdq_op")
@@ -118,13 +120,14 @@ def row_specs():
     from dit_passes.quant import dispatch
 
     exact, fast = {dispatch.FAST_ACCUM_ENV: "0"}, {dispatch.FAST_ACCUM_ENV: "1"}
-    w4a8 = {dispatch.BACKEND_ENV: "fp8"}
+    w4a8, rowquant = {dispatch.BACKEND_ENV: "fp8"}, {dispatch.ACT_QUANT_ENV: "kernel"}
     return {
         "bf16": (lambda: [], {}),
         "fp8": (lambda: [Fp8Linear(exclude=())], exact),
         "fp8_fast_accum": (lambda: [Fp8Linear(exclude=())], fast),
         # q / k / v (+ proj_mlp) fused into one linear before quantizing: one activation quantization, one wider GEMM
         "fp8_fused": (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=())], fast),
+        "fp8_fused_rowquant": (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=())], {**fast, **rowquant}),
         "bf16_fused": (lambda: [FuseSiblingLinears()], {}),
         "svdq_w4_fp8": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **exact}),
         "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
