@@ -120,6 +120,8 @@ def test_setting_writes_the_op_into_the_fp8_graph(monkeypatch):
     ops = [n for n in with_op.graph_module.graph.nodes if n.target is OP]
     # one per distinct linear input (q / k / v share theirs), no e4m3 cast left outside the op
     assert len(ops) == 26 and all("val" in n.meta for n in ops)
+    result = with_op._current().manager.records[-1].result
+    assert result.counts["act_quant_ops"] == 26 and "26 activation quantization(s)" in result.report
     assert not any(n.kwargs.get("dtype") == torch.float8_e4m3fn for n in with_op.graph_module.graph.nodes)
     assert not any(n.target is OP for n in aten_form.graph_module.graph.nodes)
     with torch.no_grad():
