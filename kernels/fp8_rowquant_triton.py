@@ -15,6 +15,7 @@ flushed zero kept; on the GPU the hardware cast (round to nearest even, satfinit
 """
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
 import torch
@@ -86,7 +87,14 @@ def is_supported(x: torch.Tensor) -> bool:
         return False
     if interpreting():
         return True
-    return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return x.device.type == "cuda" and _has_e4m3(x.device.index if x.device.index is not None else
+                                                 torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_e4m3(index: int) -> bool:
+    # once per device: the op runs a few hundred times per step, from Python
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def fp8_quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
