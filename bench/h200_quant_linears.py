@@ -45,6 +45,23 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
             return lambda: fn(x)
         return build
 
+    def fp8_rowquant(x, w, b):  # the fast-accum form with its activations through dit_passes::fp8_quantize_rows
+        f = prepare_fp8(w, b)
+        n, k = w.shape
+        gemm = dispatch.fp8_gemm_backend(x, n, k, "per_row")
+        shape = LinearShape.of(x, n, k, f.bias, f.wscale)
+        fn = torch.compile(lambda t: fp8_linear_form(t, f.qweight, f.wscale, f.bias, shape, "per_row", gemm,
+                                                     gemm == "scaled_mm", "kernel"), backend=backend, fullgraph=True)
+        return lambda: fn(x)
+
+    def fp8_act(kernel: bool):  # the activation quantization alone: Inductor's form / the op
+        def build(x, w, b):
+            if kernel:
+                return lambda: torch.ops.dit_passes.fp8_quantize_rows(x)
+            fn = torch.compile(lambda t: fp8_quantize(t.float(), per_row=True), backend=backend, fullgraph=True)
+            return lambda: fn(x)
+        return build
+
     def fp8_gemm(x, w, b):
         if dispatch.fp8_gemm_backend(x, w.shape[0], w.shape[1], "per_row") != "scaled_mm":
             return None
@@ -97,6 +114,7 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
         return fn
 
     return {"bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
+            "fp8_rowquant": fp8_rowquant, "fp8_act": fp8_act(False), "fp8_act_rowquant": fp8_act(True),
             "svdq_fp8": svdq_fp8(False), "svdq_fp8_fast_accum": svdq_fp8(True), "svdq_w4a8_fused": svdq_w4a8(False),
             "svdq_w4a8_fused_fold": svdq_w4a8(True), "w4a8_act": w4a8_parts("act"), "w4a8_gemm": w4a8_parts("gemm"),
             "w4a8_gemm_fold": w4a8_parts("gemm_fold"), "w4_expand": w4_expand,

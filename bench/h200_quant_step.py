@@ -29,6 +29,8 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
 * ``bf16_fused`` / ``fp8_fused``: ``FuseSiblingLinears()`` first (each block's q / k / v, and in the single-stream
   blocks proj_mlp with them, one linear over the concatenated weight and a split), then nothing / the
   ``fp8_fast_accum`` row's ``Fp8Linear``: one activation quantization and one wider GEMM per group;
+  ``fp8_fused_rowquant``: ``fp8_fused`` with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (each activation quantized by the
+  op ``dit_passes::fp8_quantize_rows``: one Triton kernel, one read, ``kernels/fp8_rowquant_triton.py``);
 * ``svdq_w4_fp8`` / ``svdq_w4_fp8_fast_accum``: ``SVDQuantW4A4(rank=32, dynamic=True)`` written as W4A8 on fp8
   tensor cores (``DIT_PASSES_W4A4_BACKEND=fp8``: the packed int4 weights expanded to e4m3 once per call with the
   group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16); the AdaLN
@@ -48,14 +50,16 @@ W4 r32 row, named by ``fp8_design`` / ``svdq_w4_design``); ``step_ms`` has every
 
 Per linear (``linear_ms``), M = 4608, the four FLUX shapes K x N: ``bf16_mm`` (``torch.mm``), ``fp8`` /
 ``fp8_fast_accum`` (the pass's graph form compiled alone: activation quantization included), ``fp8_gemm``
-(``_scaled_mm`` on pre-quantized operands), ``svdq_fp8`` / ``svdq_fp8_fast_accum`` (rank 32, smoothing calibrated
-on the same activations; the W4A8 form compiled alone, weight expansion and low-rank branch included;
+(``_scaled_mm`` on pre-quantized operands), ``fp8_rowquant`` (``fp8_fast_accum`` with the op
+``dit_passes::fp8_quantize_rows``), ``fp8_act`` / ``fp8_act_rowquant`` (the activation quantization alone: Inductor's
+form / the op; GB/s of one bf16 read and one e4m3 write), ``svdq_fp8`` / ``svdq_fp8_fast_accum`` (rank 32, smoothing
+calibrated on the same activations; the W4A8 form compiled alone, weight expansion and low-rank branch included;
 ``rel_err_w4a4_reference``: true W4A4's error on the same weights), ``w4_expand`` (the int4 -> e4m3 weight expansion
-alone), ``svdq_w4a8_fused`` / ``_fold`` (``dit_passes::svdq_w4a8_linear``, the fused W4A8 Triton kernels: group
-scales exact in fp32 / folded into the e4m3 weights), ``w4a8_act`` / ``w4a8_gemm`` / ``w4a8_gemm_fold`` (its two
-kernels alone: the activation pass, the GEMM on pre-quantized activations; GPU only), ``svdq_op`` (the custom op; not
-by default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random activations
-with 1% outlier channels, weights as ``nn.Linear`` initialises them; bias included; ``bf16_mm``'s error is
+alone), ``svdq_w4a8_fused`` / ``_fold`` (``dit_passes::svdq_w4a8_linear``, the fused W4A8 Triton kernels: group scales
+exact in fp32 / folded into the e4m3 weights), ``w4a8_act`` / ``w4a8_gemm`` / ``w4a8_gemm_fold`` (its two kernels
+alone: the activation pass, the GEMM on pre-quantized activations; GPU only), ``svdq_op`` (the custom op; not by
+default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random
+activations with 1% outlier channels, weights as ``nn.Linear`` initialises them; bias included; ``bf16_mm``'s error is
 ``F.linear``'s, its time ``torch.mm``'s).
 ``ms_b2b``: ``--linear-b2b`` calls back to back between two events (GPU time, the per-call Python / launch overhead
 hidden; ``ms`` starts each call on an idle GPU, so counts it). Writes ``h200_quant_step.json`` / ``.md`` to ``--out``
@@ -85,11 +89,13 @@ TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers
                    axes_dims_rope=(8, 12, 12))
 TINY = dict(img=64, txt=8, m=72, shapes=((64, 64), (64, 256), (256, 64), (320, 64)))
 # default order: the likely fastest designs first (rows not started within --budget-s are skipped)
-ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "bf16_fused", "svdq_w4_fp8_fast_accum", "svdq_w4_all_fp8_fast_accum",
-        "fp8", "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op")
+ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused", "svdq_w4_fp8_fast_accum",
+        "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold",
+        "svdq_w4_op")
 DEFAULT_ROWS = ROWS[:-3]
-LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "svdq_fp8", "svdq_fp8_fast_accum", "svdq_w4a8_fused",
-           "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold", "w4_expand", "svdq_op")
+LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_act", "fp8_act_rowquant", "svdq_fp8",
+           "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
+           "w4_expand", "svdq_op")
 DEFAULT_LINEARS = LINEARS[:-1]
 
 
@@ -118,13 +124,14 @@ def row_specs():
     from dit_passes.quant import dispatch
 
     exact, fast = {dispatch.FAST_ACCUM_ENV: "0"}, {dispatch.FAST_ACCUM_ENV: "1"}
-    w4a8 = {dispatch.BACKEND_ENV: "fp8"}
+    w4a8, rowquant = {dispatch.BACKEND_ENV: "fp8"}, {dispatch.ACT_QUANT_ENV: "kernel"}
     return {
         "bf16": (lambda: [], {}),
         "fp8": (lambda: [Fp8Linear(exclude=())], exact),
         "fp8_fast_accum": (lambda: [Fp8Linear(exclude=())], fast),
         # q / k / v (+ proj_mlp) fused into one linear before quantizing: one activation quantization, one wider GEMM
         "fp8_fused": (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=())], fast),
+        "fp8_fused_rowquant": (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=())], {**fast, **rowquant}),
         "bf16_fused": (lambda: [FuseSiblingLinears()], {}),
         "svdq_w4_fp8": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **exact}),
         "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
@@ -269,7 +276,7 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                 if name == "w4_expand":  # memory-bound: packed int4 + scales read, e4m3 written
                     res[name] = {"ms": ms, "gb_per_s": (n * k // 2 + n * k) / (ms * 1e6)}
                     continue
-                if name == "w4a8_act":  # memory-bound: bf16 x read (a second time mostly from L2), e4m3 written
+                if name in ("w4a8_act", "fp8_act", "fp8_act_rowquant"):  # memory-bound: bf16 x read, e4m3 written
                     res[name] = {"ms": ms, "gb_per_s": (m * k * x.element_size() + m * k) / (ms * 1e6)}
                     continue
                 if name.startswith("w4a8_gemm"):  # the GEMM alone: its time, no error of its own to report

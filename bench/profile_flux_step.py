@@ -26,8 +26,10 @@ def _category(name: str) -> str:
         return "attention"
     if any(s in n for s in ("gemm", "nvjet", "sm90_xmma", "cutlass", "triton_mm", "triton_tem", "cublas", "matmul")):
         return "gemm"
-    if ("triton" in n or n.startswith("triton_")) and "amax" in n:
-        return "quantize"  # a fused activation quantization: its per-token scale is an amax (fp8 / SVDQuant rows)
+    if ("triton" in n and "amax" in n) or "rowquant" in n:
+        # a fused activation quantization (its per-token scale is an amax: fp8 / SVDQuant rows), or
+        # dit_passes::fp8_quantize_rows' kernels (kernels/fp8_rowquant_triton.py)
+        return "quantize"
     if n.startswith("triton_") or "triton" in n:
         return "inductor_fused"
     if any(s in n for s in ("memcpy", "memset", "copy", "cat")):

@@ -97,11 +97,13 @@ def w8a16_replacement(x, qweight, wscale, bias):
 
 
 @functools.lru_cache(maxsize=None)
-def fp8_form_replacement(granularity: str, gemm: str, fast_accum: bool, shape: LinearShape) -> Callable:
+def fp8_form_replacement(granularity: str, gemm: str, fast_accum: bool, shape: LinearShape,
+                         act_quant: str = "graph") -> Callable:
     """The fp8 linear's graph form for one shape and GEMM, as a replacement (the same function object for equal
-    arguments, so each is traced once)."""
+    arguments, so each is traced once); ``act_quant="kernel"``: its activations through the op
+    ``dit_passes::fp8_quantize_rows``."""
     def fp8_form(x, qweight, wscale, bias):
-        return fp8_linear_form(x, qweight, wscale, bias, shape, granularity, gemm, fast_accum)
+        return fp8_linear_form(x, qweight, wscale, bias, shape, granularity, gemm, fast_accum, act_quant)
     return fp8_form
 
 
@@ -110,7 +112,8 @@ def _fp8_inline(granularity: str) -> Callable:
         n, k = tensors["qweight"].shape
         gemm = dispatch.fp8_gemm_backend(x_val, n, k, granularity)
         shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"])
-        return fp8_form_replacement(granularity, gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
+        return fp8_form_replacement(granularity, gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape,
+                                    dispatch.fp8_act_quant(granularity))
     return choose
 
 

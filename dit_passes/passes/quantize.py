@@ -235,6 +235,10 @@ class _QuantizeLinears(Pass):
             tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
         counts = apply_by_kind(gm, sites, kinds, tables, ledger, self)
         counts["skipped_k"] = skipped
+        rowquant = sum(n.target is torch.ops.dit_passes.fp8_quantize_rows.default for n in gm.graph.nodes)
+        if rowquant:  # DIT_PASSES_FP8_ACT_QUANT=kernel: the activations quantized by the op, not by ATen ops
+            counts["act_quant_ops"] = rowquant
+            notes.append(f"{rowquant} activation quantization(s) as dit_passes::fp8_quantize_rows")
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
         per_kind = ", ".join(f"{k[len('kind_'):]} {v}" for k, v in counts.items() if k.startswith("kind_"))
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "

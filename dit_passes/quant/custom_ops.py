@@ -11,6 +11,9 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
   Tensor lora_up, Tensor smooth_inv, Tensor? bias) -> Tensor`` (NVFP4 W4A4; see ``nvfp4.nvfp4_linear_reference``)
 * ``dit_passes::fp8_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias, str granularity) -> Tensor``
 * ``dit_passes::int8_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor``
+* ``dit_passes::fp8_quantize_rows(Tensor x) -> (Tensor, Tensor)``: x [M, K] (fp32 / bf16 / fp16) -> (e4m3 [M, K],
+  fp32 scale [M, 1]) per row (``fp8_int8.quantize_fp8_act``); what the fp8 graph form writes for its activations
+  with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (CUDA: one Triton kernel, ``dit_passes.kernels.fp8_rowquant_triton``)
 
 Each op has three implementations: the reference (any device; the op's body), the fake (meta: checks the
 shapes, allocates the output) and the CUDA one, which asks ``dispatch.py`` which backend runs (W4A4:
@@ -24,12 +27,13 @@ The other ``dit_passes::`` ops stay with their subsystems, each next to the only
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from . import dispatch
-from .fp8_int8 import FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference
+from .fp8_int8 import (FP8_DTYPE, FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference,
+                       quantize_fp8_act)
 from .int4 import w4a4_linear_reference
 from .nvfp4 import BLOCK, nvfp4_linear_reference
 from .w4a8 import w4a8_linear_reference
@@ -204,3 +208,28 @@ def _int8_linear_cuda(x, qweight, wscale, bias):
 def _int8_linear_fake(x, qweight, wscale, bias):
     _check_8bit_shapes("int8_linear", x, qweight, wscale, bias, True)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+def _check_rows(x) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dit_passes::fp8_quantize_rows: x must be a 2-D fp32 / bf16 / fp16 tensor [M, K], got "
+                         f"{x.dtype} {list(x.shape)} (reshape the activation to [tokens, K] first)")
+
+
+@torch.library.custom_op("dit_passes::fp8_quantize_rows", mutates_args=())
+def fp8_quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantization, reference implementation (any device): (e4m3 [M, K], fp32 scale [M, 1])."""
+    _check_rows(x)
+    return quantize_fp8_act(x, "per_row")
+
+
+@fp8_quantize_rows.register_kernel("cuda")
+def _fp8_quantize_rows_cuda(x):
+    _check_rows(x)
+    return dispatch.fp8_quantize_rows_cuda(x)
+
+
+@fp8_quantize_rows.register_fake
+def _fp8_quantize_rows_fake(x):
+    _check_rows(x)
+    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((x.shape[0], 1), dtype=torch.float32)

@@ -27,6 +27,11 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   tensor cores (``graph_forms.svdq_nvfp4_fp8_linear_form``) by default wherever ``_scaled_mm`` takes it (sm_89+,
   bf16) and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (the reference GEMM off the GPU); else the op (the
   reference).
+* The fp8 graph form's per-token activation quantization, :func:`fp8_act_quant`: ``DIT_PASSES_FP8_ACT_QUANT`` =
+  ``graph`` (default: ATen ops, which Inductor fuses into the producer as a reduction and a pointwise kernel) |
+  ``kernel`` (the op ``dit_passes::fp8_quantize_rows``, written on any device; on CUDA one Triton kernel reading
+  x once, ``dit_passes.kernels.fp8_rowquant_triton``, on sm_89+ (:func:`fp8_quantize_rows_cuda`), else its
+  reference). Not the default until measured faster on the step.
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -46,11 +51,14 @@ from typing import Dict, Optional
 
 import torch
 
+from .fp8_int8 import quantize_fp8_act
 from .int4 import w4a4_linear_reference
 from .w4a8 import w4a8_linear_reference
 
 BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
 FAST_ACCUM_ENV = "DIT_PASSES_FP8_FAST_ACCUM"
+ACT_QUANT_ENV = "DIT_PASSES_FP8_ACT_QUANT"
+ACT_QUANT_SETTINGS = ("graph", "kernel")
 BACKENDS = ("auto", "triton", "cutlass", "fp8", "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 GROUP = 64
@@ -274,6 +282,30 @@ def fp8_fast_accum() -> bool:
     if s not in ("0", "1", "false", "true", ""):
         raise ValueError(f"{FAST_ACCUM_ENV}={s!r}: expected 0 or 1")
     return s in ("1", "true")
+
+
+def fp8_act_quant(granularity: str) -> str:
+    """How the fp8 graph form quantizes its activations (module docstring): ``"graph"`` or ``"kernel"`` (per-row
+    only: a per-tensor scale stays in the graph form)."""
+    s = os.environ.get(ACT_QUANT_ENV, "graph").strip().lower() or "graph"
+    if s not in ACT_QUANT_SETTINGS:
+        raise ValueError(f"{ACT_QUANT_ENV}={s!r}: expected one of {ACT_QUANT_SETTINGS}")
+    return s if granularity == "per_row" else "graph"
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_rowquant_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.fp8_rowquant_triton`` (``fp8_quantize_rows``, ``is_supported``), or None."""
+    return _import_kernel("fp8_rowquant_triton", "the reference")
+
+
+def fp8_quantize_rows_cuda(x: torch.Tensor):
+    """``dit_passes::fp8_quantize_rows`` on CUDA: the Triton kernel where it takes x (sm_89+), else the reference
+    (the same numbers)."""
+    kernel = fp8_rowquant_module()
+    if kernel is None or not kernel.is_supported(x):
+        return quantize_fp8_act(x, "per_row")
+    return kernel.fp8_quantize_rows(x)
 
 
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:

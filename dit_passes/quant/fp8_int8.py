@@ -2,7 +2,10 @@
 
 fp8, granularity ``"per_row"``: activation scale per token, weight scale per output row;
 granularity ``"per_tensor"``: one scale each. Scale = amax / 448 (e4m3fn's largest finite value),
-a zero scale becomes 1; values are ``(t / scale).clamp(-448, 448)`` cast to ``float8_e4m3fn``.
+a zero scale becomes 1; weights are ``(t / scale).clamp(-448, 448)`` cast to ``float8_e4m3fn``, activations
+``(t * (1 / scale)).clamp(-448, 448)`` (:func:`quantize_fp8_act`: one division per token, as the graph form and the
+row-quantization kernel compute it; it differs from ``t / scale`` in the last fp32 bit at times, so in e4m3 only
+where that bit decides a rounding tie).
 int8 (per row only): scale = amax / 127, ``q = clamp(rint(t / scale), -127, 127)`` (symmetric).
 Output: ``dot(q_x, q_w) * sx[m] * sw[n] + bias`` in fp32, cast to x.dtype.
 
@@ -41,6 +44,19 @@ def quantize_fp8(t: torch.Tensor, granularity: str) -> Tuple[torch.Tensor, torch
         scale = _nonzero(true_div(tf.abs().amax(), FP8_MAX))
         q = (tf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+def quantize_fp8_act(t: torch.Tensor, granularity: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Activations 2-D t [R, C] -> (fp8 [R, C], fp32 scale [R, 1] per_row or [] per_tensor): the scale as
+    :func:`quantize_fp8`'s, the values multiplied by its reciprocal (module docstring). The specification of
+    ``dit_passes::fp8_quantize_rows`` (per_row) and of ``graph_forms.fp8_quantize``."""
+    if granularity not in FP8_GRANULARITIES:
+        raise ValueError(f"fp8 granularity must be one of {FP8_GRANULARITIES}, got {granularity!r}")
+    tf = t.float()
+    amax = tf.abs().amax(dim=1, keepdim=True) if granularity == "per_row" else tf.abs().amax()
+    scale = _nonzero(true_div(amax, FP8_MAX))
+    inv = torch.ones_like(scale) / scale
+    return (tf * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def quantize_int8_rows(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +137,10 @@ def fp8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.T
     per_row = granularity == "per_row"
     _check_linear_args(x, qweight, wscale, per_row)
     n, k = qweight.shape
-    qx, sx = quantize_fp8(x.reshape(-1, k), granularity)
+    qx, sx = quantize_fp8_act(x.reshape(-1, k), granularity)
     acc = qx.float() @ qweight.float().t()
     if per_row:
-        acc = acc * sx.unsqueeze(1) * wscale.float().unsqueeze(0)
+        acc = acc * sx * wscale.float().unsqueeze(0)
     else:
         acc = acc * (sx * wscale.float().reshape(()))
     return _finish(acc, bias, x, n)
@@ -136,9 +152,9 @@ def fp8_linear_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.T
     per_row = granularity == "per_row"
     _check_linear_args(x, qweight, wscale, per_row)
     n, k = qweight.shape
-    qx, sx = quantize_fp8(x.reshape(-1, k), granularity)
+    qx, sx = quantize_fp8_act(x.reshape(-1, k), granularity)
     if per_row:
-        sa, sb = sx.unsqueeze(1).contiguous(), wscale.float().reshape(1, n).contiguous()
+        sa, sb = sx.contiguous(), wscale.float().reshape(1, n).contiguous()
     else:
         sa, sb = sx.reshape(()), wscale.float().reshape(())
     # qweight [N, K] row-major: its transpose is the column-major [K, N] operand cuBLASLt wants.

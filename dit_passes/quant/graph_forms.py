@@ -12,7 +12,8 @@ fp8 linear, :func:`fp8_linear_form` (the numerics of ``fp8_int8.fp8_linear_refer
 
     xf = float(x.reshape(M, K))
     sx = amax|xf| / 448 per token [M, 1] ("per_row") or over all of x [] ("per_tensor"); a zero scale becomes 1
-    qx = e4m3(clamp(xf / sx, -448, 448))
+    qx = e4m3(clamp(xf * (1 / sx), -448, 448))     # act_quant="kernel" (per_row): both lines are one op,
+                                                    # dit_passes::fp8_quantize_rows(x [M, K]) (one Triton kernel)
     "scaled_mm":  y = _scaled_mm(qx, qweight.T, sx, wscale [1, N], bias, out_dtype=x.dtype, use_fast_accum)
     "reference":  y = x.dtype(float(qx) @ float(qweight).T * sx * wscale + float(bias))
     y.view(*lead, N)
@@ -82,6 +83,7 @@ from .nvfp4 import SPLIT_SHIFT, e2m1_decode, nvfp4_fp8_operand, nvfp4_quantize, 
 
 aten = torch.ops.aten
 GEMMS = ("scaled_mm", "reference")
+ACT_QUANTS = ("graph", "kernel")  # fp8_quantize_x
 _F32 = torch.float32
 W4_MAX = 8.0  # largest |int4| value: -8
 
@@ -133,8 +135,21 @@ def fp8_quantize(xf: torch.Tensor, per_row: bool) -> Tuple[torch.Tensor, torch.T
     amax = aten.amax.default(a, [1], True) if per_row else aten.amax.default(a)
     scale = aten.div.Tensor(amax, FP8_MAX)
     scale = aten.where.ScalarSelf(aten.eq.Scalar(scale, 0), 1.0, scale)
-    q = aten.clamp.default(aten.div.Tensor(xf, scale), -FP8_MAX, FP8_MAX)
+    # one division per token, then a multiplication per element (fp8_int8.quantize_fp8_act)
+    q = aten.clamp.default(aten.mul.Tensor(xf, aten.reciprocal.default(scale)), -FP8_MAX, FP8_MAX)
     return aten._to_copy.default(q, dtype=FP8_DTYPE), scale
+
+
+def fp8_quantize_x(x2d: torch.Tensor, per_row: bool, act_quant: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] in its dtype -> :func:`fp8_quantize` of its fp32 values, as ATen ops (``act_quant="graph"``) or
+    as the op ``dit_passes::fp8_quantize_rows`` (``"kernel"``, per_row only: one Triton kernel on CUDA reading x
+    once, the same numbers; ``dispatch.fp8_act_quant``)."""
+    if act_quant == "kernel" and per_row:
+        out = torch.ops.dit_passes.fp8_quantize_rows.default(x2d)
+        return out[0], out[1]
+    if act_quant not in ACT_QUANTS:
+        raise ValueError(f"fp8 activation quantization must be one of {ACT_QUANTS}, got {act_quant!r}")
+    return fp8_quantize(aten._to_copy.default(x2d, dtype=_F32), per_row)
 
 
 def fp8_gemm(qx: torch.Tensor, sx: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
@@ -165,10 +180,12 @@ def fp8_gemm(qx: torch.Tensor, sx: torch.Tensor, qweight: torch.Tensor, wscale: 
 
 
 def fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: Optional[torch.Tensor],
-                    shape: LinearShape, granularity: str, gemm: str, fast_accum: bool = False) -> torch.Tensor:
-    """The fp8 linear x [*lead, K] -> [*lead, N] (module docstring); ``bias`` is read only if ``shape.has_bias``."""
+                    shape: LinearShape, granularity: str, gemm: str, fast_accum: bool = False,
+                    act_quant: str = "graph") -> torch.Tensor:
+    """The fp8 linear x [*lead, K] -> [*lead, N] (module docstring); ``bias`` is read only if ``shape.has_bias``;
+    ``act_quant``: the activations' quantization as ATen ops or the row-quantization op (:func:`fp8_quantize_x`)."""
     per_row = granularity == "per_row"
-    qx, sx = fp8_quantize(aten._to_copy.default(_rows(x, shape), dtype=_F32), per_row)
+    qx, sx = fp8_quantize_x(_rows(x, shape), per_row, act_quant)
     y = fp8_gemm(qx, sx, qweight, wscale, bias if shape.has_bias else None, shape, per_row, gemm, fast_accum)
     return _unrows(y, shape)
 

@@ -18,8 +18,8 @@ of int4 per group of 64: finer)::
 of ``graph_forms.w4_to_e4m3`` (one e4m3 rounding of each weight; its ``sw`` there divides by a Python scalar, which
 CUDA turns into a multiplication, here a true division: at most the last bit of ``sw`` differs), which frees the GEMM
 of its per-group fp32 epilogue. Every division is IEEE true division (the kernels use ``div_rn``); the activations
-are multiplied by their scale's reciprocal (one division per token: the fp8 graph forms divide each element, which
-differs in the last fp32 bit at times, and so in e4m3 only at a rounding tie). Only the summation order differs from
+are multiplied by their scale's reciprocal (one division per token, as the fp8 graph forms and
+``fp8_int8.quantize_fp8_act`` do it). Only the summation order differs from
 the kernels.
 """
 from __future__ import annotations
