@@ -14,7 +14,8 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
 * ``graphed_regional_always``: ``compiled_regional_always`` with ``"mode": "reduce-overhead"``: the whole step
   replayed as one CUDA graph, the cache decision a conditional node (no host read per step);
   ``graphed_regional_fp8_always``: the same plus ``FuseSiblingLinears`` and ``Fp8Linear`` on every block linear
-  (fast accumulation, set by ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset); it releases the bf16 block weights, so
+  (fast accumulation, set by ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset; activations quantized by our row kernel,
+  ``DIT_PASSES_FP8_ACT_QUANT=kernel`` when unset); it releases the bf16 block weights, so
   it runs last;
   ``compiled_regional_fp8_always``: the fp8 stack with the step eager (where no CUDA-graph IF nodes exist);
 * ``--preset fastest``: ``compiled_regional_always,graphed_regional_always,graphed_regional_fp8_always``;
@@ -131,8 +132,13 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
             chosen = ([passes.DBCache(**s[schedule])] if schedule else []) + (
                 [passes.AttentionBackend(attention)] if attention else [])
             if fp8:
-                from .quant.dispatch import FAST_ACCUM_ENV
+                from .quant.dispatch import ACT_QUANT_ENV, FAST_ACCUM_ENV
                 os.environ.setdefault(FAST_ACCUM_ENV, "1")  # sm_90's fast fp8 accumulation, unless the user chose
+                if torch_compile is graphed:
+                    # one read per activation in our row kernel: faster on the GPU (H100 step 95.2 vs 98.7 ms of
+                    # kernels) but ~300 more Python calls a step, which only a CUDA-graph replay hides (28 steps
+                    # 1.088 vs 1.123 s graphed; eager step 122 vs 103 ms: bench/results/h200_quant_step_profile.md)
+                    os.environ.setdefault(ACT_QUANT_ENV, "kernel")
                 # q / k / v (and a single block's proj_mlp) as one linear: one activation quantization, one wider
                 # GEMM (H100: fp8 step 1.277x -> 1.294x bf16, bench/results/h200_quant_step_fused.md)
                 chosen += [passes.FuseSiblingLinears(), passes.Fp8Linear(exclude=())]
