@@ -239,14 +239,15 @@ def _r_pad(r: int) -> int:
     return max(16, triton.next_power_of_2(max(r, 1)))  # tl.dot needs every dimension >= 16
 
 
-def _check_device(name: str, *tensors: Optional[torch.Tensor]) -> torch.device:
+def _check_device(name: str, *tensors: Optional[torch.Tensor],
+                  reference: str = "in dit_passes.quant.int4") -> torch.device:
     dev = tensors[0].device
     for t in tensors:
         if t is not None and t.device != dev:
             raise ValueError(f"{name}: all tensors must be on one device, got {dev} and {t.device}")
     if dev.type != "cuda" and not interpreting():
         raise ValueError(f"{name}: the Triton kernels need CUDA tensors (got {dev}); on CPU use the reference "
-                         "in dit_passes.quant.int4 or set TRITON_INTERPRET=1 (slow, for tests)")
+                         f"{reference} or set TRITON_INTERPRET=1 (slow, for tests)")
     return dev
 
 

@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from .w4a4_autotune import W4A8_INTERPRET_GEMM, interpreting, w4a8_act_configs, w4a8_gemm_configs, w4a8_prune
-from .w4a4_triton import _round_to_bf16_rne
+from .w4a4_triton import _bucket, _r_pad, _round_to_bf16_rne
+from .w4a4_triton import _check_device as _check_device_w4a4
 
 GROUP = 64
 FP8_MAX = 448.0
@@ -263,24 +264,8 @@ _w4a8_gemm_tuned = triton.autotune(configs=w4a8_gemm_configs(),
 # ----------------------------------------------------------------------------------------- wrappers
 
 
-def _bucket(m: int) -> int:
-    """Autotune key for M: the next power of two (so every token count does not re-tune)."""
-    return max(16, triton.next_power_of_2(max(m, 1)))
-
-
-def _r_pad(r: int) -> int:
-    return max(16, triton.next_power_of_2(max(r, 1)))  # tl.dot needs every dimension >= 16
-
-
 def _check_device(name: str, *tensors: Optional[torch.Tensor]) -> torch.device:
-    dev = tensors[0].device
-    for t in tensors:
-        if t is not None and t.device != dev:
-            raise ValueError(f"{name}: all tensors must be on one device, got {dev} and {t.device}")
-    if dev.type != "cuda" and not interpreting():
-        raise ValueError(f"{name}: the Triton kernels need CUDA tensors (got {dev}); on CPU use the reference "
-                         "dit_passes.quant.w4a8.w4a8_linear_reference or set TRITON_INTERPRET=1 (slow, for tests)")
-    return dev
+    return _check_device_w4a4(name, *tensors, reference="dit_passes.quant.w4a8.w4a8_linear_reference")
 
 
 def _chunk(k: int) -> int:
