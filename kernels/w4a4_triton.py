@@ -156,6 +156,19 @@ def _nibbles(packed_u8, MMA: tl.constexpr):
     return lo, hi
 
 
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (row tile, column tile) in grouped order: GROUP_M row tiles share each column sweep, so the
+    weight tiles they read stay in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
 @triton.autotune(configs=gemm_configs(),
                  key=["M_BUCKET", "N", "K", "R_PAD", "HAS_LORA", "HAS_BIAS", "MMA", "GROUP_SCALES"])
 @triton.jit
@@ -165,15 +178,7 @@ def _w4a4_gemm_kernel(qx_ptr, as_ptr, qw_ptr, ws_ptr, la_ptr, lu_ptr, bias_ptr, 
                       STATIC_TRIP: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, R_PAD: tl.constexpr,
                       LORA_IEEE: tl.constexpr, MMA: tl.constexpr, GROUP_SCALES: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped tile order: GROUP_M row-tiles share each column sweep, so B tiles stay in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .w4a4_autotune import W4A8_INTERPRET_GEMM, interpreting, w4a8_act_configs, w4a8_gemm_configs, w4a8_prune
-from .w4a4_triton import _bucket, _r_pad, _round_to_bf16_rne
+from .w4a4_triton import _bucket, _r_pad, _round_to_bf16_rne, grouped_tile
 from .w4a4_triton import _check_device as _check_device_w4a4
 
 GROUP = 64
@@ -162,15 +162,7 @@ def _w4a8_gemm_kernel(qx_ptr, sx_ptr, qw_ptr, ws_ptr, sw_ptr, la_ptr, lu_ptr, bi
                       FOLD: tl.constexpr, SOFT: tl.constexpr, LORA_IEEE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                       PREFETCH: tl.constexpr):
-    # grouped tile order: GROUP_M row tiles share each column sweep, so the weight tiles stay in L2
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
