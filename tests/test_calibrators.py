@@ -184,6 +184,23 @@ def test_dmd_dbcache_pass_and_enable_cache_match_cache_dit():
             details=True) == theirs.strify(details=True)
 
 
+def test_the_prediction_runs_on_cached_steps_only():
+    """The calibrator's prediction is formed in the cached arm of the ``torch.cond``: DMD's SVDs run on the cached
+    steps and on none of the computed ones (before the branch, every call paid for them)."""
+    from dit_passes.testing.counting import OpCounter
+    zm = build("flux")
+    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=1.0, max_warmup_steps=5, max_continuous_cached_steps=4,
+               enable_separate_cfg=False, num_inference_steps=STEPS)
+    compiled = compile_dit(zm.model, passes=[passes.DBCache(calibrator=DMDCalibratorConfig(dmd_history=5), **cfg)])
+    totals = []
+    with OpCounter(["svd"]) as counter:
+        step_loop(compiled, zm.make_inputs(), after_call=lambda: totals.append(counter.counts["svd"]))
+    per_call = [b - a for a, b in zip([0] + totals, totals)]
+    cached = compiled.runtime.state["dbcache"].summary()[-1]["cached_steps"]
+    assert cached == [5, 6, 7, 8]
+    assert [i for i, n in enumerate(per_call) if n > 0] == cached, per_call
+
+
 @pytest.mark.reference
 def test_enable_cache_with_foca_matches_cache_dit():
     """``enable_cache(pipe, cache_config=..., calibrator_config=FoCaCalibratorConfig())`` on a real FluxPipeline."""

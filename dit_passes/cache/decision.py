@@ -264,7 +264,8 @@ def middle_cache_values(before: Sequence[torch.Tensor], after: Sequence[torch.Te
 def hit_values(state: State, num_streams: int,
                calibrator: Optional[CalibratorConfig] = None) -> List[torch.Tensor]:
     """Per stream, the cached value a cache hit uses: the stored one, or the calibrator's prediction (TaylorSeer,
-    FoCa, DMD). ``state``: the state ``decide`` returned for this call (its step is this call's step)."""
+    FoCa, DMD). ``state``: the state ``decide`` returned for this call (its step is this call's step), or the part
+    of it the prediction reads (``DBCacheProgram.hit_keys``: the graph calls this in its cached arm only)."""
     out = []
     for i in range(num_streams):
         if _calibrated(calibrator, i) and calibrator.calibrator_type == "foca":
@@ -290,9 +291,9 @@ def apply_hit(fn_streams: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
 def update_after_branch(state: State, use_cache: torch.Tensor, values: Sequence[torch.Tensor],
                         calibrator: Optional[CalibratorConfig] = None) -> State:
     """The state after the branch. ``values``: per stream, what the branch produced: :func:`middle_cache_values`
-    on a computed step, the :func:`hit_values` on a cached one (the cached arm passes them through; only FoCa
-    reads them there; DMD records computed values only). Computed step: store them (or advance the calibrator); cached step: keep everything but
-    FoCa's rolling pair, which takes the prediction."""
+    on a computed step, the :func:`hit_values` on a cached one (the cached arm forms or receives them and returns
+    them; only FoCa reads them there; DMD records computed values only). Computed step: store them (or advance the
+    calibrator); cached step: keep everything but FoCa's rolling pair, which takes the prediction."""
     s = dict(state)
     compute = ~use_cache
     for i, v in enumerate(values):

@@ -1,14 +1,18 @@
-"""The two small modules a residual-cache pass inserts into the graph around its ``torch.cond``.
+"""The small modules a residual-cache pass inserts into the graph around (and into) its ``torch.cond``.
 
 ``decide``: ``(fn_residual, timestep, *state, *partner) -> (use_cache, diff, *hit_values, *state')``
     The step decision of the program's rule (DBCache: :func:`~dit_passes.cache.decision.decide`; the
     diffusers methods: :mod:`~dit_passes.cache.peer_rules`) plus the values a cache hit adds to the
-    streams (the stored middle residuals, or TaylorSeer's prediction of them).
+    streams (the stored middle residuals). A program with :attr:`~CacheProgram.hit_keys` (DBCache with a
+    calibrator) returns ``(use_cache, diff, *state')`` instead: its hit values are a prediction (TaylorSeer,
+    FoCa, DMD: up to a dozen small SVDs per stream), formed only when the step is cached, by
+``hit``: ``(*state'[hit_keys]) -> (*hit_values)``
+    Called inside the cached arm of the ``torch.cond``, so a computed step never pays for it.
 ``commit``: ``(use_cache, *middle_residuals, *state') -> (*state'')``
     After the branch: a computed step stores the middle blocks' residuals (or advances the TaylorSeer
-    ladder); a cached step keeps the state.
+    ladder); a cached step keeps the state (FoCa: takes the prediction the cached arm passed on).
 
-Both are pure tensor code (no ``.item()``, no in-place writes), so the rewritten graph traces under
+All are pure tensor code (no ``.item()``, no in-place writes), so the rewritten graph traces under
 ``torch.compile(fullgraph=True)`` and captures in a CUDA graph. The state travels as graph inputs and
 outputs, in the order of :attr:`CacheProgram.state_spec`; :class:`~dit_passes.cache.store.CacheStore`
 keeps it between calls.
@@ -16,13 +20,14 @@ keeps it between calls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .config import CalibratorConfig, DBCacheConfig
 from .decision import decide, hit_values, update_after_branch
-from .state import NO_STEP, state_spec
+from .state import NO_STEP, state_spec, stream_keys
 
 # The partner (non-CFG) values a CFG call reads when ``cfg_diff_compute_separate=False``.
 PARTNER_KEYS = ("step", "diff_step", "diff")
@@ -63,6 +68,15 @@ class Decide(torch.nn.Module):
         return self.program.decide_call(fn_residual, timestep, flat)
 
 
+class Hit(torch.nn.Module):
+    def __init__(self, program: "CacheProgram"):
+        super().__init__()
+        self.program = program
+
+    def forward(self, *flat: torch.Tensor):
+        return tuple(self.program.hit_call(flat))
+
+
 class Commit(torch.nn.Module):
     def __init__(self, program: "CacheProgram"):
         super().__init__()
@@ -83,6 +97,11 @@ class CacheProgram:
     after the branch. The state must hold the scalars :class:`~dit_passes.cache.stats.CacheStats` records
     (``gen``, ``step``, ``diff``, ``diff_step``, ``use_cache``). ``reads_fn_residual=False``: the rule does not
     look at its first argument (the pass then inserts no Fn residual; MagCache caches the whole range).
+
+    Hit values that cost more than reading the state (a calibrator's prediction) belong in the cached arm: such a
+    rule sets :attr:`hit_keys` (the names of the state tensors the prediction reads), leaves the hit values out
+    of ``decide_call``'s result and implements ``hit_call(flat)`` (``flat``: those tensors of the decided state,
+    in :attr:`hit_keys` order) returning one value per stream.
     """
 
     state_spec: List[StateSpec]
@@ -118,8 +137,17 @@ class CacheProgram:
         """``allreduce(num, den)`` averaging both over :attr:`group`, or None on one rank."""
         return _group_mean_pair(self.group) if self.group is not None and self.group.size() > 1 else None
 
+    @property
+    def hit_keys(self) -> Optional[Tuple[str, ...]]:
+        """None: ``decide_call`` returns the hit values. Else the decided state's tensors ``hit_call`` reads; the
+        pass passes them into the ``torch.cond`` and calls :attr:`hit` in its cached arm."""
+        return None
+
     def decide_call(self, fn_residual: torch.Tensor, timestep: torch.Tensor, flat: Sequence[torch.Tensor]):
         raise NotImplementedError
+
+    def hit_call(self, flat: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} sets hit_keys but does not implement hit_call")
 
     def commit_call(self, use_cache: torch.Tensor, flat: Sequence[torch.Tensor]):
         raise NotImplementedError
@@ -129,16 +157,28 @@ class CacheProgram:
         return Decide(self)
 
     @property
+    def hit(self) -> Hit:
+        return Hit(self)
+
+    @property
     def commit(self) -> Commit:
         return Commit(self)
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class DBCacheProgram(CacheProgram):
-    """cache-dit's DBCache rule (:func:`~dit_passes.cache.decision.decide`) with its calibrator."""
+    """cache-dit's DBCache rule (:func:`~dit_passes.cache.decision.decide`) with its calibrator; the calibrator's
+    prediction (:func:`~dit_passes.cache.decision.hit_values`) runs in the cached arm (:attr:`hit_keys`)."""
 
     config: DBCacheConfig
     calibrator: Optional[CalibratorConfig] = None
+
+    @functools.cached_property
+    def hit_keys(self) -> Optional[Tuple[str, ...]]:  # read on every call by hit_call: built once
+        if self.calibrator is None:  # the hit values are the stored residuals: decide passes them on
+            return None
+        return ("step", "last_compute_step") + tuple(
+            k for i in range(self.num_streams) for k in stream_keys(i, self.calibrator))
 
     @property
     def uses_partner(self) -> bool:
@@ -150,8 +190,11 @@ class DBCacheProgram(CacheProgram):
         partner = dict(zip(PARTNER_KEYS, flat[len(names):])) if self.uses_partner else None
         use_cache, new, diff = decide(state, fn_residual, timestep if self.has_timestep else None, self.config,
                                       allreduce=self.allreduce_means(), partner=partner)
-        hits = hit_values(new, self.num_streams, self.calibrator)
+        hits = hit_values(new, self.num_streams) if self.calibrator is None else ()  # else: hit_call, if cached
         return (use_cache, diff, *hits, *(new[n] for n in names))
+
+    def hit_call(self, flat):
+        return hit_values(dict(zip(self.hit_keys, flat)), self.num_streams, self.calibrator)
 
     def commit_call(self, use_cache, flat):
         names = self.names
@@ -176,4 +219,4 @@ def build_program(config: DBCacheConfig, calibrator: Optional[CalibratorConfig],
                           cfg_compute_first=config.cfg_compute_first)
 
 
-__all__ = ["CacheProgram", "DBCacheProgram", "StateSpec", "build_program", "PARTNER_KEYS"]
+__all__ = ["CacheProgram", "DBCacheProgram", "StateSpec", "build_program", "PARTNER_KEYS", "Hit"]

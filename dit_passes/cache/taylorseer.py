@@ -41,10 +41,11 @@ def taylor_update(ladder: Sequence[torch.Tensor], n_valid: torch.Tensor, y: torc
     for i in range(order):
         # Undefined entries (old zeros) produce garbage here; n_valid masks them in taylor_predict.
         new.append((new[i] - ladder[i]) / window)
-    allowed = torch.where(step >= FIRST_DIFFERENCE_STEP, torch.clamp(n_valid, max=order), torch.zeros_like(n_valid))
+    # (a Python 0 in torch.where: no zeros tensor to allocate and fill on every call)
+    allowed = torch.where(step >= FIRST_DIFFERENCE_STEP, torch.clamp(n_valid, max=order), 0)
     new_valid = 1 + allowed
     # Zero the undefined entries so no inf/nan from a zero window lingers in the state.
-    new = [new[0]] + [torch.where(new_valid > i, d, torch.zeros_like(d)) for i, d in enumerate(new[1:], start=1)]
+    new = [new[0]] + [torch.where(new_valid > i, d, 0.0) for i, d in enumerate(new[1:], start=1)]
     return new, new_valid
 
 

@@ -12,6 +12,11 @@ leading blocks always run, Bn trailing blocks always run, the middle is cached) 
     new_state = self.<name>_commit(use_cache, *middle_residuals, *decided_state)
     return (*user_outputs, *new_state, use_cache, diff)
 
+The cached arm adds ``hit_values`` to the streams (and returns them as the middle residuals). A program whose hit
+values are a calibrator's prediction (``program.hit_keys`` set) passes the decided state tensors the prediction
+reads instead, ``(*live_in, *decided_state[hit_keys])``, and the cached arm calls ``hit = self.hit(*those)`` first
+(its submodule, the program's ``hit``): a computed step never forms the prediction.
+
 and registers the state with a :class:`~dit_passes.cache.store.CacheStore` (``runtime.state[<name>]``, also
 the pass's report). With ``Fn = 0`` the whole block range is the middle (MagCache) and the cut is the
 streams entering block 0. The attention-level caches (TaylorSeer, PAB, FasterCache) share ``module_sites`` /
@@ -35,17 +40,32 @@ from ..infra.phases import Phase
 from .segments import MiddleSegment, cut_middle, keep_loads_with_blocks
 
 
-def _branch(gm: fx.GraphModule, seg: MiddleSegment, k: int, cached: bool, name: str) -> fx.GraphModule:
-    """The two arms of the cond. Operands: (*live_in, *residual_to_use[k]). Outputs: (*live_out, *residual[k])."""
+def _branch(gm: fx.GraphModule, seg: MiddleSegment, k: int, cached: bool, name: str, hit_inputs=None,
+            hit=None) -> fx.GraphModule:
+    """The two arms of the cond. Operands: (*live_in, *residual_to_use[k]), or with ``hit_inputs`` (the decided
+    state's ``(name, value)`` pairs ``hit`` reads) (*live_in, *those): the cached arm forms the k residuals with
+    ``hit``. Outputs: (*live_out, *residual[k])."""
     g = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
     root = torch.nn.Module()
     for a in seg.live_in:
         env[a] = g.placeholder(a.name)
         env[a].meta = dict(a.meta)
-    res_in = [g.placeholder(f"residual_{i}") for i in range(k)]
-    for r, o in zip(res_in, seg.live_out):
-        r.meta["val"] = o.meta["val"]
+    if hit_inputs is None:
+        res_in = [g.placeholder(f"residual_{i}") for i in range(k)]
+        for r, o in zip(res_in, seg.live_out):
+            r.meta["val"] = o.meta["val"]
+    else:
+        state_in = [g.placeholder(f"hit_{n}") for n, _ in hit_inputs]
+        for ph, (_, v) in zip(state_in, hit_inputs):
+            ph.meta["val"] = v
+        res_in = []
+        if cached:  # the prediction, in this arm only
+            root.add_module("hit", hit)
+            call = g.call_module("hit", tuple(state_in))
+            res_in = [g.call_function(operator.getitem, (call, i)) for i in range(k)]
+            for r, o in zip(res_in, seg.live_out):
+                r.meta["val"] = o.meta["val"]
     def base(o: fx.Node):
         """The node the residual of ``o`` is taken against (None: ``o`` is cached whole)."""
         b = seg.before_of[o]
@@ -248,12 +268,12 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
                            has_timestep=timestep is not None, group=group, **extra)
     gm.add_submodule(f"{name}_decide", program.decide)
     gm.add_submodule(f"{name}_commit", program.commit)
-    gm.add_submodule(f"{name}_compute", _branch(gm, seg, k, cached=False, name=name))
-    gm.add_submodule(f"{name}_cached", _branch(gm, seg, k, cached=True, name=name))
 
     state_in = add_state_inputs(gm, program, seg.image_at_cut.meta["val"].device, mode)
     state_names = [spec.name for spec in program.state_spec]
     getitems = functools.partial(_getitems, g)
+    hit_keys = program.hit_keys
+    n_hits = k if hit_keys is None else 0  # hit values decide returns
 
     first_after = seg.nodes[-1].next
     with g.inserting_before(seg.nodes[0]):
@@ -271,11 +291,19 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
         dec = g.call_module(f"{name}_decide", d_args)
         dec_vals = _fake_call(program.decide, d_args, mode)
         dec.meta["val"] = dec_vals
-        dec_items = getitems(dec, dec_vals, ["use_cache", "residual_diff"] + [f"hit_residual_{i}" for i in range(k)]
-                             + [f"decided_{n}" for n in state_names])
+        dec_items = getitems(dec, dec_vals, ["use_cache", "residual_diff"]
+                             + [f"hit_residual_{i}" for i in range(n_hits)] + [f"decided_{n}" for n in state_names])
         use_cache, diff = dec_items[0], dec_items[1]
-        use_res = dec_items[2:2 + k]
-        state_mid = dec_items[2 + k:]
+        state_mid = dec_items[2 + n_hits:]
+        if hit_keys is None:
+            use_res, hit_inputs = dec_items[2:2 + k], None
+        else:
+            decided = dict(zip(state_names, state_mid))
+            use_res = [decided[n] for n in hit_keys]
+            hit_inputs = [(n, decided[n].meta["val"]) for n in hit_keys]
+        gm.add_submodule(f"{name}_compute", _branch(gm, seg, k, cached=False, name=name, hit_inputs=hit_inputs))
+        gm.add_submodule(f"{name}_cached", _branch(gm, seg, k, cached=True, name=name, hit_inputs=hit_inputs,
+                                                   hit=None if hit_keys is None else program.hit))
         t_graph, f_graph = g.get_attr(f"{name}_cached"), g.get_attr(f"{name}_compute")
         operands = tuple(seg.live_in) + tuple(use_res)
         cond = g.call_function(torch.ops.higher_order.cond, (use_cache, t_graph, f_graph, operands))

@@ -26,6 +26,13 @@ After::
     out = proj_out(norm_out(h3))
     return (out, *new_state, use_cache, diff)                  # state out: CompiledDiT keeps it
 
+With a calibrator (TaylorSeer, FoCa, DMD) the cached residual is a prediction, formed in the cached arm only::
+
+    decide = self.dbcache_decide(fn_residual, timestep, *cache_state)   # use_cache, diff, *decided_state
+    cond = torch.ops.higher_order.cond(use_cache, self.dbcache_cached, self.dbcache_compute,
+                                       (h1, temb, step, last_compute_step, *ladder))
+    # dbcache_cached: predicted = self.hit(step, last_compute_step, *ladder); h3 = h1 + predicted[0]
+
 The rewrite itself is :func:`~dit_passes.passes.cache_branch.insert_cache_branch` (shared with the other
 block-range caches); this pass supplies the cut (Fn, Bn) and cache-dit's rule (``DBCacheProgram``).
 The state tensors travel as extra graph inputs and outputs (not buffers mutated inside the branch):
