@@ -31,6 +31,9 @@ from .cache.presets import DEMO_PRESETS, cache_presets
 from .fidelity import run_fidelity
 
 DEMO_CONFIGS = DEMO_PRESETS
+# timed-only rounds after the image runs (each: the baseline, then every config, interleaved): the speedup is the
+# median of the per-round ratios (~0.25 s runs on a shared 2-core machine vary by tens of percent alone)
+TIMING_ROUNDS = 4
 
 
 def presets(steps: int) -> Dict[str, Callable[[torch.nn.Module], torch.nn.Module]]:
@@ -43,7 +46,7 @@ def presets(steps: int) -> Dict[str, Callable[[torch.nn.Module], torch.nn.Module
 
 
 def format_table(report: dict) -> str:
-    head = ("| config | PSNR mean (min) dB | SSIM mean | blocks executed | cached steps | wall s | speedup |\n"
+    head = ("| config | PSNR mean (min) dB | SSIM mean | blocks executed | cached steps | wall s | speedup (median) |\n"
             "|---|---|---|---|---|---|---|")
     rows = [head, f"| baseline | - | - | 100% | 0 | {report['baseline']['wall_s']:.2f} | 1.00x |"]
     for name, r in report["configs"].items():
@@ -109,7 +112,7 @@ def run(configs: Sequence[str], seeds: Sequence[int], labels: Sequence[int], ste
           flush=True)
     t0 = time.perf_counter()
     report = run_fidelity({c: table[c] for c in configs}, seeds=seeds, labels=labels, steps=steps, out_dir=out,
-                          true_cfg_scale=true_cfg_scale, device=dev)
+                          true_cfg_scale=true_cfg_scale, device=dev, timing_rounds=TIMING_ROUNDS)
     report["device"] = str(dev)
     for name, r in report["configs"].items():
         print(f"capture + passes, {name}: {r['capture_s']:.2f} s (once per input shape; not in the times below)")
