@@ -248,10 +248,11 @@ class QuantizeConfig:
             strategy = str((self.svdq_kwargs or {}).get("smooth_strategy", default)).lower()
             allowed = ("identity", "weight", "weight_inv") if dynamic else ("activation",)
             if strategy == "few_shot":
-                raise NotImplementedError("svdq_kwargs['smooth_strategy']='few_shot' (activation spans collected "
-                                          "during the first denoising steps, then relaxed) is not implemented in "
-                                          f"dit_passes; use one of {list(allowed)} for {self.quant_type}, or SVDQuant "
-                                          "PTQ (calibrate_fn) for activation-aware smoothing")
+                raise NotImplementedError(f"svdq_kwargs['smooth_strategy']='few_shot' is not supported for "
+                                          f"{self.quant_type}: dit_passes does not implement it (activation spans "
+                                          "collected during the first denoising steps, then relaxed); use one of "
+                                          f"{list(allowed)}, or SVDQuant PTQ (calibrate_fn) for activation-aware "
+                                          "smoothing")
             if strategy not in allowed:
                 raise NotImplementedError(f"svdq_kwargs['smooth_strategy']={strategy!r} is not supported for "
                                           f"{self.quant_type}; use one of {list(allowed)}")
