@@ -177,3 +177,35 @@ def test_serialize_then_load_gives_the_same_numbers(tmp_path):
         loaded = load(tiny_flux(), str(out))
         assert torch.equal(run(loaded), want), quant_type
         assert {n.meta["dit_quant"] for n in loaded.graph_module.graph.nodes if n.meta.get("dit_quant")} == {kind}
+
+
+def test_side_by_side_with_torchao():
+    """Where torchao (cache-dit's backend for these types) is installed: ``float8_weight_only`` equals it (the same
+    e4m3 per-row tables); the int8 types round to a slightly different grid (torchao: amax / 127.5 over [-128, 127];
+    here amax / 127 over [-127, 127], as ``int8_per_row``), so their error against the fp32 linear is compared."""
+    ao = pytest.importorskip("torchao.quantization")
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(256, 128)
+    x = torch.randn(4, 256, generator=g)
+    exact = lin(x).detach()
+    ours = {"float8_weight_only": lambda: w8a16_linear_form(x, *_tables(prepare_fp8(lin.weight, lin.bias))),
+            "int8_weight_only": lambda: w8a16_linear_form(x, *_tables(prepare_int8(lin.weight, lin.bias))),
+            "int8_per_tensor": lambda: int8_linear_reference(x, *_tables(prepare_int8(lin.weight, lin.bias,
+                                                                                      "per_tensor")),
+                                                             granularity="per_tensor")}
+    configs = {"float8_weight_only": ao.Float8WeightOnlyConfig(), "int8_weight_only": ao.Int8WeightOnlyConfig(),
+               "int8_per_tensor": ao.Int8DynamicActivationInt8WeightConfig(granularity=ao.PerTensor())}
+    for name, config in configs.items():
+        m = torch.nn.Sequential(torch.nn.Linear(256, 128))
+        m[0].load_state_dict(lin.state_dict())
+        ao.quantize_(m, config)
+        with torch.no_grad():
+            theirs, mine = m(x), ours[name]()
+        if name == "float8_weight_only":
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        else:
+            assert rel(mine, exact) < 1.2 * rel(theirs, exact), name
+
+
+def _tables(q):
+    return q.qweight, q.wscale, q.bias
