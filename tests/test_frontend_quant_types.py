@@ -153,8 +153,11 @@ def test_weight_inv_smoothing_matches_cache_dit_and_runs():
     assert cfg.to_pass().smooth == "weight_inv" and cfg.strify() == "svdq_int4_r8_dq_weight_inv"
     tr = tiny_flux()
     want = run(tr)
-    got = run(enable_cache(tr, quantize_config=cfg))
+    wrapper = enable_cache(tr, quantize_config=cfg)
+    got = run(wrapper)
     assert 0 < rel(got, want) < 0.05, rel(got, want)  # measured 0.016
+    assert [p.smooth for p in wrapper.runtime.state["frontend"].passes] == ["weight_inv"]
+    assert strify(wrapper) == "svdq_int4_r8_dq_weight_inv"
 
 
 def test_few_shot_is_refused_with_the_reason():
