@@ -27,8 +27,9 @@ e.g. for ``fp8_per_row`` on an H200::
 SVDQuant's kind can also be written as ``torch.ops.dit_passes.svdq_w4a8_linear.default(x, ..., b2, fold)`` (the
 fused W4A8 kernels; ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``, ``dispatch.svdq_form``).
 
-A kind without an op (``w8a16`` / ``w4a16`` / ``w4a16_lr``, weight-only int8 / int4 / int4 + low-rank) is always its
-graph form, shape-generic: the int8 values scaled per row (``graph_forms.w8a16_linear_form``) or the int4 values
+A kind without an op (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr``, weight-only int8 / fp8 / int4 /
+int4 + low-rank) is always its graph form, shape-generic: the int8 or e4m3 values scaled per row
+(``graph_forms.w8a16_linear_form``) or the int4 values
 unpacked and scaled per group (``graph_forms.w4a16_linear_form``), then ``aten.linear`` on the dequantized weight
 (``w4a16_lr``: plus the low-rank branch, ``graph_forms.w4a16_lr_linear_form``).
 
@@ -82,6 +83,14 @@ def fp8_per_tensor_replacement(x, qweight, wscale, bias):
 
 def int8_replacement(x, qweight, wscale, bias):
     return torch.ops.dit_passes.int8_linear.default(x, qweight, wscale, bias)
+
+
+def int8_per_tensor_replacement(x, qweight, wscale, bias):
+    return torch.ops.dit_passes.int8_tensor_linear.default(x, qweight, wscale, bias)
+
+
+def fp8_per_block_replacement(x, qweight, wscale, bias):
+    return torch.ops.dit_passes.fp8_block_linear.default(x, qweight, wscale, bias)
 
 
 def w4a16_replacement(x, qweight, wscale, bias):
@@ -195,8 +204,13 @@ QUANT_KINDS: Dict[str, QuantKind] = {
     "fp8_per_tensor": QuantKind(fp8_per_tensor_replacement, torch.ops.dit_passes.fp8_linear.default, _8BIT_ARGS,
                                 _fp8_inline("per_tensor")),
     "int8_per_row": QuantKind(int8_replacement, torch.ops.dit_passes.int8_linear.default, _8BIT_ARGS),
-    # weight-only int8 / int4 (the modulation linears under SVDQuant): always the graph form, shape-generic
+    "int8_per_tensor": QuantKind(int8_per_tensor_replacement, torch.ops.dit_passes.int8_tensor_linear.default,
+                                 _8BIT_ARGS),
+    "fp8_per_block": QuantKind(fp8_per_block_replacement, torch.ops.dit_passes.fp8_block_linear.default, _8BIT_ARGS),
+    # weight-only int8 / fp8 / int4 (the modulation linears under SVDQuant; Int8Linear / Fp8Linear with
+    # weight_only=True): always the graph form, shape-generic. fp8 per row dequantizes as int8 per row does.
     "w8a16": QuantKind(w8a16_replacement, None, _8BIT_ARGS),
+    "fp8_weight_only": QuantKind(w8a16_replacement, None, _8BIT_ARGS),
     "w4a16": QuantKind(w4a16_replacement, None, _8BIT_ARGS),
     "w4a16_lr": QuantKind(w4a16_lr_replacement, None, ("qweight", "wscale", "lora_down", "lora_up", "bias")),
 }

@@ -20,6 +20,7 @@ from dit_passes import compile_dit, passes
 from dit_passes.models.zoo import build
 from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 from dit_passes.quant import dispatch, prepare_fp8, prepare_int8, prepare_svdquant
+from dit_passes.quant.fp8_block import prepare_fp8_block
 
 torch.set_num_threads(1)
 
@@ -155,6 +156,7 @@ def _op_cases():
     w, b, x = torch.randn(48, 128, generator=g), torch.randn(48, generator=g), torch.randn(2, 5, 128, generator=g)
     s = prepare_svdquant(w, b, rank=4, smooth="weight")
     f, ft, i = prepare_fp8(w, b), prepare_fp8(w, b, "per_tensor"), prepare_int8(w, b)
+    it, fb = prepare_int8(w, b, "per_tensor"), prepare_fp8_block(w, b, block=16)
     return {
         "svdq_w4a4": (torch.ops.dit_passes.svdq_w4a4_linear.default,
                       (x, s.qweight, s.wscale, s.lora_down, s.lora_up, s.smooth_inv, s.bias)),
@@ -167,6 +169,8 @@ def _op_cases():
         "fp8_per_row": (torch.ops.dit_passes.fp8_linear.default, (x, f.qweight, f.wscale, f.bias, "per_row")),
         "fp8_per_tensor": (torch.ops.dit_passes.fp8_linear.default, (x, ft.qweight, ft.wscale, None, "per_tensor")),
         "int8": (torch.ops.dit_passes.int8_linear.default, (x, i.qweight, i.wscale, i.bias)),
+        "int8_per_tensor": (torch.ops.dit_passes.int8_tensor_linear.default, (x, it.qweight, it.wscale, it.bias)),
+        "fp8_per_block": (torch.ops.dit_passes.fp8_block_linear.default, (x, fb.qweight, fb.wscale, fb.bias)),
     }
 
 

@@ -351,7 +351,9 @@ def test_configuration_errors(flux, tmp_path):
     with pytest.raises(ValueError, match="rank"):
         SVDQuantW4A4(rank=-1, dynamic=True)
     with pytest.raises(ValueError, match="granularity"):
-        Fp8Linear("per_block")
+        Fp8Linear("per_channel")
+    with pytest.raises(ValueError, match="weight_only=True stores the weights per output row"):
+        Fp8Linear("per_block", weight_only=True)
     with pytest.raises(ValueError, match="modulation must be one of"):
         SVDQuantW4A4(dynamic=True, modulation="fp8")
     # calibrate_fn that never runs the model

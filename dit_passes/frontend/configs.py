@@ -150,21 +150,30 @@ class ParallelismConfig:
 
 
 # ----------------------------------------------------------------------------------------- quantize
-SUPPORTED_QUANT_TYPES = ("float8_per_row", "float8_per_tensor", "int8_per_row", "svdq_int4_r{rank}",
+SUPPORTED_QUANT_TYPES = ("float8_per_row", "float8_per_tensor", "float8_per_block", "float8_weight_only",
+                         "int8_per_row", "int8_per_tensor", "int8_weight_only", "svdq_int4_r{rank}",
                          "svdq_int4_r{rank}_dq", "svdq_nvfp4_r{rank}", "svdq_nvfp4_r{rank}_dq")
-_REFERENCE_ONLY = ("float8_per_block", "float8_weight_only", "int8_per_tensor", "int8_weight_only")
+# cache-dit 1.5.3's torchao types that dit_passes does not implement (its SVDQ NVFP4 types it does, as data)
+_REFERENCE_ONLY = ("int4_weight_only", "nvfp4", "nvfp4_weight_only")
 _SVDQ = re.compile(r"^svdq_(int4|nvfp4)_r(\d+)(_dq)?$")
+# the reference's torchao types -> (kind, Fp8Linear / Int8Linear arguments)
+_BASIC = {"float8_per_row": ("fp8", {"granularity": "per_row"}),
+          "float8_per_tensor": ("fp8", {"granularity": "per_tensor"}),
+          "float8_per_block": ("fp8", {"granularity": "per_block"}),
+          "float8_weight_only": ("fp8", {"granularity": "per_row", "weight_only": True}),
+          "int8_per_row": ("int8", {"granularity": "per_row"}),
+          "int8_per_tensor": ("int8", {"granularity": "per_tensor"}),
+          "int8_weight_only": ("int8", {"granularity": "per_row", "weight_only": True})}
 # the reference's SVDQ smooth strategies -> dit_passes' SVDQuantW4A4(smooth=...)
-_SMOOTH = {"activation": "act", "weight": "weight", "identity": "none"}
+_SMOOTH = {"activation": "act", "weight": "weight", "weight_inv": "weight_inv", "identity": "none"}
 
 
 def parse_quant_type(quant_type: str) -> Tuple[str, Dict[str, Any]]:
     """``(kind, args)``: kind in {"fp8", "int8", "svdq"}; raises ``ValueError`` listing the supported types."""
     qt = quant_type.lower() if isinstance(quant_type, str) else quant_type
-    if qt in ("float8_per_row", "float8_per_tensor"):
-        return "fp8", {"granularity": qt[len("float8_"):]}
-    if qt == "int8_per_row":
-        return "int8", {}
+    if qt in _BASIC:
+        kind, args = _BASIC[qt]
+        return kind, dict(args)
     m = _SVDQ.match(qt) if isinstance(qt, str) else None
     if m and int(m.group(2)) > 0:
         return "svdq", {"rank": int(m.group(2)), "dynamic": m.group(3) is not None, "precision": m.group(1)}
@@ -176,6 +185,14 @@ def parse_quant_type(quant_type: str) -> Tuple[str, Dict[str, Any]]:
 @dataclasses.dataclass
 class QuantizeConfig:
     """Reference field order and defaults; ``quant_type`` is checked when the config is built.
+
+    The torchao types map onto :class:`Fp8Linear` / :class:`Int8Linear`: ``float8_per_row`` / ``float8_per_tensor``
+    (e4m3 weights and per-token / per-tensor dynamic activations), ``float8_per_block`` (weight tiles of 128 x 128,
+    activations per token and 128 features; linears whose N or K is not a multiple of 128 stay unquantized, as in the
+    reference), ``float8_weight_only`` (e4m3 weights per row dequantized at run time, activations unquantized),
+    ``int8_per_row`` / ``int8_per_tensor`` (symmetric int8, int32 accumulation), ``int8_weight_only`` (W8A16: int8
+    weights per row, activations unquantized). Not implemented: ``int4_weight_only``, torchao's ``nvfp4`` /
+    ``nvfp4_weight_only`` (``_REFERENCE_ONLY``).
 
     ``exclude_layers``: substrings of module paths (or dit_passes role names such as ``"modulation"``);
     ignored when ``filter_fn(module, name) -> bool`` is given (reference rule). Its default is cache-dit's, which
@@ -191,7 +208,8 @@ class QuantizeConfig:
     those of ``model=``, ``quantize_config=``, ``component_name=``, ``svdq_kwargs=`` it names: see
     :func:`~dit_passes.frontend.calibration.call_calibrate_fn`) and
     ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs``: ``smooth_strategy``
-    ("activation" for PTQ; "identity" (default) or "weight" for ``_dq``), ``calibrate_precision`` and
+    ("activation" for PTQ; "identity" (default), "weight" or "weight_inv" for ``_dq``; "few_shot" is refused: not
+    implemented), ``calibrate_precision`` and
     ``svd_refine_iters`` (``SVDQuantW4A4(svd_precision=, refine_iters=)``); the keys that only tune the reference's
     calibration memory and kernels are accepted and logged. ``components_to_quantize`` (a list of pipeline component
     names or modules, or ``{name: {field: value}}``): those components only, each with its config
@@ -228,11 +246,17 @@ class QuantizeConfig:
             dynamic = self.args["dynamic"]
             default = "identity" if dynamic else "activation"
             strategy = str((self.svdq_kwargs or {}).get("smooth_strategy", default)).lower()
-            allowed = ("identity", "weight") if dynamic else ("activation",)
+            allowed = ("identity", "weight", "weight_inv") if dynamic else ("activation",)
+            if strategy == "few_shot":
+                raise NotImplementedError(f"svdq_kwargs['smooth_strategy']='few_shot' is not supported for "
+                                          f"{self.quant_type}: dit_passes does not implement it (activation spans "
+                                          "collected during the first denoising steps, then relaxed); use one of "
+                                          f"{list(allowed)}, or SVDQuant PTQ (calibrate_fn) for activation-aware "
+                                          "smoothing")
             if strategy not in allowed:
                 raise NotImplementedError(f"svdq_kwargs['smooth_strategy']={strategy!r} is not supported for "
                                           f"{self.quant_type}; use one of {list(allowed)}")
-            self.args["smooth"] = _SMOOTH[strategy]
+            self.args["smooth"], self.smooth_strategy = _SMOOTH[strategy], strategy
             if dynamic and self.calibrate_fn is not None:
                 raise ValueError("calibrate_fn is not used by SVDQuant dynamic quantization (_dq): drop it")
             if not dynamic and (self.calibrate_fn is None or self.serialize_to is None):
@@ -371,9 +395,10 @@ class QuantizeConfig:
                              **self.svdq_options, **common)
 
     def strify(self) -> str:
+        """The reference's tag: the quant type, ``_dq`` types with their smooth strategy unless identity."""
         qt = self.quant_type
         if self.kind == "svdq" and self.args["dynamic"] and self.args["smooth"] != "none":
-            qt += "_weight"
+            qt += f"_{self.smooth_strategy}"
         return qt
 
 
@@ -414,11 +439,13 @@ def _svdq_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-PLAN_QUANT_TYPES = ("float8_per_tensor", "float8_per_row", "int8_per_row")  # the reference's plan order
+# the reference's plan order (its _PREFERRED_PRECISION_PLAN_ORDER, the types dit_passes has)
+PLAN_QUANT_TYPES = ("float8_per_tensor", "float8_per_row", "float8_per_block", "float8_weight_only",
+                    "int8_per_tensor", "int8_per_row", "int8_weight_only")
 
 
 def _basic_pass(kind: str, args: Dict[str, Any], common: Dict[str, Any]):
-    return Fp8Linear(args["granularity"], **common) if kind == "fp8" else Int8Linear(**common)
+    return Fp8Linear(**args, **common) if kind == "fp8" else Int8Linear(**args, **common)
 
 
 class _PlanFilter:

@@ -13,7 +13,10 @@ Before (one eligible linear)::
 After (SVDQuantW4A4; Int8Linear calls ``dit_passes.int8_linear`` on ``qweight, wscale, bias``; Fp8Linear writes
 plain ATen ops instead of an op -- the per-token e4m3 quantization of x, then ``aten._scaled_mm(qx, qweight.T,
 sx, wscale, bias)`` on an sm_89+ GPU or the dequantized fp32 matmul elsewhere (``quant/graph_forms.py``,
-``patterns/quant_linear.py``) -- so that torch.compile fuses the quantization into x's producer)::
+``patterns/quant_linear.py``) -- so that torch.compile fuses the quantization into x's producer; their other
+options, ``quantize_8bit.py``: ``Int8Linear(granularity="per_tensor")`` calls ``dit_passes.int8_tensor_linear``,
+``Fp8Linear("per_block")`` ``dit_passes.fp8_block_linear``, ``weight_only=True`` writes the weight-only form of
+``graph_forms.w8a16_linear_form`` with int8 / e4m3 weights)::
 
     qw = self.transformer_blocks.0.attn.to_q.qweight        # uint8 [N, K/2], two int4 per byte
     ws = self.transformer_blocks.0.attn.to_q.wscale         # bf16 [N, K/64]
@@ -81,7 +84,6 @@ from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..infra.weight_source import read_whole, source_name
 from ..quant.calibrate import ActAbsMaxObserver
-from ..quant.fp8_int8 import FP8_GRANULARITIES, prepare_fp8, prepare_int8
 from ..quant.int4 import GROUP_SIZE
 from ..quant.nvfp4 import BLOCK as NVFP4_BLOCK, prepare_svdquant_nvfp4
 from ..quant.serialize import save_quantized
@@ -451,36 +453,5 @@ class SVDQuantW4A4(_QuantizeLinears):
         return q.tensors()
 
 
-class Fp8Linear(_QuantizeLinears):
-    """fp8 e4m3 weights, dynamic fp8 activations (per token and row, or one scale each: ``granularity``), written
-    as plain ATen ops (module docstring); the AdaLN modulation linears too (``exclude=("modulation",)`` keeps them)."""
-
-    name = "fp8_linear"
-
-    def __init__(self, granularity: str = "per_row", include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
-                 serialize_to=None, regional=True, block_classes=None):
-        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes)
-        if granularity not in FP8_GRANULARITIES:
-            raise ValueError(f"granularity must be one of {FP8_GRANULARITIES}, got {granularity!r}")
-        self.granularity = granularity
-        self.kind = f"fp8_{granularity}"
-
-    def quant_type(self) -> str:
-        return f"fp8_e4m3_{self.granularity}"
-
-    def prepare(self, path, weight, bias, absmax, kind):
-        return prepare_fp8(weight, bias, self.granularity).tensors()
-
-
-class Int8Linear(_QuantizeLinears):
-    """int8 weights (symmetric per row) and dynamic per-token int8 activations, int32 accumulation."""
-
-    name = "int8_linear"
-    kind = "int8_per_row"
-
-    def quant_type(self) -> str:
-        return "int8_per_row"
-
-    def prepare(self, path, weight, bias, absmax, kind):
-        return prepare_int8(weight, bias).tensors()
-
+# the 8-bit passes live beside (this file's size); re-exported here, where they have always been imported from
+from .quantize_8bit import Fp8Linear, Int8Linear  # noqa: E402,F401

@@ -14,6 +14,10 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 * ``dit_passes::fp8_quantize_rows(Tensor x) -> (Tensor, Tensor)``: x [M, K] (fp32 / bf16 / fp16) -> (e4m3 [M, K],
   fp32 scale [M, 1]) per row (``fp8_int8.quantize_fp8_act``); what the fp8 graph form writes for its activations
   with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (CUDA: one Triton kernel, ``dit_passes.kernels.fp8_rowquant_triton``)
+* ``dit_passes::int8_tensor_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (one scale for
+  the activations, one for the weight: cache-dit's ``int8_per_tensor``)
+* ``dit_passes::fp8_block_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (block-scaled
+  fp8, ``fp8_block.py``: cache-dit's ``float8_per_block``; the reference on every device)
 
 Each op has three implementations: the reference (any device; the op's body), the fake (meta: checks the
 shapes, allocates the output) and the CUDA one, which asks ``dispatch.py`` which backend runs (W4A4:
@@ -32,6 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import dispatch
+from .fp8_block import check_fp8_block_args, fp8_block_linear_reference
 from .fp8_int8 import (FP8_DTYPE, FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference,
                        quantize_fp8_act)
 from .int4 import w4a4_linear_reference
@@ -233,3 +238,38 @@ def _fp8_quantize_rows_cuda(x):
 def _fp8_quantize_rows_fake(x):
     _check_rows(x)
     return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+@torch.library.custom_op("dit_passes::int8_tensor_linear", mutates_args=())
+def int8_tensor_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                       bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """int8 per-tensor dynamic linear (int32 accumulation), reference implementation (any device)."""
+    _check_8bit_shapes("int8_tensor_linear", x, qweight, wscale, bias, False)
+    return int8_linear_reference(x, qweight, wscale, bias, granularity="per_tensor")
+
+
+@int8_tensor_linear.register_kernel("cuda")
+def _int8_tensor_linear_cuda(x, qweight, wscale, bias):
+    _check_8bit_shapes("int8_tensor_linear", x, qweight, wscale, bias, False)
+    return int8_linear_reference(x, qweight, wscale, bias, int_mm=dispatch.int8_backend(x, qweight) == "int_mm",
+                                 granularity="per_tensor")
+
+
+@int8_tensor_linear.register_fake
+def _int8_tensor_linear_fake(x, qweight, wscale, bias):
+    _check_8bit_shapes("int8_tensor_linear", x, qweight, wscale, bias, False)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@torch.library.custom_op("dit_passes::fp8_block_linear", mutates_args=())
+def fp8_block_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Block-scaled fp8 linear (tiles of the weight, per token and block of x), reference implementation (any
+    device; a block-scaled GEMM kernel for Hopper is not written yet)."""
+    return fp8_block_linear_reference(x, qweight, wscale, bias)
+
+
+@fp8_block_linear.register_fake
+def _fp8_block_linear_fake(x, qweight, wscale, bias):
+    check_fp8_block_args(x, qweight, wscale, bias)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))

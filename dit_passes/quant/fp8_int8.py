@@ -6,8 +6,9 @@ a zero scale becomes 1; weights are ``(t / scale).clamp(-448, 448)`` cast to ``f
 ``(t * (1 / scale)).clamp(-448, 448)`` (:func:`quantize_fp8_act`: one division per token, as the graph form and the
 row-quantization kernel compute it; it differs from ``t / scale`` in the last fp32 bit at times, so in e4m3 only
 where that bit decides a rounding tie).
-int8 (per row only): scale = amax / 127, ``q = clamp(rint(t / scale), -127, 127)`` (symmetric).
-Output: ``dot(q_x, q_w) * sx[m] * sw[n] + bias`` in fp32, cast to x.dtype.
+int8, granularity ``"per_row"`` (activation per token, weight per output row) or ``"per_tensor"`` (one scale
+each): scale = amax / 127, ``q = clamp(rint(t / scale), -127, 127)`` (symmetric).
+Output: ``dot(q_x, q_w) * sx[m] * sw[n] + bias`` in fp32, cast to x.dtype (per tensor: ``sx * sw``).
 
 The CUDA paths (fp8: ``torch._scaled_mm``, int8: ``torch._int_mm``) run where ``dit_passes.quant.dispatch``
 allows them (fp8: sm_89+, K and N multiples of 16, row-wise scales only with bf16 output); every other
@@ -26,6 +27,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT8_MAX = 127
 FP8_GRANULARITIES = ("per_row", "per_tensor")
+INT8_GRANULARITIES = ("per_row", "per_tensor")
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:
@@ -61,10 +63,21 @@ def quantize_fp8_act(t: torch.Tensor, granularity: str) -> Tuple[torch.Tensor, t
 
 def quantize_int8_rows(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """2-D t [R, C] -> (int8 [R, C], fp32 scale [R]), symmetric per row."""
+    return quantize_int8(t, "per_row")
+
+
+def quantize_int8(t: torch.Tensor, granularity: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """2-D t [R, C] -> (int8 [R, C], fp32 scale [R] for per_row or [] for per_tensor), symmetric."""
+    if granularity not in INT8_GRANULARITIES:
+        raise ValueError(f"int8 granularity must be one of {INT8_GRANULARITIES}, got {granularity!r}")
     tf = t.float()
-    scale = _nonzero(true_div(tf.abs().amax(dim=1), INT8_MAX))
-    q = torch.clamp(torch.round(tf / scale.unsqueeze(1)), -INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
+    if granularity == "per_row":
+        scale = _nonzero(true_div(tf.abs().amax(dim=1), INT8_MAX))
+        q = torch.clamp(torch.round(tf / scale.unsqueeze(1)), -INT8_MAX, INT8_MAX)
+    else:
+        scale = _nonzero(true_div(tf.abs().amax(), INT8_MAX))
+        q = torch.clamp(torch.round(tf / scale), -INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
 
 
 @dataclass
@@ -85,11 +98,12 @@ class Fp8Weight:
 
 @dataclass
 class Int8Weight:
-    """int8 weight [N, K] with per-row scale fp32 [N], bias [N] or None."""
+    """int8 weight [N, K] with scale fp32 [N] (per_row) or [] (per_tensor), bias [N] or None."""
 
     qweight: torch.Tensor
     wscale: torch.Tensor
     bias: Optional[torch.Tensor]
+    granularity: str = "per_row"
 
     def tensors(self) -> dict:
         out = {"qweight": self.qweight, "wscale": self.wscale}
@@ -111,10 +125,10 @@ def prepare_fp8(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, granu
     return Fp8Weight(q.contiguous(), s, None if bias is None else bias.detach().clone(), granularity)
 
 
-def prepare_int8(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Int8Weight:
+def prepare_int8(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, granularity: str = "per_row") -> Int8Weight:
     _check_weight(weight, bias)
-    q, s = quantize_int8_rows(weight.detach())
-    return Int8Weight(q.contiguous(), s, None if bias is None else bias.detach().clone())
+    q, s = quantize_int8(weight.detach(), granularity)
+    return Int8Weight(q.contiguous(), s, None if bias is None else bias.detach().clone(), granularity)
 
 
 def _check_linear_args(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, per_row: bool) -> None:
@@ -174,13 +188,19 @@ def _int_dot(qx: torch.Tensor, qw: torch.Tensor, int_mm: bool) -> torch.Tensor:
 
 
 def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                          bias: Optional[torch.Tensor] = None, *, int_mm: bool = False) -> torch.Tensor:
-    """int8 per-row dynamic linear: x [..., K] -> [..., N] in x.dtype; int32 accumulation, through
-    ``torch._int_mm`` with ``int_mm`` (CUDA; ``dispatch.int8_backend`` decides)."""
-    _check_linear_args(x, qweight, wscale, per_row=True)
+                          bias: Optional[torch.Tensor] = None, *, int_mm: bool = False,
+                          granularity: str = "per_row") -> torch.Tensor:
+    """int8 dynamic linear (per row, or per tensor: one scale for x, one for the weight): x [..., K] -> [..., N] in
+    x.dtype; int32 accumulation, through ``torch._int_mm`` with ``int_mm`` (CUDA; ``dispatch.int8_backend``)."""
+    per_row = granularity == "per_row"
+    _check_linear_args(x, qweight, wscale, per_row=per_row)
     if qweight.dtype != torch.int8:
         raise TypeError(f"int8 linear needs an int8 weight, got {qweight.dtype}")
     n, k = qweight.shape
-    qx, sx = quantize_int8_rows(x.reshape(-1, k))
-    acc = _int_dot(qx, qweight, int_mm).float() * sx.unsqueeze(1) * wscale.float().unsqueeze(0)
+    qx, sx = quantize_int8(x.reshape(-1, k), granularity)
+    acc = _int_dot(qx, qweight, int_mm).float()
+    if per_row:
+        acc = acc * sx.unsqueeze(1) * wscale.float().unsqueeze(0)
+    else:
+        acc = acc * (sx * wscale.float().reshape(()))
     return _finish(acc, bias, x, n)

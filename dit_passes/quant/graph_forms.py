@@ -68,7 +68,8 @@ int8 weights per output row, fp32 row scales, the activations in x.dtype::
     y = linear(x, w, bias)
 
 In fp32 it is the linear of ``w8a16.dequantize_w8a16`` bit for bit (the same one product per element); in bf16
-the weight takes one rounding (2**-9 relative). Shape-generic like the int4 form.
+the weight takes one rounding (2**-9 relative). Shape-generic like the int4 form. The same form serves weight-only
+fp8 (cache-dit's ``float8_weight_only``: qweight e4m3 [N, K], wscale fp32 [N], ``fp8_int8.prepare_fp8`` per row).
 """
 from __future__ import annotations
 
@@ -258,8 +259,8 @@ def w4a16_lr_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.T
 
 def w8a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
                       bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """Weight-only int8 linear (module docstring): x [..., K], qweight int8 [N, K], wscale [N], bias [N] or None ->
-    [..., N] in x.dtype."""
+    """Weight-only int8 / fp8 linear (module docstring): x [..., K], qweight int8 or e4m3 [N, K], wscale [N], bias [N]
+    or None -> [..., N] in x.dtype."""
     ws = aten.unsqueeze.default(aten._to_copy.default(wscale, dtype=_F32), 1)              # [N, 1]
     w = aten.mul.Tensor(aten._to_copy.default(qweight, dtype=_F32), ws)                    # [N, K]
     return aten.linear.default(x, aten.type_as.default(w, x), bias)

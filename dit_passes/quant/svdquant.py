@@ -5,7 +5,9 @@ For a linear ``y = x @ W.T + b`` with W [N, K]:
 1. smoothing vector ``s`` [K] > 0: ``x_s = x / s`` (stored as ``smooth_inv = 1 / s``) and
    ``W_s = W * s`` per input channel, so ``x_s @ W_s.T == x @ W.T``. PTQ uses activation statistics,
    ``s = act_absmax**alpha / w_absmax**(1 - alpha)``; DQ (no calibration) uses the same formula with
-   flat activation statistics (``smooth="weight"``) or no smoothing (``smooth="none"``);
+   flat activation statistics (``smooth="weight"``), its inverse (``smooth="weight_inv"``: ``s = w_absmax**(1 -
+   alpha)``, normalised to geometric mean 1 and clamped to [1/4, 4]: cache-dit's ``weight_inv``, which moves the
+   difficulty into the weight so that the activations quantize more easily) or no smoothing (``smooth="none"``);
 2. low-rank branch from a seeded randomized SVD: ``W_s ~= lora_up @ lora_down`` (rank r, factors stored
    in the activation dtype); the outliers that smoothing migrated into the weight land here;
 3. the residual ``R = W_s - lora_up.float() @ lora_down.float()`` (computed from the *stored* factors,
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 
 from .int4 import GROUP_SIZE, check_group_dim, dequantize_weight_w4, quantize_weight_w4, w4a4_linear_reference
 
-SMOOTH_MODES = ("act", "weight", "none")
+SMOOTH_MODES = ("act", "weight", "weight_inv", "none")
+WEIGHT_INV_CLAMP = (0.25, 4.0)  # cache-dit's range for its weight-only smoothing heuristics
 _TINY = 1e-5  # floor for abs-max statistics so that s stays finite and positive
 TENSOR_FIELDS = ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias")
 
@@ -138,10 +141,11 @@ def randomized_svd(a: torch.Tensor, rank: int, seed: int = 0, oversample: int = 
 
 def smoothing_vector(weight: torch.Tensor, act_absmax: Optional[torch.Tensor] = None, alpha: float = 0.5,
                      smooth: str = "act") -> torch.Tensor:
-    """The smoothing vector s [K] (fp32, > 0) for ``smooth`` in ``("act", "weight", "none")``.
+    """The smoothing vector s [K] (fp32, > 0) for ``smooth`` in ``SMOOTH_MODES``.
 
     act: ``act_absmax**alpha / w_absmax**(1 - alpha)`` (w_absmax per input channel over the rows);
-    weight: the same with flat activations, ``1 / w_absmax**(1 - alpha)``; none: ones.
+    weight: the same with flat activations, ``1 / w_absmax**(1 - alpha)``; weight_inv: ``w_absmax**(1 - alpha)``
+    divided by its geometric mean, clamped to ``WEIGHT_INV_CLAMP``; none: ones.
     Abs-max values are floored at 1e-5 so that s is finite and positive.
     """
     if smooth not in SMOOTH_MODES:
@@ -154,6 +158,12 @@ def smoothing_vector(weight: torch.Tensor, act_absmax: Optional[torch.Tensor] = 
     w_absmax = weight.detach().float().abs().amax(dim=0).clamp_min(_TINY)
     if smooth == "weight":
         return w_absmax.pow(-(1.0 - alpha))
+    if smooth == "weight_inv":
+        # no floor here: an all-zero input channel gets 1 (cache-dit's repair), not a tiny value that would move the
+        # geometric mean. A global factor changes nothing (the group scales absorb it); the mean centres the clamp.
+        s = weight.detach().float().abs().amax(dim=0).pow(1.0 - alpha)
+        s = torch.where((s == 0) | ~torch.isfinite(s), torch.ones_like(s), s)
+        return (s / s.log().mean().exp()).clamp(*WEIGHT_INV_CLAMP)
     if act_absmax is None:
         raise ValueError("smooth='act' (PTQ) needs act_absmax, the per-input-channel abs-max of the "
                          "activations; calibrate with ActAbsMaxObserver, or use smooth='weight' or 'none' (DQ)")
