@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -114,35 +112,6 @@ def test_transfer_errors_name_the_alternative():
 
 
 # --------------------------------------------------------------------------------- on the workers
-def test_pipeline_wrapper_matches_single_process(cluster, reference_latents):
-    engine = RayLauncher(world_size=2, timeout_s=60).launch(tiny_pipeline(), passes=[])
-    with engine:
-        out = engine(**call_kwargs())
-        assert out.images.shape == reference_latents.shape
-        assert torch.allclose(out.images, reference_latents, atol=1e-5, rtol=0)
-        assert engine.backend == "gloo" and engine.transfer_report["path"] == "object_store"
-        workers = engine.workers
-        assert workers[0]["ip"] == ray.util.get_node_ip_address() and len({w["pid"] for w in workers}) == 2
-        ranks = engine.run_on_workers(lambda w: (w.rank, type(w.obj.transformer).__name__, torch.get_num_threads()))
-        assert ranks == [(0, "CompiledDiT", 1), (1, "CompiledDiT", 1)]
-        # the same Python error on every rank: the group is still in step, the engine stays usable
-        with pytest.raises(RayWorkerError, match=r"rank 0 of 2 raised TypeError.*no_such_argument"):
-            engine(**call_kwargs(), no_such_argument=1)
-        assert torch.allclose(engine(**call_kwargs()).images, reference_latents, atol=1e-5, rtol=0)
-    with pytest.raises(RayLauncherError, match="shut down"):
-        engine(**call_kwargs())
-
-
-@needs_cp
-@pytest.mark.parametrize("kind", ["ulysses", "ring"])
-def test_pipeline_wrapper_context_parallel(cluster, reference_latents, kind):
-    with RayLauncher(world_size=2, timeout_s=60).launch(tiny_pipeline(), passes=cp_passes(kind)) as engine:
-        got = engine(**call_kwargs()).images
-        counts = engine.run_on_workers(lambda w: len(w.obj.transformer.graphs))
-    assert counts == [1, 1]
-    assert torch.allclose(got, reference_latents, atol=1e-5, rtol=0), (got - reference_latents).abs().max()
-
-
 def test_transformer_wrapper_matches_single_process(cluster, reference_latents):
     pipe = tiny_pipeline()
     passes_fn = (lambda rank, world: cp_passes("ulysses")) if HAVE_CP else (lambda rank, world: [])
@@ -207,27 +176,6 @@ def test_runtime_env_pythonpath_reaches_workers(cluster, tmp_path):
     assert files == [str(tmp_path / "user_passes_mod.py")] * 2
     with torch.no_grad():
         assert torch.allclose(got, build("flux").model(**inputs)[0], atol=1e-5, rtol=0)
-
-
-def test_worker_killed_mid_call_raises_without_hang(cluster):
-    def die_on_rank1(pipe, step, timestep, callback_kwargs):
-        import torch.distributed as dist
-        if step == 0 and dist.get_rank() == 1:
-            os._exit(3)
-        return callback_kwargs
-
-    passes = cp_passes("ulysses") if HAVE_CP else []  # with Ulysses rank 0 then waits in an all-to-all
-    engine = RayLauncher(world_size=2, timeout_s=60).launch(tiny_pipeline(), passes=passes)
-    t0 = time.monotonic()
-    with pytest.raises(RayWorkerError, match="rank 1 of 2 died|rank 0 of 2 raised") as info:
-        engine(**call_kwargs(steps=3), callback_on_step_end=die_on_rank1)
-    assert time.monotonic() - t0 < 45
-    assert isinstance(info.value, RayWorkerDiedError) or "Connection" in str(info.value)
-    with pytest.raises(RayLauncherError, match="broken"):
-        engine(**call_kwargs())
-    engine.shutdown()
-    assert "shut down" in repr(engine)
-    assert isinstance(engine, RayEngine)
 
 
 # ------------------------------------------------------------------------------ through the front end
@@ -360,3 +308,72 @@ def test_frontend_ray_transfer_fn_extra_modules_components_and_ptq(cluster, tmp_
         assert r["vae"] == "ParallelVAE", r
         # TP splits the T5's output projections along K: their int8 rows are scaled per shard, not bit-equal
         assert ((r["te_out"] - te_ref).abs().max() / te_ref.abs().max()).item() < 0.05
+
+
+# ------------------------------------------- the pipeline wrapper: one engine, last (it holds the cluster's CPUs)
+@pytest.fixture(scope="module")
+def pipeline_engine(cluster):
+    """One pipeline-level engine (object store, launched with passes=[]) for the pipeline-wrapper tests below.
+    A launch costs ~15 s of CPU, most of it the two fresh worker processes importing torch and diffusers; each
+    test sets the passes it checks (``set_passes``: lowered again at the next call, in the same workers) and the
+    last one kills a worker (the engine is broken then; shutting it down again is a no-op)."""
+    engine = RayLauncher(world_size=2, timeout_s=60).launch(tiny_pipeline(), passes=[])
+    yield engine
+    engine.shutdown()
+
+
+def _use(engine, kind: str) -> None:
+    engine.set_passes(lambda current: cp_passes(kind))  # a closure: cloudpickled by value, cp_passes by name
+
+
+def test_pipeline_wrapper_matches_single_process(pipeline_engine, reference_latents):
+    engine = pipeline_engine
+    _use(engine, "none")
+    out = engine(**call_kwargs())
+    assert out.images.shape == reference_latents.shape
+    assert torch.allclose(out.images, reference_latents, atol=1e-5, rtol=0)
+    assert engine.backend == "gloo" and engine.transfer_report["path"] == "object_store"
+    workers = engine.workers
+    assert workers[0]["ip"] == ray.util.get_node_ip_address() and len({w["pid"] for w in workers}) == 2
+    ranks = engine.run_on_workers(lambda w: (w.rank, type(w.obj.transformer).__name__, torch.get_num_threads()))
+    assert ranks == [(0, "CompiledDiT", 1), (1, "CompiledDiT", 1)]
+    # the same Python error on every rank: the group is still in step, the engine stays usable
+    with pytest.raises(RayWorkerError, match=r"rank 0 of 2 raised TypeError.*no_such_argument"):
+        engine(**call_kwargs(), no_such_argument=1)
+    assert torch.allclose(engine(**call_kwargs()).images, reference_latents, atol=1e-5, rtol=0)
+
+
+@needs_cp
+@pytest.mark.parametrize("kind", ["ulysses", "ring"])
+def test_pipeline_wrapper_context_parallel(pipeline_engine, reference_latents, kind):
+    engine = pipeline_engine
+    _use(engine, kind)
+    got = engine(**call_kwargs()).images
+    passes = engine.run_on_workers(lambda w: [p.name for p in w.obj.transformer.passes])
+    counts = engine.run_on_workers(lambda w: len(w.obj.transformer.graphs))
+    assert passes == [[kind], [kind]]
+    assert counts == [1, 1]
+    assert torch.allclose(got, reference_latents, atol=1e-5, rtol=0), (got - reference_latents).abs().max()
+
+
+def test_worker_killed_mid_call_raises_without_hang(pipeline_engine):
+    def die_on_rank1(pipe, step, timestep, callback_kwargs):
+        import torch.distributed as dist
+        if step == 0 and dist.get_rank() == 1:
+            os._exit(3)
+        return callback_kwargs
+
+    engine = pipeline_engine
+    _use(engine, "ulysses" if HAVE_CP else "none")  # with Ulysses rank 0 then waits in an all-to-all
+    t0 = time.monotonic()
+    with pytest.raises(RayWorkerError, match="rank 1 of 2 died|rank 0 of 2 raised") as info:
+        engine(**call_kwargs(steps=3), callback_on_step_end=die_on_rank1)
+    assert time.monotonic() - t0 < 45
+    assert isinstance(info.value, RayWorkerDiedError) or "Connection" in str(info.value)
+    with pytest.raises(RayLauncherError, match="broken"):
+        engine(**call_kwargs())
+    engine.shutdown()
+    assert "shut down" in repr(engine)
+    assert isinstance(engine, RayEngine)
+    with pytest.raises(RayLauncherError, match="shut down"):
+        engine(**call_kwargs())

@@ -126,6 +126,31 @@ def test_inputs_run_eager_for_every_variant_and_batch(family):
         assert (b2[1] - b2[0]).abs().max() > 1e-4, f"{family}/{variant}: output ignores the text"
 
 
+def test_warm_up_caches_the_models_own_block_mask():
+    """The zoo's warm-up forward runs with torch.compile directives ignored (Wan-Animate 2 would compile its
+    create_block_mask with Inductor in every process). The block mask it caches is still the model's: a 128 x 128
+    block is kept where the model's mask_mod holds anywhere in it, and is full where it holds everywhere (evaluated
+    densely here). DIT_PASSES_FULL_SWEEP=1 also compares it with the mask the compiled path builds."""
+    import os
+    zm = zoo.build("wan_animate2")
+    (key, mask), = zm.model.block_masks.items()
+    q_len, kv_len = mask.seq_lengths
+    bq, bk = mask.BLOCK_SIZE
+    zero = torch.zeros((), dtype=torch.int64)
+    dense = mask.mask_mod(zero, zero, torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :])
+    tiles = dense.reshape(q_len // bq, bq, kv_len // bk, bk).transpose(1, 2)
+    assert tiles.any() and not tiles.all(), "a mask that keeps or drops everything checks nothing"
+    assert torch.equal(mask.to_dense()[0, 0].bool(), tiles.any(-1).any(-1))
+    full = torch.zeros_like(tiles[..., 0, 0])
+    for row, (n, idx) in enumerate(zip(mask.full_kv_num_blocks[0, 0], mask.full_kv_indices[0, 0])):
+        full[row, idx[:n]] = True
+    assert torch.equal(full, tiles.all(-1).all(-1))
+    if os.environ.get("DIT_PASSES_FULL_SWEEP") == "1":
+        compiled = zm.model.create_mask(*key, torch.device("cpu"))
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(compiled, name), getattr(mask, name)), name
+
+
 @pytest.mark.parametrize("family", ["flux", "wan", "qwenimage", "zimage"])
 def test_inputs_and_weights_are_seeded(family):
     zm = zoo.build(family)

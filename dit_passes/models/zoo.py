@@ -213,7 +213,10 @@ def build(family: str, seed: int = 0, redraw_zeros: bool = False, **overrides: A
                            f"(is torch's default dtype changed? it is {torch.get_default_dtype()})")
     make_inputs = functools.partial(_make_inputs, spec, config)
     if spec.warm_up:
-        with torch.no_grad():
+        # torch.compile directives ignored here (force_eager): Wan-Animate 2 builds its flex block mask with
+        # create_block_mask(_compile=True), an Inductor compile of 3-8 CPU s in every process that builds it, for a
+        # mask that takes milliseconds eagerly (the same mask: tests/test_zoo.py checks it)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             model(**make_inputs())
     return ZooModel(
         family=family,

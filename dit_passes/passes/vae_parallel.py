@@ -32,6 +32,7 @@ from ..capture import capture
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.pass_manager import PassManager
 from ..infra.phases import Phase
+from ..infra.trace_templates import default_templates
 from ..parallel import vae_ops
 from ..parallel.mesh import check_ranks
 from ..parallel.propagate import val as _val
@@ -167,7 +168,10 @@ class ParallelVAE(VAEGraphs):
         if gm is None:
             if getattr(self.vae, "use_tiling", False):
                 raise ValueError("VAE-P replaces tiling: call vae.disable_tiling() before parallel_vae")
-            full = capture(_Call(self.vae, kind), (x,)).gm  # the single-process graph: reference shapes
+            # through the process's trace templates (DIT_PASSES_REUSE_TRACES / DIT_PASSES_TRACE_DIR, as compile_dit
+            # does): every rank captures the same full graph, and ranks with equal row counts the same local one
+            templates = default_templates()
+            full = capture(_Call(self.vae, kind), (x,), templates=templates).gm  # the single-process graph
             full.graph.eliminate_dead_code()
             hd, rank = x.dim() - 2, self._group.rank()
             height, out_h = x.shape[hd], _val(full.graph.output_node().args[0][0]).shape[-2]
@@ -176,7 +180,7 @@ class ParallelVAE(VAEGraphs):
                 raise ValueError(f"VAE-P {kind}: height {height} is not a multiple of the downsampling {unit}")
             rows = vae_ops.split_rows(height, self._group.size(), unit)
             local = x.narrow(hd, sum(rows[:rank]), rows[rank]).contiguous()
-            gm = capture(_Call(self.vae, kind), (local,)).gm
+            gm = capture(_Call(self.vae, kind), (local,), templates=templates).gm
             gm.graph.eliminate_dead_code()
             manager = PassManager([VAEParallel(self._group.size(), self._group, rows=rows, reference=full),
                                    *self._further()])
