@@ -263,7 +263,7 @@ def test_frontend_takes_diffusers_configs():
 
     mag = cache_dit.enable_cache(zm.model, cache_config=cache_dit.MagCacheConfig(calibrate=True, num_inference_steps=4))
     assert [p.name for p in mag.passes] == ["mag_cache"]
-    with pytest.raises(ValueError, match="DBCacheConfig only"):
+    with pytest.raises(ValueError, match="DBCacheConfig / DBPruneConfig only"):
         cache_dit.enable_cache(zm.model, cache_config=hooks.FirstBlockCacheConfig(),
                                calibrator_config=cache_dit.TaylorSeerCalibratorConfig())
 
