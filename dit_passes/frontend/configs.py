@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
+from ..passes.quantize import Fp8Linear, Int4WeightOnly, Int8Linear, SVDQuantW4A4
 from ..quant.svdquant import SVD_PRECISIONS
 
 logger = logging.getLogger("dit_passes")
@@ -151,10 +151,10 @@ class ParallelismConfig:
 
 # ----------------------------------------------------------------------------------------- quantize
 SUPPORTED_QUANT_TYPES = ("float8_per_row", "float8_per_tensor", "float8_per_block", "float8_weight_only",
-                         "int8_per_row", "int8_per_tensor", "int8_weight_only", "svdq_int4_r{rank}",
-                         "svdq_int4_r{rank}_dq", "svdq_nvfp4_r{rank}", "svdq_nvfp4_r{rank}_dq")
-# cache-dit 1.5.3's torchao types that dit_passes does not implement (its SVDQ NVFP4 types it does, as data)
-_REFERENCE_ONLY = ("int4_weight_only", "nvfp4", "nvfp4_weight_only")
+                         "int8_per_row", "int8_per_tensor", "int8_weight_only", "int4_weight_only", "nvfp4",
+                         "svdq_int4_r{rank}", "svdq_int4_r{rank}_dq", "svdq_nvfp4_r{rank}", "svdq_nvfp4_r{rank}_dq")
+# cache-dit 1.5.3's torchao types that dit_passes does not implement
+_REFERENCE_ONLY = ("nvfp4_weight_only",)
 _SVDQ = re.compile(r"^svdq_(int4|nvfp4)_r(\d+)(_dq)?$")
 # the reference's torchao types -> (kind, Fp8Linear / Int8Linear arguments)
 _BASIC = {"float8_per_row": ("fp8", {"granularity": "per_row"}),
@@ -163,13 +163,19 @@ _BASIC = {"float8_per_row": ("fp8", {"granularity": "per_row"}),
           "float8_weight_only": ("fp8", {"granularity": "per_row", "weight_only": True}),
           "int8_per_row": ("int8", {"granularity": "per_row"}),
           "int8_per_tensor": ("int8", {"granularity": "per_tensor"}),
-          "int8_weight_only": ("int8", {"granularity": "per_row", "weight_only": True})}
+          "int8_weight_only": ("int8", {"granularity": "per_row", "weight_only": True}),
+          "int4_weight_only": ("int4", {}),
+          # torchao's NVFP4 (e2m1 weights and per-call activations, e4m3 scales per 16, an fp32 global scale):
+          # SVDQuant's NVFP4 arithmetic without its smoothing or low-rank branch, every selected linear alike
+          "nvfp4": ("nvfp4", {"rank": 0, "dynamic": True, "smooth": "none", "precision": "nvfp4",
+                              "modulation": "svdq"})}
 # the reference's SVDQ smooth strategies -> dit_passes' SVDQuantW4A4(smooth=...)
 _SMOOTH = {"activation": "act", "weight": "weight", "weight_inv": "weight_inv", "identity": "none"}
 
 
 def parse_quant_type(quant_type: str) -> Tuple[str, Dict[str, Any]]:
-    """``(kind, args)``: kind in {"fp8", "int8", "svdq"}; raises ``ValueError`` listing the supported types."""
+    """``(kind, args)``: kind in {"fp8", "int8", "int4", "nvfp4", "svdq"}; raises ``ValueError`` listing the
+    supported types."""
     qt = quant_type.lower() if isinstance(quant_type, str) else quant_type
     if qt in _BASIC:
         kind, args = _BASIC[qt]
@@ -191,8 +197,10 @@ class QuantizeConfig:
     activations per token and 128 features; linears whose N or K is not a multiple of 128 stay unquantized, as in the
     reference), ``float8_weight_only`` (e4m3 weights per row dequantized at run time, activations unquantized),
     ``int8_per_row`` / ``int8_per_tensor`` (symmetric int8, int32 accumulation), ``int8_weight_only`` (W8A16: int8
-    weights per row, activations unquantized). Not implemented: ``int4_weight_only``, torchao's ``nvfp4`` /
-    ``nvfp4_weight_only`` (``_REFERENCE_ONLY``).
+    weights per row, activations unquantized), ``int4_weight_only`` (:class:`Int4WeightOnly`: int4 weights per group
+    of 64 with a bf16 scale, activations unquantized), ``nvfp4`` (SVDQuant's NVFP4 W4A4 arithmetic at rank 0, no
+    smoothing: the reference path on CPU, fp8 tensor cores on sm_89+). Not implemented: ``nvfp4_weight_only``
+    (``_REFERENCE_ONLY``).
 
     ``exclude_layers``: substrings of module paths (or dit_passes role names such as ``"modulation"``);
     ignored when ``filter_fn(module, name) -> bool`` is given (reference rule). Its default is cache-dit's, which
@@ -445,7 +453,8 @@ PLAN_QUANT_TYPES = ("float8_per_tensor", "float8_per_row", "float8_per_block", "
 
 
 def _basic_pass(kind: str, args: Dict[str, Any], common: Dict[str, Any]):
-    return Fp8Linear(**args, **common) if kind == "fp8" else Int8Linear(**args, **common)
+    passes = {"fp8": Fp8Linear, "int8": Int8Linear, "int4": Int4WeightOnly, "nvfp4": SVDQuantW4A4}
+    return passes[kind](**args, **common)
 
 
 class _PlanFilter:

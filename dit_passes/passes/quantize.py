@@ -453,5 +453,5 @@ class SVDQuantW4A4(_QuantizeLinears):
         return q.tensors()
 
 
-# the 8-bit passes live beside (this file's size); re-exported here, where they have always been imported from
-from .quantize_8bit import Fp8Linear, Int8Linear  # noqa: E402,F401
+# the torchao-style passes live beside (this file's size); re-exported here, where they have always been imported from
+from .quantize_8bit import Fp8Linear, Int4WeightOnly, Int8Linear  # noqa: E402,F401

@@ -1,14 +1,16 @@
-"""The 8-bit quantization passes: ``Fp8Linear`` (e4m3) and ``Int8Linear``, the flow of ``quantize._QuantizeLinears``
-(selection, tables, substitution; see ``quantize.py``'s docstring for the graphs they write). cache-dit's torchao
-types map onto their options (``frontend/configs.py``)."""
+"""The torchao-style quantization passes: ``Fp8Linear`` (e4m3), ``Int8Linear`` and ``Int4WeightOnly``, the flow of
+``quantize._QuantizeLinears`` (selection, tables, substitution; see ``quantize.py``'s docstring for the graphs they
+write). cache-dit's torchao types map onto them and their options (``frontend/configs.py``)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
 from ..quant.fp8_block import BLOCK as FP8_BLOCK, prepare_fp8_block
 from ..quant.fp8_int8 import FP8_GRANULARITIES, INT8_GRANULARITIES, prepare_fp8, prepare_int8
+from ..quant.int4 import GROUP_SIZE
+from ..quant.w4a16 import prepare_w4a16
 from ..quant.w8a16 import prepare_w8a16
-from .quantize import W8A16, _QuantizeLinears
+from .quantize import W4A16, W8A16, _QuantizeLinears
 from .quantize_select import DEFAULT_EXCLUDE
 
 
@@ -87,3 +89,23 @@ class Int8Linear(_QuantizeLinears):
         if kind == W8A16:
             return prepare_w8a16(weight, bias).tensors()
         return prepare_int8(weight, bias, self.granularity).tensors()
+
+
+class Int4WeightOnly(_QuantizeLinears):
+    """Weight-only int4 (cache-dit's ``int4_weight_only``): symmetric int4 weights per group of 64 input features
+    with a bf16 scale each, dequantized into the linear at run time, the activations left in their dtype (the W4A16
+    form of SVDQuant's modulation linears, ``quant/w4a16.py``). A linear whose K is not a multiple of 64 stays in its
+    precision and is listed in ``explain()``. torchao's own form groups 128 features with a zero point per group:
+    the same storage cost to within its zero points, not the same rounding."""
+
+    name = "int4_weight_only"
+    kind = W4A16
+
+    def quant_type(self) -> str:
+        return "int4_weight_only"
+
+    def k_multiple(self, kind: str) -> int:
+        return GROUP_SIZE
+
+    def prepare(self, path, weight, bias, absmax, kind):
+        return prepare_w4a16(weight, bias).tensors()
