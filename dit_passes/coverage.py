@@ -59,8 +59,10 @@ class Cell:
         return self.status if not self.detail or self.status == EXACT else f"{self.status}: {self.detail}"
 
 
-class CellTimeout(Exception):
-    """The cell ran past its time budget."""
+class CellTimeout(BaseException):
+    """The cell ran past its time budget. A BaseException, as KeyboardInterrupt is: the alarm can fire inside code
+    that retries on ``Exception`` (capture tries export again, or with an opaque module, after a failed attempt),
+    which would swallow the deadline and let the cell run on."""
 
 
 class _Refused(Exception):
@@ -220,6 +222,8 @@ def run_cell(family: str, check: Callable, timeout: float, batch: int = 1) -> Ce
         return Cell(EXACT, detail, time.perf_counter() - start)
     except _Refused as e:
         return Cell(REFUSED, str(e), time.perf_counter() - start)
+    except CellTimeout as e:
+        return Cell(ERROR, _short(e), time.perf_counter() - start)
     except Exception as e:  # noqa: BLE001 - every other failure is a defect the matrix shows
         return Cell(ERROR, _short(e), time.perf_counter() - start)
 
