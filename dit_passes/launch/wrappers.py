@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 
@@ -28,7 +28,46 @@ class _Config(dict):
             raise AttributeError(f"transformer config has no field {name!r}") from None
 
 
-class RayTransformerProxy(torch.nn.Module):
+class _WorkerProxy(torch.nn.Module):
+    """What the two proxies share: the device is only recorded (the workers keep theirs; the caller's tensors go to
+    the CPU for the engine and the results come back to the device of the first input tensor, else the recorded
+    one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._device = torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _dtype_requested(self, dtype: torch.dtype) -> None:
+        """``.to(dtype)``: nothing to do unless a proxy says otherwise."""
+
+    def to(self, *args: Any, **kwargs: Any) -> "_WorkerProxy":
+        """Record the device (the workers keep theirs)."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            self._device = torch.device(device)
+        if dtype is not None:
+            self._dtype_requested(dtype)
+        return self
+
+    def cuda(self, device: Any = None) -> "_WorkerProxy":
+        return self.to("cuda" if device is None else torch.device("cuda", device) if isinstance(device, int)
+                       else device)
+
+    def cpu(self) -> "_WorkerProxy":
+        return self.to("cpu")
+
+    def _to_cpu(self, args: tuple, kwargs: dict) -> Tuple[torch.device, list, dict]:
+        """(the device results go back to, the arguments' tensors detached on the CPU)."""
+        target = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), self._device)
+        cpu = lambda t: t.detach().to("cpu")  # noqa: E731
+        return target, map_tensors(list(args), cpu), {k: map_tensors(v, cpu) for k, v in kwargs.items()}
+
+
+class RayTransformerProxy(_WorkerProxy):
     """Drop-in for the transformer of a pipeline: keyword forward, ``.config``, ``.dtype``, ``.device``,
     ``cache_context(name)``, ``new_generation()``. Built by ``RayEngine.as_transformer(index)``: it runs the
     ``index``-th transformer the engine launched."""
@@ -40,7 +79,6 @@ class RayTransformerProxy(torch.nn.Module):
         self._index = index
         self._config = _Config(config or {})
         self._dtype = dtype
-        self._device = torch.device("cpu")
         self._context: Optional[str] = None
 
     @property
@@ -51,26 +89,10 @@ class RayTransformerProxy(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self._dtype
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def to(self, *args: Any, **kwargs: Any) -> "RayTransformerProxy":
-        """Record the device (the workers keep theirs); a dtype change is not applied, with a warning."""
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
-            self._device = torch.device(device)
-        if dtype is not None and dtype != self._dtype:
+    def _dtype_requested(self, dtype: torch.dtype) -> None:
+        if dtype != self._dtype:
             warnings.warn(f"RayTransformerProxy.to({dtype}) ignored: the workers' transformer stays {self._dtype} "
-                          "(launch with a model of the wanted dtype)", stacklevel=2)
-        return self
-
-    def cuda(self, device: Any = None) -> "RayTransformerProxy":
-        return self.to("cuda" if device is None else torch.device("cuda", device) if isinstance(device, int)
-                       else device)
-
-    def cpu(self) -> "RayTransformerProxy":
-        return self.to("cpu")
+                          "(launch with a model of the wanted dtype)", stacklevel=3)
 
     @contextlib.contextmanager
     def cache_context(self, name: str, **where: Any) -> Iterator[None]:
@@ -89,8 +111,7 @@ class RayTransformerProxy(torch.nn.Module):
         if args:
             raise TypeError("RayTransformerProxy takes keyword arguments only (as diffusers pipelines call it); "
                             f"got {len(args)} positional argument(s)")
-        target = next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), self._device)
-        cpu_kwargs = {k: map_tensors(v, lambda t: t.detach().to("cpu")) for k, v in kwargs.items()}
+        target, _, cpu_kwargs = self._to_cpu((), kwargs)
         out = self._engine._forward(cpu_kwargs, self._context, self._index)
         return map_tensors(out, lambda t: t.to(target))
 
@@ -98,7 +119,7 @@ class RayTransformerProxy(torch.nn.Module):
         return f"world_size={self._engine.world_size}, index={self._index}, dtype={self._dtype}, device={self._device}"
 
 
-class RayModuleProxy(torch.nn.Module):
+class RayModuleProxy(_WorkerProxy):
     """Drop-in for an extra module of a pipeline (a text encoder, a VAE, a ControlNet) that runs on the workers:
     calling it, or any method of the module (``vae.decode(...)``, ``vae.encode(...)``), runs there on every rank
     and returns rank 0's result; plain attributes (``config``, ``dtype``) are read from the main process's copy,
@@ -110,29 +131,10 @@ class RayModuleProxy(torch.nn.Module):
         self.__dict__["_engine"] = engine  # not submodules: nothing to move or save
         self.__dict__["_original"] = original
         self._index = index
-        self._device = torch.device("cpu")
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def to(self, *args: Any, **kwargs: Any) -> "RayModuleProxy":
-        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
-            self._device = torch.device(device)
-        return self
-
-    def cuda(self, device: Any = None) -> "RayModuleProxy":
-        return self.to("cuda" if device is None else device)
-
-    def cpu(self) -> "RayModuleProxy":
-        return self.to("cpu")
 
     def _remote(self, method: str, args: tuple, kwargs: dict) -> Any:
-        target = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), self._device)
-        cpu = lambda t: t.detach().to("cpu")  # noqa: E731
-        out = self._engine._call_extra(self._index, method, map_tensors(list(args), cpu),
-                                       {k: map_tensors(v, cpu) for k, v in kwargs.items()})
+        target, cpu_args, cpu_kwargs = self._to_cpu(args, kwargs)
+        out = self._engine._call_extra(self._index, method, cpu_args, cpu_kwargs)
         return map_tensors(out, lambda t: t.to(target))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
