@@ -29,6 +29,7 @@ Results go to ``--out`` as JSON (written after every row, so a partial run keeps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -118,6 +119,18 @@ def schedules() -> Dict[str, Dict[str, Any]]:
             "always": dict(Fn_compute_blocks=8, max_warmup_steps=WARMUP, residual_diff_threshold=1.5)}
 
 
+@contextlib.contextmanager
+def _env_defaults(values: Dict[str, str]):
+    """``values`` in the environment where the user set none, for the ``with`` body only."""
+    added = [k for k in values if k not in os.environ]
+    os.environ.update({k: values[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
 def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
                   attention: Optional[str] = None) -> Dict[str, Callable[[], Any]]:
     from . import compile_dit, passes
@@ -131,18 +144,22 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
         def build():
             chosen = ([passes.DBCache(**s[schedule])] if schedule else []) + (
                 [passes.AttentionBackend(attention)] if attention else [])
+            settings = {}
             if fp8:
                 from .quant.dispatch import ACT_QUANT_ENV, FAST_ACCUM_ENV
-                os.environ.setdefault(FAST_ACCUM_ENV, "1")  # sm_90's fast fp8 accumulation, unless the user chose
+                settings[FAST_ACCUM_ENV] = "1"  # sm_90's fast fp8 accumulation
                 if torch_compile is graphed:
                     # one read per activation in our row kernel: faster on the GPU (H100 step 95.2 vs 98.7 ms of
                     # kernels) but ~300 more Python calls a step, which only a CUDA-graph replay hides (28 steps
-                    # 1.088 vs 1.123 s graphed; eager step 122 vs 103 ms: bench/results/h200_quant_step_profile.md)
-                    os.environ.setdefault(ACT_QUANT_ENV, "kernel")
+                    # 1.088 vs 1.123 s graphed; eager step 122 vs 103 ms: bench/results/h200_fastest_fp8.md)
+                    settings[ACT_QUANT_ENV] = "kernel"
                 # q / k / v (and a single block's proj_mlp) as one linear: one activation quantization, one wider
                 # GEMM (H100: fp8 step 1.277x -> 1.294x bf16, bench/results/h200_quant_step_fused.md)
                 chosen += [passes.FuseSiblingLinears(), passes.Fp8Linear(exclude=())]
-            return compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=torch_compile)
+            # the settings are read while the graph is written (lowered now: example_inputs), so they hold for this
+            # build only and a setting the user made wins
+            with _env_defaults(settings):
+                return compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=torch_compile)
         return build
 
     return {"eager": lambda: model, "graph": make(None), "dbcache_never": make("never"),
