@@ -113,6 +113,25 @@ def _is_view_like(n: fx.Node) -> bool:
     return v.storage_offset() != 0 or not v.is_contiguous()
 
 
+def _compute_arm_vals(seg: MiddleSegment, mode) -> List[torch.Tensor]:
+    """The compute arm's output values (what :func:`_branch` returns with ``cached=False``) from the segment's own
+    metadata: the arm's nodes are copies of the segment's, so only the ops it adds at its end (contiguous copies,
+    residuals) run on fake tensors. A fake run of the whole arm costs seconds at FLUX size."""
+    outs, res = [], []
+    with mode:
+        for o in seg.live_out:
+            v = o.meta["val"]
+            outs.append(torch.ops.aten.clone.default(v, memory_format=torch.contiguous_format) if _is_view_like(o)
+                        else torch.ops.aten.clone.default(v))
+            parts = [p.meta["val"] for p in seg.before_of[o].parts]
+            if not parts:
+                res.append(torch.ops.aten.clone.default(v))
+            else:
+                against = parts[0] if len(parts) == 1 else torch.ops.aten.cat.default(parts, seg.before_of[o].dim)
+                res.append(torch.ops.aten.sub.Tensor(v, against))
+    return outs + res
+
+
 def _fake_call(fn, args, mode):
     from torch.utils._pytree import tree_map
     fakes = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, args)
@@ -307,7 +326,7 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
         t_graph, f_graph = g.get_attr(f"{name}_cached"), g.get_attr(f"{name}_compute")
         operands = tuple(seg.live_in) + tuple(use_res)
         cond = g.call_function(torch.ops.higher_order.cond, (use_cache, t_graph, f_graph, operands))
-        cond_vals = _fake_call(getattr(gm, f"{name}_compute"), operands, mode)
+        cond_vals = _compute_arm_vals(seg, mode)
         cond.meta["val"] = tuple(cond_vals)
         cond_items = getitems(cond, cond_vals, [f"stream_{i}" for i in range(k)] + [f"middle_residual_{i}" for i in range(k)])
     outs, new_res = cond_items[:k], cond_items[k:]
