@@ -184,6 +184,29 @@ def test_dbprune_with_calibrator_matches_cache_dit(case):
         assert isinstance(compiled.runtime.state["frontend"].calibrator_config, ours_config.TaylorSeerCalibratorConfig)
 
 
+def test_dbprune_forecasts_in_the_pruned_arm_only():
+    """A block's calibrator forecast is formed in its cond's pruned arm: DMD's SVD runs once per pruned block and
+    call, and on no call where every block computed (a forecast formed by the decide module ran on every call)."""
+    from dit_passes.cache.config import DMDCalibratorConfig
+    from dit_passes.testing.counting import OpCounter
+
+    zm = build("wan", num_layers=5)
+    cfg = dict(Fn_compute_blocks=1, residual_diff_threshold=0.035, max_warmup_steps=4, max_continuous_cached_steps=3,
+               num_inference_steps=CAL_STEPS, enable_separate_cfg=False)
+    compiled = compile_dit(zm.model, passes=[passes.DBPrune(calibrator=DMDCalibratorConfig(dmd_history=4), **cfg)])
+    totals, pruned = [], []
+    with OpCounter(["svd"]) as counter:
+        def record():
+            totals.append(counter.counts["svd"])
+            pruned.append(sum(last_pruned(compiled.runtime.state["dbprune"])["pruned"]))
+        step_loop(compiled, zm.make_inputs(), CAL_STEPS, after_call=record)
+    per_call = [b - a for a, b in zip([0] + totals, totals)]
+    # computed calls once the DMD history is full (a forecast could be formed), and calls pruning only some blocks
+    assert 0 in pruned[4:] and any(0 < p < 4 for p in pruned), f"the test tells nothing apart: {pruned}"
+    per_forecast = max(per_call) // max(pruned)
+    assert per_forecast > 0 and per_call == [per_forecast * p for p in pruned], (per_call, pruned)
+
+
 def test_dbprune_graph_and_refusals():
     """One cond per prunable block; the decisions need no host read; configs the reference mishandles refuse."""
     zm = build("wan", num_layers=4)

@@ -18,10 +18,10 @@ Reference: ``PrunedBlocks_Pattern_Base.compute_or_prune`` (cache_blocks/pattern_
 
 With a calibrator (TaylorSeer / FoCa / DMD; the reference's ``set_Bn_buffer`` / ``apply_prune`` through the context's
 calibrator, one state per block and stream named after the block): a computed block feeds its residuals to its own
-calibrator state instead of storing them, a pruned one adds the calibrator's forecast of them (FoCa moves the forecast
-into its rolling pair). The forecast's elapsed steps count from that block's last computed step; the calibrator's
-step frame is the context's, as DBCache's (the reference creates every block's state at the generation's first call,
-where every block computes). The decision itself is unchanged: it compares block inputs, never the forecast. With
+calibrator state instead of storing them, a pruned one adds the calibrator's forecast of them (formed in the pruned
+arm only; FoCa moves the forecast into its rolling pair). The forecast's elapsed steps count from that block's last
+computed step; the calibrator's step frame is the context's, as DBCache's (the reference creates every block's state at
+the generation's first call, where every block computes). The decision itself is unchanged: it compares block inputs, never the forecast. With
 ``force_reduce_calibrator_vram=True`` the reference downsamples what the decision compares (``in_j`` stored and ``h``
 compared as ``[..., ::4]``), so here too. The image stream is the calibrator's stream 0 (``enable_calibrator``), the
 block's other streams the encoder ones (``enable_encoder_calibrator``).
@@ -82,7 +82,8 @@ class DBPruneProgram(CacheProgram):
 
     @property
     def predicts(self) -> bool:
-        """Whether a pruned block adds a forecast (computed by its decide module) rather than stored residuals."""
+        """Whether a pruned block adds a forecast (:meth:`block_hit`, in the pruned arm) rather than stored
+        residuals."""
         return self.calibrator is not None
 
     def _entries(self, i: int) -> List[str]:
@@ -114,10 +115,9 @@ class DBPruneProgram(CacheProgram):
         return (*(s[k] for k in SCALARS), zero, zero.to(torch.float64), zero, *(s[k] for k in valid_names))
 
     def block_decide(self, h: torch.Tensor, flat: Sequence[torch.Tensor], i: int):
-        """Block ``blocks[i]``: ``(h, *scalars, *step temporaries, in_j, in_j_valid[, *stream entries]) ->
-        (prune, diff[, *forecasts], *scalars', *step temporaries')``; with a calibrator, the forecasts of the
-        block's residuals (one per leaving stream, in stream order: what a pruned block adds) and its stream
-        entries follow ``in_j_valid``."""
+        """Block ``blocks[i]``: ``(h, *scalars, *step temporaries, in_j, in_j_valid) -> (prune, diff, *scalars',
+        *step temporaries')``. The decision compares block inputs only; a calibrator's forecast is
+        :meth:`block_hit`'s."""
         cfg = self.config
         n = len(SCALARS)
         s = dict(zip(SCALARS, flat[:n]))
@@ -180,12 +180,15 @@ class DBPruneProgram(CacheProgram):
         tmp["n_diffs"] = tmp["n_diffs"] + record
         s["use_cache"] = s["use_cache"] | prune
         out_diff = torch.where(record, diff, float("nan"))
-        hits: List[torch.Tensor] = []
-        if self.predicts:  # on every call (fixed graph); the cached arm adds them where the block is pruned
-            order = self._order(i)
-            forecast = hit_values(self._view(i, step, flat[n + 5:]), len(order), self.calibrator)
-            hits = [forecast[order.index(x)] for x in range(len(order))]
-        return (prune, out_diff, *hits, *(s[k] for k in SCALARS), *(tmp[k] for k in STEP_KEYS))
+        return (prune, out_diff, *(s[k] for k in SCALARS), *(tmp[k] for k in STEP_KEYS))
+
+    def block_hit(self, flat: Sequence[torch.Tensor], i: int) -> List[torch.Tensor]:
+        """With a calibrator, block ``blocks[i]``: ``(step, *stream entries) -> (*forecasts)``, the forecast of the
+        block's residuals (one per leaving stream, in stream order: what a pruned block adds). The pass calls it in
+        the cond's pruned arm only, so a computed block forms no forecast."""
+        order = self._order(i)
+        forecast = hit_values(self._view(i, flat[0], flat[1:]), len(order), self.calibrator)
+        return [forecast[order.index(x)] for x in range(len(order))]
 
     def block_commit(self, prune: torch.Tensor, h: torch.Tensor, flat: Sequence[torch.Tensor], i: int):
         """``(prune, h, step, *new_values, in_j, in_j_valid, *stream entries) -> (in_j', in_j_valid', *entries')``:
@@ -229,6 +232,11 @@ class Begin(_Call):
 class BlockDecide(_Call):
     def forward(self, h, *flat):
         return self.fn(h, flat, *self.extra)
+
+
+class BlockHit(_Call):
+    def forward(self, *flat):
+        return tuple(self.fn(flat, *self.extra))
 
 
 class BlockCommit(_Call):

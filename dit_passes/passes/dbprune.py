@@ -2,13 +2,9 @@
 
 Requires: ``structure``; block indices count over the whole block range as DBCache's do (Flux: the dual-
 then the single-stream blocks, as the reference's default Flux adapter). Provides: one cache branch per
-prunable block (facts ``state_io``, ``structure_at_cut``). Invalidates: ``structure`` (the prunable blocks move into branch subgraphs). Same
-design as DBCache (decisions on the device, the state as graph inputs / outputs, per cache context, no host
-read per step); the rule is :mod:`dit_passes.cache.prune`.
-
-With a calibrator (TaylorSeer / FoCa / DMD, ``calibrator=``), each decide module also returns the forecast of its
-block's residuals from the block's calibrator state, the cond's cached arm adds it instead of the stored residuals,
-and the commit advances the calibrator state (:mod:`dit_passes.cache.prune`'s docstring says what the reference does).
+prunable block (facts ``state_io``, ``structure_at_cut``). Invalidates: ``structure`` (the prunable blocks move
+into branch subgraphs). Same design as DBCache (decisions on the device, the state as graph inputs / outputs, per
+cache context, no host read per step); the rule is :mod:`dit_passes.cache.prune`.
 
 Before (Fn=1, Bn=0, three blocks)::
 
@@ -28,6 +24,17 @@ After::
     ...                                                              # the same for block 2
     rec = self.dbprune_finish(prune1, prune2, diff1, diff2)          # this call's per-block record
     return (out, *scalars', *s1, *s2, *rec, use_cache, diff)
+
+With a calibrator (TaylorSeer / FoCa / DMD, ``calibrator=``) a pruned block adds the forecast of its residuals from
+its own calibrator state instead of stored ones, and the commit advances that state (:mod:`dit_passes.cache.prune`'s
+docstring says what the reference does). As DBCache's, the forecast is formed in the cond's pruned arm only (the
+arm's ``hit`` submodule, the program's ``block_hit``): a computed block does no forecast work. Block 1 then reads::
+
+    d1 = self.dbprune_b1_decide(h1, *begin_scalars, in1, in1_valid)  # as without: the decision reads inputs only
+    c1 = torch.ops.higher_order.cond(d1[0], self.dbprune_b1_cached, self.dbprune_b1_compute,
+                                     (h1, temb, step, *b1_entries))  # b1_entries: its calibrator state, last step
+    # dbprune_b1_cached: forecast = self.hit(step, *b1_entries); h2 = h1 + forecast[0]; returns (h2, forecast[0])
+    s1 = self.dbprune_b1_commit(d1[0], h1, step, c1[1], in1, in1_valid, *b1_entries)  # calibrator advanced
 """
 from __future__ import annotations
 
@@ -85,7 +92,7 @@ class DBPrune(Pass):
         return blocks
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        from ..cache.prune import Begin, BlockCommit, BlockDecide, Finish, PruneStore, STEP_KEYS, \
+        from ..cache.prune import Begin, BlockCommit, BlockDecide, BlockHit, Finish, PruneStore, STEP_KEYS, \
             block_state_keys, build_prune_program
         from ..cache.state import SCALARS
 
@@ -130,15 +137,23 @@ class DBPrune(Pass):
             k = len(seg.live_out)
             keys = block_state_keys(program, i)  # in{j}, in{j}_valid, b{j}_* (its stream entries)
             h = seg.image_at_cut
-            gm.add_submodule(f"{self.name}_b{j}_compute", _branch(gm, seg, k, cached=False, name=self.name))
-            gm.add_submodule(f"{self.name}_b{j}_cached", _branch(gm, seg, k, cached=True, name=self.name))
-            hits = [f"forecast_{x}" for x in range(k)] if program.predicts else []
             with g.inserting_before(seg.nodes[0]):
-                d = call(f"b{j}_decide", BlockDecide(program.block_decide, i),
-                         [h, *scalars, *(cur[x] for x in keys[:2 if not program.predicts else None])],
-                         ["prune", "diff"] + hits + list(SCALARS) + list(STEP_KEYS))
-                prune, scalars = d[0], d[2 + len(hits):]
-                adds = d[2:2 + k] if program.predicts else [cur[x] for x in program.residual_keys(i)]
+                decide_args = [h, *scalars, cur[keys[0]], cur[keys[1]]]  # the decision reads inputs, not forecasts
+                d = call(f"b{j}_decide", BlockDecide(program.block_decide, i), decide_args,
+                         ["prune", "diff"] + list(SCALARS) + list(STEP_KEYS))
+                prune, scalars = d[0], d[2:]
+                step = scalars[list(SCALARS).index("step")]
+                hit_inputs = hit = None
+                if program.predicts:  # the pruned arm forecasts from the step and the block's calibrator state
+                    adds = [step, *(cur[x] for x in keys[2:])]
+                    hit_inputs = [(x, a.meta["val"]) for x, a in zip(["step"] + keys[2:], adds)]
+                    hit = BlockHit(program.block_hit, i)
+                else:
+                    adds = [cur[x] for x in program.residual_keys(i)]
+                gm.add_submodule(f"{self.name}_b{j}_compute", _branch(gm, seg, k, cached=False, name=self.name,
+                                                                      hit_inputs=hit_inputs))
+                gm.add_submodule(f"{self.name}_b{j}_cached", _branch(gm, seg, k, cached=True, name=self.name,
+                                                                     hit_inputs=hit_inputs, hit=hit))
                 operands = tuple(seg.live_in) + tuple(adds)
                 cond = g.call_function(torch.ops.higher_order.cond, (prune, g.get_attr(f"{self.name}_b{j}_cached"),
                                                                      g.get_attr(f"{self.name}_b{j}_compute"), operands))
@@ -146,7 +161,6 @@ class DBPrune(Pass):
                 cond.meta["val"] = tuple(cond_vals)
                 items = _getitems(g, cond, cond_vals, [f"b{j}_stream_{x}" for x in range(k)]
                                   + [f"b{j}_residual_{x}" for x in range(k)])
-                step = scalars[list(SCALARS).index("step")]
                 new_state = call(f"b{j}_commit", BlockCommit(program.block_commit, i),
                                  [prune, h, step, *items[k:], *(cur[x] for x in keys)], [f"next_{x}" for x in keys])
             state_out.update(zip(keys, new_state))
