@@ -27,10 +27,11 @@ e.g. for ``fp8_per_row`` on an H200::
 SVDQuant's kind can also be written as ``torch.ops.dit_passes.svdq_w4a8_linear.default(x, ..., b2, fold)`` (the
 fused W4A8 kernels; ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``, ``dispatch.svdq_form``).
 
-A kind without an op (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr``, weight-only int8 / fp8 / int4 /
-int4 + low-rank) is always its graph form, shape-generic: the int8 or e4m3 values scaled per row
-(``graph_forms.w8a16_linear_form``) or the int4 values
-unpacked and scaled per group (``graph_forms.w4a16_linear_form``), then ``aten.linear`` on the dequantized weight
+A kind without an op (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``,
+weight-only int8 / fp8 / int4 / int4 + low-rank / NVFP4) is always its graph form, shape-generic: the int8 or e4m3
+values scaled per row (``graph_forms.w8a16_linear_form``), the int4 values unpacked and scaled per group
+(``graph_forms.w4a16_linear_form``) or the e2m1 values unpacked and scaled per block of 16 and by the global scale
+(``nvfp4_weight_only.nvfp4_weight_only_linear_form``), then ``aten.linear`` on the dequantized weight
 (``w4a16_lr``: plus the low-rank branch, ``graph_forms.w4a16_lr_linear_form``).
 
 Equal inserted nodes are merged (the forms are pure ATen ops): linears reading one activation quantize it once.
@@ -54,6 +55,7 @@ from dit_passes.quant import dispatch
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form,
                                           svdq_nvfp4_fp8_linear_form, w4a16_linear_form, w4a16_lr_linear_form,
                                           w8a16_linear_form)
+from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
 
 
 def linear_pattern(x, weight, bias):
@@ -103,6 +105,10 @@ def w4a16_lr_replacement(x, qweight, wscale, lora_down, lora_up, bias):
 
 def w8a16_replacement(x, qweight, wscale, bias):
     return w8a16_linear_form(x, qweight, wscale, bias)
+
+
+def nvfp4_weight_only_replacement(x, qweight, wscale, wglobal, bias):
+    return nvfp4_weight_only_linear_form(x, qweight, wscale, wglobal, bias)
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,6 +219,8 @@ QUANT_KINDS: Dict[str, QuantKind] = {
     "fp8_weight_only": QuantKind(w8a16_replacement, None, _8BIT_ARGS),
     "w4a16": QuantKind(w4a16_replacement, None, _8BIT_ARGS),
     "w4a16_lr": QuantKind(w4a16_lr_replacement, None, ("qweight", "wscale", "lora_down", "lora_up", "bias")),
+    # weight-only NVFP4 (cache-dit's nvfp4_weight_only): e2m1 values, e4m3 scales per 16, the fp32 global scale
+    "nvfp4_weight_only": QuantKind(nvfp4_weight_only_replacement, None, ("qweight", "wscale", "wglobal", "bias")),
 }
 PATTERNS = (linear_pattern, linear_pattern_no_bias)
 _META_KEYS = ("nn_module_stack", "dit_module_path", "stack_trace")

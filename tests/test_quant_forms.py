@@ -20,6 +20,7 @@ from dit_passes.quant.fp8_int8 import fp8_linear_reference, prepare_fp8, quantiz
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4_to_e4m3,
                                           w4a16_linear_form, w4a16_lr_linear_form, w8a16_linear_form)
 from dit_passes.quant.int4 import dequantize_weight_w4, pack_int4, quantize_weight_w4
+from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form, prepare_nvfp4_weight_only
 from dit_passes.quant.svdquant import prepare_svdquant, relative_error, svdq_w4a4_linear_reference
 from dit_passes.quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from dit_passes.quant.w8a16 import dequantize_w8a16, prepare_w8a16
@@ -314,6 +315,10 @@ WEIGHT_ONLY = {
     "w4a16_lr": (prepare_w4a16_lr, w4a16_lr_linear_form, _w4a16_lr_reference, lambda q: q.effective_weight(), 192,
                  {"qweight": (torch.uint8, (40, 96)), "wscale": (torch.bfloat16, (40, 3)),  # rank 32 by default
                   "lora_down": (torch.float32, (32, 192)), "lora_up": (torch.float32, (40, 32))}),
+    "nvfp4_weight_only": (prepare_nvfp4_weight_only, nvfp4_weight_only_linear_form,
+                          _dequantized_linear(lambda q: q.effective_weight()), lambda q: q.effective_weight(), 96,
+                          {"qweight": (torch.uint8, (40, 48)), "wscale": (torch.float8_e4m3fn, (40, 6)),
+                           "wglobal": (torch.float32, (1,))}),
 }
 
 
@@ -409,7 +414,7 @@ def test_w4a16_lr_errs_less_than_w4a16_on_outliers():
         prepare_w4a16_lr(w, b, rank=-1)
 
 
-@pytest.mark.parametrize("kind", ["w8a16", "w4a16_lr"])
+@pytest.mark.parametrize("kind", ["w8a16", "w4a16_lr", "nvfp4_weight_only"])
 def test_weight_only_form_traces_under_export_and_aot_eager(kind):
     """The form inside a module: torch.export captures it as ATen ops (int8 / int4 -> fp32 cast, scale, linear; the
     low-rank branch's two linears) and torch.compile(aot_eager, fullgraph) runs it with the eager numbers, fp32 and

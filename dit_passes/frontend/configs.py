@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..passes.quantize import Fp8Linear, Int4WeightOnly, Int8Linear, SVDQuantW4A4
+from ..passes.quantize import Fp8Linear, Int4WeightOnly, Int8Linear, NVFP4WeightOnly, SVDQuantW4A4
 from ..quant.svdquant import SVD_PRECISIONS
 
 logger = logging.getLogger("dit_passes")
@@ -152,9 +152,8 @@ class ParallelismConfig:
 # ----------------------------------------------------------------------------------------- quantize
 SUPPORTED_QUANT_TYPES = ("float8_per_row", "float8_per_tensor", "float8_per_block", "float8_weight_only",
                          "int8_per_row", "int8_per_tensor", "int8_weight_only", "int4_weight_only", "nvfp4",
-                         "svdq_int4_r{rank}", "svdq_int4_r{rank}_dq", "svdq_nvfp4_r{rank}", "svdq_nvfp4_r{rank}_dq")
-# cache-dit 1.5.3's torchao types that dit_passes does not implement
-_REFERENCE_ONLY = ("nvfp4_weight_only",)
+                         "nvfp4_weight_only", "svdq_int4_r{rank}", "svdq_int4_r{rank}_dq", "svdq_nvfp4_r{rank}",
+                         "svdq_nvfp4_r{rank}_dq")
 _SVDQ = re.compile(r"^svdq_(int4|nvfp4)_r(\d+)(_dq)?$")
 # the reference's torchao types -> (kind, Fp8Linear / Int8Linear arguments)
 _BASIC = {"float8_per_row": ("fp8", {"granularity": "per_row"}),
@@ -168,14 +167,15 @@ _BASIC = {"float8_per_row": ("fp8", {"granularity": "per_row"}),
           # torchao's NVFP4 (e2m1 weights and per-call activations, e4m3 scales per 16, an fp32 global scale):
           # SVDQuant's NVFP4 arithmetic without its smoothing or low-rank branch, every selected linear alike
           "nvfp4": ("nvfp4", {"rank": 0, "dynamic": True, "smooth": "none", "precision": "nvfp4",
-                              "modulation": "svdq"})}
+                              "modulation": "svdq"}),
+          "nvfp4_weight_only": ("nvfp4_wo", {})}
 # the reference's SVDQ smooth strategies -> dit_passes' SVDQuantW4A4(smooth=...)
 _SMOOTH = {"activation": "act", "weight": "weight", "weight_inv": "weight_inv", "identity": "none"}
 
 
 def parse_quant_type(quant_type: str) -> Tuple[str, Dict[str, Any]]:
-    """``(kind, args)``: kind in {"fp8", "int8", "int4", "nvfp4", "svdq"}; raises ``ValueError`` listing the
-    supported types."""
+    """``(kind, args)``: kind in {"fp8", "int8", "int4", "nvfp4", "nvfp4_wo", "svdq"}; raises ``ValueError`` listing
+    the supported types."""
     qt = quant_type.lower() if isinstance(quant_type, str) else quant_type
     if qt in _BASIC:
         kind, args = _BASIC[qt]
@@ -184,8 +184,7 @@ def parse_quant_type(quant_type: str) -> Tuple[str, Dict[str, Any]]:
     if m and int(m.group(2)) > 0:
         return "svdq", {"rank": int(m.group(2)), "dynamic": m.group(3) is not None, "precision": m.group(1)}
     raise ValueError(f"QuantizeConfig.quant_type={quant_type!r} is not supported; supported: "
-                     f"{list(SUPPORTED_QUANT_TYPES)} (rank a positive int, e.g. 'svdq_int4_r32_dq'). cache-dit also "
-                     f"names {list(_REFERENCE_ONLY)}, which dit_passes does not implement")
+                     f"{list(SUPPORTED_QUANT_TYPES)} (rank a positive int, e.g. 'svdq_int4_r32_dq')")
 
 
 @dataclasses.dataclass
@@ -199,8 +198,8 @@ class QuantizeConfig:
     ``int8_per_row`` / ``int8_per_tensor`` (symmetric int8, int32 accumulation), ``int8_weight_only`` (W8A16: int8
     weights per row, activations unquantized), ``int4_weight_only`` (:class:`Int4WeightOnly`: int4 weights per group
     of 64 with a bf16 scale, activations unquantized), ``nvfp4`` (SVDQuant's NVFP4 W4A4 arithmetic at rank 0, no
-    smoothing: the reference path on CPU, fp8 tensor cores on sm_89+). Not implemented: ``nvfp4_weight_only``
-    (``_REFERENCE_ONLY``).
+    smoothing: the reference path on CPU, fp8 tensor cores on sm_89+), ``nvfp4_weight_only`` (:class:`NVFP4WeightOnly`:
+    NVFP4 weights, activations unquantized, any device).
 
     ``exclude_layers``: substrings of module paths (or dit_passes role names such as ``"modulation"``);
     ignored when ``filter_fn(module, name) -> bool`` is given (reference rule). Its default is cache-dit's, which
@@ -208,8 +207,8 @@ class QuantizeConfig:
     too (SVDQ: weight-only int4 + a low-rank branch, ``SVDQuantW4A4(modulation="w4a16_lr")``; fp8 / int8: their own form). Which linears:
     ``regional_quantize=True`` (default) those inside the module's ``_repeated_blocks`` classes, else inside
     ``repeated_blocks``, else every linear (the reference's rule, :meth:`region`); ``regional_quantize=False`` every
-    linear. ``precision_plan={layer-name substring: quant type}`` (float8 / int8 types) gives those linears their own
-    type, the rest ``quant_type`` (:meth:`to_passes`). ``svdq_nvfp4_*``: the same with NVFP4 in
+    linear. ``precision_plan={layer-name substring: quant type}`` (float8 / int8 types, ``nvfp4_weight_only``) gives
+    those linears their own type, the rest ``quant_type`` (:meth:`to_passes`). ``svdq_nvfp4_*``: the same with NVFP4 in
     place of int4 (checkpoints in the NVFP4 layout; the reference on CPU, fp8 tensor cores on sm_89+). SVDQ PTQ
     (``svdq_int4_r{rank}``, ``svdq_nvfp4_r{rank}``) needs
     ``calibrate_fn`` (it runs the pipeline holding the original transformer; called as the reference calls it, with
@@ -449,11 +448,12 @@ def _svdq_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 # the reference's plan order (its _PREFERRED_PRECISION_PLAN_ORDER, the types dit_passes has)
 PLAN_QUANT_TYPES = ("float8_per_tensor", "float8_per_row", "float8_per_block", "float8_weight_only",
-                    "int8_per_tensor", "int8_per_row", "int8_weight_only")
+                    "nvfp4_weight_only", "int8_per_tensor", "int8_per_row", "int8_weight_only")
 
 
 def _basic_pass(kind: str, args: Dict[str, Any], common: Dict[str, Any]):
-    passes = {"fp8": Fp8Linear, "int8": Int8Linear, "int4": Int4WeightOnly, "nvfp4": SVDQuantW4A4}
+    passes = {"fp8": Fp8Linear, "int8": Int8Linear, "int4": Int4WeightOnly, "nvfp4": SVDQuantW4A4,
+              "nvfp4_wo": NVFP4WeightOnly}
     return passes[kind](**args, **common)
 
 

@@ -9,7 +9,7 @@ from .sea_cache import SeaCache
 from .tea_cache import TeaCache
 from .pyramid_attention_broadcast import PyramidAttentionBroadcast
 from .faster_cache import FasterCache
-from .quantize import Fp8Linear, Int4WeightOnly, Int8Linear, SVDQuantW4A4
+from .quantize import Fp8Linear, Int4WeightOnly, Int8Linear, NVFP4WeightOnly, SVDQuantW4A4
 from .load_quantized import LoadQuantized
 from .fuse_sibling_linears import FuseSiblingLinears
 from .context_parallel import USP, Ring, Ulysses
@@ -21,6 +21,6 @@ from .vae_parallel import VAEParallel
 
 __all__ = ["Cleanup", "DBCache", "DBPrune", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
            "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Int4WeightOnly",
-           "LoadQuantized", "FuseSiblingLinears",
+           "NVFP4WeightOnly", "LoadQuantized", "FuseSiblingLinears",
            "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend",
            "VAEParallel"]

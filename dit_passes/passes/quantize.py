@@ -454,4 +454,4 @@ class SVDQuantW4A4(_QuantizeLinears):
 
 
 # the torchao-style passes live beside (this file's size); re-exported here, where they have always been imported from
-from .quantize_8bit import Fp8Linear, Int4WeightOnly, Int8Linear  # noqa: E402,F401
+from .quantize_8bit import Fp8Linear, Int4WeightOnly, Int8Linear, NVFP4WeightOnly  # noqa: E402,F401

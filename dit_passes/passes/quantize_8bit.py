@@ -1,4 +1,5 @@
-"""The torchao-style quantization passes: ``Fp8Linear`` (e4m3), ``Int8Linear`` and ``Int4WeightOnly``, the flow of
+"""The torchao-style quantization passes: ``Fp8Linear`` (e4m3), ``Int8Linear``, ``Int4WeightOnly`` and
+``NVFP4WeightOnly``, the flow of
 ``quantize._QuantizeLinears`` (selection, tables, substitution; see ``quantize.py``'s docstring for the graphs they
 write). cache-dit's torchao types map onto them and their options (``frontend/configs.py``)."""
 from __future__ import annotations
@@ -8,6 +9,8 @@ from typing import Any, Dict, Optional
 from ..quant.fp8_block import BLOCK as FP8_BLOCK, prepare_fp8_block
 from ..quant.fp8_int8 import FP8_GRANULARITIES, INT8_GRANULARITIES, prepare_fp8, prepare_int8
 from ..quant.int4 import GROUP_SIZE
+from ..quant.nvfp4 import BLOCK as NVFP4_BLOCK
+from ..quant.nvfp4_weight_only import prepare_nvfp4_weight_only
 from ..quant.w4a16 import prepare_w4a16
 from ..quant.w8a16 import prepare_w8a16
 from .quantize import W4A16, W8A16, _QuantizeLinears
@@ -109,3 +112,24 @@ class Int4WeightOnly(_QuantizeLinears):
 
     def prepare(self, path, weight, bias, absmax, kind):
         return prepare_w4a16(weight, bias).tensors()
+
+
+class NVFP4WeightOnly(_QuantizeLinears):
+    """Weight-only NVFP4 (cache-dit's ``nvfp4_weight_only``, torchao's ``NVFP4WeightOnlyConfig`` with its per-tensor
+    scale): e2m1 weights with an e4m3 scale per 16 input features and an fp32 global scale per linear, dequantized
+    into the linear at run time, the activations left in their dtype (``quant/nvfp4_weight_only.py``: 4.5 bits per
+    weight). Any device: the dequantization is plain ATen ops (Blackwell's FP4 tensor cores are not needed, since
+    the activations are not quantized). A linear whose K is not a multiple of 16 stays in its precision and is
+    listed in ``explain()``."""
+
+    name = "nvfp4_weight_only"
+    kind = "nvfp4_weight_only"
+
+    def quant_type(self) -> str:
+        return "nvfp4_weight_only"
+
+    def k_multiple(self, kind: str) -> int:
+        return NVFP4_BLOCK
+
+    def prepare(self, path, weight, bias, absmax, kind):
+        return prepare_nvfp4_weight_only(weight, bias).tensors()
