@@ -105,14 +105,17 @@ def test_quant_type_through_enable_cache(quant_type):
 
 def test_precision_plan_takes_the_new_types():
     tr = tiny_flux()
-    plan = {"attn.to_q": "float8_per_block", "ff.net": "int8_weight_only"}
+    plan = {"attn.to_q": "float8_per_block", "ff.net": "int8_weight_only", "attn.to_k": "nvfp4",
+            "attn.to_v": "int4_weight_only"}
     wrapper = enable_cache(tr, quantize_config=QuantizeConfig(quant_type="int8_per_tensor", precision_plan=plan))
     run(wrapper)
     kinds = {n.meta["dit_module_path"]: n.meta["dit_quant"] for n in wrapper.graph_module.graph.nodes
              if n.meta.get("dit_quant")}
     assert kinds["transformer_blocks.0.attn.to_q"] == "fp8_per_block"
     assert kinds["transformer_blocks.0.ff.net.0.proj"] == "w8a16"
-    assert kinds["transformer_blocks.0.attn.to_k"] == "int8_per_tensor"
+    assert kinds["transformer_blocks.0.attn.add_k_proj"] == "int8_per_tensor"
+    assert kinds["transformer_blocks.0.attn.to_k"] == "svdq_nvfp4"  # torchao's nvfp4: SVDQuant's NVFP4 at rank 0
+    assert kinds["transformer_blocks.0.attn.to_v"] == "w4a16"
 
 
 def test_int8_per_tensor_and_fp8_per_block_arithmetic():

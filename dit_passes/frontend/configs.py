@@ -207,7 +207,7 @@ class QuantizeConfig:
     too (SVDQ: weight-only int4 + a low-rank branch, ``SVDQuantW4A4(modulation="w4a16_lr")``; fp8 / int8: their own form). Which linears:
     ``regional_quantize=True`` (default) those inside the module's ``_repeated_blocks`` classes, else inside
     ``repeated_blocks``, else every linear (the reference's rule, :meth:`region`); ``regional_quantize=False`` every
-    linear. ``precision_plan={layer-name substring: quant type}`` (float8 / int8 types, ``nvfp4_weight_only``) gives
+    linear. ``precision_plan={layer-name substring: quant type}`` (any torchao type above) gives
     those linears their own type, the rest ``quant_type`` (:meth:`to_passes`). ``svdq_nvfp4_*``: the same with NVFP4 in
     place of int4 (checkpoints in the NVFP4 layout; the reference on CPU, fp8 tensor cores on sm_89+). SVDQ PTQ
     (``svdq_int4_r{rank}``, ``svdq_nvfp4_r{rank}``) needs
@@ -447,8 +447,8 @@ def _svdq_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # the reference's plan order (its _PREFERRED_PRECISION_PLAN_ORDER, the types dit_passes has)
-PLAN_QUANT_TYPES = ("float8_per_tensor", "float8_per_row", "float8_per_block", "float8_weight_only",
-                    "nvfp4_weight_only", "int8_per_tensor", "int8_per_row", "int8_weight_only")
+PLAN_QUANT_TYPES = ("float8_per_tensor", "float8_per_row", "float8_per_block", "float8_weight_only", "nvfp4",
+                    "nvfp4_weight_only", "int8_per_tensor", "int8_per_row", "int8_weight_only", "int4_weight_only")
 
 
 def _basic_pass(kind: str, args: Dict[str, Any], common: Dict[str, Any]):
