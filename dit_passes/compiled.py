@@ -208,12 +208,16 @@ class CompiledDiT(torch.nn.Module):
         residual cache's buffers) is dropped."""
         PassManager(list(passes))  # validate now
         self._passes = list(passes)
+        self._forget_graphs()
+        self.runtime.drop_lowering_state()
+
+    def _forget_graphs(self) -> None:
+        """Every signature is lowered again at its next call; ``runtime.state`` is left to the caller."""
         self._by_key.clear()
         self._value_leaves.clear()
         self._last = None
         for name in list(self.graphs.keys()):
             del self.graphs[name]
-        self.runtime.drop_lowering_state()
 
     # -- what the passes report ----------------------------------------------------------------
     def report(self, name: str) -> Any:
@@ -315,6 +319,8 @@ class CompiledDiT(torch.nn.Module):
         flat = [x for x, t in zip(leaves, cap.leaf_is_tensor) if t]
         outs = lowered.run(flat, self.runtime)
         self.runtime.calls += 1
+        if self.runtime.after_call():  # a pass's state asks for new graphs (few-shot quantization): the same passes
+            self._forget_graphs()
         result = pytree.tree_unflatten(outs, cap.out_spec)
         if not cap.accepts_return_dict or not return_dict:
             return result
