@@ -163,11 +163,8 @@ def test_weight_inv_smoothing_matches_cache_dit_and_runs():
     assert strify(wrapper) == "svdq_int4_r8_dq_weight_inv"
 
 
-def test_few_shot_is_refused_with_the_reason():
-    with pytest.raises(NotImplementedError, match="few_shot.*does not implement"):
-        QuantizeConfig(quant_type="svdq_int4_r8_dq", svdq_kwargs={"smooth_strategy": "few_shot"})
-    with pytest.raises(NotImplementedError, match="few_shot_steps"):
-        QuantizeConfig(quant_type="svdq_int4_r8_dq", svdq_kwargs={"few_shot_steps": 2})
+def test_nvfp4_weight_only_is_refused_with_the_reason():
+    # (few_shot, refused here before, is implemented: tests/test_quant_few_shot.py)
     with pytest.raises(ValueError, match="nvfp4_weight_only"):
         QuantizeConfig(quant_type="nvfp4_weight_only")
 
