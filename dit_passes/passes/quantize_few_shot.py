@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx as fx
 
+from ..infra.facts import facts_of
 from ..infra.graph_utils import copy_meta
 from ..infra.pass_base import PassContext, PassError, PassResult
 from ..quant.few_shot import DEFAULTS, OBSERVE_OP, FewShotSession, check_options, few_shot_smoothing
@@ -39,6 +40,8 @@ class SVDQuantFewShot(SVDQuantW4A4):
     :func:`~dit_passes.quant.few_shot.few_shot_smoothing`, ``alpha`` the exponent (0.5, cache-dit's). Other
     arguments as SVDQuantW4A4's (``dynamic`` is implied). ``compiled.report("svdquant_w4a4_few_shot")``: the
     :class:`~dit_passes.quant.few_shot.FewShotSession` (forwards counted, spans, whether it still collects)."""
+
+    reads = ("structure", "mesh")  # mesh: context parallelism's sequence group, over which the spans are merged
 
     def __init__(self, rank: int = 32, steps: int = DEFAULTS["steps"], relax_factor: float = DEFAULTS["relax_factor"],
                  relax_top_ratio: float = DEFAULTS["relax_top_ratio"],
@@ -76,6 +79,9 @@ class SVDQuantFewShot(SVDQuantW4A4):
         session = self.session(ctx)
         own = [s for s in sites if self.kind_of(s) == self.kind]  # weight-only forms use no activation statistics
         if session.collecting:
+            mesh = facts_of(gm).mesh  # tensor parallelism needs no merge: its ranks see the same tokens
+            if mesh is not None and mesh.world_size > 1:
+                session.group = mesh.parent
             return self._observe(gm, session, own)
         observed = session.observed()
         never = sorted({s.module_path for s in own if s.module_path not in observed})

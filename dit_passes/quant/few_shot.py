@@ -167,6 +167,7 @@ class FewShotSession:
         self.completed_forwards = 0
         self.collecting = True
         self.quantized_after: Optional[int] = None  # forwards observed when quantization was asked for
+        self.group: Any = None  # context parallelism: the sequence group whose ranks' spans are merged (max)
 
     def span(self, path: str, k: int, device: torch.device) -> torch.Tensor:
         """The span buffer of linear ``path``: -1 until observed (|x| >= 0, so the first call's max replaces it and a
@@ -185,18 +186,39 @@ class FewShotSession:
         its own copy, which :meth:`observed` then reads too (the graph only weakly: a dropped graph is skipped)."""
         self._bound.setdefault(path, []).append((weakref.ref(gm), attr))
 
+    def _merged(self, path: str) -> torch.Tensor:
+        span = self.spans[path]
+        for ref, attr in self._bound.get(path, ()):
+            t = getattr(ref(), attr, None) if ref() is not None else None
+            if t is not None and t is not span:
+                span = torch.maximum(span, t.to(span.device))
+        return span
+
     def observed(self) -> Dict[str, torch.Tensor]:
         """The spans of the linears that ran, the max over every graph's copy (one that never ran still holds -1:
         left out)."""
         out = {}
-        for path, span in self.spans.items():
-            for ref, attr in self._bound.get(path, ()):
-                t = getattr(ref(), attr, None) if ref() is not None else None
-                if t is not None and t is not span:
-                    span = torch.maximum(span, t.to(span.device))
+        for path in self.spans:
+            span = self._merged(path)
             if bool(span[0] >= 0):
                 out[path] = span
         return out
+
+    def _reduce(self) -> None:
+        """The element-wise max of every rank's spans over ``group`` (the ranks sharing the sequence: each saw its
+        own tokens), one all-reduce, so every rank quantizes from the whole sequence's spans, the same numbers."""
+        import torch.distributed as dist
+        paths = sorted(self.spans)
+        if not paths:
+            return
+        merged = [self._merged(p) for p in paths]
+        flat = torch.cat([m.reshape(-1) for m in merged])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
+        at = 0
+        for p, m in zip(paths, merged):
+            self.spans[p] = flat[at:at + m.numel()].to(m.device)
+            at += m.numel()
+        self._bound.clear()  # the graphs' copies are each <= the reduced span
 
     def after_call(self) -> bool:
         """Count a forward; True (re-lower the graphs) when it was the last one to observe."""
@@ -207,6 +229,8 @@ class FewShotSession:
             return False
         self.collecting = False
         self.quantized_after = self.completed_forwards
+        if self.group is not None:
+            self._reduce()
         logger.info("SVDQuant few-shot: %d forward(s) observed, %d linear(s) with spans; quantizing at the next "
                     "call", self.completed_forwards, len(self.observed()))
         return True
