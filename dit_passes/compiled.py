@@ -292,11 +292,13 @@ class CompiledDiT(torch.nn.Module):
             ledger.check_graph(gm, ", ".join(p.name for p in passes))
         if not self.keep_original:
             ledger.release_in(self.original)  # what the passes replaced leaves the user's module
-        # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph
-        runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True,
-                                                                            **self._torch_compile})
+        # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph; one a pass
+        # marked eager_only (few-shot observation, a few calls) runs eagerly, the next lowering is compiled
+        eager_only = facts_of(gm).eager_only
+        runner = None if self._torch_compile is None or eager_only else torch.compile(gm, **{"fullgraph": True,
+                                                                                            **self._torch_compile})
         lowered = LoweredGraph(gm, captured, manager, runner)
-        if self._cuda_graphs:
+        if self._cuda_graphs and not eager_only:
             lowered.runner = self._cuda_graph_step(lowered, capture_mode)
         self.graphs[f"g{len(self._by_key)}"] = gm
         self._by_key[key] = lowered

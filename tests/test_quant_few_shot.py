@@ -28,9 +28,10 @@ torch.set_num_threads(1)
 TEXT_DIM, POOLED_DIM, IN_CH = 32, 24, 16
 
 
-def tiny_flux() -> FluxTransformer2DModel:
+def tiny_flux(num_layers: int = 2, num_single_layers: int = 2) -> FluxTransformer2DModel:
     torch.manual_seed(0)
-    return FluxTransformer2DModel(patch_size=1, in_channels=IN_CH, num_layers=2, num_single_layers=2,
+    return FluxTransformer2DModel(patch_size=1, in_channels=IN_CH, num_layers=num_layers,
+                                  num_single_layers=num_single_layers,
                                   attention_head_dim=64, num_attention_heads=2, joint_attention_dim=TEXT_DIM,
                                   pooled_projection_dim=POOLED_DIM, guidance_embeds=True,
                                   axes_dims_rope=(16, 24, 24)).eval()
@@ -228,3 +229,24 @@ def test_few_shot_under_ulysses_merges_the_ranks_spans():
             # observed steps: the unquantized model, exact up to fp32 rounding; the quantized one: spans equal up to
             # rounding can flip a few int4 roundings (measured 1.2e-3)
             assert rel(got, want) < (1e-5 if step < 2 else 1e-2), (rank, step, rel(got, want))
+
+
+def test_the_observing_graph_runs_eagerly_and_the_quantized_one_compiled():
+    """torch.cond refuses the observe ops' mutation under torch.compile: the observing graph is marked eager_only,
+    the graph lowered after it is compiled as asked (here whole, with the residual cache's torch.cond; without the
+    mark aot_eager fails on the observing graph). About 25 s on one core: the compile of the quantized graph."""
+    from dit_passes import compile_dit, passes
+
+    def build(**kw):
+        return compile_dit(tiny_flux(), passes=[
+            passes.SVDQuantFewShot(rank=8, steps=2, exclude=("modulation",)),
+            passes.DBCache(Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=1,
+                           residual_diff_threshold=0.0)], **kw)  # threshold 0: every step computed
+    eager, compiled = build(), build(torch_compile={"backend": "aot_eager"})
+    want = [run(eager, s) for s in range(3)]
+    got = [run(compiled, 0)]
+    assert compiled._current().runner is None and compiled.report("svdquant_w4a4_few_shot").collecting
+    got += [run(compiled, 1), run(compiled, 2)]
+    assert compiled._current().runner is not None and "svdq_w4a4_linear" in compiled.code
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -14,8 +14,9 @@ move it with its block (inside a cache branch it records only on the steps that 
 run the linear). After the last observed forward the session asks the CompiledDiT to lower its graphs again
 (``Runtime.after_call``); that lowering quantizes each observed linear with ``s`` from its span and weight, and
 leaves the linears that never ran in their precision (cache-dit's rule), said in the report. The cache passes' state
-is kept across that re-lowering (the same generation goes on). The observe op mutates state, so a graph that
-observes is not for ``torch.compile``: compile after the quantized lowering (cache-dit defers its compile alike).
+is kept across that re-lowering (the same generation goes on). The observe op mutates state, so the observing graph
+is marked ``eager_only`` (fact): ``torch_compile`` / regional compile apply from the quantized lowering on (cache-dit
+defers its compile alike).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class SVDQuantFewShot(SVDQuantW4A4):
     :class:`~dit_passes.quant.few_shot.FewShotSession` (forwards counted, spans, whether it still collects)."""
 
     reads = ("structure", "mesh")  # mesh: context parallelism's sequence group, over which the spans are merged
+    writes = ("eager_only",)  # the observing graph: its ops mutate the spans, which compiled torch.cond refuses
 
     def __init__(self, rank: int = 32, steps: int = DEFAULTS["steps"], relax_factor: float = DEFAULTS["relax_factor"],
                  relax_top_ratio: float = DEFAULTS["relax_top_ratio"],
@@ -119,6 +121,8 @@ class SVDQuantFewShot(SVDQuantW4A4):
                 copy_meta(node, site.node)
             n += 1
         gm.recompile()
+        facts_of(gm).eager_only = "few-shot quantization observes this graph's linears (the graph lowered after it is"\
+            " compiled)"
         left = session.steps - session.completed_forwards
         return PassResult(True, {"observed": len(sites)},
                           f"few-shot: observing the inputs of {len(sites)} linear(s) for {left} more forward(s), "
