@@ -21,7 +21,7 @@ from .attention_backend import AttentionBackend
 from .vae_parallel import VAEParallel
 
 __all__ = ["Cleanup", "DBCache", "DBPrune", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
-           "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "SVDQuantFewShot", "Fp8Linear", "Int8Linear", "Int4WeightOnly",
-           "LoadQuantized", "FuseSiblingLinears",
+           "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "SVDQuantFewShot", "Fp8Linear", "Int8Linear",
+           "Int4WeightOnly", "LoadQuantized", "FuseSiblingLinears",
            "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend",
            "VAEParallel"]
