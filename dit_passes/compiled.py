@@ -208,12 +208,16 @@ class CompiledDiT(torch.nn.Module):
         residual cache's buffers) is dropped."""
         PassManager(list(passes))  # validate now
         self._passes = list(passes)
+        self._forget_graphs()
+        self.runtime.drop_lowering_state()
+
+    def _forget_graphs(self) -> None:
+        """Every signature is lowered again at its next call; ``runtime.state`` is left to the caller."""
         self._by_key.clear()
         self._value_leaves.clear()
         self._last = None
         for name in list(self.graphs.keys()):
             del self.graphs[name]
-        self.runtime.drop_lowering_state()
 
     # -- what the passes report ----------------------------------------------------------------
     def report(self, name: str) -> Any:
@@ -288,11 +292,13 @@ class CompiledDiT(torch.nn.Module):
             ledger.check_graph(gm, ", ".join(p.name for p in passes))
         if not self.keep_original:
             ledger.release_in(self.original)  # what the passes replaced leaves the user's module
-        # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph
-        runner = None if self._torch_compile is None else torch.compile(gm, **{"fullgraph": True,
-                                                                            **self._torch_compile})
+        # each lowered graph is compiled on its own: the whole step, cache branch included, in one graph; one a pass
+        # marked eager_only (few-shot observation, a few calls) runs eagerly, the next lowering is compiled
+        eager_only = facts_of(gm).eager_only
+        runner = None if self._torch_compile is None or eager_only else torch.compile(gm, **{"fullgraph": True,
+                                                                                            **self._torch_compile})
         lowered = LoweredGraph(gm, captured, manager, runner)
-        if self._cuda_graphs:
+        if self._cuda_graphs and not eager_only:
             lowered.runner = self._cuda_graph_step(lowered, capture_mode)
         self.graphs[f"g{len(self._by_key)}"] = gm
         self._by_key[key] = lowered
@@ -315,6 +321,8 @@ class CompiledDiT(torch.nn.Module):
         flat = [x for x, t in zip(leaves, cap.leaf_is_tensor) if t]
         outs = lowered.run(flat, self.runtime)
         self.runtime.calls += 1
+        if self.runtime.after_call():  # a pass's state asks for new graphs (few-shot quantization): the same passes
+            self._forget_graphs()
         result = pytree.tree_unflatten(outs, cap.out_spec)
         if not cap.accepts_return_dict or not return_dict:
             return result

@@ -164,7 +164,7 @@ def test_svdq_kwargs_map_onto_the_pass_and_change_the_weights(caplog):
     assert not torch.equal(tuned, plain) and rel(tuned, want) < 0.05 and rel(plain, want) < 0.05
     with pytest.raises(ValueError, match="unknown key 'rank_boost'"):
         QuantizeConfig(quant_type="svdq_int4_r8_dq", svdq_kwargs={"rank_boost": 1})
-    with pytest.raises(NotImplementedError, match="few_shot_steps.*few_shot"):
-        QuantizeConfig(quant_type="svdq_int4_r8_dq", svdq_kwargs={"few_shot_steps": 2})
+    with pytest.raises(ValueError, match="few_shot_steps'] must be a positive int"):
+        QuantizeConfig(quant_type="svdq_int4_r8_dq", svdq_kwargs={"few_shot_steps": 0})
     with pytest.raises(ValueError, match="calibrate_precision"):
         QuantizeConfig(quant_type="svdq_int4_r8_dq", svdq_kwargs={"calibrate_precision": "extreme"})

@@ -167,11 +167,6 @@ def test_weight_inv_smoothing_matches_cache_dit_and_runs():
     assert strify(wrapper) == "svdq_int4_r8_dq_weight_inv"
 
 
-def test_few_shot_is_refused_with_the_reason():
-    with pytest.raises(NotImplementedError, match="few_shot.*does not implement"):
-        QuantizeConfig(quant_type="svdq_int4_r8_dq", svdq_kwargs={"smooth_strategy": "few_shot"})
-    with pytest.raises(NotImplementedError, match="few_shot_steps"):
-        QuantizeConfig(quant_type="svdq_int4_r8_dq", svdq_kwargs={"few_shot_steps": 2})
 
 
 def test_serialize_then_load_gives_the_same_numbers(tmp_path):

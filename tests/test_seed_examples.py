@@ -35,8 +35,8 @@ Seed example -> test (or why it is not run). PC = ParallelismConfig, QC = Quanti
     calibrate_fn, serialize_to="path")); load(pipe.transformer, "path") test_svdq_ptq_quantize_and_load (nvfp4
                                                                     and int4)
   quantize(pipe.transformer, quant_config=QC("svdq_{int4|nvfp4}_r{32|..}_dq",
-    svdq_kwargs={"smooth_strategy": "few_shot"}))                   test_svdq_dq_examples (few_shot refused by
-                                                                    name; int4 and nvfp4 r32 _dq run)
+    svdq_kwargs={"smooth_strategy": "few_shot"}))                   test_svdq_dq_examples (int4 and nvfp4 r32 _dq,
+                                                                    identity and few_shot smoothing)
   layerwise_offload(pipe, onload_device="cuda", ..., "8gib")        test_layerwise_offload_seed_options
   gh skill install ... / /cache-dit-model-integration "..."         agent commands, not run
 002 TE-P, VAE-P, CN-P
@@ -167,23 +167,21 @@ def test_svdq_ptq_quantize_and_load(tmp_path, quant_type):
 def test_svdq_dq_examples():
     """Seed 001 (README) SVDQuant DQ: ``quantize(pipe.transformer, quant_config=QuantizeConfig(quant_type=
     "svdq_{int4|nvfp4}_r{32|...}_dq", svdq_kwargs={"smooth_strategy": "few_shot"}))``, ``pipe(...)``.
-    ``few_shot`` (smoothing from the first real forwards) is refused by name; int4 and nvfp4 r32 _dq run with
-    their 4-bit linears in the graph."""
-    with pytest.raises(NotImplementedError, match=r"'few_shot' is not supported for svdq_int4_r32_dq"):
-        cache_dit.QuantizeConfig(quant_type="svdq_int4_r32_dq", svdq_kwargs={"smooth_strategy": "few_shot"})
-    with pytest.raises(NotImplementedError, match=r"'few_shot' is not supported for svdq_nvfp4_r32_dq"):
-        cache_dit.QuantizeConfig(quant_type="svdq_nvfp4_r32_dq", svdq_kwargs={"smooth_strategy": "few_shot"})
+    int4 and nvfp4 r32 _dq run with their 4-bit linears in the graph, with the default smoothing and with
+    ``few_shot`` (the first step runs unquantized while the linears' input spans are observed, the second quantized
+    from them)."""
     tr = build("flux", num_attention_heads=4).model
     n_block_linears = sum(isinstance(m, torch.nn.Linear) and "norm" not in p for p, m in tr.named_modules()
                           if "transformer_blocks" in p)
     pipe = flux_pipeline(tr)
     baseline = call(pipe, steps=2)
     for quant_type, op in (("svdq_int4_r32_dq", "svdq_w4a4_linear"), ("svdq_nvfp4_r32_dq", "svdq_nvfp4_linear")):
-        pipe.transformer = cache_dit.quantize(tr, quant_config=cache_dit.QuantizeConfig(quant_type=quant_type),
-                                              keep_original=True)  # quantized twice
-        output = call(pipe, steps=2)
-        assert pipe.transformer.code.count(op) >= n_block_linears > 0
-        assert 0 < rel(output, baseline) < 0.05  # measured ~5e-3
+        for kw in (None, {"smooth_strategy": "few_shot"}):
+            pipe.transformer = cache_dit.quantize(tr, quant_config=cache_dit.QuantizeConfig(
+                quant_type=quant_type, svdq_kwargs=kw), keep_original=True)  # quantized four times
+            output = call(pipe, steps=2)
+            assert pipe.transformer.code.count(op) >= n_block_linears > 0
+            assert 0 < rel(output, baseline) < 0.05  # measured ~5e-3
 
 
 def test_layerwise_offload_seed_options():

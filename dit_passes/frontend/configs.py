@@ -14,7 +14,8 @@ import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..passes.quantize import Fp8Linear, Int4WeightOnly, Int8Linear, NVFP4WeightOnly, SVDQuantW4A4
-from ..quant.svdquant import SVD_PRECISIONS
+from ..passes.quantize_few_shot import SVDQuantFewShot
+from .svdq_kwargs import SMOOTH, smooth_strategy, svdq_options
 
 logger = logging.getLogger("dit_passes")
 
@@ -169,8 +170,6 @@ _BASIC = {"float8_per_row": ("fp8", {"granularity": "per_row"}),
           "nvfp4": ("nvfp4", {"rank": 0, "dynamic": True, "smooth": "none", "precision": "nvfp4",
                               "modulation": "svdq"}),
           "nvfp4_weight_only": ("nvfp4_wo", {})}
-# the reference's SVDQ smooth strategies -> dit_passes' SVDQuantW4A4(smooth=...)
-_SMOOTH = {"activation": "act", "weight": "weight", "weight_inv": "weight_inv", "identity": "none"}
 
 
 def parse_quant_type(quant_type: str) -> Tuple[str, Dict[str, Any]]:
@@ -215,11 +214,19 @@ class QuantizeConfig:
     those of ``model=``, ``quantize_config=``, ``component_name=``, ``svdq_kwargs=`` it names: see
     :func:`~dit_passes.frontend.calibration.call_calibrate_fn`) and
     ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs``: ``smooth_strategy``
-    ("activation" for PTQ; "identity" (default), "weight" or "weight_inv" for ``_dq``; "few_shot" is refused: not
-    implemented), ``calibrate_precision`` and
-    ``svd_refine_iters`` (``SVDQuantW4A4(svd_precision=, refine_iters=)``); the keys that only tune the reference's
-    calibration memory and kernels are accepted and logged. ``components_to_quantize`` (a list of pipeline component
-    names or modules, or ``{name: {field: value}}``): those components only, each with its config
+    ("activation" for PTQ; "identity" (default), "weight", "weight_inv" or "few_shot" for ``_dq``),
+    ``calibrate_precision`` and ``svd_refine_iters`` (``SVDQuantW4A4(svd_precision=, refine_iters=)``); the keys
+    that only tune the reference's calibration memory, kernels and compile scheduling are accepted and logged
+    (:mod:`~dit_passes.frontend.svdq_kwargs`). ``"few_shot"`` (:class:`~dit_passes.passes.quantize_few_shot.
+    SVDQuantFewShot`): the transformer runs unquantized for the first ``few_shot_steps`` forwards (default 1; every
+    call of the transformer counts, cumulatively over pipeline runs, as in the reference) while each selected
+    linear's input abs-max is recorded; then each linear's smoothing comes from that span, relaxed channel by
+    channel (``few_shot_relax_strategy`` "auto" (default), "fixed", "top" (alias "top_q4"), "stable_auto", "power",
+    "log", "rank"; ``few_shot_relax_factor`` 1.5 the largest multiplier, ``few_shot_relax_top_ratio`` 0.25 the share
+    of channels saturating it), and its weight; the quantized linears are built once and run from the next forward
+    on; a linear that never ran stays unquantized (:mod:`~dit_passes.quant.few_shot`).
+    ``components_to_quantize`` (a list of pipeline component names or modules, or ``{name: {field: value}}``):
+    those components only, each with its config
     (:meth:`component_configs`); ``"text_encoder"`` names the pipeline's main text encoder as the reference picks
     it (:func:`~dit_passes.frontend.components.main_text_encoder`); other components than the transformer(s)
     quantize every linear but ``exclude_layers`` (float8 / int8 types; see :mod:`~dit_passes.frontend.components`),
@@ -248,22 +255,13 @@ class QuantizeConfig:
             raise TypeError("QuantizeConfig.filter_fn must be callable(module, name) -> bool")
         if self.svdq_kwargs is not None and self.kind != "svdq":
             raise ValueError("QuantizeConfig.svdq_kwargs is only valid when quant_type starts with 'svdq'")
-        self.svdq_options = _svdq_options(self.svdq_kwargs or {})
+        strategy = None
         if self.kind == "svdq":
             dynamic = self.args["dynamic"]
-            default = "identity" if dynamic else "activation"
-            strategy = str((self.svdq_kwargs or {}).get("smooth_strategy", default)).lower()
-            allowed = ("identity", "weight", "weight_inv") if dynamic else ("activation",)
-            if strategy == "few_shot":
-                raise NotImplementedError(f"svdq_kwargs['smooth_strategy']='few_shot' is not supported for "
-                                          f"{self.quant_type}: dit_passes does not implement it (activation spans "
-                                          "collected during the first denoising steps, then relaxed); use one of "
-                                          f"{list(allowed)}, or SVDQuant PTQ (calibrate_fn) for activation-aware "
-                                          "smoothing")
-            if strategy not in allowed:
-                raise NotImplementedError(f"svdq_kwargs['smooth_strategy']={strategy!r} is not supported for "
-                                          f"{self.quant_type}; use one of {list(allowed)}")
-            self.args["smooth"], self.smooth_strategy = _SMOOTH[strategy], strategy
+            strategy = smooth_strategy(self.svdq_kwargs or {}, dynamic, self.quant_type)
+            self.args["smooth"], self.smooth_strategy = SMOOTH[strategy], strategy
+        self.svdq_options, self.few_shot = svdq_options(self.svdq_kwargs or {}, strategy)
+        if self.kind == "svdq":
             if dynamic and self.calibrate_fn is not None:
                 raise ValueError("calibrate_fn is not used by SVDQuant dynamic quantization (_dq): drop it")
             if not dynamic and (self.calibrate_fn is None or self.serialize_to is None):
@@ -393,6 +391,9 @@ class QuantizeConfig:
         if self.kind != "svdq":
             return _basic_pass(self.kind, self.args, common)
         a = self.args
+        if a["dynamic"] and a["smooth"] == "few_shot":
+            return SVDQuantFewShot(rank=a["rank"], precision=a["precision"], **self.few_shot, **self.svdq_options,
+                                   **common)
         if a["dynamic"]:
             return SVDQuantW4A4(rank=a["rank"], dynamic=True, smooth=a["smooth"], precision=a["precision"],
                                 **self.svdq_options, **common)
@@ -406,44 +407,9 @@ class QuantizeConfig:
         qt = self.quant_type
         if self.kind == "svdq" and self.args["dynamic"] and self.args["smooth"] != "none":
             qt += f"_{self.smooth_strategy}"
+            if self.smooth_strategy == "few_shot":
+                qt += f"_{self.few_shot['relax_strategy']}"
         return qt
-
-
-# cache-dit's svdq_kwargs: those that change the quantized weights map onto SVDQuantW4A4's arguments; those that
-# only place or schedule the reference's own calibration and kernels (its memory, its GEMM variant, where its SVD
-# runs) have no counterpart here and leave the result unchanged: accepted and logged. few_shot's need few_shot.
-_SVDQ_MAPPED = {"calibrate_precision": "svd_precision", "svd_refine_iters": "refine_iters"}
-_SVDQ_TUNING_ONLY = ("streaming", "runtime_kernel", "quantize_device", "offload_quantized_layers_to_cpu",
-                     "layerwise_offload", "async_transfer", "transfer_buckets", "prefetch_limit", "max_copy_streams",
-                     "max_inflight_prefetch_bytes", "persistent_buckets", "persistent_bins",
-                     "defer_move_to_execution_device", "activation_buffer_flush_sample_count",
-                     "activation_buffer_flush_cpu_bytes", "fused_mlp")
-
-
-def _svdq_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """SVDQuantW4A4's keyword arguments from cache-dit's ``svdq_kwargs`` (``smooth_strategy`` is read apart)."""
-    out: Dict[str, Any] = {}
-    for key, value in kwargs.items():
-        if key == "smooth_strategy":
-            continue
-        if key in _SVDQ_MAPPED:
-            if key == "calibrate_precision":
-                value = str(value).lower()
-            out[_SVDQ_MAPPED[key]] = value
-            if key == "calibrate_precision" and value not in SVD_PRECISIONS:
-                raise ValueError(f"svdq_kwargs['calibrate_precision'] must be one of {SVD_PRECISIONS}, got {value!r}")
-            if key == "svd_refine_iters" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"svdq_kwargs['svd_refine_iters'] must be a non-negative int, got {value!r}")
-        elif key in _SVDQ_TUNING_ONLY:
-            logger.info("QuantizeConfig.svdq_kwargs[%r]=%r tunes the reference's own calibration / kernels; it "
-                        "changes nothing here", key, value)
-        elif key.startswith("few_shot_"):
-            raise NotImplementedError(f"QuantizeConfig.svdq_kwargs[{key!r}] belongs to smooth_strategy='few_shot', "
-                                      "which dit_passes does not implement")
-        else:
-            raise ValueError(f"QuantizeConfig.svdq_kwargs: unknown key {key!r}; cache-dit's keys: "
-                             f"{sorted(['smooth_strategy', *_SVDQ_MAPPED, *_SVDQ_TUNING_ONLY])} and few_shot_*")
-    return out
 
 
 # the reference's plan order (its _PREFERRED_PRECISION_PLAN_ORDER, the types dit_passes has)

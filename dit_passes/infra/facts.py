@@ -19,6 +19,9 @@ Calling convention (what ``CompiledDiT`` does around the graph)
   one :class:`StateIO` per owner, in the order of their extra inputs / outputs.
 * ``inference_only``: the graph holds a ``torch.cond`` whose branches cannot be differentiated; run it
   under ``no_grad``.
+* ``eager_only``: why the graph must run eagerly (None: it may be compiled), e.g. few-shot quantization's observe
+  ops, which mutate their spans (torch.cond refuses mutation): no whole-graph ``torch.compile``, no regional
+  compile, no CUDA graph for it; the graph lowered after it is compiled as asked.
 
 Parallelism
 * ``parallel_group``: the process group whose ranks must take the same data-dependent decisions (the
@@ -88,6 +91,7 @@ class GraphFacts:
     tp_size: int = 1
     offload_loads: Dict[fx.Node, int] = dataclasses.field(default_factory=dict)
     cache_cut: Optional[CacheCut] = None
+    eager_only: Optional[str] = None
 
     # -- the PassManager's guard: which fields the running pass may read / assign ----------------
     def __getattribute__(self, name: str) -> Any:

@@ -28,6 +28,17 @@ class Runtime:
             if reset is not None:
                 reset()
 
+    def after_call(self) -> bool:
+        """After each forward: every state entry with an ``after_call()`` method is told, and True when one of them
+        answers True: the graphs must be lowered again (their state kept), e.g. few-shot quantization once it has
+        observed its forwards."""
+        again = False
+        for st in list(self.state.values()):
+            hook = getattr(st, "after_call", None)
+            if hook is not None and hook():
+                again = True
+        return again
+
     def register_report(self, name: str, report: Any) -> None:
         self.reports[name] = report
 

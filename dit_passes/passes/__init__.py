@@ -10,6 +10,7 @@ from .tea_cache import TeaCache
 from .pyramid_attention_broadcast import PyramidAttentionBroadcast
 from .faster_cache import FasterCache
 from .quantize import Fp8Linear, Int4WeightOnly, Int8Linear, NVFP4WeightOnly, SVDQuantW4A4
+from .quantize_few_shot import SVDQuantFewShot
 from .load_quantized import LoadQuantized
 from .fuse_sibling_linears import FuseSiblingLinears
 from .context_parallel import USP, Ring, Ulysses
@@ -20,7 +21,7 @@ from .attention_backend import AttentionBackend
 from .vae_parallel import VAEParallel
 
 __all__ = ["Cleanup", "DBCache", "DBPrune", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
-           "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "Fp8Linear", "Int8Linear", "Int4WeightOnly",
-           "NVFP4WeightOnly", "LoadQuantized", "FuseSiblingLinears",
+           "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "SVDQuantFewShot", "Fp8Linear", "Int8Linear",
+           "Int4WeightOnly", "NVFP4WeightOnly", "LoadQuantized", "FuseSiblingLinears",
            "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend",
            "VAEParallel"]

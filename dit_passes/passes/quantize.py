@@ -188,6 +188,16 @@ class _QuantizeLinears(Pass):
     def calibrate(self, weights: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         return None
 
+    def calibrate_in(self, ctx: PassContext, weights: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
+        """The activation statistics for ``weights`` (:meth:`calibrate`; a subclass may read them from the runtime)."""
+        return self.calibrate(weights)
+
+    def before_quantize(self, gm: fx.GraphModule, ctx: PassContext, sites: List[Any],
+                        notes: List[str]) -> Optional[PassResult]:
+        """Called with the selected sites before any table is made: a PassResult ends the pass there (the graph left
+        as it is then); ``sites`` may be narrowed in place. Default: nothing."""
+        return None
+
     def prepare(self, path: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 absmax: Optional[torch.Tensor], kind: str) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -219,6 +229,9 @@ class _QuantizeLinears(Pass):
             notes.append(f"left {skipped} linear(s) in their original precision: " + "; ".join(
                 f"{len(ps)} with {why} (e.g. {', '.join(ps[:3])})" for why, ps in by_reason.items()))
             sites = [s for s in sites if s.module_path not in bad]
+        early = self.before_quantize(gm, ctx, sites, notes)  # a subclass may observe instead, or drop sites
+        if early is not None:
+            return early
         if not sites:
             return PassResult(False, {"replaced": 0, "skipped_k": skipped}, "no eligible linear in the blocks; " + "; ".join(notes))
         paths = list(dict.fromkeys(s.module_path for s in sites))
@@ -291,7 +304,7 @@ class _QuantizeLinears(Pass):
         observed = [p for p in paths if kinds[p] == self.kind]
         state["calibrating"] = True
         try:
-            stats = self.calibrate({p: weights[p] for p in observed}) if observed else None
+            stats = self.calibrate_in(ctx, {p: weights[p] for p in observed}) if observed else None
         finally:
             state.pop("calibrating", None)
         if stats is not None:

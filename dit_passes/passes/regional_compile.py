@@ -258,7 +258,7 @@ class RegionalCompile(Pass):
 
     name = "regional_compile"
     phase = Phase.COMPILE
-    reads = ("structure", "structure_at_cut")
+    reads = ("structure", "structure_at_cut", "eager_only")
     writes = ("structure_at_cut",)
     invalidates = ("structure",)  # the blocks' nodes become calls: discovery no longer sees them
 
@@ -287,6 +287,8 @@ class RegionalCompile(Pass):
                             f"from the {ctx.frontend!r} front end (torch.compile backend), which compiles the whole "
                             f"graph already: use compile_dit(model, passes=[..., passes.RegionalCompile()])")
         facts = facts_of(gm)
+        if facts.eager_only:
+            return PassResult(False, {"regions": 0}, f"not compiled: {facts.eager_only}")
         if facts.structure_at_cut is None:  # no cache branch took the blocks: they are calls afterwards
             facts.structure_at_cut = get_structure(gm)
         structure = facts.structure_at_cut

@@ -40,7 +40,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .fp8_int8 import FP8_DTYPE, FP8_MAX
-from .svdquant import TensorTable, low_rank_split, smoothing_vector
+from .svdquant import TensorTable, given_smoothing, low_rank_split, smoothing_vector
 
 aten = torch.ops.aten
 BLOCK = 16
@@ -230,8 +230,10 @@ class SVDQuantNVFP4Weight(TensorTable):
 def prepare_svdquant_nvfp4(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                            act_absmax: Optional[torch.Tensor] = None, rank: int = 32, alpha: float = 0.5,
                            smooth: str = "act", seed: int = 0, dtype: Optional[torch.dtype] = None,
-                           svd: str = "low", refine_iters: int = 0) -> SVDQuantNVFP4Weight:
-    """SVDQuant's smoothing and low-rank branch exactly as :func:`svdquant.prepare_svdquant`, the residual in NVFP4."""
+                           svd: str = "low", refine_iters: int = 0,
+                           smooth_scale: Optional[torch.Tensor] = None) -> SVDQuantNVFP4Weight:
+    """SVDQuant's smoothing and low-rank branch exactly as :func:`svdquant.prepare_svdquant` (``smooth_scale``: an
+    explicit smoothing vector), the residual in NVFP4."""
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"weight must be a 2-D float tensor [N, K], got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
@@ -240,7 +242,7 @@ def prepare_svdquant_nvfp4(weight: torch.Tensor, bias: Optional[torch.Tensor] = 
         raise ValueError(f"rank must be a non-negative int, got {rank!r}")
     dtype = dtype or weight.dtype
     w = weight.detach().float()
-    s = smoothing_vector(w, act_absmax, alpha, smooth)
+    s = smoothing_vector(w, act_absmax, alpha, smooth) if smooth_scale is None else given_smoothing(smooth_scale, k)
     lora_up, lora_down, residual = low_rank_split(w * s.unsqueeze(0), rank, seed, dtype, svd, refine_iters,
                                                   lambda r: dequantize_weight_nvfp4(*quantize_weight_nvfp4(r)))
     qweight, wscale, wglobal = quantize_weight_nvfp4(residual)

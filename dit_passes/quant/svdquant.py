@@ -176,18 +176,30 @@ def smoothing_vector(weight: torch.Tensor, act_absmax: Optional[torch.Tensor] = 
     return a.pow(alpha) / w_absmax.pow(1.0 - alpha)
 
 
+def given_smoothing(smooth_scale: torch.Tensor, k: int) -> torch.Tensor:
+    """An explicit smoothing vector checked: fp32 [K], finite and > 0 (x / s and W * s must stay exact inverses)."""
+    if smooth_scale.dim() != 1 or smooth_scale.shape[0] != k:
+        raise ValueError(f"smooth_scale must have shape ({k},), got {tuple(smooth_scale.shape)}")
+    s = smooth_scale.detach().float()
+    if not (torch.isfinite(s).all() and (s > 0).all()):
+        raise ValueError("smooth_scale must be finite and positive in every channel")
+    return s
+
+
 def prepare_svdquant(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                      act_absmax: Optional[torch.Tensor] = None, rank: int = 32, alpha: float = 0.5,
                      smooth: str = "act", seed: int = 0, dtype: Optional[torch.dtype] = None,
                      calib_x: Optional[torch.Tensor] = None,
                      alpha_grid: Optional[Sequence[float]] = None, svd: str = "low",
-                     refine_iters: int = 0) -> SVDQuantWeight:
+                     refine_iters: int = 0, smooth_scale: Optional[torch.Tensor] = None) -> SVDQuantWeight:
     """Quantize one linear's weight [N, K] (and bias [N]) to SVDQuant W4A4.
 
     ``dtype`` is the activation dtype the factors are stored in (default: the weight's dtype).
     With ``alpha_grid`` the smoothing exponent is chosen by :func:`search_alpha` on ``calib_x``
-    (activations [..., K]), and ``alpha`` is ignored. ``svd`` / ``refine_iters``: :func:`low_rank_split`. Computation
-    runs on the weight's device in fp32.
+    (activations [..., K]), and ``alpha`` is ignored. ``svd`` / ``refine_iters``: :func:`low_rank_split`.
+    ``smooth_scale``: the smoothing vector s [K] given explicitly (few-shot DQ computes it from its observed spans,
+    ``quant/few_shot.py``); ``act_absmax`` / ``alpha`` / ``smooth`` are then unused. Computation runs on the
+    weight's device in fp32.
     """
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"weight must be a 2-D float tensor [N, K], got {weight.dtype} {tuple(weight.shape)}")
@@ -206,7 +218,7 @@ def prepare_svdquant(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
     # one fp32 copy of the weight, smoothed in place; dropped once the residual is split off (preparing a model from
     # a checkpoint holds the tables so far plus one linear's weight and these few [N, K] temporaries)
     w_s = weight.detach().to(torch.float32, copy=True)
-    s = smoothing_vector(w_s, act_absmax, alpha, smooth)
+    s = smoothing_vector(w_s, act_absmax, alpha, smooth) if smooth_scale is None else given_smoothing(smooth_scale, k)
     w_s.mul_(s.unsqueeze(0))
     lora_up, lora_down, residual = low_rank_split(w_s, rank, seed, dtype, svd, refine_iters,
                                                   lambda r: dequantize_weight_w4(*quantize_weight_w4(r)))
