@@ -25,6 +25,7 @@ helper of the cache passes, as ``segments`` is.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -109,8 +110,14 @@ def _branch(gm: fx.GraphModule, seg: MiddleSegment, k: int, cached: bool, name: 
 
 
 def _is_view_like(n: fx.Node) -> bool:
+    """Not laid out as a fresh contiguous tensor: an offset, or any stride off the contiguous ones, a size-1 dim's
+    included (``is_contiguous`` ignores those, but the cond's two arms must agree on every stride)."""
     v = n.meta["val"]
-    return v.storage_offset() != 0 or not v.is_contiguous()
+    want, acc = [], 1
+    for size in reversed(v.shape):
+        want.append(acc)
+        acc *= size
+    return v.storage_offset() != 0 or tuple(v.stride()) != tuple(reversed(want))
 
 
 def _compute_arm_vals(seg: MiddleSegment, mode) -> List[torch.Tensor]:
@@ -130,6 +137,39 @@ def _compute_arm_vals(seg: MiddleSegment, mode) -> List[torch.Tensor]:
                 against = parts[0] if len(parts) == 1 else torch.ops.aten.cat.default(parts, seg.before_of[o].dim)
                 res.append(torch.ops.aten.sub.Tensor(v, against))
     return outs + res
+
+
+def dealias_live_in(gm: fx.GraphModule, seg: MiddleSegment) -> MiddleSegment:
+    """``seg`` with each value entering it that shares storage with an earlier one replaced by its own contiguous
+    copy. ``torch.compile`` refuses a cond whose operands alias each other, and a
+    single-stream block ends by splitting its joint sequence back into two views of one tensor (FLUX's single
+    blocks), so a cut after one would hand the cond two views of one storage. Elsewhere nothing changes."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seen, copies = set(), {}
+    for a in seg.live_in:
+        v = a.meta["val"]
+        ref = StorageWeakRef(v.untyped_storage())
+        if ref in seen:
+            # right after the value: it may sit inside the range (a load kept outside the cut) or in an earlier cut
+            with gm.graph.inserting_after(a):
+                c = gm.graph.call_function(torch.ops.aten.clone.default, (a,),
+                                           {"memory_format": torch.contiguous_format}, name=f"{a.name}_own")
+            with detect_fake_mode([v]):
+                c.meta["val"] = torch.ops.aten.clone.default(v, memory_format=torch.contiguous_format)
+            copies[a] = c
+        seen.add(ref)
+    if not copies:
+        return seg
+    for n in seg.nodes:
+        for a, c in copies.items():
+            n.replace_input_with(a, c)
+
+    def own(x: fx.Node) -> fx.Node:
+        return copies.get(x, x)
+    before_of = {o: dataclasses.replace(b, parts=tuple(own(p) for p in b.parts)) for o, b in seg.before_of.items()}
+    return dataclasses.replace(seg, live_in=[own(a) for a in seg.live_in], before_of=before_of,
+                               image_at_cut=own(seg.image_at_cut))
 
 
 def _fake_call(fn, args, mode):
@@ -269,7 +309,7 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
                         f"the number of blocks ({n}, lists {[(b.name, b.count) for b in s.block_lists]}), "
                         f"so that at least one middle block can be cached")
     relocated, outside = keep_loads_with_blocks(gm, s, fn, bn, facts_of(gm).offload_loads)
-    seg = cut_middle(gm, s, fn, bn, exclude=outside)
+    seg = dealias_live_in(gm, cut_middle(gm, s, fn, bn, exclude=outside))
     extra = check_segment(seg) or {}
     k = len(seg.live_out)
     g = gm.graph

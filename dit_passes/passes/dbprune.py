@@ -49,7 +49,7 @@ from ..analysis.blocks import get_structure
 from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
-from .cache_branch import _branch, _fake_call, _getitems, add_state_inputs, finish_state_io
+from .cache_branch import _branch, _fake_call, dealias_live_in, _getitems, add_state_inputs, finish_state_io
 from .segments import cut_middle
 
 
@@ -99,7 +99,7 @@ class DBPrune(Pass):
         s = get_structure(gm)
         n = len(s.blocks)
         blocks = self._refuse(gm, s)
-        segs = [cut_middle(gm, s, j, n - j - 1) for j in blocks]  # all cut before any rewrite
+        segs = [dealias_live_in(gm, cut_middle(gm, s, j, n - j - 1)) for j in blocks]  # all cut before any rewrite
         g = gm.graph
         mode = detect_fake_mode([segs[0].image_at_cut.meta["val"]])
         timestep = next((p for p in g.nodes if p.op == "placeholder" and p.target == "timestep"), None)
