@@ -133,10 +133,12 @@ def _fp8_inline(granularity: str) -> Callable:
 
 
 @functools.lru_cache(maxsize=None)
-def svdq_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape) -> Callable:
-    """SVDQuant's W4A8 graph form (fp8 tensor cores) for one shape and GEMM, as a replacement."""
+def svdq_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape, expand: str = "graph") -> Callable:
+    """SVDQuant's W4A8 graph form (fp8 tensor cores) for one shape and GEMM, as a replacement; ``expand="kernel"``:
+    its weights expanded by the op ``dit_passes::w4_to_e4m3``."""
     def svdq_fp8_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
-        return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum)
+        return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum,
+                                    expand)
     return svdq_fp8_form
 
 
@@ -163,7 +165,8 @@ def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optio
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     gemm = dispatch.fp8_gemm_backend(x_val, n, k, "per_row")
     shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=tensors["lora_down"].shape[0])
-    return svdq_fp8_form_replacement(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
+    return svdq_fp8_form_replacement(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape,
+                                     dispatch.w4_expand())
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,6 +32,11 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   ``kernel`` (the op ``dit_passes::fp8_quantize_rows``, written on any device; on CUDA one Triton kernel reading
   x once, ``dit_passes.kernels.fp8_rowquant_triton``, on sm_89+ (:func:`fp8_quantize_rows_cuda`), else its
   reference). Not the default until measured faster on the step.
+* The SVDQuant fp8 graph form's weight expansion (int4 -> e4m3, group scales folded), :func:`w4_expand`:
+  ``DIT_PASSES_W4_EXPAND`` = ``graph`` (default: ATen ops, ``graph_forms.w4_to_e4m3``, fused by Inductor) |
+  ``kernel`` (the op ``dit_passes::w4_to_e4m3``, written on any device; on CUDA one bandwidth-bound Triton kernel,
+  ``dit_passes.kernels.w4_expand_triton``, on sm_89+ (:func:`w4_to_e4m3_cuda`), else its reference). Not the default
+  until measured faster on the step.
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -52,6 +57,7 @@ from typing import Dict, Optional
 import torch
 
 from .fp8_int8 import quantize_fp8_act
+from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .w4a8 import w4a8_linear_reference
 
@@ -59,6 +65,8 @@ BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
 FAST_ACCUM_ENV = "DIT_PASSES_FP8_FAST_ACCUM"
 ACT_QUANT_ENV = "DIT_PASSES_FP8_ACT_QUANT"
 ACT_QUANT_SETTINGS = ("graph", "kernel")
+W4_EXPAND_ENV = "DIT_PASSES_W4_EXPAND"
+W4_EXPAND_SETTINGS = ("graph", "kernel")
 BACKENDS = ("auto", "triton", "cutlass", "fp8", "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 GROUP = 64
@@ -306,6 +314,30 @@ def fp8_quantize_rows_cuda(x: torch.Tensor):
     if kernel is None or not kernel.is_supported(x):
         return quantize_fp8_act(x, "per_row")
     return kernel.fp8_quantize_rows(x)
+
+
+def w4_expand() -> str:
+    """How the SVDQuant fp8 graph form expands its int4 weights to e4m3 (module docstring): ``"graph"`` or
+    ``"kernel"``."""
+    s = os.environ.get(W4_EXPAND_ENV, "graph").strip().lower() or "graph"
+    if s not in W4_EXPAND_SETTINGS:
+        raise ValueError(f"{W4_EXPAND_ENV}={s!r}: expected one of {W4_EXPAND_SETTINGS}")
+    return s
+
+
+@functools.lru_cache(maxsize=None)
+def w4_expand_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.w4_expand_triton`` (``w4_to_e4m3``, ``is_supported``), or None."""
+    return _import_kernel("w4_expand_triton", "the reference")
+
+
+def w4_to_e4m3_cuda(qweight: torch.Tensor, wscale: torch.Tensor):
+    """``dit_passes::w4_to_e4m3`` on CUDA: the Triton kernel where it takes the tensors (sm_89+), else the reference
+    (the same bytes)."""
+    kernel = w4_expand_module()
+    if kernel is None or not kernel.is_supported(qweight, wscale):
+        return w4_to_e4m3_reference(qweight, wscale, qweight.shape[0], 2 * qweight.shape[1])
+    return kernel.w4_to_e4m3(qweight, wscale)
 
 
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:

@@ -24,6 +24,8 @@ activations per token in e4m3 instead of per 64-group in int4)::
     xs = float(x.reshape(M, K)) * smooth_inv
     sx, qx = the per-token e4m3 quantization of xs (as above)
     w8, sw = w4_to_e4m3(qweight, wscale)     # once per call: int4 * group scale, rescaled per row, rounded to e4m3
+                                              # expand="kernel": the op dit_passes::w4_to_e4m3 (one Triton kernel
+                                              # on CUDA, the same bytes; dispatch.w4_expand)
     y = GEMM(qx, sx, w8, sw, bias)            # as above, out in x.dtype
     y = y + x.dtype(xs) @ lora_down.T @ lora_up.T     # low-rank branch in the activation dtype (addmm: one rounding)
 
@@ -85,6 +87,7 @@ from .nvfp4 import SPLIT_SHIFT, e2m1_decode, nvfp4_fp8_operand, nvfp4_quantize, 
 aten = torch.ops.aten
 GEMMS = ("scaled_mm", "reference")
 ACT_QUANTS = ("graph", "kernel")  # fp8_quantize_x
+W4_EXPANDS = ("graph", "kernel")  # expand_w4
 _F32 = torch.float32
 W4_MAX = 8.0  # largest |int4| value: -8
 
@@ -203,13 +206,27 @@ def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, n: int, k: int) -> T
     return w8, aten.view.default(sw, [n])
 
 
+def expand_w4(qweight: torch.Tensor, wscale: torch.Tensor, n: int, k: int,
+              expand: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`w4_to_e4m3` as ATen ops (``expand="graph"``) or as the op ``dit_passes::w4_to_e4m3`` (``"kernel"``:
+    one bandwidth-bound Triton kernel on CUDA, the same bytes; ``dispatch.w4_expand``)."""
+    if expand == "kernel":
+        out = torch.ops.dit_passes.w4_to_e4m3.default(qweight, wscale)
+        return out[0], out[1]
+    if expand not in W4_EXPANDS:
+        raise ValueError(f"the int4 weight expansion must be one of {W4_EXPANDS}, got {expand!r}")
+    return w4_to_e4m3(qweight, wscale, n, k)
+
+
 def svdq_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
                          lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
-                         shape: LinearShape, gemm: str, fast_accum: bool = False) -> torch.Tensor:
-    """SVDQuant's stored tensors on fp8 tensor cores (module docstring): x [*lead, K] -> [*lead, N]."""
+                         shape: LinearShape, gemm: str, fast_accum: bool = False,
+                         expand: str = "graph") -> torch.Tensor:
+    """SVDQuant's stored tensors on fp8 tensor cores (module docstring): x [*lead, K] -> [*lead, N]; ``expand``:
+    the weight expansion as ATen ops or the op (:func:`expand_w4`)."""
     xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
     qx, sx = fp8_quantize(xs, per_row=True)
-    w8, sw = w4_to_e4m3(qweight, wscale, shape.n, shape.k)
+    w8, sw = expand_w4(qweight, wscale, shape.n, shape.k, expand)
     y = fp8_gemm(qx, sx, w8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
     if shape.rank:
         lora_act = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))
