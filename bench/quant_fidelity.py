@@ -34,6 +34,10 @@ import torch
 
 COMMAND = ".venv/bin/python bench/quant_fidelity.py"
 CALIB_SEED = 1000
+NUMERICS = {"auto": "W4A4 (true 4-bit activations, the reference)",
+            "fp8": "W4A8 (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token)",
+            "lrcat": "W4A8 lrcat (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token, the "
+                     "low-rank branch folded into the GEMM's K in e4m3)"}
 
 
 def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w8a16"):
@@ -111,8 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="quant_fidelity", help="base name of the .json / .md / grid folder")
-    ap.add_argument("--w4a4-backend", choices=("auto", "fp8"), default="auto",
-                    help="fp8: SVDQuant's linears in the Hopper design's numerics (W4A8, e4m3 activations per token)")
+    ap.add_argument("--w4a4-backend", choices=("auto", "fp8", "lrcat"), default="auto",
+                    help="fp8: SVDQuant's linears in the Hopper design's numerics (W4A8, e4m3 activations per token); "
+                         "lrcat: the same with the low-rank branch in the GEMM's K (e4m3 branch)")
     ap.add_argument("--modulation", nargs="?", const="svdq", default="w8a16",
                     choices=("w8a16", "w4a16", "w4a16_lr", "svdq", "none"),
                     help="the AdaLN modulation linears under SVDQuant: weight-only int8 (default), weight-only int4, "
@@ -153,8 +158,7 @@ def main(argv=None) -> int:
         + (f" --w4a4-backend {args.w4a4_backend}" if args.w4a4_backend != "auto" else "")
         + (f" --modulation {args.modulation}" if args.modulation != "w8a16" else "")
         + (f" --only {' '.join(args.only)}" if args.only else ""),
-        "w4a4_numerics": "W4A8 (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token)"
-        if args.w4a4_backend == "fp8" else "W4A4 (true 4-bit activations, the reference)",
+        "w4a4_numerics": NUMERICS[args.w4a4_backend],
         "modulation": args.modulation, "modulation_quantized": args.modulation != "none",
         "model": "digits FluxTransformer2DModel (4 double + 8 single blocks, hidden 64), fp32, CPU",
         "steps": args.steps, "seeds": args.seeds, "labels": labels, "num_samples": report["num_samples"],

@@ -44,19 +44,22 @@ def _configs():
     return [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((4, 4), (8, 4), (8, 8), (16, 8), (32, 8))]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_K"])
+@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_K", "LR", "R_OUT"])
 @triton.jit
-def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, N, K, s_qn, s_wsn, s_w8n,
+def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_qn, s_wsn, s_w8n, s_lun,
                       TRIP: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SOFT: tl.constexpr, BLOCK_N: tl.constexpr):
+                      LR: tl.constexpr, R_OUT: tl.constexpr, R_BLOCK: tl.constexpr, SOFT: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows = tl.where(row_mask, rows, 0).to(tl.int64)  # rows past N read row 0 (no masks in the loop), store nothing
-    offs_g = tl.arange(0, G_PAD)
-    ws = tl.load(ws_ptr + rows[:, None] * s_wsn + offs_g[None, :], mask=(offs_g < G)[None, :], other=0.0)
-    ws = ws.to(tl.float32)
-    sw = tl.math.div_rn(tl.max(ws, axis=1) * 8.0, E4M3_MAX)          # [BLOCK_N]; the scales are >= 0
-    tl.store(sw_ptr + rows, sw, mask=row_mask)
+    if LR:  # lrcat: the row scale is given (it also covers the low-rank columns)
+        sw = tl.load(sw_ptr + rows)
+    else:
+        offs_g = tl.arange(0, G_PAD)
+        ws = tl.load(ws_ptr + rows[:, None] * s_wsn + offs_g[None, :], mask=(offs_g < G)[None, :], other=0.0)
+        sw = tl.math.div_rn(tl.max(ws.to(tl.float32), axis=1) * 8.0, E4M3_MAX)   # [BLOCK_N]; the scales are >= 0
+        tl.store(sw_ptr + rows, sw, mask=row_mask)
     GK: tl.constexpr = BLOCK_K // GROUP                                 # groups per chunk
     offs_b = tl.arange(0, BLOCK_K // 2)
     offs_gk = tl.arange(0, GK)
@@ -72,6 +75,14 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, N, K, s_qn, s_wsn, s_w8n,
         w = tl.minimum(tl.maximum(w, -E4M3_MAX), E4M3_MAX)
         tl.store(w8_ptr + rows[:, None] * s_w8n + (i * BLOCK_K + offs_k)[None, :], _to_e4m3(w, SOFT),
                  mask=row_mask[:, None])
+    if LR:  # columns K .. K + R_OUT: e4m3(lora_up * c / sw), zeros past R
+        offs_r = tl.arange(0, R_BLOCK)
+        lu = tl.load(lu_ptr + rows[:, None] * s_lun + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0)
+        c = tl.load(c_ptr + offs_r, mask=offs_r < R, other=1.0)
+        u = tl.math.div_rn(lu.to(tl.float32) * c[None, :], sw[:, None])
+        u = tl.minimum(tl.maximum(u, -E4M3_MAX), E4M3_MAX)
+        tl.store(w8_ptr + rows[:, None] * s_w8n + (K + offs_r)[None, :], _to_e4m3(u, SOFT),
+                 mask=row_mask[:, None] & (offs_r < R_OUT)[None, :])
 
 
 def block_k(k: int) -> int:
@@ -98,10 +109,7 @@ def _has_e4m3(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
-def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """qweight uint8 [N, K/2] (even k in the low nibble), wscale [N, K/64] (fp32 / bf16 / fp16, >= 0) ->
-    ``(w8 float8_e4m3fn [N, K], sw fp32 [N])`` (module docstring)."""
-    name = "w4_to_e4m3"
+def _check(name: str, qweight: torch.Tensor, wscale: torch.Tensor) -> None:
     n, half = qweight.shape if qweight.dim() == 2 else (-1, -1)
     k = 2 * half
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or k % GROUP or k <= 0:
@@ -112,7 +120,14 @@ def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tenso
                          f"{tuple(wscale.shape)}")
     if qweight.device.type != "cuda" and not interpreting():
         raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (got {qweight.device}); on CPU use the op's "
-                         "reference (dit_passes.quant.graph_forms.w4_to_e4m3) or set TRITON_INTERPRET=1 (tests)")
+                         "reference (dit_passes.quant.graph_forms) or set TRITON_INTERPRET=1 (tests)")
+
+
+def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """qweight uint8 [N, K/2] (even k in the low nibble), wscale [N, K/64] (fp32 / bf16 / fp16, >= 0) ->
+    ``(w8 float8_e4m3fn [N, K], sw fp32 [N])`` (module docstring)."""
+    _check("w4_to_e4m3", qweight, wscale)
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
     qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
     w8 = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=qw.device)
@@ -124,6 +139,39 @@ def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tenso
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _w4_expand_kernel[grid](qw, ws, w8, sw, n, k, qw.stride(0), ws.stride(0), w8.stride(0), TRIP=k // bk, G=groups,
-                            G_PAD=triton.next_power_of_2(groups), BLOCK_K=bk, SOFT=interpreting())
+    _w4_expand_kernel[grid](qw, ws, w8, sw, sw, sw, n, k, 0, qw.stride(0), ws.stride(0), w8.stride(0), 0,
+                            TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups), BLOCK_K=bk, LR=False,
+                            R_OUT=0, R_BLOCK=1, SOFT=interpreting())
     return w8, sw
+
+
+def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
+                     sw: torch.Tensor) -> torch.Tensor:
+    """The lrcat B operand (``graph_forms.lrcat_weight``): qweight uint8 [N, K/2], wscale [N, K/64], lora_up [N, R],
+    c fp32 [R], sw fp32 [N] -> e4m3 [N, K + R_pad] = [e4m3(q * wscale / sw) | e4m3(lora_up * c / sw) | 0] (R_pad:
+    R up to a multiple of 16), in one pass."""
+    name = "w4_lrcat_to_e4m3"
+    _check(name, qweight, wscale)
+    n, k, r = qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[-1]
+    if lora_up.dim() != 2 or lora_up.shape[0] != n or tuple(c.shape) != (r,) or tuple(sw.shape) != (n,):
+        raise ValueError(f"{name}: lora_up must be [{n}, R], c [R] and sw [{n}], got {tuple(lora_up.shape)}, "
+                         f"{tuple(c.shape)}, {tuple(sw.shape)}")
+    if c.dtype != torch.float32 or sw.dtype != torch.float32:
+        raise ValueError(f"{name}: c and sw must be fp32, got {c.dtype} and {sw.dtype}")
+    qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
+    lu = lora_up if lora_up.stride(-1) == 1 else lora_up.contiguous()
+    r_out = -(-r // 16) * 16
+    b8 = torch.empty((n, k + r_out), dtype=torch.float8_e4m3fn, device=qw.device)
+    if n == 0:
+        return b8
+    bk, groups = block_k(k), k // GROUP
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _w4_expand_kernel[grid](qw, ws, b8, sw.contiguous(), lu, c.contiguous(), n, k, r, qw.stride(0), ws.stride(0),
+                            b8.stride(0), lu.stride(0), TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups),
+                            BLOCK_K=bk, LR=True, R_OUT=r_out, R_BLOCK=max(16, triton.next_power_of_2(r_out)),
+                            SOFT=interpreting())
+    return b8

@@ -18,6 +18,10 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   SVDQuant's linears are written as W4A8 on fp8 tensor cores (``graph_forms.svdq_fp8_linear_form``) on Hopper
   by default and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (its GEMM follows :func:`fp8_gemm_backend`: the
   reference on CPU), else as the custom op (true W4A4, above): :func:`svdq_form`.
+* ``DIT_PASSES_W4A4_BACKEND=lrcat``: SVDQuant's linears are written as the fp8 form with the low-rank branch
+  folded into the GEMM's K (``graph_forms.svdq_lrcat_linear_form``: one ``_scaled_mm`` over [qx | qh] and
+  [w8 | u8], the branch in e4m3), on any device (the reference GEMM off the GPU); its B operand by ATen ops or, with
+  ``DIT_PASSES_W4_EXPAND=kernel``, by the op ``dit_passes::w4_lrcat_to_e4m3``. Not the default until measured.
 * ``DIT_PASSES_W4A4_BACKEND`` = ``w4a8`` / ``w4a8_fold``: SVDQuant's linears are written as the op
   ``dit_passes::svdq_w4a8_linear`` (``fold`` False / True), which runs the fused W4A8 Triton kernels
   (``dit_passes.kernels.w4a8_triton``: the int4 weights turned into e4m3 inside the GEMM, per-token e4m3 activations
@@ -57,6 +61,7 @@ from typing import Dict, Optional
 import torch
 
 from .fp8_int8 import quantize_fp8_act
+from .graph_forms import lrcat_weight
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .w4a8 import w4a8_linear_reference
@@ -67,7 +72,7 @@ ACT_QUANT_ENV = "DIT_PASSES_FP8_ACT_QUANT"
 ACT_QUANT_SETTINGS = ("graph", "kernel")
 W4_EXPAND_ENV = "DIT_PASSES_W4_EXPAND"
 W4_EXPAND_SETTINGS = ("graph", "kernel")
-BACKENDS = ("auto", "triton", "cutlass", "fp8", "w4a8", "w4a8_fold")
+BACKENDS = ("auto", "triton", "cutlass", "fp8", "lrcat", "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 GROUP = 64
 
@@ -340,9 +345,19 @@ def w4_to_e4m3_cuda(qweight: torch.Tensor, wscale: torch.Tensor):
     return kernel.w4_to_e4m3(qweight, wscale)
 
 
+def w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw) -> torch.Tensor:
+    """``dit_passes::w4_lrcat_to_e4m3`` on CUDA: the Triton kernel where it takes the tensors (sm_89+), else the
+    reference (the same bytes)."""
+    kernel = w4_expand_module()
+    if kernel is None or not kernel.is_supported(qweight, wscale):
+        return lrcat_weight(qweight, wscale, lora_up, c, sw, qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[1])
+    return kernel.w4_lrcat_to_e4m3(qweight, wscale, lora_up, c, sw)
+
+
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     """How an SVDQuant linear is written into the graph: ``"fp8"`` (W4A8, the activations in e4m3 per token, on fp8
-    tensor cores where ``_scaled_mm`` runs, plain ATen ops), ``"w4a8"`` / ``"w4a8_fold"`` (the op
+    tensor cores where ``_scaled_mm`` runs, plain ATen ops), ``"lrcat"`` (the same with the low-rank branch in the
+    GEMM's K; only when ``DIT_PASSES_W4A4_BACKEND=lrcat``), ``"w4a8"`` / ``"w4a8_fold"`` (the op
     ``dit_passes::svdq_w4a8_linear``: the fused W4A8 kernels, exact / folded group scales; only when
     ``DIT_PASSES_W4A4_BACKEND`` names them, on any device) or ``"op"`` (``dit_passes::svdq_w4a4_linear``: true
     W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor cores).
@@ -350,7 +365,7 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape; every other setting,
     device or shape gets the op."""
     setting = backend_setting()
-    if setting == "fp8" or setting in W4A8_FORMS:
+    if setting in ("fp8", "lrcat") or setting in W4A8_FORMS:
         return setting
     if setting != "auto" or x.device.type != "cuda" or capability(x.device)[0] != 9:
         return "op"

@@ -29,6 +29,23 @@ activations per token in e4m3 instead of per 64-group in int4)::
     y = GEMM(qx, sx, w8, sw, bias)            # as above, out in x.dtype
     y = y + x.dtype(xs) @ lora_down.T @ lora_up.T     # low-rank branch in the activation dtype (addmm: one rounding)
 
+SVDQuant with the low-rank branch folded into the GEMM's K ("lrcat"), :func:`svdq_lrcat_linear_form`: one
+``_scaled_mm`` over [qx | qh] and [w8 | u8], the per-token sx and per-row sw shared by both parts, so no separate
+low-rank mm / addmm and no extra passes over the [M, N] output; the branch pays with e4m3 precision::
+
+    xs, sx, qx as above
+    c[r]  = sqrt(K) * ||lora_down[r, :]||_2          # |h[m, r]| <= ||xs[m]||_2 ||lora_down[r]||_2 <= amax|xs[m]| c[r]
+    sw[n] = max(8 * max_g wscale[n, g], max_r |lora_up[n, r] * c[r]|) / 448      (lrcat_scales)
+    h  = x.dtype(xs) @ lora_down.T                                                # [M, R]
+    qh = e4m3(clamp(h / (sx * c), -448, 448))       # |h / (sx c)| <= 448 by the bound: no overflow
+    w8 = e4m3(clamp(q * (wscale / sw), -448, 448))  # as w4_to_e4m3, with the shared row scale
+    u8 = e4m3(clamp(lora_up * c / sw, -448, 448))
+    y  = GEMM([qx | qh | 0], sx, [w8 | u8 | 0], sw, bias)     # K + R_pad columns (R_pad: R up to a multiple of 16)
+
+(``c`` is the branch's scale on the lora_down side: the bound holds for the smoothed activations xs that lora_down
+reads.) ``c`` and ``sw`` are derived from the stored tensors in the graph (a [R, K] and an [N, K/64 + R] reduction
+per call); with ``expand="kernel"`` B is written by the op ``dit_passes::w4_lrcat_to_e4m3`` in one pass.
+
 NVFP4 SVDQuant on fp8 tensor cores, :func:`svdq_nvfp4_fp8_linear_form` (the numerics of
 ``nvfp4.nvfp4_linear_reference``: every product exact, only the accumulation order differs)::
 
@@ -231,6 +248,66 @@ def svdq_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.T
     if shape.rank:
         lora_act = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))
         y = aten.addmm.default(y, lora_act, aten.t.default(lora_up))
+    return _unrows(y, shape)
+
+
+def lrcat_rank(r: int) -> int:
+    """The low-rank columns appended to K by :func:`svdq_lrcat_linear_form`: r rounded up to a multiple of 16
+    (``_scaled_mm`` wants K + R_pad % 16 == 0; the padding columns are zeros in both operands)."""
+    return -(-r // 16) * 16
+
+
+def lrcat_scales(wscale: torch.Tensor, lora_down: torch.Tensor, lora_up: torch.Tensor,
+                 k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(c fp32 [R], sw fp32 [N]) of the lrcat design (module docstring): ``c[r] = sqrt(K) * ||lora_down[r]||_2`` (a
+    zero row: 1), ``sw[n] = max(8 * max_g wscale[n, g], max_r |lora_up[n, r] * c[r]|) / 448``."""
+    ld = aten._to_copy.default(lora_down, dtype=_F32)
+    c = aten.mul.Tensor(aten.sqrt.default(aten.sum.dim_IntList(aten.mul.Tensor(ld, ld), [1])), float(k) ** 0.5)
+    c = aten.where.ScalarSelf(aten.eq.Scalar(c, 0), 1.0, c)
+    luc = aten.mul.Tensor(aten._to_copy.default(lora_up, dtype=_F32), c)                        # [N, R]
+    wmax = aten.mul.Tensor(aten.amax.default(aten._to_copy.default(wscale, dtype=_F32), [1]), W4_MAX)
+    sw = aten.div.Tensor(aten.maximum.default(wmax, aten.amax.default(aten.abs.default(luc), [1])), FP8_MAX)
+    return c, sw
+
+
+def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
+                 sw: torch.Tensor, n: int, k: int, r: int, expand: str = "graph") -> torch.Tensor:
+    """The lrcat B operand e4m3 [N, K + R_pad] = [w8 | u8 | 0]: ``w8[n, k] = e4m3(q * (wscale[n, k // 64] / sw[n]))``,
+    ``u8[n, r] = e4m3(lora_up[n, r] * c[r] / sw[n])`` (clamped to +-448); ``expand="kernel"``: the op
+    ``dit_passes::w4_lrcat_to_e4m3`` (one Triton kernel on CUDA writing both parts, the same bytes)."""
+    if expand == "kernel":
+        return torch.ops.dit_passes.w4_lrcat_to_e4m3.default(qweight, wscale, lora_up, c, sw)
+    if expand not in W4_EXPANDS:
+        raise ValueError(f"the int4 weight expansion must be one of {W4_EXPANDS}, got {expand!r}")
+    q = aten.view.default(int4_values(qweight, _F32), [n, k // GROUP_SIZE, GROUP_SIZE])
+    sw2 = aten.view.default(sw, [n, 1])
+    ratio = aten.unsqueeze.default(aten.div.Tensor(aten._to_copy.default(wscale, dtype=_F32), sw2), 2)
+    w = aten.view.default(aten.clamp.default(aten.mul.Tensor(q, ratio), -FP8_MAX, FP8_MAX), [n, k])
+    u = aten.div.Tensor(aten.mul.Tensor(aten._to_copy.default(lora_up, dtype=_F32), c), sw2)
+    u = aten.clamp.default(u, -FP8_MAX, FP8_MAX)
+    if lrcat_rank(r) > r:
+        u = aten.constant_pad_nd.default(u, [0, lrcat_rank(r) - r])
+    return aten._to_copy.default(aten.cat.default([w, u], 1), dtype=FP8_DTYPE)
+
+
+def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
+                           lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
+                           shape: LinearShape, gemm: str, fast_accum: bool = False,
+                           expand: str = "graph") -> torch.Tensor:
+    """SVDQuant's stored tensors on fp8 tensor cores with the low-rank branch in the GEMM's K (module docstring,
+    lrcat): x [*lead, K] -> [*lead, N]."""
+    r, rp = shape.rank, lrcat_rank(shape.rank)
+    xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
+    qx, sx = fp8_quantize(xs, per_row=True)
+    c, sw = lrcat_scales(wscale, lora_down, lora_up, shape.k)
+    h = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))     # [M, R]
+    qh = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
+                            -FP8_MAX, FP8_MAX)
+    if rp > r:
+        qh = aten.constant_pad_nd.default(qh, [0, rp - r])
+    a8 = aten.cat.default([qx, aten._to_copy.default(qh, dtype=FP8_DTYPE)], 1)                         # [M, K + Rp]
+    b8 = lrcat_weight(qweight, wscale, lora_up, c, sw, shape.n, shape.k, r, expand)
+    y = fp8_gemm(a8, sx, b8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
     return _unrows(y, shape)
 
 
