@@ -42,6 +42,8 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
 * ``svdq_w4_lrcat``: the ``svdq_w4_fp8_fused_expandkernel`` row with ``DIT_PASSES_W4A4_BACKEND=lrcat``: the low-rank
   branch folded into the GEMM's K (``graph_forms.svdq_lrcat_linear_form``: one ``_scaled_mm`` over [qx | qh] and
   [w8 | u8], no separate branch mm / addmm over the output; B written by ``dit_passes::w4_lrcat_to_e4m3``);
+  ``svdq_w4_lrcat_split``: the same with the branch's operands as e4m3 hi / lo pairs (3R columns: the svdq fp8
+  form's fidelity back);
 * ``svdq_w4_all_fp8_fast_accum``: the same with ``modulation="svdq"``, the AdaLN modulation linears W4A8 too;
 * ``svdq_w4_w4a8_fused`` / ``svdq_w4_w4a8_fused_fold`` (not by default): the same pass with
   ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``: each linear the op ``dit_passes::svdq_w4a8_linear``, the fused
@@ -65,6 +67,7 @@ calibrated on the same activations; the W4A8 form compiled alone, weight expansi
 -> e4m3 weight expansion alone: Inductor's form / the op ``dit_passes::w4_to_e4m3``; GB/s of the packed read and
 the e4m3 write), ``svdq_fp8_fast_accum_expandkernel`` (``svdq_fp8_fast_accum`` with the op's expansion),
 ``svdq_lrcat`` / ``svdq_lrcat_expandkernel`` (the lrcat form, fast accumulation, B by ATen ops / by the op),
+``svdq_lrcat_split_expandkernel`` (its hi / lo split, B by the op),
 ``svdq_w4a8_fused`` / ``_fold`` (``dit_passes::svdq_w4a8_linear``, the fused W4A8 Triton kernels: group scales exact
 in fp32 / folded into the e4m3 weights), ``w4a8_act`` / ``w4a8_gemm`` / ``w4a8_gemm_fold`` (its two kernels
 alone: the activation pass, the GEMM on pre-quantized activations; GPU only), ``svdq_op`` (the custom op; not by
@@ -100,14 +103,14 @@ TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers
 TINY = dict(img=64, txt=8, m=72, shapes=((64, 64), (64, 256), (256, 64), (320, 64)))
 # default order: the likely fastest designs first (rows not started within --budget-s are skipped)
 ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused", "svdq_w4_fp8_fused_expandkernel",
-        "svdq_w4_lrcat", "svdq_w4_fp8_fast_accum", "svdq_w4_fp8_fused", "svdq_w4_all_fp8_fast_accum", "fp8",
-        "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op", "bf16_graphed",
-        "fp8_fused_graphed", "fp8_fused_rowquant_graphed")
+        "svdq_w4_lrcat", "svdq_w4_lrcat_split", "svdq_w4_fp8_fast_accum", "svdq_w4_fp8_fused",
+        "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold",
+        "svdq_w4_op", "bf16_graphed", "fp8_fused_graphed", "fp8_fused_rowquant_graphed")
 DEFAULT_ROWS = ROWS[:-6]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_act", "fp8_act_rowquant", "svdq_fp8",
            "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
            "w4_expand", "w4_expand_kernel", "svdq_fp8_fast_accum_expandkernel", "svdq_lrcat", "svdq_lrcat_expandkernel",
-           "svdq_op")
+           "svdq_lrcat_split_expandkernel", "svdq_op")
 DEFAULT_LINEARS = LINEARS[:-1]
 
 
@@ -155,6 +158,8 @@ def row_specs():
         # the low-rank branch in the GEMM's K (one _scaled_mm per linear), B written by the expansion kernel
         "svdq_w4_lrcat": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
                           {dispatch.BACKEND_ENV: "lrcat", **fast, **expand}),
+        "svdq_w4_lrcat_split": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand}),
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
                                        {**w4a8, **fast}),

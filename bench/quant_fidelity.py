@@ -37,7 +37,8 @@ CALIB_SEED = 1000
 NUMERICS = {"auto": "W4A4 (true 4-bit activations, the reference)",
             "fp8": "W4A8 (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token)",
             "lrcat": "W4A8 lrcat (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token, the "
-                     "low-rank branch folded into the GEMM's K in e4m3)"}
+                     "low-rank branch folded into the GEMM's K in e4m3)",
+            "lrcat_split": "W4A8 lrcat_split (as lrcat, the branch's operands as e4m3 hi / lo pairs: 3R columns)"}
 
 
 def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w8a16"):
@@ -115,9 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="quant_fidelity", help="base name of the .json / .md / grid folder")
-    ap.add_argument("--w4a4-backend", choices=("auto", "fp8", "lrcat"), default="auto",
+    ap.add_argument("--w4a4-backend", choices=tuple(NUMERICS), default="auto",
                     help="fp8: SVDQuant's linears in the Hopper design's numerics (W4A8, e4m3 activations per token); "
-                         "lrcat: the same with the low-rank branch in the GEMM's K (e4m3 branch)")
+                         "lrcat: the same with the low-rank branch in the GEMM's K (e4m3 branch); lrcat_split: "
+                         "the branch as e4m3 hi / lo pairs")
     ap.add_argument("--modulation", nargs="?", const="svdq", default="w8a16",
                     choices=("w8a16", "w4a16", "w4a16_lr", "svdq", "none"),
                     help="the AdaLN modulation linears under SVDQuant: weight-only int8 (default), weight-only int4, "

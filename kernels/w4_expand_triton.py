@@ -16,6 +16,10 @@ the ratio through an index computation per element. Here each program reads its 
 vectorised packed tiles, splits the nibbles in registers (exact values by a bit trick, ``_nibble_planes``),
 interleaves them back to k order and stores contiguous e4m3 rows.
 
+:func:`w4_lrcat_to_e4m3` (``dit_passes::w4_lrcat_to_e4m3``, the lrcat design's B operand, ``graph_forms.lrcat_weight``)
+is the same program with the row scale given (it covers the low-rank columns too) and, after the K loop, the row's
+low-rank columns ``e4m3(lora_up * c / sw)`` (split: hi, hi, lo) and the zero padding written into the same rows.
+
 Numerics: the same operations in the same order as the specification on the CPU (true divisions, fp32 products of
 exact int4 values), so the bytes are equal. Under ``TRITON_INTERPRET=1`` (CPU tests) the e4m3 rounding is
 ``w4a8_triton._soft_e4m3`` with the sign of a flushed zero kept (``fp8_rowquant_triton._to_e4m3``).
@@ -44,12 +48,12 @@ def _configs():
     return [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((4, 4), (8, 4), (8, 8), (16, 8), (32, 8))]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_K", "LR", "R_OUT"])
+@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_K", "LR", "SPLIT", "R_OUT"])
 @triton.jit
 def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_qn, s_wsn, s_w8n, s_lun,
                       TRIP: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-                      LR: tl.constexpr, R_OUT: tl.constexpr, R_BLOCK: tl.constexpr, SOFT: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      LR: tl.constexpr, SPLIT: tl.constexpr, R_OUT: tl.constexpr, R_BLOCK: tl.constexpr,
+                      SOFT: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows = tl.where(row_mask, rows, 0).to(tl.int64)  # rows past N read row 0 (no masks in the loop), store nothing
@@ -75,14 +79,21 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_
         w = tl.minimum(tl.maximum(w, -E4M3_MAX), E4M3_MAX)
         tl.store(w8_ptr + rows[:, None] * s_w8n + (i * BLOCK_K + offs_k)[None, :], _to_e4m3(w, SOFT),
                  mask=row_mask[:, None])
-    if LR:  # columns K .. K + R_OUT: e4m3(lora_up * c / sw), zeros past R
+    if LR:  # columns K .. K + R_OUT: e4m3(lora_up * c / sw) (SPLIT: hi, hi, lo), zeros past them
         offs_r = tl.arange(0, R_BLOCK)
         lu = tl.load(lu_ptr + rows[:, None] * s_lun + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0)
         c = tl.load(c_ptr + offs_r, mask=offs_r < R, other=1.0)
         u = tl.math.div_rn(lu.to(tl.float32) * c[None, :], sw[:, None])
         u = tl.minimum(tl.maximum(u, -E4M3_MAX), E4M3_MAX)
-        tl.store(w8_ptr + rows[:, None] * s_w8n + (K + offs_r)[None, :], _to_e4m3(u, SOFT),
-                 mask=row_mask[:, None] & (offs_r < R_OUT)[None, :])
+        dst = w8_ptr + rows[:, None] * s_w8n + (K + offs_r)[None, :]
+        hi = _to_e4m3(u, SOFT)
+        if SPLIT:  # the last block also writes the zero columns (u is 0 past R)
+            lo = _to_e4m3(u - hi.to(tl.float32), SOFT)
+            tl.store(dst, hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
+            tl.store(dst + R, hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
+            tl.store(dst + 2 * R, lo, mask=row_mask[:, None] & (offs_r < R_OUT - 2 * R)[None, :])
+        else:
+            tl.store(dst, hi, mask=row_mask[:, None] & (offs_r < R_OUT)[None, :])
 
 
 def block_k(k: int) -> int:
@@ -141,15 +152,16 @@ def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tenso
 
     _w4_expand_kernel[grid](qw, ws, w8, sw, sw, sw, n, k, 0, qw.stride(0), ws.stride(0), w8.stride(0), 0,
                             TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups), BLOCK_K=bk, LR=False,
-                            R_OUT=0, R_BLOCK=1, SOFT=interpreting())
+                            SPLIT=False, R_OUT=0, R_BLOCK=1, SOFT=interpreting())
     return w8, sw
 
 
 def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
-                     sw: torch.Tensor) -> torch.Tensor:
+                     sw: torch.Tensor, split: bool = False) -> torch.Tensor:
     """The lrcat B operand (``graph_forms.lrcat_weight``): qweight uint8 [N, K/2], wscale [N, K/64], lora_up [N, R],
-    c fp32 [R], sw fp32 [N] -> e4m3 [N, K + R_pad] = [e4m3(q * wscale / sw) | e4m3(lora_up * c / sw) | 0] (R_pad:
-    R up to a multiple of 16), in one pass."""
+    c fp32 [R], sw fp32 [N] -> e4m3 [N, K + cols] = [e4m3(q * wscale / sw) | e4m3(u) | 0] with
+    u = lora_up * c / sw (``split``: [.. | hi(u) | hi(u) | lo(u) | 0]; cols: R or 3R up to a multiple of 16), in one
+    pass."""
     name = "w4_lrcat_to_e4m3"
     _check(name, qweight, wscale)
     n, k, r = qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[-1]
@@ -161,7 +173,7 @@ def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch
     qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
     lu = lora_up if lora_up.stride(-1) == 1 else lora_up.contiguous()
-    r_out = -(-r // 16) * 16
+    r_out = -(-r * (3 if split else 1) // 16) * 16  # graph_forms.lrcat_cols
     b8 = torch.empty((n, k + r_out), dtype=torch.float8_e4m3fn, device=qw.device)
     if n == 0:
         return b8
@@ -172,6 +184,7 @@ def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch
 
     _w4_expand_kernel[grid](qw, ws, b8, sw.contiguous(), lu, c.contiguous(), n, k, r, qw.stride(0), ws.stride(0),
                             b8.stride(0), lu.stride(0), TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups),
-                            BLOCK_K=bk, LR=True, R_OUT=r_out, R_BLOCK=max(16, triton.next_power_of_2(r_out)),
+                            BLOCK_K=bk, LR=True, SPLIT=split, R_OUT=r_out,
+                            R_BLOCK=max(16, triton.next_power_of_2(max(r, r_out - 2 * r) if split else r_out)),
                             SOFT=interpreting())
     return b8

@@ -54,7 +54,7 @@ from torch.fx.subgraph_rewriter import ReplacedPatterns, replace_pattern_with_fi
 import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
 from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
-from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, lrcat_rank, svdq_fp8_linear_form,
+from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, lrcat_cols, svdq_fp8_linear_form,
                                           svdq_lrcat_linear_form, svdq_nvfp4_fp8_linear_form, w4a16_linear_form,
                                           w4a16_lr_linear_form, w8a16_linear_form)
 from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
@@ -145,12 +145,14 @@ def svdq_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape, e
 
 
 @functools.lru_cache(maxsize=None)
-def svdq_lrcat_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape, expand: str = "graph") -> Callable:
-    """SVDQuant's fp8 form with the low-rank branch in the GEMM's K (``graph_forms.svdq_lrcat_linear_form``) for one
-    shape and GEMM, as a replacement; ``expand="kernel"``: its B operand by the op ``dit_passes::w4_lrcat_to_e4m3``."""
+def svdq_lrcat_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape, expand: str = "graph",
+                                split: bool = False) -> Callable:
+    """SVDQuant's fp8 form with the low-rank branch in the GEMM's K (``graph_forms.svdq_lrcat_linear_form``; ``split``:
+    hi / lo branch operands) for one shape and GEMM, as a replacement; ``expand="kernel"``: its B operand by the op
+    ``dit_passes::w4_lrcat_to_e4m3``."""
     def svdq_lrcat_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
         return svdq_lrcat_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm,
-                                      fast_accum, expand)
+                                      fast_accum, expand, split)
     return svdq_lrcat_form
 
 
@@ -172,14 +174,17 @@ def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optio
     form = dispatch.svdq_form(x_val, qweight)
     if form in _W4A8_REPLACEMENTS:  # the fused W4A8 kernels' op (exact or folded group scales)
         return _W4A8_REPLACEMENTS[form]
-    if form not in ("fp8", "lrcat"):
+    if form != "fp8" and form not in dispatch.LRCAT_FORMS:
         return None
     n, k, r = qweight.shape[0], 2 * qweight.shape[1], tensors["lora_down"].shape[0]
-    # lrcat's GEMM runs over K + R_pad columns
-    gemm = dispatch.fp8_gemm_backend(x_val, n, k + (lrcat_rank(r) if form == "lrcat" else 0), "per_row")
+    split = form == "lrcat_split"
+    # lrcat's GEMM runs over K + the branch's columns
+    gemm = dispatch.fp8_gemm_backend(x_val, n, k + (lrcat_cols(r, split) if form != "fp8" else 0), "per_row")
     shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=r)
-    make = svdq_lrcat_form_replacement if form == "lrcat" else svdq_fp8_form_replacement
-    return make(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape, dispatch.w4_expand())
+    fast = gemm == "scaled_mm" and dispatch.fp8_fast_accum()
+    if form == "fp8":
+        return svdq_fp8_form_replacement(gemm, fast, shape, dispatch.w4_expand())
+    return svdq_lrcat_form_replacement(gemm, fast, shape, dispatch.w4_expand(), split)
 
 
 @functools.lru_cache(maxsize=None)

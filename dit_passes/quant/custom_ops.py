@@ -18,9 +18,9 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
   uint8 [N, K/2] and group scales [N, K/64] -> (e4m3 [N, K], fp32 row scale [N]) (``graph_forms.w4_to_e4m3``);
   what the SVDQuant fp8 graph form writes for its weight expansion with ``DIT_PASSES_W4_EXPAND=kernel`` (CUDA: one
   bandwidth-bound Triton kernel, ``dit_passes.kernels.w4_expand_triton``)
-* ``dit_passes::w4_lrcat_to_e4m3(Tensor qweight, Tensor wscale, Tensor lora_up, Tensor c, Tensor sw) -> Tensor``:
-  the lrcat design's B operand e4m3 [N, K + R_pad] (``graph_forms.lrcat_weight``: the expanded int4 weights and the
-  scaled low-rank up factor under one row scale; CUDA: the same Triton kernel writing both parts)
+* ``dit_passes::w4_lrcat_to_e4m3(Tensor qweight, Tensor wscale, Tensor lora_up, Tensor c, Tensor sw, bool split)
+  -> Tensor``: the lrcat design's B operand e4m3 [N, K + cols] (``graph_forms.lrcat_weight``: the expanded int4
+  weights and the scaled low-rank up factor under one row scale; CUDA: the same Triton kernel writing both parts)
 * ``dit_passes::int8_tensor_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (one scale for
   the activations, one for the weight: cache-dit's ``int8_per_tensor``)
 * ``dit_passes::fp8_block_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (block-scaled
@@ -46,7 +46,7 @@ from . import dispatch
 from .fp8_block import check_fp8_block_args, fp8_block_linear_reference
 from .fp8_int8 import (FP8_DTYPE, FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference,
                        quantize_fp8_act)
-from .graph_forms import lrcat_rank, lrcat_weight
+from .graph_forms import lrcat_cols, lrcat_weight
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .nvfp4 import BLOCK, nvfp4_linear_reference
@@ -295,22 +295,23 @@ def _check_lrcat(qweight, wscale, lora_up, c, sw) -> int:
 
 @torch.library.custom_op("dit_passes::w4_lrcat_to_e4m3", mutates_args=())
 def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
-                     sw: torch.Tensor) -> torch.Tensor:
-    """The lrcat B operand [w8 | u8 | 0], reference implementation (any device): e4m3 [N, K + R_pad]."""
+                     sw: torch.Tensor, split: bool) -> torch.Tensor:
+    """The lrcat B operand [w8 | u8 | 0] (``split``: [w8 | u_hi | u_hi | u_lo | 0]), reference implementation (any
+    device): e4m3 [N, K + cols]."""
     r = _check_lrcat(qweight, wscale, lora_up, c, sw)
-    return lrcat_weight(qweight, wscale, lora_up, c, sw, qweight.shape[0], 2 * qweight.shape[1], r)
+    return lrcat_weight(qweight, wscale, lora_up, c, sw, qweight.shape[0], 2 * qweight.shape[1], r, split=split)
 
 
 @w4_lrcat_to_e4m3.register_kernel("cuda")
-def _w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw):
+def _w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw, split):
     _check_lrcat(qweight, wscale, lora_up, c, sw)
-    return dispatch.w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw)
+    return dispatch.w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw, split)
 
 
 @w4_lrcat_to_e4m3.register_fake
-def _w4_lrcat_to_e4m3_fake(qweight, wscale, lora_up, c, sw):
+def _w4_lrcat_to_e4m3_fake(qweight, wscale, lora_up, c, sw, split):
     r = _check_lrcat(qweight, wscale, lora_up, c, sw)
-    return qweight.new_empty((qweight.shape[0], 2 * qweight.shape[1] + lrcat_rank(r)), dtype=FP8_DTYPE)
+    return qweight.new_empty((qweight.shape[0], 2 * qweight.shape[1] + lrcat_cols(r, split)), dtype=FP8_DTYPE)
 
 
 @torch.library.custom_op("dit_passes::int8_tensor_linear", mutates_args=())

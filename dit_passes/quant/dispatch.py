@@ -21,7 +21,8 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
 * ``DIT_PASSES_W4A4_BACKEND=lrcat``: SVDQuant's linears are written as the fp8 form with the low-rank branch
   folded into the GEMM's K (``graph_forms.svdq_lrcat_linear_form``: one ``_scaled_mm`` over [qx | qh] and
   [w8 | u8], the branch in e4m3), on any device (the reference GEMM off the GPU); its B operand by ATen ops or, with
-  ``DIT_PASSES_W4_EXPAND=kernel``, by the op ``dit_passes::w4_lrcat_to_e4m3``. Not the default until measured.
+  ``DIT_PASSES_W4_EXPAND=kernel``, by the op ``dit_passes::w4_lrcat_to_e4m3``; ``lrcat_split``: the branch's
+  operands as e4m3 hi / lo pairs (3R columns, ~8 significant bits). Not the default until measured.
 * ``DIT_PASSES_W4A4_BACKEND`` = ``w4a8`` / ``w4a8_fold``: SVDQuant's linears are written as the op
   ``dit_passes::svdq_w4a8_linear`` (``fold`` False / True), which runs the fused W4A8 Triton kernels
   (``dit_passes.kernels.w4a8_triton``: the int4 weights turned into e4m3 inside the GEMM, per-token e4m3 activations
@@ -72,7 +73,8 @@ ACT_QUANT_ENV = "DIT_PASSES_FP8_ACT_QUANT"
 ACT_QUANT_SETTINGS = ("graph", "kernel")
 W4_EXPAND_ENV = "DIT_PASSES_W4_EXPAND"
 W4_EXPAND_SETTINGS = ("graph", "kernel")
-BACKENDS = ("auto", "triton", "cutlass", "fp8", "lrcat", "w4a8", "w4a8_fold")
+LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_forms.svdq_lrcat_linear_form
+BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 GROUP = 64
 
@@ -345,27 +347,29 @@ def w4_to_e4m3_cuda(qweight: torch.Tensor, wscale: torch.Tensor):
     return kernel.w4_to_e4m3(qweight, wscale)
 
 
-def w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw) -> torch.Tensor:
+def w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw, split: bool) -> torch.Tensor:
     """``dit_passes::w4_lrcat_to_e4m3`` on CUDA: the Triton kernel where it takes the tensors (sm_89+), else the
     reference (the same bytes)."""
     kernel = w4_expand_module()
     if kernel is None or not kernel.is_supported(qweight, wscale):
-        return lrcat_weight(qweight, wscale, lora_up, c, sw, qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[1])
-    return kernel.w4_lrcat_to_e4m3(qweight, wscale, lora_up, c, sw)
+        return lrcat_weight(qweight, wscale, lora_up, c, sw, qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[1],
+                            split=split)
+    return kernel.w4_lrcat_to_e4m3(qweight, wscale, lora_up, c, sw, split)
 
 
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     """How an SVDQuant linear is written into the graph: ``"fp8"`` (W4A8, the activations in e4m3 per token, on fp8
     tensor cores where ``_scaled_mm`` runs, plain ATen ops), ``"lrcat"`` (the same with the low-rank branch in the
-    GEMM's K; only when ``DIT_PASSES_W4A4_BACKEND=lrcat``), ``"w4a8"`` / ``"w4a8_fold"`` (the op
-    ``dit_passes::svdq_w4a8_linear``: the fused W4A8 kernels, exact / folded group scales; only when
-    ``DIT_PASSES_W4A4_BACKEND`` names them, on any device) or ``"op"`` (``dit_passes::svdq_w4a4_linear``: true
-    W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor cores).
+    GEMM's K; ``"lrcat_split"``: its hi / lo variant; only when ``DIT_PASSES_W4A4_BACKEND`` names them), ``"w4a8"``
+    / ``"w4a8_fold"`` (the op ``dit_passes::svdq_w4a8_linear``: the fused W4A8 kernels, exact / folded group
+    scales; only when ``DIT_PASSES_W4A4_BACKEND`` names them, on any device) or ``"op"``
+    (``dit_passes::svdq_w4a4_linear``: true W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor
+    cores).
     ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes it on Hopper (compute
     capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape; every other setting,
     device or shape gets the op."""
     setting = backend_setting()
-    if setting in ("fp8", "lrcat") or setting in W4A8_FORMS:
+    if setting == "fp8" or setting in LRCAT_FORMS or setting in W4A8_FORMS:
         return setting
     if setting != "auto" or x.device.type != "cuda" or capability(x.device)[0] != 9:
         return "op"

@@ -42,6 +42,12 @@ low-rank mm / addmm and no extra passes over the [M, N] output; the branch pays 
     u8 = e4m3(clamp(lora_up * c / sw, -448, 448))
     y  = GEMM([qx | qh | 0], sx, [w8 | u8 | 0], sw, bias)     # K + R_pad columns (R_pad: R up to a multiple of 16)
 
+``split=True`` (``DIT_PASSES_W4A4_BACKEND=lrcat_split``) gives the branch ~8 significant bits back for 3R columns:
+each branch operand v is rounded twice, ``hi = e4m3(v)``, ``lo = e4m3(v - hi)``, and
+``A = [qx | qh_hi | qh_lo | qh_hi]``, ``B = [w8 | u_hi | u_hi | u_lo]`` sum hi*hi + lo*hi + hi*lo (the dropped
+lo*lo and the second roundings are ~2**-8 relative). 3R = 96 columns are 3% more MMA work at K = 3072, <1% at
+12288 / 15360.
+
 (``c`` is the branch's scale on the lora_down side: the bound holds for the smoothed activations xs that lora_down
 reads.) ``c`` and ``sw`` are derived from the stored tensors in the graph (a [R, K] and an [N, K/64 + R] reduction
 per call); with ``expand="kernel"`` B is written by the op ``dit_passes::w4_lrcat_to_e4m3`` in one pass.
@@ -251,10 +257,32 @@ def svdq_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.T
     return _unrows(y, shape)
 
 
-def lrcat_rank(r: int) -> int:
-    """The low-rank columns appended to K by :func:`svdq_lrcat_linear_form`: r rounded up to a multiple of 16
-    (``_scaled_mm`` wants K + R_pad % 16 == 0; the padding columns are zeros in both operands)."""
-    return -(-r // 16) * 16
+def lrcat_cols(r: int, split: bool = False) -> int:
+    """The columns appended to K by :func:`svdq_lrcat_linear_form`: r (``split``: 3r, the hi / lo parts) rounded up to
+    a multiple of 16 (``_scaled_mm`` wants K + cols % 16 == 0; the padding columns are zeros in both operands)."""
+    return -(-r * (3 if split else 1) // 16) * 16
+
+
+def _hi_lo(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 v (|v| <= 448) -> (e4m3(v), e4m3(v - e4m3(v))): the second rounding leaves ~8 significant bits."""
+    hi = aten._to_copy.default(v, dtype=FP8_DTYPE)
+    return hi, aten._to_copy.default(aten.sub.Tensor(v, aten._to_copy.default(hi, dtype=_F32)), dtype=FP8_DTYPE)
+
+
+def _branch_cols(v: torch.Tensor, rows: int, r: int, split: bool, activation: bool) -> torch.Tensor:
+    """The branch's e4m3 columns of one operand from its fp32 values v [rows, R] (clamped): [v8] or, split, [hi | lo |
+    hi] (activations, A) / [hi | hi | lo] (weights, B), so that the products sum to hi*hi + lo*hi + hi*lo; zero
+    columns up to :func:`lrcat_cols`."""
+    if split:
+        hi, lo = _hi_lo(v)
+        out = aten.cat.default([hi, lo, hi] if activation else [hi, hi, lo], 1)
+    else:
+        out = aten._to_copy.default(v, dtype=FP8_DTYPE)
+    width = r * (3 if split else 1)
+    pad = lrcat_cols(r, split) - width
+    # constant_pad_nd has no e4m3 kernel on every device: pad an fp32 zero block and cast it
+    return out if not pad else aten.cat.default([out, aten._to_copy.default(
+        aten.new_zeros.default(v, [rows, pad]), dtype=FP8_DTYPE)], 1)
 
 
 def lrcat_scales(wscale: torch.Tensor, lora_down: torch.Tensor, lora_up: torch.Tensor,
@@ -271,12 +299,12 @@ def lrcat_scales(wscale: torch.Tensor, lora_down: torch.Tensor, lora_up: torch.T
 
 
 def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
-                 sw: torch.Tensor, n: int, k: int, r: int, expand: str = "graph") -> torch.Tensor:
-    """The lrcat B operand e4m3 [N, K + R_pad] = [w8 | u8 | 0]: ``w8[n, k] = e4m3(q * (wscale[n, k // 64] / sw[n]))``,
-    ``u8[n, r] = e4m3(lora_up[n, r] * c[r] / sw[n])`` (clamped to +-448); ``expand="kernel"``: the op
-    ``dit_passes::w4_lrcat_to_e4m3`` (one Triton kernel on CUDA writing both parts, the same bytes)."""
+                 sw: torch.Tensor, n: int, k: int, r: int, expand: str = "graph", split: bool = False) -> torch.Tensor:
+    """The lrcat B operand e4m3 [N, K + cols] = [w8 | u8 | 0]: ``w8[n, k] = e4m3(q * (wscale[n, k // 64] / sw[n]))``,
+    ``u[n, r] = clamp(lora_up[n, r] * c[r] / sw[n], -448, 448)`` as e4m3 (``split``: [hi | hi | lo] of it);
+    ``expand="kernel"``: the op ``dit_passes::w4_lrcat_to_e4m3`` (one Triton kernel on CUDA, the same bytes)."""
     if expand == "kernel":
-        return torch.ops.dit_passes.w4_lrcat_to_e4m3.default(qweight, wscale, lora_up, c, sw)
+        return torch.ops.dit_passes.w4_lrcat_to_e4m3.default(qweight, wscale, lora_up, c, sw, split)
     if expand not in W4_EXPANDS:
         raise ValueError(f"the int4 weight expansion must be one of {W4_EXPANDS}, got {expand!r}")
     q = aten.view.default(int4_values(qweight, _F32), [n, k // GROUP_SIZE, GROUP_SIZE])
@@ -284,29 +312,25 @@ def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Ten
     ratio = aten.unsqueeze.default(aten.div.Tensor(aten._to_copy.default(wscale, dtype=_F32), sw2), 2)
     w = aten.view.default(aten.clamp.default(aten.mul.Tensor(q, ratio), -FP8_MAX, FP8_MAX), [n, k])
     u = aten.div.Tensor(aten.mul.Tensor(aten._to_copy.default(lora_up, dtype=_F32), c), sw2)
-    u = aten.clamp.default(u, -FP8_MAX, FP8_MAX)
-    if lrcat_rank(r) > r:
-        u = aten.constant_pad_nd.default(u, [0, lrcat_rank(r) - r])
-    return aten._to_copy.default(aten.cat.default([w, u], 1), dtype=FP8_DTYPE)
+    u8 = _branch_cols(aten.clamp.default(u, -FP8_MAX, FP8_MAX), n, r, split, activation=False)
+    return aten.cat.default([aten._to_copy.default(w, dtype=FP8_DTYPE), u8], 1)
 
 
 def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
                            lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
-                           shape: LinearShape, gemm: str, fast_accum: bool = False,
-                           expand: str = "graph") -> torch.Tensor:
+                           shape: LinearShape, gemm: str, fast_accum: bool = False, expand: str = "graph",
+                           split: bool = False) -> torch.Tensor:
     """SVDQuant's stored tensors on fp8 tensor cores with the low-rank branch in the GEMM's K (module docstring,
-    lrcat): x [*lead, K] -> [*lead, N]."""
-    r, rp = shape.rank, lrcat_rank(shape.rank)
+    lrcat; ``split``: the branch's operands as e4m3 hi / lo pairs, 3R columns): x [*lead, K] -> [*lead, N]."""
+    r = shape.rank
     xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
     qx, sx = fp8_quantize(xs, per_row=True)
     c, sw = lrcat_scales(wscale, lora_down, lora_up, shape.k)
     h = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))     # [M, R]
-    qh = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
+    hs = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
                             -FP8_MAX, FP8_MAX)
-    if rp > r:
-        qh = aten.constant_pad_nd.default(qh, [0, rp - r])
-    a8 = aten.cat.default([qx, aten._to_copy.default(qh, dtype=FP8_DTYPE)], 1)                         # [M, K + Rp]
-    b8 = lrcat_weight(qweight, wscale, lora_up, c, sw, shape.n, shape.k, r, expand)
+    a8 = aten.cat.default([qx, _branch_cols(hs, shape.m, r, split, activation=True)], 1)            # [M, K + cols]
+    b8 = lrcat_weight(qweight, wscale, lora_up, c, sw, shape.n, shape.k, r, expand, split)
     y = fp8_gemm(a8, sx, b8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
     return _unrows(y, shape)
 
