@@ -17,8 +17,9 @@ vectorised packed tiles, splits the nibbles in registers (exact values by a bit 
 interleaves them back to k order and stores contiguous e4m3 rows.
 
 :func:`w4_lrcat_to_e4m3` (``dit_passes::w4_lrcat_to_e4m3``, the lrcat design's B operand, ``graph_forms.lrcat_weight``)
-is the same program with the row scale given (it covers the low-rank columns too) and, after the K loop, the row's
-low-rank columns ``e4m3(lora_up * c / sw)`` (split: hi, hi, lo) and the zero padding written into the same rows.
+is the same program with the low-rank factor in the row scale (``sw = max(8 * max_g ws, max_r |lora_up * c|) / 448``)
+and, after the K loop, the row's low-rank columns ``e4m3(lora_up * c / sw)`` (split: hi, hi, lo) and the zero
+padding written into the same rows.
 
 Numerics: the same operations in the same order as the specification on the CPU (true divisions, fp32 products of
 exact int4 values), so the bytes are equal. Under ``TRITON_INTERPRET=1`` (CPU tests) the e4m3 rounding is
@@ -57,13 +58,16 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows = tl.where(row_mask, rows, 0).to(tl.int64)  # rows past N read row 0 (no masks in the loop), store nothing
-    if LR:  # lrcat: the row scale is given (it also covers the low-rank columns)
-        sw = tl.load(sw_ptr + rows)
-    else:
-        offs_g = tl.arange(0, G_PAD)
-        ws = tl.load(ws_ptr + rows[:, None] * s_wsn + offs_g[None, :], mask=(offs_g < G)[None, :], other=0.0)
-        sw = tl.math.div_rn(tl.max(ws.to(tl.float32), axis=1) * 8.0, E4M3_MAX)   # [BLOCK_N]; the scales are >= 0
-        tl.store(sw_ptr + rows, sw, mask=row_mask)
+    offs_g = tl.arange(0, G_PAD)
+    ws = tl.load(ws_ptr + rows[:, None] * s_wsn + offs_g[None, :], mask=(offs_g < G)[None, :], other=0.0)
+    wmax = tl.max(ws.to(tl.float32), axis=1) * 8.0                    # [BLOCK_N]; the scales are >= 0
+    if LR:  # lrcat: the row scale also covers the low-rank columns lora_up * c
+        offs_r = tl.arange(0, R_BLOCK)
+        lu = tl.load(lu_ptr + rows[:, None] * s_lun + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0)
+        luc = lu.to(tl.float32) * tl.load(c_ptr + offs_r, mask=offs_r < R, other=1.0)[None, :]
+        wmax = tl.maximum(wmax, tl.max(tl.abs(luc), axis=1))
+    sw = tl.math.div_rn(wmax, E4M3_MAX)
+    tl.store(sw_ptr + rows, sw, mask=row_mask)
     GK: tl.constexpr = BLOCK_K // GROUP                                 # groups per chunk
     offs_b = tl.arange(0, BLOCK_K // 2)
     offs_gk = tl.arange(0, GK)
@@ -80,10 +84,7 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_
         tl.store(w8_ptr + rows[:, None] * s_w8n + (i * BLOCK_K + offs_k)[None, :], _to_e4m3(w, SOFT),
                  mask=row_mask[:, None])
     if LR:  # columns K .. K + R_OUT: e4m3(lora_up * c / sw) (SPLIT: hi, hi, lo), zeros past them
-        offs_r = tl.arange(0, R_BLOCK)
-        lu = tl.load(lu_ptr + rows[:, None] * s_lun + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0)
-        c = tl.load(c_ptr + offs_r, mask=offs_r < R, other=1.0)
-        u = tl.math.div_rn(lu.to(tl.float32) * c[None, :], sw[:, None])
+        u = tl.math.div_rn(luc, sw[:, None])
         u = tl.minimum(tl.maximum(u, -E4M3_MAX), E4M3_MAX)
         dst = w8_ptr + rows[:, None] * s_w8n + (K + offs_r)[None, :]
         hi = _to_e4m3(u, SOFT)
@@ -157,34 +158,33 @@ def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tenso
 
 
 def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
-                     sw: torch.Tensor, split: bool = False) -> torch.Tensor:
-    """The lrcat B operand (``graph_forms.lrcat_weight``): qweight uint8 [N, K/2], wscale [N, K/64], lora_up [N, R],
-    c fp32 [R], sw fp32 [N] -> e4m3 [N, K + cols] = [e4m3(q * wscale / sw) | e4m3(u) | 0] with
-    u = lora_up * c / sw (``split``: [.. | hi(u) | hi(u) | lo(u) | 0]; cols: R or 3R up to a multiple of 16), in one
-    pass."""
+                     split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat B operand and row scale (``graph_forms.lrcat_weight``): qweight uint8 [N, K/2], wscale [N, K/64],
+    lora_up [N, R], c fp32 [R] -> (e4m3 [N, K + cols] = [e4m3(q * wscale / sw) | e4m3(u) | 0], sw fp32 [N]) with
+    sw = max(8 * max_g wscale, max_r |lora_up * c|) / 448, u = lora_up * c / sw (``split``: [.. | hi(u) | hi(u) |
+    lo(u) | 0]; cols: R or 3R up to a multiple of 16), in one pass."""
     name = "w4_lrcat_to_e4m3"
     _check(name, qweight, wscale)
     n, k, r = qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[-1]
-    if lora_up.dim() != 2 or lora_up.shape[0] != n or tuple(c.shape) != (r,) or tuple(sw.shape) != (n,):
-        raise ValueError(f"{name}: lora_up must be [{n}, R], c [R] and sw [{n}], got {tuple(lora_up.shape)}, "
-                         f"{tuple(c.shape)}, {tuple(sw.shape)}")
-    if c.dtype != torch.float32 or sw.dtype != torch.float32:
-        raise ValueError(f"{name}: c and sw must be fp32, got {c.dtype} and {sw.dtype}")
+    if lora_up.dim() != 2 or lora_up.shape[0] != n or tuple(c.shape) != (r,) or c.dtype != torch.float32:
+        raise ValueError(f"{name}: lora_up must be [{n}, R] and c fp32 [R], got {tuple(lora_up.shape)} and {c.dtype} "
+                         f"{tuple(c.shape)}")
     qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
     lu = lora_up if lora_up.stride(-1) == 1 else lora_up.contiguous()
     r_out = -(-r * (3 if split else 1) // 16) * 16  # graph_forms.lrcat_cols
     b8 = torch.empty((n, k + r_out), dtype=torch.float8_e4m3fn, device=qw.device)
+    sw = torch.empty((n,), dtype=torch.float32, device=qw.device)
     if n == 0:
-        return b8
+        return b8, sw
     bk, groups = block_k(k), k // GROUP
 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _w4_expand_kernel[grid](qw, ws, b8, sw.contiguous(), lu, c.contiguous(), n, k, r, qw.stride(0), ws.stride(0),
+    _w4_expand_kernel[grid](qw, ws, b8, sw, lu, c.contiguous(), n, k, r, qw.stride(0), ws.stride(0),
                             b8.stride(0), lu.stride(0), TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups),
                             BLOCK_K=bk, LR=True, SPLIT=split, R_OUT=r_out,
                             R_BLOCK=max(16, triton.next_power_of_2(max(r, r_out - 2 * r) if split else r_out)),
                             SOFT=interpreting())
-    return b8
+    return b8, sw

@@ -136,24 +136,25 @@ def test_kernel_b_operand_bit_for_bit(rank, k, split, cols):
     _, _, _, q = _case(torch.bfloat16, k=k, n=40, rank=rank, seed=1)
     assert q.rank == rank
     c, sw = lrcat_scales(q.wscale, q.lora_down, q.lora_up, k)
-    want = lrcat_weight(q.qweight, q.wscale, q.lora_up, c, sw, q.N, k, rank, split=split)
-    got = K.w4_lrcat_to_e4m3(q.qweight, q.wscale, q.lora_up, c, sw, split)
+    want, want_sw = lrcat_weight(q.qweight, q.wscale, q.lora_up, c, q.N, k, rank, split=split)
+    got, got_sw = K.w4_lrcat_to_e4m3(q.qweight, q.wscale, q.lora_up, c, split)
     assert got.shape == (40, k + cols) and got.dtype == torch.float8_e4m3fn
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got_sw, want_sw) and torch.equal(want_sw, sw)
     assert not got[:, k + rank * (3 if split else 1):].view(torch.uint8).any()  # the padding columns are zeros
 
 
 def test_op_opcheck_compile_and_errors():
     x, _, _, q = _case(torch.bfloat16, k=128, n=32, rank=8)
-    c, sw = lrcat_scales(q.wscale, q.lora_down, q.lora_up, q.K)
+    c, _ = lrcat_scales(q.wscale, q.lora_down, q.lora_up, q.K)
     for split in (False, True):
-        torch.library.opcheck(torch.ops.dit_passes.w4_lrcat_to_e4m3, (q.qweight, q.wscale, q.lora_up, c, sw, split))
+        torch.library.opcheck(torch.ops.dit_passes.w4_lrcat_to_e4m3, (q.qweight, q.wscale, q.lora_up, c, split))
         want = _lrcat(x, q, split=split)
         assert torch.equal(_lrcat(x, q, expand="kernel", split=split), want)
         fn = torch.compile(lambda t: _lrcat(t, q, expand="kernel", split=split), fullgraph=True, backend="aot_eager")
         assert torch.equal(fn(x), want)
     with pytest.raises(ValueError, match="c must be fp32"):
-        OP(q.qweight, q.wscale, q.lora_up, c.double(), sw, False)
+        OP(q.qweight, q.wscale, q.lora_up, c.double(), False)
 
 
 @pytest.mark.parametrize("backend", ["lrcat", "lrcat_split"])
@@ -188,12 +189,12 @@ def test_cuda_lrcat_on_flux_shapes(k, n):
     """The kernel's B operand equals the CPU reference; the ``_scaled_mm`` form (fast accumulation) matches the
     reference GEMM up to bf16 output rounding and accumulation order."""
     x, _, _, q = _case(torch.bfloat16, k=k, n=n, seed=2)
-    c, sw = lrcat_scales(q.wscale, q.lora_down, q.lora_up, k)
-    want = lrcat_weight(q.qweight, q.wscale, q.lora_up, c, sw, n, k, q.rank)
-    cuda = [t.cuda() for t in (q.qweight, q.wscale, q.lora_up, c, sw)]
-    assert torch.equal(OP(*cuda, False).cpu().view(torch.uint8), want.view(torch.uint8))
-    want = lrcat_weight(q.qweight, q.wscale, q.lora_up, c, sw, n, k, q.rank, split=True)
-    assert torch.equal(OP(*cuda, True).cpu().view(torch.uint8), want.view(torch.uint8))
+    c, _ = lrcat_scales(q.wscale, q.lora_down, q.lora_up, k)
+    cuda = [t.cuda() for t in (q.qweight, q.wscale, q.lora_up, c)]
+    for split in (False, True):
+        want, want_sw = lrcat_weight(q.qweight, q.wscale, q.lora_up, c, n, k, q.rank, split=split)
+        got, got_sw = OP(*cuda, split)
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)) and torch.equal(got_sw.cpu(), want_sw)
     qc = q.to("cuda")
     for split in (False, True):
         got = _lrcat(x.cuda(), qc, gemm="scaled_mm", expand="kernel", split=split).cpu()

@@ -18,9 +18,10 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
   uint8 [N, K/2] and group scales [N, K/64] -> (e4m3 [N, K], fp32 row scale [N]) (``graph_forms.w4_to_e4m3``);
   what the SVDQuant fp8 graph form writes for its weight expansion with ``DIT_PASSES_W4_EXPAND=kernel`` (CUDA: one
   bandwidth-bound Triton kernel, ``dit_passes.kernels.w4_expand_triton``)
-* ``dit_passes::w4_lrcat_to_e4m3(Tensor qweight, Tensor wscale, Tensor lora_up, Tensor c, Tensor sw, bool split)
-  -> Tensor``: the lrcat design's B operand e4m3 [N, K + cols] (``graph_forms.lrcat_weight``: the expanded int4
-  weights and the scaled low-rank up factor under one row scale; CUDA: the same Triton kernel writing both parts)
+* ``dit_passes::w4_lrcat_to_e4m3(Tensor qweight, Tensor wscale, Tensor lora_up, Tensor c, bool split)
+  -> (Tensor, Tensor)``: the lrcat design's B operand e4m3 [N, K + cols] and row scale fp32 [N]
+  (``graph_forms.lrcat_weight``: the expanded int4 weights and the scaled low-rank up factor under one row scale;
+  CUDA: the same Triton kernel writing both parts)
 * ``dit_passes::int8_tensor_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (one scale for
   the activations, one for the weight: cache-dit's ``int8_per_tensor``)
 * ``dit_passes::fp8_block_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (block-scaled
@@ -281,37 +282,39 @@ def _w4_to_e4m3_fake(qweight, wscale):
     return qweight.new_empty((n, k), dtype=FP8_DTYPE), qweight.new_empty((n,), dtype=torch.float32)
 
 
-def _check_lrcat(qweight, wscale, lora_up, c, sw) -> int:
+def _check_lrcat(qweight, wscale, lora_up, c) -> int:
     _check_w4_expand(qweight, wscale)
     n, r = qweight.shape[0], lora_up.shape[-1]
     if lora_up.dim() != 2 or lora_up.shape[0] != n or not lora_up.is_floating_point():
         raise ValueError(f"dit_passes::w4_lrcat_to_e4m3: lora_up must be a float [{n}, R] tensor, got {lora_up.dtype} "
                          f"{list(lora_up.shape)}")
-    if c.dtype != torch.float32 or sw.dtype != torch.float32 or tuple(c.shape) != (r,) or tuple(sw.shape) != (n,):
-        raise ValueError(f"dit_passes::w4_lrcat_to_e4m3: c must be fp32 [{r}] and sw fp32 [{n}] "
-                         f"(graph_forms.lrcat_scales), got {c.dtype} {list(c.shape)} and {sw.dtype} {list(sw.shape)}")
+    if c.dtype != torch.float32 or tuple(c.shape) != (r,):
+        raise ValueError(f"dit_passes::w4_lrcat_to_e4m3: c must be fp32 [{r}] (graph_forms.lrcat_c), got {c.dtype} "
+                         f"{list(c.shape)}")
     return r
 
 
 @torch.library.custom_op("dit_passes::w4_lrcat_to_e4m3", mutates_args=())
 def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
-                     sw: torch.Tensor, split: bool) -> torch.Tensor:
-    """The lrcat B operand [w8 | u8 | 0] (``split``: [w8 | u_hi | u_hi | u_lo | 0]), reference implementation (any
-    device): e4m3 [N, K + cols]."""
-    r = _check_lrcat(qweight, wscale, lora_up, c, sw)
-    return lrcat_weight(qweight, wscale, lora_up, c, sw, qweight.shape[0], 2 * qweight.shape[1], r, split=split)
+                     split: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat B operand [w8 | u8 | 0] (``split``: [w8 | u_hi | u_hi | u_lo | 0]) and its row scale, reference
+    implementation (any device): (e4m3 [N, K + cols], fp32 [N])."""
+    r = _check_lrcat(qweight, wscale, lora_up, c)
+    return lrcat_weight(qweight, wscale, lora_up, c, qweight.shape[0], 2 * qweight.shape[1], r, split=split)
 
 
 @w4_lrcat_to_e4m3.register_kernel("cuda")
-def _w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw, split):
-    _check_lrcat(qweight, wscale, lora_up, c, sw)
-    return dispatch.w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw, split)
+def _w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, split):
+    _check_lrcat(qweight, wscale, lora_up, c)
+    return dispatch.w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, split)
 
 
 @w4_lrcat_to_e4m3.register_fake
-def _w4_lrcat_to_e4m3_fake(qweight, wscale, lora_up, c, sw, split):
-    r = _check_lrcat(qweight, wscale, lora_up, c, sw)
-    return qweight.new_empty((qweight.shape[0], 2 * qweight.shape[1] + lrcat_cols(r, split)), dtype=FP8_DTYPE)
+def _w4_lrcat_to_e4m3_fake(qweight, wscale, lora_up, c, split):
+    r = _check_lrcat(qweight, wscale, lora_up, c)
+    n = qweight.shape[0]
+    return (qweight.new_empty((n, 2 * qweight.shape[1] + lrcat_cols(r, split)), dtype=FP8_DTYPE),
+            qweight.new_empty((n,), dtype=torch.float32))
 
 
 @torch.library.custom_op("dit_passes::int8_tensor_linear", mutates_args=())

@@ -347,14 +347,14 @@ def w4_to_e4m3_cuda(qweight: torch.Tensor, wscale: torch.Tensor):
     return kernel.w4_to_e4m3(qweight, wscale)
 
 
-def w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, sw, split: bool) -> torch.Tensor:
+def w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, split: bool):
     """``dit_passes::w4_lrcat_to_e4m3`` on CUDA: the Triton kernel where it takes the tensors (sm_89+), else the
     reference (the same bytes)."""
     kernel = w4_expand_module()
     if kernel is None or not kernel.is_supported(qweight, wscale):
-        return lrcat_weight(qweight, wscale, lora_up, c, sw, qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[1],
+        return lrcat_weight(qweight, wscale, lora_up, c, qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[1],
                             split=split)
-    return kernel.w4_lrcat_to_e4m3(qweight, wscale, lora_up, c, sw, split)
+    return kernel.w4_lrcat_to_e4m3(qweight, wscale, lora_up, c, split)
 
 
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:

@@ -35,7 +35,7 @@ low-rank mm / addmm and no extra passes over the [M, N] output; the branch pays 
 
     xs, sx, qx as above
     c[r]  = sqrt(K) * ||lora_down[r, :]||_2          # |h[m, r]| <= ||xs[m]||_2 ||lora_down[r]||_2 <= amax|xs[m]| c[r]
-    sw[n] = max(8 * max_g wscale[n, g], max_r |lora_up[n, r] * c[r]|) / 448      (lrcat_scales)
+    sw[n] = max(8 * max_g wscale[n, g], max_r |lora_up[n, r] * c[r]|) / 448      (lrcat_row_scale)
     h  = x.dtype(xs) @ lora_down.T                                                # [M, R]
     qh = e4m3(clamp(h / (sx * c), -448, 448))       # |h / (sx c)| <= 448 by the bound: no overflow
     w8 = e4m3(clamp(q * (wscale / sw), -448, 448))  # as w4_to_e4m3, with the shared row scale
@@ -49,8 +49,9 @@ lo*lo and the second roundings are ~2**-8 relative). 3R = 96 columns are 3% more
 12288 / 15360.
 
 (``c`` is the branch's scale on the lora_down side: the bound holds for the smoothed activations xs that lora_down
-reads.) ``c`` and ``sw`` are derived from the stored tensors in the graph (a [R, K] and an [N, K/64 + R] reduction
-per call); with ``expand="kernel"`` B is written by the op ``dit_passes::w4_lrcat_to_e4m3`` in one pass.
+reads.) ``c`` and ``sw`` are derived from the stored tensors per call: c in the graph (a [R, K] reduction), sw with
+B (an [N, K/64 + R] reduction; ``expand="kernel"``: inside the op ``dit_passes::w4_lrcat_to_e4m3``, which writes B
+and sw in one pass).
 
 NVFP4 SVDQuant on fp8 tensor cores, :func:`svdq_nvfp4_fp8_linear_form` (the numerics of
 ``nvfp4.nvfp4_linear_reference``: every product exact, only the accumulation order differs)::
@@ -285,35 +286,46 @@ def _branch_cols(v: torch.Tensor, rows: int, r: int, split: bool, activation: bo
         aten.new_zeros.default(v, [rows, pad]), dtype=FP8_DTYPE)], 1)
 
 
-def lrcat_scales(wscale: torch.Tensor, lora_down: torch.Tensor, lora_up: torch.Tensor,
-                 k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(c fp32 [R], sw fp32 [N]) of the lrcat design (module docstring): ``c[r] = sqrt(K) * ||lora_down[r]||_2`` (a
-    zero row: 1), ``sw[n] = max(8 * max_g wscale[n, g], max_r |lora_up[n, r] * c[r]|) / 448``."""
+def lrcat_c(lora_down: torch.Tensor, k: int) -> torch.Tensor:
+    """The branch scale of the lrcat design, fp32 [R]: ``c[r] = sqrt(K) * ||lora_down[r]||_2`` (a zero row: 1)."""
     ld = aten._to_copy.default(lora_down, dtype=_F32)
     c = aten.mul.Tensor(aten.sqrt.default(aten.sum.dim_IntList(aten.mul.Tensor(ld, ld), [1])), float(k) ** 0.5)
-    c = aten.where.ScalarSelf(aten.eq.Scalar(c, 0), 1.0, c)
+    return aten.where.ScalarSelf(aten.eq.Scalar(c, 0), 1.0, c)
+
+
+def lrcat_row_scale(wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The lrcat row scale, fp32 [N]: ``sw[n] = max(8 * max_g wscale[n, g], max_r |lora_up[n, r] * c[r]|) / 448``."""
     luc = aten.mul.Tensor(aten._to_copy.default(lora_up, dtype=_F32), c)                        # [N, R]
     wmax = aten.mul.Tensor(aten.amax.default(aten._to_copy.default(wscale, dtype=_F32), [1]), W4_MAX)
-    sw = aten.div.Tensor(aten.maximum.default(wmax, aten.amax.default(aten.abs.default(luc), [1])), FP8_MAX)
-    return c, sw
+    return aten.div.Tensor(aten.maximum.default(wmax, aten.amax.default(aten.abs.default(luc), [1])), FP8_MAX)
 
 
-def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
-                 sw: torch.Tensor, n: int, k: int, r: int, expand: str = "graph", split: bool = False) -> torch.Tensor:
-    """The lrcat B operand e4m3 [N, K + cols] = [w8 | u8 | 0]: ``w8[n, k] = e4m3(q * (wscale[n, k // 64] / sw[n]))``,
-    ``u[n, r] = clamp(lora_up[n, r] * c[r] / sw[n], -448, 448)`` as e4m3 (``split``: [hi | hi | lo] of it);
-    ``expand="kernel"``: the op ``dit_passes::w4_lrcat_to_e4m3`` (one Triton kernel on CUDA, the same bytes)."""
+def lrcat_scales(wscale: torch.Tensor, lora_down: torch.Tensor, lora_up: torch.Tensor,
+                 k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(c fp32 [R], sw fp32 [N]) of the lrcat design (:func:`lrcat_c`, :func:`lrcat_row_scale`)."""
+    c = lrcat_c(lora_down, k)
+    return c, lrcat_row_scale(wscale, lora_up, c)
+
+
+def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor, n: int, k: int,
+                 r: int, expand: str = "graph", split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat B operand e4m3 [N, K + cols] = [w8 | u8 | 0] and its row scale sw fp32 [N] (:func:`lrcat_row_scale`):
+    ``w8[n, k] = e4m3(q * (wscale[n, k // 64] / sw[n]))``, ``u[n, r] = clamp(lora_up[n, r] * c[r] / sw[n], -448,
+    448)`` as e4m3 (``split``: [hi | hi | lo] of it); ``expand="kernel"``: the op ``dit_passes::w4_lrcat_to_e4m3``
+    (one Triton kernel on CUDA, the same bytes)."""
     if expand == "kernel":
-        return torch.ops.dit_passes.w4_lrcat_to_e4m3.default(qweight, wscale, lora_up, c, sw, split)
+        out = torch.ops.dit_passes.w4_lrcat_to_e4m3.default(qweight, wscale, lora_up, c, split)
+        return out[0], out[1]
     if expand not in W4_EXPANDS:
         raise ValueError(f"the int4 weight expansion must be one of {W4_EXPANDS}, got {expand!r}")
+    sw = lrcat_row_scale(wscale, lora_up, c)
     q = aten.view.default(int4_values(qweight, _F32), [n, k // GROUP_SIZE, GROUP_SIZE])
     sw2 = aten.view.default(sw, [n, 1])
     ratio = aten.unsqueeze.default(aten.div.Tensor(aten._to_copy.default(wscale, dtype=_F32), sw2), 2)
     w = aten.view.default(aten.clamp.default(aten.mul.Tensor(q, ratio), -FP8_MAX, FP8_MAX), [n, k])
     u = aten.div.Tensor(aten.mul.Tensor(aten._to_copy.default(lora_up, dtype=_F32), c), sw2)
     u8 = _branch_cols(aten.clamp.default(u, -FP8_MAX, FP8_MAX), n, r, split, activation=False)
-    return aten.cat.default([aten._to_copy.default(w, dtype=FP8_DTYPE), u8], 1)
+    return aten.cat.default([aten._to_copy.default(w, dtype=FP8_DTYPE), u8], 1), sw
 
 
 def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
@@ -325,12 +337,12 @@ def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch
     r = shape.rank
     xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
     qx, sx = fp8_quantize(xs, per_row=True)
-    c, sw = lrcat_scales(wscale, lora_down, lora_up, shape.k)
+    c = lrcat_c(lora_down, shape.k)
     h = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))     # [M, R]
     hs = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
                             -FP8_MAX, FP8_MAX)
     a8 = aten.cat.default([qx, _branch_cols(hs, shape.m, r, split, activation=True)], 1)            # [M, K + cols]
-    b8 = lrcat_weight(qweight, wscale, lora_up, c, sw, shape.n, shape.k, r, expand, split)
+    b8, sw = lrcat_weight(qweight, wscale, lora_up, c, shape.n, shape.k, r, expand, split)
     y = fp8_gemm(a8, sx, b8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
     return _unrows(y, shape)
 
