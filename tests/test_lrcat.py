@@ -184,7 +184,7 @@ def test_backend_lrcat_writes_the_form(monkeypatch, backend):
 
 
 @pytest.mark.skipif(not CUDA_FP8, reason="needs an sm_89+ GPU (torch._scaled_mm, the hardware e4m3 cast)")
-@pytest.mark.parametrize("k,n", [(3072, 3072), (3072, 12288), (12288, 3072), (15360, 3072)])
+@pytest.mark.parametrize("k,n", [(3072, 3072), (12288, 3072), (15360, 3072)])
 def test_cuda_lrcat_on_flux_shapes(k, n):
     """The kernel's B operand equals the CPU reference; the ``_scaled_mm`` form (fast accumulation) matches the
     reference GEMM up to bf16 output rounding and accumulation order."""
