@@ -153,6 +153,11 @@ def test_op_opcheck_compile_and_errors():
         assert torch.equal(_lrcat(x, q, expand="kernel", split=split), want)
         fn = torch.compile(lambda t: _lrcat(t, q, expand="kernel", split=split), fullgraph=True, backend="aot_eager")
         assert torch.equal(fn(x), want)
+    q0 = prepare_svdquant(torch.randn(32, 128, generator=torch.Generator().manual_seed(3)), None, rank=0,
+                          smooth="weight", dtype=torch.bfloat16)
+    shape0 = LinearShape.of(x, q0.N, q0.K, None, q0.wscale, rank=0)
+    args0 = (x, q0.qweight, q0.wscale, q0.lora_down, q0.lora_up, q0.smooth_inv, None, shape0, "reference")
+    assert torch.equal(svdq_lrcat_linear_form(*args0), svdq_fp8_linear_form(*args0))  # rank 0: nothing to fold
     with pytest.raises(ValueError, match="c must be fp32"):
         OP(q.qweight, q.wscale, q.lora_up, c.double(), False)
 

@@ -335,6 +335,9 @@ def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch
     """SVDQuant's stored tensors on fp8 tensor cores with the low-rank branch in the GEMM's K (module docstring,
     lrcat; ``split``: the branch's operands as e4m3 hi / lo pairs, 3R columns): x [*lead, K] -> [*lead, N]."""
     r = shape.rank
+    if r == 0:  # no branch to fold
+        return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum,
+                                    expand)
     xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
     qx, sx = fp8_quantize(xs, per_row=True)
     c = lrcat_c(lora_down, shape.k)
