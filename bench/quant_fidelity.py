@@ -16,7 +16,8 @@ is skipped for int4); embedders and the final projection stay. The AdaLN modulat
 ``w8a16`` (default, the passes' default) SVDQuant gives them weight-only int8 per row, fp8 / int8 their own form;
 ``w4a16`` SVDQuant weight-only int4; ``w4a16_lr`` weight-only int4 of the residual after a low-rank branch of the
 config's rank; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the
-configs quantizes them. ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
+configs quantizes them. ``svdq_r32_ptq_fused`` / ``svdq_r32_dq_fused``: ``FuseSiblingLinears`` first (the step
+benchmark's fused rows). ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
 F8B0, 8 warm-up steps, then always cached; and the same with sibling linears fused and fp8 per row).
 """
 from __future__ import annotations
@@ -61,14 +62,17 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
         own.set_progress_bar_config(disable=True)
         sample(own, list(range(10)), seed=CALIB_SEED, steps=steps, cond=pipe.digits_cond)
 
-    def ptq(rank, precision="int4"):
+    def ptq(rank, precision="int4", tag=""):  # tag: its own serialization folder (another graph, other tables)
         return lambda: SVDQuantW4A4(rank=rank, calibrate_fn=calibrate, precision=precision,
-                                    serialize_to=os.path.join(workdir, f"{precision}_r{rank}"), **svdq)
+                                    serialize_to=os.path.join(workdir, f"{precision}_r{rank}{tag}"), **svdq)
 
     makers = {
         "svdq_r16_ptq": ptq(16),
         "svdq_r32_ptq": ptq(32),
         "svdq_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, **svdq),
+        # the Hopper step rows' stack: q / k / v (+ proj_mlp) fused first, SVDQuant of the concatenated weights
+        "svdq_r32_ptq_fused": lambda: [FuseSiblingLinears(), ptq(32, tag="_fused")()],
+        "svdq_r32_dq_fused": lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=32, dynamic=True, **svdq)],
         "w4a4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", **svdq),
         "svdq_nvfp4_r32_ptq": ptq(32, "nvfp4"),
         "svdq_nvfp4_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, precision="nvfp4", **svdq),
