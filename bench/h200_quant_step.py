@@ -43,7 +43,9 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   branch folded into the GEMM's K (``graph_forms.svdq_lrcat_linear_form``: one ``_scaled_mm`` over [qx | qh] and
   [w8 | u8], no separate branch mm / addmm over the output; B written by ``dit_passes::w4_lrcat_to_e4m3``);
   ``svdq_w4_lrcat_split``: the same with the branch's operands as e4m3 hi / lo pairs (3R columns: the svdq fp8
-  form's fidelity back);
+  form's fidelity back); ``svdq_w4_lrcat_split_nofuse`` / ``svdq_w4_fp8_expandkernel``: without
+  ``FuseSiblingLinears`` (a fused group shares one rank-32 branch: digits DiT PTQ 46.2 -> 41.3 dB, fp8 form and
+  lrcat_split alike, ``bench/results/quant_fidelity_*_fused.md``), lrcat_split / the svdq fp8 form with the kernel;
 * ``svdq_w4_all_fp8_fast_accum``: the same with ``modulation="svdq"``, the AdaLN modulation linears W4A8 too;
 * ``svdq_w4_w4a8_fused`` / ``svdq_w4_w4a8_fused_fold`` (not by default): the same pass with
   ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``: each linear the op ``dit_passes::svdq_w4a8_linear``, the fused
@@ -103,9 +105,10 @@ TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers
 TINY = dict(img=64, txt=8, m=72, shapes=((64, 64), (64, 256), (256, 64), (320, 64)))
 # default order: the likely fastest designs first (rows not started within --budget-s are skipped)
 ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused", "svdq_w4_fp8_fused_expandkernel",
-        "svdq_w4_lrcat", "svdq_w4_lrcat_split", "svdq_w4_fp8_fast_accum", "svdq_w4_fp8_fused",
-        "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold",
-        "svdq_w4_op", "bf16_graphed", "fp8_fused_graphed", "fp8_fused_rowquant_graphed")
+        "svdq_w4_lrcat", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_nofuse", "svdq_w4_fp8_expandkernel",
+        "svdq_w4_fp8_fast_accum", "svdq_w4_fp8_fused", "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8",
+        "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op", "bf16_graphed", "fp8_fused_graphed",
+        "fp8_fused_rowquant_graphed")
 DEFAULT_ROWS = ROWS[:-6]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_act", "fp8_act_rowquant", "svdq_fp8",
            "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
@@ -160,6 +163,10 @@ def row_specs():
                           {dispatch.BACKEND_ENV: "lrcat", **fast, **expand}),
         "svdq_w4_lrcat_split": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
                                 {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand}),
+        # unfused: SVDQuant's fidelity at rank 32 per linear (fused groups share one rank-32 branch: -5 dB on digits)
+        "svdq_w4_lrcat_split_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                       {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand}),
+        "svdq_w4_fp8_expandkernel": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast, **expand}),
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
                                        {**w4a8, **fast}),
