@@ -100,6 +100,8 @@ def markdown(r: Dict[str, Any], order: Sequence[str] = ()) -> str:
                     cells.append("")
                     continue
                 extra = [f"{v['tflops']:.0f}" if "tflops" in v else f"{v['gb_per_s']:.0f} GB/s"]
+                if "gb_per_s_b2b" in v:
+                    extra.append(f"b2b {v['gb_per_s_b2b']:.0f} GB/s")
                 if v.get("speedup_vs_bf16_mm") is not None:
                     extra.append(f"{v['speedup_vs_bf16_mm']:.2f}x")
                 if "rel_err_vs_fp32" in v:

@@ -227,6 +227,13 @@ def back_to_back_ms(fn: Callable[[], Any], repeats: int, device: torch.device, b
     return statistics.median(times)
 
 
+def memory_bound(ms: float, b2b, nbytes: int) -> Dict[str, Any]:
+    """A bandwidth-bound row: ms and GB/s, and with calls back to back (a short kernel's time is mostly the op's
+    Python / launch overhead when each call starts on an idle GPU)."""
+    out = {"ms": ms, "gb_per_s": nbytes / (ms * 1e6)}
+    return out if b2b is None else {**out, "ms_b2b": b2b, "gb_per_s_b2b": nbytes / (b2b * 1e6)}
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm())
@@ -311,10 +318,10 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                 ms = median_ms(fn, args.linear_repeats, device, warmup=3)
                 b2b = back_to_back_ms(fn, args.linear_repeats, device, args.linear_b2b)
                 if name.startswith("w4_expand"):  # memory-bound: packed int4 + scales read, e4m3 written
-                    res[name] = {"ms": ms, "gb_per_s": (n * k // 2 + n * k) / (ms * 1e6)}
+                    res[name] = memory_bound(ms, b2b, n * k // 2 + n * k)
                     continue
                 if name in ("w4a8_act", "fp8_act", "fp8_act_rowquant"):  # memory-bound: bf16 x read, e4m3 written
-                    res[name] = {"ms": ms, "gb_per_s": (m * k * x.element_size() + m * k) / (ms * 1e6)}
+                    res[name] = memory_bound(ms, b2b, m * k * x.element_size() + m * k)
                     continue
                 if name.startswith("w4a8_gemm"):  # the GEMM alone: its time, no error of its own to report
                     res[name] = {"ms": ms, "ms_b2b": b2b, "tflops": 2 * m * n * k / (ms * 1e9), **w4a8_tile(name)}
