@@ -35,6 +35,17 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   tensor cores (``DIT_PASSES_W4A4_BACKEND=fp8``: the packed int4 weights expanded to e4m3 once per call with the
   group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16); the AdaLN
   modulation linears weight-only int8 (the pass's default ``modulation="w8a16"``: dequantized to bf16 per call);
+* ``svdq_w4_fp8_fused`` / ``svdq_w4_fp8_fused_expandkernel``: ``FuseSiblingLinears()`` then the
+  ``svdq_w4_fp8_fast_accum`` row's pass (SVDQuant of the concatenated q / k / v (+ proj_mlp) weight), the int4 weights
+  expanded by ATen ops / by the op ``dit_passes::w4_to_e4m3`` (``DIT_PASSES_W4_EXPAND=kernel``: one
+  bandwidth-bound Triton kernel, ``kernels/w4_expand_triton.py``);
+* ``svdq_w4_lrcat``: the ``svdq_w4_fp8_fused_expandkernel`` row with ``DIT_PASSES_W4A4_BACKEND=lrcat``: the low-rank
+  branch folded into the GEMM's K (``graph_forms.svdq_lrcat_linear_form``: one ``_scaled_mm`` over [qx | qh] and
+  [w8 | u8], no separate branch mm / addmm over the output; B written by ``dit_passes::w4_lrcat_to_e4m3``);
+  ``svdq_w4_lrcat_split``: the same with the branch's operands as e4m3 hi / lo pairs (3R columns: the svdq fp8
+  form's fidelity back); ``svdq_w4_lrcat_split_nofuse`` / ``svdq_w4_fp8_expandkernel``: without
+  ``FuseSiblingLinears`` (a fused group shares one rank-32 branch: digits DiT PTQ 46.2 -> 41.3 dB, fp8 form and
+  lrcat_split alike, ``bench/results/quant_fidelity_*_fused.md``), lrcat_split / the svdq fp8 form with the kernel;
 * ``svdq_w4_all_fp8_fast_accum``: the same with ``modulation="svdq"``, the AdaLN modulation linears W4A8 too;
 * ``svdq_w4_w4a8_fused`` / ``svdq_w4_w4a8_fused_fold`` (not by default): the same pass with
   ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``: each linear the op ``dit_passes::svdq_w4a8_linear``, the fused
@@ -54,9 +65,13 @@ Per linear (``linear_ms``), M = 4608, the four FLUX shapes K x N: ``bf16_mm`` (`
 ``dit_passes::fp8_quantize_rows``), ``fp8_act`` / ``fp8_act_rowquant`` (the activation quantization alone: Inductor's
 form / the op; GB/s of one bf16 read and one e4m3 write), ``svdq_fp8`` / ``svdq_fp8_fast_accum`` (rank 32, smoothing
 calibrated on the same activations; the W4A8 form compiled alone, weight expansion and low-rank branch included;
-``rel_err_w4a4_reference``: true W4A4's error on the same weights), ``w4_expand`` (the int4 -> e4m3 weight expansion
-alone), ``svdq_w4a8_fused`` / ``_fold`` (``dit_passes::svdq_w4a8_linear``, the fused W4A8 Triton kernels: group scales
-exact in fp32 / folded into the e4m3 weights), ``w4a8_act`` / ``w4a8_gemm`` / ``w4a8_gemm_fold`` (its two kernels
+``rel_err_w4a4_reference``: true W4A4's error on the same weights), ``w4_expand`` / ``w4_expand_kernel`` (the int4
+-> e4m3 weight expansion alone: Inductor's form / the op ``dit_passes::w4_to_e4m3``; GB/s of the packed read and
+the e4m3 write), ``svdq_fp8_fast_accum_expandkernel`` (``svdq_fp8_fast_accum`` with the op's expansion),
+``svdq_lrcat`` / ``svdq_lrcat_expandkernel`` (the lrcat form, fast accumulation, B by ATen ops / by the op),
+``svdq_lrcat_split_expandkernel`` (its hi / lo split, B by the op),
+``svdq_w4a8_fused`` / ``_fold`` (``dit_passes::svdq_w4a8_linear``, the fused W4A8 Triton kernels: group scales exact
+in fp32 / folded into the e4m3 weights), ``w4a8_act`` / ``w4a8_gemm`` / ``w4a8_gemm_fold`` (its two kernels
 alone: the activation pass, the GEMM on pre-quantized activations; GPU only), ``svdq_op`` (the custom op; not by
 default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error against the fp32 linear (random
 activations with 1% outlier channels, weights as ``nn.Linear`` initialises them; bias included; ``bf16_mm``'s error is
@@ -70,7 +85,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import sys
@@ -82,6 +96,7 @@ import torch
 # the sibling module: bench/ is sys.path[0] for `python bench/h200_quant_step.py`, but not under `python -P`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from h200_quant_linears import RANK, clear_svdq, linear_designs, svdq, w4a8_tile  # noqa: E402
+from h200_quant_report import markdown, save as save_report  # noqa: E402
 
 FULL = dict(img=4096, txt=512, m=4608, shapes=((3072, 3072), (3072, 12288), (12288, 3072), (15360, 3072)))
 TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
@@ -89,13 +104,16 @@ TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers
                    axes_dims_rope=(8, 12, 12))
 TINY = dict(img=64, txt=8, m=72, shapes=((64, 64), (64, 256), (256, 64), (320, 64)))
 # default order: the likely fastest designs first (rows not started within --budget-s are skipped)
-ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused", "svdq_w4_fp8_fast_accum",
-        "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8", "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold",
-        "svdq_w4_op", "bf16_graphed", "fp8_fused_graphed", "fp8_fused_rowquant_graphed")
+ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused", "svdq_w4_fp8_fused_expandkernel",
+        "svdq_w4_lrcat", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_nofuse", "svdq_w4_fp8_expandkernel",
+        "svdq_w4_fp8_fast_accum", "svdq_w4_fp8_fused", "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8",
+        "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op", "bf16_graphed", "fp8_fused_graphed",
+        "fp8_fused_rowquant_graphed")
 DEFAULT_ROWS = ROWS[:-6]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_act", "fp8_act_rowquant", "svdq_fp8",
            "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
-           "w4_expand", "svdq_op")
+           "w4_expand", "w4_expand_kernel", "svdq_fp8_fast_accum_expandkernel", "svdq_lrcat", "svdq_lrcat_expandkernel",
+           "svdq_lrcat_split_expandkernel", "svdq_op")
 DEFAULT_LINEARS = LINEARS[:-1]
 
 
@@ -125,6 +143,7 @@ def row_specs():
 
     exact, fast = {dispatch.FAST_ACCUM_ENV: "0"}, {dispatch.FAST_ACCUM_ENV: "1"}
     w4a8, rowquant = {dispatch.BACKEND_ENV: "fp8"}, {dispatch.ACT_QUANT_ENV: "kernel"}
+    expand = {dispatch.W4_EXPAND_ENV: "kernel"}
     specs = {
         "bf16": (lambda: [], {}),
         "fp8": (lambda: [Fp8Linear(exclude=())], exact),
@@ -135,6 +154,19 @@ def row_specs():
         "bf16_fused": (lambda: [FuseSiblingLinears()], {}),
         "svdq_w4_fp8": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **exact}),
         "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
+        # q / k / v (+ proj_mlp) fused first as in fp8_fused; the int4 weights expanded by ATen ops / by the op
+        "svdq_w4_fp8_fused": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
+        "svdq_w4_fp8_fused_expandkernel": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                           {**w4a8, **fast, **expand}),
+        # the low-rank branch in the GEMM's K (one _scaled_mm per linear), B written by the expansion kernel
+        "svdq_w4_lrcat": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
+                          {dispatch.BACKEND_ENV: "lrcat", **fast, **expand}),
+        "svdq_w4_lrcat_split": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand}),
+        # unfused: SVDQuant's fidelity at rank 32 per linear (fused groups share one rank-32 branch: -5 dB on digits)
+        "svdq_w4_lrcat_split_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                       {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand}),
+        "svdq_w4_fp8_expandkernel": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast, **expand}),
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
                                        {**w4a8, **fast}),
@@ -193,6 +225,13 @@ def back_to_back_ms(fn: Callable[[], Any], repeats: int, device: torch.device, b
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)
+
+
+def memory_bound(ms: float, b2b, nbytes: int) -> Dict[str, Any]:
+    """A bandwidth-bound row: ms and GB/s, and with calls back to back (a short kernel's time is mostly the op's
+    Python / launch overhead when each call starts on an idle GPU)."""
+    out = {"ms": ms, "gb_per_s": nbytes / (ms * 1e6)}
+    return out if b2b is None else {**out, "ms_b2b": b2b, "gb_per_s_b2b": nbytes / (b2b * 1e6)}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -278,11 +317,11 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                     continue
                 ms = median_ms(fn, args.linear_repeats, device, warmup=3)
                 b2b = back_to_back_ms(fn, args.linear_repeats, device, args.linear_b2b)
-                if name == "w4_expand":  # memory-bound: packed int4 + scales read, e4m3 written
-                    res[name] = {"ms": ms, "gb_per_s": (n * k // 2 + n * k) / (ms * 1e6)}
+                if name.startswith("w4_expand"):  # memory-bound: packed int4 + scales read, e4m3 written
+                    res[name] = memory_bound(ms, b2b, n * k // 2 + n * k)
                     continue
                 if name in ("w4a8_act", "fp8_act", "fp8_act_rowquant"):  # memory-bound: bf16 x read, e4m3 written
-                    res[name] = {"ms": ms, "gb_per_s": (m * k * x.element_size() + m * k) / (ms * 1e6)}
+                    res[name] = memory_bound(ms, b2b, m * k * x.element_size() + m * k)
                     continue
                 if name.startswith("w4a8_gemm"):  # the GEMM alone: its time, no error of its own to report
                     res[name] = {"ms": ms, "ms_b2b": b2b, "tflops": 2 * m * n * k / (ms * 1e9), **w4a8_tile(name)}
@@ -311,121 +350,8 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def summarize(r: Dict[str, Any]) -> None:
-    rows = r["rows"]
-    r["step_ms"] = {name: row["step_ms"] for name, row in rows.items()}
-    if "bf16" in rows:
-        r["bf16_compiled_ms"] = rows["bf16"]["step_ms"]
-    svdq = {n: v["step_ms"] for n, v in rows.items() if n.startswith("svdq_w4")}
-    if svdq:
-        best = min(svdq, key=svdq.get)
-        r["svdq_w4_compiled_ms"], r["svdq_w4_design"] = svdq[best], best
-    fp8 = {n: v["step_ms"] for n, v in rows.items() if n.startswith("fp8")}
-    if fp8:
-        best = min(fp8, key=fp8.get)
-        r["fp8_compiled_ms"], r["fp8_design"] = fp8[best], best
-    if "bf16" in rows:  # a graphed row against the graphed bf16 step where measured: like against like
-        def base(n):
-            return rows["bf16_graphed" if n.endswith("_graphed") and "bf16_graphed" in rows else "bf16"]["step_ms"]
-        r["speedup_vs_bf16"] = {n: base(n) / v["step_ms"] for n, v in rows.items()}
-    r["linear_ms"] = {shape: {d: v["ms"] for d, v in res.items()} for shape, res in r.get("linears", {}).items()}
-    r["memory"] = memory_ratios(rows)
-
-
-def memory_ratios(rows: Dict[str, Any]) -> Dict[str, Any]:
-    """Issue 21's FLUX-size keys: each quantized row's resident weights and step peak against the bf16 row's
-    (resident = every tensor the lowered graph holds plus what the original module still keeps)."""
-    if "bf16" not in rows:
-        return {}
-    def resident(v):
-        return v["weights_gib"] + v["original_only_gib"]
-    base = rows["bf16"]
-    out: Dict[str, Any] = {"bf16_weights_gib": resident(base), "bf16_peak_gib": base["peak_gib"]}
-    for key, prefix in (("svdq_w4", "svdq_w4_all"), ("svdq_w4_blocks", "svdq_w4_fp8"), ("fp8", "fp8")):
-        row = next((v for n, v in rows.items() if n.startswith(prefix)), None)
-        if row is None:
-            continue
-        out[f"{key}_weights_gib"], out[f"{key}_peak_gib"] = resident(row), row["peak_gib"]
-        out[f"{key}_weight_ratio"] = resident(row) / max(resident(base), 1e-12)
-        out[f"{key}_peak_ratio"] = row["peak_gib"] / max(base["peak_gib"], 1e-12)
-    return out
-
-
-def targets(r: Dict[str, Any]) -> List[str]:
-    """Issue 22's targets, each with what this run measured."""
-    out = []
-    sp = r.get("speedup_vs_bf16", {})
-    for key, design, goal in (("fp8", r.get("fp8_design"), 1.32), ("svdq_w4", r.get("svdq_w4_design"), 1.25)):
-        if design in sp:
-            got = sp[design]
-            out.append(f"{key} step >= {goal}x compiled bf16: {got:.3f}x ({design}) -- {'met' if got >= goal else 'missed'}")
-    per = {shape: max((v["speedup_vs_bf16_mm"] or 0 for d, v in res.items() if d.startswith("svdq") and "tflops" in v),
-                      default=None) for shape, res in r.get("linears", {}).items()}
-    if per and all(v is not None for v in per.values()):
-        ok = all(v >= 1.3 for v in per.values())
-        out.append("svdq W4 linear >= 1.3x bf16 mm on each shape: "
-                   + ", ".join(f"{s} {v:.2f}x" for s, v in per.items()) + f" -- {'met' if ok else 'missed'}")
-    per = {shape: max((v.get("speedup_b2b_vs_bf16_mm") or 0 for d, v in res.items() if d.startswith("svdq")),
-                      default=0) for shape, res in r.get("linears", {}).items()}
-    if per and all(per.values()):
-        ok = all(v >= 1.3 for v in per.values())
-        out.append("the same, calls back to back (GPU time, CPU overhead hidden): "
-                   + ", ".join(f"{s} {v:.2f}x" for s, v in per.items()) + f" -- {'met' if ok else 'missed'}")
-    return out or ["(no rows to compare)"]
-
-
-def markdown(r: Dict[str, Any]) -> str:
-    lines = [f"# FLUX.1-dev-size step, quantization rows ({r['device']}, torch {r['torch']})", "",
-             f"`{r['command']}`; {r['tokens']}; RegionalCompile ({r['compile']}) on every row.", "",
-             "| row | step ms | vs bf16 | rel. err vs bf16 | weights GiB | original kept GiB | peak GiB | first call s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, v in r["rows"].items():
-        sp = r.get("speedup_vs_bf16", {}).get(name)
-        lines.append(f"| {name} | {v['step_ms']:.2f} | {'' if sp is None else f'{sp:.3f}x'} | "
-                     f"{v['rel_err_vs_bf16']:.4f} | {v['weights_gib']:.2f} | {v['original_only_gib']:.2f} | "
-                     f"{v['peak_gib']:.2f} | {v['first_call_s']:.1f} |")
-    for k in ("skipped", "errors"):
-        if r.get(k):
-            lines += ["", f"{k}: {r[k]}"]
-    lines += ["", "Against issue 22's targets:", ""] + [f"- {t}" for t in targets(r)]
-    if r.get("linears"):
-        designs = sorted({d for res in r["linears"].values() for d in res}, key=lambda d: (LINEARS + (d,)).index(d))
-        lines += ["", f"Per linear, M = {r['linear_m']}: ms [/ ms per call back to back] (TFLOP/s, speedup vs bf16 mm, "
-                  "rel. err vs fp32; for SVDQuant also true W4A4's rel. err on the same weights; b2b: the speedup "
-                  "with calls back to back)", "",
-                  "| design | " + " | ".join(r["linears"]) + " |", "|---|" + "---|" * len(r["linears"])]
-        for d in designs:
-            cells = []
-            for res in r["linears"].values():
-                v = res.get(d)
-                if v is None:
-                    cells.append("")
-                    continue
-                extra = [f"{v['tflops']:.0f}" if "tflops" in v else f"{v['gb_per_s']:.0f} GB/s"]
-                if v.get("speedup_vs_bf16_mm") is not None:
-                    extra.append(f"{v['speedup_vs_bf16_mm']:.2f}x")
-                if "rel_err_vs_fp32" in v:
-                    extra.append(f"{v['rel_err_vs_fp32']:.2e}")
-                if "rel_err_w4a4_reference" in v:
-                    extra.append(f"W4A4 {v['rel_err_w4a4_reference']:.2e}")
-                b2b = "" if v.get("ms_b2b") is None else f" / {v['ms_b2b']:.3f}"
-                if v.get("speedup_b2b_vs_bf16_mm") is not None:
-                    extra.append(f"b2b {v['speedup_b2b_vs_bf16_mm']:.2f}x")
-                cells.append(f"{v['ms']:.3f}{b2b} ({', '.join(extra)})")
-            lines.append(f"| {d} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def save(r: Dict[str, Any], out: str) -> None:
-    os.makedirs(out, exist_ok=True)
-    summarize(r)
-    with open(os.path.join(out, "h200_quant_step.json"), "w") as f:
-        json.dump(r, f, indent=1)
-    with open(os.path.join(out, "h200_quant_step.md"), "w") as f:
-        f.write(markdown(r))
-    if r.get("memory"):
-        with open(os.path.join(out, "memory.json"), "w") as f:
-            json.dump({"command": r["command"], "device": r["device"], "torch": r["torch"], **r["memory"]}, f, indent=1)
+    save_report(r, out, LINEARS)
 
 
 def build_model(config: Dict[str, Any], device: torch.device):
@@ -478,7 +404,7 @@ def main(argv=None) -> int:
     if args.linears_only:
         r["total_s"] = time.perf_counter() - t_start
         save(r, args.out)
-        log(markdown(r))
+        log(markdown(r, LINEARS))
         return 0
     kw = flux_inputs(config, sizes["img"], sizes["txt"], device, torch.bfloat16)
     specs = row_specs()
@@ -509,7 +435,7 @@ def main(argv=None) -> int:
         save(r, args.out)
     r["total_s"] = time.perf_counter() - t_start
     save(r, args.out)
-    log(markdown(r))
+    log(markdown(r, LINEARS))
     return 0 if not r["errors"] else 1
 
 

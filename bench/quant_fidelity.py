@@ -16,7 +16,8 @@ is skipped for int4); embedders and the final projection stay. The AdaLN modulat
 ``w8a16`` (default, the passes' default) SVDQuant gives them weight-only int8 per row, fp8 / int8 their own form;
 ``w4a16`` SVDQuant weight-only int4; ``w4a16_lr`` weight-only int4 of the residual after a low-rank branch of the
 config's rank; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the
-configs quantizes them. ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
+configs quantizes them. ``svdq_r32_ptq_fused`` / ``svdq_r32_dq_fused``: ``FuseSiblingLinears`` first (the step
+benchmark's fused rows). ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
 F8B0, 8 warm-up steps, then always cached; and the same with sibling linears fused and fp8 per row).
 """
 from __future__ import annotations
@@ -34,6 +35,11 @@ import torch
 
 COMMAND = ".venv/bin/python bench/quant_fidelity.py"
 CALIB_SEED = 1000
+NUMERICS = {"auto": "W4A4 (true 4-bit activations, the reference)",
+            "fp8": "W4A8 (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token)",
+            "lrcat": "W4A8 lrcat (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token, the "
+                     "low-rank branch folded into the GEMM's K in e4m3)",
+            "lrcat_split": "W4A8 lrcat_split (as lrcat, the branch's operands as e4m3 hi / lo pairs: 3R columns)"}
 
 
 def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w8a16"):
@@ -56,14 +62,17 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
         own.set_progress_bar_config(disable=True)
         sample(own, list(range(10)), seed=CALIB_SEED, steps=steps, cond=pipe.digits_cond)
 
-    def ptq(rank, precision="int4"):
+    def ptq(rank, precision="int4", tag=""):  # tag: its own serialization folder (another graph, other tables)
         return lambda: SVDQuantW4A4(rank=rank, calibrate_fn=calibrate, precision=precision,
-                                    serialize_to=os.path.join(workdir, f"{precision}_r{rank}"), **svdq)
+                                    serialize_to=os.path.join(workdir, f"{precision}_r{rank}{tag}"), **svdq)
 
     makers = {
         "svdq_r16_ptq": ptq(16),
         "svdq_r32_ptq": ptq(32),
         "svdq_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, **svdq),
+        # the Hopper step rows' stack: q / k / v (+ proj_mlp) fused first, SVDQuant of the concatenated weights
+        "svdq_r32_ptq_fused": lambda: [FuseSiblingLinears(), ptq(32, tag="_fused")()],
+        "svdq_r32_dq_fused": lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=32, dynamic=True, **svdq)],
         "w4a4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", **svdq),
         "svdq_nvfp4_r32_ptq": ptq(32, "nvfp4"),
         "svdq_nvfp4_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, precision="nvfp4", **svdq),
@@ -111,8 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="quant_fidelity", help="base name of the .json / .md / grid folder")
-    ap.add_argument("--w4a4-backend", choices=("auto", "fp8"), default="auto",
-                    help="fp8: SVDQuant's linears in the Hopper design's numerics (W4A8, e4m3 activations per token)")
+    ap.add_argument("--w4a4-backend", choices=tuple(NUMERICS), default="auto",
+                    help="fp8: SVDQuant's linears in the Hopper design's numerics (W4A8, e4m3 activations per token); "
+                         "lrcat: the same with the low-rank branch in the GEMM's K (e4m3 branch); lrcat_split: "
+                         "the branch as e4m3 hi / lo pairs")
     ap.add_argument("--modulation", nargs="?", const="svdq", default="w8a16",
                     choices=("w8a16", "w4a16", "w4a16_lr", "svdq", "none"),
                     help="the AdaLN modulation linears under SVDQuant: weight-only int8 (default), weight-only int4, "
@@ -153,8 +164,7 @@ def main(argv=None) -> int:
         + (f" --w4a4-backend {args.w4a4_backend}" if args.w4a4_backend != "auto" else "")
         + (f" --modulation {args.modulation}" if args.modulation != "w8a16" else "")
         + (f" --only {' '.join(args.only)}" if args.only else ""),
-        "w4a4_numerics": "W4A8 (Hopper design: int4 weights expanded to e4m3, e4m3 activations per token)"
-        if args.w4a4_backend == "fp8" else "W4A4 (true 4-bit activations, the reference)",
+        "w4a4_numerics": NUMERICS[args.w4a4_backend],
         "modulation": args.modulation, "modulation_quantized": args.modulation != "none",
         "model": "digits FluxTransformer2DModel (4 double + 8 single blocks, hidden 64), fp32, CPU",
         "steps": args.steps, "seeds": args.seeds, "labels": labels, "num_samples": report["num_samples"],

@@ -25,7 +25,9 @@ e.g. for ``fp8_per_row`` on an H200::
         y = aten.view(aten._scaled_mm(qx, aten.t(qw), sx, aten.view(ws, [1, N]), b2, None, bfloat16, False), [B, S, N])
 
 SVDQuant's kind can also be written as ``torch.ops.dit_passes.svdq_w4a8_linear.default(x, ..., b2, fold)`` (the
-fused W4A8 kernels; ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``, ``dispatch.svdq_form``).
+fused W4A8 kernels; ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``, ``dispatch.svdq_form``), or as the fp8
+form with the low-rank branch in the GEMM's K (``DIT_PASSES_W4A4_BACKEND=lrcat``,
+``graph_forms.svdq_lrcat_linear_form``).
 
 A kind without an op (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``,
 weight-only int8 / fp8 / int4 / int4 + low-rank / NVFP4) is always its graph form, shape-generic: the int8 or e4m3
@@ -52,9 +54,9 @@ from torch.fx.subgraph_rewriter import ReplacedPatterns, replace_pattern_with_fi
 import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
 from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
-from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, svdq_fp8_linear_form,
-                                          svdq_nvfp4_fp8_linear_form, w4a16_linear_form, w4a16_lr_linear_form,
-                                          w8a16_linear_form)
+from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, lrcat_cols, svdq_fp8_linear_form,
+                                          svdq_lrcat_linear_form, svdq_nvfp4_fp8_linear_form, w4a16_linear_form,
+                                          w4a16_lr_linear_form, w8a16_linear_form)
 from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
 
 
@@ -133,11 +135,25 @@ def _fp8_inline(granularity: str) -> Callable:
 
 
 @functools.lru_cache(maxsize=None)
-def svdq_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape) -> Callable:
-    """SVDQuant's W4A8 graph form (fp8 tensor cores) for one shape and GEMM, as a replacement."""
+def svdq_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape, expand: str = "graph") -> Callable:
+    """SVDQuant's W4A8 graph form (fp8 tensor cores) for one shape and GEMM, as a replacement; ``expand="kernel"``:
+    its weights expanded by the op ``dit_passes::w4_to_e4m3``."""
     def svdq_fp8_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
-        return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum)
+        return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum,
+                                    expand)
     return svdq_fp8_form
+
+
+@functools.lru_cache(maxsize=None)
+def svdq_lrcat_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape, expand: str = "graph",
+                                split: bool = False) -> Callable:
+    """SVDQuant's fp8 form with the low-rank branch in the GEMM's K (``graph_forms.svdq_lrcat_linear_form``; ``split``:
+    hi / lo branch operands) for one shape and GEMM, as a replacement; ``expand="kernel"``: its B operand by the op
+    ``dit_passes::w4_lrcat_to_e4m3``."""
+    def svdq_lrcat_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
+        return svdq_lrcat_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm,
+                                      fast_accum, expand, split)
+    return svdq_lrcat_form
 
 
 def svdq_w4a8_replacement(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
@@ -158,12 +174,17 @@ def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optio
     form = dispatch.svdq_form(x_val, qweight)
     if form in _W4A8_REPLACEMENTS:  # the fused W4A8 kernels' op (exact or folded group scales)
         return _W4A8_REPLACEMENTS[form]
-    if form != "fp8":
+    if form != "fp8" and form not in dispatch.LRCAT_FORMS:
         return None
-    n, k = qweight.shape[0], 2 * qweight.shape[1]
-    gemm = dispatch.fp8_gemm_backend(x_val, n, k, "per_row")
-    shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=tensors["lora_down"].shape[0])
-    return svdq_fp8_form_replacement(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
+    n, k, r = qweight.shape[0], 2 * qweight.shape[1], tensors["lora_down"].shape[0]
+    split = form == "lrcat_split"
+    # lrcat's GEMM runs over K + the branch's columns
+    gemm = dispatch.fp8_gemm_backend(x_val, n, k + (lrcat_cols(r, split) if form != "fp8" else 0), "per_row")
+    shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=r)
+    fast = gemm == "scaled_mm" and dispatch.fp8_fast_accum()
+    if form == "fp8":
+        return svdq_fp8_form_replacement(gemm, fast, shape, dispatch.w4_expand())
+    return svdq_lrcat_form_replacement(gemm, fast, shape, dispatch.w4_expand(), split)
 
 
 @functools.lru_cache(maxsize=None)

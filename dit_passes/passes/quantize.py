@@ -254,6 +254,10 @@ class _QuantizeLinears(Pass):
         if rowquant:  # DIT_PASSES_FP8_ACT_QUANT=kernel: the activations quantized by the op, not by ATen ops
             counts["act_quant_ops"] = rowquant
             notes.append(f"{rowquant} activation quantization(s) as dit_passes::fp8_quantize_rows")
+        expand = sum(n.target is torch.ops.dit_passes.w4_to_e4m3.default for n in gm.graph.nodes)
+        if expand:  # DIT_PASSES_W4_EXPAND=kernel: SVDQuant's int4 weights expanded by the op, not by ATen ops
+            counts["w4_expand_ops"] = expand
+            notes.append(f"{expand} int4 weight expansion(s) as dit_passes::w4_to_e4m3")
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
         per_kind = ", ".join(f"{k[len('kind_'):]} {v}" for k, v in counts.items() if k.startswith("kind_"))
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "

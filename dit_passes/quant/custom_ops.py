@@ -14,6 +14,14 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 * ``dit_passes::fp8_quantize_rows(Tensor x) -> (Tensor, Tensor)``: x [M, K] (fp32 / bf16 / fp16) -> (e4m3 [M, K],
   fp32 scale [M, 1]) per row (``fp8_int8.quantize_fp8_act``); what the fp8 graph form writes for its activations
   with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (CUDA: one Triton kernel, ``dit_passes.kernels.fp8_rowquant_triton``)
+* ``dit_passes::w4_to_e4m3(Tensor qweight, Tensor wscale) -> (Tensor, Tensor)``: SVDQuant's packed int4 weights
+  uint8 [N, K/2] and group scales [N, K/64] -> (e4m3 [N, K], fp32 row scale [N]) (``graph_forms.w4_to_e4m3``);
+  what the SVDQuant fp8 graph form writes for its weight expansion with ``DIT_PASSES_W4_EXPAND=kernel`` (CUDA: one
+  bandwidth-bound Triton kernel, ``dit_passes.kernels.w4_expand_triton``)
+* ``dit_passes::w4_lrcat_to_e4m3(Tensor qweight, Tensor wscale, Tensor lora_up, Tensor c, bool split)
+  -> (Tensor, Tensor)``: the lrcat design's B operand e4m3 [N, K + cols] and row scale fp32 [N]
+  (``graph_forms.lrcat_weight``: the expanded int4 weights and the scaled low-rank up factor under one row scale;
+  CUDA: the same Triton kernel writing both parts)
 * ``dit_passes::int8_tensor_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (one scale for
   the activations, one for the weight: cache-dit's ``int8_per_tensor``)
 * ``dit_passes::fp8_block_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (block-scaled
@@ -39,6 +47,8 @@ from . import dispatch
 from .fp8_block import check_fp8_block_args, fp8_block_linear_reference
 from .fp8_int8 import (FP8_DTYPE, FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference,
                        quantize_fp8_act)
+from .graph_forms import lrcat_cols, lrcat_weight
+from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .nvfp4 import BLOCK, nvfp4_linear_reference
 from .w4a8 import w4a8_linear_reference
@@ -238,6 +248,73 @@ def _fp8_quantize_rows_cuda(x):
 def _fp8_quantize_rows_fake(x):
     _check_rows(x)
     return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+def _check_w4_expand(qweight, wscale) -> None:
+    k = 2 * qweight.shape[-1]
+    ok = qweight.dtype == torch.uint8 and qweight.dim() == 2 and k > 0 and k % 64 == 0
+    if not ok or wscale.dim() != 2 or wscale.shape[0] != qweight.shape[0] or wscale.shape[1] * 64 != k:
+        raise ValueError(f"dit_passes::w4_to_e4m3: qweight must be uint8 [N, K/2] with K a positive multiple of 64 "
+                         f"and wscale [N, K/64], got {qweight.dtype} {list(qweight.shape)} and {list(wscale.shape)}")
+    if not wscale.is_floating_point():
+        raise ValueError(f"dit_passes::w4_to_e4m3: wscale must be a float tensor, got {wscale.dtype}")
+
+
+@torch.library.custom_op("dit_passes::w4_to_e4m3", mutates_args=())
+def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed int4 weights to e4m3 with the group scales folded, reference implementation (any device): (e4m3
+    [N, K], fp32 row scale [N])."""
+    _check_w4_expand(qweight, wscale)
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    return w4_to_e4m3_reference(qweight, wscale, n, k)
+
+
+@w4_to_e4m3.register_kernel("cuda")
+def _w4_to_e4m3_cuda(qweight, wscale):
+    _check_w4_expand(qweight, wscale)
+    return dispatch.w4_to_e4m3_cuda(qweight, wscale)
+
+
+@w4_to_e4m3.register_fake
+def _w4_to_e4m3_fake(qweight, wscale):
+    _check_w4_expand(qweight, wscale)
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    return qweight.new_empty((n, k), dtype=FP8_DTYPE), qweight.new_empty((n,), dtype=torch.float32)
+
+
+def _check_lrcat(qweight, wscale, lora_up, c) -> int:
+    _check_w4_expand(qweight, wscale)
+    n, r = qweight.shape[0], lora_up.shape[-1]
+    if lora_up.dim() != 2 or lora_up.shape[0] != n or not lora_up.is_floating_point():
+        raise ValueError(f"dit_passes::w4_lrcat_to_e4m3: lora_up must be a float [{n}, R] tensor, got {lora_up.dtype} "
+                         f"{list(lora_up.shape)}")
+    if c.dtype != torch.float32 or tuple(c.shape) != (r,):
+        raise ValueError(f"dit_passes::w4_lrcat_to_e4m3: c must be fp32 [{r}] (graph_forms.lrcat_c), got {c.dtype} "
+                         f"{list(c.shape)}")
+    return r
+
+
+@torch.library.custom_op("dit_passes::w4_lrcat_to_e4m3", mutates_args=())
+def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
+                     split: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat B operand [w8 | u8 | 0] (``split``: [w8 | u_hi | u_hi | u_lo | 0]) and its row scale, reference
+    implementation (any device): (e4m3 [N, K + cols], fp32 [N])."""
+    r = _check_lrcat(qweight, wscale, lora_up, c)
+    return lrcat_weight(qweight, wscale, lora_up, c, qweight.shape[0], 2 * qweight.shape[1], r, split=split)
+
+
+@w4_lrcat_to_e4m3.register_kernel("cuda")
+def _w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, split):
+    _check_lrcat(qweight, wscale, lora_up, c)
+    return dispatch.w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, split)
+
+
+@w4_lrcat_to_e4m3.register_fake
+def _w4_lrcat_to_e4m3_fake(qweight, wscale, lora_up, c, split):
+    r = _check_lrcat(qweight, wscale, lora_up, c)
+    n = qweight.shape[0]
+    return (qweight.new_empty((n, 2 * qweight.shape[1] + lrcat_cols(r, split)), dtype=FP8_DTYPE),
+            qweight.new_empty((n,), dtype=torch.float32))
 
 
 @torch.library.custom_op("dit_passes::int8_tensor_linear", mutates_args=())

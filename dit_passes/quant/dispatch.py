@@ -18,6 +18,11 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   SVDQuant's linears are written as W4A8 on fp8 tensor cores (``graph_forms.svdq_fp8_linear_form``) on Hopper
   by default and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (its GEMM follows :func:`fp8_gemm_backend`: the
   reference on CPU), else as the custom op (true W4A4, above): :func:`svdq_form`.
+* ``DIT_PASSES_W4A4_BACKEND=lrcat``: SVDQuant's linears are written as the fp8 form with the low-rank branch
+  folded into the GEMM's K (``graph_forms.svdq_lrcat_linear_form``: one ``_scaled_mm`` over [qx | qh] and
+  [w8 | u8], the branch in e4m3), on any device (the reference GEMM off the GPU); its B operand by ATen ops or, with
+  ``DIT_PASSES_W4_EXPAND=kernel``, by the op ``dit_passes::w4_lrcat_to_e4m3``; ``lrcat_split``: the branch's
+  operands as e4m3 hi / lo pairs (3R columns, ~8 significant bits). Not the default until measured.
 * ``DIT_PASSES_W4A4_BACKEND`` = ``w4a8`` / ``w4a8_fold``: SVDQuant's linears are written as the op
   ``dit_passes::svdq_w4a8_linear`` (``fold`` False / True), which runs the fused W4A8 Triton kernels
   (``dit_passes.kernels.w4a8_triton``: the int4 weights turned into e4m3 inside the GEMM, per-token e4m3 activations
@@ -32,6 +37,11 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   ``kernel`` (the op ``dit_passes::fp8_quantize_rows``, written on any device; on CUDA one Triton kernel reading
   x once, ``dit_passes.kernels.fp8_rowquant_triton``, on sm_89+ (:func:`fp8_quantize_rows_cuda`), else its
   reference). Not the default until measured faster on the step.
+* The SVDQuant fp8 graph form's weight expansion (int4 -> e4m3, group scales folded), :func:`w4_expand`:
+  ``DIT_PASSES_W4_EXPAND`` = ``graph`` (default: ATen ops, ``graph_forms.w4_to_e4m3``, fused by Inductor) |
+  ``kernel`` (the op ``dit_passes::w4_to_e4m3``, written on any device; on CUDA one bandwidth-bound Triton kernel,
+  ``dit_passes.kernels.w4_expand_triton``, on sm_89+ (:func:`w4_to_e4m3_cuda`), else its reference). Not the default
+  until measured faster on the step.
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -52,6 +62,8 @@ from typing import Dict, Optional
 import torch
 
 from .fp8_int8 import quantize_fp8_act
+from .graph_forms import lrcat_weight
+from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .w4a8 import w4a8_linear_reference
 
@@ -59,7 +71,10 @@ BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
 FAST_ACCUM_ENV = "DIT_PASSES_FP8_FAST_ACCUM"
 ACT_QUANT_ENV = "DIT_PASSES_FP8_ACT_QUANT"
 ACT_QUANT_SETTINGS = ("graph", "kernel")
-BACKENDS = ("auto", "triton", "cutlass", "fp8", "w4a8", "w4a8_fold")
+W4_EXPAND_ENV = "DIT_PASSES_W4_EXPAND"
+W4_EXPAND_SETTINGS = ("graph", "kernel")
+LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_forms.svdq_lrcat_linear_form
+BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 GROUP = 64
 
@@ -308,17 +323,53 @@ def fp8_quantize_rows_cuda(x: torch.Tensor):
     return kernel.fp8_quantize_rows(x)
 
 
+def w4_expand() -> str:
+    """How the SVDQuant fp8 graph form expands its int4 weights to e4m3 (module docstring): ``"graph"`` or
+    ``"kernel"``."""
+    s = os.environ.get(W4_EXPAND_ENV, "graph").strip().lower() or "graph"
+    if s not in W4_EXPAND_SETTINGS:
+        raise ValueError(f"{W4_EXPAND_ENV}={s!r}: expected one of {W4_EXPAND_SETTINGS}")
+    return s
+
+
+@functools.lru_cache(maxsize=None)
+def w4_expand_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.w4_expand_triton`` (``w4_to_e4m3``, ``is_supported``), or None."""
+    return _import_kernel("w4_expand_triton", "the reference")
+
+
+def w4_to_e4m3_cuda(qweight: torch.Tensor, wscale: torch.Tensor):
+    """``dit_passes::w4_to_e4m3`` on CUDA: the Triton kernel where it takes the tensors (sm_89+), else the reference
+    (the same bytes)."""
+    kernel = w4_expand_module()
+    if kernel is None or not kernel.is_supported(qweight, wscale):
+        return w4_to_e4m3_reference(qweight, wscale, qweight.shape[0], 2 * qweight.shape[1])
+    return kernel.w4_to_e4m3(qweight, wscale)
+
+
+def w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, split: bool):
+    """``dit_passes::w4_lrcat_to_e4m3`` on CUDA: the Triton kernel where it takes the tensors (sm_89+), else the
+    reference (the same bytes)."""
+    kernel = w4_expand_module()
+    if kernel is None or not kernel.is_supported(qweight, wscale):
+        return lrcat_weight(qweight, wscale, lora_up, c, qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[1],
+                            split=split)
+    return kernel.w4_lrcat_to_e4m3(qweight, wscale, lora_up, c, split)
+
+
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     """How an SVDQuant linear is written into the graph: ``"fp8"`` (W4A8, the activations in e4m3 per token, on fp8
-    tensor cores where ``_scaled_mm`` runs, plain ATen ops), ``"w4a8"`` / ``"w4a8_fold"`` (the op
-    ``dit_passes::svdq_w4a8_linear``: the fused W4A8 kernels, exact / folded group scales; only when
-    ``DIT_PASSES_W4A4_BACKEND`` names them, on any device) or ``"op"`` (``dit_passes::svdq_w4a4_linear``: true
-    W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor cores).
+    tensor cores where ``_scaled_mm`` runs, plain ATen ops), ``"lrcat"`` (the same with the low-rank branch in the
+    GEMM's K; ``"lrcat_split"``: its hi / lo variant; only when ``DIT_PASSES_W4A4_BACKEND`` names them), ``"w4a8"``
+    / ``"w4a8_fold"`` (the op ``dit_passes::svdq_w4a8_linear``: the fused W4A8 kernels, exact / folded group
+    scales; only when ``DIT_PASSES_W4A4_BACKEND`` names them, on any device) or ``"op"``
+    (``dit_passes::svdq_w4a4_linear``: true W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor
+    cores).
     ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes it on Hopper (compute
     capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape; every other setting,
     device or shape gets the op."""
     setting = backend_setting()
-    if setting == "fp8" or setting in W4A8_FORMS:
+    if setting == "fp8" or setting in LRCAT_FORMS or setting in W4A8_FORMS:
         return setting
     if setting != "auto" or x.device.type != "cuda" or capability(x.device)[0] != 9:
         return "op"

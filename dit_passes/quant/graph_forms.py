@@ -24,8 +24,34 @@ activations per token in e4m3 instead of per 64-group in int4)::
     xs = float(x.reshape(M, K)) * smooth_inv
     sx, qx = the per-token e4m3 quantization of xs (as above)
     w8, sw = w4_to_e4m3(qweight, wscale)     # once per call: int4 * group scale, rescaled per row, rounded to e4m3
+                                              # expand="kernel": the op dit_passes::w4_to_e4m3 (one Triton kernel
+                                              # on CUDA, the same bytes; dispatch.w4_expand)
     y = GEMM(qx, sx, w8, sw, bias)            # as above, out in x.dtype
     y = y + x.dtype(xs) @ lora_down.T @ lora_up.T     # low-rank branch in the activation dtype (addmm: one rounding)
+
+SVDQuant with the low-rank branch folded into the GEMM's K ("lrcat"), :func:`svdq_lrcat_linear_form`: one
+``_scaled_mm`` over [qx | qh] and [w8 | u8], the per-token sx and per-row sw shared by both parts, so no separate
+low-rank mm / addmm and no extra passes over the [M, N] output; the branch pays with e4m3 precision::
+
+    xs, sx, qx as above
+    c[r]  = sqrt(K) * ||lora_down[r, :]||_2          # |h[m, r]| <= ||xs[m]||_2 ||lora_down[r]||_2 <= amax|xs[m]| c[r]
+    sw[n] = max(8 * max_g wscale[n, g], max_r |lora_up[n, r] * c[r]|) / 448      (lrcat_row_scale)
+    h  = x.dtype(xs) @ lora_down.T                                                # [M, R]
+    qh = e4m3(clamp(h / (sx * c), -448, 448))       # |h / (sx c)| <= 448 by the bound: no overflow
+    w8 = e4m3(clamp(q * (wscale / sw), -448, 448))  # as w4_to_e4m3, with the shared row scale
+    u8 = e4m3(clamp(lora_up * c / sw, -448, 448))
+    y  = GEMM([qx | qh | 0], sx, [w8 | u8 | 0], sw, bias)     # K + R_pad columns (R_pad: R up to a multiple of 16)
+
+``split=True`` (``DIT_PASSES_W4A4_BACKEND=lrcat_split``) gives the branch ~8 significant bits back for 3R columns:
+each branch operand v is rounded twice, ``hi = e4m3(v)``, ``lo = e4m3(v - hi)``, and
+``A = [qx | qh_hi | qh_lo | qh_hi]``, ``B = [w8 | u_hi | u_hi | u_lo]`` sum hi*hi + lo*hi + hi*lo (the dropped
+lo*lo and the second roundings are ~2**-8 relative). 3R = 96 columns are 3% more MMA work at K = 3072, <1% at
+12288 / 15360.
+
+(``c`` is the branch's scale on the lora_down side: the bound holds for the smoothed activations xs that lora_down
+reads.) ``c`` and ``sw`` are derived from the stored tensors per call: c in the graph (a [R, K] reduction), sw with
+B (an [N, K/64 + R] reduction; ``expand="kernel"``: inside the op ``dit_passes::w4_lrcat_to_e4m3``, which writes B
+and sw in one pass).
 
 NVFP4 SVDQuant on fp8 tensor cores, :func:`svdq_nvfp4_fp8_linear_form` (the numerics of
 ``nvfp4.nvfp4_linear_reference``: every product exact, only the accumulation order differs)::
@@ -85,6 +111,7 @@ from .nvfp4 import SPLIT_SHIFT, e2m1_decode, nvfp4_fp8_operand, nvfp4_quantize, 
 aten = torch.ops.aten
 GEMMS = ("scaled_mm", "reference")
 ACT_QUANTS = ("graph", "kernel")  # fp8_quantize_x
+W4_EXPANDS = ("graph", "kernel")  # expand_w4
 _F32 = torch.float32
 W4_MAX = 8.0  # largest |int4| value: -8
 
@@ -203,17 +230,123 @@ def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, n: int, k: int) -> T
     return w8, aten.view.default(sw, [n])
 
 
+def expand_w4(qweight: torch.Tensor, wscale: torch.Tensor, n: int, k: int,
+              expand: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`w4_to_e4m3` as ATen ops (``expand="graph"``) or as the op ``dit_passes::w4_to_e4m3`` (``"kernel"``:
+    one bandwidth-bound Triton kernel on CUDA, the same bytes; ``dispatch.w4_expand``)."""
+    if expand == "kernel":
+        out = torch.ops.dit_passes.w4_to_e4m3.default(qweight, wscale)
+        return out[0], out[1]
+    if expand not in W4_EXPANDS:
+        raise ValueError(f"the int4 weight expansion must be one of {W4_EXPANDS}, got {expand!r}")
+    return w4_to_e4m3(qweight, wscale, n, k)
+
+
 def svdq_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
                          lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
-                         shape: LinearShape, gemm: str, fast_accum: bool = False) -> torch.Tensor:
-    """SVDQuant's stored tensors on fp8 tensor cores (module docstring): x [*lead, K] -> [*lead, N]."""
+                         shape: LinearShape, gemm: str, fast_accum: bool = False,
+                         expand: str = "graph") -> torch.Tensor:
+    """SVDQuant's stored tensors on fp8 tensor cores (module docstring): x [*lead, K] -> [*lead, N]; ``expand``:
+    the weight expansion as ATen ops or the op (:func:`expand_w4`)."""
     xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
     qx, sx = fp8_quantize(xs, per_row=True)
-    w8, sw = w4_to_e4m3(qweight, wscale, shape.n, shape.k)
+    w8, sw = expand_w4(qweight, wscale, shape.n, shape.k, expand)
     y = fp8_gemm(qx, sx, w8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
     if shape.rank:
         lora_act = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))
         y = aten.addmm.default(y, lora_act, aten.t.default(lora_up))
+    return _unrows(y, shape)
+
+
+def lrcat_cols(r: int, split: bool = False) -> int:
+    """The columns appended to K by :func:`svdq_lrcat_linear_form`: r (``split``: 3r, the hi / lo parts) rounded up to
+    a multiple of 16 (``_scaled_mm`` wants K + cols % 16 == 0; the padding columns are zeros in both operands)."""
+    return -(-r * (3 if split else 1) // 16) * 16
+
+
+def _hi_lo(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 v (|v| <= 448) -> (e4m3(v), e4m3(v - e4m3(v))): the second rounding leaves ~8 significant bits."""
+    hi = aten._to_copy.default(v, dtype=FP8_DTYPE)
+    return hi, aten._to_copy.default(aten.sub.Tensor(v, aten._to_copy.default(hi, dtype=_F32)), dtype=FP8_DTYPE)
+
+
+def _branch_cols(v: torch.Tensor, rows: int, r: int, split: bool, activation: bool) -> torch.Tensor:
+    """The branch's e4m3 columns of one operand from its fp32 values v [rows, R] (clamped): [v8] or, split, [hi | lo |
+    hi] (activations, A) / [hi | hi | lo] (weights, B), so that the products sum to hi*hi + lo*hi + hi*lo; zero
+    columns up to :func:`lrcat_cols`."""
+    if split:
+        hi, lo = _hi_lo(v)
+        out = aten.cat.default([hi, lo, hi] if activation else [hi, hi, lo], 1)
+    else:
+        out = aten._to_copy.default(v, dtype=FP8_DTYPE)
+    width = r * (3 if split else 1)
+    pad = lrcat_cols(r, split) - width
+    # constant_pad_nd has no e4m3 kernel on every device: pad an fp32 zero block and cast it
+    return out if not pad else aten.cat.default([out, aten._to_copy.default(
+        aten.new_zeros.default(v, [rows, pad]), dtype=FP8_DTYPE)], 1)
+
+
+def lrcat_c(lora_down: torch.Tensor, k: int) -> torch.Tensor:
+    """The branch scale of the lrcat design, fp32 [R]: ``c[r] = sqrt(K) * ||lora_down[r]||_2`` (a zero row: 1)."""
+    ld = aten._to_copy.default(lora_down, dtype=_F32)
+    c = aten.mul.Tensor(aten.sqrt.default(aten.sum.dim_IntList(aten.mul.Tensor(ld, ld), [1])), float(k) ** 0.5)
+    return aten.where.ScalarSelf(aten.eq.Scalar(c, 0), 1.0, c)
+
+
+def lrcat_row_scale(wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The lrcat row scale, fp32 [N]: ``sw[n] = max(8 * max_g wscale[n, g], max_r |lora_up[n, r] * c[r]|) / 448``."""
+    luc = aten.mul.Tensor(aten._to_copy.default(lora_up, dtype=_F32), c)                        # [N, R]
+    wmax = aten.mul.Tensor(aten.amax.default(aten._to_copy.default(wscale, dtype=_F32), [1]), W4_MAX)
+    return aten.div.Tensor(aten.maximum.default(wmax, aten.amax.default(aten.abs.default(luc), [1])), FP8_MAX)
+
+
+def lrcat_scales(wscale: torch.Tensor, lora_down: torch.Tensor, lora_up: torch.Tensor,
+                 k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(c fp32 [R], sw fp32 [N]) of the lrcat design (:func:`lrcat_c`, :func:`lrcat_row_scale`)."""
+    c = lrcat_c(lora_down, k)
+    return c, lrcat_row_scale(wscale, lora_up, c)
+
+
+def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor, n: int, k: int,
+                 r: int, expand: str = "graph", split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat B operand e4m3 [N, K + cols] = [w8 | u8 | 0] and its row scale sw fp32 [N] (:func:`lrcat_row_scale`):
+    ``w8[n, k] = e4m3(q * (wscale[n, k // 64] / sw[n]))``, ``u[n, r] = clamp(lora_up[n, r] * c[r] / sw[n], -448,
+    448)`` as e4m3 (``split``: [hi | hi | lo] of it); ``expand="kernel"``: the op ``dit_passes::w4_lrcat_to_e4m3``
+    (one Triton kernel on CUDA, the same bytes)."""
+    if expand == "kernel":
+        out = torch.ops.dit_passes.w4_lrcat_to_e4m3.default(qweight, wscale, lora_up, c, split)
+        return out[0], out[1]
+    if expand not in W4_EXPANDS:
+        raise ValueError(f"the int4 weight expansion must be one of {W4_EXPANDS}, got {expand!r}")
+    sw = lrcat_row_scale(wscale, lora_up, c)
+    q = aten.view.default(int4_values(qweight, _F32), [n, k // GROUP_SIZE, GROUP_SIZE])
+    sw2 = aten.view.default(sw, [n, 1])
+    ratio = aten.unsqueeze.default(aten.div.Tensor(aten._to_copy.default(wscale, dtype=_F32), sw2), 2)
+    w = aten.view.default(aten.clamp.default(aten.mul.Tensor(q, ratio), -FP8_MAX, FP8_MAX), [n, k])
+    u = aten.div.Tensor(aten.mul.Tensor(aten._to_copy.default(lora_up, dtype=_F32), c), sw2)
+    u8 = _branch_cols(aten.clamp.default(u, -FP8_MAX, FP8_MAX), n, r, split, activation=False)
+    return aten.cat.default([aten._to_copy.default(w, dtype=FP8_DTYPE), u8], 1), sw
+
+
+def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
+                           lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
+                           shape: LinearShape, gemm: str, fast_accum: bool = False, expand: str = "graph",
+                           split: bool = False) -> torch.Tensor:
+    """SVDQuant's stored tensors on fp8 tensor cores with the low-rank branch in the GEMM's K (module docstring,
+    lrcat; ``split``: the branch's operands as e4m3 hi / lo pairs, 3R columns): x [*lead, K] -> [*lead, N]."""
+    r = shape.rank
+    if r == 0:  # no branch to fold
+        return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum,
+                                    expand)
+    xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
+    qx, sx = fp8_quantize(xs, per_row=True)
+    c = lrcat_c(lora_down, shape.k)
+    h = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))     # [M, R]
+    hs = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
+                            -FP8_MAX, FP8_MAX)
+    a8 = aten.cat.default([qx, _branch_cols(hs, shape.m, r, split, activation=True)], 1)            # [M, K + cols]
+    b8, sw = lrcat_weight(qweight, wscale, lora_up, c, shape.n, shape.k, r, expand, split)
+    y = fp8_gemm(a8, sx, b8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
     return _unrows(y, shape)
 
 

@@ -1,0 +1,191 @@
+"""SVDQuant's packed int4 weights expanded to e4m3 with the group scales folded, in one bandwidth-bound pass (issue 22).
+
+:func:`w4_to_e4m3` is the CUDA implementation of ``dit_passes::w4_to_e4m3`` (its specification:
+``dit_passes.quant.graph_forms.w4_to_e4m3``). One program per ``BLOCK_N`` weight rows::
+
+    ws = float(wscale[n, :])                             # the row's K/64 group scales, read once
+    sw = div_rn(8 * max_g ws, 448)                       # the row scale: |int4| <= 8 maps to e4m3's largest
+    for each K chunk (BLOCK_K bytes of output per row):
+        q  = the int4 values of the packed bytes [BLOCK_N, BLOCK_K/2]   (even k: low nibble)
+        w8 = e4m3(clamp(q * div_rn(ws[g], sw), -448, 448))             # round to nearest even
+    store w8 [N, K] and sw [N]
+
+Why a kernel: Inductor's fusion of the graph form (bench row ``w4_expand``) ran at 109-491 GB/s on an H100 for
+work that reads 1.5 bytes and writes one per weight: it re-reads the group scales for the row max and broadcasts
+the ratio through an index computation per element. Here each program reads its rows' scales once, then streams
+vectorised packed tiles, splits the nibbles in registers (exact values by a bit trick, ``_nibble_planes``),
+interleaves them back to k order and stores contiguous e4m3 rows.
+
+:func:`w4_lrcat_to_e4m3` (``dit_passes::w4_lrcat_to_e4m3``, the lrcat design's B operand, ``graph_forms.lrcat_weight``)
+is the same program with the low-rank factor in the row scale (``sw = max(8 * max_g ws, max_r |lora_up * c|) / 448``)
+and, after the K loop, the row's low-rank columns ``e4m3(lora_up * c / sw)`` (split: hi, hi, lo) and the zero
+padding written into the same rows.
+
+Numerics: the same operations in the same order as the specification on the CPU (true divisions, fp32 products of
+exact int4 values), so the bytes are equal. Under ``TRITON_INTERPRET=1`` (CPU tests) the e4m3 rounding is
+``w4a8_triton._soft_e4m3`` with the sign of a flushed zero kept (``fp8_rowquant_triton._to_e4m3``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_rowquant_triton import _to_e4m3
+from .w4a4_autotune import interpreting
+from .w4a8_triton import E4M3_MAX, _nibble_planes
+
+GROUP = 64
+MAX_BLOCK_K = 1024  # output columns per row and loop step (a power of two dividing K)
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_N": 4}, num_warps=4)]
+    # [BLOCK_N, 1024] fp32 tiles: 16 rows at 8 warps is ~64 values per thread and plane, more would spill
+    return [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((2, 4), (4, 4), (8, 4), (8, 8), (16, 8))]
+
+
+@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_K", "LR", "SPLIT", "R_OUT"])
+@triton.jit
+def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_qn, s_wsn, s_w8n, s_lun,
+                      TRIP: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                      LR: tl.constexpr, SPLIT: tl.constexpr, R_OUT: tl.constexpr, R_BLOCK: tl.constexpr,
+                      SOFT: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows = tl.where(row_mask, rows, 0).to(tl.int64)  # rows past N read row 0 (no masks in the loop), store nothing
+    offs_g = tl.arange(0, G_PAD)
+    ws = tl.load(ws_ptr + rows[:, None] * s_wsn + offs_g[None, :], mask=(offs_g < G)[None, :], other=0.0)
+    wmax = tl.max(ws.to(tl.float32), axis=1) * 8.0                    # [BLOCK_N]; the scales are >= 0
+    if LR:  # lrcat: the row scale also covers the low-rank columns lora_up * c
+        offs_r = tl.arange(0, R_BLOCK)
+        lu = tl.load(lu_ptr + rows[:, None] * s_lun + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0)
+        luc = lu.to(tl.float32) * tl.load(c_ptr + offs_r, mask=offs_r < R, other=1.0)[None, :]
+        wmax = tl.maximum(wmax, tl.max(tl.abs(luc), axis=1))
+    sw = tl.math.div_rn(wmax, E4M3_MAX)
+    tl.store(sw_ptr + rows, sw, mask=row_mask)
+    GK: tl.constexpr = BLOCK_K // GROUP                                 # groups per chunk
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_gk = tl.arange(0, GK)
+    offs_k = tl.arange(0, BLOCK_K)
+    for i in range(0, TRIP):
+        packed = tl.load(qw_ptr + rows[:, None] * s_qn + (i * (BLOCK_K // 2) + offs_b)[None, :])
+        lo, hi = _nibble_planes(packed, False)                          # exact fp32 [BLOCK_N, BLOCK_K/2]
+        g = tl.load(ws_ptr + rows[:, None] * s_wsn + (i * GK + offs_gk)[None, :]).to(tl.float32)
+        ratio = tl.math.div_rn(g, sw[:, None])[:, :, None]            # [BLOCK_N, GK, 1]
+        lo = tl.reshape(tl.reshape(lo, [BLOCK_N, GK, GROUP // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
+        hi = tl.reshape(tl.reshape(hi, [BLOCK_N, GK, GROUP // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
+        w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])            # k order: (even, odd) pairs
+        w = tl.minimum(tl.maximum(w, -E4M3_MAX), E4M3_MAX)
+        tl.store(w8_ptr + rows[:, None] * s_w8n + (i * BLOCK_K + offs_k)[None, :], _to_e4m3(w, SOFT),
+                 mask=row_mask[:, None])
+    if LR:  # columns K .. K + R_OUT: e4m3(lora_up * c / sw) (SPLIT: hi, hi, lo), zeros past them
+        u = tl.math.div_rn(luc, sw[:, None])
+        u = tl.minimum(tl.maximum(u, -E4M3_MAX), E4M3_MAX)
+        dst = w8_ptr + rows[:, None] * s_w8n + (K + offs_r)[None, :]
+        hi = _to_e4m3(u, SOFT)
+        if SPLIT:  # the last block also writes the zero columns (u is 0 past R)
+            lo = _to_e4m3(u - hi.to(tl.float32), SOFT)
+            tl.store(dst, hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
+            tl.store(dst + R, hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
+            tl.store(dst + 2 * R, lo, mask=row_mask[:, None] & (offs_r < R_OUT - 2 * R)[None, :])
+        else:
+            tl.store(dst, hi, mask=row_mask[:, None] & (offs_r < R_OUT)[None, :])
+
+
+def block_k(k: int) -> int:
+    """The loop step: the largest power of two <= MAX_BLOCK_K dividing K (K % 64 == 0, so at least 64)."""
+    b = MAX_BLOCK_K
+    while k % b:
+        b //= 2
+    return b
+
+
+def is_supported(qweight: torch.Tensor, wscale: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors: packed uint8 [N, K/2] with float scales [N, K/64] on an sm_89+ GPU
+    (the e4m3 cast), or any device under the interpreter."""
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or wscale.dim() != 2 or wscale.dtype not in _SCALE_DTYPES:
+        return False
+    if interpreting():
+        return True
+    return qweight.device.type == "cuda" and _has_e4m3(qweight.device.index if qweight.device.index is not None
+                                                       else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_e4m3(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def _check(name: str, qweight: torch.Tensor, wscale: torch.Tensor) -> None:
+    n, half = qweight.shape if qweight.dim() == 2 else (-1, -1)
+    k = 2 * half
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or k % GROUP or k <= 0:
+        raise ValueError(f"{name}: qweight must be uint8 [N, K/2] with K a positive multiple of {GROUP}, got "
+                         f"{qweight.dtype} {tuple(qweight.shape)}")
+    if wscale.dtype not in _SCALE_DTYPES or tuple(wscale.shape) != (n, k // GROUP):
+        raise ValueError(f"{name}: wscale must be a float [{n}, {k // GROUP}] tensor, got {wscale.dtype} "
+                         f"{tuple(wscale.shape)}")
+    if qweight.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (got {qweight.device}); on CPU use the op's "
+                         "reference (dit_passes.quant.graph_forms) or set TRITON_INTERPRET=1 (tests)")
+
+
+def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """qweight uint8 [N, K/2] (even k in the low nibble), wscale [N, K/64] (fp32 / bf16 / fp16, >= 0) ->
+    ``(w8 float8_e4m3fn [N, K], sw fp32 [N])`` (module docstring)."""
+    _check("w4_to_e4m3", qweight, wscale)
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
+    w8 = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=qw.device)
+    sw = torch.empty((n,), dtype=torch.float32, device=qw.device)
+    if n == 0:
+        return w8, sw
+    bk, groups = block_k(k), k // GROUP
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _w4_expand_kernel[grid](qw, ws, w8, sw, sw, sw, n, k, 0, qw.stride(0), ws.stride(0), w8.stride(0), 0,
+                            TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups), BLOCK_K=bk, LR=False,
+                            SPLIT=False, R_OUT=0, R_BLOCK=1, SOFT=interpreting())
+    return w8, sw
+
+
+def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
+                     split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat B operand and row scale (``graph_forms.lrcat_weight``): qweight uint8 [N, K/2], wscale [N, K/64],
+    lora_up [N, R], c fp32 [R] -> (e4m3 [N, K + cols] = [e4m3(q * wscale / sw) | e4m3(u) | 0], sw fp32 [N]) with
+    sw = max(8 * max_g wscale, max_r |lora_up * c|) / 448, u = lora_up * c / sw (``split``: [.. | hi(u) | hi(u) |
+    lo(u) | 0]; cols: R or 3R up to a multiple of 16), in one pass."""
+    name = "w4_lrcat_to_e4m3"
+    _check(name, qweight, wscale)
+    n, k, r = qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[-1]
+    if lora_up.dim() != 2 or lora_up.shape[0] != n or tuple(c.shape) != (r,) or c.dtype != torch.float32:
+        raise ValueError(f"{name}: lora_up must be [{n}, R] and c fp32 [R], got {tuple(lora_up.shape)} and {c.dtype} "
+                         f"{tuple(c.shape)}")
+    qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
+    lu = lora_up if lora_up.stride(-1) == 1 else lora_up.contiguous()
+    r_out = -(-r * (3 if split else 1) // 16) * 16  # graph_forms.lrcat_cols
+    b8 = torch.empty((n, k + r_out), dtype=torch.float8_e4m3fn, device=qw.device)
+    sw = torch.empty((n,), dtype=torch.float32, device=qw.device)
+    if n == 0:
+        return b8, sw
+    bk, groups = block_k(k), k // GROUP
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _w4_expand_kernel[grid](qw, ws, b8, sw, lu, c.contiguous(), n, k, r, qw.stride(0), ws.stride(0),
+                            b8.stride(0), lu.stride(0), TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups),
+                            BLOCK_K=bk, LR=True, SPLIT=split, R_OUT=r_out,
+                            R_BLOCK=max(16, triton.next_power_of_2(max(r, r_out - 2 * r) if split else r_out)),
+                            SOFT=interpreting())
+    return b8, sw
