@@ -241,6 +241,37 @@ def test_frontend_two_transformers_and_refresh_context(cluster):
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
 
 
+@needs_cp
+def test_frontend_few_shot_svdq_in_the_workers(cluster):
+    """``QuantizeConfig("svdq_int4_r8_dq", svdq_kwargs={"smooth_strategy": "few_shot"})`` with ``use_ray=True``:
+    each worker observes its first forward (its half of the sequence under Ulysses, the spans merged over the
+    ranks), then lowers again quantized, as the single process does with the whole sequence: the same numbers up
+    to int4 rounding flips (the merged spans equal the single process's), one re-lowering per worker."""
+    import dit_passes as cache_dit
+
+    def quant():
+        return cache_dit.QuantizeConfig(quant_type="svdq_int4_r8_dq", svdq_kwargs={"smooth_strategy": "few_shot"})
+
+    single = tiny_pipeline()
+    cache_dit.enable_cache(single, quantize_config=quant())
+    with torch.inference_mode():
+        ref = single(**call_kwargs(steps=3)).images
+    pipe = tiny_pipeline()
+    cache_dit.enable_cache(pipe, quantize_config=quant(),
+                           parallelism_config=cache_dit.ParallelismConfig(ulysses_size=2, use_ray=True))
+    try:
+        with torch.inference_mode():
+            got = pipe(**call_kwargs(steps=3)).images
+        seen = pipe.transformer._engine.run_on_workers(
+            lambda w: (w.compiled[0].runtime.calls, len(w.compiled[0].graphs),
+                       [n.target.__name__ for n in w.compiled[0].graph_module.graph.nodes if n.op == "call_function"
+                        and "svdq" in str(n.target)][:1]))
+    finally:
+        cache_dit.disable_cache(pipe)
+    assert all(calls == 3 and quantized for calls, _, quantized in seen), seen  # quantized after the observed call
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-3  # measured 1.1e-7
+
+
 def te_pipeline() -> FluxPipeline:
     """tiny_pipeline with a tiny T5 as ``text_encoder_2`` (the main encoder: ``"text_encoder"``); seeded, so the
     pipeline each worker builds (ray_transfer_fn) equals this process's."""
