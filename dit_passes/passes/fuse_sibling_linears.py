@@ -10,9 +10,10 @@ roles) and invalidates it (the fused linear has role ``qkv``); writes ``fused_li
 its members' paths and rows: ``SVDQuantW4A4`` gives it rank ``rank`` x members, checkpoints record the members).
 Export front end only (weights are graph attributes; on the Dynamo front end no linear qualifies and nothing
 changes). Not in any default pipeline: ``SVDQuantW4A4`` over a fused linear smooths and low-rank-approximates the
-concatenated weight, which changes its numerics (its one branch of rank ``rank`` x members is at least as good as
-the members' own rank-``rank`` branches on the smoothed weight, at their FLOPs, but the smoothing is shared; fp8 /
-int8 per-row scales are per output row: unchanged), so the user adds the pass explicitly.
+concatenated weight, which changes its numerics (its one branch of rank ``rank`` x members approximates the
+smoothed weight at least as well as the members' own branches, at m times their up-projection cost, and the
+smoothing is shared; fp8 / int8 per-row scales are per output row: unchanged), so the user adds the pass
+explicitly.
 
 A group: ``aten.linear`` nodes of the top graph reading the same input node, each weight (and bias) a
 ``get_attr`` that only this linear reads, weights 2-D of one dtype / device and one K, all with a bias (of one

@@ -384,9 +384,10 @@ class SVDQuantW4A4(_QuantizeLinears):
     W8A16; bench/results/quant_fidelity_w4a16lr_refined.md, flux_modulation_error.md). They are never calibrated.
 
     A linear ``FuseSiblingLinears`` made out of m siblings (graph fact ``fused_linears``: q / k / v, + ``proj_mlp`` in
-    FLUX's single blocks) gets rank ``rank`` x m (its low-rank kinds: W4A4, NVFP4, W4A16_LR): the FLOPs of the m
-    branches it replaces, at least their accuracy (``quantize_fused.py``); the report says e.g. "8 fused linear(s):
-    8 at rank 96", the checkpoint's ``config["rank_of"]`` lists them (its quant type keeps ``r<rank>``)."""
+    FLUX's single blocks) gets rank ``rank`` x m (its low-rank kinds: W4A4, NVFP4, W4A16_LR): at least the accuracy
+    of the m members' own branches, at their down-projection cost but m times their up-projection's (a dense
+    ``lora_up``; ``quantize_fused.py``); the report says e.g. "8 fused linear(s): 8 at rank 96", the checkpoint's
+    ``config["rank_of"]`` lists them (its quant type keeps ``r<rank>``)."""
 
     name = "svdquant_w4a4"
     kind = "svdq_w4a4"
