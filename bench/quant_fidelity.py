@@ -17,8 +17,8 @@ is skipped for int4); embedders and the final projection stay. The AdaLN modulat
 ``w4a16`` SVDQuant weight-only int4; ``w4a16_lr`` weight-only int4 of the residual after a low-rank branch of the
 config's rank; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the
 configs quantizes them. ``svdq_r32_ptq_fused`` / ``svdq_r32_dq_fused``: ``FuseSiblingLinears`` first (the step
-benchmark's fused rows; SVDQuant gives a fused linear rank x members: 96 / 128 here, at least K = 64, so their
-branch holds the whole weight); ``svdq_r8_*``: rank 8 unfused and fused (24 / 32 < K: a comparison that still
+benchmark's fused rows; SVDQuant gives a fused linear rank x members: 96 / 128, capped at K = 64 here, so
+their branch holds the whole weight); ``svdq_r8_*``: rank 8 unfused and fused (24 / 32 < K: a comparison that still
 truncates). ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
 F8B0, 8 warm-up steps, then always cached; and the same with sibling linears fused and fp8 per row).
 """
