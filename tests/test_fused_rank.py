@@ -124,3 +124,26 @@ def test_no_fact_without_fusion(flux, tmp_path):
     assert "rank_of" not in side["config"] and not any("members" in s for s in side["structure"]["linears"].values())
     with pytest.raises(PassError, match="FuseSiblingLinears"):  # an unfused checkpoint into a fused graph
         _run(load(zm.model, ck, passes=[FuseSiblingLinears()]), kw)
+
+
+def test_meta_built_model_writes_the_same_fused_checkpoint(flux, tmp_path):
+    """Built on the meta device (``weights=``): the members read from the checkpoint for the fused weight, the same
+    tables and signature as from the loaded model."""
+    from safetensors.torch import save_file
+
+    from dit_passes import SafetensorsWeights
+
+    zm, kw, _ = flux
+    path = str(tmp_path / "flux.safetensors")
+    save_file({k: v.detach().contiguous().clone() for k, v in zm.model.state_dict().items()}, path)
+    with torch.device("meta"):
+        meta = zoo.model_class("flux")(**{**zoo.config_for("flux"), **FLUX64}).eval()
+    outs, sides = [], []
+    for name, model, kwargs in (("loaded", zm.model, {}), ("meta", meta, {"weights": SafetensorsWeights(path)})):
+        ck = str(tmp_path / name)
+        q = SVDQuantW4A4(rank=RANK, dynamic=True, serialize_to=ck)
+        outs.append(_run(compile_dit(model, passes=[FuseSiblingLinears(), q], example_inputs=kw, **kwargs), kw))
+        sides.append(json.load(open(os.path.join(ck, f"svdq_int4_r{RANK}_dq.json"))))
+    assert torch.equal(outs[0], outs[1])
+    assert sides[0]["structure"] == sides[1]["structure"] and sides[0]["sha256"] == sides[1]["sha256"]
+    assert any("members" in s for s in sides[0]["structure"]["linears"].values())
