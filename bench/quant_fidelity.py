@@ -17,7 +17,9 @@ is skipped for int4); embedders and the final projection stay. The AdaLN modulat
 ``w4a16`` SVDQuant weight-only int4; ``w4a16_lr`` weight-only int4 of the residual after a low-rank branch of the
 config's rank; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none`` none of the
 configs quantizes them. ``svdq_r32_ptq_fused`` / ``svdq_r32_dq_fused``: ``FuseSiblingLinears`` first (the step
-benchmark's fused rows). ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
+benchmark's fused rows; SVDQuant gives a fused linear rank x members: 96 / 128, capped at K = 64 here, so
+their branch holds the whole weight); ``svdq_r8_*``: rank 8 unfused and fused (24 / 32 < K: a comparison that still
+truncates). ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
 F8B0, 8 warm-up steps, then always cached; and the same with sibling linears fused and fp8 per row).
 """
 from __future__ import annotations
@@ -73,6 +75,12 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
         # the Hopper step rows' stack: q / k / v (+ proj_mlp) fused first, SVDQuant of the concatenated weights
         "svdq_r32_ptq_fused": lambda: [FuseSiblingLinears(), ptq(32, tag="_fused")()],
         "svdq_r32_dq_fused": lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=32, dynamic=True, **svdq)],
+        # rank 8: the fused linears' rank x members (24 / 32) stays below K = 64, unlike rank 32's (96 / 128: their
+        # low-rank branch then holds the whole weight), so this pair compares the two at a rank that still truncates
+        "svdq_r8_ptq": ptq(8),
+        "svdq_r8_ptq_fused": lambda: [FuseSiblingLinears(), ptq(8, tag="_fused")()],
+        "svdq_r8_dq": lambda: SVDQuantW4A4(rank=8, dynamic=True, **svdq),
+        "svdq_r8_dq_fused": lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=8, dynamic=True, **svdq)],
         "w4a4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", **svdq),
         "svdq_nvfp4_r32_ptq": ptq(32, "nvfp4"),
         "svdq_nvfp4_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, precision="nvfp4", **svdq),

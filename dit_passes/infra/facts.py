@@ -34,12 +34,19 @@ Weights and cache
 * ``offload_loads``: each inserted weight-load node -> the index of the block it loads for (the cache keeps
   each load on its block's side of the cut).
 * ``cache_cut``: where the residual cache cut the block range (:class:`CacheCut`).
+
+Quantization
+* ``fused_linears``: each linear ``FuseSiblingLinears`` made out of siblings, by its module path (the first
+  member's) -> :class:`FusedLinear` (the members' paths and row counts, in the order of the fused weight's rows).
+  ``SVDQuantW4A4`` gives such a linear a low-rank branch of ``rank`` per member; the quantization passes record the
+  members in a checkpoint's signature, and ``LoadQuantized`` checks the graph fused the same groups. Empty: no pass
+  fused anything.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -72,6 +79,17 @@ class CacheCut:
         return self.blocks - self.Fn - self.Bn
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedLinear:
+    """One linear fused out of ``members``: ``(module path, rows)`` each, in the order of the fused weight's rows."""
+
+    members: Tuple[Tuple[str, int], ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(r for _, r in self.members)
+
+
 class FactAccessError(RuntimeError):
     """A pass touched a fact it did not declare (raised while the PassManager guards the facts)."""
 
@@ -92,6 +110,7 @@ class GraphFacts:
     offload_loads: Dict[fx.Node, int] = dataclasses.field(default_factory=dict)
     cache_cut: Optional[CacheCut] = None
     eager_only: Optional[str] = None
+    fused_linears: Dict[str, FusedLinear] = dataclasses.field(default_factory=dict)
 
     # -- the PassManager's guard: which fields the running pass may read / assign ----------------
     def __getattribute__(self, name: str) -> Any:
@@ -167,4 +186,5 @@ def check_fact_names(owner: str, kind: str, names: Sequence[str]) -> None:
                         f"dit_passes.infra.facts.GraphFacts: {sorted(FACT_NAMES)}")
 
 
-__all__ = ["GraphFacts", "StateIO", "CacheCut", "FactAccessError", "facts_of", "FACT_NAMES", "DERIVED_FACTS", "META_KEY"]
+__all__ = ["GraphFacts", "StateIO", "CacheCut", "FusedLinear", "FactAccessError", "facts_of", "FACT_NAMES",
+           "DERIVED_FACTS", "META_KEY"]

@@ -6,10 +6,14 @@ than bf16 once its activation quantization is counted while a wider one is faste
 quantizers see one linear per group.
 
 Contract: phase ``FUSE_LINEARS`` (after the sharding phases, before ``QUANTIZE``); reads ``structure`` (linear
-roles) and invalidates it (the fused linear has role ``qkv``). Export front end only (weights are graph
-attributes; on the Dynamo front end no linear qualifies and nothing changes). Not in any default pipeline:
-``SVDQuantW4A4`` over a fused linear smooths and low-rank-approximates the concatenated weight, which changes its
-numerics (fp8 / int8 per-row scales are per output row: unchanged), so the user adds the pass explicitly.
+roles) and invalidates it (the fused linear has role ``qkv``); writes ``fused_linears`` (each fused linear's path ->
+its members' paths and rows: ``SVDQuantW4A4`` gives it rank ``rank`` x members, checkpoints record the members).
+Export front end only (weights are graph attributes; on the Dynamo front end no linear qualifies and nothing
+changes). Not in any default pipeline: ``SVDQuantW4A4`` over a fused linear smooths and low-rank-approximates the
+concatenated weight, which changes its numerics (its one branch of rank ``rank`` x members approximates the
+smoothed weight at least as well as the members' own branches, at m times their up-projection cost, and the
+smoothing is shared; fp8 / int8 per-row scales are per output row: unchanged), so the user adds the pass
+explicitly.
 
 A group: ``aten.linear`` nodes of the top graph reading the same input node, each weight (and bias) a
 ``get_attr`` that only this linear reads, weights 2-D of one dtype / device and one K, all with a bias (of one
@@ -53,6 +57,7 @@ import torch.fx as fx
 
 from ..analysis.blocks import get_structure
 from ..analysis.linear_roles import LINEAR, is_adapter_path
+from ..infra.facts import FusedLinear, facts_of
 from ..infra.graph_utils import copy_meta, set_val
 from ..infra.ownership import is_stand_in
 from ..infra.pass_base import Pass, PassContext, PassResult
@@ -66,6 +71,7 @@ class FuseSiblingLinears(Pass):
     name = "fuse_sibling_linears"
     phase = Phase.FUSE_LINEARS
     reads = ("structure",)
+    writes = ("fused_linears",)
     invalidates = ("structure",)
 
     def __init__(self, min_group: int = 2):
@@ -95,6 +101,7 @@ class FuseSiblingLinears(Pass):
                    None if b is None else _tensor(gm, b.target).dtype, roles.get(n) == "modulation")
             groups.setdefault(key, []).append(n)
         fused, members, widths, fused_paths = 0, 0, [], []
+        record: Dict[str, FusedLinear] = {}  # fact fused_linears: the fused linear's path (its first member's)
         for key, nodes in groups.items():
             if len(nodes) < self.min_group:
                 continue
@@ -103,11 +110,15 @@ class FuseSiblingLinears(Pass):
                 skipped["partly_released"] = skipped.get("partly_released", 0) + len(nodes)
                 continue
             fused_paths.append([n.meta.get("dit_module_path", n.name) for n in nodes])
+            rows = [int(_tensor(gm, n.args[1].target).shape[0]) for n in nodes]
+            record[fused_paths[-1][0]] = FusedLinear(tuple(zip(fused_paths[-1], rows)))
             width = self._fuse(gm, ctx, nodes)
             fused, members = fused + 1, members + len(nodes)
             widths.append(width)
         gm.graph.lint()
         gm.recompile()
+        if record:
+            facts_of(gm).fused_linears = {**facts_of(gm).fused_linears, **record}
         counts = {"fused_groups": fused, "fused_linears": members, "linears_saved": members - fused}
         counts.update({f"skipped_{k}": v for k, v in sorted(skipped.items())})
         report = (f"fused {members} linears into {fused} (output widths {sorted(set(widths))})" if fused

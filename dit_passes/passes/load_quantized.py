@@ -15,6 +15,11 @@ Before / after: see ``passes/quantize.py`` (the same graph change), e.g. for a W
 
 Each stored linear gets the kind ``config["kind_of"][path]`` when the checkpoint names one (an SVDQuant checkpoint:
 its modulation linears ``"w8a16"``, ``"w4a16"`` or ``"w4a16_lr"``), else ``config["kind"]``.
+
+A checkpoint quantized after ``FuseSiblingLinears`` (its signature lists the fused linears' members, its
+``config["rank_of"]`` their low-rank branches' ranks) loads with that pass too (``dit_passes.load(model, path,
+passes=[FuseSiblingLinears()])``: it runs first, by phase); reads ``fused_linears`` to check the graph fused the same
+groups, and refuses a mismatch either way, naming the pass.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from ..quant.loading import read_checkpoint
 from ..quant.serialize import QuantizedCheckpointError
 from ..quant.signature import graph_block_lists, place_tables, quant_signature, tensor_at
 from .quantize import QUANT_KINDS
+from .quantize_fused import fused_members
 from .quantize_graph import apply_by_kind, released_tables
 
 
@@ -42,7 +48,7 @@ class LoadQuantized(Pass):
 
     name = "load_quantized"
     phase = Phase.QUANTIZE
-    reads = ("structure",)
+    reads = ("structure", "fused_linears")
     invalidates = ("structure",)
 
     def __init__(self, tensors: Dict[str, torch.Tensor], config: Dict[str, Any], source: str = ""):
@@ -64,6 +70,14 @@ class LoadQuantized(Pass):
             missing = [a for a in QUANT_KINDS[self.kinds[path]].tensor_args if a != "bias" and a not in tab]
             if missing:
                 raise QuantizedCheckpointError(f"{source}: linear {path} lacks tensors {missing}; re-quantize")
+        rank_of = config.get("rank_of") or {}
+        if not isinstance(rank_of, dict):
+            raise QuantizedCheckpointError(f"{source}: config['rank_of'] must map linears to ranks, got {rank_of!r}")
+        for path, rank in rank_of.items():
+            got = self.tables.get(path, {}).get("lora_down")
+            if got is None or int(got.shape[0]) != rank:
+                raise QuantizedCheckpointError(f"{source}: config['rank_of'] gives {path} rank {rank}, its stored "
+                                               f"lora_down is {None if got is None else list(got.shape)}; re-quantize")
         self._placed: Dict[Any, Dict[str, Dict[str, torch.Tensor]]] = {}
         self.loads_weights = tuple(f"{p}.weight" for p in self.tables)
 
@@ -88,6 +102,13 @@ class LoadQuantized(Pass):
         if ctx.frontend != "export":
             raise PassError("loading quantized weights needs compile_dit / dit_passes.load (the export front end)")
         structure = get_structure(gm)
+        fused = fused_members(gm, list(self.tables))
+        saved = self.config.get("_fused")
+        if saved is not None and saved != fused:
+            raise PassError(f"{self.source}: the checkpoint was quantized with {len(saved)} fused linear(s) "
+                            f"{sorted(saved)[:3]}, this graph fuses {len(fused)} {sorted(fused)[:3]}: load it with "
+                            f"the same FuseSiblingLinears as it was quantized with (dit_passes.load(model, path, "
+                            f"passes=[FuseSiblingLinears()]) for a fused checkpoint, without it otherwise)")
         # any linear of the graph: a checkpoint of regional=False holds the ones outside the blocks too
         sites = [s for s in structure.linears if s.module_path in self.tables and not s.node.meta.get("dit_quant")]
         found = {s.module_path for s in sites}
@@ -96,7 +117,7 @@ class LoadQuantized(Pass):
             raise PassError(f"{self.source}: stored linears not found among the graph's linears: {absent[:5]}")
         ledger = ctx.runtime.weights
         if released_tables(ledger, gm, list(self.tables), self) is None:  # else: released by this pass before
-            sig = quant_signature(gm, list(self.tables), graph_block_lists(structure))
+            sig = quant_signature(gm, list(self.tables), graph_block_lists(structure), fused)
             if sig["weights_sha256"] != self.config.get("_weights_sha256", sig["weights_sha256"]):
                 raise PassError(f"{self.source}: the model's weights changed since dit_passes.load checked them")
         weight = tensor_at(gm, sites[0].weight)  # device and dtype the stored tensors follow

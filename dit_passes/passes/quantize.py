@@ -93,6 +93,7 @@ from ..quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from ..quant.w8a16 import prepare_w8a16
 
 from ..patterns.quant_linear import QUANT_KINDS
+from .quantize_fused import fused_members, fused_note, low_rank_of
 from .quantize_graph import apply_by_kind, released_tables
 from .quantize_select import DEFAULT_EXCLUDE, ROLE_NAMES, check_patterns, inside_classes, select_linears  # noqa: F401
 
@@ -137,7 +138,7 @@ class _QuantizeLinears(Pass):
     """Shared flow of the three passes: select, (calibrate), prepare, (save), substitute."""
 
     phase = Phase.QUANTIZE
-    reads = ("structure",)
+    reads = ("structure", "fused_linears")  # fused_linears: the members a checkpoint's signature records
     invalidates = ("structure",)
     kind = ""
 
@@ -153,6 +154,9 @@ class _QuantizeLinears(Pass):
         if serialize_to is not None and not isinstance(serialize_to, (str, bytes)) and not hasattr(serialize_to, "__fspath__"):
             raise TypeError(f"serialize_to must be a directory path, got {serialize_to!r}")
         self.serialize_to = None if serialize_to is None else str(serialize_to)
+        # the fused linears of the graph being lowered (quantize_fused.fused_members), set by run() before any table
+        # is made: prepare() and _save() read it
+        self._fused: Dict[str, List[List[Any]]] = {}
 
     # subclasses: quant_type(), config(), prepare(path, weight, bias, absmax, kind) -> tensors, kind_of(site),
     # k_multiple(kind)
@@ -235,6 +239,7 @@ class _QuantizeLinears(Pass):
         if not sites:
             return PassResult(False, {"replaced": 0, "skipped_k": skipped}, "no eligible linear in the blocks; " + "; ".join(notes))
         paths = list(dict.fromkeys(s.module_path for s in sites))
+        self._fused = fused = fused_members(gm, paths)
         kinds = {s.module_path: self.kind_of(s) for s in sites}
         weights = {s.module_path: tensor_at(gm, s.weight) for s in sites}
         biases = {s.module_path: tensor_at(gm, s.bias) if s.bias else None for s in sites}
@@ -246,10 +251,13 @@ class _QuantizeLinears(Pass):
             tables, how = self._tables_from_source(ctx, gm, paths, kinds, weights, biases, graph_block_lists(structure),
                                                    notes)
         else:
-            signature = quant_signature(gm, paths, graph_block_lists(structure))
+            signature = quant_signature(gm, paths, graph_block_lists(structure), fused)
             tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
         counts = apply_by_kind(gm, sites, kinds, tables, ledger, self)
         counts["skipped_k"] = skipped
+        if fused:
+            counts["fused_linears"] = len(fused)
+            notes.append(fused_note(fused, tables))
         rowquant = sum(n.target is torch.ops.dit_passes.fp8_quantize_rows.default for n in gm.graph.nodes)
         if rowquant:  # DIT_PASSES_FP8_ACT_QUANT=kernel: the activations quantized by the op, not by ATen ops
             counts["act_quant_ops"] = rowquant
@@ -283,7 +291,7 @@ class _QuantizeLinears(Pass):
                 setattr(weights[p], SAMPLE, weight_sample(full))  # what quant_signature hashes
             tables[p] = self.prepare(p, full, read(biases[p], p), None, kinds[p])
             del full
-        signature = quant_signature(gm, paths, block_lists)
+        signature = quant_signature(gm, paths, block_lists, self._fused)
         self._save(tables, kinds, signature, notes)
         w0 = weights[paths[0]]
         key = (self.describe(), signature["weights_sha256"], tuple(paths))
@@ -336,6 +344,9 @@ class _QuantizeLinears(Pass):
         other = {p: k for p, k in sorted(kinds.items()) if k != self.kind}
         if other:  # the linears whose kind is not config["kind"] (LoadQuantized reads it)
             config["kind_of"] = other
+        ranks = low_rank_of(tables, self._fused)
+        if ranks:  # fused linears: a low-rank branch per member (LoadQuantized checks the tensors' shapes against it)
+            config["rank_of"] = ranks
         notes.append(f"saved to {save_quantized(self.serialize_to, flat, config, signature)}")
 
 
@@ -370,7 +381,13 @@ class SVDQuantW4A4(_QuantizeLinears):
     (the conditioning vector) stay in their dtype: quantizing them buys the GEMV no speed and costs the worst images
     (digits DiT, rank 32 PTQ, mean / min PSNR: unquantized 45.1 / 38.9 dB, W4A16_LR 44.8 / 37.9, W8A16 45.0 / 39.7,
     W4A16 41.2 / 33.8, W4A4 44.0 / 31.4; FLUX.1-dev transformer 0.285x its bf16 bytes with W4A16_LR, 0.345x with
-    W8A16; bench/results/quant_fidelity_w4a16lr_refined.md, flux_modulation_error.md). They are never calibrated."""
+    W8A16; bench/results/quant_fidelity_w4a16lr_refined.md, flux_modulation_error.md). They are never calibrated.
+
+    A linear ``FuseSiblingLinears`` made out of m siblings (graph fact ``fused_linears``: q / k / v, + ``proj_mlp`` in
+    FLUX's single blocks) gets rank ``rank`` x m (its low-rank kinds: W4A4, NVFP4, W4A16_LR): at least the accuracy
+    of the m members' own branches, at their down-projection cost but m times their up-projection's (a dense
+    ``lora_up``; ``quantize_fused.py``); the report says e.g. "8 fused linear(s): 8 at rank 96", the checkpoint's
+    ``config["rank_of"]`` lists them (its quant type keeps ``r<rank>``)."""
 
     name = "svdquant_w4a4"
     kind = "svdq_w4a4"
@@ -456,16 +473,21 @@ class SVDQuantW4A4(_QuantizeLinears):
             raise PassError(f"{self.name}: calibration saw inf/nan inputs at {bad[:3]}; check the calibration prompts")
         return stats
 
+    def rank_of(self, path: str) -> int:
+        """The low-rank branch's rank for the linear at ``path``: ``rank`` per member of a fused linear."""
+        return self.rank * max(1, len(self._fused.get(path, ())))
+
     def prepare(self, path, weight, bias, absmax, kind):
         if kind == W8A16:
             return prepare_w8a16(weight, bias).tensors()
         if kind == W4A16:
             return prepare_w4a16(weight, bias).tensors()
         if kind == W4A16_LR:
-            return prepare_w4a16_lr(weight, bias, rank=self.rank, seed=self.seed, dtype=weight.dtype).tensors()
+            return prepare_w4a16_lr(weight, bias, rank=self.rank_of(path), seed=self.seed,
+                                    dtype=weight.dtype).tensors()
         smooth = self.smooth if (absmax is not None or self.smooth != "act") else "weight"
         prepare = prepare_svdquant_nvfp4 if kind == "svdq_nvfp4" else prepare_svdquant
-        q = prepare(weight, bias, act_absmax=absmax, rank=self.rank, alpha=self.alpha, smooth=smooth,
+        q = prepare(weight, bias, act_absmax=absmax, rank=self.rank_of(path), alpha=self.alpha, smooth=smooth,
                     seed=self.seed, dtype=weight.dtype, svd=self.svd_precision, refine_iters=self.refine_iters)
         return q.tensors()
 

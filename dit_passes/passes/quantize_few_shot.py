@@ -42,7 +42,8 @@ class SVDQuantFewShot(SVDQuantW4A4):
     arguments as SVDQuantW4A4's (``dynamic`` is implied). ``compiled.report("svdquant_w4a4_few_shot")``: the
     :class:`~dit_passes.quant.few_shot.FewShotSession` (forwards counted, spans, whether it still collects)."""
 
-    reads = ("structure", "mesh")  # mesh: context parallelism's sequence group, over which the spans are merged
+    # mesh: context parallelism's sequence group, over which the spans are merged
+    reads = ("structure", "fused_linears", "mesh")
     writes = ("eager_only",)  # the observing graph: its ops mutate the spans, which compiled torch.cond refuses
 
     def __init__(self, rank: int = 32, steps: int = DEFAULTS["steps"], relax_factor: float = DEFAULTS["relax_factor"],
@@ -138,7 +139,7 @@ class SVDQuantFewShot(SVDQuantW4A4):
         s, _ = few_shot_smoothing(absmax, weight, self.alpha, self.few_shot["relax_factor"],
                                   self.few_shot["relax_top_ratio"], self.few_shot["relax_strategy"])
         prepare = prepare_svdquant_nvfp4 if kind == "svdq_nvfp4" else prepare_svdquant
-        q = prepare(weight, bias, rank=self.rank, seed=self.seed, dtype=weight.dtype, svd=self.svd_precision,
+        q = prepare(weight, bias, rank=self.rank_of(path), seed=self.seed, dtype=weight.dtype, svd=self.svd_precision,
                     refine_iters=self.refine_iters, smooth_scale=s)
         return q.tensors()
 

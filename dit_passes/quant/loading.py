@@ -49,14 +49,22 @@ def _model_block_lists(model: torch.nn.Module, saved: Dict[str, Any]) -> Dict[st
     return out
 
 
+def saved_fused(sidecar: Dict[str, Any]) -> Dict[str, Any]:
+    """``{path: [[member, rows], ...]}`` of the linears the checkpoint was quantized fused (``FuseSiblingLinears``)."""
+    linears = (sidecar.get("structure") or {}).get("linears") or {}
+    return {p: spec["members"] for p, spec in linears.items() if isinstance(spec, dict) and "members" in spec}
+
+
 def expected_signature(model: torch.nn.Module, sidecar: Dict[str, Any]) -> Dict[str, Any]:
-    """The signature ``model`` has for the linears and block lists the sidecar names."""
+    """The signature ``model`` has for the linears and block lists the sidecar names (a fused linear: its members',
+    each read at its own path of the model)."""
     structure = sidecar.get("structure") or {}
     paths = list((structure.get("linears") or {}).keys())
     if not paths:
         raise QuantizedCheckpointError("the checkpoint lists no quantized linear; re-quantize")
     try:
-        return quant_signature(model, paths, _model_block_lists(model, structure.get("block_lists") or {}))
+        return quant_signature(model, paths, _model_block_lists(model, structure.get("block_lists") or {}),
+                               saved_fused(sidecar))
     except MetaWeightError as e:
         raise QuantizedCheckpointError(str(e)) from None
     except ValueError as e:
@@ -68,7 +76,8 @@ def read_checkpoint(model: torch.nn.Module, path, quant_type: Optional[str] = No
     """``(tensors, config, source)`` of the checkpoint in directory ``path``, verified against ``model``.
 
     ``quant_type`` picks one checkpoint when the directory holds several. ``config`` carries
-    ``_weights_sha256`` (the model's fingerprint, checked again on the captured graph); ``source`` is
+    ``_weights_sha256`` (the model's fingerprint, checked again on the captured graph) and ``_fused`` (the fused
+    linears' members, which the graph must fuse alike: ``FuseSiblingLinears``); ``source`` is
     ``<path>/<quant_type>`` for messages. Raises :class:`QuantizedCheckpointError` for a missing,
     corrupted or mismatching checkpoint.
     """
@@ -90,4 +99,5 @@ def read_checkpoint(model: torch.nn.Module, path, quant_type: Optional[str] = No
                 f"{path}/{quant_type}: the model's weights differ from the weights that were quantized (another "
                 "checkpoint or fine-tune); re-quantize this model") from None
         raise
-    return tensors, {**config, "_weights_sha256": expected["weights_sha256"]}, f"{path}/{quant_type}"
+    return (tensors, {**config, "_weights_sha256": expected["weights_sha256"], "_fused": saved_fused(sidecar)},
+            f"{path}/{quant_type}")
