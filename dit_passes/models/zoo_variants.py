@@ -179,6 +179,50 @@ def _cosmos_crossattn_proj(base, config, batch, sizes, gen):
     return out
 
 
+def _padded_text(*keys, pad=3, stop=None):
+    """The pipelines pad every prompt to a fixed length (Mochi 256, HunyuanVideo 256, Sana 300, PixArt 300, LTX 128,
+    QwenImage's per-batch longest): the conditional row has masked-out tokens too, not only a CFG negative row.
+    Masks ``keys`` out on the last ``pad`` text positions of every row (``stop``: where the text part ends, for a
+    mask of text then image tokens)."""
+    def inputs(base, config, batch, sizes, gen):
+        out = base(config, batch, sizes, gen)
+        end = sizes["text"] if stop is None else stop(sizes)
+        for key in keys:
+            mask = out[key].clone()
+            mask[:, end - pad:end] = 0
+            out[key] = mask
+        return out
+    return inputs
+
+
+def _hunyuanvideo15_i2v(base, config, batch, sizes, gen):
+    """HunyuanVideo-1.5 I2V: SigLIP image tokens (non-zero: the model's t2v test ``all(image_embeds == 0)`` fails)."""
+    out = base(config, batch, sizes, gen)
+    out["image_embeds"] = text_rows(gen, batch, 4, config["image_embed_dim"])
+    return out
+
+
+def _hunyuanvideo15_meanflow(base, config, batch, sizes, gen):
+    """HunyuanVideo-1.5 step-distilled (``use_meanflow``): a second timestep ``timestep_r``."""
+    out = base(config, batch, sizes, gen)
+    out["timestep_r"] = out["timestep"] * 0.5
+    return out
+
+
+def _qwen_layered(layers=1):
+    """Qwen-Image-Layered: ``layers + 1`` output layers and the input image in one sequence, ``use_layer3d_rope``
+    over them and ``additional_t_cond`` (``is_rgb``)."""
+    def inputs(base, config, batch, sizes, gen):
+        out = base(config, batch, sizes, gen)
+        h, w = sizes["grid"]
+        extra = cfg_rows(gen, batch, (layers + 1) * h * w, config["in_channels"])
+        out["hidden_states"] = torch.cat([out["hidden_states"], extra], dim=1)
+        out["img_shapes"] = [[(1, h, w)] * (layers + 2) for _ in range(batch)]
+        out["additional_t_cond"] = torch.zeros(batch, dtype=torch.long)
+        return out
+    return inputs
+
+
 _VIDEO4 = {"default": {"grid": (4, 2, 2), "text": 8}, "alt_resolution": {"grid": (4, 3, 2), "text": 8}}
 
 VARIANTS: tuple[Variant, ...] = (
@@ -226,9 +270,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("ltxvideo", "i2v", "LTX-Video image-to-video (a timestep per token, 0 on the first frame)",
             inputs=_per_token_timestep(_video_layout)),
     # PixArt
-    # 3 heads: the size / aspect-ratio embedders take a third of the width each (1152 = 16 x 72 in the real model)
+    # 2 heads of 24: the size / aspect-ratio embedders take a third of the width each (1152 = 16 x 72 for real)
     Variant("pixart", "alpha", "PixArt-XL-2-1024-MS (resolution / aspect-ratio conditions, interpolation default)",
-            dict(use_additional_conditions=True, interpolation_scale=None, num_attention_heads=3,
+            dict(use_additional_conditions=True, interpolation_scale=None, attention_head_dim=24,
                  cross_attention_dim=48), _pixart_alpha),
     Variant("pixart", "sigma", "PixArt-Sigma-XL-2-1024-MS (interpolation_scale 2)",
             dict(interpolation_scale=2, use_additional_conditions=False)),
@@ -262,6 +306,32 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("cosmos", "predict2.5", "Cosmos-Predict2.5 (crossattn_proj: 100352 -> 1024 inside the model)",
             dict(use_crossattn_projection=True, crossattn_proj_in_channels=64, encoder_hidden_states_channels=32),
             _cosmos_crossattn_proj),
+    # HunyuanVideo 1.5
+    Variant("hunyuanvideo15", "i2v", "HunyuanVideo-1.5 I2V (in 65 = 2 x 32 + 1, image tokens, task_type i2v)",
+            dict(in_channels=9, task_type="i2v"), _hunyuanvideo15_i2v),
+    Variant("hunyuanvideo15", "meanflow", "HunyuanVideo-1.5 step-distilled (use_meanflow: timestep_r)",
+            dict(use_meanflow=True), _hunyuanvideo15_meanflow),
+    Variant("qwenimage", "layered", "Qwen-Image-Layered (use_layer3d_rope, use_additional_t_cond)",
+            dict(use_layer3d_rope=True, use_additional_t_cond=True), _qwen_layered()),
+    # the prompt padded in the conditional row too, as every pipeline pads to its max_sequence_length
+    Variant("mochi", "padded", "Mochi-1-preview (prompt padded to 256 tokens)", inputs=_padded_text(
+        "encoder_attention_mask")),
+    Variant("hunyuanvideo", "padded", "HunyuanVideo (prompt padded to 256 tokens)", inputs=_padded_text(
+        "encoder_attention_mask")),
+    Variant("hunyuanvideo15", "padded", "HunyuanVideo-1.5 (prompts padded)", inputs=_padded_text(
+        "encoder_attention_mask", "encoder_attention_mask_2")),
+    Variant("sana", "padded", "Sana (prompt padded to 300 tokens)", inputs=_padded_text("encoder_attention_mask")),
+    Variant("pixart", "padded", "PixArt-Sigma (prompt padded to 300 tokens)", inputs=_padded_text(
+        "encoder_attention_mask")),
+    Variant("ltxvideo", "padded", "LTX-Video (prompt padded to 128 tokens)", inputs=_padded_text(
+        "encoder_attention_mask")),
+    Variant("qwenimage", "padded", "QwenImage (a batch's shorter prompt padded)", inputs=_padded_text(
+        "encoder_hidden_states_mask")),
+    Variant("lumina2", "padded", "Lumina-Image-2.0 (prompt padded)", inputs=_padded_text("encoder_attention_mask")),
+    Variant("chroma", "padded", "Chroma (prompt padded to 512 tokens; mask of text then image)",
+            inputs=_padded_text("attention_mask")),
+    Variant("allegro", "padded", "Allegro (prompt padded to 512 tokens)", inputs=_padded_text(
+        "encoder_attention_mask")),
     Variant("skyreels_v2", "i2v", "SkyReels-V2-I2V (image_dim 1280, added_kv_proj_dim, in 36)",
             dict(in_channels=12, image_dim=32, added_kv_proj_dim=32), _wan_image_tokens(5)),
 )
@@ -269,10 +339,9 @@ VARIANTS: tuple[Variant, ...] = (
 
 def variant_spec(base: FamilySpec, v: Variant) -> FamilySpec:
     """The FamilySpec of variant ``v`` of ``base``."""
-    inputs = base.inputs
-    if v.inputs is not None:
-        def inputs(config, batch, sizes, gen, _base=base.inputs, _edit=v.inputs):
-            return _edit(_base, config, batch, sizes, gen)
+    def edited(config, batch, sizes, gen, _base=base.inputs, _edit=v.inputs):
+        return _edit(_base, config, batch, sizes, gen)
+    inputs = base.inputs if v.inputs is None else edited
     return dataclasses.replace(base, name=v.name, config={**base.config, **v.overrides}, inputs=inputs,
                                sizes_by_variant=v.sizes_by_variant or base.sizes_by_variant,
                                after_build=v.after_build or base.after_build)
