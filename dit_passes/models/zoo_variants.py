@@ -283,8 +283,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("sana", "pe", "Sana 4K (sincos positional embedding: interpolation_scale set)",
             dict(interpolation_scale=1)),
     # Lumina2: grouped-query attention (24 heads, 8 kv heads)
-    Variant("lumina2", "gqa", "Lumina-Image-2.0 (24 heads over 8 kv heads)",
-            dict(num_attention_heads=4, num_kv_heads=2, hidden_size=64)),
+    Variant("lumina2", "gqa", "Lumina-Image-2.0 (24 heads over 8 kv heads: 3 query heads a kv head)",
+            dict(num_attention_heads=6, num_kv_heads=2, hidden_size=96)),
     # HiDream
     Variant("hidream", "i1", "HiDream-I1 (4 routed experts, 2 active)",
             dict(num_routed_experts=4, num_activated_experts=2)),
@@ -332,6 +332,21 @@ VARIANTS: tuple[Variant, ...] = (
             inputs=_padded_text("attention_mask")),
     Variant("allegro", "padded", "Allegro (prompt padded to 512 tokens)", inputs=_padded_text(
         "encoder_attention_mask")),
+    # head counts the ranks do not divide: SD3.5-large 38, CogVideoX-2b 30, Sana 70 (cross 20), Kandinsky 5 Lite 14,
+    # HiDream 20 heads on 4 or 8 ranks; on the coverage's 2 ranks, 3 heads of 16 stand for them
+    Variant("flux", "heads3", "a head count the ranks do not divide", dict(num_attention_heads=3)),
+    Variant("sd3", "heads3", "SD3.5-large: 38 heads (rms qk norm) over 4 ranks",
+            dict(num_attention_heads=3, caption_projection_dim=48)),
+    Variant("wan", "heads3", "a head count the ranks do not divide", dict(num_attention_heads=3)),
+    Variant("cogvideox", "heads3", "CogVideoX-2b: 30 heads over 4 ranks, sincos positions",
+            dict(num_attention_heads=3, use_rotary_positional_embeddings=False), _cogvideox_sincos),
+    Variant("sana", "heads3", "Sana 1600M: 70 heads, 20 cross heads over 4 ranks",
+            dict(num_attention_heads=3, num_cross_attention_heads=3, cross_attention_dim=48)),
+    Variant("kandinsky5", "heads3", "Kandinsky-5.0 Lite: 14 heads over 4 ranks", dict(model_dim=48)),
+    Variant("hunyuanvideo", "heads3", "a head count the ranks do not divide", dict(num_attention_heads=3)),
+    Variant("qwenimage", "heads3", "a head count the ranks do not divide", dict(num_attention_heads=3)),
+    Variant("ltxvideo", "heads3", "a head count the ranks do not divide",
+            dict(num_attention_heads=3, cross_attention_dim=48)),
     Variant("skyreels_v2", "i2v", "SkyReels-V2-I2V (image_dim 1280, added_kv_proj_dim, in 36)",
             dict(in_channels=12, image_dim=32, added_kv_proj_dim=32), _wan_image_tokens(5)),
 )
