@@ -13,7 +13,7 @@ exports: a class without a zoo config shows as "no config"); columns are :data:`
   the first call equals eager and the cached call equals the computed one on identical inputs; SVDQuant's
   reference path: finite and within :data:`SVDQUANT_BOUND`, the error of 4-bit weights and activations);
 * ``refused: <reason>``: the library refused before running (a ``PassError``, a capture or block-discovery
-  error, a sharding / mesh error: what a user reads);
+  error, a sharding / mesh error: what a user reads; not ``PassCrashed``, a pass's own crash while rewriting);
 * ``error: <type: msg>``: anything else (a crash while running, a wrong result, a timeout): a defect.
 
 The models are the zoo's tiny configs with every all-zero floating parameter redrawn (seeded, the same on
@@ -126,10 +126,13 @@ def _max_rel(actual, expected) -> float:
 def _compile(model, passes, inputs):
     """compile_dit + lower now: a refusal here is raised as _Refused, anything else propagates."""
     from . import compile_dit
+    from .infra.pass_base import PassCrashed
     try:
         compiled = compile_dit(model, passes=passes())
         compiled.lower(**inputs)
         return compiled
+    except PassCrashed:  # a crash inside a pass's rewrite (wrapped as a PassError): a defect, not a refusal
+        raise
     except _refusal_types() as e:
         if _timed_out(e):  # a refusal type wrapping the cell's deadline: the time ran out, nothing was refused
             raise
