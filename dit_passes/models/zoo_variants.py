@@ -146,7 +146,11 @@ def _kandinsky5_i2v(base, config, batch, sizes, gen):
 
 
 def _skyreels_df(base, config, batch, sizes, gen):
-    """SkyReels-V2 diffusion forcing: one timestep per latent frame (later frames noisier), fps injected."""
+    """SkyReels-V2 diffusion forcing: one timestep per latent frame (later frames noisier), fps injected. The
+    pipeline calls the two CFG branches apart (batch 1): the class's fps injection does not take a larger batch."""
+    if batch != 1:
+        raise ValueError("skyreels_v2 diffusion forcing runs batch 1 (SkyReelsV2DiffusionForcingPipeline calls each "
+                         "CFG branch apart; the model's fps injection repeats a batch-1 projection)")
     out = base(config, batch, sizes, gen)
     frames = out["hidden_states"].shape[2] // config["patch_size"][0]
     t = out["timestep"][:, None] * torch.linspace(0.5, 1.0, frames)[None]
@@ -221,6 +225,33 @@ def _qwen_layered(layers=1):
         out["additional_t_cond"] = torch.zeros(batch, dtype=torch.long)
         return out
     return inputs
+
+
+def _ltx_condition(base, config, batch, sizes, gen):
+    """LTXConditionPipeline (LTX-Video 0.9.5+): pixel-space ``video_coords`` (B, 3, S) instead of the grid size,
+    frames shifted by the VAE's causal first frame and divided by the frame rate; a timestep per token."""
+    out = _per_token_timestep(_video_layout)(base, config, batch, sizes, gen)
+    f, h, w = sizes["grid"]
+    tt, hh, ww = torch.meshgrid(torch.arange(f), torch.arange(h), torch.arange(w), indexing="ij")
+    coords = torch.stack([tt.reshape(-1) * 8.0, hh.reshape(-1) * 32.0, ww.reshape(-1) * 32.0]).float()
+    coords[0] = (coords[0] + 1 - 8).clamp(min=0) / 25.0
+    out["video_coords"] = coords[None].expand(batch, -1, -1).contiguous()
+    for key in ("num_frames", "height", "width", "rope_interpolation_scale"):
+        out.pop(key, None)
+    return out
+
+
+def _wan_vace_sparse(base, config, batch, sizes, gen):
+    out = base(config, batch, sizes, gen)
+    out["control_hidden_states_scale"] = torch.ones(len(config["vace_layers"]))
+    return out
+
+
+def _sd3_slg(base, config, batch, sizes, gen):
+    """StableDiffusion3Pipeline's skip-layer guidance call: ``skip_layers`` blocks left out of the stack."""
+    out = base(config, batch, sizes, gen)
+    out["skip_layers"] = [1]
+    return out
 
 
 _VIDEO4 = {"default": {"grid": (4, 2, 2), "text": 8}, "alt_resolution": {"grid": (4, 3, 2), "text": 8}}
@@ -306,6 +337,12 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("cosmos", "predict2.5", "Cosmos-Predict2.5 (crossattn_proj: 100352 -> 1024 inside the model)",
             dict(use_crossattn_projection=True, crossattn_proj_in_channels=64, encoder_hidden_states_channels=32),
             _cosmos_crossattn_proj),
+    Variant("ltxvideo", "condition", "LTX-Video 0.9.5+ through LTXConditionPipeline (video_coords, per-token t)",
+            inputs=_ltx_condition),
+    Variant("wan_vace", "every_other", "Wan2.1-VACE (vace_layers every other block: blocks with and without hints)",
+            dict(num_layers=4, vace_layers=[0, 2]), _wan_vace_sparse),
+    Variant("sd3", "slg", "SD3.5-medium's skip-layer guidance call (skip_layers=[7, 8, 9]: a block left out)",
+            dict(num_layers=3, dual_attention_layers=(0,)), _sd3_slg),
     # HunyuanVideo 1.5
     Variant("hunyuanvideo15", "i2v", "HunyuanVideo-1.5 I2V (in 65 = 2 x 32 + 1, image tokens, task_type i2v)",
             dict(in_channels=9, task_type="i2v"), _hunyuanvideo15_i2v),
