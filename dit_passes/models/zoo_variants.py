@@ -319,6 +319,9 @@ VARIANTS: tuple[Variant, ...] = (
     # HiDream
     Variant("hidream", "i1", "HiDream-I1 (4 routed experts, 2 active)",
             dict(num_routed_experts=4, num_activated_experts=2)),
+    Variant("hidream", "nonsquare", "HiDream-I1 at a non-square size (tokens padded to max_seq, keys masked)",
+            dict(num_routed_experts=4, num_activated_experts=2),
+            sizes_by_variant={"default": {"grid": (4, 6), "text": 8}, "alt_resolution": {"grid": (6, 4), "text": 8}}),
     # Flux2
     Variant("flux2", "klein", "FLUX.2-klein (no guidance embedder)", dict(guidance_embeds=False)),
     Variant("flux2", "edit", "FLUX.2-dev with a reference image (reference tokens after the noisy ones)",
