@@ -37,17 +37,26 @@ class Variant:
 
 
 # ------------------------------------------------------------------------------------------ input edits
-def _seq_concat_reference(base, config, batch, sizes, gen, id_axis0=1.0):
+def _seq_concat_reference(base, config, batch, sizes, gen, id_axis0=1.0, ref_grid=None):
     """Kontext / Flux2 edit: the reference image's packed latents follow the noisy ones along the sequence,
-    with ids whose first axis marks the reference (the pipeline's ``image_ids[..., 0] = 1``)."""
+    with ids whose first axis marks the reference (the pipeline's ``image_ids[..., 0] = 1``). ``ref_grid``: the
+    reference at its own size (Kontext resizes the input image to a preferred resolution, not the output's)."""
     out = base(config, batch, sizes, gen)
-    h, w = sizes["grid"]
+    h, w = ref_grid or sizes["grid"]
     ref = cfg_rows(gen, batch, h * w, config["in_channels"])
     out["hidden_states"] = torch.cat([out["hidden_states"], ref], dim=1)
     ids = out["img_ids"]
-    ref_ids = ids.clone()
+    ref_ids = _grid_ids_like(ids, h, w)
     ref_ids[..., 0] = id_axis0
     out["img_ids"] = torch.cat([ids, ref_ids], dim=-2)
+    return out
+
+
+def _grid_ids_like(ids, h, w):
+    """(row, col) ids of an h x w grid with the other axes zero, shaped as ``ids`` (batched or not)."""
+    hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    out = torch.zeros(*ids.shape[:-2], h * w, ids.shape[-1])
+    out[..., 1], out[..., 2] = hh.reshape(-1).float(), ww.reshape(-1).float()
     return out
 
 
@@ -80,14 +89,15 @@ def _video_layout(config, sizes):
     return f, h * w
 
 
-def _qwen_edit(zero_cond_t=False):
-    """QwenImage-Edit: the reference image's packed latents follow the noisy ones, ``img_shapes`` lists both."""
+def _qwen_edit(refs=None):
+    """QwenImage-Edit: the reference images' packed latents follow the noisy ones, ``img_shapes`` lists them all
+    (``refs``: their grids; default one of the output's size; Edit-2509 takes up to 3 of their own sizes)."""
     def inputs(base, config, batch, sizes, gen):
         out = base(config, batch, sizes, gen)
-        h, w = sizes["grid"]
-        ref = cfg_rows(gen, batch, h * w, config["in_channels"])
-        out["hidden_states"] = torch.cat([out["hidden_states"], ref], dim=1)
-        out["img_shapes"] = [[(1, h, w), (1, h, w)] for _ in range(batch)]
+        grids = list(refs or [sizes["grid"]])
+        extra = [cfg_rows(gen, batch, h * w, config["in_channels"]) for h, w in grids]
+        out["hidden_states"] = torch.cat([out["hidden_states"], *extra], dim=1)
+        out["img_shapes"] = [[(1, *sizes["grid"])] + [(1, h, w) for h, w in grids] for _ in range(batch)]
         return out
     return inputs
 
@@ -265,6 +275,8 @@ VARIANTS: tuple[Variant, ...] = (
             dict(in_channels=128, out_channels=64)),
     Variant("flux", "kontext", "FLUX.1-Kontext-dev (reference tokens after the noisy ones, ids axis 0 = 1)",
             inputs=_seq_concat_reference),
+    Variant("flux", "kontext_ref", "FLUX.1-Kontext-dev with the reference at its own size (odd joint length)",
+            inputs=lambda base, c, b, s, g: _seq_concat_reference(base, c, b, s, g, ref_grid=(5, 3))),
     # SD3 / SD3.5
     Variant("sd3", "3.0", "stable-diffusion-3-medium (no qk norm)", dict(qk_norm=None)),
     Variant("sd3", "3.5m", "stable-diffusion-3.5-medium (dual attention in the first layers, rms qk norm)",
@@ -279,6 +291,8 @@ VARIANTS: tuple[Variant, ...] = (
     # QwenImage
     Variant("qwenimage", "edit", "Qwen-Image-Edit / -2509 (reference latents in the sequence)",
             inputs=_qwen_edit()),
+    Variant("qwenimage", "edit2509", "Qwen-Image-Edit-2509 (two reference images of their own sizes)",
+            inputs=_qwen_edit([(3, 5), (2, 2)])),
     Variant("qwenimage", "edit2511", "Qwen-Image-Edit-2511 (zero_cond_t: t = 0 for the reference tokens)",
             dict(zero_cond_t=True), _qwen_edit()),
     # HunyuanVideo
