@@ -43,9 +43,10 @@ import torch.utils._pytree as pytree
 from .capture_values import ScalarRecorder, ScalarReplay
 from .infra.trace_templates import TraceTemplates
 from .infra.facts import StateIO, facts_of
+from .infra.pass_base import Refusal
 
 
-class CaptureError(RuntimeError):
+class CaptureError(RuntimeError, Refusal):
     """torch.export could not trace the module with the given call."""
 
 

@@ -3,6 +3,7 @@
     dit-passes coverage --out out/coverage                    # the whole matrix (parallel on 2 gloo ranks)
     dit-passes coverage --families flux,wan --no-parallel     # a reduced form
     dit-passes coverage --columns capture,dbcache
+    dit-passes coverage --variants only                       # only the real-checkpoint variants (flux[schnell])
     dit-passes coverage --families wan --update out/coverage/coverage.json --out out/coverage   # re-run cells
 
 Rows come from ``dit_passes.models.diffusers_zoo.coverage_rows()`` (the transformer classes diffusers
@@ -12,7 +13,7 @@ exports: a class without a zoo config shows as "no config"); columns are :data:`
   the first call equals eager and the cached call equals the computed one on identical inputs; SVDQuant's
   reference path: finite and within :data:`SVDQUANT_BOUND`, the error of 4-bit weights and activations);
 * ``refused: <reason>``: the library refused before running (a ``PassError``, a capture or block-discovery
-  error, a sharding / mesh error: what a user reads);
+  error, a sharding / mesh error: what a user reads; not ``PassCrashed``, a pass's own crash while rewriting);
 * ``error: <type: msg>``: anything else (a crash while running, a wrong result, a timeout): a defect.
 
 The models are the zoo's tiny configs with every all-zero floating parameter redrawn (seeded, the same on
@@ -125,10 +126,13 @@ def _max_rel(actual, expected) -> float:
 def _compile(model, passes, inputs):
     """compile_dit + lower now: a refusal here is raised as _Refused, anything else propagates."""
     from . import compile_dit
+    from .infra.pass_base import PassCrashed
     try:
         compiled = compile_dit(model, passes=passes())
         compiled.lower(**inputs)
         return compiled
+    except PassCrashed:  # a crash inside a pass's rewrite (wrapped as a PassError): a defect, not a refusal
+        raise
     except _refusal_types() as e:
         if _timed_out(e):  # a refusal type wrapping the cell's deadline: the time ran out, nothing was refused
             raise
@@ -307,20 +311,30 @@ def run_parallel(families: Sequence[str], columns: Sequence[str], timeout: float
 
 
 # ---------------------------------------------------------------------------------------- the matrix
-def select_rows(names: Optional[Sequence[str]]):
-    """Coverage rows (not excluded), filtered by family or class names; unknown names raise ValueError."""
+def select_rows(names: Optional[Sequence[str]], variants: str = "all"):
+    """Coverage rows (not excluded), filtered by family or class names (a class name keeps all its families, a
+    family name only that family: ``flux`` is not ``flux[schnell]``); unknown names raise ValueError.
+    ``variants``: "all" keeps the real-checkpoint variants (``family[tag]``, ``models/zoo_variants.py``),
+    "none" drops them, "only" keeps only them (a class without one is left out)."""
     from .models.diffusers_zoo import coverage_rows
+    if variants not in ("all", "none", "only"):
+        raise ValueError(f"variants must be 'all', 'none' or 'only', got {variants!r}")
     rows = [r for r in coverage_rows() if r.excluded is None]
-    if not names:
+    if names:
+        wanted = set(names)
+        known = {r.class_name for r in rows} | {f for r in rows for f in r.families}
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise ValueError(f"unknown families / classes {unknown}; known families: "
+                             f"{', '.join(sorted(f for r in rows for f in r.families))}")
+        rows = [r if r.class_name in wanted else dataclasses.replace(r, families=tuple(
+            f for f in r.families if f in wanted)) for r in rows if r.class_name in wanted or wanted & set(r.families)]
+    if variants == "all":
         return rows
-    wanted = set(names)
-    picked = [r for r in rows if r.class_name in wanted or wanted & set(r.families)]
-    known = {r.class_name for r in rows} | {f for r in rows for f in r.families}
-    unknown = sorted(wanted - known)
-    if unknown:
-        raise ValueError(f"unknown families / classes {unknown}; known families: "
-                         f"{', '.join(sorted(f for r in rows for f in r.families))}")
-    return picked
+    keep = (lambda f: "[" not in f) if variants == "none" else (lambda f: "[" in f)
+    out = [dataclasses.replace(r, families=tuple(f for f in r.families if keep(f))) for r in rows]
+    # "only": a class with no variant has no row ("none" keeps the rows of classes without a config)
+    return [r for r in out if r.families or variants == "none"]
 
 
 def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: float = 120.0, batch: int = 1,
@@ -467,6 +481,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="dit-passes coverage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="", help="comma-separated zoo families or diffusers class names")
     parser.add_argument("--columns", default=",".join(COLUMNS), help=f"comma-separated, of {', '.join(COLUMNS)}")
+    parser.add_argument("--variants", default="all", choices=("all", "none", "only"),
+                        help="the real-checkpoint variants (rows such as flux[schnell]): all (default), none, only")
     parser.add_argument("--no-parallel", action="store_true", help="skip the parallel columns (no ranks spawned)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per cell (default 120)")
     parser.add_argument("--batch", type=int, default=1, help="batch of the example call (2: a CFG pair)")
@@ -481,7 +497,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"dit-passes coverage: unknown column(s) {unknown}; columns: {', '.join(COLUMNS)}", file=sys.stderr)
         return 2
     try:
-        rows = select_rows([f.strip() for f in args.families.split(",") if f.strip()])
+        rows = select_rows([f.strip() for f in args.families.split(",") if f.strip()], args.variants)
     except ValueError as e:
         print(f"dit-passes coverage: {e}", file=sys.stderr)
         return 2

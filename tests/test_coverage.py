@@ -34,7 +34,7 @@ def test_listing_comes_from_diffusers_and_covers_every_class_once():
     # every exclusion names a class this diffusers has or had; every zoo family maps to its class's row
     assert set(EXCLUDED) & set(classes), "the exclusion table names none of this diffusers' classes"
     by_family = {f: r.class_name for r in rows for f in r.families}
-    assert set(by_family) == set(zoo.ALL_FAMILIES)
+    assert set(by_family) == set(zoo.ALL_FAMILIES) | set(zoo.ALL_VARIANTS)
     assert all(by_family[f] == zoo.class_name_of(f) for f in by_family)
     assert not any(r.families and r.excluded for r in rows), "a zoo family builds an excluded class"
     # the curated test zoo plus the coverage-only configs exist in this diffusers

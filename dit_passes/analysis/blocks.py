@@ -28,13 +28,14 @@ import torch.fx as fx
 
 from ..capture import module_class_of
 from ..infra.facts import facts_of
+from ..infra.pass_base import Refusal
 from .linear_roles import find_attention, find_linears
 from .structure import Block, BlockList, DiTStructure
 
 _INT = re.compile(r"^\d+$")
 
 
-class NoRepeatedBlocksError(ValueError):
+class NoRepeatedBlocksError(ValueError, Refusal):
     """The module has no repeated block list: it is not a DiT dit_passes can work on."""
 
 

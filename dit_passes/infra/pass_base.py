@@ -56,8 +56,20 @@ class PassContext:
     frontend: str = "export"
 
 
-class PassError(RuntimeError):
+class Refusal(Exception):
+    """Marks an error type that refuses a rewrite before it runs (a sharding, mesh, block-discovery or capture
+    error the pass relies on): a pass that raises one refused; anything else a pass raises while rewriting is
+    a crash (:class:`PassCrashed`)."""
+
+
+class PassError(RuntimeError, Refusal):
     """A pass could not run, or left the graph broken. The message names the pass."""
+
+
+class PassCrashed(PassError):
+    """A pass raised something other than a refusal while it rewrote the graph (the cause is chained): not a
+    refusal decided before the rewrite but a defect of the pass. A PassError, so callers that catch those still
+    do; ``dit-passes coverage`` counts it as an error."""
 
 
 class Pass:

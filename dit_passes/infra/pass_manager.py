@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 import torch.fx as fx
 
 from .facts import DERIVED_FACTS, FactAccessError, facts_of
-from .pass_base import Pass, PassContext, PassError, PassResult
+from .pass_base import Pass, PassContext, PassCrashed, PassError, PassResult, Refusal
 from .phases import Phase
 
 
@@ -108,8 +108,10 @@ class PassManager:
             result = p.run(gm, ctx)
         except (PassError, FactAccessError):
             raise
-        except Exception as e:  # noqa: BLE001
+        except Refusal as e:  # a refusal of what the pass relies on (sharding, mesh, block discovery, capture)
             raise PassError(f"pass '{p.name}' failed: {type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001
+            raise PassCrashed(f"pass '{p.name}' failed: {type(e).__name__}: {e}") from e
         finally:
             facts.guard(None)
         undeclared = sorted(set(facts.changed_since(snap)) - set(p.writes))

@@ -5,7 +5,7 @@ The list comes from diffusers itself: the public names of ``diffusers.models.tra
 no zoo family ("no config") until one is written in ``zoo_more``. Classes that are not diffusion transformers
 over latent tokens (priors, UNet sub-layers, codecs, ...) are listed in :data:`EXCLUDED` with the reason.
 
-    rows = coverage_rows()     # [ClassRow(class_name, families=("flux",), excluded=None), ...]
+    rows = coverage_rows()     # [ClassRow(class_name, families=("flux", "flux[schnell]", ...), excluded=None), ...]
 """
 from __future__ import annotations
 
@@ -58,10 +58,10 @@ def transformer_classes() -> dict[str, type]:
 
 def coverage_rows() -> list[ClassRow]:
     """One row per transformer class of this diffusers, plus one per zoo family whose class it lacks."""
-    from dit_passes.models.zoo import ALL_FAMILIES, class_name_of
+    from dit_passes.models.zoo import ALL_FAMILIES, ALL_VARIANTS, class_name_of
 
     by_class: dict[str, list[str]] = {}
-    for family in ALL_FAMILIES:
+    for family in ALL_FAMILIES + ALL_VARIANTS:  # a class's variants ("flux[schnell]") after its base family
         by_class.setdefault(class_name_of(family), []).append(family)
     classes = transformer_classes()
     rows = [ClassRow(name, cls.__module__, tuple(by_class.get(name, ())), EXCLUDED.get(name))

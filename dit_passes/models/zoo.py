@@ -47,21 +47,28 @@ from dit_passes.models.zoo_extra_image import EXTRA_IMAGE_FAMILIES
 from dit_passes.models.zoo_image import IMAGE_FAMILIES
 from dit_passes.models.zoo_more import MORE_IMAGE_FAMILIES
 from dit_passes.models.zoo_more_av import MORE_AV_FAMILIES
+from dit_passes.models.zoo_variants import VARIANTS, variant_spec
 from dit_passes.models.zoo_video import VIDEO_FAMILIES
 
-__all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ZooModel", "build", "config_for", "class_name_of",
-           "model_class", "redraw_zero_parameters"]
+__all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ALL_VARIANTS", "VARIANTS_HERE", "ZooModel", "build",
+           "config_for", "class_name_of", "model_class", "redraw_zero_parameters"]
 
 _CURATED = IMAGE_FAMILIES + VIDEO_FAMILIES
 MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES + EXTRA_IMAGE_FAMILIES + EXTRA_AV_FAMILIES
-_SPECS: MappingProxyType = MappingProxyType({s.name: s for s in _CURATED + MORE_FAMILIES})
+_BASE = {s.name: s for s in _CURATED + MORE_FAMILIES}
+# the real-checkpoint variants ("flux[schnell]", zoo_variants): built like a family, listed apart
+_VARIANT_SPECS = tuple(variant_spec(_BASE[v.family], v) for v in VARIANTS)
+_SPECS: MappingProxyType = MappingProxyType({**_BASE, **{s.name: s for s in _VARIANT_SPECS}})
 
 # Every family the zoo knows; the curated ones (the test suite's zoo: every test builds these) and the
 # coverage-only ones (zoo_more: the rest of diffusers' DiT classes), each where the installed diffusers has
 # the model class.
-ALL_FAMILIES: tuple[str, ...] = tuple(_SPECS)
+ALL_FAMILIES: tuple[str, ...] = tuple(_BASE)
 FAMILIES: tuple[str, ...] = tuple(s.name for s in _CURATED if hasattr(diffusers, s.class_name))
 MORE_FAMILIES_HERE: tuple[str, ...] = tuple(s.name for s in MORE_FAMILIES if hasattr(diffusers, s.class_name))
+# the variants ("family[tag]"), all and those this diffusers can build
+ALL_VARIANTS: tuple[str, ...] = tuple(s.name for s in _VARIANT_SPECS)
+VARIANTS_HERE: tuple[str, ...] = tuple(s.name for s in _VARIANT_SPECS if hasattr(diffusers, s.class_name))
 
 
 @dataclasses.dataclass

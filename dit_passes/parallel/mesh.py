@@ -14,10 +14,12 @@ from typing import Mapping, Sequence
 
 import torch.distributed as dist
 
+from ..infra.pass_base import Refusal
+
 __all__ = ["MeshError", "ParallelMesh", "check_ranks", "factorisations"]
 
 
-class MeshError(ValueError):
+class MeshError(ValueError, Refusal):
     """The requested mesh does not fit the process group (or no group is initialised)."""
 
 

@@ -72,6 +72,9 @@ class _Rewrite:
         self.shape_fns: Dict[fx.Node, Callable] = {}
         self.cache: Dict[Any, fx.Node] = {}
         self.now: Dict[fx.Node, fx.Node] = {}  # a sharded stream -> its shard; a partial sum -> its all-reduce
+        # an SDPA -> the distributed attention that replaced it (and was erased): a gather planned on the SDPA's
+        # output (a non-local reader, as Mochi's pad of each sample's valid tokens) reads the replacement
+        self.replaced: Dict[fx.Node, fx.Node] = {}
 
     def new_node(self, target, args, like: fx.Node) -> fx.Node:
         node = self.prop.emit(target, args, like=like)
@@ -79,13 +82,15 @@ class _Rewrite:
             node.meta["dit_module_path"] = ""  # inserted before block 0: part of the prologue
         return node
 
-    def gather(self, node: fx.Node, layout: Sharded, after: fx.Node) -> fx.Node:
+    def gather(self, node: fx.Node, layout: Sharded, after: fx.Node, traced: Optional[fx.Node] = None) -> fx.Node:
+        """All-gather ``node`` (sharded as ``layout``) in the memory order of ``traced`` (default ``node``: the
+        value the graph was traced with, whose later views may rely on its strides)."""
         spec = self.spec
         with self.g.inserting_after(after):
             new = self.new_node(ops.gather_sequence, (node, layout.dim, self.group_name,
                                                       list(spec.rank_lengths(layout.segments)),
                                                       *_runs_args(spec.inverse_runs(layout.segments)),
-                                                      *_order_arg(node)), like=node)
+                                                      *_order_arg(traced or node)), like=node)
         self.shape_fns[new] = ops.gather_sequence_shape
         return new
 
@@ -120,7 +125,8 @@ class _Rewrite:
             if m.node in self.full:
                 return m.node  # the full stream is still there
             if m not in self.cache:
-                self.cache[m] = self.gather(m.node, m.layout, after=m.node)
+                src = self.replaced.get(m.node, m.node)
+                self.cache[m] = self.gather(src, m.layout, after=src, traced=m.node)
                 self.counts["nonlocal_gathers"] += 1
             return self.cache[m]
         return m
@@ -167,6 +173,7 @@ class _Rewrite:
             self.shape_fns[new] = ops.attention_shape
             n.replace_all_uses_with(new)
             self.g.erase_node(n)
+            self.replaced[n] = new
             self.counts["attention_replaced"] += 1
         else:  # queries over full keys / values (cross-attention, or keys gathered): SDPA on the local queries
             n.args = (q, k, v, mask) + tuple(n.args[4:])
@@ -200,6 +207,7 @@ class _Rewrite:
         self.shape_fns[new] = ops.received_shape
         n.replace_all_uses_with(new)
         self.g.erase_node(n)
+        self.replaced[n] = new
         self.counts["attention_replaced"] += 1
         moved = overlap(self.g, waits[ISSUE_ORDER[0]], [sent[role] for role in ISSUE_ORDER])
         self.counts["async_overlapped" if moved else "async_in_order"] += 1

@@ -19,12 +19,12 @@ import torch
 import torch.fx as fx
 
 from ..infra.ownership import WeightLedger
-from ..infra.pass_base import PassError
+from ..infra.pass_base import PassError, Refusal
 from ..infra.weight_source import check_shape, source_name
 from .propagate import segment_runs
 
 
-class ShardingError(ValueError):
+class ShardingError(ValueError, Refusal):
     """A value cannot be sharded consistently (a view that mixes the sharded dim, an odd size)."""
 
 
