@@ -39,6 +39,7 @@ from .w4a4_autotune import interpreting
 from .w4a8_triton import E4M3_MAX, _nibble_planes
 
 GROUP = 64
+GROUP_C = tl.constexpr(GROUP)  # what the kernel reads: compiled (unlike interpreted) Triton sees constexpr globals only
 MAX_BLOCK_K = 1024  # output columns per row and loop step (a power of two dividing K)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -69,7 +70,7 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_
         wmax = tl.maximum(wmax, tl.max(tl.abs(luc), axis=1))
     sw = tl.math.div_rn(wmax, E4M3_MAX)
     tl.store(sw_ptr + rows, sw, mask=row_mask)
-    GK: tl.constexpr = BLOCK_K // GROUP                                 # groups per chunk
+    GK: tl.constexpr = BLOCK_K // GROUP_C                                 # groups per chunk
     offs_b = tl.arange(0, BLOCK_K // 2)
     offs_gk = tl.arange(0, GK)
     offs_k = tl.arange(0, BLOCK_K)
@@ -78,8 +79,8 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_
         lo, hi = _nibble_planes(packed, False)                          # exact fp32 [BLOCK_N, BLOCK_K/2]
         g = tl.load(ws_ptr + rows[:, None] * s_wsn + (i * GK + offs_gk)[None, :]).to(tl.float32)
         ratio = tl.math.div_rn(g, sw[:, None])[:, :, None]            # [BLOCK_N, GK, 1]
-        lo = tl.reshape(tl.reshape(lo, [BLOCK_N, GK, GROUP // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
-        hi = tl.reshape(tl.reshape(hi, [BLOCK_N, GK, GROUP // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
+        lo = tl.reshape(tl.reshape(lo, [BLOCK_N, GK, GROUP_C // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
+        hi = tl.reshape(tl.reshape(hi, [BLOCK_N, GK, GROUP_C // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
         w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])            # k order: (even, odd) pairs
         w = tl.minimum(tl.maximum(w, -E4M3_MAX), E4M3_MAX)
         tl.store(w8_ptr + rows[:, None] * s_w8n + (i * BLOCK_K + offs_k)[None, :], _to_e4m3(w, SOFT),
