@@ -39,7 +39,6 @@ from .w4a4_autotune import interpreting
 from .w4a8_triton import E4M3_MAX, _nibble_planes
 
 GROUP = 64
-GROUP_C = tl.constexpr(GROUP)  # what the kernel reads: compiled (unlike interpreted) Triton sees constexpr globals only
 MAX_BLOCK_K = 1024  # output columns per row and loop step (a power of two dividing K)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -56,7 +55,8 @@ def _configs():
 def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_qn, s_wsn, s_w8n, s_lun,
                       TRIP: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
                       LR: tl.constexpr, SPLIT: tl.constexpr, R_OUT: tl.constexpr, R_BLOCK: tl.constexpr,
-                      SOFT: tl.constexpr, BLOCK_N: tl.constexpr):
+                      SOFT: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # GS: the group size, an argument (compiled Triton reads no plain Python globals; the interpreter does)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows = tl.where(row_mask, rows, 0).to(tl.int64)  # rows past N read row 0 (no masks in the loop), store nothing
@@ -70,7 +70,7 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_
         wmax = tl.maximum(wmax, tl.max(tl.abs(luc), axis=1))
     sw = tl.math.div_rn(wmax, E4M3_MAX)
     tl.store(sw_ptr + rows, sw, mask=row_mask)
-    GK: tl.constexpr = BLOCK_K // GROUP_C                                 # groups per chunk
+    GK: tl.constexpr = BLOCK_K // GS                                 # groups per chunk
     offs_b = tl.arange(0, BLOCK_K // 2)
     offs_gk = tl.arange(0, GK)
     offs_k = tl.arange(0, BLOCK_K)
@@ -79,8 +79,8 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_
         lo, hi = _nibble_planes(packed, False)                          # exact fp32 [BLOCK_N, BLOCK_K/2]
         g = tl.load(ws_ptr + rows[:, None] * s_wsn + (i * GK + offs_gk)[None, :]).to(tl.float32)
         ratio = tl.math.div_rn(g, sw[:, None])[:, :, None]            # [BLOCK_N, GK, 1]
-        lo = tl.reshape(tl.reshape(lo, [BLOCK_N, GK, GROUP_C // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
-        hi = tl.reshape(tl.reshape(hi, [BLOCK_N, GK, GROUP_C // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
+        lo = tl.reshape(tl.reshape(lo, [BLOCK_N, GK, GS // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
+        hi = tl.reshape(tl.reshape(hi, [BLOCK_N, GK, GS // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
         w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])            # k order: (even, odd) pairs
         w = tl.minimum(tl.maximum(w, -E4M3_MAX), E4M3_MAX)
         tl.store(w8_ptr + rows[:, None] * s_w8n + (i * BLOCK_K + offs_k)[None, :], _to_e4m3(w, SOFT),
@@ -155,7 +155,7 @@ def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tenso
 
     _w4_expand_kernel[grid](qw, ws, w8, sw, sw, sw, n, k, 0, qw.stride(0), ws.stride(0), w8.stride(0), 0,
                             TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups), BLOCK_K=bk, LR=False,
-                            SPLIT=False, R_OUT=0, R_BLOCK=1, SOFT=interpreting())
+                            SPLIT=False, R_OUT=0, R_BLOCK=1, SOFT=interpreting(), GS=GROUP)
     return w8, sw
 
 
@@ -188,5 +188,5 @@ def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch
                             b8.stride(0), lu.stride(0), TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups),
                             BLOCK_K=bk, LR=True, SPLIT=split, R_OUT=r_out,
                             R_BLOCK=max(16, triton.next_power_of_2(max(r, r_out - 2 * r) if split else r_out)),
-                            SOFT=interpreting())
+                            SOFT=interpreting(), GS=GROUP)
     return b8, sw
