@@ -30,6 +30,7 @@ from dit_passes.quant.int4 import dequantize_weight_w4  # noqa: E402
 from dit_passes.quant.svdquant import prepare_svdquant, relative_error, svdq_w4a4_linear_reference  # noqa: E402
 
 OP = torch.ops.dit_passes.w4_lrcat_to_e4m3.default
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
 
@@ -137,7 +138,8 @@ def test_kernel_b_operand_bit_for_bit(rank, k, split, cols):
     assert q.rank == rank
     c, sw = lrcat_scales(q.wscale, q.lora_down, q.lora_up, k)
     want, want_sw = lrcat_weight(q.qweight, q.wscale, q.lora_up, c, q.N, k, rank, split=split)
-    got, got_sw = K.w4_lrcat_to_e4m3(q.qweight, q.wscale, q.lora_up, c, split)
+    got, got_sw = K.w4_lrcat_to_e4m3(q.qweight.to(DEV), q.wscale.to(DEV), q.lora_up.to(DEV), c.to(DEV), split)
+    got, got_sw = got.cpu(), got_sw.cpu()  # the kernel on the GPU where there is one, the reference on the CPU
     assert got.shape == (40, k + cols) and got.dtype == torch.float8_e4m3fn
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(got_sw, want_sw) and torch.equal(want_sw, sw)
