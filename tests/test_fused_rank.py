@@ -145,5 +145,9 @@ def test_meta_built_model_writes_the_same_fused_checkpoint(flux, tmp_path):
         outs.append(_run(compile_dit(model, passes=[FuseSiblingLinears(), q], example_inputs=kw, **kwargs), kw))
         sides.append(json.load(open(os.path.join(ck, f"svdq_int4_r{RANK}_dq.json"))))
     assert torch.equal(outs[0], outs[1])
-    assert sides[0]["structure"] == sides[1]["structure"] and sides[0]["sha256"] == sides[1]["sha256"]
+    # the same tables (not the files' sha256: safetensors writes its header's metadata in a per-process hash order)
+    from safetensors.torch import load_file
+    a, b = (load_file(str(tmp_path / n / f"svdq_int4_r{RANK}_dq.safetensors")) for n in ("loaded", "meta"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert sides[0]["structure"] == sides[1]["structure"]
     assert any("members" in s for s in sides[0]["structure"]["linears"].values())

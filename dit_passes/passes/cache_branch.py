@@ -139,6 +139,22 @@ def _compute_arm_vals(seg: MiddleSegment, mode) -> List[torch.Tensor]:
     return outs + res
 
 
+def _view_root(n: fx.Node) -> fx.Node:
+    """The node whose storage ``n`` views: up through ops whose schema says their output aliases their input (slice,
+    view, select, split + getitem, ...)."""
+    while n.op == "call_function":
+        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        op = src.target if n.target is operator.getitem and src is not None else n.target
+        schema = getattr(op, "_schema", None)
+        alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+        if src is None or alias is None or alias.is_write:
+            return n
+        n = src if n.target is not operator.getitem else src.args[0]
+        if not isinstance(n, fx.Node):
+            return src
+    return n
+
+
 def dealias_live_in(gm: fx.GraphModule, seg: MiddleSegment) -> MiddleSegment:
     """``seg`` with each value entering it that shares storage with an earlier one replaced by its own contiguous
     copy. ``torch.compile`` refuses a cond whose operands alias each other, and a
@@ -149,8 +165,10 @@ def dealias_live_in(gm: fx.GraphModule, seg: MiddleSegment) -> MiddleSegment:
     seen, copies = set(), {}
     for a in seg.live_in:
         v = a.meta["val"]
-        ref = StorageWeakRef(v.untyped_storage())
-        if ref in seen:
+        # by the graph (views of one node: a graph restored from the trace cache has fresh, unaliased fake values)
+        # and by the values (aliasing the graph does not show, e.g. through an opaque op)
+        refs = {("node", _view_root(a)), ("storage", StorageWeakRef(v.untyped_storage()))}
+        if refs & seen:
             # right after the value: it may sit inside the range (a load kept outside the cut) or in an earlier cut
             with gm.graph.inserting_after(a):
                 c = gm.graph.call_function(torch.ops.aten.clone.default, (a,),
@@ -158,7 +176,7 @@ def dealias_live_in(gm: fx.GraphModule, seg: MiddleSegment) -> MiddleSegment:
             with detect_fake_mode([v]):
                 c.meta["val"] = torch.ops.aten.clone.default(v, memory_format=torch.contiguous_format)
             copies[a] = c
-        seen.add(ref)
+        seen |= refs
     if not copies:
         return seg
     for n in seg.nodes:
