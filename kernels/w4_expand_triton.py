@@ -28,7 +28,7 @@ exact int4 values), so the bytes are equal. Under ``TRITON_INTERPRET=1`` (CPU te
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -137,26 +137,39 @@ def _check(name: str, qweight: torch.Tensor, wscale: torch.Tensor) -> None:
                          "reference (dit_passes.quant.graph_forms) or set TRITON_INTERPRET=1 (tests)")
 
 
-def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """qweight uint8 [N, K/2] (even k in the low nibble), wscale [N, K/64] (fp32 / bf16 / fp16, >= 0) ->
-    ``(w8 float8_e4m3fn [N, K], sw fp32 [N])`` (module docstring)."""
-    _check("w4_to_e4m3", qweight, wscale)
+def _expand(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: Optional[torch.Tensor], c: Optional[torch.Tensor],
+            r_out: int, split: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The launch both ops share: the [N, K + r_out] e4m3 operand and the row scale; ``lora_up`` None: no low-rank
+    columns (r_out 0)."""
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
-    w8 = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=qw.device)
+    out = torch.empty((n, k + r_out), dtype=torch.float8_e4m3fn, device=qw.device)
     sw = torch.empty((n,), dtype=torch.float32, device=qw.device)
     if n == 0:
-        return w8, sw
+        return out, sw
     bk, groups = block_k(k), k // GROUP
+    if lora_up is None:
+        lu, cc, r, r_block = sw, sw, 0, 1  # unread (LR=False): any pointer
+    else:
+        lu, cc, r = (lora_up if lora_up.stride(-1) == 1 else lora_up.contiguous()), c.contiguous(), lora_up.shape[-1]
+        r_block = max(16, triton.next_power_of_2(max(r, r_out - 2 * r) if split else r_out))
 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _w4_expand_kernel[grid](qw, ws, w8, sw, sw, sw, n, k, 0, qw.stride(0), ws.stride(0), w8.stride(0), 0,
-                            TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups), BLOCK_K=bk, LR=False,
-                            SPLIT=False, R_OUT=0, R_BLOCK=1, SOFT=interpreting(), GS=GROUP)
-    return w8, sw
+    _w4_expand_kernel[grid](qw, ws, out, sw, lu, cc, n, k, r, qw.stride(0), ws.stride(0), out.stride(0),
+                            lu.stride(0) if lora_up is not None else 0, TRIP=k // bk, G=groups,
+                            G_PAD=triton.next_power_of_2(groups), BLOCK_K=bk, LR=lora_up is not None, SPLIT=split,
+                            R_OUT=r_out, R_BLOCK=r_block, SOFT=interpreting(), GS=GROUP)
+    return out, sw
+
+
+def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """qweight uint8 [N, K/2] (even k in the low nibble), wscale [N, K/64] (fp32 / bf16 / fp16, >= 0) ->
+    ``(w8 float8_e4m3fn [N, K], sw fp32 [N])`` (module docstring)."""
+    _check("w4_to_e4m3", qweight, wscale)
+    return _expand(qweight, wscale, None, None, 0, False)
 
 
 def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
@@ -167,26 +180,9 @@ def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch
     lo(u) | 0]; cols: R or 3R up to a multiple of 16), in one pass."""
     name = "w4_lrcat_to_e4m3"
     _check(name, qweight, wscale)
-    n, k, r = qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[-1]
+    n, r = qweight.shape[0], lora_up.shape[-1]
     if lora_up.dim() != 2 or lora_up.shape[0] != n or tuple(c.shape) != (r,) or c.dtype != torch.float32:
         raise ValueError(f"{name}: lora_up must be [{n}, R] and c fp32 [R], got {tuple(lora_up.shape)} and {c.dtype} "
                          f"{tuple(c.shape)}")
-    qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
-    ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
-    lu = lora_up if lora_up.stride(-1) == 1 else lora_up.contiguous()
     r_out = -(-r * (3 if split else 1) // 16) * 16  # graph_forms.lrcat_cols
-    b8 = torch.empty((n, k + r_out), dtype=torch.float8_e4m3fn, device=qw.device)
-    sw = torch.empty((n,), dtype=torch.float32, device=qw.device)
-    if n == 0:
-        return b8, sw
-    bk, groups = block_k(k), k // GROUP
-
-    def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]),)
-
-    _w4_expand_kernel[grid](qw, ws, b8, sw, lu, c.contiguous(), n, k, r, qw.stride(0), ws.stride(0),
-                            b8.stride(0), lu.stride(0), TRIP=k // bk, G=groups, G_PAD=triton.next_power_of_2(groups),
-                            BLOCK_K=bk, LR=True, SPLIT=split, R_OUT=r_out,
-                            R_BLOCK=max(16, triton.next_power_of_2(max(r, r_out - 2 * r) if split else r_out)),
-                            SOFT=interpreting(), GS=GROUP)
-    return b8, sw
+    return _expand(qweight, wscale, lora_up, c, r_out, split)

@@ -49,7 +49,8 @@ from ..analysis.blocks import get_structure
 from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
-from .cache_branch import _branch, _fake_call, dealias_live_in, _getitems, add_state_inputs, finish_state_io
+from .cache_branch import (_branch, _compute_arm_vals, _fake_call, _getitems, add_state_inputs, dealias_live_in,
+                           finish_state_io)
 from .segments import cut_middle
 
 
@@ -157,7 +158,7 @@ class DBPrune(Pass):
                 operands = tuple(seg.live_in) + tuple(adds)
                 cond = g.call_function(torch.ops.higher_order.cond, (prune, g.get_attr(f"{self.name}_b{j}_cached"),
                                                                      g.get_attr(f"{self.name}_b{j}_compute"), operands))
-                cond_vals = _fake_call(getattr(gm, f"{self.name}_b{j}_compute"), operands, mode)
+                cond_vals = _compute_arm_vals(seg, mode)  # from the block's own metadata: no fake run of the block
                 cond.meta["val"] = tuple(cond_vals)
                 items = _getitems(g, cond, cond_vals, [f"b{j}_stream_{x}" for x in range(k)]
                                   + [f"b{j}_residual_{x}" for x in range(k)])

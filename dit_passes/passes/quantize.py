@@ -239,7 +239,7 @@ class _QuantizeLinears(Pass):
         if not sites:
             return PassResult(False, {"replaced": 0, "skipped_k": skipped}, "no eligible linear in the blocks; " + "; ".join(notes))
         paths = list(dict.fromkeys(s.module_path for s in sites))
-        self._fused = fused = fused_members(gm, paths)
+        self._fused = fused_members(gm, paths)
         kinds = {s.module_path: self.kind_of(s) for s in sites}
         weights = {s.module_path: tensor_at(gm, s.weight) for s in sites}
         biases = {s.module_path: tensor_at(gm, s.bias) if s.bias else None for s in sites}
@@ -251,21 +251,22 @@ class _QuantizeLinears(Pass):
             tables, how = self._tables_from_source(ctx, gm, paths, kinds, weights, biases, graph_block_lists(structure),
                                                    notes)
         else:
-            signature = quant_signature(gm, paths, graph_block_lists(structure), fused)
+            signature = quant_signature(gm, paths, graph_block_lists(structure), self._fused)
             tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
         counts = apply_by_kind(gm, sites, kinds, tables, ledger, self)
         counts["skipped_k"] = skipped
-        if fused:
-            counts["fused_linears"] = len(fused)
-            notes.append(fused_note(fused, tables))
-        rowquant = sum(n.target is torch.ops.dit_passes.fp8_quantize_rows.default for n in gm.graph.nodes)
-        if rowquant:  # DIT_PASSES_FP8_ACT_QUANT=kernel: the activations quantized by the op, not by ATen ops
-            counts["act_quant_ops"] = rowquant
-            notes.append(f"{rowquant} activation quantization(s) as dit_passes::fp8_quantize_rows")
-        expand = sum(n.target is torch.ops.dit_passes.w4_to_e4m3.default for n in gm.graph.nodes)
-        if expand:  # DIT_PASSES_W4_EXPAND=kernel: SVDQuant's int4 weights expanded by the op, not by ATen ops
-            counts["w4_expand_ops"] = expand
-            notes.append(f"{expand} int4 weight expansion(s) as dit_passes::w4_to_e4m3")
+        if self._fused:
+            counts["fused_linears"] = len(self._fused)
+            notes.append(fused_note(self._fused, tables))
+        # the kernels dispatch chose over ATen ops (DIT_PASSES_FP8_ACT_QUANT=kernel, DIT_PASSES_W4_EXPAND=kernel)
+        for op, key, what in ((torch.ops.dit_passes.fp8_quantize_rows.default, "act_quant_ops",
+                               "activation quantization(s) as dit_passes::fp8_quantize_rows"),
+                              (torch.ops.dit_passes.w4_to_e4m3.default, "w4_expand_ops",
+                               "int4 weight expansion(s) as dit_passes::w4_to_e4m3")):
+            count = sum(n.target is op for n in gm.graph.nodes)
+            if count:
+                counts[key] = count
+                notes.append(f"{count} {what}")
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
         per_kind = ", ".join(f"{k[len('kind_'):]} {v}" for k, v in counts.items() if k.startswith("kind_"))
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "

@@ -12,6 +12,7 @@ the fused linears' ranks in ``config["rank_of"]``; the low-rank tensors carry th
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Dict, List
 
 import torch
@@ -35,9 +36,7 @@ def low_rank_of(tables: Dict[str, Dict[str, torch.Tensor]], paths) -> Dict[str, 
 def fused_note(fused: Dict[str, List[List[Any]]], tables: Dict[str, Dict[str, torch.Tensor]]) -> str:
     """What the report says of the fused linears: ``"3 fused linear(s) at rank 96, 1 at rank 128"``."""
     ranks = low_rank_of(tables, fused)
-    by_rank: Dict[int, int] = {}
-    for r in ranks.values():
-        by_rank[r] = by_rank.get(r, 0) + 1
+    by_rank = collections.Counter(ranks.values())
     parts = [f"{n} at rank {r}" for r, n in sorted(by_rank.items())]
     plain = len(fused) - len(ranks)
     if plain:

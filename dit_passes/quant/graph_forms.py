@@ -221,13 +221,18 @@ def fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor
 def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed int4 [N, K/2] (even k in the low nibble) and bf16 group scales [N, K/64] -> (e4m3 [N, K],
     fp32 row scale [N]) with ``float(e4m3) * sw[n] ~= q * wscale`` (module docstring)."""
-    q = aten.view.default(int4_values(qweight, _F32), [n, k // GROUP_SIZE, GROUP_SIZE])
     ws = aten._to_copy.default(wscale, dtype=_F32)                                  # [N, G]
     sw = aten.div.Tensor(aten.mul.Tensor(aten.amax.default(ws, [1], True), W4_MAX), FP8_MAX)   # [N, 1]
+    return _w4_over(qweight, ws, sw, n, k), aten.view.default(sw, [n])
+
+
+def _w4_over(qweight: torch.Tensor, ws: torch.Tensor, sw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """e4m3 [N, K] of ``q * (ws / sw)`` (ws fp32 [N, G] group scales, sw fp32 [N, 1] row scale), clamped to e4m3's
+    range: the one rounding both expansions make."""
+    q = aten.view.default(int4_values(qweight, _F32), [n, k // GROUP_SIZE, GROUP_SIZE])
     ratio = aten.unsqueeze.default(aten.div.Tensor(ws, sw), 2)                      # [N, G, 1]
     w = aten.clamp.default(aten.mul.Tensor(q, ratio), -FP8_MAX, FP8_MAX)
-    w8 = aten._to_copy.default(aten.view.default(w, [n, k]), dtype=FP8_DTYPE)
-    return w8, aten.view.default(sw, [n])
+    return aten._to_copy.default(aten.view.default(w, [n, k]), dtype=FP8_DTYPE)
 
 
 def expand_w4(qweight: torch.Tensor, wscale: torch.Tensor, n: int, k: int,
@@ -319,13 +324,11 @@ def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Ten
     if expand not in W4_EXPANDS:
         raise ValueError(f"the int4 weight expansion must be one of {W4_EXPANDS}, got {expand!r}")
     sw = lrcat_row_scale(wscale, lora_up, c)
-    q = aten.view.default(int4_values(qweight, _F32), [n, k // GROUP_SIZE, GROUP_SIZE])
     sw2 = aten.view.default(sw, [n, 1])
-    ratio = aten.unsqueeze.default(aten.div.Tensor(aten._to_copy.default(wscale, dtype=_F32), sw2), 2)
-    w = aten.view.default(aten.clamp.default(aten.mul.Tensor(q, ratio), -FP8_MAX, FP8_MAX), [n, k])
+    w8 = _w4_over(qweight, aten._to_copy.default(wscale, dtype=_F32), sw2, n, k)
     u = aten.div.Tensor(aten.mul.Tensor(aten._to_copy.default(lora_up, dtype=_F32), c), sw2)
     u8 = _branch_cols(aten.clamp.default(u, -FP8_MAX, FP8_MAX), n, r, split, activation=False)
-    return aten.cat.default([aten._to_copy.default(w, dtype=FP8_DTYPE), u8], 1), sw
+    return aten.cat.default([w8, u8], 1), sw
 
 
 def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
