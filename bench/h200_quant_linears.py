@@ -25,7 +25,7 @@ def svdq(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
 def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
     """name -> (x, w, b) -> zero-argument callable computing the quantized linear (or None: not on this device)."""
     from dit_passes.quant import dispatch, prepare_fp8
-    from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, fp8_quantize, lrcat_cols,
+    from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, fp8_quantize, lrcat_c, lrcat_cols,
                                               svdq_fp8_linear_form, svdq_lrcat_linear_form, w4_to_e4m3)
 
     backend = "eager" if tiny else "inductor"
@@ -75,7 +75,7 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
         args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias)
         return lambda: torch.ops.dit_passes.svdq_w4a4_linear(x, *args)
 
-    def svdq_fp8(fast: bool, expand: str = "graph", lrcat: str = ""):
+    def svdq_fp8(fast: bool, expand: str = "graph", lrcat: str = "", act: str = "graph"):
         def build(x, w, b):
             q = svdq(x, w, b)
             n, k = w.shape
@@ -83,7 +83,7 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
             gemm = dispatch.fp8_gemm_backend(x, n, k + (lrcat_cols(q.rank, split) if lrcat else 0), "per_row")
             shape = LinearShape.of(x, n, k, q.bias, q.wscale, rank=q.rank)
             args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias)
-            kw = {"split": split} if lrcat else {}
+            kw = {"split": split, "act_quant": act} if lrcat else {}
             form = svdq_lrcat_linear_form if lrcat else svdq_fp8_linear_form
             fn = torch.compile(lambda t: form(t, *args, shape, gemm, fast and gemm == "scaled_mm", expand, **kw),
                                backend=backend, fullgraph=True)
@@ -120,6 +120,11 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
         q = svdq(x, w, b)
         return lambda: torch.ops.dit_passes.w4_to_e4m3(q.qweight, q.wscale)
 
+    def lrcat_act(x, w, b):  # the lrcat A operand alone, split: the op dit_passes::lrcat_quantize_rows
+        q = svdq(x, w, b)
+        c = lrcat_c(q.lora_down, q.K)
+        return lambda: torch.ops.dit_passes.lrcat_quantize_rows(x, q.smooth_inv, q.lora_down, c, True)
+
     return {"bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
             "fp8_rowquant": fp8_rowquant, "fp8_act": fp8_act(False), "fp8_act_rowquant": fp8_act(True),
             "svdq_fp8": svdq_fp8(False), "svdq_fp8_fast_accum": svdq_fp8(True), "svdq_w4a8_fused": svdq_w4a8(False),
@@ -127,7 +132,8 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
             "w4a8_gemm_fold": w4a8_parts("gemm_fold"), "w4_expand": w4_expand, "w4_expand_kernel": w4_expand_kernel,
             "svdq_fp8_fast_accum_expandkernel": svdq_fp8(True, "kernel"), "svdq_lrcat": svdq_fp8(True, lrcat="plain"),
             "svdq_lrcat_expandkernel": svdq_fp8(True, "kernel", lrcat="plain"),
-            "svdq_lrcat_split_expandkernel": svdq_fp8(True, "kernel", lrcat="split"), "svdq_op": svdq_op}
+            "svdq_lrcat_split_expandkernel": svdq_fp8(True, "kernel", lrcat="split"), "lrcat_act": lrcat_act,
+            "svdq_lrcat_split_act": svdq_fp8(True, "kernel", lrcat="split", act="kernel"), "svdq_op": svdq_op}
 
 
 def clear_svdq() -> None:

@@ -46,6 +46,10 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   form's fidelity back); ``svdq_w4_lrcat_split_nofuse`` / ``svdq_w4_fp8_expandkernel``: without
   ``FuseSiblingLinears`` (a fused group shares one rank-32 branch: digits DiT PTQ 46.2 -> 41.3 dB, fp8 form and
   lrcat_split alike, ``bench/results/quant_fidelity_*_fused.md``), lrcat_split / the svdq fp8 form with the kernel;
+* ``svdq_w4_lrcat_split_act`` / ``_act_nofuse``: ``svdq_w4_lrcat_split`` / ``_nofuse`` with
+  ``DIT_PASSES_FP8_ACT_QUANT=kernel``: each linear's A operand (smoothing, per-token e4m3, the branch's down
+  projection) by the op ``dit_passes::lrcat_quantize_rows``, one Triton kernel (``kernels/lrcat_act_triton.py``);
+  ``*_graphed`` of these and of ``svdq_w4_lrcat_split``: the step as one CUDA graph, as the bf16 / fp8 rows;
 * ``svdq_w4_all_fp8_fast_accum``: the same with ``modulation="svdq"``, the AdaLN modulation linears W4A8 too;
 * ``svdq_w4_w4a8_fused`` / ``svdq_w4_w4a8_fused_fold`` (not by default): the same pass with
   ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``: each linear the op ``dit_passes::svdq_w4a8_linear``, the fused
@@ -69,7 +73,9 @@ calibrated on the same activations; the W4A8 form compiled alone, weight expansi
 -> e4m3 weight expansion alone: Inductor's form / the op ``dit_passes::w4_to_e4m3``; GB/s of the packed read and
 the e4m3 write), ``svdq_fp8_fast_accum_expandkernel`` (``svdq_fp8_fast_accum`` with the op's expansion),
 ``svdq_lrcat`` / ``svdq_lrcat_expandkernel`` (the lrcat form, fast accumulation, B by ATen ops / by the op),
-``svdq_lrcat_split_expandkernel`` (its hi / lo split, B by the op),
+``svdq_lrcat_split_expandkernel`` (its hi / lo split, B by the op), ``lrcat_act`` (its A operand alone by the op
+``dit_passes::lrcat_quantize_rows``: GB/s of one bf16 read and one e4m3 write), ``svdq_lrcat_split_act``
+(``svdq_lrcat_split_expandkernel`` with that op),
 ``svdq_w4a8_fused`` / ``_fold`` (``dit_passes::svdq_w4a8_linear``, the fused W4A8 Triton kernels: group scales exact
 in fp32 / folded into the e4m3 weights), ``w4a8_act`` / ``w4a8_gemm`` / ``w4a8_gemm_fold`` (its two kernels
 alone: the activation pass, the GEMM on pre-quantized activations; GPU only), ``svdq_op`` (the custom op; not by
@@ -108,12 +114,13 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "svdq_w4_lrcat", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_nofuse", "svdq_w4_fp8_expandkernel",
         "svdq_w4_fp8_fast_accum", "svdq_w4_fp8_fused", "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8",
         "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op", "bf16_graphed", "fp8_fused_graphed",
-        "fp8_fused_rowquant_graphed")
-DEFAULT_ROWS = ROWS[:-6]
+        "fp8_fused_rowquant_graphed", "svdq_w4_lrcat_split_act", "svdq_w4_lrcat_split_act_nofuse",
+        "svdq_w4_lrcat_split_graphed", "svdq_w4_lrcat_split_act_graphed", "svdq_w4_lrcat_split_act_nofuse_graphed")
+DEFAULT_ROWS = ROWS[:-11]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_act", "fp8_act_rowquant", "svdq_fp8",
            "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
            "w4_expand", "w4_expand_kernel", "svdq_fp8_fast_accum_expandkernel", "svdq_lrcat", "svdq_lrcat_expandkernel",
-           "svdq_lrcat_split_expandkernel", "svdq_op")
+           "svdq_lrcat_split_expandkernel", "lrcat_act", "svdq_lrcat_split_act", "svdq_op")
 DEFAULT_LINEARS = LINEARS[:-1]
 
 
@@ -167,6 +174,11 @@ def row_specs():
         "svdq_w4_lrcat_split_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
                                        {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand}),
         "svdq_w4_fp8_expandkernel": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast, **expand}),
+        # lrcat_split with its A operand by dit_passes::lrcat_quantize_rows (smoothing, e4m3, branch down: one kernel)
+        "svdq_w4_lrcat_split_act": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                    {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant}),
+        "svdq_w4_lrcat_split_act_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                           {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant}),
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
                                        {**w4a8, **fast}),
@@ -178,7 +190,9 @@ def row_specs():
     }
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with
     # more, smaller kernels (the row kernel's ~300 calls a step) hidden as a generation hides it
-    return {**specs, **{f"{n}_graphed": specs[n] for n in ("bf16", "fp8_fused", "fp8_fused_rowquant")}}
+    graphed = ("bf16", "fp8_fused", "fp8_fused_rowquant", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_act",
+               "svdq_w4_lrcat_split_act_nofuse")
+    return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -320,7 +334,7 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                 if name.startswith("w4_expand"):  # memory-bound: packed int4 + scales read, e4m3 written
                     res[name] = memory_bound(ms, b2b, n * k // 2 + n * k)
                     continue
-                if name in ("w4a8_act", "fp8_act", "fp8_act_rowquant"):  # memory-bound: bf16 x read, e4m3 written
+                if name in ("w4a8_act", "fp8_act", "fp8_act_rowquant", "lrcat_act"):  # bf16 x read, e4m3 written
                     res[name] = memory_bound(ms, b2b, m * k * x.element_size() + m * k)
                     continue
                 if name.startswith("w4a8_gemm"):  # the GEMM alone: its time, no error of its own to report

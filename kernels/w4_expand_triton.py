@@ -1,25 +1,25 @@
 """SVDQuant's packed int4 weights expanded to e4m3 with the group scales folded, in one bandwidth-bound pass (issue 22).
 
 :func:`w4_to_e4m3` is the CUDA implementation of ``dit_passes::w4_to_e4m3`` (its specification:
-``dit_passes.quant.graph_forms.w4_to_e4m3``). One program per ``BLOCK_N`` weight rows::
+``dit_passes.quant.graph_forms.w4_to_e4m3``). One program per ``BLOCK_N`` weight rows and ``BLOCK_K`` columns::
 
-    ws = float(wscale[n, :])                             # the row's K/64 group scales, read once
+    ws = float(wscale[n, :])                             # the rows' K/64 group scales (the row max needs them all)
     sw = div_rn(8 * max_g ws, 448)                       # the row scale: |int4| <= 8 maps to e4m3's largest
-    for each K chunk (BLOCK_K bytes of output per row):
-        q  = the int4 values of the packed bytes [BLOCK_N, BLOCK_K/2]   (even k: low nibble)
-        w8 = e4m3(clamp(q * div_rn(ws[g], sw), -448, 448))             # round to nearest even
-    store w8 [N, K] and sw [N]
+    q  = the int4 values of the chunk's packed bytes, as [BLOCK_N, BLOCK_K/64 groups, 32 bytes] (even k: low nibble)
+    w8 = e4m3(clamp(q * div_rn(ws[g], sw), -448, 448))  # round to nearest even
+    store w8 (each byte's two values as one int16) and, the first chunk's programs, sw [N]
 
 Why a kernel: Inductor's fusion of the graph form (bench row ``w4_expand``) ran at 109-491 GB/s on an H100 for
 work that reads 1.5 bytes and writes one per weight: it re-reads the group scales for the row max and broadcasts
-the ratio through an index computation per element. Here each program reads its rows' scales once, then streams
-vectorised packed tiles, splits the nibbles in registers (exact values by a bit trick, ``_nibble_planes``),
-interleaves them back to k order and stores contiguous e4m3 rows.
+the ratio through an index computation per element. Here a program reads its rows' scales once, splits the nibbles
+in registers (exact values by a bit trick, ``_nibble_planes``) and writes the pair of e4m3 bytes of every packed
+byte as one int16 (no interleave of the two planes back into k order: the first design's ``join`` + ``reshape``,
+with one program looping over all of K per row block, ran at 154-831 GB/s).
 
 :func:`w4_lrcat_to_e4m3` (``dit_passes::w4_lrcat_to_e4m3``, the lrcat design's B operand, ``graph_forms.lrcat_weight``)
 is the same program with the low-rank factor in the row scale (``sw = max(8 * max_g ws, max_r |lora_up * c|) / 448``)
-and, after the K loop, the row's low-rank columns ``e4m3(lora_up * c / sw)`` (split: hi, hi, lo) and the zero
-padding written into the same rows.
+and, in the first chunk's programs, the rows' low-rank columns ``e4m3(lora_up * c / sw)`` (split: hi, hi, lo) and
+the zero padding written into the same rows.
 
 Numerics: the same operations in the same order as the specification on the CPU (true divisions, fp32 products of
 exact int4 values), so the bytes are equal. Under ``TRITON_INTERPRET=1`` (CPU tests) the e4m3 rounding is
@@ -39,28 +39,33 @@ from .w4a4_autotune import interpreting
 from .w4a8_triton import E4M3_MAX, _nibble_planes
 
 GROUP = 64
-MAX_BLOCK_K = 1024  # output columns per row and loop step (a power of two dividing K)
+MAX_BLOCK_K = 1024  # output columns per program (a power of two dividing K)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _configs():
     if interpreting():
         return [triton.Config({"BLOCK_N": 4}, num_warps=4)]
-    # [BLOCK_N, 1024] fp32 tiles: 16 rows at 8 warps is ~64 values per thread and plane, more would spill
-    return [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((2, 4), (4, 4), (8, 4), (8, 8), (16, 8))]
+    # a program: [BLOCK_N, BLOCK_K / 2] packed bytes in, twice that out; BLOCK_N 16 at 8 warps is ~32 fp32 values
+    # per thread and nibble plane at BLOCK_K 1024
+    return [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((4, 4), (8, 4), (8, 8), (16, 8), (32, 8))]
 
 
 @triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_K", "LR", "SPLIT", "R_OUT"])
 @triton.jit
-def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_qn, s_wsn, s_w8n, s_lun,
-                      TRIP: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-                      LR: tl.constexpr, SPLIT: tl.constexpr, R_OUT: tl.constexpr, R_BLOCK: tl.constexpr,
-                      SOFT: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # GS: the group size, an argument (compiled Triton reads no plain Python globals; the interpreter does)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _w4_expand_kernel(qw_ptr, ws_ptr, w16_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_qn, s_wsn, s_w16n, s_w8n,
+                      s_lun, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_K: tl.constexpr, LR: tl.constexpr,
+                      SPLIT: tl.constexpr, R_OUT: tl.constexpr, R_BLOCK: tl.constexpr, SOFT: tl.constexpr,
+                      GS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # GS: the group size, an argument (compiled Triton reads no plain Python globals; the interpreter does).
+    # Grid (K chunks, row blocks): every program streams one [BLOCK_N, BLOCK_K] tile, so FLUX's 3072-row weights give
+    # thousands of programs (one program per row block looping over K left most SMs idle: 154-831 GB/s).
+    pid_k = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    rows = tl.where(row_mask, rows, 0).to(tl.int64)  # rows past N read row 0 (no masks in the loop), store nothing
+    rows = tl.where(row_mask, rows, 0).to(tl.int64)  # rows past N read row 0 (no load masks), store nothing
     offs_g = tl.arange(0, G_PAD)
+    # the row scale needs all of the row's group scales: each K chunk re-reads them (from L2; G floats per row)
     ws = tl.load(ws_ptr + rows[:, None] * s_wsn + offs_g[None, :], mask=(offs_g < G)[None, :], other=0.0)
     wmax = tl.max(ws.to(tl.float32), axis=1) * 8.0                    # [BLOCK_N]; the scales are >= 0
     if LR:  # lrcat: the row scale also covers the low-rank columns lora_up * c
@@ -69,38 +74,44 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_
         luc = lu.to(tl.float32) * tl.load(c_ptr + offs_r, mask=offs_r < R, other=1.0)[None, :]
         wmax = tl.maximum(wmax, tl.max(tl.abs(luc), axis=1))
     sw = tl.math.div_rn(wmax, E4M3_MAX)
-    tl.store(sw_ptr + rows, sw, mask=row_mask)
-    GK: tl.constexpr = BLOCK_K // GS                                 # groups per chunk
-    offs_b = tl.arange(0, BLOCK_K // 2)
+    # the chunk as [BLOCK_N, groups, 32 bytes]: a group's ratio broadcasts over its bytes with no reshape, and the two
+    # e4m3 values of a byte (even k: low nibble) leave as one int16, so k order needs no interleave in registers
+    GK: tl.constexpr = BLOCK_K // GS
     offs_gk = tl.arange(0, GK)
-    offs_k = tl.arange(0, BLOCK_K)
-    for i in range(0, TRIP):
-        packed = tl.load(qw_ptr + rows[:, None] * s_qn + (i * (BLOCK_K // 2) + offs_b)[None, :])
-        lo, hi = _nibble_planes(packed, False)                          # exact fp32 [BLOCK_N, BLOCK_K/2]
-        g = tl.load(ws_ptr + rows[:, None] * s_wsn + (i * GK + offs_gk)[None, :]).to(tl.float32)
-        ratio = tl.math.div_rn(g, sw[:, None])[:, :, None]            # [BLOCK_N, GK, 1]
-        lo = tl.reshape(tl.reshape(lo, [BLOCK_N, GK, GS // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
-        hi = tl.reshape(tl.reshape(hi, [BLOCK_N, GK, GS // 2]) * ratio, [BLOCK_N, BLOCK_K // 2])
-        w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])            # k order: (even, odd) pairs
-        w = tl.minimum(tl.maximum(w, -E4M3_MAX), E4M3_MAX)
-        tl.store(w8_ptr + rows[:, None] * s_w8n + (i * BLOCK_K + offs_k)[None, :], _to_e4m3(w, SOFT),
-                 mask=row_mask[:, None])
-    if LR:  # columns K .. K + R_OUT: e4m3(lora_up * c / sw) (SPLIT: hi, hi, lo), zeros past them
-        u = tl.math.div_rn(luc, sw[:, None])
-        u = tl.minimum(tl.maximum(u, -E4M3_MAX), E4M3_MAX)
-        dst = w8_ptr + rows[:, None] * s_w8n + (K + offs_r)[None, :]
-        hi = _to_e4m3(u, SOFT)
-        if SPLIT:  # the last block also writes the zero columns (u is 0 past R)
-            lo = _to_e4m3(u - hi.to(tl.float32), SOFT)
-            tl.store(dst, hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
-            tl.store(dst + R, hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
-            tl.store(dst + 2 * R, lo, mask=row_mask[:, None] & (offs_r < R_OUT - 2 * R)[None, :])
-        else:
-            tl.store(dst, hi, mask=row_mask[:, None] & (offs_r < R_OUT)[None, :])
+    offs_j = tl.arange(0, GS // 2)
+    byte = (pid_k * GK + offs_gk)[None, :, None] * (GS // 2) + offs_j[None, None, :]
+    packed = tl.load(qw_ptr + rows[:, None, None] * s_qn + byte)
+    lo, hi = _nibble_planes(packed, False)                              # exact fp32 [BLOCK_N, GK, 32]
+    g = tl.load(ws_ptr + rows[:, None] * s_wsn + (pid_k * GK + offs_gk)[None, :]).to(tl.float32)
+    ratio = tl.math.div_rn(g, sw[:, None])[:, :, None]                 # [BLOCK_N, GK, 1]
+    lo8 = _e4m3_bits(tl.minimum(tl.maximum(lo * ratio, -E4M3_MAX), E4M3_MAX), SOFT)
+    hi8 = _e4m3_bits(tl.minimum(tl.maximum(hi * ratio, -E4M3_MAX), E4M3_MAX), SOFT)
+    pair = (lo8 | (hi8 << 8)).to(tl.int16)                             # little endian: even k at the lower byte
+    tl.store(w16_ptr + rows[:, None, None] * s_w16n + byte, pair, mask=row_mask[:, None, None])
+    if pid_k == 0:
+        tl.store(sw_ptr + rows, sw, mask=row_mask)
+        if LR:  # columns K .. K + R_OUT: e4m3(lora_up * c / sw) (SPLIT: hi, hi, lo), zeros past them
+            u = tl.math.div_rn(luc, sw[:, None])
+            u = tl.minimum(tl.maximum(u, -E4M3_MAX), E4M3_MAX)
+            dst = w8_ptr + rows[:, None] * s_w8n + (K + offs_r)[None, :]
+            u_hi = _to_e4m3(u, SOFT)
+            if SPLIT:  # the last block also writes the zero columns (u is 0 past R)
+                u_lo = _to_e4m3(u - u_hi.to(tl.float32), SOFT)
+                tl.store(dst, u_hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
+                tl.store(dst + R, u_hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
+                tl.store(dst + 2 * R, u_lo, mask=row_mask[:, None] & (offs_r < R_OUT - 2 * R)[None, :])
+            else:
+                tl.store(dst, u_hi, mask=row_mask[:, None] & (offs_r < R_OUT)[None, :])
+
+
+@triton.jit
+def _e4m3_bits(v, SOFT: tl.constexpr):
+    """fp32 (|v| <= 448) -> its e4m3 byte (round to nearest even) as int32 in [0, 255]."""
+    return _to_e4m3(v, SOFT).to(tl.uint8, bitcast=True).to(tl.int32)
 
 
 def block_k(k: int) -> int:
-    """The loop step: the largest power of two <= MAX_BLOCK_K dividing K (K % 64 == 0, so at least 64)."""
+    """The chunk: the largest power of two <= MAX_BLOCK_K dividing K (K % 64 == 0, so at least 64)."""
     b = MAX_BLOCK_K
     while k % b:
         b //= 2
@@ -156,10 +167,11 @@ def _expand(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: Optional[torch
         r_block = max(16, triton.next_power_of_2(max(r, r_out - 2 * r) if split else r_out))
 
     def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]),)
+        return (k // bk, triton.cdiv(n, meta["BLOCK_N"]))
 
-    _w4_expand_kernel[grid](qw, ws, out, sw, lu, cc, n, k, r, qw.stride(0), ws.stride(0), out.stride(0),
-                            lu.stride(0) if lora_up is not None else 0, TRIP=k // bk, G=groups,
+    w16 = out.view(torch.int16)  # the same bytes, two e4m3 per element (K + r_out is even)
+    _w4_expand_kernel[grid](qw, ws, w16, out, sw, lu, cc, n, k, r, qw.stride(0), ws.stride(0), w16.stride(0),
+                            out.stride(0), lu.stride(0) if lora_up is not None else 0, G=groups,
                             G_PAD=triton.next_power_of_2(groups), BLOCK_K=bk, LR=lora_up is not None, SPLIT=split,
                             R_OUT=r_out, R_BLOCK=r_block, SOFT=interpreting(), GS=GROUP)
     return out, sw

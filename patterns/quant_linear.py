@@ -146,13 +146,14 @@ def svdq_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape, e
 
 @functools.lru_cache(maxsize=None)
 def svdq_lrcat_form_replacement(gemm: str, fast_accum: bool, shape: LinearShape, expand: str = "graph",
-                                split: bool = False) -> Callable:
+                                split: bool = False, act_quant: str = "graph") -> Callable:
     """SVDQuant's fp8 form with the low-rank branch in the GEMM's K (``graph_forms.svdq_lrcat_linear_form``; ``split``:
     hi / lo branch operands) for one shape and GEMM, as a replacement; ``expand="kernel"``: its B operand by the op
-    ``dit_passes::w4_lrcat_to_e4m3``."""
+    ``dit_passes::w4_lrcat_to_e4m3``; ``act_quant="kernel"``: its A operand by the op
+    ``dit_passes::lrcat_quantize_rows``."""
     def svdq_lrcat_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
         return svdq_lrcat_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm,
-                                      fast_accum, expand, split)
+                                      fast_accum, expand, split, act_quant)
     return svdq_lrcat_form
 
 
@@ -184,7 +185,8 @@ def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optio
     fast = gemm == "scaled_mm" and dispatch.fp8_fast_accum()
     if form == "fp8":
         return svdq_fp8_form_replacement(gemm, fast, shape, dispatch.w4_expand())
-    return svdq_lrcat_form_replacement(gemm, fast, shape, dispatch.w4_expand(), split)
+    return svdq_lrcat_form_replacement(gemm, fast, shape, dispatch.w4_expand(), split,
+                                       dispatch.fp8_act_quant("per_row"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,11 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
   -> (Tensor, Tensor)``: the lrcat design's B operand e4m3 [N, K + cols] and row scale fp32 [N]
   (``graph_forms.lrcat_weight``: the expanded int4 weights and the scaled low-rank up factor under one row scale;
   CUDA: the same Triton kernel writing both parts)
+* ``dit_passes::lrcat_quantize_rows(Tensor x, Tensor smooth_inv, Tensor lora_down, Tensor c, bool split)
+  -> (Tensor, Tensor)``: the lrcat design's A operand e4m3 [M, K + cols] and per-token scale fp32 [M, 1]
+  (``graph_forms.lrcat_activation``: smoothing, per-token e4m3 and the low-rank down projection of x [M, K]); what
+  the lrcat graph form writes with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (CUDA: one Triton kernel reading x once,
+  ``dit_passes.kernels.lrcat_act_triton``)
 * ``dit_passes::int8_tensor_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (one scale for
   the activations, one for the weight: cache-dit's ``int8_per_tensor``)
 * ``dit_passes::fp8_block_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (block-scaled
@@ -47,7 +52,7 @@ from . import dispatch
 from .fp8_block import check_fp8_block_args, fp8_block_linear_reference
 from .fp8_int8 import (FP8_DTYPE, FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference,
                        quantize_fp8_act)
-from .graph_forms import lrcat_cols, lrcat_weight
+from .graph_forms import lrcat_activation, lrcat_cols, lrcat_weight
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .nvfp4 import BLOCK, nvfp4_linear_reference
@@ -315,6 +320,44 @@ def _w4_lrcat_to_e4m3_fake(qweight, wscale, lora_up, c, split):
     n = qweight.shape[0]
     return (qweight.new_empty((n, 2 * qweight.shape[1] + lrcat_cols(r, split)), dtype=FP8_DTYPE),
             qweight.new_empty((n,), dtype=torch.float32))
+
+
+def _check_lrcat_act(x, smooth_inv, lora_down, c) -> int:
+    name = "dit_passes::lrcat_quantize_rows"
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: x must be a 2-D fp32 / bf16 / fp16 tensor [M, K], got {x.dtype} {list(x.shape)} "
+                         "(reshape the activation to [tokens, K] first)")
+    k = x.shape[1]
+    if lora_down.dim() != 2 or lora_down.shape[1] != k or lora_down.shape[0] < 1 or not lora_down.is_floating_point():
+        raise ValueError(f"{name}: lora_down must be a float [R, {k}] tensor (R >= 1), got {lora_down.dtype} "
+                         f"{list(lora_down.shape)}")
+    r = lora_down.shape[0]
+    if c.dtype != torch.float32 or tuple(c.shape) != (r,) or tuple(smooth_inv.shape) != (k,):
+        raise ValueError(f"{name}: c must be fp32 [{r}] (graph_forms.lrcat_c) and smooth_inv [{k}], got {c.dtype} "
+                         f"{list(c.shape)} and {list(smooth_inv.shape)}")
+    return r
+
+
+@torch.library.custom_op("dit_passes::lrcat_quantize_rows", mutates_args=())
+def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
+                        split: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat A operand [qx | qh | 0] (``split``: [qx | hi | lo | hi | 0]) and its per-token scale, reference
+    implementation (any device): (e4m3 [M, K + cols], fp32 [M, 1])."""
+    r = _check_lrcat_act(x, smooth_inv, lora_down, c)
+    return lrcat_activation(x, smooth_inv, lora_down, c, x.shape[0], r, x.dtype, split)
+
+
+@lrcat_quantize_rows.register_kernel("cuda")
+def _lrcat_quantize_rows_cuda(x, smooth_inv, lora_down, c, split):
+    _check_lrcat_act(x, smooth_inv, lora_down, c)
+    return dispatch.lrcat_quantize_rows_cuda(x, smooth_inv, lora_down, c, split)
+
+
+@lrcat_quantize_rows.register_fake
+def _lrcat_quantize_rows_fake(x, smooth_inv, lora_down, c, split):
+    r = _check_lrcat_act(x, smooth_inv, lora_down, c)
+    return (x.new_empty((x.shape[0], x.shape[1] + lrcat_cols(r, split)), dtype=FP8_DTYPE),
+            x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
 @torch.library.custom_op("dit_passes::int8_tensor_linear", mutates_args=())

@@ -36,7 +36,9 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   ``graph`` (default: ATen ops, which Inductor fuses into the producer as a reduction and a pointwise kernel) |
   ``kernel`` (the op ``dit_passes::fp8_quantize_rows``, written on any device; on CUDA one Triton kernel reading
   x once, ``dit_passes.kernels.fp8_rowquant_triton``, on sm_89+ (:func:`fp8_quantize_rows_cuda`), else its
-  reference). Not the default until measured faster on the step.
+  reference). Not the default until measured faster on the step. The same setting writes the lrcat form's A
+  operand as the op ``dit_passes::lrcat_quantize_rows`` (smoothing, e4m3 and the low-rank down projection in one
+  Triton kernel, ``dit_passes.kernels.lrcat_act_triton``: :func:`lrcat_quantize_rows_cuda`).
 * The SVDQuant fp8 graph form's weight expansion (int4 -> e4m3, group scales folded), :func:`w4_expand`:
   ``DIT_PASSES_W4_EXPAND`` = ``graph`` (default: ATen ops, ``graph_forms.w4_to_e4m3``, fused by Inductor) |
   ``kernel`` (the op ``dit_passes::w4_to_e4m3``, written on any device; on CUDA one bandwidth-bound Triton kernel,
@@ -62,7 +64,7 @@ from typing import Dict, Optional
 import torch
 
 from .fp8_int8 import quantize_fp8_act
-from .graph_forms import lrcat_weight
+from .graph_forms import lrcat_activation, lrcat_weight
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .w4a8 import w4a8_linear_reference
@@ -355,6 +357,21 @@ def w4_lrcat_to_e4m3_cuda(qweight, wscale, lora_up, c, split: bool):
         return lrcat_weight(qweight, wscale, lora_up, c, qweight.shape[0], 2 * qweight.shape[1], lora_up.shape[1],
                             split=split)
     return kernel.w4_lrcat_to_e4m3(qweight, wscale, lora_up, c, split)
+
+
+@functools.lru_cache(maxsize=None)
+def lrcat_act_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.lrcat_act_triton`` (``lrcat_quantize_rows``, ``is_supported``), or None."""
+    return _import_kernel("lrcat_act_triton", "the reference")
+
+
+def lrcat_quantize_rows_cuda(x, smooth_inv, lora_down, c, split: bool):
+    """``dit_passes::lrcat_quantize_rows`` on CUDA: the Triton kernel where it takes the tensors (sm_89+), else the
+    reference (``graph_forms.lrcat_activation``)."""
+    kernel = lrcat_act_module()
+    if kernel is None or not kernel.is_supported(x, lora_down):
+        return lrcat_activation(x, smooth_inv, lora_down, c, x.shape[0], lora_down.shape[0], x.dtype, split)
+    return kernel.lrcat_quantize_rows(x, smooth_inv, lora_down, c, split)
 
 
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:

@@ -312,6 +312,26 @@ def lrcat_scales(wscale: torch.Tensor, lora_down: torch.Tensor, lora_up: torch.T
     return c, lrcat_row_scale(wscale, lora_up, c)
 
 
+def lrcat_activation(x2d: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
+                     m: int, r: int, dtype: torch.dtype, split: bool,
+                     h_in_fp32: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat A operand e4m3 [M, K + cols] = [qx | qh | 0] (``split``: [qx | hi | lo | hi | 0]) and the per-token
+    scale sx fp32 [M, 1] of x [M, K] (module docstring). ``h_in_fp32``: h = x.dtype(xs) @ lora_down.T accumulated
+    and kept in fp32 (the specification of ``dit_passes::lrcat_quantize_rows``, whose kernel holds h in fp32
+    registers), else rounded to x.dtype (one mm in x.dtype, the graph form). ``m``, ``r``, ``dtype``: x's rows,
+    lora_down's rows and x's dtype as constants (the form is traced)."""
+    xs = aten.mul.Tensor(aten._to_copy.default(x2d, dtype=_F32), smooth_inv)
+    qx, sx = fp8_quantize(xs, per_row=True)
+    xd = aten._to_copy.default(xs, dtype=dtype)
+    if h_in_fp32:
+        ld = aten._to_copy.default(aten._to_copy.default(lora_down, dtype=dtype), dtype=_F32)
+        h = aten.mm.default(aten._to_copy.default(xd, dtype=_F32), aten.t.default(ld))
+    else:
+        h = aten._to_copy.default(aten.mm.default(xd, aten.t.default(lora_down)), dtype=_F32)        # [M, R]
+    hs = aten.clamp.default(aten.div.Tensor(h, aten.mul.Tensor(sx, c)), -FP8_MAX, FP8_MAX)
+    return aten.cat.default([qx, _branch_cols(hs, m, r, split, activation=True)], 1), sx
+
+
 def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor, n: int, k: int,
                  r: int, expand: str = "graph", split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The lrcat B operand e4m3 [N, K + cols] = [w8 | u8 | 0] and its row scale sw fp32 [N] (:func:`lrcat_row_scale`):
@@ -334,20 +354,24 @@ def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Ten
 def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
                            lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
                            shape: LinearShape, gemm: str, fast_accum: bool = False, expand: str = "graph",
-                           split: bool = False) -> torch.Tensor:
+                           split: bool = False, act_quant: str = "graph") -> torch.Tensor:
     """SVDQuant's stored tensors on fp8 tensor cores with the low-rank branch in the GEMM's K (module docstring,
-    lrcat; ``split``: the branch's operands as e4m3 hi / lo pairs, 3R columns): x [*lead, K] -> [*lead, N]."""
+    lrcat; ``split``: the branch's operands as e4m3 hi / lo pairs, 3R columns): x [*lead, K] -> [*lead, N];
+    ``act_quant="kernel"``: the A operand by the op ``dit_passes::lrcat_quantize_rows`` (one Triton kernel on CUDA
+    reading x once; h kept in fp32, :func:`lrcat_activation`)."""
     r = shape.rank
     if r == 0:  # no branch to fold
         return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum,
                                     expand)
-    xs = aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv)
-    qx, sx = fp8_quantize(xs, per_row=True)
     c = lrcat_c(lora_down, shape.k)
-    h = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))     # [M, R]
-    hs = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
-                            -FP8_MAX, FP8_MAX)
-    a8 = aten.cat.default([qx, _branch_cols(hs, shape.m, r, split, activation=True)], 1)            # [M, K + cols]
+    if act_quant == "kernel":
+        out = torch.ops.dit_passes.lrcat_quantize_rows.default(_rows(x, shape), smooth_inv, lora_down, c, split)
+        a8, sx = out[0], out[1]
+    elif act_quant in ACT_QUANTS:
+        a8, sx = lrcat_activation(_rows(x, shape), smooth_inv, lora_down, c, shape.m, r, shape.dtype, split,
+                                  h_in_fp32=False)
+    else:
+        raise ValueError(f"fp8 activation quantization must be one of {ACT_QUANTS}, got {act_quant!r}")
     b8, sw = lrcat_weight(qweight, wscale, lora_up, c, shape.n, shape.k, r, expand, split)
     y = fp8_gemm(a8, sx, b8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
     return _unrows(y, shape)

@@ -35,7 +35,7 @@ largest), whose products then round at 2**-9 * 8 * g, 2**-18 of the row's larges
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 

@@ -1,0 +1,160 @@
+"""The lrcat design's A operand in one kernel: smoothing, per-token e4m3 quantization and the low-rank down projection
+of an activation, reading it from memory once (issue 22: "the low-rank down projection fused with the activation
+quantization").
+
+:func:`lrcat_quantize_rows` is the CUDA implementation of ``dit_passes::lrcat_quantize_rows`` (its specification:
+``dit_passes.quant.graph_forms.lrcat_activation``). One program per ``BLOCK_M`` tokens::
+
+    pass 1, per K chunk:  xs = float(x) * smooth_inv
+                          amax = max(amax, max|xs|)                  # per token
+                          h += x.dtype(xs) @ lora_down.T             # [BLOCK_M, R] on tensor cores, fp32 accumulation
+    sx = div_rn(amax, 448) (a zero scale becomes 1);  inv = div_rn(1, sx)
+    pass 2, per K chunk:  a[:, chunk] = e4m3(clamp(xs * inv, -448, 448))     # the rows again, from L2
+    hs = clamp(div_rn(h, sx * c), -448, 448)
+    a[:, K:] = [e4m3(hs) | 0]   (split: [hi | lo | hi | 0], hi = e4m3(hs), lo = e4m3(hs - hi))
+
+Why a kernel: written as ATen ops (``DIT_PASSES_FP8_ACT_QUANT=graph``) the same work is Inductor's reduction and
+pointwise kernels over the smoothed activation, a bf16 copy of it for cuBLAS's [M, K] x [K, R] mm, the branch's
+scaling and an e4m3 concatenation: four to five passes over [M, K] where this is one read (and an L2 re-read).
+
+Numerics: qx and sx are the graph form's bytes (the same fp32 operations in the same order). h is accumulated in
+fp32 and not rounded to x.dtype before the scaling (the graph form rounds it: the op's reference does as the kernel
+does), so the branch's columns equal the reference's up to the summation order of h: an e4m3 rounding may differ by
+one step where hs lies within fp32 noise of a tie. Under ``TRITON_INTERPRET=1`` (CPU tests) the e4m3 rounding is
+``w4a8_triton._soft_e4m3`` with the sign of a flushed zero kept (``fp8_rowquant_triton._to_e4m3``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_rowquant_triton import _to_e4m3
+from .w4a4_autotune import interpreting
+from .w4a4_triton import _round_to_bf16_rne
+from .w4a8_triton import E4M3_MAX
+
+BLOCK_K = 256   # the K chunk of both passes (a multiple of 16: tl.dot's K)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16}, num_warps=4)]
+    # BLOCK_M 16 gives M / 16 programs (288 for FLUX's 4608 tokens: every SM busy); each re-reads lora_down from L2
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w) for bm, w in ((16, 4), (32, 4), (32, 8), (64, 8))]
+
+
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "K", "R_PAD", "SPLIT", "COLS"])
+@triton.jit
+def _lrcat_act_kernel(x_ptr, si_ptr, ld_ptr, c_ptr, a_ptr, sx_ptr, M, K, R, M_BUCKET, s_xm, s_ldr, s_am,
+                      TRIP: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                      COLS: tl.constexpr, DOT_F32: tl.constexpr, BF16: tl.constexpr, SOFT: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    # TRIP: the chunk count as a compile-time constant (the interpreter cannot loop to a runtime bound)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rows = tl.where(m_mask, offs_m, 0).to(tl.int64)  # rows past M read row 0, store nothing
+    offs_k = tl.arange(0, BK)
+    offs_r = tl.arange(0, R_PAD)
+    r_mask = offs_r < R
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    h = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
+    for i in range(0, TRIP):
+        cols = i * BK + offs_k
+        k_mask = cols < K
+        xs = tl.load(x_ptr + rows[:, None] * s_xm + cols[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        xs = xs * tl.load(si_ptr + cols, mask=k_mask, other=0.0)[None, :]
+        amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
+        ld_t = tl.load(ld_ptr + offs_r[None, :] * s_ldr + cols[:, None], mask=k_mask[:, None] & r_mask[None, :],
+                       other=0.0)                                          # lora_down.T chunk [BK, R_PAD]
+        ld_t = ld_t.to(x_ptr.dtype.element_ty)
+        if SOFT and BF16:  # the interpreter's fp32 -> bf16 cast truncates: round to nearest even by hand
+            xd = _round_to_bf16_rne(xs)
+        else:
+            xd = xs.to(x_ptr.dtype.element_ty)                           # the branch reads x.dtype(xs)
+        if DOT_F32:  # exact products of x.dtype values in fp32 (fp32 x; the interpreter's 16-bit dot is wrong)
+            h = tl.dot(xd.to(tl.float32), ld_t.to(tl.float32), h, input_precision="ieee")
+        else:
+            h = tl.dot(xd, ld_t, h)
+    sx = tl.math.div_rn(amax, E4M3_MAX)
+    sx = tl.where(sx == 0.0, 1.0, sx)
+    inv = tl.math.div_rn(1.0, sx)
+    tl.store(sx_ptr + rows, sx, mask=m_mask)
+    for i in range(0, TRIP):
+        cols = i * BK + offs_k
+        k_mask = cols < K
+        xs = tl.load(x_ptr + rows[:, None] * s_xm + cols[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        xs = xs * tl.load(si_ptr + cols, mask=k_mask, other=0.0)[None, :]
+        y = tl.minimum(tl.maximum(xs * inv[:, None], -E4M3_MAX), E4M3_MAX)
+        tl.store(a_ptr + rows[:, None] * s_am + cols[None, :], _to_e4m3(y, SOFT),
+                 mask=m_mask[:, None] & k_mask[None, :])
+    c = tl.load(c_ptr + offs_r, mask=r_mask, other=1.0)
+    hs = tl.math.div_rn(h, sx[:, None] * c[None, :])                       # 0 past R: lora_down's rows read as 0
+    hs = tl.minimum(tl.maximum(hs, -E4M3_MAX), E4M3_MAX)
+    dst = a_ptr + rows[:, None] * s_am + (K + offs_r)[None, :]
+    hi = _to_e4m3(hs, SOFT)
+    if SPLIT:  # [hi | lo | hi], the last part also writing the zero columns up to COLS
+        lo = _to_e4m3(hs - hi.to(tl.float32), SOFT)
+        tl.store(dst, hi, mask=m_mask[:, None] & r_mask[None, :])
+        tl.store(dst + R, lo, mask=m_mask[:, None] & r_mask[None, :])
+        tl.store(dst + 2 * R, hi, mask=m_mask[:, None] & (offs_r < COLS - 2 * R)[None, :])
+    else:
+        tl.store(dst, hi, mask=m_mask[:, None] & (offs_r < COLS)[None, :])
+
+
+def is_supported(x: torch.Tensor, lora_down: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors: float 2-D x and lora_down on an sm_89+ GPU (the e4m3 cast), or any
+    device under the interpreter."""
+    if x.dim() != 2 or x.dtype not in _DTYPES or lora_down.dim() != 2 or not lora_down.is_floating_point():
+        return False
+    if interpreting():
+        return True
+    return x.device.type == "cuda" and _has_e4m3(x.device.index if x.device.index is not None else
+                                                 torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_e4m3(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
+                        split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp32 / bf16 / fp16), smooth_inv fp32 [K], lora_down [R, K], c fp32 [R] -> ``(a float8_e4m3fn
+    [M, K + cols], sx fp32 [M, 1])`` (module docstring; cols: ``graph_forms.lrcat_cols(R, split)``)."""
+    name = "lrcat_quantize_rows"
+    if x.dim() != 2 or x.dtype not in _DTYPES:
+        raise ValueError(f"{name}: x must be a 2-D tensor of {_DTYPES}, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    r = lora_down.shape[0] if lora_down.dim() == 2 else -1
+    if lora_down.dim() != 2 or lora_down.shape[1] != k or r < 1 or tuple(c.shape) != (r,) or c.dtype != torch.float32:
+        raise ValueError(f"{name}: lora_down must be [R, {k}] (R >= 1) and c fp32 [R], got {tuple(lora_down.shape)} "
+                         f"and {c.dtype} {tuple(c.shape)}")
+    if tuple(smooth_inv.shape) != (k,):
+        raise ValueError(f"{name}: smooth_inv must be [{k}], got {tuple(smooth_inv.shape)}")
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (got {x.device}); on CPU use the op's "
+                         "reference (dit_passes.quant.graph_forms.lrcat_activation) or set TRITON_INTERPRET=1 (tests)")
+    cols = -(-r * (3 if split else 1) // 16) * 16  # graph_forms.lrcat_cols
+    a = torch.empty((m, k + cols), dtype=torch.float8_e4m3fn, device=x.device)
+    sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return a, sx
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ld = lora_down if lora_down.stride(-1) == 1 else lora_down.contiguous()
+    si = smooth_inv.to(torch.float32).contiguous()
+    r_pad = max(16, triton.next_power_of_2(max(r, cols - 2 * r) if split else cols))
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]),)
+
+    _lrcat_act_kernel[grid](x, si, ld, c.contiguous(), a, sx, m, k, r, triton.next_power_of_2(m), x.stride(0),
+                            ld.stride(0), a.stride(0), TRIP=triton.cdiv(k, BLOCK_K), BK=BLOCK_K, R_PAD=r_pad,
+                            SPLIT=split, COLS=cols,
+                            DOT_F32=interpreting() or x.dtype == torch.float32,
+                            BF16=x.dtype == torch.bfloat16, SOFT=interpreting())
+    return a, sx
