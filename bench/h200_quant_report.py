@@ -90,7 +90,8 @@ def markdown(r: Dict[str, Any], order: Sequence[str] = ()) -> str:
                          key=lambda d: (tuple(order) + (d,)).index(d))
         lines += ["", f"Per linear, M = {r['linear_m']}: ms [/ ms per call back to back] (TFLOP/s, speedup vs bf16 mm, "
                   "rel. err vs fp32; for SVDQuant also true W4A4's rel. err on the same weights; b2b: the speedup "
-                  "with calls back to back)", "",
+                  "with calls back to back; GPU: kernel time per call by the profiler, and its speedup over "
+                  "bf16_mm's)", "",
                   "| design | " + " | ".join(r["linears"]) + " |", "|---|" + "---|" * len(r["linears"])]
         for d in designs:
             cells = []
@@ -111,6 +112,11 @@ def markdown(r: Dict[str, Any], order: Sequence[str] = ()) -> str:
                 b2b = "" if v.get("ms_b2b") is None else f" / {v['ms_b2b']:.3f}"
                 if v.get("speedup_b2b_vs_bf16_mm") is not None:
                     extra.append(f"b2b {v['speedup_b2b_vs_bf16_mm']:.2f}x")
+                if v.get("gpu_ms") is not None:  # kernel time by the profiler: no host time in it
+                    extra.append(f"GPU {v['gpu_ms']:.3f} ms" + (f" = {v['gb_per_s_gpu']:.0f} GB/s"
+                                                               if "gb_per_s_gpu" in v else
+                                                               f" = {v['speedup_gpu_vs_bf16_mm']:.2f}x"
+                                                               if "speedup_gpu_vs_bf16_mm" in v else ""))
                 cells.append(f"{v['ms']:.3f}{b2b} ({', '.join(extra)})")
             lines.append(f"| {d} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -241,10 +241,12 @@ def back_to_back_ms(fn: Callable[[], Any], repeats: int, device: torch.device, b
     return statistics.median(times)
 
 
-def memory_bound(ms: float, b2b, nbytes: int) -> Dict[str, Any]:
-    """A bandwidth-bound row: ms and GB/s, and with calls back to back (a short kernel's time is mostly the op's
-    Python / launch overhead when each call starts on an idle GPU)."""
+def memory_bound(ms: float, b2b, nbytes: int, gpu=None) -> Dict[str, Any]:
+    """A bandwidth-bound row: ms and GB/s, with calls back to back (a short kernel's time is mostly the op's
+    Python / launch overhead when each call starts on an idle GPU) and by the kernels' own time (``gpu``)."""
     out = {"ms": ms, "gb_per_s": nbytes / (ms * 1e6)}
+    if gpu:
+        out.update(gpu_ms=gpu, gb_per_s_gpu=nbytes / (gpu * 1e6))
     return out if b2b is None else {**out, "ms_b2b": b2b, "gb_per_s_b2b": nbytes / (b2b * 1e6)}
 
 
@@ -331,17 +333,19 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                     continue
                 ms = median_ms(fn, args.linear_repeats, device, warmup=3)
                 b2b = back_to_back_ms(fn, args.linear_repeats, device, args.linear_b2b)
+                # kernel time alone: a short op's event times measure its host launch path (calls back to back too)
+                gpu = step_profile(fn, 5)["gpu_ms"] if device.type == "cuda" else None
                 if name.startswith("w4_expand"):  # memory-bound: packed int4 + scales read, e4m3 written
-                    res[name] = memory_bound(ms, b2b, n * k // 2 + n * k)
+                    res[name] = memory_bound(ms, b2b, n * k // 2 + n * k, gpu)
                     continue
                 if name in ("w4a8_act", "fp8_act", "fp8_act_rowquant", "lrcat_act"):  # bf16 x read, e4m3 written
-                    res[name] = memory_bound(ms, b2b, m * k * x.element_size() + m * k)
+                    res[name] = memory_bound(ms, b2b, m * k * x.element_size() + m * k, gpu)
                     continue
                 if name.startswith("w4a8_gemm"):  # the GEMM alone: its time, no error of its own to report
                     res[name] = {"ms": ms, "ms_b2b": b2b, "tflops": 2 * m * n * k / (ms * 1e9), **w4a8_tile(name)}
                     continue
                 y = torch.nn.functional.linear(x, w, b) if name == "bf16_mm" else fn()
-                res[name] = {"ms": ms, "ms_b2b": b2b, "tflops": 2 * m * n * k / (ms * 1e9),
+                res[name] = {"ms": ms, "ms_b2b": b2b, "gpu_ms": gpu, "tflops": 2 * m * n * k / (ms * 1e9),
                              "rel_err_vs_fp32": rel_err(y.float(), ref), **w4a8_tile(name)}
             if any(d.startswith("svdq") for d in res):  # true W4A4 on the same weights, for the error only
                 from dit_passes.quant import svdq_w4a4_linear_reference
@@ -356,6 +360,9 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                     v["speedup_vs_bf16_mm"] = base / v["ms"] if base else None
                     if base_b2b and v.get("ms_b2b"):
                         v["speedup_b2b_vs_bf16_mm"] = base_b2b / v["ms_b2b"]
+                    base_gpu = res.get("bf16_mm", {}).get("gpu_ms")
+                    if base_gpu and v.get("gpu_ms"):
+                        v["speedup_gpu_vs_bf16_mm"] = base_gpu / v["gpu_ms"]
         out[key] = res
         log("linear", key, {d: round(v["ms"], 4) for d, v in res.items()})
         clear_svdq()

@@ -26,9 +26,11 @@ def _category(name: str) -> str:
         return "attention"
     if any(s in n for s in ("gemm", "nvjet", "sm90_xmma", "cutlass", "triton_mm", "triton_tem", "cublas", "matmul")):
         return "gemm"
-    if ("triton" in n and "amax" in n) or "rowquant" in n:
+    if "w4_expand" in n:  # kernels/w4_expand_triton.py: SVDQuant's int4 weights to e4m3, per call
+        return "w4_expand"
+    if ("triton" in n and "amax" in n) or "rowquant" in n or "lrcat_act" in n:
         # a fused activation quantization (its per-token scale is an amax: fp8 / SVDQuant rows), or
-        # dit_passes::fp8_quantize_rows' kernels (kernels/fp8_rowquant_triton.py)
+        # dit_passes::fp8_quantize_rows' kernels (kernels/fp8_rowquant_triton.py), the lrcat A operand's
         return "quantize"
     if n.startswith("triton_") or "triton" in n:
         return "inductor_fused"

@@ -138,11 +138,15 @@ def main(argv=None) -> int:
                          "weight-only int4 + low-rank branch (w4a16_lr), "
                          "W4A4 like the rest (the flag alone), or none (every config leaves them unquantized)")
     ap.add_argument("--only", nargs="+", default=None, help="run only these configs (e.g. svdq_r32_ptq svdq_r32_dq)")
+    ap.add_argument("--act-quant", choices=("graph", "kernel"), default="graph",
+                    help="kernel: the fp8 / lrcat forms' activations through their ops (DIT_PASSES_FP8_ACT_QUANT; "
+                         "on the CPU the ops' references, the kernels' specifications)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from dit_passes.quant import dispatch
 
     os.environ[dispatch.BACKEND_ENV] = args.w4a4_backend  # read when each quantized graph is written
+    os.environ[dispatch.ACT_QUANT_ENV] = args.act_quant
     from dit_passes.fidelity import run_fidelity
     from dit_passes.models.digits import load_digits_pipeline
 
@@ -171,7 +175,8 @@ def main(argv=None) -> int:
         + (f" --name {args.name}" if args.name != "quant_fidelity" else "")
         + (f" --w4a4-backend {args.w4a4_backend}" if args.w4a4_backend != "auto" else "")
         + (f" --modulation {args.modulation}" if args.modulation != "w8a16" else "")
-        + (f" --only {' '.join(args.only)}" if args.only else ""),
+        + (f" --only {' '.join(args.only)}" if args.only else "")
+        + (f" --act-quant {args.act_quant}" if args.act_quant != "graph" else ""),
         "w4a4_numerics": NUMERICS[args.w4a4_backend],
         "modulation": args.modulation, "modulation_quantized": args.modulation != "none",
         "model": "digits FluxTransformer2DModel (4 double + 8 single blocks, hidden 64), fp32, CPU",

@@ -22,8 +22,9 @@ and, in the first chunk's programs, the rows' low-rank columns ``e4m3(lora_up * 
 the zero padding written into the same rows.
 
 Numerics: the same operations in the same order as the specification on the CPU (true divisions, fp32 products of
-exact int4 values), so the bytes are equal. Under ``TRITON_INTERPRET=1`` (CPU tests) the e4m3 rounding is
-``w4a8_triton._soft_e4m3`` with the sign of a flushed zero kept (``fp8_rowquant_triton._to_e4m3``).
+exact int4 values), so the bytes are equal. The expanded weights' e4m3 rounding is ``w4a8_triton._soft_e4m3``
+(round to nearest even by integer arithmetic) and their bytes are built from its value's fp32 bits, on the GPU as
+under ``TRITON_INTERPRET=1``; the low-rank columns use the hardware cast on the GPU.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import triton.language as tl
 
 from .fp8_rowquant_triton import _to_e4m3
 from .w4a4_autotune import interpreting
-from .w4a8_triton import E4M3_MAX, _nibble_planes
+from .w4a8_triton import E4M3_MAX, _nibble_planes, _soft_e4m3
 
 GROUP = 64
 MAX_BLOCK_K = 1024  # output columns per program (a power of two dividing K)
@@ -84,8 +85,8 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w16_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N,
     lo, hi = _nibble_planes(packed, False)                              # exact fp32 [BLOCK_N, GK, 32]
     g = tl.load(ws_ptr + rows[:, None] * s_wsn + (pid_k * GK + offs_gk)[None, :]).to(tl.float32)
     ratio = tl.math.div_rn(g, sw[:, None])[:, :, None]                 # [BLOCK_N, GK, 1]
-    lo8 = _e4m3_bits(tl.minimum(tl.maximum(lo * ratio, -E4M3_MAX), E4M3_MAX), SOFT)
-    hi8 = _e4m3_bits(tl.minimum(tl.maximum(hi * ratio, -E4M3_MAX), E4M3_MAX), SOFT)
+    lo8 = _e4m3_bits(tl.minimum(tl.maximum(lo * ratio, -E4M3_MAX), E4M3_MAX))
+    hi8 = _e4m3_bits(tl.minimum(tl.maximum(hi * ratio, -E4M3_MAX), E4M3_MAX))
     pair = (lo8 | (hi8 << 8)).to(tl.int16)                             # little endian: even k at the lower byte
     tl.store(w16_ptr + rows[:, None, None] * s_w16n + byte, pair, mask=row_mask[:, None, None])
     if pid_k == 0:
@@ -96,7 +97,7 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w16_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N,
             dst = w8_ptr + rows[:, None] * s_w8n + (K + offs_r)[None, :]
             u_hi = _to_e4m3(u, SOFT)
             if SPLIT:  # the last block also writes the zero columns (u is 0 past R)
-                u_lo = _to_e4m3(u - u_hi.to(tl.float32), SOFT)
+                u_lo = _to_e4m3(u - _soft_e4m3(u), SOFT)  # hi's value without an fp8 round trip in registers
                 tl.store(dst, u_hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
                 tl.store(dst + R, u_hi, mask=row_mask[:, None] & (offs_r < R)[None, :])
                 tl.store(dst + 2 * R, u_lo, mask=row_mask[:, None] & (offs_r < R_OUT - 2 * R)[None, :])
@@ -105,9 +106,17 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w16_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N,
 
 
 @triton.jit
-def _e4m3_bits(v, SOFT: tl.constexpr):
-    """fp32 (|v| <= 448) -> its e4m3 byte (round to nearest even) as int32 in [0, 255]."""
-    return _to_e4m3(v, SOFT).to(tl.uint8, bitcast=True).to(tl.int32)
+def _e4m3_bits(v):
+    """fp32 (|v| <= 448) -> its e4m3 byte (round to nearest even) as int32 in [0, 255], by integer arithmetic on the
+    rounded value's fp32 bits: no fp8 register values (on sm_90, Triton 3.6 mis-lowered the hardware cast's result
+    bitcast to uint8 in this kernel's 3-D layout: bytes of zeros in the GPU test)."""
+    r = _soft_e4m3(v)                                                 # the nearest e4m3 value, as fp32
+    a = tl.abs(r)
+    abits = a.to(tl.int32, bitcast=True)
+    normal = ((abits >> 23) - 120) * 8 + ((abits >> 20) & 7)          # exponent rebias 127 -> 7, 3 mantissa bits
+    sub = (a * 512.0).to(tl.int32)                                    # subnormals: multiples of 2**-9
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80                # from v: a flushed zero keeps its sign
+    return tl.where(a >= 0.015625, normal, sub) | sign
 
 
 def block_k(k: int) -> int:
