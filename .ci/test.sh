@@ -13,7 +13,10 @@ export TRITON_INTERPRET=1 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREA
 #    missed Ray's fixed 30 s to register (on 2 busy cores at equal priority) and the Ray tests took 1054 s; run alone
 #    after everything they left the cores partly idle for ~190 s (clusters and actors starting, handshakes). So they
 #    start when the rank tests end, and the single-process tests still running are then niced by 10: the Ray
-#    processes get the CPU they ask for, the xdist workers take what they leave.
+#    processes get the CPU they ask for, the xdist workers take what they leave. Ray runs its workers (the actors
+#    that import torch, build and run the models) at nice 15 by default (its worker_niceness, to favour the raylet):
+#    below the niced xdist workers, which then took the cores from them. RAY_worker_niceness=0 keeps them at the
+#    Ray side's own priority.
 # Captured graphs are shared by all the processes of this run (xdist workers, rank processes, Ray) through a
 # directory (dit_passes/infra/trace_store.py): one process captures a model, the others load it. A fixed hash seed
 # keeps the keys alike across processes (diffusers' configs hold lists built from sets).
@@ -39,7 +42,7 @@ if kill -0 "$single_pid" 2>/dev/null; then
   # shellcheck disable=SC2046
   renice -n 10 -p "$single_pid" $(descendants "$single_pid") >/dev/null 2>&1 || true
 fi
-"${PYTEST[@]}" -m ray "$@" >"$logs/ray" 2>&1 || rc=$((rc ? rc : $?))
+RAY_worker_niceness=0 "${PYTEST[@]}" -m ray "$@" >"$logs/ray" 2>&1 || rc=$((rc ? rc : $?))
 wait "$single_pid" || rc=$((rc ? rc : $?))
 echo "--- the tests that run gloo ranks:"
 cat "$logs/ranks"
