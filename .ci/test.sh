@@ -16,8 +16,10 @@ export TRITON_INTERPRET=1 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREA
 # worker_niceness, to favour its raylet): below the niced tests, which then took the cores from them (beside
 # everything the Ray tests once took 1054 s and a worker missed the launcher's 60 s start-up; beside 2 busy loops at
 # nice 10, 460 s). RAY_worker_niceness=0 keeps them at the Ray side's priority: beside the niced rank tests the
-# Ray tests took 174 s (161 s alone), and both sides ended at 334 s instead of 401 s one after the other. A raylet
-# must register within Ray's fixed 30 s, which it missed beside the rank tests at equal priority: hence the nice.
+# Ray tests took 174 s (161 s alone), and both sides ended at 334 s instead of 401 s one after the other; the 26
+# rank / Ray test files and 6 heavy single-process ones took 522 s this way, 574 s with the Ray tests after the rank
+# tests. A raylet must register within Ray's fixed 30 s, which it missed beside the rank tests at equal priority:
+# hence the nice.
 # Captured graphs are shared by all the processes of this run (xdist workers, rank processes, Ray) through a
 # directory (dit_passes/infra/trace_store.py): one process captures a model, the others load it. A fixed hash seed
 # keeps the keys alike across processes (diffusers' configs hold lists built from sets).
