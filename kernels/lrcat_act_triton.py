@@ -25,7 +25,6 @@ one step where hs lies within fp32 noise of a tie. Under ``TRITON_INTERPRET=1`` 
 """
 from __future__ import annotations
 
-import functools
 from typing import Tuple
 
 import torch
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .fp8_rowquant_triton import _to_e4m3
+from .fp8_rowquant_triton import is_supported as rows_supported
 from .w4a4_autotune import interpreting
 from .w4a4_triton import _round_to_bf16_rne
 from .w4a8_triton import E4M3_MAX, _soft_e4m3
@@ -108,19 +108,9 @@ def _lrcat_act_kernel(x_ptr, si_ptr, ld_ptr, c_ptr, a_ptr, sx_ptr, M, K, R, M_BU
 
 
 def is_supported(x: torch.Tensor, lora_down: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors: float 2-D x and lora_down on an sm_89+ GPU (the e4m3 cast), or any
-    device under the interpreter."""
-    if x.dim() != 2 or x.dtype not in _DTYPES or lora_down.dim() != 2 or not lora_down.is_floating_point():
-        return False
-    if interpreting():
-        return True
-    return x.device.type == "cuda" and _has_e4m3(x.device.index if x.device.index is not None else
-                                                 torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _has_e4m3(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    """Whether the kernel takes these tensors: a float 2-D x (and lora_down) on an sm_89+ GPU (the e4m3 cast), or any
+    device under the interpreter: the row quantization kernel's conditions."""
+    return lora_down.dim() == 2 and lora_down.is_floating_point() and rows_supported(x)
 
 
 def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
