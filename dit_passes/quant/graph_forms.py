@@ -51,7 +51,8 @@ lo*lo and the second roundings are ~2**-8 relative). 3R = 96 columns are 3% more
 (``c`` is the branch's scale on the lora_down side: the bound holds for the smoothed activations xs that lora_down
 reads.) ``c`` and ``sw`` are derived from the stored tensors per call: c in the graph (a [R, K] reduction), sw with
 B (an [N, K/64 + R] reduction; ``expand="kernel"``: inside the op ``dit_passes::w4_lrcat_to_e4m3``, which writes B
-and sw in one pass).
+and sw in one pass). The A operand [qx | qh] and sx are :func:`lrcat_activation` (``act_quant="kernel"``: the op
+``dit_passes::lrcat_quantize_rows``, one kernel reading x once, h kept in fp32 instead of rounded to x.dtype).
 
 NVFP4 SVDQuant on fp8 tensor cores, :func:`svdq_nvfp4_fp8_linear_form` (the numerics of
 ``nvfp4.nvfp4_linear_reference``: every product exact, only the accumulation order differs)::
