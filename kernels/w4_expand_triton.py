@@ -28,14 +28,13 @@ under ``TRITON_INTERPRET=1``; the low-rank columns use the hardware cast on the 
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .fp8_rowquant_triton import _to_e4m3
+from .fp8_rowquant_triton import _has_e4m3, _to_e4m3
 from .w4a4_autotune import interpreting
 from .w4a8_triton import E4M3_MAX, _nibble_planes, _soft_e4m3
 
@@ -136,11 +135,6 @@ def is_supported(qweight: torch.Tensor, wscale: torch.Tensor) -> bool:
         return True
     return qweight.device.type == "cuda" and _has_e4m3(qweight.device.index if qweight.device.index is not None
                                                        else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _has_e4m3(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def _check(name: str, qweight: torch.Tensor, wscale: torch.Tensor) -> None:

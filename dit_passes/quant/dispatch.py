@@ -64,7 +64,7 @@ from typing import Dict, Optional
 import torch
 
 from .fp8_int8 import quantize_fp8_act
-from .graph_forms import lrcat_activation, lrcat_weight
+from .graph_forms import ACT_QUANTS, W4_EXPANDS, lrcat_activation, lrcat_weight
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .w4a8 import w4a8_linear_reference
@@ -72,9 +72,9 @@ from .w4a8 import w4a8_linear_reference
 BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
 FAST_ACCUM_ENV = "DIT_PASSES_FP8_FAST_ACCUM"
 ACT_QUANT_ENV = "DIT_PASSES_FP8_ACT_QUANT"
-ACT_QUANT_SETTINGS = ("graph", "kernel")
+ACT_QUANT_SETTINGS = ACT_QUANTS  # what the graph forms take
 W4_EXPAND_ENV = "DIT_PASSES_W4_EXPAND"
-W4_EXPAND_SETTINGS = ("graph", "kernel")
+W4_EXPAND_SETTINGS = W4_EXPANDS
 LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_forms.svdq_lrcat_linear_form
 BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear

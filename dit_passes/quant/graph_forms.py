@@ -368,7 +368,7 @@ def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch
     if act_quant == "kernel":
         out = torch.ops.dit_passes.lrcat_quantize_rows.default(_rows(x, shape), smooth_inv, lora_down, c, split)
         a8, sx = out[0], out[1]
-    elif act_quant in ACT_QUANTS:
+    elif act_quant == "graph":
         a8, sx = lrcat_activation(_rows(x, shape), smooth_inv, lora_down, c, shape.m, r, shape.dtype, split,
                                   h_in_fp32=False)
     else:
