@@ -1,31 +1,35 @@
-"""The lrcat design's A operand in one kernel: smoothing, per-token e4m3 quantization and the low-rank down projection
-of an activation, reading it from memory once (issue 22: "the low-rank down projection fused with the activation
-quantization").
+"""The lrcat design's A operand in two kernels: smoothing, per-token e4m3 quantization and the low-rank down
+projection of an activation (issue 22: "the low-rank down projection fused with the activation quantization").
 
 :func:`lrcat_quantize_rows` is the CUDA implementation of ``dit_passes::lrcat_quantize_rows`` (its specification:
-``dit_passes.quant.graph_forms.lrcat_activation``). One program per ``BLOCK_M`` tokens::
+``dit_passes.quant.graph_forms.lrcat_activation``)::
 
-    pass 1, per K chunk:  xs = float(x) * smooth_inv
-                          amax = max(amax, max|xs|)                  # per token
-                          h += x.dtype(xs) @ lora_down.T             # [BLOCK_M, R] on tensor cores, fp32 accumulation
-    sx = div_rn(amax, 448) (a zero scale becomes 1);  inv = div_rn(1, sx)
-    pass 2, per K chunk:  a[:, chunk] = e4m3(clamp(xs * inv, -448, 448))     # the rows again, from L2
-    hs = clamp(div_rn(h, sx * c), -448, 448)
-    a[:, K:] = [e4m3(hs) | 0]   (split: [hi | lo | hi | 0], hi = e4m3(hs), lo = e4m3(hs - hi))
+    statistics, one program per BLOCK_M tokens and KS columns (a K split s), per BLOCK_K chunk:
+        xs = float(x) * smooth_inv
+        amax[s] = max(amax[s], max|xs|)                      # per token
+        h[s] += x.dtype(xs) @ lora_down.T                    # [BLOCK_M, R] on tensor cores, fp32 accumulation
+    quantization, one program per BLOCK_M tokens and BK columns (+ one for the branch):
+        sx = div_rn(max_s amax[s], 448) (a zero scale becomes 1);  inv = div_rn(1, sx)
+        a[:, chunk] = e4m3(clamp(xs * inv, -448, 448))      # x read again
+        branch program: hs = clamp(div_rn(sum_s h[s], sx * c), -448, 448)
+                        a[:, K:] = [e4m3(hs) | 0]   (split: [hi | lo | hi | 0], hi = e4m3(hs), lo = e4m3(hs - hi))
 
 Why a kernel: written as ATen ops (``DIT_PASSES_FP8_ACT_QUANT=graph``) the same work is Inductor's reduction and
 pointwise kernels over the smoothed activation, a bf16 copy of it for cuBLAS's [M, K] x [K, R] mm, the branch's
-scaling and an e4m3 concatenation: four to five passes over [M, K] where this is one read (and an L2 re-read).
+scaling and an e4m3 concatenation: four to five passes over [M, K] where these are two reads and a write. Why two
+kernels over a grid of K splits: the first design, one program per 16 tokens doing both passes, gave FLUX's 4608
+tokens 288 programs, too few loads in flight: 650-710 GB/s on an H100 (27.7 ms of a 138.7 ms step, stop 28).
 
-Numerics: qx and sx are the graph form's bytes (the same fp32 operations in the same order). h is accumulated in
-fp32 and not rounded to x.dtype before the scaling (the graph form rounds it: the op's reference does as the kernel
-does), so the branch's columns equal the reference's up to the summation order of h: an e4m3 rounding may differ by
-one step where hs lies within fp32 noise of a tie. Under ``TRITON_INTERPRET=1`` (CPU tests) the e4m3 rounding is
+Numerics: qx and sx are the graph form's bytes (the same fp32 operations in the same order; a max is exact in any
+order). h is accumulated in fp32 and not rounded to x.dtype before the scaling (the graph form rounds it: the op's
+reference does as the kernel does), so the branch's columns equal the reference's up to the summation order of h
+(one split: the chunks in order, as the reference under the interpreter): an e4m3 rounding may differ by one step
+where hs lies within fp32 noise of a tie. Under ``TRITON_INTERPRET=1`` (CPU tests) the e4m3 rounding is
 ``w4a8_triton._soft_e4m3`` with the sign of a flushed zero kept (``fp8_rowquant_triton._to_e4m3``).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -37,34 +41,48 @@ from .w4a4_autotune import interpreting
 from .w4a4_triton import _round_to_bf16_rne
 from .w4a8_triton import E4M3_MAX, _soft_e4m3
 
-BLOCK_K = 256   # the K chunk of both passes (a multiple of 16: tl.dot's K)
+BLOCK_K = 256   # the K chunk of the statistics kernel (a multiple of 16: tl.dot's K)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _configs():
+def k_split(k: int) -> int:
+    """Columns of x per statistics program (a multiple of BLOCK_K): FLUX's 4608 tokens x K = 3072 give 288 x 6 = 1728
+    programs (every SM busy several times over), K = 15360 gives 288 x 15 with partial sums of 8.8 MB."""
+    return 512 if k <= 4096 else 1024
+
+
+def _stats_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16}, num_warps=4)]
-    # BLOCK_M 16 gives M / 16 programs (288 for FLUX's 4608 tokens: every SM busy); each re-reads lora_down from L2
-    return [triton.Config({"BLOCK_M": bm}, num_warps=w) for bm, w in ((16, 4), (32, 4), (32, 8), (64, 8))]
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s)
+            for bm, w, s in ((16, 4, 3), (16, 4, 4), (32, 4, 3), (32, 8, 3), (64, 8, 3))]
 
 
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "K", "R_PAD", "SPLIT", "COLS"])
+def _quant_configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 4, "BK": 128}, num_warps=4)]
+    return [triton.Config({"BLOCK_M": bm, "BK": bk}, num_warps=w)
+            for bm, bk, w in ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8))]
+
+
+@triton.autotune(configs=_stats_configs(), key=["M_BUCKET", "K", "R_PAD"])
 @triton.jit
-def _lrcat_act_kernel(x_ptr, si_ptr, ld_ptr, c_ptr, a_ptr, sx_ptr, M, K, R, M_BUCKET, s_xm, s_ldr, s_am,
-                      TRIP: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr, SPLIT: tl.constexpr,
-                      COLS: tl.constexpr, DOT_F32: tl.constexpr, BF16: tl.constexpr, SOFT: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
-    # TRIP: the chunk count as a compile-time constant (the interpreter cannot loop to a runtime bound)
+def _lrcat_stats_kernel(x_ptr, si_ptr, ld_ptr, amax_ptr, h_ptr, M, K, R, M_BUCKET, s_xm, s_ldr,
+                        KS: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr, DOT_F32: tl.constexpr,
+                        BF16: tl.constexpr, SOFT: tl.constexpr, BLOCK_M: tl.constexpr):
+    # grid (token blocks, K splits): partial amax [S, M] and h [S, M, R_PAD] of KS columns each
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     rows = tl.where(m_mask, offs_m, 0).to(tl.int64)  # rows past M read row 0, store nothing
+    split = tl.program_id(1)
     offs_k = tl.arange(0, BK)
     offs_r = tl.arange(0, R_PAD)
     r_mask = offs_r < R
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     h = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
+    TRIP: tl.constexpr = KS // BK  # a compile-time trip count (the interpreter cannot loop to a runtime bound)
     for i in range(0, TRIP):
-        cols = i * BK + offs_k
+        cols = split * KS + i * BK + offs_k
         k_mask = cols < K
         xs = tl.load(x_ptr + rows[:, None] * s_xm + cols[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
         xs = xs * tl.load(si_ptr + cols, mask=k_mask, other=0.0)[None, :]
@@ -80,31 +98,55 @@ def _lrcat_act_kernel(x_ptr, si_ptr, ld_ptr, c_ptr, a_ptr, sx_ptr, M, K, R, M_BU
             h = tl.dot(xd.to(tl.float32), ld_t.to(tl.float32), h, input_precision="ieee")
         else:
             h = tl.dot(xd, ld_t, h)
+    tl.store(amax_ptr + split * M + rows, amax, mask=m_mask)
+    tl.store(h_ptr + (split * M + rows)[:, None] * R_PAD + offs_r[None, :], h, mask=m_mask[:, None])
+
+
+@triton.autotune(configs=_quant_configs(), key=["M_BUCKET", "K", "S", "SPLIT", "COLS"])
+@triton.jit
+def _lrcat_quant_kernel(x_ptr, si_ptr, amax_ptr, h_ptr, c_ptr, a_ptr, sx_ptr, M, K, R, M_BUCKET, s_xm, s_am,
+                        S: tl.constexpr, RH: tl.constexpr, R_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                        COLS: tl.constexpr, SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr):
+    # grid (token blocks, K chunks + 1): the x chunks in e4m3, the last program of a row block the branch and sx
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(0, S):  # max is exact in any order: sx is the one-pass kernel's
+        amax = tl.maximum(amax, tl.load(amax_ptr + s * M + rows))
     sx = tl.math.div_rn(amax, E4M3_MAX)
     sx = tl.where(sx == 0.0, 1.0, sx)
-    inv = tl.math.div_rn(1.0, sx)
-    tl.store(sx_ptr + rows, sx, mask=m_mask)
-    for i in range(0, TRIP):
-        cols = i * BK + offs_k
+    pid_k = tl.program_id(1)
+    if pid_k < tl.cdiv(K, BK):
+        cols = pid_k * BK + tl.arange(0, BK)
         k_mask = cols < K
+        inv = tl.math.div_rn(1.0, sx)
         xs = tl.load(x_ptr + rows[:, None] * s_xm + cols[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
         xs = xs * tl.load(si_ptr + cols, mask=k_mask, other=0.0)[None, :]
         y = tl.minimum(tl.maximum(xs * inv[:, None], -E4M3_MAX), E4M3_MAX)
         tl.store(a_ptr + rows[:, None] * s_am + cols[None, :], _to_e4m3(y, SOFT),
                  mask=m_mask[:, None] & k_mask[None, :])
-    c = tl.load(c_ptr + offs_r, mask=r_mask, other=1.0)
-    hs = tl.math.div_rn(h, sx[:, None] * c[None, :])                       # 0 past R: lora_down's rows read as 0
-    hs = tl.minimum(tl.maximum(hs, -E4M3_MAX), E4M3_MAX)
-    dst = a_ptr + rows[:, None] * s_am + (K + offs_r)[None, :]
-    hi = _to_e4m3(hs, SOFT)
-    if SPLIT:  # [hi | lo | hi], the last part also writing the zero columns up to COLS
-        lo = _to_e4m3(hs - _soft_e4m3(hs), SOFT)  # hi's value without an fp8 round trip in registers (sm_90:
-        # Triton 3.6 mis-lowered hi.to(float32) of the dot's layout: hi + lo off by hundreds in the GPU test)
-        tl.store(dst, hi, mask=m_mask[:, None] & r_mask[None, :])
-        tl.store(dst + R, lo, mask=m_mask[:, None] & r_mask[None, :])
-        tl.store(dst + 2 * R, hi, mask=m_mask[:, None] & (offs_r < COLS - 2 * R)[None, :])
     else:
-        tl.store(dst, hi, mask=m_mask[:, None] & (offs_r < COLS)[None, :])
+        tl.store(sx_ptr + rows, sx, mask=m_mask)
+        offs_r = tl.arange(0, R_PAD)
+        r_mask = offs_r < R
+        h = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
+        for s in range(0, S):  # the splits' partial sums in split order (one split: the one-pass kernel's h)
+            h += tl.load(h_ptr + (s * M + rows)[:, None] * RH + offs_r[None, :], mask=(offs_r < RH)[None, :],
+                         other=0.0)
+        c = tl.load(c_ptr + offs_r, mask=r_mask, other=1.0)
+        hs = tl.math.div_rn(h, sx[:, None] * c[None, :])                   # 0 past R: lora_down's rows read as 0
+        hs = tl.minimum(tl.maximum(hs, -E4M3_MAX), E4M3_MAX)
+        dst = a_ptr + rows[:, None] * s_am + (K + offs_r)[None, :]
+        hi = _to_e4m3(hs, SOFT)
+        if SPLIT:  # [hi | lo | hi], the last part also writing the zero columns up to COLS
+            lo = _to_e4m3(hs - _soft_e4m3(hs), SOFT)  # hi's value without an fp8 round trip in registers (sm_90:
+            # Triton 3.6 mis-lowered hi.to(float32) of the dot's layout: hi + lo off by hundreds in the GPU test)
+            tl.store(dst, hi, mask=m_mask[:, None] & r_mask[None, :])
+            tl.store(dst + R, lo, mask=m_mask[:, None] & r_mask[None, :])
+            tl.store(dst + 2 * R, hi, mask=m_mask[:, None] & (offs_r < COLS - 2 * R)[None, :])
+        else:
+            tl.store(dst, hi, mask=m_mask[:, None] & (offs_r < COLS)[None, :])
 
 
 def is_supported(x: torch.Tensor, lora_down: torch.Tensor) -> bool:
@@ -114,9 +156,10 @@ def is_supported(x: torch.Tensor, lora_down: torch.Tensor) -> bool:
 
 
 def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
-                        split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                        split: bool = False, block_k_split: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (fp32 / bf16 / fp16), smooth_inv fp32 [K], lora_down [R, K], c fp32 [R] -> ``(a float8_e4m3fn
-    [M, K + cols], sx fp32 [M, 1])`` (module docstring; cols: ``graph_forms.lrcat_cols(R, split)``)."""
+    [M, K + cols], sx fp32 [M, 1])`` (module docstring; cols: ``graph_forms.lrcat_cols(R, split)``);
+    ``block_k_split``: x's columns per statistics program (default :func:`k_split`; tests force several splits)."""
     name = "lrcat_quantize_rows"
     if x.dim() != 2 or x.dtype not in _DTYPES:
         raise ValueError(f"{name}: x must be a 2-D tensor of {_DTYPES}, got {x.dtype} {tuple(x.shape)}")
@@ -138,14 +181,18 @@ def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: to
     x = x if x.stride(-1) == 1 else x.contiguous()
     ld = lora_down if lora_down.stride(-1) == 1 else lora_down.contiguous()
     si = smooth_inv.to(torch.float32).contiguous()
+    ks = k_split(k) if block_k_split is None else block_k_split
+    if ks % BLOCK_K:
+        raise ValueError(f"{name}: the K split must be a multiple of {BLOCK_K}, got {ks}")
+    s, rh = triton.cdiv(k, ks), max(16, triton.next_power_of_2(r))
     r_pad = max(16, triton.next_power_of_2(max(r, cols - 2 * r) if split else cols))
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]),)
-
-    _lrcat_act_kernel[grid](x, si, ld, c.contiguous(), a, sx, m, k, r, triton.next_power_of_2(m), x.stride(0),
-                            ld.stride(0), a.stride(0), TRIP=triton.cdiv(k, BLOCK_K), BK=BLOCK_K, R_PAD=r_pad,
-                            SPLIT=split, COLS=cols,
-                            DOT_F32=interpreting() or x.dtype == torch.float32,
-                            BF16=x.dtype == torch.bfloat16, SOFT=interpreting())
+    amax = torch.empty((s, m), dtype=torch.float32, device=x.device)
+    h = torch.empty((s, m, rh), dtype=torch.float32, device=x.device)
+    bucket = triton.next_power_of_2(m)
+    _lrcat_stats_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), s)](
+        x, si, ld, amax, h, m, k, r, bucket, x.stride(0), ld.stride(0), KS=ks, BK=BLOCK_K, R_PAD=rh,
+        DOT_F32=interpreting() or x.dtype == torch.float32, BF16=x.dtype == torch.bfloat16, SOFT=interpreting())
+    _lrcat_quant_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(k, meta["BK"]) + 1)](
+        x, si, amax, h, c.contiguous(), a, sx, m, k, r, bucket, x.stride(0), a.stride(0), S=s, RH=rh, R_PAD=r_pad,
+        SPLIT=split, COLS=cols, SOFT=interpreting())
     return a, sx
