@@ -30,7 +30,8 @@ form with the low-rank branch in the GEMM's K (``DIT_PASSES_W4A4_BACKEND=lrcat``
 ``graph_forms.svdq_lrcat_linear_form``).
 
 A kind without an op (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``,
-weight-only int8 / fp8 / int4 / int4 + low-rank / NVFP4) is always its graph form, shape-generic: the int8 or e4m3
+weight-only int8 / fp8 / int4 / int4 + low-rank / NVFP4) is always its graph form, shape-generic (on a few rows of
+x on a GPU as a multiply-and-sum instead of ``aten.linear``, ``graph_forms.dequantized_linear``): the int8 or e4m3
 values scaled per row (``graph_forms.w8a16_linear_form``), the int4 values unpacked and scaled per group
 (``graph_forms.w4a16_linear_form``) or the e2m1 values unpacked and scaled per block of 16 and by the global scale
 (``nvfp4_weight_only.nvfp4_weight_only_linear_form``), then ``aten.linear`` on the dequantized weight
@@ -111,6 +112,37 @@ def w8a16_replacement(x, qweight, wscale, bias):
 
 def nvfp4_weight_only_replacement(x, qweight, wscale, wglobal, bias):
     return nvfp4_weight_only_linear_form(x, qweight, wscale, wglobal, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def weight_only_rows_replacement(kind: str, has_bias: bool) -> Callable:
+    """A weight-only kind's form as the multiply-and-sum over a few rows (``graph_forms.dequantized_linear``), as a
+    replacement; ``has_bias``: whether the linear has a bias (the sum adds it itself, so an absent one is not read)."""
+    def b(bias):
+        return bias if has_bias else None
+
+    def w8a16_rows(x, qweight, wscale, bias):
+        return w8a16_linear_form(x, qweight, wscale, b(bias), rows=True)
+
+    def w4a16_rows(x, qweight, wscale, bias):
+        return w4a16_linear_form(x, qweight, wscale, b(bias), rows=True)
+
+    def w4a16_lr_rows(x, qweight, wscale, lora_down, lora_up, bias):
+        return w4a16_lr_linear_form(x, qweight, wscale, lora_down, lora_up, b(bias), rows=True)
+
+    def nvfp4_weight_only_rows(x, qweight, wscale, wglobal, bias):
+        return nvfp4_weight_only_linear_form(x, qweight, wscale, wglobal, b(bias), rows=True)
+
+    return {"w8a16": w8a16_rows, "fp8_weight_only": w8a16_rows, "w4a16": w4a16_rows, "w4a16_lr": w4a16_lr_rows,
+            "nvfp4_weight_only": nvfp4_weight_only_rows}[kind]
+
+
+def _weight_only_inline(kind: str) -> Callable:
+    def choose(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
+        if dispatch.weight_only_form(x_val) != "rows":
+            return None
+        return weight_only_rows_replacement(kind, tensors.get("bias") is not None)
+    return choose
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,13 +269,16 @@ QUANT_KINDS: Dict[str, QuantKind] = {
                                  _8BIT_ARGS),
     "fp8_per_block": QuantKind(fp8_per_block_replacement, torch.ops.dit_passes.fp8_block_linear.default, _8BIT_ARGS),
     # weight-only int8 / fp8 / int4 (the modulation linears under SVDQuant; Int8Linear / Fp8Linear with
-    # weight_only=True): always the graph form, shape-generic. fp8 per row dequantizes as int8 per row does.
-    "w8a16": QuantKind(w8a16_replacement, None, _8BIT_ARGS),
-    "fp8_weight_only": QuantKind(w8a16_replacement, None, _8BIT_ARGS),
-    "w4a16": QuantKind(w4a16_replacement, None, _8BIT_ARGS),
-    "w4a16_lr": QuantKind(w4a16_lr_replacement, None, ("qweight", "wscale", "lora_down", "lora_up", "bias")),
+    # weight_only=True): always a graph form, shape-generic, or on a few rows the multiply-and-sum
+    # (dispatch.weight_only_form). fp8 per row dequantizes as int8 per row does.
+    "w8a16": QuantKind(w8a16_replacement, None, _8BIT_ARGS, _weight_only_inline("w8a16")),
+    "fp8_weight_only": QuantKind(w8a16_replacement, None, _8BIT_ARGS, _weight_only_inline("fp8_weight_only")),
+    "w4a16": QuantKind(w4a16_replacement, None, _8BIT_ARGS, _weight_only_inline("w4a16")),
+    "w4a16_lr": QuantKind(w4a16_lr_replacement, None, ("qweight", "wscale", "lora_down", "lora_up", "bias"),
+                          _weight_only_inline("w4a16_lr")),
     # weight-only NVFP4 (cache-dit's nvfp4_weight_only): e2m1 values, e4m3 scales per 16, the fp32 global scale
-    "nvfp4_weight_only": QuantKind(nvfp4_weight_only_replacement, None, ("qweight", "wscale", "wglobal", "bias")),
+    "nvfp4_weight_only": QuantKind(nvfp4_weight_only_replacement, None, ("qweight", "wscale", "wglobal", "bias"),
+                                   _weight_only_inline("nvfp4_weight_only")),
 }
 PATTERNS = (linear_pattern, linear_pattern_no_bias)
 _META_KEYS = ("nn_module_stack", "dit_module_path", "stack_trace")

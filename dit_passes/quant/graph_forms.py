@@ -97,6 +97,16 @@ int8 weights per output row, fp32 row scales, the activations in x.dtype::
 In fp32 it is the linear of ``w8a16.dequantize_w8a16`` bit for bit (the same one product per element); in bf16
 the weight takes one rounding (2**-9 relative). Shape-generic like the int4 form. The same form serves weight-only
 fp8 (cache-dit's ``float8_weight_only``: qweight e4m3 [N, K], wscale fp32 [N], ``fp8_int8.prepare_fp8`` per row).
+
+The weight-only forms on a few rows (``rows=True``, :func:`dequantized_linear`; chosen by
+``dispatch.weight_only_form``: the modulation linears' one conditioning row per sample, on a GPU): the linear as the
+same products summed in fp32 by one reduction, which Inductor fuses with the dequantization, reading the packed
+weight once where the linear writes a dequantized [N, K] copy for cuBLAS to read again::
+
+    y = x.dtype(sum_k(float(x)[..., None, :] * float(x.dtype(w))) + float(bias))       # [..., N]
+
+(FLUX's W4A16 modulation linears, a quarter of its weights: 8.3 ms a step on an H100 as copy + GEMV, stop 28.) In
+fp32 it equals the linear up to summation order; in bf16 it rounds once, as the linear's fp32 accumulation does.
 """
 from __future__ import annotations
 
@@ -399,29 +409,44 @@ def svdq_nvfp4_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: t
     return _unrows(y, shape)
 
 
+def dequantized_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                       rows: bool = False) -> torch.Tensor:
+    """``linear(x, x.dtype(w), bias)`` of a dequantized weight w [N, K]; ``rows``: as a multiply-and-sum in fp32
+    (module docstring: for a few rows of x, so that the dequantization fuses into the reduction)."""
+    wx = aten.type_as.default(w, x)
+    if not rows:
+        return aten.linear.default(x, wx, bias)
+    prod = aten.mul.Tensor(aten.unsqueeze.default(aten._to_copy.default(x, dtype=_F32), -2),
+                           aten._to_copy.default(wx, dtype=_F32))                            # [..., N, K]
+    y = aten.sum.dim_IntList(prod, [-1])
+    if bias is not None:
+        y = aten.add.Tensor(y, aten._to_copy.default(bias, dtype=_F32))
+    return aten.type_as.default(y, x)
+
+
 def w4a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+                      bias: Optional[torch.Tensor], rows: bool = False) -> torch.Tensor:
     """Weight-only int4 linear (module docstring): x [..., K], qweight uint8 [N, K/2], wscale [N, K/64], bias [N] or
     None -> [..., N] in x.dtype."""
     q = int4_values(qweight, _F32)                                                           # [N, K]
     ws = aten.reshape.default(aten._to_copy.default(wscale, dtype=_F32), [-1, 1])            # [N * G, 1]
     w = aten.view_as.default(aten.mul.Tensor(aten.view.default(q, [-1, GROUP_SIZE]), ws), q)  # group-major rows
-    return aten.linear.default(x, aten.type_as.default(w, x), bias)
+    return dequantized_linear(x, w, bias, rows)
 
 
 def w4a16_lr_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
-                         lora_up: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+                         lora_up: torch.Tensor, bias: Optional[torch.Tensor], rows: bool = False) -> torch.Tensor:
     """Weight-only int4 of the residual plus the low-rank branch (module docstring): x [..., K], qweight uint8
     [N, K/2], wscale [N, K/64], lora_down [r, K], lora_up [N, r], bias [N] or None -> [..., N] in x.dtype."""
     lora_act = aten.linear.default(x, aten.type_as.default(lora_down, x))                   # [..., r]
     branch = aten.linear.default(lora_act, aten.type_as.default(lora_up, x))               # [..., N]
-    return aten.add.Tensor(w4a16_linear_form(x, qweight, wscale, bias), branch)
+    return aten.add.Tensor(w4a16_linear_form(x, qweight, wscale, bias, rows), branch)
 
 
 def w8a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+                      bias: Optional[torch.Tensor], rows: bool = False) -> torch.Tensor:
     """Weight-only int8 / fp8 linear (module docstring): x [..., K], qweight int8 or e4m3 [N, K], wscale [N], bias [N]
     or None -> [..., N] in x.dtype."""
     ws = aten.unsqueeze.default(aten._to_copy.default(wscale, dtype=_F32), 1)              # [N, 1]
     w = aten.mul.Tensor(aten._to_copy.default(qweight, dtype=_F32), ws)                    # [N, K]
-    return aten.linear.default(x, aten.type_as.default(w, x), bias)
+    return dequantized_linear(x, w, bias, rows)
