@@ -428,10 +428,34 @@ def w4a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tens
                       bias: Optional[torch.Tensor], rows: bool = False) -> torch.Tensor:
     """Weight-only int4 linear (module docstring): x [..., K], qweight uint8 [N, K/2], wscale [N, K/64], bias [N] or
     None -> [..., N] in x.dtype."""
-    q = int4_values(qweight, _F32)                                                           # [N, K]
     ws = aten.reshape.default(aten._to_copy.default(wscale, dtype=_F32), [-1, 1])            # [N * G, 1]
+    if rows:
+        return _int4_rows_linear(x, qweight, ws, bias)
+    q = int4_values(qweight, _F32)                                                           # [N, K]
     w = aten.view_as.default(aten.mul.Tensor(aten.view.default(q, [-1, GROUP_SIZE]), ws), q)  # group-major rows
-    return dequantized_linear(x, w, bias, rows)
+    return dequantized_linear(x, w, bias)
+
+
+def _int4_rows_linear(x: torch.Tensor, qweight: torch.Tensor, ws: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The int4 weight-only linear as a multiply-and-sum (``dequantized_linear(rows=True)``) over the packed bytes'
+    two nibble planes, x's even and odd columns apart: the values never interleaved back into k order, which would
+    make Inductor write the planes out before the reduction instead of reading the packed bytes in it. ``ws``: the
+    fp32 group scales as [N * K/64, 1]."""
+    half = GROUP_SIZE // 2                                                                   # a group's bytes
+    xf = aten.unflatten.int(aten._to_copy.default(x, dtype=_F32), -1, [-1, 2])            # [..., K/2, 2]
+    acc = None
+    for plane, col in ((aten.bitwise_and.Scalar(qweight, 15), 0),
+                       (aten.bitwise_right_shift.Tensor_Scalar(qweight, 4), 1)):         # even k: the low nibble
+        q = aten.sub.Tensor(aten._to_copy.default(aten.bitwise_xor.Scalar(plane, 8), dtype=_F32), 8)   # [N, K/2]
+        w = aten.view_as.default(aten.mul.Tensor(aten.view.default(q, [-1, half]), ws), q)
+        w = aten._to_copy.default(aten.type_as.default(w, x), dtype=_F32)                  # x.dtype(w), as the linear
+        term = aten.mul.Tensor(aten.unsqueeze.default(aten.select.int(xf, -1, col), -2), w)  # [..., N, K/2]
+        acc = term if acc is None else aten.add.Tensor(acc, term)
+    y = aten.sum.dim_IntList(acc, [-1])
+    if bias is not None:
+        y = aten.add.Tensor(y, aten._to_copy.default(bias, dtype=_F32))
+    return aten.type_as.default(y, x)
 
 
 def w4a16_lr_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
