@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from . import op_classes as oc
+from . import tp_padded
 from .propagate import arg
 
 aten, c10d = oc.aten, oc.c10d
@@ -41,16 +42,21 @@ def _finish(rules, n: fx.Node, y: fx.Node, sx) -> None:
     n.replace_all_uses_with(y)
     rules.g.erase_node(n)
     rules.place[y] = sx
+    if n in rules.zero:  # (padded heads: zero in, zero out)
+        rules.zero.add(y)
 
 
 def _affine(rules, n: fx.Node, y: fx.Node, sx, first: int, weight, bias) -> fx.Node:
     """``y * weight + bias`` with this rank's slice of the (replicated) affine parameters."""
     wd = sx.dim - first
-    part = type(sx)(wd, sx.segments)
+    part = sx.with_dim(wd)
+
+    def piece(t: fx.Node) -> fx.Node:  # padded heads (an RMSNorm over H*D): zero weight there, they stay zero
+        return tp_padded.local_operand(rules, t, wd, part, n) if part.padded else rules._local(t, wd, part, n)
     if weight is not None:
-        y = rules.emit(aten.mul.Tensor, (y, rules._local(weight, wd, part, n)), like=n)
+        y = rules.emit(aten.mul.Tensor, (y, piece(weight)), like=n)
     if bias is not None:
-        y = rules.emit(aten.add.Tensor, (y, rules._local(bias, wd, part, n)), like=n)
+        y = rules.emit(aten.add.Tensor, (y, piece(bias)), like=n)
     return y
 
 

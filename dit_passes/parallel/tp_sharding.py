@@ -2,9 +2,9 @@
 
 A :class:`ShardSpec` ``(dim, segments)``: the full extent along ``dim`` is a concatenation of
 ``segments`` (one for a q projection, three for a fused QKV, ``(attention, MLP)`` for Flux single
-blocks) and rank ``r`` holds the ``r``-th chunk of each, concatenated; a padded spec (an MLP hidden that
-does not divide, planned by :mod:`~dit_passes.parallel.tp_plan`) holds each segment zero-padded to a
-multiple of tp. Specific here: column-parallel weight slicing (:mod:`~dit_passes.parallel.tp_weights`: each
+blocks) and rank ``r`` holds the ``r``-th chunk of each, concatenated; a padded spec (an MLP hidden or
+attention heads that do not divide, planned by :mod:`~dit_passes.parallel.tp_plan`, its rules in
+:mod:`~dit_passes.parallel.tp_padded`) holds each segment zero-padded to a multiple of tp. Specific here: column-parallel weight slicing (:mod:`~dit_passes.parallel.tp_weights`: each
 weight sharded once, also when several linears read it), row-parallel linears (+ all-reduce, bias after),
 local slices and views of fused segments, heads of SDPA (replicated GQA k / v sliced to the local heads),
 slices of replicated operands, all-gather fallback; the distributed norms are in
@@ -23,7 +23,7 @@ import torch.fx as fx
 from ..infra.ownership import WeightLedger
 from ..infra.pass_base import PassError
 from . import op_classes as oc
-from . import tp_flex, tp_norms
+from . import tp_flex, tp_norms, tp_padded
 from .propagate import (Placement, Propagation, PropagationError, Touches, agree, aligned_dim, arg, broadcast_dim,
                         memory_order, moved_dim, repropagate, resize_view, segment_cut, segment_runs, split_dim,
                         split_sizes, view_dims)
@@ -96,6 +96,7 @@ class TPRules(Propagation):
         self.weights = WeightShards(gm, rank, tp, ledger, owner)  # each sharded weight once, with its readers
         self.row_nodes: List[fx.Node] = []
         self.fallback_ops: List[str] = []
+        self.zero: Set[fx.Node] = set()  # values whose padded heads the plan proved exactly zero (TPPlan.zero)
 
     def _s(self, a) -> Optional[ShardSpec]:
         s = self.placed(a)
@@ -155,8 +156,9 @@ class TPRules(Propagation):
     # -- node insertion ---------------------------------------------------------------------------
     def _local(self, x: fx.Node, dim: int, spec: ShardSpec, before: fx.Node) -> fx.Node:
         """Slice a replicated full tensor ``x`` to this rank's part along ``dim``."""
-        if spec.padded:  # tp_plan proved no such operand meets a padded hidden; never slice one wrongly
-            raise ShardingError(f"replicated operand {x.name} meets a zero-padded MLP hidden")
+        if spec.padded:  # what zero-padding would mean for it is unknown: refused (norm weights: tp_padded)
+            raise ShardingError(f"replicated operand {x.name} has the full extent of a zero-padded dim (heads or "
+                                f"MLP hidden padded to divide by tp={self.tp}) instead of being broadcast over it")
         with self.g.inserting_before(before):
             pieces = [self.emit(aten.slice.Tensor, (x, dim, s, s + n), like=before)
                       for s, n in segment_runs(spec.segments, self.tp, self.rank)]
@@ -166,7 +168,8 @@ class TPRules(Propagation):
     def _gather(self, x: fx.Node, spec: ShardSpec, before: fx.Node) -> fx.Node:
         """All-gather sharded ``x`` back to the full tensor, segment-major (inserted before ``before``)."""
         if spec.padded:
-            raise ShardingError(f"{x.name} holds a zero-padded MLP hidden, which only a down projection may read")
+            raise ShardingError(f"{x.name} holds zero-padded heads or MLP hidden, which only an output / down "
+                                f"projection may read (not {before.name} ({before.target}))")
         loc = spec.local_segments(self.tp)
         runs = [(sum(loc[:i]), n) for i, n in enumerate(loc)] if len(loc) > 1 else None
         order = list(memory_order(x.meta["val"]))  # (still the full traced value: repropagate() comes later)
@@ -249,7 +252,7 @@ class TPRules(Propagation):
             if out is not None:
                 return out
         if sx is not None and sx.padded and (t in oc.REDUCTIONS or t in oc.LAYER_NORMS or t is aten.rms_norm.default):
-            raise ShardingError("a reduction over a zero-padded MLP hidden")
+            tp_padded.check_statistics(self, n, sx)
         if sx is not None and t is aten.rms_norm.default:
             return tp_norms.rms_norm(self, n, sx)
         if sx is not None and t is aten.layer_norm.default:
@@ -314,9 +317,9 @@ class TPRules(Propagation):
         self.counts["all_reduce"] += 1
 
     def _view(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
-        in_shape, out_shape = list(n.args[0].meta["val"].shape), list(n.meta["val"].shape)
         if sx.padded:
-            raise ShardingError("a view of a zero-padded MLP hidden")
+            return tp_padded.view(self, n, sx)
+        in_shape, out_shape = list(n.args[0].meta["val"].shape), list(n.meta["val"].shape)
         stacked = self._stacked_view(in_shape, out_shape, sx)
         if stacked is not None:
             return self._resized(n, stacked, out_shape)
@@ -405,7 +408,7 @@ class TPRules(Propagation):
         ref = next(self._s(a) for a in tensors if self._s(a) is not None)
         dim %= tensors[0].meta["val"].dim() + (n.target is aten.stack.default)
         along = n.target is aten.cat.default and dim == ref.dim
-        segs, new = [], []
+        segs, real, new = [], [], []
         for a in tensors:
             s = self._s(a)
             if s is None and along:  # a replicated piece becomes one more sharded segment
@@ -417,10 +420,11 @@ class TPRules(Propagation):
             elif s != ref and not along:
                 raise ShardingError(f"cat/stack of values sharded differently: {s} vs {ref}")
             segs.extend(s.segments if s is not None else ())
+            real.extend(s.real_segments if s is not None else ())
             new.append(a)
         n.args = (new,) + tuple(n.args[1:])
         if along:
-            return ShardSpec(dim, tuple(segs))
+            return ShardSpec(dim, tuple(segs), tuple(real) if real != segs else ())
         return ref.with_dim(ref.dim + (n.target is aten.stack.default and dim <= ref.dim))
 
     def _sdpa(self, n: fx.Node) -> ShardSpec:
@@ -428,6 +432,9 @@ class TPRules(Propagation):
         specs = [self._s(a) for a in (q, k, v)]
         if any(s is not None and s.dim != 1 for s in specs):
             raise ShardingError(f"attention needs q, k, v sharded over heads (dim 1), got {specs}")
+        padded = next((s for s in specs if s is not None and s.padded), None)
+        if padded is not None:  # heads zero-padded (tp_heads)
+            tp_padded.check_attention(n, specs, padded)
         for a, s in zip((q, k, v), specs):
             heads = int(a.meta["val"].shape[1])
             if s is None and heads > 1:  # a replicated q/k/v (computed outside the sharded linears, or GQA k / v
@@ -439,7 +446,8 @@ class TPRules(Propagation):
             mv = mask.meta["val"]
             hd = mv.dim() - 3
             if self._s(mask) is None and hd >= 0 and int(mv.shape[hd]) > 1:
-                n.replace_input_with(mask, self._local(mask, hd, ShardSpec(hd, (int(mv.shape[hd]),)), n))
+                n.replace_input_with(mask, tp_padded.attention_mask(self, n, mask, hd, padded) if padded else
+                                     self._local(mask, hd, ShardSpec(hd, (int(mv.shape[hd]),)), n))
         return specs[0] or ShardSpec(1, (int(q.meta["val"].shape[1]),))
 
     def _batched_matmul(self, n: fx.Node) -> Optional[ShardSpec]:
@@ -452,11 +460,11 @@ class TPRules(Propagation):
         for x in (a, b):
             s, nd = self._s(x), x.meta["val"].dim()
             if s is not None:
-                if s.dim >= nd - 2 or (ref is not None and s.segments != ref.segments):
+                if s.dim >= nd - 2 or (ref is not None and (s.segments, s.real) != (ref.segments, ref.real)):
                     return None
                 dims.add(s.dim + out_dim - nd)
                 ref = s
-        if len(dims) != 1 or ref.padded:
+        if len(dims) != 1:
             return None
         d = dims.pop()
         for x in (a, b):  # a replicated operand must be broadcast along the batch dim
@@ -477,7 +485,7 @@ class TPRules(Propagation):
         with self.g.inserting_before(n.next):
             out = self.all_reduce(n, n, oc.REDUCTIONS[n.target][1])
             if n.target is aten.mean.dim:
-                out = self.emit(aten.div.Tensor, (out, self.tp), like=n)
+                out = self.emit(aten.div.Tensor, (out, tp_padded.mean_divisor(sx, self.tp)), like=n)
         out.meta["val"] = n.meta["val"]
         for u in users:
             u.replace_input_with(n, out)
@@ -495,6 +503,9 @@ class TPRules(Propagation):
             if d is not None:
                 if n.target is aten.copy_.default and i == 0:  # would write a shard into a full tensor
                     raise ShardingError("in-place copy of a sharded value into a replicated tensor")
-                new[i] = self._local(new[i], d, ref.with_dim(d), n)
+                if ref.padded and n.target in oc.FINITE_POINTWISE:  # zero there: finite with the padding
+                    new[i] = tp_padded.local_operand(self, new[i], d, ref.with_dim(d), n)
+                else:
+                    new[i] = self._local(new[i], d, ref.with_dim(d), n)
         n.args = tuple(new)
         return ref
