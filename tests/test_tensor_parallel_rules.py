@@ -30,9 +30,11 @@ DIM, HEADS, HEAD_DIM = 32, 4, 8
 class _Block(nn.Module):
     """One DiT block; the options switch on the patterns of the module docstring."""
 
-    def __init__(self, kv_heads=HEADS, q_norm=None, stacked=False, mlp="gelu", hidden=64, mlp_norm=False,
-                 skip=False, ff_groups=1, kv_repeat=True, attn="sdpa", flip_heads=False):
+    def __init__(self, kv_heads=None, q_norm=None, stacked=False, mlp="gelu", hidden=64, mlp_norm=False,
+                 skip=False, ff_groups=1, kv_repeat=True, attn="sdpa", flip_heads=False, heads=HEADS):
         super().__init__()
+        self.heads, inner = heads, heads * HEAD_DIM  # heads that do not divide tp: zero-padded
+        kv_heads = heads if kv_heads is None else kv_heads
         self.attn_kind, self.flip_heads = attn, flip_heads
         self.kv_heads, self.q_norm_kind, self.stacked, self.mlp_kind = kv_heads, q_norm, stacked, mlp
         self.kv_repeat = kv_repeat  # False: one kv head broadcast over the q heads by the attention (OmniGen)
@@ -40,12 +42,13 @@ class _Block(nn.Module):
         self.skip = nn.Linear(2 * DIM, DIM) if skip else None  # reads [x, skip]: writes the residual stream
         self.norm1, self.norm2 = nn.LayerNorm(DIM, elementwise_affine=False), nn.LayerNorm(DIM)
         if stacked:
-            self.qkv = nn.Linear(DIM, 3 * DIM)
+            self.qkv = nn.Linear(DIM, 3 * inner)
         else:
-            self.to_q = nn.Linear(DIM, DIM)
+            self.to_q = nn.Linear(DIM, inner)
             self.to_k, self.to_v = nn.Linear(DIM, kv_heads * HEAD_DIM), nn.Linear(DIM, kv_heads * HEAD_DIM)
-        self.norm_q = {"layer": nn.LayerNorm(DIM), "group": nn.GroupNorm(2, DIM), None: None}[q_norm]
-        self.to_out = nn.Linear(DIM, DIM)
+        self.norm_q = {"layer": nn.LayerNorm(inner), "group": nn.GroupNorm(2, inner), "rms": nn.RMSNorm(inner),
+                       None: None}[q_norm]
+        self.to_out = nn.Linear(inner, DIM)
         if mlp == "tied":  # one square weight as up and down projection
             self.square = nn.Linear(DIM, DIM)
         elif mlp == "glu2":  # w1 / w3 / w2 (Z-Image)
@@ -58,18 +61,18 @@ class _Block(nn.Module):
     def attention(self, x):
         b, s, _ = x.shape
         if self.stacked:
-            qkv = self.qkv(x).view(b, s, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+            qkv = self.qkv(x).view(b, s, 3, self.heads, HEAD_DIM).permute(2, 0, 3, 1, 4)
             q, k, v = qkv[0], qkv[1], qkv[2]
         else:
             q = self.to_q(x)
-            if self.q_norm_kind == "layer":
+            if self.q_norm_kind in ("layer", "rms"):  # over all heads (Wan's, LTX-Video's RMSNorm)
                 q = self.norm_q(q)
             elif self.q_norm_kind == "group":
                 q = self.norm_q(q.transpose(1, 2)).transpose(1, 2)
-            q = q.view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+            q = q.view(b, s, self.heads, HEAD_DIM).transpose(1, 2)
             k, v = (t.view(b, s, self.kv_heads, HEAD_DIM).transpose(1, 2) for t in (self.to_k(x), self.to_v(x)))
-            if self.kv_heads != HEADS and self.kv_repeat:
-                k, v = (t.repeat_interleave(HEADS // self.kv_heads, dim=1) for t in (k, v))
+            if self.kv_heads != self.heads and self.kv_repeat:
+                k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
         if self.attn_kind.startswith("flex"):
             o = _flex(q, k, v, head_bias=self.attn_kind == "flex_head")
         else:
@@ -77,7 +80,7 @@ class _Block(nn.Module):
         if self.flip_heads:  # an op the rules all-gather, then a view that only the traced layout allows
             o = o.contiguous().transpose(1, 2).flip(2).transpose(1, 2).view(b, HEADS, s * HEAD_DIM)
             o = o.view(b, HEADS, s, HEAD_DIM)
-        return self.to_out(o.transpose(1, 2).reshape(b, s, DIM))
+        return self.to_out(o.transpose(1, 2).reshape(b, s, self.heads * HEAD_DIM))
 
     def mlp(self, x):
         if self.mlp_kind == "tied":
@@ -138,6 +141,11 @@ CASES = {
     "kv1_padded_swiglu_tied": dict(kv_heads=1, mlp="swiglu", hidden=21, ff_groups=2, second=dict(kv_repeat=False)),
     # a flex attention over sharded heads with a per-head block mask (Kandinsky 6 SR, Wan-Animate 2)
     "flex_heads": dict(attn="flex"),
+    # heads that do not divide tp (SD3.5-large's 38, CogVideoX-2b's 30 on 4 ranks): 3 heads zero-padded to 4, with
+    # an RMSNorm over all heads (Wan); the same structure with 4 heads; a fused QKV, then one kv head (broadcast)
+    "heads3_rms": dict(heads=3, q_norm="rms"),
+    "heads4_rms": dict(q_norm="rms"),
+    "heads3_stacked_kv1": dict(heads=3, stacked=True, second=dict(stacked=False, kv_heads=1, kv_repeat=False)),
 }
 # exact through an all-gather the rules fall back to (a flip over the heads), the traced layout kept
 GATHERED = {"flip_heads_view": dict(flip_heads=True)}
@@ -146,6 +154,8 @@ REFUSALS = {
     "pad_under_norm": dict(mlp="gelu", hidden=63, mlp_norm=True),
     "group_norm": dict(q_norm="group"),
     "flex_reads_head": dict(attn="flex_head"),
+    "heads3_layer_norm": dict(heads=3, q_norm="layer"),  # its centred statistics would count the padding
+    "heads3_gqa": dict(heads=3, kv_heads=1),  # one kv head repeated to the 3 q heads: no padded kv heads to pair
 }
 
 
@@ -291,3 +301,38 @@ def test_flex_attention_reading_the_head_index_is_refused(rule_ranks):
     for res in rule_ranks:
         msg = res["flex_reads_head"]
         assert "score_mod reads the head index" in msg and "tensor_parallel" in msg, msg
+
+
+def test_padded_heads_exact_with_the_collectives_of_divisible_heads(rule_ranks):
+    for rank, res in enumerate(rule_ranks):
+        _check_exact(res["heads4_rms"], f"heads4_rms@{rank}")
+    for r, c in _exact(rule_ranks, "heads3_rms"):
+        # per block: to_q / to_k / to_v padded 3 -> 4 heads and up column-parallel, to_out / down row-parallel,
+        # norm_q over all heads distributed (sum of squares all-reduced, divided by the real 24 features)
+        assert (c["column_parallel"], c["row_parallel"], c["padded_heads"], c["padded_mlp"]) == (8, 4, 6, 0), c
+        assert c["norm_all_reduce"] == 2 and c["replicated_column"] == 0, c
+        ref = next(res["heads4_rms"] for res in rule_ranks)
+        assert r["comm"] == ref["comm"] and sorted(r["graph_ops"]) == sorted(ref["graph_ops"]), (r["comm"], ref)
+        # each rank holds its 2 heads (one of them padding on rank 1): 16 rows of q / k / v, 16 columns of to_out
+        for name in ("to_q", "to_k", "to_v"):
+            assert r["shapes"][f"blocks.0.{name}.weight"] == (2 * HEAD_DIM, DIM), r["shapes"]
+            assert "zero-padded [24] -> [32]" in r["released"][f"blocks.1.{name}.bias"]
+        assert r["shapes"]["blocks.0.to_out.weight"] == (DIM, 2 * HEAD_DIM)
+        assert "[24] -> [32] (heads [3] -> [4] of 8) at 6 linear(s): blocks.0.to_q" in r["report"], r["report"]
+
+
+def test_padded_heads_of_a_fused_qkv_and_one_broadcast_kv_head(rule_ranks):
+    for r, c in _exact(rule_ranks, "heads3_stacked_kv1"):
+        # block 0: qkv padded in its 3 segments; block 1: to_q padded, the one kv head replicated
+        assert (c["column_parallel"], c["padded_heads"], c["replicated_column"]) == (4, 2, 2), c
+        assert r["shapes"]["blocks.0.qkv.weight"] == (3 * 2 * HEAD_DIM, DIM)
+        assert r["shapes"]["blocks.1.to_q.weight"] == (2 * HEAD_DIM, DIM) and "blocks.1.to_k.weight" not in r["released"]
+        assert "[24, 24, 24] -> [32, 32, 32] (heads [3, 3, 3] -> [4, 4, 4] of 8)" in r["report"], r["report"]
+
+
+def test_padded_heads_refusals_name_the_cause(rule_ranks):
+    for res in rule_ranks:
+        msg = res["heads3_layer_norm"]
+        assert "layer_norm" in msg and "zero-padded dim" in msg and "only RMSNorm" in msg, msg
+        msg = res["heads3_gqa"]
+        assert "zero-padding them to whole heads per rank is refused" in msg and "not in ['k', 'v']" in msg, msg
