@@ -9,6 +9,9 @@ pattern a diffusers family has (the coverage matrix runs the families themselves
 * a projection writing the residual stream though its role says mlp_up (HunyuanDiT's skip_linear): replicated;
 * a feed-forward applied to two token groups (CogView4): its weights sharded once, held once;
 * MLP hidden sizes that do not divide tp (Mochi, Z-Image): zero-padded, exact, reported;
+* head counts that do not divide tp (SD3.5-large, CogVideoX-2b, Sana): whole zero heads, exact, with the
+  collectives of divisible heads; an RMSNorm or a LayerNorm over all heads (statistics of the real features), a
+  fused QKV, one broadcast kv head; GQA refused;
 * a flex attention with a per-head block mask (Kandinsky 6 SR's NABLA): heads sharded, the mask's heads sliced;
 * a value all-gathered before an op without a rule, then viewed as only its traced layout allows (SANA-WM);
 * refusals: a weight two linears shard differently, padding a hidden that a norm reads, with the working sizes, a
@@ -48,6 +51,10 @@ class _Block(nn.Module):
             self.to_k, self.to_v = nn.Linear(DIM, kv_heads * HEAD_DIM), nn.Linear(DIM, kv_heads * HEAD_DIM)
         self.norm_q = {"layer": nn.LayerNorm(inner), "group": nn.GroupNorm(2, inner), "rms": nn.RMSNorm(inner),
                        None: None}[q_norm]
+        if q_norm in ("layer", "rms"):  # not the identity affine: a wrong slice of it would show
+            with torch.no_grad():
+                for p in self.norm_q.parameters():
+                    p.normal_(1.0 if p is self.norm_q.weight else 0.0, 0.3)
         self.to_out = nn.Linear(inner, DIM)
         if mlp == "tied":  # one square weight as up and down projection
             self.square = nn.Linear(DIM, DIM)
@@ -144,6 +151,8 @@ CASES = {
     # heads that do not divide tp (SD3.5-large's 38, CogVideoX-2b's 30 on 4 ranks): 3 heads zero-padded to 4, with
     # an RMSNorm over all heads (Wan); the same structure with 4 heads; a fused QKV, then one kv head (broadcast)
     "heads3_rms": dict(heads=3, q_norm="rms"),
+    "heads3_layer_norm": dict(heads=3, q_norm="layer"),  # its moments over each rank's real features only
+    "heads1_layer_norm": dict(heads=1, q_norm="layer"),  # rank 1 holds only padding (no real features)
     "heads4_rms": dict(q_norm="rms"),
     "heads3_stacked_kv1": dict(heads=3, stacked=True, second=dict(stacked=False, kv_heads=1, kv_repeat=False)),
 }
@@ -154,7 +163,6 @@ REFUSALS = {
     "pad_under_norm": dict(mlp="gelu", hidden=63, mlp_norm=True),
     "group_norm": dict(q_norm="group"),
     "flex_reads_head": dict(attn="flex_head"),
-    "heads3_layer_norm": dict(heads=3, q_norm="layer"),  # its centred statistics would count the padding
     "heads3_gqa": dict(heads=3, kv_heads=1),  # one kv head repeated to the 3 q heads: no padded kv heads to pair
 }
 
@@ -225,11 +233,12 @@ def _check_exact(r, name):
     c = r["counts"]
     assert r["err"] <= TOL, (name, r["err"])
     assert c["fallback_all_gather"] == 0 and c["all_gather"] == 0, (name, r["report"])
-    # exactly the collectives the pass inserted ran: one all-reduce per row-parallel linear, one all-gather per
-    # distributed LayerNorm, nothing else
-    assert r["comm"].get("all_reduce", 0) == c["all_reduce"] == c["row_parallel"], (name, r["comm"], c)
+    # exactly the collectives the pass inserted ran: one all-reduce per row-parallel linear and per distributed
+    # RMSNorm, one all-gather per distributed LayerNorm, nothing else
+    reduces = c["all_reduce"] + c["norm_all_reduce"]
+    assert r["comm"].get("all_reduce", 0) == reduces and c["all_reduce"] == c["row_parallel"], (name, r["comm"], c)
     assert r["comm"].get("all_gather_into_tensor", 0) == c["norm_all_gather"], (name, r["comm"], c)
-    assert sorted(r["graph_ops"]) == sorted(["all_reduce"] * c["all_reduce"]
+    assert sorted(r["graph_ops"]) == sorted(["all_reduce"] * reduces
                                             + ["all_gather_into_tensor"] * c["norm_all_gather"]), (name, r)
     assert r["resident"] <= r["bound"], (name, r["resident"], r["bound"])
 
@@ -330,9 +339,14 @@ def test_padded_heads_of_a_fused_qkv_and_one_broadcast_kv_head(rule_ranks):
         assert "[24, 24, 24] -> [32, 32, 32] (heads [3, 3, 3] -> [4, 4, 4] of 8)" in r["report"], r["report"]
 
 
-def test_padded_heads_refusals_name_the_cause(rule_ranks):
+def test_padded_heads_under_a_layer_norm_over_all_heads(rule_ranks):
+    for case in ("heads3_layer_norm", "heads1_layer_norm"):
+        for r, c in _exact(rule_ranks, case):
+            # the collectives of 4 heads (one all-gather of (mean, M2) per norm), the moments of the real features
+            assert (c["padded_heads"], c["norm_all_gather"], c["all_reduce"]) == (6, 2, 4), c
+
+
+def test_padded_heads_refusal_names_the_cause(rule_ranks):
     for res in rule_ranks:
-        msg = res["heads3_layer_norm"]
-        assert "layer_norm" in msg and "zero-padded dim" in msg and "only RMSNorm" in msg, msg
         msg = res["heads3_gqa"]
         assert "zero-padding them to whole heads per rank is refused" in msg and "not in ['k', 'v']" in msg, msg

@@ -31,24 +31,23 @@ aten = oc.aten
 
 def _padded_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, real: int, padded: int, tp: int):
     """(output dim, its padded size, its real size) of a row-major view ``in_shape -> out_shape`` (full, real
-    sizes) whose input dim ``d`` holds ``real`` elements padded to ``padded``: the padded unit (a head of ``D``
-    when splitting ``H*D``, a row of ``D`` when merging ``(H, D)``) must stay whole, else ShardingError."""
-    pre, what = math.prod(in_shape[:d]), f"view {list(in_shape)} -> {list(out_shape)} of a zero-padded dim"
-    for k in range(len(out_shape)):
-        if math.prod(out_shape[:k]) != pre or (out_shape[k] == 1 and real != 1):
-            continue
+    sizes) whose input dim ``d`` holds ``real`` elements padded to ``padded``: the outermost output dim that keeps
+    the padded units (a head of ``D`` when splitting ``H*D``, a row of ``D`` when merging ``(H, D)``) whole on
+    every rank, else ShardingError."""
+    pre = math.prod(in_shape[:d])
+    for k in (k for k in range(len(out_shape)) if math.prod(out_shape[:k]) == pre):
         size = out_shape[k]
         if real % size == 0:  # split (or kept): size units of real // size elements each
             unit = real // size
-            ok = any(math.prod(out_shape[k + 1:j]) == unit for j in range(k + 1, len(out_shape) + 1))
-            if ok and padded % unit == 0 and (padded // unit) % tp == 0:
+            whole = any(math.prod(out_shape[k + 1:j]) == unit for j in range(k + 1, len(out_shape) + 1))
+            if whole and padded % unit == 0 and (padded // unit) % tp == 0:
                 return k, padded // unit, size
         elif size % real == 0:  # merge: each element of dim d takes the following dims' size // real elements
             unit = size // real
             if any(math.prod(in_shape[d + 1:j]) == unit for j in range(d + 1, len(in_shape) + 1)):
                 return k, padded * unit, size
-        raise ShardingError(f"{what} cuts through its padded units")
-    raise ShardingError(f"{what} merges dims before it into it")
+    raise ShardingError(f"view {list(in_shape)} -> {list(out_shape)} of a zero-padded dim ({real} of {padded} "
+                        f"real) merges dims before it into it or cuts through its padded units")
 
 
 def view(rules, n: fx.Node, sx):
@@ -94,9 +93,12 @@ def check_statistics(rules, n: fx.Node, sx) -> None:
         across = sx.dim >= x.meta["val"].dim() - (len(n.args[1]) if t is not aten.group_norm.default else 3)
     if not across:
         return
+    if t is aten.layer_norm.default:
+        return  # tp_norms.layer_norm takes each rank's moments over its real elements only
     if t not in (aten.rms_norm.default, aten.sum.dim_IntList, aten.mean.dim):
         raise ShardingError(f"{t} across a zero-padded dim (heads padded to divide by tp={rules.tp}): its "
-                            f"statistics would count the padding; only RMSNorm and sum / mean are exact there")
+                            f"statistics would count the padding; only LayerNorm, RMSNorm and sum / mean are exact "
+                            f"there")
     if x not in rules.zero:
         raise ShardingError(f"{t} across a zero-padded dim whose padded part is not provably zero")
 
