@@ -89,8 +89,8 @@ def check_statistics(rules, n: fx.Node, sx) -> None:
             return
         except Touches:
             across = True
-    else:
-        across = sx.dim >= x.meta["val"].dim() - (len(n.args[1]) if t is not aten.group_norm.default else 3)
+    else:  # (a LayerNorm or RMSNorm: its normalised shape is argument 1)
+        across = sx.dim >= x.meta["val"].dim() - len(n.args[1])
     if not across:
         return
     if t is aten.layer_norm.default:

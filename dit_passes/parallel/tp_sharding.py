@@ -1,14 +1,14 @@
 """Tensor-parallel rule table (hidden / head sharding) over the shared driver.
 
-A :class:`ShardSpec` ``(dim, segments)``: the full extent along ``dim`` is a concatenation of
-``segments`` (one for a q projection, three for a fused QKV, ``(attention, MLP)`` for Flux single
-blocks) and rank ``r`` holds the ``r``-th chunk of each, concatenated; a padded spec (an MLP hidden or
-attention heads that do not divide, planned by :mod:`~dit_passes.parallel.tp_plan`, its rules in
-:mod:`~dit_passes.parallel.tp_padded`) holds each segment zero-padded to a multiple of tp. Specific here: column-parallel weight slicing (:mod:`~dit_passes.parallel.tp_weights`: each
-weight sharded once, also when several linears read it), row-parallel linears (+ all-reduce, bias after),
-local slices and views of fused segments, heads of SDPA (replicated GQA k / v sliced to the local heads),
-slices of replicated operands, all-gather fallback; the distributed norms are in
-:mod:`~dit_passes.parallel.tp_norms`.
+A :class:`ShardSpec` ``(dim, segments)``: the full extent along ``dim`` is a concatenation of ``segments`` (one
+for a q projection, three for a fused QKV, ``(attention, MLP)`` for Flux single blocks) and rank ``r`` holds the
+``r``-th chunk of each, concatenated; a padded spec (an MLP hidden or attention heads that do not divide, planned
+by :mod:`~dit_passes.parallel.tp_plan`, its rules in :mod:`~dit_passes.parallel.tp_padded`) holds each segment
+zero-padded to a multiple of tp. Specific here: column-parallel weight slicing
+(:mod:`~dit_passes.parallel.tp_weights`: each weight sharded once, also when several linears read it),
+row-parallel linears (+ all-reduce, bias after), local slices and views of fused segments, slices of replicated
+operands, all-gather fallback; the attention's rules (SDPA heads, per-head matmuls) are in
+:mod:`~dit_passes.parallel.tp_attention`, the distributed norms in :mod:`~dit_passes.parallel.tp_norms`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch.fx as fx
 from ..infra.ownership import WeightLedger
 from ..infra.pass_base import PassError
 from . import op_classes as oc
-from . import tp_flex, tp_norms, tp_padded
+from . import tp_attention, tp_flex, tp_norms, tp_padded
 from .propagate import (Placement, Propagation, PropagationError, Touches, agree, aligned_dim, arg, broadcast_dim,
                         memory_order, moved_dim, repropagate, resize_view, segment_cut, segment_runs, split_dim,
                         split_sizes, view_dims)
@@ -244,11 +244,11 @@ class TPRules(Propagation):
         if t in (aten.cat.default, aten.stack.default):
             return self._cat(n)
         if t is oc.SDPA:
-            return self._sdpa(n)
+            return tp_attention.sdpa(self, n)
         if t is oc.FLEX_ATTENTION:
             return tp_flex.flex_attention(self, n)
         if t in (aten.matmul.default, aten.bmm.default):
-            out = self._batched_matmul(n)
+            out = tp_attention.batched_matmul(self, n)
             if out is not None:
                 return out
         if sx is not None and sx.padded and (t in oc.REDUCTIONS or t in oc.LAYER_NORMS or t is aten.rms_norm.default):
@@ -297,6 +297,8 @@ class TPRules(Propagation):
         if sx is None:
             return self._fallback(n, "linear weight/bias from a sharded value")
         if sx.dim != x.meta["val"].dim() - 1:
+            if sx.padded:  # tp_heads proved the padding up to the linears over it, not beyond
+                raise ShardingError("a linear over another dim of a zero-padded value")
             return sx  # linear over another dim: the shard passes through
         if any(self._s(a) is not None for a in n.args[1:]):
             return self._fallback(n, "linear weight from a sharded value")
@@ -426,53 +428,6 @@ class TPRules(Propagation):
         if along:
             return ShardSpec(dim, tuple(segs), tuple(real) if real != segs else ())
         return ref.with_dim(ref.dim + (n.target is aten.stack.default and dim <= ref.dim))
-
-    def _sdpa(self, n: fx.Node) -> ShardSpec:
-        q, k, v = n.args[:3]
-        specs = [self._s(a) for a in (q, k, v)]
-        if any(s is not None and s.dim != 1 for s in specs):
-            raise ShardingError(f"attention needs q, k, v sharded over heads (dim 1), got {specs}")
-        padded = next((s for s in specs if s is not None and s.padded), None)
-        if padded is not None:  # heads zero-padded (tp_heads)
-            tp_padded.check_attention(n, specs, padded)
-        for a, s in zip((q, k, v), specs):
-            heads = int(a.meta["val"].shape[1])
-            if s is None and heads > 1:  # a replicated q/k/v (computed outside the sharded linears, or GQA k / v
-                # repeated to the q heads): take the local heads; one head broadcasts over the q heads as it is
-                check_divisible([heads], self.tp, f"attention input {a.name}")
-                n.replace_input_with(a, self._local(a, 1, ShardSpec(1, (heads,)), n))
-        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
-        if isinstance(mask, fx.Node):
-            mv = mask.meta["val"]
-            hd = mv.dim() - 3
-            if self._s(mask) is None and hd >= 0 and int(mv.shape[hd]) > 1:
-                n.replace_input_with(mask, tp_padded.attention_mask(self, n, mask, hd, padded) if padded else
-                                     self._local(mask, hd, ShardSpec(hd, (int(mv.shape[hd]),)), n))
-        return specs[0] or ShardSpec(1, (int(q.meta["val"].shape[1]),))
-
-    def _batched_matmul(self, n: fx.Node) -> Optional[ShardSpec]:
-        """A matmul whose operands are sharded alike along a batch dim (per-head scores of q and k, as
-        Kandinsky 6 SR's sparse-mask selection computes), or one of them is and the other is broadcast along it:
-        local, the shard in the output's batch dim. None: not that case (all-gathered by the fallback)."""
-        a, b = n.args[:2]
-        out_dim = n.meta["val"].dim()
-        dims, ref = set(), None
-        for x in (a, b):
-            s, nd = self._s(x), x.meta["val"].dim()
-            if s is not None:
-                if s.dim >= nd - 2 or (ref is not None and (s.segments, s.real) != (ref.segments, ref.real)):
-                    return None
-                dims.add(s.dim + out_dim - nd)
-                ref = s
-        if len(dims) != 1:
-            return None
-        d = dims.pop()
-        for x in (a, b):  # a replicated operand must be broadcast along the batch dim
-            nd = x.meta["val"].dim()
-            j = d - out_dim + nd
-            if self._s(x) is None and 0 <= j < nd - 2 and int(x.meta["val"].shape[j]) != 1:
-                return None
-        return ref.with_dim(d)
 
     def _reduction(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
         """Reduction over some dims: local if the sharded dim is kept, else completed by an all-reduce
