@@ -335,7 +335,8 @@ def test_padded_heads_of_a_fused_qkv_and_one_broadcast_kv_head(rule_ranks):
         # block 0: qkv padded in its 3 segments; block 1: to_q padded, the one kv head replicated
         assert (c["column_parallel"], c["padded_heads"], c["replicated_column"]) == (4, 2, 2), c
         assert r["shapes"]["blocks.0.qkv.weight"] == (3 * 2 * HEAD_DIM, DIM)
-        assert r["shapes"]["blocks.1.to_q.weight"] == (2 * HEAD_DIM, DIM) and "blocks.1.to_k.weight" not in r["released"]
+        assert r["shapes"]["blocks.1.to_q.weight"] == (2 * HEAD_DIM, DIM)
+        assert "blocks.1.to_k.weight" not in r["released"]
         assert "[24, 24, 24] -> [32, 32, 32] (heads [3, 3, 3] -> [4, 4, 4] of 8)" in r["report"], r["report"]
 
 

@@ -14,7 +14,17 @@ blocks), :func:`plan_columns` decides one of
 * **pad** it: an MLP up projection whose hidden size does not divide by tp, when the graph proves that its
   output reaches only the down projection's input, through ops that are finite at 0 (:func:`padded_region`).
   Each segment gets zero rows (weight and bias) up to a multiple of tp, the down projection zero columns,
-  so the padded units contribute exactly 0 to the down projection's sum.
+  so the padded units contribute exactly 0 to the down projection's sum;
+* **pad its heads**: a q / k / v / qkv projection (or one of an attention other than SDPA, which the structure
+  leaves the ``mlp_up`` role, e.g. Sana's linear attention) whose head count does not divide by tp: each segment
+  of whole heads gets zero heads (rows and bias) up to a multiple of ``tp * head_dim``, so every rank's chunk is
+  whole heads and head ``h`` of q still attends with head ``h`` of k and v; the output projection gets zero
+  columns for them. Why this is exact (the padded heads stay finite, never mix with the real ones, and are
+  exactly zero where an RMSNorm runs over all heads) is proven over the dataflow by
+  :func:`~dit_passes.parallel.tp_heads.head_region` before anything is rewritten; the values proven zero are
+  :attr:`TPPlan.zero`, which the rules require where statistics cross the padded heads. A k / v projection with
+  fewer (more than one) heads than its q (GQA) stays replicated as above, and its q is not padded: the padded
+  layout would no longer map q heads to their kv heads.
 
 Anything else that does not divide is refused with the sizes that would.
 """

@@ -22,9 +22,10 @@ output all-gathered (``modulation="column"``, the default: each rank holds 1/siz
 blocks reading the same weight, as DiT's final norm reads block 0's timestep embedder, is sharded and gathered
 alike); ``"replicate"`` keeps them whole on every rank (no all-gather, more memory).
 What is sharded, replicated or zero-padded is planned first (:mod:`dit_passes.parallel.tp_plan`): a projection
-writing the residual stream stays replicated, so do GQA k / v projections with fewer kv heads than ranks, and an
+writing the residual stream stays replicated, so do GQA k / v projections with fewer kv heads than ranks, an
 MLP hidden that does not divide by ``size`` is zero-padded where the graph proves the padding exact (counted as
-``padded_mlp`` and named in the report). A weight several linears read alike is sharded once.
+``padded_mlp``), and so are attention heads that do not divide (whole zero heads, zero output-projection columns:
+``padded_heads``; both named with their sizes in the report). A weight several linears read alike is sharded once.
 """
 from __future__ import annotations
 
