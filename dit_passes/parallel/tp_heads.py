@@ -142,8 +142,10 @@ def _step(u: fx.Node, ins: Dict[fx.Node, str], head_dim: int) -> str:
             raise HeadPaddingError(f"attention {u.name} has {hq} q heads and {hk} kv heads (GQA): padding q "
                                    f"heads would break the q-to-kv head mapping")
         missing = [name for name, a in (("q", q), ("k", k), ("v", v)) if a not in ins]
-        if missing:
-            raise HeadPaddingError(f"attention {u.name} gets padded heads in some of q, k, v but not in {missing}")
+        if missing:  # (e.g. GQA kv heads repeated to the q heads: replicated, no padded heads to pair with q's)
+            raise HeadPaddingError(f"attention {u.name} gets padded heads in some of q, k, v but not in {missing} "
+                                   f"(e.g. fewer kv heads than q heads, repeated to them: no padded kv heads to "
+                                   f"pair with the padded q heads)")
         return ins[v]
     raise HeadPaddingError(f"{u.name} ({t}) reads them before the output projection")
 
