@@ -38,8 +38,8 @@ ZERO, POSITIVE, FINITE = "zero", "positive", "finite"
 _MOVES = (oc.RESHAPES | oc.COMPLEX_VIEWS | oc.LIKE_ARG0 | oc.COPIES | oc.SPLITS | oc.EXPANDS
           | {aten.transpose.int, aten.permute.default, aten.select.int, aten.unbind.int, aten.slice.Tensor,
              aten.cat.default, aten.stack.default, aten.slice_scatter.default, operator.getitem})
-_REDUCE = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
-_INVERSES = {aten.rsqrt.default, aten.reciprocal.default, aten.sqrt.default}
+# reductions a collective completes (sum, mean, max, min): a per-head one keeps the padded heads' state
+_REDUCE = {t for t, (_, collective) in oc.REDUCTIONS.items() if collective}
 
 
 @dataclasses.dataclass
@@ -112,7 +112,7 @@ def _step(u: fx.Node, ins: Dict[fx.Node, str], head_dim: int) -> str:
         if t is aten.pow.Tensor_Scalar and float(u.args[1]) < 0 and s != [POSITIVE]:
             raise HeadPaddingError(f"{u.name} raises them to a negative power")
         return _pointwise_state(u, ins)
-    if t in _INVERSES:
+    if t in oc.INVERSES:
         if s != [POSITIVE]:
             raise HeadPaddingError(f"{u.name} ({t}) takes them where they are not provably positive")
         return POSITIVE
