@@ -73,6 +73,63 @@ def test_constructor_and_single_process_errors():
         compile_dit(zm.model, passes=[TensorParallel(size=2)])(**kw)
 
 
+class _PerHeadNormBlock(nn.Module):
+    """3 heads of 8 with SD3's decomposed per-head RMSNorm on q and k (``x * rsqrt(mean(x^2) + eps)``); ``after``
+    an op on the heads that padding would break (``reciprocal``: not finite at the zero heads; ``softmax``: over
+    the heads, mixing them)."""
+
+    def __init__(self, after=None):
+        super().__init__()
+        self.after = after
+        self.to_q, self.to_k, self.to_v = (nn.Linear(32, 24) for _ in range(3))
+        self.to_out = nn.Linear(24, 32)
+
+    def forward(self, hidden_states):
+        b, s, _ = hidden_states.shape
+        q, k, v = (p(hidden_states).view(b, s, 3, 8).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
+        q, k = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) for t in (q, k))
+        if self.after == "reciprocal":
+            q = q.reciprocal()
+        elif self.after == "softmax":
+            q = q.softmax(1)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 24)
+        return (hidden_states + self.to_out(o),)
+
+
+def _plan(after, tp=2):
+    from dit_passes.analysis.blocks import get_structure
+    from dit_passes.capture import capture
+    from dit_passes.parallel.tp_plan import plan_columns
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(_PerHeadNormBlock(after) for _ in range(2))
+
+        def forward(self, hidden_states):
+            for blk in self.blocks:
+                hidden_states = blk(hidden_states)[0]
+            return (hidden_states,)
+    return plan_columns(get_structure(capture(Two(), (), {"hidden_states": torch.randn(1, 4, 32)}).gm), tp)
+
+
+def test_head_padding_plan_proves_or_refuses_before_rewriting():
+    from dit_passes.parallel.tp_plan import describe_padding
+
+    plan = _plan(None)
+    assert len(plan.padded_heads) == 6 and not plan.replicated
+    assert describe_padding(plan)[0] == "blocks.0.to_q [24] -> [32] (heads [3] -> [4] of 8)"
+    # the per-head norm's statistics are zero at the padded heads, its rsqrt positive (eps): proven, and the
+    # values exactly zero there recorded for the rules
+    assert any(n.target is torch.ops.aten.mean.dim for n in plan.zero)
+    assert [c.padded for c in _plan(None, tp=3).columns if c.site.role == "q"] == [(24,), (24,)]  # 3 heads divide
+    with pytest.raises(PassError, match=r"reciprocal.*not provably positive.*sizes that divide the head counts: "
+                                        r"\[1, 3\]"):
+        _plan("reciprocal")
+    with pytest.raises(PassError, match=r"softmax.*reads them before the output projection"):
+        _plan("softmax")
+
+
 # ---------------------------------------------------------------- a toy DiT (tests/test_tensor_parallel_rules.py has more)
 class _ToyBlock(nn.Module):
     def __init__(self, dim, heads):

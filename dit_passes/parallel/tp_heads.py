@@ -83,11 +83,11 @@ def _pointwise_state(u: fx.Node, ins: Dict[fx.Node, str]) -> str:
         alpha = _scalar(u.kwargs.get("alpha", 1))
         if others or alpha is None:
             return FINITE
-        plus = [c * (alpha if i else 1) * (-1 if t in (aten.sub.Tensor, aten.sub.Scalar) else 1)
-                for i, c in enumerate(scalars) if c is not None]
+        sign = -1 if t in (aten.sub.Tensor, aten.sub.Scalar) else 1
+        plus = [c * alpha * sign for c in scalars if c is not None]  # what is added to the padded heads
         if set(s) <= {ZERO} and all(c == 0 for c in plus):
             return ZERO
-        if set(s) <= {ZERO, POSITIVE} and t in (aten.add.Tensor, aten.add.Scalar) and all(c > 0 for c in plus):
+        if set(s) <= {ZERO, POSITIVE} and sign * alpha > 0 and all(c > 0 for c in plus):
             return POSITIVE if plus or POSITIVE in s else ZERO
         return FINITE
     return FINITE
