@@ -1,7 +1,8 @@
 """TensorParallel: sharding helpers (in process) and the pass on gloo ranks against the single process.
 
 Two spawns carry most checks (many per spawn, the machine is small): 2 ranks (flux, flux with fused
-QKV, sd3, qwenimage, wan; modulation="column" on flux, and as the default on DiT and Cosmos 3; bad inputs)
+QKV, flux with 3 heads zero-padded to 4, sd3, qwenimage, wan; modulation="column" on flux, and as the default on DiT
+and Cosmos 3; bad inputs)
 and 4 ranks (the four families with 4 heads; TP on the tp sub-group of a dp x tp mesh).
 """
 from __future__ import annotations
@@ -72,6 +73,63 @@ def test_constructor_and_single_process_errors():
         compile_dit(zm.model, passes=[TensorParallel(size=2)])(**kw)
 
 
+class _PerHeadNormBlock(nn.Module):
+    """3 heads of 8 with SD3's decomposed per-head RMSNorm on q and k (``x * rsqrt(mean(x^2) + eps)``); ``after``
+    an op on the heads that padding would break (``reciprocal``: not finite at the zero heads; ``softmax``: over
+    the heads, mixing them)."""
+
+    def __init__(self, after=None):
+        super().__init__()
+        self.after = after
+        self.to_q, self.to_k, self.to_v = (nn.Linear(32, 24) for _ in range(3))
+        self.to_out = nn.Linear(24, 32)
+
+    def forward(self, hidden_states):
+        b, s, _ = hidden_states.shape
+        q, k, v = (p(hidden_states).view(b, s, 3, 8).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
+        q, k = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) for t in (q, k))
+        if self.after == "reciprocal":
+            q = q.reciprocal()
+        elif self.after == "softmax":
+            q = q.softmax(1)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 24)
+        return (hidden_states + self.to_out(o),)
+
+
+def _plan(after, tp=2):
+    from dit_passes.analysis.blocks import get_structure
+    from dit_passes.capture import capture
+    from dit_passes.parallel.tp_plan import plan_columns
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(_PerHeadNormBlock(after) for _ in range(2))
+
+        def forward(self, hidden_states):
+            for blk in self.blocks:
+                hidden_states = blk(hidden_states)[0]
+            return (hidden_states,)
+    return plan_columns(get_structure(capture(Two(), (), {"hidden_states": torch.randn(1, 4, 32)}).gm), tp)
+
+
+def test_head_padding_plan_proves_or_refuses_before_rewriting():
+    from dit_passes.parallel.tp_plan import describe_padding
+
+    plan = _plan(None)
+    assert len(plan.padded_heads) == 6 and not plan.replicated
+    assert describe_padding(plan)[0] == "blocks.0.to_q [24] -> [32] (heads [3] -> [4] of 8)"
+    # the per-head norm's statistics are zero at the padded heads, its rsqrt positive (eps): proven, and the
+    # values exactly zero there recorded for the rules
+    assert any(n.target is torch.ops.aten.mean.dim for n in plan.zero)
+    assert [c.padded for c in _plan(None, tp=3).columns if c.site.role == "q"] == [(24,), (24,)]  # 3 heads divide
+    with pytest.raises(PassError, match=r"reciprocal.*not provably positive.*sizes that divide the head counts: "
+                                        r"\[1, 3\]"):
+        _plan("reciprocal")
+    with pytest.raises(PassError, match=r"softmax.*reads them before the output projection"):
+        _plan("softmax")
+
+
 # ---------------------------------------------------------------- a toy DiT (tests/test_tensor_parallel_rules.py has more)
 class _ToyBlock(nn.Module):
     def __init__(self, dim, heads):
@@ -139,6 +197,7 @@ def _case(family, world, group=None, modulation="replicate", fuse=False, **overr
     orig = {k: v.clone() for k, v in zm.model.state_dict().items()}
     ref = zm.model(**kw)[0]
     rows, cols, mods, nbytes = _expected(zm.model, kw)
+    params_shape = {k: v.shape for k, v in zm.model.named_parameters()}
     # keep_original: "original_untouched" below (by default the sharded weights leave the model: see
     # tests/test_weight_ownership.py)
     c = compile_dit(zm.model, passes=[TensorParallel(size=world, group=group, modulation=modulation)],
@@ -162,6 +221,9 @@ def _case(family, world, group=None, modulation="replicate", fuse=False, **overr
         "err": ((out - ref).abs().max() / ref.abs().max()).item(),
         "counts": rec.result.counts, "report": rec.result.report,
         "n_rows": len(rows), "n_cols": len(cols), "n_mods": len(mods),
+        "n_qkv": sum(s.role in ("q", "k", "v", "qkv") for s in cols),
+        "shards": {s.weight: (tuple(gm.get_parameter(s.weight).shape), tuple(params_shape[s.weight]))
+                   for s in cols + rows},
         "comm": comm_counts, "graph_all_reduce": graph_ar,
         "expected_tp_bytes_after": (col_bytes + row_bytes) // tp + row_bias,
         "expected_tp_bytes_before": col_bytes + row_bytes + row_bias,
@@ -213,8 +275,7 @@ def _ranks_of_two(rank, world):
     res["flux_fused"] = _case("flux", world, fuse=True)
     res["flux_modcol"] = _case("flux", world, modulation="column")
     res["dit_default"], res["cosmos3_default"] = _modulation_case("dit", world), _modulation_case("cosmos3", world)
-    zm3 = zoo.build("flux", num_attention_heads=3)
-    res["heads_error"] = _error(lambda: compile_dit(zm3.model, passes=[TensorParallel(2)])(**zm3.make_inputs()))
+    res["flux_heads3"] = _case("flux", world, num_attention_heads=3)  # 3 heads: zero-padded to 4
     zm = zoo.build("wan")
     res["size_error"] = _error(lambda: compile_dit(zm.model, passes=[TensorParallel(4)])(**zm.make_inputs()))
     x = torch.randn(1, 8, 32)
@@ -266,10 +327,29 @@ def test_two_ranks():
         assert mc["counts"]["block_linear_bytes_after"] < res["flux"]["counts"]["block_linear_bytes_after"]
         assert res["flux"]["comm"].get("all_gather_into_tensor", 0) == 0
         _check_modulation_defaults(res["dit_default"], res["cosmos3_default"])
-        assert "not divisible by 2" in res["heads_error"] and "valid sizes: [1, 3]" in res["heads_error"]
+        _check_padded_heads(res["flux_heads3"], res["flux"])
         assert "size=4 but the process group has 2 ranks" in res["size_error"]
         assert res["toy_err"] < 1e-5
     _summary("tp=2", results[0])
+
+
+def _check_padded_heads(r, same_structure):
+    """flux with 3 heads of 16 on 2 ranks: every q / k / v projection zero-padded to 4 heads (2 whole heads a rank),
+    exact, with the collectives of the same model at 2 heads; each rank holds only its shards."""
+    c = r["counts"]
+    assert r["err"] <= TOL, r["err"]
+    assert c["padded_heads"] == r["n_qkv"] and c["padded_mlp"] == c["fallback_all_gather"] == 0, c
+    assert "(heads [3] -> [4] of 16)" in r["report"], r["report"]
+    assert r["comm"] == same_structure["comm"] and r["graph_all_reduce"] == same_structure["graph_all_reduce"]
+    assert c["all_reduce"] == r["n_rows"] == same_structure["counts"]["all_reduce"], c
+    # q / k / v: 2 heads of 16 rows of the 3 (one padding on rank 1), attention out: their 32 columns
+    for path, (local, full) in r["shards"].items():
+        assert local[0] < full[0] or local[-1] < full[-1], (path, local, full)  # no full copy
+        if path.endswith(("to_q.weight", "to_k.weight", "to_v.weight", "add_q_proj.weight")):
+            assert local == (32, full[1]) and full[0] == 48, (path, local, full)
+        if path.endswith("attn.to_out.0.weight"):
+            assert local == (full[0], 32) and full[1] == 48, (path, local, full)
+    assert r["original_untouched"] and r["tp_group_ok"]
 
 
 def _check_modulation_defaults(dit, cosmos3):

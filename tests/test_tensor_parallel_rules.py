@@ -9,6 +9,9 @@ pattern a diffusers family has (the coverage matrix runs the families themselves
 * a projection writing the residual stream though its role says mlp_up (HunyuanDiT's skip_linear): replicated;
 * a feed-forward applied to two token groups (CogView4): its weights sharded once, held once;
 * MLP hidden sizes that do not divide tp (Mochi, Z-Image): zero-padded, exact, reported;
+* head counts that do not divide tp (SD3.5-large, CogVideoX-2b, Sana): whole zero heads, exact, with the
+  collectives of divisible heads; an RMSNorm or a LayerNorm over all heads (statistics of the real features), a
+  fused QKV, one broadcast kv head; GQA refused;
 * a flex attention with a per-head block mask (Kandinsky 6 SR's NABLA): heads sharded, the mask's heads sliced;
 * a value all-gathered before an op without a rule, then viewed as only its traced layout allows (SANA-WM);
 * refusals: a weight two linears shard differently, padding a hidden that a norm reads, with the working sizes, a
@@ -30,9 +33,11 @@ DIM, HEADS, HEAD_DIM = 32, 4, 8
 class _Block(nn.Module):
     """One DiT block; the options switch on the patterns of the module docstring."""
 
-    def __init__(self, kv_heads=HEADS, q_norm=None, stacked=False, mlp="gelu", hidden=64, mlp_norm=False,
-                 skip=False, ff_groups=1, kv_repeat=True, attn="sdpa", flip_heads=False):
+    def __init__(self, kv_heads=None, q_norm=None, stacked=False, mlp="gelu", hidden=64, mlp_norm=False,
+                 skip=False, ff_groups=1, kv_repeat=True, attn="sdpa", flip_heads=False, heads=HEADS):
         super().__init__()
+        self.heads, inner = heads, heads * HEAD_DIM  # heads that do not divide tp: zero-padded
+        kv_heads = heads if kv_heads is None else kv_heads
         self.attn_kind, self.flip_heads = attn, flip_heads
         self.kv_heads, self.q_norm_kind, self.stacked, self.mlp_kind = kv_heads, q_norm, stacked, mlp
         self.kv_repeat = kv_repeat  # False: one kv head broadcast over the q heads by the attention (OmniGen)
@@ -40,12 +45,17 @@ class _Block(nn.Module):
         self.skip = nn.Linear(2 * DIM, DIM) if skip else None  # reads [x, skip]: writes the residual stream
         self.norm1, self.norm2 = nn.LayerNorm(DIM, elementwise_affine=False), nn.LayerNorm(DIM)
         if stacked:
-            self.qkv = nn.Linear(DIM, 3 * DIM)
+            self.qkv = nn.Linear(DIM, 3 * inner)
         else:
-            self.to_q = nn.Linear(DIM, DIM)
+            self.to_q = nn.Linear(DIM, inner)
             self.to_k, self.to_v = nn.Linear(DIM, kv_heads * HEAD_DIM), nn.Linear(DIM, kv_heads * HEAD_DIM)
-        self.norm_q = {"layer": nn.LayerNorm(DIM), "group": nn.GroupNorm(2, DIM), None: None}[q_norm]
-        self.to_out = nn.Linear(DIM, DIM)
+        self.norm_q = {"layer": nn.LayerNorm(inner), "group": nn.GroupNorm(2, inner), "rms": nn.RMSNorm(inner),
+                       None: None}[q_norm]
+        if q_norm in ("layer", "rms"):  # not the identity affine: a wrong slice of it would show
+            with torch.no_grad():
+                for p in self.norm_q.parameters():
+                    p.normal_(1.0 if p is self.norm_q.weight else 0.0, 0.3)
+        self.to_out = nn.Linear(inner, DIM)
         if mlp == "tied":  # one square weight as up and down projection
             self.square = nn.Linear(DIM, DIM)
         elif mlp == "glu2":  # w1 / w3 / w2 (Z-Image)
@@ -58,18 +68,18 @@ class _Block(nn.Module):
     def attention(self, x):
         b, s, _ = x.shape
         if self.stacked:
-            qkv = self.qkv(x).view(b, s, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+            qkv = self.qkv(x).view(b, s, 3, self.heads, HEAD_DIM).permute(2, 0, 3, 1, 4)
             q, k, v = qkv[0], qkv[1], qkv[2]
         else:
             q = self.to_q(x)
-            if self.q_norm_kind == "layer":
+            if self.q_norm_kind in ("layer", "rms"):  # over all heads (Wan's, LTX-Video's RMSNorm)
                 q = self.norm_q(q)
             elif self.q_norm_kind == "group":
                 q = self.norm_q(q.transpose(1, 2)).transpose(1, 2)
-            q = q.view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+            q = q.view(b, s, self.heads, HEAD_DIM).transpose(1, 2)
             k, v = (t.view(b, s, self.kv_heads, HEAD_DIM).transpose(1, 2) for t in (self.to_k(x), self.to_v(x)))
-            if self.kv_heads != HEADS and self.kv_repeat:
-                k, v = (t.repeat_interleave(HEADS // self.kv_heads, dim=1) for t in (k, v))
+            if self.kv_heads != self.heads and self.kv_repeat:
+                k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
         if self.attn_kind.startswith("flex"):
             o = _flex(q, k, v, head_bias=self.attn_kind == "flex_head")
         else:
@@ -77,7 +87,7 @@ class _Block(nn.Module):
         if self.flip_heads:  # an op the rules all-gather, then a view that only the traced layout allows
             o = o.contiguous().transpose(1, 2).flip(2).transpose(1, 2).view(b, HEADS, s * HEAD_DIM)
             o = o.view(b, HEADS, s, HEAD_DIM)
-        return self.to_out(o.transpose(1, 2).reshape(b, s, DIM))
+        return self.to_out(o.transpose(1, 2).reshape(b, s, self.heads * HEAD_DIM))
 
     def mlp(self, x):
         if self.mlp_kind == "tied":
@@ -138,6 +148,13 @@ CASES = {
     "kv1_padded_swiglu_tied": dict(kv_heads=1, mlp="swiglu", hidden=21, ff_groups=2, second=dict(kv_repeat=False)),
     # a flex attention over sharded heads with a per-head block mask (Kandinsky 6 SR, Wan-Animate 2)
     "flex_heads": dict(attn="flex"),
+    # heads that do not divide tp (SD3.5-large's 38, CogVideoX-2b's 30 on 4 ranks): 3 heads zero-padded to 4, with
+    # an RMSNorm over all heads (Wan); the same structure with 4 heads; a fused QKV, then one kv head (broadcast)
+    "heads3_rms": dict(heads=3, q_norm="rms"),
+    "heads3_layer_norm": dict(heads=3, q_norm="layer"),  # its moments over each rank's real features only
+    "heads1_layer_norm": dict(heads=1, q_norm="layer"),  # rank 1 holds only padding (no real features)
+    "heads4_rms": dict(q_norm="rms"),
+    "heads3_stacked_kv1": dict(heads=3, stacked=True, second=dict(stacked=False, kv_heads=1, kv_repeat=False)),
 }
 # exact through an all-gather the rules fall back to (a flip over the heads), the traced layout kept
 GATHERED = {"flip_heads_view": dict(flip_heads=True)}
@@ -146,6 +163,7 @@ REFUSALS = {
     "pad_under_norm": dict(mlp="gelu", hidden=63, mlp_norm=True),
     "group_norm": dict(q_norm="group"),
     "flex_reads_head": dict(attn="flex_head"),
+    "heads3_gqa": dict(heads=3, kv_heads=1),  # one kv head repeated to the 3 q heads: no padded kv heads to pair
 }
 
 
@@ -215,11 +233,12 @@ def _check_exact(r, name):
     c = r["counts"]
     assert r["err"] <= TOL, (name, r["err"])
     assert c["fallback_all_gather"] == 0 and c["all_gather"] == 0, (name, r["report"])
-    # exactly the collectives the pass inserted ran: one all-reduce per row-parallel linear, one all-gather per
-    # distributed LayerNorm, nothing else
-    assert r["comm"].get("all_reduce", 0) == c["all_reduce"] == c["row_parallel"], (name, r["comm"], c)
+    # exactly the collectives the pass inserted ran: one all-reduce per row-parallel linear and per distributed
+    # RMSNorm, one all-gather per distributed LayerNorm, nothing else
+    reduces = c["all_reduce"] + c["norm_all_reduce"]
+    assert r["comm"].get("all_reduce", 0) == reduces and c["all_reduce"] == c["row_parallel"], (name, r["comm"], c)
     assert r["comm"].get("all_gather_into_tensor", 0) == c["norm_all_gather"], (name, r["comm"], c)
-    assert sorted(r["graph_ops"]) == sorted(["all_reduce"] * c["all_reduce"]
+    assert sorted(r["graph_ops"]) == sorted(["all_reduce"] * reduces
                                             + ["all_gather_into_tensor"] * c["norm_all_gather"]), (name, r)
     assert r["resident"] <= r["bound"], (name, r["resident"], r["bound"])
 
@@ -242,7 +261,7 @@ def test_stacked_qkv_padding_and_residual_projection(rule_ranks):
         assert r["shapes"]["blocks.1.w1.weight"] == (11, DIM) and r["shapes"]["blocks.1.w2.weight"] == (DIM, 11)
         assert "blocks.0.skip.weight" not in r["released"]
         assert "blocks.0.skip" in r["report"] and "before any linear" in r["report"], r["report"]
-        assert "blocks.0.w1 [21] -> [22]" in r["report"] and "zero-padded" in r["report"], r["report"]
+        assert "[21] -> [22] at 4 linear(s): blocks.0.w1, blocks.0.w3" in r["report"], r["report"]
         assert "zero-padded [21] -> [22]" in r["released"]["blocks.0.w2.weight"]
 
 
@@ -254,7 +273,7 @@ def test_gqa_replicated_kv_padded_slices_and_weights_read_twice(rule_ranks):
         assert "1 kv head(s) do not divide by tp=2" in r["report"]
         assert r["shapes"]["blocks.0.up.weight"] == (22, DIM) and r["shapes"]["blocks.0.down.weight"] == (DIM, 11)
         assert "blocks.0.to_k.weight" not in r["released"]
-        assert "blocks.0.up [21, 21] -> [22, 22]" in r["report"], r["report"]
+        assert "[21, 21] -> [22, 22] at 4 linear(s): blocks.0.up, blocks.1.up" in r["report"], r["report"]
 
 
 def test_refusals_name_the_cause_and_the_sizes_that_work(rule_ranks):
@@ -291,3 +310,44 @@ def test_flex_attention_reading_the_head_index_is_refused(rule_ranks):
     for res in rule_ranks:
         msg = res["flex_reads_head"]
         assert "score_mod reads the head index" in msg and "tensor_parallel" in msg, msg
+
+
+def test_padded_heads_exact_with_the_collectives_of_divisible_heads(rule_ranks):
+    for rank, res in enumerate(rule_ranks):
+        _check_exact(res["heads4_rms"], f"heads4_rms@{rank}")
+    for r, c in _exact(rule_ranks, "heads3_rms"):
+        # per block: to_q / to_k / to_v padded 3 -> 4 heads and up column-parallel, to_out / down row-parallel,
+        # norm_q over all heads distributed (sum of squares all-reduced, divided by the real 24 features)
+        assert (c["column_parallel"], c["row_parallel"], c["padded_heads"], c["padded_mlp"]) == (8, 4, 6, 0), c
+        assert c["norm_all_reduce"] == 2 and c["replicated_column"] == 0, c
+        ref = next(res["heads4_rms"] for res in rule_ranks)
+        assert r["comm"] == ref["comm"] and sorted(r["graph_ops"]) == sorted(ref["graph_ops"]), (r["comm"], ref)
+        # each rank holds its 2 heads (one of them padding on rank 1): 16 rows of q / k / v, 16 columns of to_out
+        for name in ("to_q", "to_k", "to_v"):
+            assert r["shapes"][f"blocks.0.{name}.weight"] == (2 * HEAD_DIM, DIM), r["shapes"]
+            assert "zero-padded [24] -> [32]" in r["released"][f"blocks.1.{name}.bias"]
+        assert r["shapes"]["blocks.0.to_out.weight"] == (DIM, 2 * HEAD_DIM)
+        assert "[24] -> [32] (heads [3] -> [4] of 8) at 6 linear(s): blocks.0.to_q" in r["report"], r["report"]
+
+
+def test_padded_heads_of_a_fused_qkv_and_one_broadcast_kv_head(rule_ranks):
+    for r, c in _exact(rule_ranks, "heads3_stacked_kv1"):
+        # block 0: qkv padded in its 3 segments; block 1: to_q padded, the one kv head replicated
+        assert (c["column_parallel"], c["padded_heads"], c["replicated_column"]) == (4, 2, 2), c
+        assert r["shapes"]["blocks.0.qkv.weight"] == (3 * 2 * HEAD_DIM, DIM)
+        assert r["shapes"]["blocks.1.to_q.weight"] == (2 * HEAD_DIM, DIM)
+        assert "blocks.1.to_k.weight" not in r["released"]
+        assert "[24, 24, 24] -> [32, 32, 32] (heads [3, 3, 3] -> [4, 4, 4] of 8)" in r["report"], r["report"]
+
+
+def test_padded_heads_under_a_layer_norm_over_all_heads(rule_ranks):
+    for case in ("heads3_layer_norm", "heads1_layer_norm"):
+        for r, c in _exact(rule_ranks, case):
+            # the collectives of 4 heads (one all-gather of (mean, M2) per norm), the moments of the real features
+            assert (c["padded_heads"], c["norm_all_gather"], c["all_reduce"]) == (6, 2, 4), c
+
+
+def test_padded_heads_refusal_names_the_cause(rule_ranks):
+    for res in rule_ranks:
+        msg = res["heads3_gqa"]
+        assert "zero-padding them to whole heads per rank is refused" in msg and "not in ['k', 'v']" in msg, msg

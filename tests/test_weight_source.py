@@ -2,7 +2,8 @@
 
 Single process: the meta build equals the CPU-built model and the model ends holding the graph's tensors. On 2
 gloo ranks (one spawn): tensor parallelism reads only each rank's slice of a sharded weight (the source's byte
-counters), the output equals the single-process eager one, a second signature reads nothing again. Bad input:
+counters; with heads zero-padded only its real rows), the output equals the single-process eager one, a second
+signature reads nothing again. Bad input:
 meta weights with no checkpoint, a checkpoint missing a name or holding another shape (whole or a rank's slice).
 """
 from __future__ import annotations
@@ -170,6 +171,7 @@ def _tp_dry_run(rank, world):
 def _tp_ranks(rank, world, paths):
     return {"flux": _tp_case(rank, world, "flux", False, paths["flux"]),
             "flux_fused": _tp_case(rank, world, "flux", True, paths["flux_fused"]),
+            "flux_heads3": _tp_case(rank, world, "flux[heads3]", False, paths["flux_heads3"]),
             "bad": _tp_bad_slice(rank, world, paths["bad"]), "dry": _tp_dry_run(rank, world)}
 
 
@@ -178,6 +180,7 @@ def tp_two(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp_ckpt")
     paths = {"flux": _save(_reference("flux", False, 1)[0].model, d / "flux.safetensors"),
              "flux_fused": _save(_reference("flux", True, 1)[0].model, d / "flux_fused.safetensors"),
+             "flux_heads3": _save(_reference("flux[heads3]", False, 1)[0].model, d / "flux_heads3.safetensors"),
              "bad": _save(_reference("flux", False, 1)[0].model, d / "bad.safetensors",
                           reshape=["transformer_blocks.0.attn.to_q.weight"])}
     return run_ranks(_tp_ranks, 2, paths, timeout=600)
@@ -203,6 +206,23 @@ def test_tp2_reads_only_its_slices(tp_two, case):
         assert not (r["model_meta"] - set(full)) & set(read)
         if case == "flux":
             assert r["model_meta"] == sharded
+
+
+def test_tp2_padded_heads_read_only_their_real_rows(tp_two):
+    """3 heads zero-padded to 4 over 2 ranks: rank 0 holds heads 0-1, rank 1 head 2 and a zero head; each reads
+    only its real rows of the checkpoint (2 and 1 heads of q / k / v), the zeros are made, never read."""
+    runs = [res["flux_heads3"] for res in tp_two]
+    for rank, r in enumerate(runs):
+        assert r["err"] <= TOL and r["err1"] <= TOL, (rank, r["err"], r["err1"])
+        assert r["read_again"] == r["read"] and r["model_meta"] == r["sharded"] == r["released"]
+        for k in r["sharded"]:
+            assert r["read"][k] <= r["local"][k] and r["read"][k] < r["full"][k], (rank, k)
+    sharded = runs[0]["sharded"]
+    for k in sharded:  # every element of a sharded weight read by exactly one rank
+        assert sum(r["read"][k] for r in runs) == runs[0]["full"][k], k
+    q = "transformer_blocks.0.attn.to_q.weight"
+    assert q in sharded and [r["read"][q] * 3 for r in runs] == [2 * runs[0]["full"][q], runs[0]["full"][q]]
+    assert runs[0]["local"][q] == runs[1]["local"][q] == runs[0]["full"][q] * 2 // 3  # 2 heads of 3 each
 
 
 def test_tp2_dry_run_on_meta_plans_the_same_bytes(tp_two):

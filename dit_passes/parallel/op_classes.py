@@ -40,6 +40,8 @@ FINITE_POINTWISE = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.
                     aten.clamp_max.default, aten.abs.default, aten.erf.default, aten.leaky_relu.default,
                     aten.hardtanh.default, aten.hardswish.default, aten.hardsigmoid.default, aten.elu.default,
                     aten.softplus.default, aten.mish.default, aten.pow.Tensor_Scalar}
+# elementwise ops finite and real only on positive inputs (zero-padded heads must be provably positive: tp_heads)
+INVERSES = {aten.rsqrt.default, aten.reciprocal.default, aten.sqrt.default}
 # tensor parallelism's collectives run over ranks that hold the same tokens: elementwise for sequence sharding
 ELEMENTWISE_COLLECTIVES = {c10d.all_reduce.default, c10d.wait_tensor.default}
 EXPANDS = {aten.expand.default, aten.expand_as.default}

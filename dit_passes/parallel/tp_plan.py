@@ -14,7 +14,17 @@ blocks), :func:`plan_columns` decides one of
 * **pad** it: an MLP up projection whose hidden size does not divide by tp, when the graph proves that its
   output reaches only the down projection's input, through ops that are finite at 0 (:func:`padded_region`).
   Each segment gets zero rows (weight and bias) up to a multiple of tp, the down projection zero columns,
-  so the padded units contribute exactly 0 to the down projection's sum.
+  so the padded units contribute exactly 0 to the down projection's sum;
+* **pad its heads**: a q / k / v / qkv projection (or one of an attention other than SDPA, which the structure
+  leaves the ``mlp_up`` role, e.g. Sana's linear attention) whose head count does not divide by tp: each segment
+  of whole heads gets zero heads (rows and bias) up to a multiple of ``tp * head_dim``, so every rank's chunk is
+  whole heads and head ``h`` of q still attends with head ``h`` of k and v; the output projection gets zero
+  columns for them. Why this is exact (the padded heads stay finite, never mix with the real ones, and are
+  exactly zero where an RMSNorm runs over all heads) is proven over the dataflow by
+  :func:`~dit_passes.parallel.tp_heads.head_region` before anything is rewritten; the values proven zero are
+  :attr:`TPPlan.zero`, which the rules require where statistics cross the padded heads. A k / v projection with
+  fewer (more than one) heads than its q (GQA) stays replicated as above, and its q is not padded: the padded
+  layout would no longer map q heads to their kv heads.
 
 Anything else that does not divide is refused with the sizes that would.
 """
@@ -30,8 +40,10 @@ import torch.fx as fx
 from ..infra.pass_base import PassError
 from . import op_classes as oc
 from .propagate import arg, split_dim, split_sizes, val
+from .tp_heads import HeadPaddingError, attention_head_dim, head_region, padded_head_segments
 
 aten = oc.aten
+HEAD_ROLES = ("q", "k", "v", "qkv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +51,22 @@ class ColumnPlan:
     site: object                  # the structure's LinearSite
     segments: Tuple[int, ...]     # output segments, as the graph cuts them
     padded: Tuple[int, ...]       # each rounded up to a multiple of tp (== segments unless padded)
+    head_dim: int = 0             # > 0: padded with whole zero heads of this size (an attention projection)
 
 
 @dataclasses.dataclass
 class TPPlan:
     columns: List[ColumnPlan]
     replicated: Dict[str, str]    # module path -> why it stays replicated
+    zero: Set[fx.Node] = dataclasses.field(default_factory=set)  # values whose padded heads are exactly 0
 
     @property
     def padded(self) -> List[ColumnPlan]:
         return [c for c in self.columns if c.padded != c.segments]
+
+    @property
+    def padded_heads(self) -> List[ColumnPlan]:
+        return [c for c in self.padded if c.head_dim]
 
 
 def divisors(n: int) -> List[int]:
@@ -152,16 +170,18 @@ def reaches_column(site_node: fx.Node, columns: Set[fx.Node]) -> Optional[fx.Nod
     return None
 
 
-def _kv_heads(site, structure) -> Optional[int]:
-    """Heads of an unfused k / v projection: its features over the head size of the attention it feeds (the
-    attention site of its block whose module path contains it)."""
+def _kv_heads(site, structure) -> Tuple[Optional[int], Optional[int]]:
+    """(heads of an unfused k / v projection, q heads of the attention it feeds): its features over the head size
+    of the attention site of its block whose module path contains it; (None, None) when there is none."""
     path = site.module_path
     owners = [a for a in structure.attention if a.block == site.block
               and path.startswith(a.node.meta.get("dit_module_path", "\0") + ".")]
     if not owners:
-        return None
-    head_dim = max(owners, key=lambda a: len(a.node.meta.get("dit_module_path", ""))).head_dim
-    return site.out_features // head_dim if head_dim and site.out_features % head_dim == 0 else None
+        return None, None
+    owner = max(owners, key=lambda a: len(a.node.meta.get("dit_module_path", "")))
+    head_dim = owner.head_dim
+    heads = site.out_features // head_dim if head_dim and site.out_features % head_dim == 0 else None
+    return heads, owner.num_heads
 
 
 def padded_region(up: fx.Node) -> Tuple[Set[fx.Node], List[fx.Node], Optional[str]]:
@@ -208,7 +228,7 @@ def plan_columns(structure, tp: int) -> TPPlan:
     """The plan (see the module docstring); PassError for a size that neither divides nor can be padded."""
     sites = structure.column_parallel_linears()
     columns = {s.node for s in sites}
-    plans, replicated, pad_sites = [], {}, []
+    plans, replicated, pad_sites, head_sites = [], {}, [], []
     for site in sites:
         if site.out_features == 0:
             replicated[site.module_path] = "it has no output features"
@@ -219,17 +239,57 @@ def plan_columns(structure, tp: int) -> TPPlan:
                                             f"({reached.meta.get('dit_module_path', '?')}) before any linear")
             continue
         if site.role in ("k", "v"):
-            heads = _kv_heads(site, structure)
-            if heads is not None and heads % tp:
+            heads, q_heads = _kv_heads(site, structure)
+            if heads is not None and heads % tp and heads != q_heads:
                 replicated[site.module_path] = (f"{heads} kv head(s) do not divide by tp={tp}: every rank "
                                                 f"computes them, the attention takes its q heads' ones")
                 continue
         segments = output_segments(site.node)
-        if all(s % tp == 0 for s in segments):
+        # (an attention other than SDPA, e.g. Sana's linear attention, leaves its projections the mlp_up role)
+        padded = _head_padding(site, segments, tp) if site.role in HEAD_ROLES + ("mlp_up",) else None
+        if padded is not None and padded[0] != segments:
+            head_sites.append(ColumnPlan(site, segments, *padded))
+        elif all(s % tp == 0 for s in segments):
             plans.append(ColumnPlan(site, segments, segments))
         else:
             pad_sites.append((site, segments))
+    plans += _plan_mlp_padding(pad_sites, tp)
+    zero = set()
+    for head_dim in sorted({c.head_dim for c in head_sites}):
+        zero |= _prove_head_padding([c for c in head_sites if c.head_dim == head_dim], head_dim, tp)
+    return TPPlan(plans + head_sites, replicated, zero)
+
+
+def _head_padding(site, segments: Tuple[int, ...], tp: int) -> Optional[Tuple[Tuple[int, ...], int]]:
+    """(padded segments, head size) of a q / k / v / qkv projection (segments of whole heads rounded up to whole
+    heads on every rank), None when it feeds no attention; PassError when a segment cannot be padded."""
+    try:
+        head_dim = attention_head_dim(site.node)
+        return None if head_dim is None else (padded_head_segments(segments, head_dim, tp), head_dim)
+    except HeadPaddingError as e:
+        raise PassError(f"tensor_parallel: {site.role} linear {site.module_path}: size(s) {list(segments)} do not "
+                        f"divide by tp={tp} and zero-padding its heads is refused: {e}; tensor-parallel sizes "
+                        f"that divide them: {divisors(math.gcd(*segments))}") from None
+
+
+def _prove_head_padding(plans: List[ColumnPlan], head_dim: int, tp: int) -> Set[fx.Node]:
+    """Check (tp_heads.head_region) that the padded heads of ``plans`` (one head size) contribute exactly 0;
+    the values proven exactly zero there. PassError naming the projections and the op otherwise."""
+    try:
+        region = head_region([c.site.node for c in plans], head_dim)
+    except HeadPaddingError as e:
+        sites = ", ".join(f"{c.site.module_path} {list(c.segments)}" for c in plans[:4])
+        raise PassError(f"tensor_parallel: attention heads of {head_dim} that do not divide by tp={tp} ({sites}"
+                        f"{', ...' if len(plans) > 4 else ''}), and zero-padding them to whole heads per rank is "
+                        f"refused: {e}; tensor-parallel sizes that divide the head counts: "
+                        f"{divisors(math.gcd(*[s // head_dim for c in plans for s in c.segments]))}") from None
+    return region.zero
+
+
+def _plan_mlp_padding(pad_sites, tp: int) -> List[ColumnPlan]:
+    """Zero-padded MLP hiddens (module docstring); PassError for a size that neither divides nor can be padded."""
     region: Set[fx.Node] = set()
+    plans = []
     for site, segments in pad_sites:
         what = (f"tensor_parallel: {site.role} linear {site.module_path}: size(s) {list(segments)} are not "
                 f"divisible by tp={tp}")
@@ -244,12 +304,29 @@ def plan_columns(structure, tp: int) -> TPPlan:
     why = _check_operands(region)
     if why is not None:
         raise PassError(f"tensor_parallel: zero-padding an MLP hidden to a multiple of tp={tp} is refused: {why}")
-    return TPPlan(plans, replicated)
+    return plans
+
+
+def _sizes(c: ColumnPlan) -> str:
+    heads = (f" (heads {[s // c.head_dim for s in c.segments]} -> {[s // c.head_dim for s in c.padded]} of "
+             f"{c.head_dim})") if c.head_dim else ""
+    return f"{list(c.segments)} -> {list(c.padded)}{heads}"
 
 
 def describe_padding(plan: TPPlan) -> List[str]:
-    return [f"{c.site.module_path} {list(c.segments)} -> {list(c.padded)}" for c in plan.padded]
+    """One line per padded projection: its segments before and after, in heads for an attention projection."""
+    return [f"{c.site.module_path} {_sizes(c)}" for c in plan.padded]
+
+
+def padding_summary(columns: List[ColumnPlan]) -> str:
+    """The padded projections ``columns`` grouped by their sizes: ``sizes at N linear(s): module paths`` (a
+    module applied twice is one path)."""
+    by_sizes: Dict[str, List[str]] = {}
+    for c in columns:
+        by_sizes.setdefault(_sizes(c), []).append(c.site.module_path)
+    return "; ".join(f"{sizes} at {len(paths)} linear(s): {', '.join(dict.fromkeys(paths))}"
+                     for sizes, paths in by_sizes.items())
 
 
 __all__ = ["ColumnPlan", "TPPlan", "describe_padding", "divisors", "output_segments", "padded_region",
-           "plan_columns", "reaches_column", "slice_range"]
+           "padding_summary", "plan_columns", "reaches_column", "slice_range"]

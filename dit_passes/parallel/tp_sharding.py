@@ -1,14 +1,14 @@
 """Tensor-parallel rule table (hidden / head sharding) over the shared driver.
 
-A :class:`ShardSpec` ``(dim, segments)``: the full extent along ``dim`` is a concatenation of
-``segments`` (one for a q projection, three for a fused QKV, ``(attention, MLP)`` for Flux single
-blocks) and rank ``r`` holds the ``r``-th chunk of each, concatenated; a padded spec (an MLP hidden that
-does not divide, planned by :mod:`~dit_passes.parallel.tp_plan`) holds each segment zero-padded to a
-multiple of tp. Specific here: column-parallel weight slicing (:mod:`~dit_passes.parallel.tp_weights`: each
-weight sharded once, also when several linears read it), row-parallel linears (+ all-reduce, bias after),
-local slices and views of fused segments, heads of SDPA (replicated GQA k / v sliced to the local heads),
-slices of replicated operands, all-gather fallback; the distributed norms are in
-:mod:`~dit_passes.parallel.tp_norms`.
+A :class:`ShardSpec` ``(dim, segments)``: the full extent along ``dim`` is a concatenation of ``segments`` (one
+for a q projection, three for a fused QKV, ``(attention, MLP)`` for Flux single blocks) and rank ``r`` holds the
+``r``-th chunk of each, concatenated; a padded spec (an MLP hidden or attention heads that do not divide, planned
+by :mod:`~dit_passes.parallel.tp_plan`, its rules in :mod:`~dit_passes.parallel.tp_padded`) holds each segment
+zero-padded to a multiple of tp. Specific here: column-parallel weight slicing
+(:mod:`~dit_passes.parallel.tp_weights`: each weight sharded once, also when several linears read it),
+row-parallel linears (+ all-reduce, bias after), local slices and views of fused segments, slices of replicated
+operands, all-gather fallback; the attention's rules (SDPA heads, per-head matmuls) are in
+:mod:`~dit_passes.parallel.tp_attention`, the distributed norms in :mod:`~dit_passes.parallel.tp_norms`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch.fx as fx
 from ..infra.ownership import WeightLedger
 from ..infra.pass_base import PassError
 from . import op_classes as oc
-from . import tp_flex, tp_norms
+from . import tp_attention, tp_flex, tp_norms, tp_padded
 from .propagate import (Placement, Propagation, PropagationError, Touches, agree, aligned_dim, arg, broadcast_dim,
                         memory_order, moved_dim, repropagate, resize_view, segment_cut, segment_runs, split_dim,
                         split_sizes, view_dims)
@@ -96,6 +96,7 @@ class TPRules(Propagation):
         self.weights = WeightShards(gm, rank, tp, ledger, owner)  # each sharded weight once, with its readers
         self.row_nodes: List[fx.Node] = []
         self.fallback_ops: List[str] = []
+        self.zero: Set[fx.Node] = set()  # values whose padded heads the plan proved exactly zero (TPPlan.zero)
 
     def _s(self, a) -> Optional[ShardSpec]:
         s = self.placed(a)
@@ -155,8 +156,9 @@ class TPRules(Propagation):
     # -- node insertion ---------------------------------------------------------------------------
     def _local(self, x: fx.Node, dim: int, spec: ShardSpec, before: fx.Node) -> fx.Node:
         """Slice a replicated full tensor ``x`` to this rank's part along ``dim``."""
-        if spec.padded:  # tp_plan proved no such operand meets a padded hidden; never slice one wrongly
-            raise ShardingError(f"replicated operand {x.name} meets a zero-padded MLP hidden")
+        if spec.padded:  # what zero-padding would mean for it is unknown: refused (norm weights: tp_padded)
+            raise ShardingError(f"replicated operand {x.name} has the full extent of a zero-padded dim (heads or "
+                                f"MLP hidden padded to divide by tp={self.tp}) instead of being broadcast over it")
         with self.g.inserting_before(before):
             pieces = [self.emit(aten.slice.Tensor, (x, dim, s, s + n), like=before)
                       for s, n in segment_runs(spec.segments, self.tp, self.rank)]
@@ -166,7 +168,8 @@ class TPRules(Propagation):
     def _gather(self, x: fx.Node, spec: ShardSpec, before: fx.Node) -> fx.Node:
         """All-gather sharded ``x`` back to the full tensor, segment-major (inserted before ``before``)."""
         if spec.padded:
-            raise ShardingError(f"{x.name} holds a zero-padded MLP hidden, which only a down projection may read")
+            raise ShardingError(f"{x.name} holds zero-padded heads or MLP hidden, which only an output / down "
+                                f"projection may read (not {before.name} ({before.target}))")
         loc = spec.local_segments(self.tp)
         runs = [(sum(loc[:i]), n) for i, n in enumerate(loc)] if len(loc) > 1 else None
         order = list(memory_order(x.meta["val"]))  # (still the full traced value: repropagate() comes later)
@@ -241,15 +244,15 @@ class TPRules(Propagation):
         if t in (aten.cat.default, aten.stack.default):
             return self._cat(n)
         if t is oc.SDPA:
-            return self._sdpa(n)
+            return tp_attention.sdpa(self, n)
         if t is oc.FLEX_ATTENTION:
             return tp_flex.flex_attention(self, n)
         if t in (aten.matmul.default, aten.bmm.default):
-            out = self._batched_matmul(n)
+            out = tp_attention.batched_matmul(self, n)
             if out is not None:
                 return out
         if sx is not None and sx.padded and (t in oc.REDUCTIONS or t in oc.LAYER_NORMS or t is aten.rms_norm.default):
-            raise ShardingError("a reduction over a zero-padded MLP hidden")
+            tp_padded.check_statistics(self, n, sx)
         if sx is not None and t is aten.rms_norm.default:
             return tp_norms.rms_norm(self, n, sx)
         if sx is not None and t is aten.layer_norm.default:
@@ -294,6 +297,8 @@ class TPRules(Propagation):
         if sx is None:
             return self._fallback(n, "linear weight/bias from a sharded value")
         if sx.dim != x.meta["val"].dim() - 1:
+            if sx.padded:  # tp_heads proved the padding up to the linears over it, not beyond
+                raise ShardingError("a linear over another dim of a zero-padded value")
             return sx  # linear over another dim: the shard passes through
         if any(self._s(a) is not None for a in n.args[1:]):
             return self._fallback(n, "linear weight from a sharded value")
@@ -314,9 +319,9 @@ class TPRules(Propagation):
         self.counts["all_reduce"] += 1
 
     def _view(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
-        in_shape, out_shape = list(n.args[0].meta["val"].shape), list(n.meta["val"].shape)
         if sx.padded:
-            raise ShardingError("a view of a zero-padded MLP hidden")
+            return tp_padded.view(self, n, sx)
+        in_shape, out_shape = list(n.args[0].meta["val"].shape), list(n.meta["val"].shape)
         stacked = self._stacked_view(in_shape, out_shape, sx)
         if stacked is not None:
             return self._resized(n, stacked, out_shape)
@@ -405,7 +410,7 @@ class TPRules(Propagation):
         ref = next(self._s(a) for a in tensors if self._s(a) is not None)
         dim %= tensors[0].meta["val"].dim() + (n.target is aten.stack.default)
         along = n.target is aten.cat.default and dim == ref.dim
-        segs, new = [], []
+        segs, real, new = [], [], []
         for a in tensors:
             s = self._s(a)
             if s is None and along:  # a replicated piece becomes one more sharded segment
@@ -417,54 +422,12 @@ class TPRules(Propagation):
             elif s != ref and not along:
                 raise ShardingError(f"cat/stack of values sharded differently: {s} vs {ref}")
             segs.extend(s.segments if s is not None else ())
+            real.extend(s.real_segments if s is not None else ())
             new.append(a)
         n.args = (new,) + tuple(n.args[1:])
         if along:
-            return ShardSpec(dim, tuple(segs))
+            return ShardSpec(dim, tuple(segs), tuple(real) if real != segs else ())
         return ref.with_dim(ref.dim + (n.target is aten.stack.default and dim <= ref.dim))
-
-    def _sdpa(self, n: fx.Node) -> ShardSpec:
-        q, k, v = n.args[:3]
-        specs = [self._s(a) for a in (q, k, v)]
-        if any(s is not None and s.dim != 1 for s in specs):
-            raise ShardingError(f"attention needs q, k, v sharded over heads (dim 1), got {specs}")
-        for a, s in zip((q, k, v), specs):
-            heads = int(a.meta["val"].shape[1])
-            if s is None and heads > 1:  # a replicated q/k/v (computed outside the sharded linears, or GQA k / v
-                # repeated to the q heads): take the local heads; one head broadcasts over the q heads as it is
-                check_divisible([heads], self.tp, f"attention input {a.name}")
-                n.replace_input_with(a, self._local(a, 1, ShardSpec(1, (heads,)), n))
-        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
-        if isinstance(mask, fx.Node):
-            mv = mask.meta["val"]
-            hd = mv.dim() - 3
-            if self._s(mask) is None and hd >= 0 and int(mv.shape[hd]) > 1:
-                n.replace_input_with(mask, self._local(mask, hd, ShardSpec(hd, (int(mv.shape[hd]),)), n))
-        return specs[0] or ShardSpec(1, (int(q.meta["val"].shape[1]),))
-
-    def _batched_matmul(self, n: fx.Node) -> Optional[ShardSpec]:
-        """A matmul whose operands are sharded alike along a batch dim (per-head scores of q and k, as
-        Kandinsky 6 SR's sparse-mask selection computes), or one of them is and the other is broadcast along it:
-        local, the shard in the output's batch dim. None: not that case (all-gathered by the fallback)."""
-        a, b = n.args[:2]
-        out_dim = n.meta["val"].dim()
-        dims, ref = set(), None
-        for x in (a, b):
-            s, nd = self._s(x), x.meta["val"].dim()
-            if s is not None:
-                if s.dim >= nd - 2 or (ref is not None and s.segments != ref.segments):
-                    return None
-                dims.add(s.dim + out_dim - nd)
-                ref = s
-        if len(dims) != 1 or ref.padded:
-            return None
-        d = dims.pop()
-        for x in (a, b):  # a replicated operand must be broadcast along the batch dim
-            nd = x.meta["val"].dim()
-            j = d - out_dim + nd
-            if self._s(x) is None and 0 <= j < nd - 2 and int(x.meta["val"].shape[j]) != 1:
-                return None
-        return ref.with_dim(d)
 
     def _reduction(self, n: fx.Node, sx: ShardSpec) -> ShardSpec:
         """Reduction over some dims: local if the sharded dim is kept, else completed by an all-reduce
@@ -477,7 +440,7 @@ class TPRules(Propagation):
         with self.g.inserting_before(n.next):
             out = self.all_reduce(n, n, oc.REDUCTIONS[n.target][1])
             if n.target is aten.mean.dim:
-                out = self.emit(aten.div.Tensor, (out, self.tp), like=n)
+                out = self.emit(aten.div.Tensor, (out, tp_padded.mean_divisor(sx, self.tp)), like=n)
         out.meta["val"] = n.meta["val"]
         for u in users:
             u.replace_input_with(n, out)
@@ -495,6 +458,9 @@ class TPRules(Propagation):
             if d is not None:
                 if n.target is aten.copy_.default and i == 0:  # would write a shard into a full tensor
                     raise ShardingError("in-place copy of a sharded value into a replicated tensor")
-                new[i] = self._local(new[i], d, ref.with_dim(d), n)
+                if ref.padded and n.target in oc.FINITE_POINTWISE:  # zero there: finite with the padding
+                    new[i] = tp_padded.local_operand(self, new[i], d, ref.with_dim(d), n)
+                else:
+                    new[i] = self._local(new[i], d, ref.with_dim(d), n)
         n.args = tuple(new)
         return ref

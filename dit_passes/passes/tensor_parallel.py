@@ -22,9 +22,10 @@ output all-gathered (``modulation="column"``, the default: each rank holds 1/siz
 blocks reading the same weight, as DiT's final norm reads block 0's timestep embedder, is sharded and gathered
 alike); ``"replicate"`` keeps them whole on every rank (no all-gather, more memory).
 What is sharded, replicated or zero-padded is planned first (:mod:`dit_passes.parallel.tp_plan`): a projection
-writing the residual stream stays replicated, so do GQA k / v projections with fewer kv heads than ranks, and an
+writing the residual stream stays replicated, so do GQA k / v projections with fewer kv heads than ranks, an
 MLP hidden that does not divide by ``size`` is zero-padded where the graph proves the padding exact (counted as
-``padded_mlp`` and named in the report). A weight several linears read alike is sharded once.
+``padded_mlp``), and so are attention heads that do not divide (whole zero heads, zero output-projection columns:
+``padded_heads``; both named with their sizes in the report). A weight several linears read alike is sharded once.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..parallel.mesh import check_ranks
-from ..parallel.tp_plan import describe_padding, divisors, plan_columns
+from ..parallel.tp_plan import divisors, padding_summary, plan_columns
 from ..parallel.tp_sharding import TPRules
 
 
@@ -86,6 +87,7 @@ class TensorParallel(Pass):
         _check_heads(structure, self.size)
         plan = plan_columns(structure, self.size)
         rewriter = TPRules(gm, self.size, dist.get_rank(group), group, ctx.runtime.weights, self)
+        rewriter.zero = set(plan.zero)
         block_sites = [s for s in structure.linears if s.block is not None]
         tp_sites = structure.column_parallel_linears() + structure.row_parallel_linears()
         before, tp_before = linear_bytes(gm, block_sites), linear_bytes(gm, tp_sites)
@@ -108,7 +110,8 @@ class TensorParallel(Pass):
         counts = {"column_parallel": c["column"], "row_parallel": len(rewriter.row_nodes),
                   "all_reduce": c["all_reduce"], "norm_all_reduce": c["norm_all_reduce"],
                   "norm_all_gather": c["norm_all_gather"], "replicated_column": len(plan.replicated),
-                  "padded_mlp": c["padded"], "shared_weights": rewriter.weights.shared(),
+                  "padded_mlp": len(plan.padded) - len(plan.padded_heads), "padded_heads": len(plan.padded_heads),
+                  "shared_weights": rewriter.weights.shared(),
                   "all_gather": c["all_gather"], "fallback_all_gather": c["fallback"],
                   "view_rewrites": c["views"], "local_slices": c["slices"],
                   "block_linear_bytes_before": before, "block_linear_bytes_after": after,
@@ -123,9 +126,13 @@ class TensorParallel(Pass):
                 by_reason.setdefault(why, []).append(path)
             report += "; column-role linears left replicated: " + "; ".join(
                 f"{paths} ({why})" for why, paths in by_reason.items())
-        if plan.padded:
+        mlp = [c for c in plan.padded if not c.head_dim]
+        if mlp:
             report += ("; MLP hidden zero-padded to a multiple of tp (zero rows in the up projection, zero columns "
-                       "in the down projection): " + ", ".join(describe_padding(plan)))
+                       "in the down projection): " + padding_summary(mlp))
+        if plan.padded_heads:
+            report += ("; attention heads zero-padded to whole heads per rank (zero q / k / v rows, zero columns "
+                       "in the output projection): " + padding_summary(plan.padded_heads))
         if rewriter.fallback_ops:
             report += f"; all-gathered before unsupported ops: {sorted(set(rewriter.fallback_ops))}"
         if off_role:
@@ -143,11 +150,15 @@ def linear_bytes(gm: fx.GraphModule, sites) -> int:
 
 
 def _check_heads(structure, tp: int) -> None:
+    """Head counts that do not divide by tp are zero-padded (tp_plan) where q and kv heads are equal; one kv head
+    is broadcast over the q heads as it is. Refused: GQA (fewer kv heads than q heads, more than one) where
+    either count does not divide, as padded q heads would no longer map to their kv heads."""
     heads = {a.node.name: (int(a.q.meta["val"].shape[1]), int(a.k.meta["val"].shape[1]))
              for a in structure.attention if a.block is not None}
-    # one kv head broadcast over the q heads (no repeat): replicated k / v, each rank's q heads read it
-    bad = {k: v for k, v in heads.items() if v[0] % tp or (v[1] % tp and v[1] != 1)}
+    bad = {k: v for k, v in heads.items() if (v[0] % tp or v[1] % tp) and v[1] not in (1, v[0])}
     if bad:
         g = math.gcd(*[h for v in heads.values() for h in v if h != 1] or [1])
         raise PassError(f"tensor_parallel size={tp}: attention head counts (q, kv) {sorted(set(bad.values()))} "
-                        f"are not divisible by {tp} (e.g. at {next(iter(bad))}); valid sizes: {divisors(g)}")
+                        f"are not divisible by {tp} (e.g. at {next(iter(bad))}), and with fewer kv heads than q "
+                        f"heads (GQA) padding them to whole heads per rank would break the q-to-kv head mapping; "
+                        f"valid sizes: {divisors(g)}")
