@@ -31,7 +31,8 @@ form with the low-rank branch in the GEMM's K (``DIT_PASSES_W4A4_BACKEND=lrcat``
 
 A kind without an op (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``,
 weight-only int8 / fp8 / int4 / int4 + low-rank / NVFP4) is always its graph form, shape-generic (on a few rows of
-x on a GPU as a multiply-and-sum instead of ``aten.linear``, ``graph_forms.dequantized_linear``): the int8 or e4m3
+x, where ``DIT_PASSES_WEIGHT_ONLY_FORM=rows``, as a multiply-and-sum instead of ``aten.linear``,
+``graph_forms.dequantized_linear``): the int8 or e4m3
 values scaled per row (``graph_forms.w8a16_linear_form``), the int4 values unpacked and scaled per group
 (``graph_forms.w4a16_linear_form``) or the e2m1 values unpacked and scaled per block of 16 and by the global scale
 (``nvfp4_weight_only.nvfp4_weight_only_linear_form``), then ``aten.linear`` on the dequantized weight

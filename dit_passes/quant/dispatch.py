@@ -45,9 +45,10 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   ``dit_passes.kernels.w4_expand_triton``, on sm_89+ (:func:`w4_to_e4m3_cuda`), else its reference). Not the default
   until measured faster on the step.
 * The weight-only forms (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``: the
-  AdaLN modulation linears under SVDQuant), :func:`weight_only_form`: on at most :data:`FEW_ROWS` rows of x on CUDA
-  a multiply-and-sum that Inductor fuses with the dequantization (``graph_forms.dequantized_linear``), else the
-  dequantized weight and ``aten.linear``; ``DIT_PASSES_WEIGHT_ONLY_FORM`` = ``auto`` | ``linear`` | ``rows``.
+  AdaLN modulation linears under SVDQuant), :func:`weight_only_form`: ``DIT_PASSES_WEIGHT_ONLY_FORM`` = ``linear``
+  (default: the dequantized weight and ``aten.linear``) | ``rows`` (on at most :data:`FEW_ROWS` rows of x, a
+  multiply-and-sum that Inductor fuses with the dequantization, ``graph_forms.dequantized_linear``). Not the default
+  until measured on the step.
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -83,7 +84,7 @@ LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_f
 BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 WEIGHT_ONLY_ENV = "DIT_PASSES_WEIGHT_ONLY_FORM"
-WEIGHT_ONLY_SETTINGS = ("auto", "linear", "rows")
+WEIGHT_ONLY_SETTINGS = ("linear", "rows")
 FEW_ROWS = 4  # the most rows of x written as graph_forms.dequantized_linear's multiply-and-sum (CFG: 2 per step)
 GROUP = 64
 
@@ -335,14 +336,13 @@ def fp8_quantize_rows_cuda(x: torch.Tensor):
 def weight_only_form(x: torch.Tensor) -> str:
     """How a weight-only linear (int8 / fp8 / int4 / NVFP4 weights, activations in their dtype) is written for
     activations like ``x`` (a real or fake tensor): ``"rows"`` (``graph_forms.dequantized_linear``'s multiply-and-sum,
-    which Inductor fuses with the dequantization) for at most :data:`FEW_ROWS` rows on CUDA, else ``"linear"``
-    (dequantized weight, then ``aten.linear``). ``DIT_PASSES_WEIGHT_ONLY_FORM`` = ``auto`` (that rule) | ``linear`` |
-    ``rows`` (on any device, still for at most FEW_ROWS rows: eagerly the sum holds an [rows, N, K] fp32 product)."""
-    s = os.environ.get(WEIGHT_ONLY_ENV, "auto").strip().lower() or "auto"
+    which Inductor fuses with the dequantization) where ``DIT_PASSES_WEIGHT_ONLY_FORM=rows`` and x has at most
+    :data:`FEW_ROWS` rows, else ``"linear"`` (the default: the dequantized weight, then ``aten.linear``). Not the
+    default until measured on the GPU; uncompiled, the sum holds an [rows, N, K] fp32 product."""
+    s = os.environ.get(WEIGHT_ONLY_ENV, "linear").strip().lower() or "linear"
     if s not in WEIGHT_ONLY_SETTINGS:
         raise ValueError(f"{WEIGHT_ONLY_ENV}={s!r}: expected one of {WEIGHT_ONLY_SETTINGS}")
-    few = math.prod(int(d) for d in x.shape[:-1]) <= FEW_ROWS
-    return "rows" if few and (s == "rows" or (s == "auto" and x.device.type == "cuda")) else "linear"
+    return "rows" if s == "rows" and math.prod(int(d) for d in x.shape[:-1]) <= FEW_ROWS else "linear"
 
 
 def w4_expand() -> str:

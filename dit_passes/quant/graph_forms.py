@@ -99,7 +99,7 @@ the weight takes one rounding (2**-9 relative). Shape-generic like the int4 form
 fp8 (cache-dit's ``float8_weight_only``: qweight e4m3 [N, K], wscale fp32 [N], ``fp8_int8.prepare_fp8`` per row).
 
 The weight-only forms on a few rows (``rows=True``, :func:`dequantized_linear`; chosen by
-``dispatch.weight_only_form``: the modulation linears' one conditioning row per sample, on a GPU): the linear as the
+``dispatch.weight_only_form``, e.g. for the modulation linears' one conditioning row per sample): the linear as the
 same products summed in fp32 by one reduction, which Inductor fuses with the dequantization, reading the packed
 weight once where the linear writes a dequantized [N, K] copy for cuBLAS to read again::
 
