@@ -4,7 +4,7 @@ projection of an activation (issue 22: "the low-rank down projection fused with 
 :func:`lrcat_quantize_rows` is the CUDA implementation of ``dit_passes::lrcat_quantize_rows`` (its specification:
 ``dit_passes.quant.graph_forms.lrcat_activation``)::
 
-    statistics, one program per BLOCK_M tokens and KS columns (a K split s), per BLOCK_K chunk:
+    statistics, one program per BLOCK_M tokens and KS columns (a K split s), per BK chunk:
         xs = float(x) * smooth_inv
         amax[s] = max(amax[s], max|xs|)                      # per token
         h[s] += x.dtype(xs) @ lora_down.T                    # [BLOCK_M, R] on tensor cores, fp32 accumulation
@@ -41,7 +41,7 @@ from .w4a4_autotune import interpreting
 from .w4a4_triton import _round_to_bf16_rne
 from .w4a8_triton import E4M3_MAX, _soft_e4m3
 
-BLOCK_K = 256   # the K chunk of the statistics kernel (a multiple of 16: tl.dot's K)
+BLOCK_K = 256   # the statistics kernel's largest K chunk (a multiple of 16: tl.dot's K); K splits are multiples
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -53,9 +53,12 @@ def k_split(k: int) -> int:
 
 def _stats_configs():
     if interpreting():
-        return [triton.Config({"BLOCK_M": 16}, num_warps=4)]
-    # few configs: every one compiles per (K split, rank) and the step's first call pays for all of them
-    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=3) for bm, w in ((16, 4), (32, 4), (64, 8))]
+        return [triton.Config({"BLOCK_M": 16, "BK": BLOCK_K}, num_warps=4)]
+    # BLOCK_M: every program re-reads its split's lora_down rows from L2 (M / BLOCK_M times per call: at the fused
+    # linears' rank 96 / 128 and BLOCK_M 16, eight times x's own bytes); BK: the [BLOCK_M, BK] x and [BK, R] lora_down
+    # chunks of a pipeline stage. The H200 step (stop 28) spent 14.4 ms here with only the first config.
+    return [triton.Config({"BLOCK_M": bm, "BK": bk}, num_warps=w, num_stages=st)
+            for bm, bk, w, st in ((16, 256, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3))]
 
 
 def _quant_configs():
@@ -190,7 +193,7 @@ def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: to
     h = torch.empty((s, m, rh), dtype=torch.float32, device=x.device)
     bucket = triton.next_power_of_2(m)
     _lrcat_stats_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), s)](
-        x, si, ld, amax, h, m, k, r, bucket, x.stride(0), ld.stride(0), KS=ks, BK=BLOCK_K, R_PAD=rh,
+        x, si, ld, amax, h, m, k, r, bucket, x.stride(0), ld.stride(0), KS=ks, R_PAD=rh,
         DOT_F32=interpreting() or x.dtype == torch.float32, BF16=x.dtype == torch.bfloat16, SOFT=interpreting())
     _lrcat_quant_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(k, meta["BK"]) + 1)](
         x, si, amax, h, c.contiguous(), a, sx, m, k, r, bucket, x.stride(0), a.stride(0), S=s, RH=rh, R_PAD=r_pad,
