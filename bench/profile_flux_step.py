@@ -28,9 +28,11 @@ def _category(name: str) -> str:
         return "gemm"
     if "w4_expand" in n:  # kernels/w4_expand_triton.py: SVDQuant's int4 weights to e4m3, per call
         return "w4_expand"
-    if ("triton" in n and "amax" in n) or "rowquant" in n or "lrcat_act" in n:
+    if ("triton" in n and "amax" in n) or "rowquant" in n or n.startswith("_lrcat_"):
         # a fused activation quantization (its per-token scale is an amax: fp8 / SVDQuant rows), or
         # dit_passes::fp8_quantize_rows' kernels (kernels/fp8_rowquant_triton.py), the lrcat A operand's
+        # (kernels/lrcat_act_triton.py: _lrcat_stats_kernel, _lrcat_quant_kernel; not Inductor's producers of it,
+        # whose names carry the op's, lrcat_quantize_rows)
         return "quantize"
     if n.startswith("triton_") or "triton" in n:
         return "inductor_fused"
