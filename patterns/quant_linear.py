@@ -58,7 +58,7 @@ from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, lrcat_cols, svdq_fp8_linear_form,
                                           svdq_lrcat_linear_form, svdq_nvfp4_fp8_linear_form, w4a16_linear_form,
-                                          w4a16_lr_linear_form, w8a16_linear_form)
+                                          w4a16_lr_linear_form, w4a16_rows_op_form, w8a16_linear_form)
 from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
 
 
@@ -138,10 +138,27 @@ def weight_only_rows_replacement(kind: str, has_bias: bool) -> Callable:
             "nvfp4_weight_only": nvfp4_weight_only_rows}[kind]
 
 
+@functools.lru_cache(maxsize=None)
+def w4a16_op_replacement(kind: str, shape: LinearShape) -> Callable:
+    """An int4 weight-only kind (``w4a16`` / ``w4a16_lr``) on a few rows with the op ``dit_passes::w4a16_rows_linear``
+    (``graph_forms.w4a16_rows_op_form``) for x of ``shape``, as a replacement."""
+    def w4a16_op(x, qweight, wscale, bias):
+        return w4a16_rows_op_form(x, qweight, wscale, bias, shape)
+
+    def w4a16_lr_op(x, qweight, wscale, lora_down, lora_up, bias):
+        return w4a16_lr_linear_form(x, qweight, wscale, lora_down, lora_up, bias, op_shape=shape)
+
+    return {"w4a16": w4a16_op, "w4a16_lr": w4a16_lr_op}[kind]
+
+
 def _weight_only_inline(kind: str) -> Callable:
     def choose(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
-        if dispatch.weight_only_form(x_val) != "rows":
+        form = dispatch.weight_only_form(x_val)
+        if form == "linear":
             return None
+        if form == "kernel" and kind in ("w4a16", "w4a16_lr"):
+            n, k = tensors["qweight"].shape[0], 2 * tensors["qweight"].shape[1]
+            return w4a16_op_replacement(kind, LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"]))
         return weight_only_rows_replacement(kind, tensors.get("bias") is not None)
     return choose
 

@@ -63,6 +63,8 @@ def test_weight_only_form_setting(monkeypatch):
     assert {dispatch.weight_only_form(t) for t in (one, cfg, tokens, cpu)} == {"linear"}  # the default
     monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "rows")
     assert [dispatch.weight_only_form(t) for t in (one, cfg, tokens, cpu)] == ["rows", "rows", "linear", "rows"]
+    monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "kernel")
+    assert [dispatch.weight_only_form(t) for t in (one, tokens)] == ["kernel", "linear"]
     monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "linear")
     assert dispatch.weight_only_form(one) == "linear"
     monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "sum")

@@ -27,6 +27,10 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
   (``graph_forms.lrcat_activation``: smoothing, per-token e4m3 and the low-rank down projection of x [M, K]); what
   the lrcat graph form writes with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (CUDA: one Triton kernel reading x once,
   ``dit_passes.kernels.lrcat_act_triton``)
+* ``dit_passes::w4a16_rows_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor``: weight-only int4
+  on a few rows x [M, K] (``graph_forms.w4a16_linear_form(rows=True)``: the AdaLN modulation linears); what the
+  int4 weight-only forms write with ``DIT_PASSES_WEIGHT_ONLY_FORM=kernel`` (CUDA: one GEMV pass over the packed
+  weight, ``dit_passes.kernels.w4a16_rows_triton``)
 * ``dit_passes::int8_tensor_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (one scale for
   the activations, one for the weight: cache-dit's ``int8_per_tensor``)
 * ``dit_passes::fp8_block_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (block-scaled
@@ -52,7 +56,7 @@ from . import dispatch
 from .fp8_block import check_fp8_block_args, fp8_block_linear_reference
 from .fp8_int8 import (FP8_DTYPE, FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference,
                        quantize_fp8_act)
-from .graph_forms import lrcat_activation, lrcat_cols, lrcat_weight
+from .graph_forms import lrcat_activation, lrcat_cols, lrcat_weight, w4a16_linear_form
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .nvfp4 import BLOCK, nvfp4_linear_reference
@@ -358,6 +362,40 @@ def _lrcat_quantize_rows_fake(x, smooth_inv, lora_down, c, split):
     r = _check_lrcat_act(x, smooth_inv, lora_down, c)
     return (x.new_empty((x.shape[0], x.shape[1] + lrcat_cols(r, split)), dtype=FP8_DTYPE),
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
+
+
+def _check_w4a16_rows(x, qweight, wscale, bias) -> None:
+    name = "dit_passes::w4a16_rows_linear"
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: x must be a 2-D fp32 / bf16 / fp16 tensor [M, K], got {x.dtype} {list(x.shape)}")
+    k, n = x.shape[1], qweight.shape[0] if qweight.dim() == 2 else -1
+    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (n, k // 2) or k % 64 or \
+            tuple(wscale.shape) != (n, k // 64):
+        raise ValueError(f"{name}: qweight must be uint8 [N, {k // 2}] and wscale [N, {k // 64}] (K = {k}, a multiple "
+                         f"of 64), got {qweight.dtype} {list(qweight.shape)} and {list(wscale.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"{name}: bias must be [{n}], got {list(bias.shape)}")
+
+
+@torch.library.custom_op("dit_passes::w4a16_rows_linear", mutates_args=())
+def w4a16_rows_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Weight-only int4 linear of a few rows x [M, K], reference implementation (any device): the multiply-and-sum
+    of ``graph_forms.w4a16_linear_form(rows=True)``, [M, N] in x.dtype."""
+    _check_w4a16_rows(x, qweight, wscale, bias)
+    return w4a16_linear_form(x, qweight, wscale, bias, rows=True)
+
+
+@w4a16_rows_linear.register_kernel("cuda")
+def _w4a16_rows_linear_cuda(x, qweight, wscale, bias):
+    _check_w4a16_rows(x, qweight, wscale, bias)
+    return dispatch.w4a16_rows_cuda(x, qweight, wscale, bias)
+
+
+@w4a16_rows_linear.register_fake
+def _w4a16_rows_linear_fake(x, qweight, wscale, bias):
+    _check_w4a16_rows(x, qweight, wscale, bias)
+    return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 @torch.library.custom_op("dit_passes::int8_tensor_linear", mutates_args=())

@@ -47,8 +47,9 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
 * The weight-only forms (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``: the
   AdaLN modulation linears under SVDQuant), :func:`weight_only_form`: ``DIT_PASSES_WEIGHT_ONLY_FORM`` = ``linear``
   (default: the dequantized weight and ``aten.linear``) | ``rows`` (on at most :data:`FEW_ROWS` rows of x, a
-  multiply-and-sum that Inductor fuses with the dequantization, ``graph_forms.dequantized_linear``). Not the default
-  until measured on the step.
+  multiply-and-sum that Inductor fuses with the dequantization, ``graph_forms.dequantized_linear``) | ``kernel``
+  (the int4 forms on those rows as the op ``dit_passes::w4a16_rows_linear``: on CUDA one Triton GEMV pass over the
+  packed weight, ``dit_passes.kernels.w4a16_rows_triton``, :func:`w4a16_rows_cuda`). Not the default until measured.
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -69,7 +70,7 @@ from typing import Dict, Optional
 import torch
 
 from .fp8_int8 import quantize_fp8_act
-from .graph_forms import ACT_QUANTS, W4_EXPANDS, lrcat_activation, lrcat_weight
+from .graph_forms import ACT_QUANTS, W4_EXPANDS, lrcat_activation, lrcat_weight, w4a16_linear_form
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .w4a8 import w4a8_linear_reference
@@ -84,7 +85,7 @@ LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_f
 BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 WEIGHT_ONLY_ENV = "DIT_PASSES_WEIGHT_ONLY_FORM"
-WEIGHT_ONLY_SETTINGS = ("linear", "rows")
+WEIGHT_ONLY_SETTINGS = ("linear", "rows", "kernel")
 FEW_ROWS = 4  # the most rows of x written as graph_forms.dequantized_linear's multiply-and-sum (CFG: 2 per step)
 GROUP = 64
 
@@ -335,14 +336,29 @@ def fp8_quantize_rows_cuda(x: torch.Tensor):
 
 def weight_only_form(x: torch.Tensor) -> str:
     """How a weight-only linear (int8 / fp8 / int4 / NVFP4 weights, activations in their dtype) is written for
-    activations like ``x`` (a real or fake tensor): ``"rows"`` (``graph_forms.dequantized_linear``'s multiply-and-sum,
-    which Inductor fuses with the dequantization) where ``DIT_PASSES_WEIGHT_ONLY_FORM=rows`` and x has at most
-    :data:`FEW_ROWS` rows, else ``"linear"`` (the default: the dequantized weight, then ``aten.linear``). Not the
-    default until measured on the GPU; uncompiled, the sum holds an [rows, N, K] fp32 product."""
+    activations like ``x`` (a real or fake tensor): for at most :data:`FEW_ROWS` rows of x, ``"rows"``
+    (``graph_forms.dequantized_linear``'s multiply-and-sum, which Inductor fuses with the dequantization) or
+    ``"kernel"`` (the int4 forms: the op ``dit_passes::w4a16_rows_linear``, one GEMV pass over the packed weight;
+    the others take ``"rows"``) as ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks; else ``"linear"`` (the default: the
+    dequantized weight, then ``aten.linear``). Not the default until measured on the step."""
     s = os.environ.get(WEIGHT_ONLY_ENV, "linear").strip().lower() or "linear"
     if s not in WEIGHT_ONLY_SETTINGS:
         raise ValueError(f"{WEIGHT_ONLY_ENV}={s!r}: expected one of {WEIGHT_ONLY_SETTINGS}")
-    return "rows" if s == "rows" and math.prod(int(d) for d in x.shape[:-1]) <= FEW_ROWS else "linear"
+    return s if math.prod(int(d) for d in x.shape[:-1]) <= FEW_ROWS else "linear"
+
+
+@functools.lru_cache(maxsize=None)
+def w4a16_rows_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.w4a16_rows_triton`` (``w4a16_rows_linear``, ``is_supported``), or None."""
+    return _import_kernel("w4a16_rows_triton", "the reference")
+
+
+def w4a16_rows_cuda(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: Optional[torch.Tensor]):
+    """``dit_passes::w4a16_rows_linear`` on CUDA: the Triton kernel where it takes the tensors, else the reference."""
+    kernel = w4a16_rows_module()
+    if kernel is None or not kernel.is_supported(x, qweight):
+        return w4a16_linear_form(x, qweight, wscale, bias, rows=True)
+    return kernel.w4a16_rows_linear(x, qweight, wscale, bias)
 
 
 def w4_expand() -> str:

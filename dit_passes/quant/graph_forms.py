@@ -458,13 +458,26 @@ def _int4_rows_linear(x: torch.Tensor, qweight: torch.Tensor, ws: torch.Tensor,
     return aten.type_as.default(y, x)
 
 
+def w4a16_rows_op_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: Optional[torch.Tensor],
+                       shape: LinearShape) -> torch.Tensor:
+    """The int4 weight-only linear on a few rows as the op ``dit_passes::w4a16_rows_linear`` (its reference: the
+    ``rows=True`` form; CUDA: one GEMV pass over the packed weight), x [*shape.lead, K] -> [*shape.lead, N]."""
+    y = torch.ops.dit_passes.w4a16_rows_linear.default(_rows(x, shape), qweight, wscale,
+                                                       bias if shape.has_bias else None)
+    return _unrows(y, shape)
+
+
 def w4a16_lr_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
-                         lora_up: torch.Tensor, bias: Optional[torch.Tensor], rows: bool = False) -> torch.Tensor:
+                         lora_up: torch.Tensor, bias: Optional[torch.Tensor], rows: bool = False,
+                         op_shape: Optional[LinearShape] = None) -> torch.Tensor:
     """Weight-only int4 of the residual plus the low-rank branch (module docstring): x [..., K], qweight uint8
-    [N, K/2], wscale [N, K/64], lora_down [r, K], lora_up [N, r], bias [N] or None -> [..., N] in x.dtype."""
+    [N, K/2], wscale [N, K/64], lora_down [r, K], lora_up [N, r], bias [N] or None -> [..., N] in x.dtype;
+    ``op_shape``: the int4 part as :func:`w4a16_rows_op_form` for x of that shape."""
     lora_act = aten.linear.default(x, aten.type_as.default(lora_down, x))                   # [..., r]
     branch = aten.linear.default(lora_act, aten.type_as.default(lora_up, x))               # [..., N]
-    return aten.add.Tensor(w4a16_linear_form(x, qweight, wscale, bias, rows), branch)
+    main = (w4a16_rows_op_form(x, qweight, wscale, bias, op_shape) if op_shape is not None
+            else w4a16_linear_form(x, qweight, wscale, bias, rows))
+    return aten.add.Tensor(main, branch)
 
 
 def w8a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,

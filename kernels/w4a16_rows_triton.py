@@ -1,0 +1,112 @@
+"""Weight-only int4 linear on a few rows of x (FLUX's AdaLN modulation linears: one conditioning row per sample), as
+one bandwidth-bound GEMV pass over the packed weight (issue 22).
+
+:func:`w4a16_rows_linear` is the CUDA implementation of ``dit_passes::w4a16_rows_linear`` (its specification:
+``dit_passes.quant.graph_forms.w4a16_linear_form(..., rows=True)``, the multiply-and-sum). One program per
+``BLOCK_N`` weight rows, looping over K in chunks of ``BB`` packed bytes::
+
+    lo, hi = the chunk's int4 values (even k: the low nibble)            # [BLOCK_N, BB] each, exact in fp32
+    w_lo = float(x.dtype(lo * wscale[n, byte // 32]))                    # the weight rounded as the linear rounds it
+    acc[m, n] += sum_b x[m, 2b] * w_lo[n, b] + x[m, 2b + 1] * w_hi[n, b]  # fp32, every row m of x at once
+    y[m, n] = x.dtype(acc[m, n] + float(bias[n]))
+
+Why a kernel: Inductor's fusion of that form (``DIT_PASSES_WEIGHT_ONLY_FORM=rows``) read the 1.6 GB of FLUX's packed
+modulation weights at ~0.4 TB/s on an H200 (4.2 ms a step, stop 28); the linear form before it wrote a dequantized
+bf16 copy for cuBLAS's GEMV (8.3 ms on an H100). Here each packed byte is read once and x's few rows stay in cache.
+
+Numerics: the specification's products; the sums in another order (fp32), so the output equals the reference up
+to fp32 summation order (then one rounding to x.dtype). Under ``TRITON_INTERPRET=1`` (CPU tests) the bf16
+rounding of the weight is ``w4a4_triton._round_to_bf16_rne`` (the interpreter's cast truncates).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .w4a4_autotune import interpreting
+from .w4a4_triton import _round_to_bf16_rne
+
+GROUP_BYTES = 32  # a group of 64 int4 values: 32 packed bytes share one scale
+MAX_ROWS = 4      # rows of x per call (the graph writes the op for at most dispatch.FEW_ROWS rows)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_N": 8, "BB": 64}, num_warps=4)]
+    # BLOCK_N x BB packed bytes a stage; the [M_PAD, BLOCK_N, BB] products bound the registers
+    return [triton.Config({"BLOCK_N": bn, "BB": bb}, num_warps=w)
+            for bn, bb, w in ((4, 256, 4), (8, 256, 4), (8, 512, 8), (16, 128, 4), (16, 256, 8), (32, 128, 8))]
+
+
+@triton.autotune(configs=_configs(), key=["N", "KB", "M_PAD"])
+@triton.jit
+def _w4a16_rows_kernel(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, M, N, s_xm, s_qn, s_wsn, s_ym,
+                       KB: tl.constexpr, M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BB: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    rows = tl.where(n_mask, rows, 0).to(tl.int64)  # rows past N read row 0, store nothing
+    offs_m = tl.arange(0, M_PAD)
+    m_mask = offs_m < M
+    offs_b = tl.arange(0, BB)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for i in range(0, tl.cdiv(KB, BB)):  # KB (K / 2) is a compile-time constant: the interpreter's loops need one
+        byte = i * BB + offs_b
+        b_mask = byte < KB
+        packed = tl.load(qw_ptr + rows[:, None] * s_qn + byte[None, :], mask=b_mask[None, :], other=0).to(tl.int32)
+        ws = tl.load(ws_ptr + rows[:, None] * s_wsn + (byte // GROUP_BYTES)[None, :], mask=b_mask[None, :],
+                     other=0.0).to(tl.float32)
+        w_lo = (((packed & 15) ^ 8) - 8).to(tl.float32) * ws
+        w_hi = (((packed >> 4) ^ 8) - 8).to(tl.float32) * ws
+        if SOFT_BF16:  # the weight in x.dtype, as the linear form rounds it (the interpreter's cast truncates)
+            w_lo, w_hi = _round_to_bf16_rne(w_lo), _round_to_bf16_rne(w_hi)
+        else:
+            w_lo = w_lo.to(x_ptr.dtype.element_ty).to(tl.float32)
+            w_hi = w_hi.to(x_ptr.dtype.element_ty).to(tl.float32)
+        xm = m_mask[:, None] & b_mask[None, :]
+        x_even = tl.load(x_ptr + offs_m[:, None] * s_xm + 2 * byte[None, :], mask=xm, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + offs_m[:, None] * s_xm + 2 * byte[None, :] + 1, mask=xm, other=0.0).to(tl.float32)
+        acc += tl.sum(x_even[:, None, :] * w_lo[None, :, :] + x_odd[:, None, :] * w_hi[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * s_ym + rows[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def is_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors: a 2-D float x of at most MAX_ROWS rows and packed uint8 weights on a
+    CUDA GPU, or any device under the interpreter."""
+    ok = x.dim() == 2 and x.dtype in _DTYPES and 0 < x.shape[0] <= MAX_ROWS and qweight.dtype == torch.uint8
+    return ok and (interpreting() or (x.is_cuda and qweight.is_cuda))
+
+
+def w4a16_rows_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS; fp32 / bf16 / fp16), qweight uint8 [N, K/2], wscale [N, K/64], bias [N] or None ->
+    y [M, N] in x.dtype (module docstring)."""
+    name = "w4a16_rows_linear"
+    if not is_supported(x, qweight):
+        raise ValueError(f"{name}: needs a 2-D float x of 1..{MAX_ROWS} rows and uint8 qweight on CUDA (or "
+                         f"TRITON_INTERPRET=1), got x {x.dtype} {tuple(x.shape)} on {x.device}, qweight "
+                         f"{qweight.dtype}; use the op's reference (graph_forms.w4a16_linear_form(rows=True))")
+    m, k = x.shape
+    n = qweight.shape[0]
+    if tuple(qweight.shape) != (n, k // 2) or k % 64 or tuple(wscale.shape) != (n, k // 64):
+        raise ValueError(f"{name}: qweight must be [N, {k // 2}] and wscale [N, {k // 64}] for K = {k} (a multiple "
+                         f"of 64), got {tuple(qweight.shape)} and {tuple(wscale.shape)}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
+    b = bias if bias is not None else y  # unread without a bias
+    _w4a16_rows_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+        x, qw, ws, b, y, m, n, x.stride(0), qw.stride(0), ws.stride(0), y.stride(0), KB=k // 2,
+        M_PAD=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
+        SOFT_BF16=interpreting() and x.dtype == torch.bfloat16)
+    return y
