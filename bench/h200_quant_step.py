@@ -152,7 +152,7 @@ def row_specs():
     w4a8, rowquant = {dispatch.BACKEND_ENV: "fp8"}, {dispatch.ACT_QUANT_ENV: "kernel"}
     expand = {dispatch.W4_EXPAND_ENV: "kernel"}
     # the modulation linears on their one row: the int4 GEMV op (stop 28 measured the "rows" form: 4.2 ms a step)
-    rows = {dispatch.WEIGHT_ONLY_ENV: "kernel"}
+    mod_gemv = {dispatch.WEIGHT_ONLY_ENV: "kernel"}
     specs = {
         "bf16": (lambda: [], {}),
         "fp8": (lambda: [Fp8Linear(exclude=())], exact),
@@ -179,10 +179,10 @@ def row_specs():
         # lrcat_split with its A operand by dit_passes::lrcat_quantize_rows (smoothing, e4m3, branch down: one kernel)
         # and the modulation linears' int4 GEMV (DIT_PASSES_WEIGHT_ONLY_FORM=kernel)
         "svdq_w4_lrcat_split_act": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                    {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant, **rows}),
+                                    {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant, **mod_gemv}),
         "svdq_w4_lrcat_split_act_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
                                            {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
-                                            **rows}),
+                                            **mod_gemv}),
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
                                        {**w4a8, **fast}),
