@@ -45,10 +45,14 @@ BLOCK_K = 256   # the statistics kernel's largest K chunk (a multiple of 16: tl.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def k_split(k: int) -> int:
-    """Columns of x per statistics program (a multiple of BLOCK_K): FLUX's 4608 tokens x K = 3072 give 288 x 6 = 1728
-    programs (every SM busy several times over), K = 15360 gives 288 x 15 with partial sums of 8.8 MB."""
-    return 512 if k <= 4096 else 1024
+def k_split(k: int, rank_pad: int) -> int:
+    """Columns of x per statistics program (a multiple of BLOCK_K): 512 up to K = 4096, else 1024 (at BLOCK_M 16 FLUX's
+    4608 tokens x K = 3072 give 288 x 6 programs), doubled while the partial sums, S x rank_pad fp32 a token, would
+    exceed a quarter of the token's bf16 row (the fused linears' rank 96 / 128 at K = 3072: 3 splits, not 6)."""
+    ks = 512 if k <= 4096 else 1024
+    while ks < k and -(-k // ks) * rank_pad * 8 > k:
+        ks *= 2
+    return ks
 
 
 def _stats_configs():
@@ -184,10 +188,11 @@ def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: to
     x = x if x.stride(-1) == 1 else x.contiguous()
     ld = lora_down if lora_down.stride(-1) == 1 else lora_down.contiguous()
     si = smooth_inv.to(torch.float32).contiguous()
-    ks = k_split(k) if block_k_split is None else block_k_split
+    rh = max(16, triton.next_power_of_2(r))
+    ks = k_split(k, rh) if block_k_split is None else block_k_split
     if ks % BLOCK_K:
         raise ValueError(f"{name}: the K split must be a multiple of {BLOCK_K}, got {ks}")
-    s, rh = triton.cdiv(k, ks), max(16, triton.next_power_of_2(r))
+    s = triton.cdiv(k, ks)
     r_pad = max(16, triton.next_power_of_2(max(r, cols - 2 * r) if split else cols))
     amax = torch.empty((s, m), dtype=torch.float32, device=x.device)
     h = torch.empty((s, m, rh), dtype=torch.float32, device=x.device)
