@@ -88,6 +88,10 @@ def _four_ranks(rank, world):
     for family in ("flux", "wan"):
         zm = build(family)
         out[family] = _run(zm.model, zm.make_inputs(batch=1, seed=1), hybrid_passes(ulysses=2, tp=2))
+    # 5 heads: TP zero-pads them to 6 (3 per tp rank), then Ulysses pads each tp rank's 3 to 4 (2 per cp rank):
+    # both paddings in one model, and a TP zero head travels through the all-to-alls as a real one
+    zm = build("flux", num_attention_heads=5)
+    out["flux_5_heads"] = _run(zm.model, zm.make_inputs(batch=1, seed=1), hybrid_passes(ulysses=2, tp=2))
     try:
         hybrid_passes(ulysses=2, tp=3)
     except ValueError as e:
@@ -114,9 +118,9 @@ def test_text_encoders_and_controlnet_tensor_parallel_two_ranks():
 def test_ulysses_times_tp_hybrid_four_ranks():
     results = run_ranks(_four_ranks, 4, timeout=400)
     for rank, res in enumerate(results):
-        for family in ("flux", "wan"):
-            r = res[family]
-            where = f"rank {rank} {family}"
+        for name, family in (("flux", "flux"), ("wan", "wan"), ("flux_5_heads", "flux")):
+            r = res[name]
+            where = f"rank {rank} {name}"
             assert r["err"] <= TOL, f"{where}: max relative error {r['err']:.2e}"
             assert set(r["passes"]) >= {"ulysses", "tensor_parallel"}, where
             tp, cp = r["passes"]["tensor_parallel"], r["passes"]["ulysses"]
@@ -128,4 +132,7 @@ def test_ulysses_times_tp_hybrid_four_ranks():
             # table added to the timestep projection made outside them: no modulation linear
             assert tp["all_gather"] == {"flux": 6, "wan": 0}[family], f"{where}: {tp}"
             assert r["comm"].get("all_gather_into_tensor", 0) == 1 + tp["all_gather"], f"{where}: {r}"
+            # column-parallel linears with padded heads: q / k / v of both streams (2 double blocks x 6) and of the
+            # 2 single blocks (x 3)
+            assert tp["padded_heads"] == (18 if name == "flux_5_heads" else 0), f"{where}: {tp}"
         assert "2 × 1 × 3 = 6 ranks, but the group has 4" in res["size_error"]
