@@ -30,9 +30,9 @@ form with the low-rank branch in the GEMM's K (``DIT_PASSES_W4A4_BACKEND=lrcat``
 ``graph_forms.svdq_lrcat_linear_form``).
 
 A kind without an op (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``,
-weight-only int8 / fp8 / int4 / int4 + low-rank / NVFP4) is always its graph form, shape-generic (on a few rows of
-x, where ``DIT_PASSES_WEIGHT_ONLY_FORM=rows``, as a multiply-and-sum instead of ``aten.linear``,
-``graph_forms.dequantized_linear``): the int8 or e4m3
+weight-only int8 / fp8 / int4 / int4 + low-rank / NVFP4) is its graph form, shape-generic (on a few rows of x,
+where ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks, as a multiply-and-sum instead of ``aten.linear``,
+``graph_forms.dequantized_linear``, or for int4 as the op ``dit_passes::w4a16_rows_linear``): the int8 or e4m3
 values scaled per row (``graph_forms.w8a16_linear_form``), the int4 values unpacked and scaled per group
 (``graph_forms.w4a16_linear_form``) or the e2m1 values unpacked and scaled per block of 16 and by the global scale
 (``nvfp4_weight_only.nvfp4_weight_only_linear_form``), then ``aten.linear`` on the dequantized weight
@@ -287,8 +287,8 @@ QUANT_KINDS: Dict[str, QuantKind] = {
                                  _8BIT_ARGS),
     "fp8_per_block": QuantKind(fp8_per_block_replacement, torch.ops.dit_passes.fp8_block_linear.default, _8BIT_ARGS),
     # weight-only int8 / fp8 / int4 (the modulation linears under SVDQuant; Int8Linear / Fp8Linear with
-    # weight_only=True): always a graph form, shape-generic, or on a few rows the multiply-and-sum
-    # (dispatch.weight_only_form). fp8 per row dequantizes as int8 per row does.
+    # weight_only=True): a graph form, shape-generic, or on a few rows the multiply-and-sum or (int4) the GEMV op
+    # dit_passes::w4a16_rows_linear (dispatch.weight_only_form). fp8 per row dequantizes as int8 per row does.
     "w8a16": QuantKind(w8a16_replacement, None, _8BIT_ARGS, _weight_only_inline("w8a16")),
     "fp8_weight_only": QuantKind(w8a16_replacement, None, _8BIT_ARGS, _weight_only_inline("fp8_weight_only")),
     "w4a16": QuantKind(w4a16_replacement, None, _8BIT_ARGS, _weight_only_inline("w4a16")),

@@ -105,8 +105,10 @@ weight once where the linear writes a dequantized [N, K] copy for cuBLAS to read
 
     y = x.dtype(sum_k(float(x)[..., None, :] * float(x.dtype(w))) + float(bias))       # [..., N]
 
-(FLUX's W4A16 modulation linears, a quarter of its weights: 8.3 ms a step on an H100 as copy + GEMV, stop 28.) In
-fp32 it equals the linear up to summation order; in bf16 it rounds once, as the linear's fp32 accumulation does.
+(FLUX's W4A16 modulation linears, a quarter of its weights: 8.3 ms a step on an H100 as copy + GEMV, 4.2 ms on an
+H200 as this reduction, stop 28; :func:`w4a16_rows_op_form` writes the op ``dit_passes::w4a16_rows_linear``, one
+Triton GEMV pass, instead.) In fp32 it equals the linear up to summation order; in bf16 it rounds once, as the
+linear's fp32 accumulation does.
 """
 from __future__ import annotations
 
