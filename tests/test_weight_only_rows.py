@@ -42,18 +42,14 @@ def test_rows_form_equals_the_linear_form(kind, with_bias, lead):
     targets = [n.target for n in rows.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.sum.dim_IntList in targets
     assert targets.count(torch.ops.aten.linear.default) == (2 if kind == "w4a16_lr" else 0)  # the branch's two
-    q = prepare(kind, w, b)
+    q = PREPARE[kind](w, b)
     got, want = rows(x, *_args(kind, q)), linear(x, *_args(kind, q))
     assert got.shape == want.shape == (*lead, 40) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     xb = x.to(torch.bfloat16)
-    qb = prepare(kind, w.to(torch.bfloat16), None if b is None else b.to(torch.bfloat16))
+    qb = PREPARE[kind](w.to(torch.bfloat16), None if b is None else b.to(torch.bfloat16))
     got16, want16 = rows(xb, *_args(kind, qb)), linear(xb, *_args(kind, qb))
     assert got16.dtype == torch.bfloat16 and relative_error(got16, want16) < 1e-2
-
-
-def prepare(kind, w, b):
-    return PREPARE[kind](w, b)
 
 
 def test_weight_only_form_setting(monkeypatch):

@@ -420,6 +420,11 @@ def dequantized_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Te
         return aten.linear.default(x, wx, bias)
     prod = aten.mul.Tensor(aten.unsqueeze.default(aten._to_copy.default(x, dtype=_F32), -2),
                            aten._to_copy.default(wx, dtype=_F32))                            # [..., N, K]
+    return _summed_rows(prod, bias, x)
+
+
+def _summed_rows(prod: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The rows form's end: fp32 products [..., N, K'] summed over K', the bias added in fp32, rounded to x.dtype."""
     y = aten.sum.dim_IntList(prod, [-1])
     if bias is not None:
         y = aten.add.Tensor(y, aten._to_copy.default(bias, dtype=_F32))
@@ -454,10 +459,7 @@ def _int4_rows_linear(x: torch.Tensor, qweight: torch.Tensor, ws: torch.Tensor,
         w = aten._to_copy.default(aten.type_as.default(w, x), dtype=_F32)                  # x.dtype(w), as the linear
         term = aten.mul.Tensor(aten.unsqueeze.default(aten.select.int(xf, -1, col), -2), w)  # [..., N, K/2]
         acc = term if acc is None else aten.add.Tensor(acc, term)
-    y = aten.sum.dim_IntList(acc, [-1])
-    if bias is not None:
-        y = aten.add.Tensor(y, aten._to_copy.default(bias, dtype=_F32))
-    return aten.type_as.default(y, x)
+    return _summed_rows(acc, bias, x)
 
 
 def w4a16_rows_op_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: Optional[torch.Tensor],
