@@ -95,6 +95,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -115,8 +116,10 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "svdq_w4_fp8_fast_accum", "svdq_w4_fp8_fused", "svdq_w4_all_fp8_fast_accum", "fp8", "svdq_w4_fp8",
         "svdq_w4_w4a8_fused", "svdq_w4_w4a8_fused_fold", "svdq_w4_op", "bf16_graphed", "fp8_fused_graphed",
         "fp8_fused_rowquant_graphed", "svdq_w4_lrcat_split_act", "svdq_w4_lrcat_split_act_nofuse",
-        "svdq_w4_lrcat_split_graphed", "svdq_w4_lrcat_split_act_graphed", "svdq_w4_lrcat_split_act_nofuse_graphed")
-DEFAULT_ROWS = ROWS[:-11]
+        "svdq_w4_lrcat_split_graphed", "svdq_w4_lrcat_split_act_graphed", "svdq_w4_lrcat_split_act_nofuse_graphed",
+        "svdq_w4_lrcat_split_act_modrows", "svdq_w4_lrcat_split_act_modrows_graphed", "svdq_w4_default",
+        "svdq_w4_default_graphed", "fp8_default", "fp8_default_graphed")
+DEFAULT_ROWS = ROWS[:-17]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_act", "fp8_act_rowquant", "svdq_fp8",
            "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
            "w4_expand", "w4_expand_kernel", "svdq_fp8_fast_accum_expandkernel", "svdq_lrcat", "svdq_lrcat_expandkernel",
@@ -183,6 +186,10 @@ def row_specs():
         "svdq_w4_lrcat_split_act_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
                                            {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
                                             **mod_gemv}),
+        # the same with the modulation linears' multiply-and-sum rows form (stop 28's measured row) instead of the GEMV
+        "svdq_w4_lrcat_split_act_modrows": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                            {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
+                                             dispatch.WEIGHT_ONLY_ENV: "rows"}),
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
                                        {**w4a8, **fast}),
@@ -192,10 +199,16 @@ def row_specs():
                                     {dispatch.BACKEND_ENV: "w4a8_fold"}),
         "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "cutlass", **exact}),
     }
+    # each row names its forms: the settings' device defaults (dispatch's "auto": the kernels on sm_89+) apply to the
+    # *_default rows only, which measure what a user gets with no setting
+    named = {dispatch.ACT_QUANT_ENV: "graph", dispatch.W4_EXPAND_ENV: "graph", dispatch.WEIGHT_ONLY_ENV: "linear"}
+    specs = {n: (make, {**named, **env}) for n, (make, env) in specs.items()}
+    specs["svdq_w4_default"] = (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)], {})
+    specs["fp8_default"] = (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=())], {})
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with
     # more, smaller kernels (the row kernel's ~300 calls a step) hidden as a generation hides it
     graphed = ("bf16", "fp8_fused", "fp8_fused_rowquant", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_act",
-               "svdq_w4_lrcat_split_act_nofuse")
+               "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 
@@ -447,6 +460,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
             r["errors"][name] = f"{type(e).__name__}: {str(e)[:500]}"
             log(name, "FAILED", r["errors"][name])
+            log("".join(traceback.format_exc()[-4000:]))  # where: a device run is too dear to repeat for it
             del model
             cleanup(device)
             continue

@@ -85,7 +85,9 @@ def _lrcat_stats_kernel(x_ptr, si_ptr, ld_ptr, amax_ptr, h_ptr, M, K, R, M_BUCKE
     offs_k = tl.arange(0, BK)
     offs_r = tl.arange(0, R_PAD)
     r_mask = offs_r < R
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # |xs| maxed elementwise over the chunks, reduced across the columns once after the loop (no cross-thread
+    # reduction per chunk); a max is exact in any order
+    amax = tl.zeros([BLOCK_M, BK], dtype=tl.float32)
     h = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
     TRIP: tl.constexpr = KS // BK  # a compile-time trip count (the interpreter cannot loop to a runtime bound)
     for i in range(0, TRIP):
@@ -93,7 +95,7 @@ def _lrcat_stats_kernel(x_ptr, si_ptr, ld_ptr, amax_ptr, h_ptr, M, K, R, M_BUCKE
         k_mask = cols < K
         xs = tl.load(x_ptr + rows[:, None] * s_xm + cols[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
         xs = xs * tl.load(si_ptr + cols, mask=k_mask, other=0.0)[None, :]
-        amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
+        amax = tl.maximum(amax, tl.abs(xs))
         ld_t = tl.load(ld_ptr + offs_r[None, :] * s_ldr + cols[:, None], mask=k_mask[:, None] & r_mask[None, :],
                        other=0.0)                                          # lora_down.T chunk [BK, R_PAD]
         ld_t = ld_t.to(x_ptr.dtype.element_ty)
@@ -105,7 +107,7 @@ def _lrcat_stats_kernel(x_ptr, si_ptr, ld_ptr, amax_ptr, h_ptr, M, K, R, M_BUCKE
             h = tl.dot(xd.to(tl.float32), ld_t.to(tl.float32), h, input_precision="ieee")
         else:
             h = tl.dot(xd, ld_t, h)
-    tl.store(amax_ptr + split * M + rows, amax, mask=m_mask)
+    tl.store(amax_ptr + split * M + rows, tl.max(amax, axis=1), mask=m_mask)
     tl.store(h_ptr + (split * M + rows)[:, None] * R_PAD + offs_r[None, :], h, mask=m_mask[:, None])
 
 

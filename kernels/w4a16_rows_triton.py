@@ -7,8 +7,8 @@ one bandwidth-bound GEMV pass over the packed weight (issue 22).
 
     lo, hi = the chunk's int4 values (even k: the low nibble)            # [BLOCK_N, BB] each, exact in fp32
     w_lo = float(x.dtype(lo * wscale[n, byte // 32]))                    # the weight rounded as the linear rounds it
-    acc[m, n] += sum_b x[m, 2b] * w_lo[n, b] + x[m, 2b + 1] * w_hi[n, b]  # fp32, every row m of x at once
-    y[m, n] = x.dtype(acc[m, n] + float(bias[n]))
+    acc[m, n, b] += x[m, 2b] * w_lo[n, b] + x[m, 2b + 1] * w_hi[n, b]    # fp32, every row m of x at once
+    y[m, n] = x.dtype(sum_b acc[m, n, b] + float(bias[n]))
 
 Why a kernel: Inductor's fusion of that form (``DIT_PASSES_WEIGHT_ONLY_FORM=rows``) read the 1.6 GB of FLUX's packed
 modulation weights at ~0.4 TB/s on an H200 (4.2 ms a step, stop 28); the linear form before it wrote a dequantized
@@ -29,7 +29,7 @@ import triton.language as tl
 from .w4a4_autotune import interpreting
 from .w4a4_triton import _round_to_bf16_rne
 
-GROUP_BYTES = 32  # a group of 64 int4 values: 32 packed bytes share one scale
+GROUP_BYTES = tl.constexpr(32)  # a group of 64 int4 values: 32 packed bytes share one scale
 MAX_ROWS = 4      # rows of x per call (the graph writes the op for at most dispatch.FEW_ROWS rows)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,9 +37,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _configs():
     if interpreting():
         return [triton.Config({"BLOCK_N": 8, "BB": 64}, num_warps=4)]
-    # BLOCK_N x BB packed bytes a stage; the [M_PAD, BLOCK_N, BB] products bound the registers
+    # BLOCK_N x BB packed bytes a stage; the [M_PAD, BLOCK_N, BB] accumulator bounds the registers (M_PAD <= 4:
+    # at most 32 fp32 a thread per row of x)
     return [triton.Config({"BLOCK_N": bn, "BB": bb}, num_warps=w)
-            for bn, bb, w in ((4, 256, 4), (8, 256, 4), (8, 512, 8), (16, 128, 4), (16, 256, 8), (32, 128, 8))]
+            for bn, bb, w in ((4, 256, 4), (8, 128, 4), (8, 256, 8), (16, 128, 8), (4, 512, 8), (2, 512, 4))]
 
 
 @triton.autotune(configs=_configs(), key=["N", "KB", "M_PAD"])
@@ -53,7 +54,9 @@ def _w4a16_rows_kernel(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, M, N, s_xm, s_qn, s_
     offs_m = tl.arange(0, M_PAD)
     m_mask = offs_m < M
     offs_b = tl.arange(0, BB)
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    # the products summed elementwise per byte lane, reduced across lanes once after the loop: a reduction per chunk
+    # (cross-thread shuffles every BB bytes) kept the first version at ~0.6 TB/s on an H100 (2.9 ms a step, stop 29)
+    acc = tl.zeros([M_PAD, BLOCK_N, BB], dtype=tl.float32)
     for i in range(0, tl.cdiv(KB, BB)):  # KB (K / 2) is a compile-time constant: the interpreter's loops need one
         byte = i * BB + offs_b
         b_mask = byte < KB
@@ -70,10 +73,11 @@ def _w4a16_rows_kernel(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, M, N, s_xm, s_qn, s_
         xm = m_mask[:, None] & b_mask[None, :]
         x_even = tl.load(x_ptr + offs_m[:, None] * s_xm + 2 * byte[None, :], mask=xm, other=0.0).to(tl.float32)
         x_odd = tl.load(x_ptr + offs_m[:, None] * s_xm + 2 * byte[None, :] + 1, mask=xm, other=0.0).to(tl.float32)
-        acc += tl.sum(x_even[:, None, :] * w_lo[None, :, :] + x_odd[:, None, :] * w_hi[None, :, :], axis=2)
+        acc += x_even[:, None, :] * w_lo[None, :, :] + x_odd[:, None, :] * w_hi[None, :, :]
+    out = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * s_ym + rows[None, :], acc.to(y_ptr.dtype.element_ty),
+        out += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * s_ym + rows[None, :], out.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 

@@ -180,7 +180,7 @@ def _fp8_inline(granularity: str) -> Callable:
         gemm = dispatch.fp8_gemm_backend(x_val, n, k, granularity)
         shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"])
         return fp8_form_replacement(granularity, gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape,
-                                    dispatch.fp8_act_quant(granularity))
+                                    dispatch.fp8_act_quant(granularity, x_val))
     return choose
 
 
@@ -234,9 +234,9 @@ def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optio
     shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=r)
     fast = gemm == "scaled_mm" and dispatch.fp8_fast_accum()
     if form == "fp8":
-        return svdq_fp8_form_replacement(gemm, fast, shape, dispatch.w4_expand())
-    return svdq_lrcat_form_replacement(gemm, fast, shape, dispatch.w4_expand(), split,
-                                       dispatch.fp8_act_quant("per_row"))
+        return svdq_fp8_form_replacement(gemm, fast, shape, dispatch.w4_expand(x_val))
+    return svdq_lrcat_form_replacement(gemm, fast, shape, dispatch.w4_expand(x_val), split,
+                                       dispatch.fp8_act_quant("per_row", x_val))
 
 
 @functools.lru_cache(maxsize=None)

@@ -85,6 +85,8 @@ def test_fp8_dispatch_and_settings(monkeypatch):
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     assert dispatch.fp8_gemm_backend(x, 32, 64, "per_row") == "reference"  # CPU: the dequantized matmul
     monkeypatch.delenv(dispatch.FAST_ACCUM_ENV, raising=False)
+    assert dispatch.fp8_fast_accum() is True  # the inference default
+    monkeypatch.setenv(dispatch.FAST_ACCUM_ENV, "0")
     assert dispatch.fp8_fast_accum() is False
     monkeypatch.setenv(dispatch.FAST_ACCUM_ENV, "1")
     assert dispatch.fp8_fast_accum() is True
@@ -449,7 +451,7 @@ def test_weight_only_form_traces_under_export_and_aot_eager(kind):
 
 
 @pytest.mark.parametrize("cap,setting,k,form", [
-    ((9, 0), "auto", 256, "fp8"),     # Hopper: fp8 but no 4-bit tensor cores -> W4A8 by default
+    ((9, 0), "auto", 256, "lrcat_split"),  # Hopper: fp8 but no 4-bit tensor cores -> the fastest W4A8 design
     ((9, 0), "auto", 200, "op"),      # ... unless _scaled_mm cannot take the shape
     ((8, 9), "auto", 256, "op"),      # other GPUs: true W4A4
     ((10, 0), "auto", 256, "op"),
@@ -467,3 +469,24 @@ def test_svdq_form_hopper_default(cap, setting, k, form, monkeypatch):
     assert dispatch.svdq_form(x, qweight) == form
     cpu_q = torch.zeros(64, k // 2, dtype=torch.uint8)
     assert dispatch.svdq_form(torch.zeros(1, 4, k), cpu_q) == ("fp8" if setting == "fp8" else "op")  # the CPU
+
+
+@pytest.mark.parametrize("cap,kernels", [((9, 0), True), ((8, 9), True), ((8, 0), False)])
+def test_auto_settings_take_the_kernels_on_fp8_gpus(cap, kernels, monkeypatch):
+    """The A-operand and expansion kernels are the default where the e4m3 cast runs (sm_89+), the graph forms on
+    older GPUs and the CPU; a setting naming one wins everywhere."""
+    from torch._subclasses import FakeTensorMode
+
+    for env in (dispatch.ACT_QUANT_ENV, dispatch.W4_EXPAND_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(dispatch, "capability", lambda device: cap)
+    with FakeTensorMode():
+        x = torch.empty(1, 4, 256, device="cuda", dtype=torch.bfloat16)
+    cpu = torch.zeros(1, 4, 256)
+    want = "kernel" if kernels else "graph"
+    assert [dispatch.fp8_act_quant("per_row", x), dispatch.w4_expand(x)] == [want, want]
+    assert dispatch.fp8_act_quant("per_tensor", x) == "graph"  # a per-tensor scale stays in the graph form
+    assert [dispatch.fp8_act_quant("per_row", cpu), dispatch.w4_expand(cpu), dispatch.w4_expand()] == ["graph"] * 3
+    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "graph")
+    monkeypatch.setenv(dispatch.W4_EXPAND_ENV, "kernel")
+    assert [dispatch.fp8_act_quant("per_row", x), dispatch.w4_expand(cpu)] == ["graph", "kernel"]

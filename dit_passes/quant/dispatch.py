@@ -14,15 +14,15 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   multiples of 16 (row-wise scales only with bf16 activations), else the reference.
 * The graph forms (``graph_forms.py``: plain ATen ops written into the graph by the quantize passes, decided when
   the graph is written, from x's fake value): the fp8 linears' GEMM is :func:`fp8_gemm_backend` (the same rule
-  as :func:`fp8_backend`), with ``use_fast_accum`` where ``DIT_PASSES_FP8_FAST_ACCUM=1`` (:func:`fp8_fast_accum`);
-  SVDQuant's linears are written as W4A8 on fp8 tensor cores (``graph_forms.svdq_fp8_linear_form``) on Hopper
-  by default and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (its GEMM follows :func:`fp8_gemm_backend`: the
-  reference on CPU), else as the custom op (true W4A4, above): :func:`svdq_form`.
+  as :func:`fp8_backend`), with ``use_fast_accum`` unless ``DIT_PASSES_FP8_FAST_ACCUM=0`` (:func:`fp8_fast_accum`);
+  SVDQuant's linears are written as the lrcat_split form below on Hopper by default, as W4A8 on fp8 tensor cores
+  (``graph_forms.svdq_fp8_linear_form``) anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (its GEMM follows
+  :func:`fp8_gemm_backend`: the reference on CPU), else as the custom op (true W4A4, above): :func:`svdq_form`.
 * ``DIT_PASSES_W4A4_BACKEND=lrcat``: SVDQuant's linears are written as the fp8 form with the low-rank branch
   folded into the GEMM's K (``graph_forms.svdq_lrcat_linear_form``: one ``_scaled_mm`` over [qx | qh] and
   [w8 | u8], the branch in e4m3), on any device (the reference GEMM off the GPU); its B operand by ATen ops or, with
   ``DIT_PASSES_W4_EXPAND=kernel``, by the op ``dit_passes::w4_lrcat_to_e4m3``; ``lrcat_split``: the branch's
-  operands as e4m3 hi / lo pairs (3R columns, ~8 significant bits). Not the default until measured.
+  operands as e4m3 hi / lo pairs (3R columns, ~8 significant bits): the Hopper default (``auto``).
 * ``DIT_PASSES_W4A4_BACKEND`` = ``w4a8`` / ``w4a8_fold``: SVDQuant's linears are written as the op
   ``dit_passes::svdq_w4a8_linear`` (``fold`` False / True), which runs the fused W4A8 Triton kernels
   (``dit_passes.kernels.w4a8_triton``: the int4 weights turned into e4m3 inside the GEMM, per-token e4m3 activations
@@ -33,23 +33,25 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   bf16) and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8`` (the reference GEMM off the GPU); else the op (the
   reference).
 * The fp8 graph form's per-token activation quantization, :func:`fp8_act_quant`: ``DIT_PASSES_FP8_ACT_QUANT`` =
-  ``graph`` (default: ATen ops, which Inductor fuses into the producer as a reduction and a pointwise kernel) |
+  ``auto`` (default: ``kernel`` on sm_89+ GPUs, else ``graph``) | ``graph`` (ATen ops, which Inductor fuses into
+  the producer as a reduction and a pointwise kernel) |
   ``kernel`` (the op ``dit_passes::fp8_quantize_rows``, written on any device; on CUDA one Triton kernel reading
   x once, ``dit_passes.kernels.fp8_rowquant_triton``, on sm_89+ (:func:`fp8_quantize_rows_cuda`), else its
-  reference). Not the default until measured faster on the step. The same setting writes the lrcat form's A
+  reference). The same setting writes the lrcat form's A
   operand as the op ``dit_passes::lrcat_quantize_rows`` (smoothing, e4m3 and the low-rank down projection in one
   Triton kernel, ``dit_passes.kernels.lrcat_act_triton``: :func:`lrcat_quantize_rows_cuda`).
 * The SVDQuant fp8 graph form's weight expansion (int4 -> e4m3, group scales folded), :func:`w4_expand`:
-  ``DIT_PASSES_W4_EXPAND`` = ``graph`` (default: ATen ops, ``graph_forms.w4_to_e4m3``, fused by Inductor) |
-  ``kernel`` (the op ``dit_passes::w4_to_e4m3``, written on any device; on CUDA one bandwidth-bound Triton kernel,
-  ``dit_passes.kernels.w4_expand_triton``, on sm_89+ (:func:`w4_to_e4m3_cuda`), else its reference). Not the default
-  until measured faster on the step.
+  ``DIT_PASSES_W4_EXPAND`` = ``auto`` (default: ``kernel`` on sm_89+ GPUs, else ``graph``) | ``graph`` (ATen ops,
+  ``graph_forms.w4_to_e4m3``, fused by Inductor) | ``kernel`` (the op ``dit_passes::w4_to_e4m3``, written on any
+  device; on CUDA one bandwidth-bound Triton kernel, ``dit_passes.kernels.w4_expand_triton``, on sm_89+
+  (:func:`w4_to_e4m3_cuda`), else its reference).
 * The weight-only forms (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``: the
-  AdaLN modulation linears under SVDQuant), :func:`weight_only_form`: ``DIT_PASSES_WEIGHT_ONLY_FORM`` = ``linear``
-  (default: the dequantized weight and ``aten.linear``) | ``rows`` (on at most :data:`FEW_ROWS` rows of x, a
+  AdaLN modulation linears under SVDQuant), :func:`weight_only_form`: ``DIT_PASSES_WEIGHT_ONLY_FORM`` = ``auto``
+  (default: ``kernel`` on a GPU, ``linear`` on the CPU) | ``linear`` (the dequantized weight and ``aten.linear``) |
+  ``rows`` (on at most :data:`FEW_ROWS` rows of x, a
   multiply-and-sum that Inductor fuses with the dequantization, ``graph_forms.dequantized_linear``) | ``kernel``
   (the int4 forms on those rows as the op ``dit_passes::w4a16_rows_linear``: on CUDA one Triton GEMV pass over the
-  packed weight, ``dit_passes.kernels.w4a16_rows_triton``, :func:`w4a16_rows_cuda`). Not the default until measured.
+  packed weight, ``dit_passes.kernels.w4a16_rows_triton``, :func:`w4a16_rows_cuda`).
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -78,14 +80,14 @@ from .w4a8 import w4a8_linear_reference
 BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
 FAST_ACCUM_ENV = "DIT_PASSES_FP8_FAST_ACCUM"
 ACT_QUANT_ENV = "DIT_PASSES_FP8_ACT_QUANT"
-ACT_QUANT_SETTINGS = ACT_QUANTS  # what the graph forms take
+ACT_QUANT_SETTINGS = ("auto", *ACT_QUANTS)  # auto: resolved per device to what the graph forms take
 W4_EXPAND_ENV = "DIT_PASSES_W4_EXPAND"
-W4_EXPAND_SETTINGS = W4_EXPANDS
+W4_EXPAND_SETTINGS = ("auto", *W4_EXPANDS)
 LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_forms.svdq_lrcat_linear_form
 BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 WEIGHT_ONLY_ENV = "DIT_PASSES_WEIGHT_ONLY_FORM"
-WEIGHT_ONLY_SETTINGS = ("linear", "rows", "kernel")
+WEIGHT_ONLY_SETTINGS = ("auto", "linear", "rows", "kernel")
 FEW_ROWS = 4  # the most rows of x written as graph_forms.dequantized_linear's multiply-and-sum (CFG: 2 per step)
 GROUP = 64
 
@@ -280,6 +282,12 @@ def capability(device: torch.device) -> tuple:
     return torch.cuda.get_device_capability(device)
 
 
+def on_fp8_gpu(x: Optional[torch.Tensor]) -> bool:
+    """Whether x (a real or fake tensor) lives on a GPU with fp8 tensor cores and the e4m3 cast (sm_89+): where the
+    ``auto`` settings below take our Triton kernels (measured faster on the H100 / H200 step, stops 27-29)."""
+    return x is not None and x.device.type == "cuda" and tuple(capability(x.device)) >= (8, 9)
+
+
 def fp8_backend(x: torch.Tensor, qweight: torch.Tensor, granularity: str) -> str:
     """``"scaled_mm"`` where ``torch._scaled_mm`` handles the call, else ``"reference"``."""
     n, k = qweight.shape
@@ -302,20 +310,24 @@ def fp8_gemm_backend(x: torch.Tensor, n: int, k: int, granularity: str) -> str:
 
 
 def fp8_fast_accum() -> bool:
-    """``DIT_PASSES_FP8_FAST_ACCUM=1``: ``_scaled_mm`` with ``use_fast_accum`` (sm_90's fp8 MMA accumulates in
-    reduced precision between promotions: faster, slightly less exact). Default off."""
-    s = os.environ.get(FAST_ACCUM_ENV, "0").strip().lower()
+    """``_scaled_mm`` with ``use_fast_accum`` (sm_90's fp8 MMA accumulates in reduced precision between promotions:
+    faster, slightly less exact; the inference default of fp8 GEMMs, as torchao's): on by default,
+    ``DIT_PASSES_FP8_FAST_ACCUM=0`` turns it off. Every step row measured on the GPU ran with it (stops 26-29)."""
+    s = os.environ.get(FAST_ACCUM_ENV, "1").strip().lower()
     if s not in ("0", "1", "false", "true", ""):
         raise ValueError(f"{FAST_ACCUM_ENV}={s!r}: expected 0 or 1")
-    return s in ("1", "true")
+    return s in ("1", "true", "")
 
 
-def fp8_act_quant(granularity: str) -> str:
-    """How the fp8 graph form quantizes its activations (module docstring): ``"graph"`` or ``"kernel"`` (per-row
-    only: a per-tensor scale stays in the graph form)."""
-    s = os.environ.get(ACT_QUANT_ENV, "graph").strip().lower() or "graph"
+def fp8_act_quant(granularity: str, x: Optional[torch.Tensor] = None) -> str:
+    """How the fp8 graph form quantizes activations like ``x`` (module docstring): ``"graph"`` or ``"kernel"``
+    (per-row only: a per-tensor scale stays in the graph form); ``auto`` (the default): the kernel on an sm_89+ GPU
+    (:func:`on_fp8_gpu`; 98.7 -> 93.9 ms on the fp8 step, H200), the graph form elsewhere."""
+    s = os.environ.get(ACT_QUANT_ENV, "auto").strip().lower() or "auto"
     if s not in ACT_QUANT_SETTINGS:
         raise ValueError(f"{ACT_QUANT_ENV}={s!r}: expected one of {ACT_QUANT_SETTINGS}")
+    if s == "auto":
+        s = "kernel" if on_fp8_gpu(x) else "graph"
     return s if granularity == "per_row" else "graph"
 
 
@@ -339,11 +351,14 @@ def weight_only_form(x: torch.Tensor) -> str:
     activations like ``x`` (a real or fake tensor): for at most :data:`FEW_ROWS` rows of x, ``"rows"``
     (``graph_forms.dequantized_linear``'s multiply-and-sum, which Inductor fuses with the dequantization) or
     ``"kernel"`` (the int4 forms: the op ``dit_passes::w4a16_rows_linear``, one GEMV pass over the packed weight;
-    the others take ``"rows"``) as ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks; else ``"linear"`` (the default: the
-    dequantized weight, then ``aten.linear``). Not the default until measured on the step."""
-    s = os.environ.get(WEIGHT_ONLY_ENV, "linear").strip().lower() or "linear"
+    the others take ``"rows"``) as ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks; else ``"linear"`` (the dequantized weight,
+    then ``aten.linear``). ``auto`` (the default): ``"kernel"`` on a GPU (FLUX's modulation: 8.3 ms a step as the
+    linear form, 2.9 ms as the kernel, H100), ``"linear"`` on the CPU."""
+    s = os.environ.get(WEIGHT_ONLY_ENV, "auto").strip().lower() or "auto"
     if s not in WEIGHT_ONLY_SETTINGS:
         raise ValueError(f"{WEIGHT_ONLY_ENV}={s!r}: expected one of {WEIGHT_ONLY_SETTINGS}")
+    if s == "auto":
+        s = "kernel" if x.device.type == "cuda" else "linear"
     return s if math.prod(int(d) for d in x.shape[:-1]) <= FEW_ROWS else "linear"
 
 
@@ -361,12 +376,15 @@ def w4a16_rows_cuda(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor
     return kernel.w4a16_rows_linear(x, qweight, wscale, bias)
 
 
-def w4_expand() -> str:
-    """How the SVDQuant fp8 graph form expands its int4 weights to e4m3 (module docstring): ``"graph"`` or
-    ``"kernel"``."""
-    s = os.environ.get(W4_EXPAND_ENV, "graph").strip().lower() or "graph"
+def w4_expand(x: Optional[torch.Tensor] = None) -> str:
+    """How the SVDQuant fp8 graph forms expand their int4 weights to e4m3 for activations like ``x`` (module
+    docstring): ``"graph"`` or ``"kernel"``; ``auto`` (the default): the kernel on an sm_89+ GPU (Inductor's fusion
+    of the graph form: 109-491 GB/s, the kernel 2.0-2.15 TB/s), the graph form elsewhere."""
+    s = os.environ.get(W4_EXPAND_ENV, "auto").strip().lower() or "auto"
     if s not in W4_EXPAND_SETTINGS:
         raise ValueError(f"{W4_EXPAND_ENV}={s!r}: expected one of {W4_EXPAND_SETTINGS}")
+    if s == "auto":
+        s = "kernel" if on_fp8_gpu(x) else "graph"
     return s
 
 
@@ -418,16 +436,19 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     scales; only when ``DIT_PASSES_W4A4_BACKEND`` names them, on any device) or ``"op"``
     (``dit_passes::svdq_w4a4_linear``: true W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor
     cores).
-    ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes it on Hopper (compute
-    capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape; every other setting,
-    device or shape gets the op."""
+    ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes ``"lrcat_split"`` on
+    Hopper (compute capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape: the
+    fastest SVDQuant design measured at SVDQuant's fidelity (FLUX step: 118.4 ms against bf16's 133.1 on an H100,
+    the default W4A8 form before it 152 ms on an H200; digits DiT 46.2 dB); every other setting, device or shape
+    gets the op."""
     setting = backend_setting()
     if setting == "fp8" or setting in LRCAT_FORMS or setting in W4A8_FORMS:
         return setting
     if setting != "auto" or x.device.type != "cuda" or capability(x.device)[0] != 9:
         return "op"
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    return "fp8" if fp8_gemm_backend(x, n, k, "per_row") == "scaled_mm" else "op"
+    # the branch's columns keep K a multiple of 16 (graph_forms.lrcat_cols): _scaled_mm takes [K + cols] when it takes K
+    return "lrcat_split" if fp8_gemm_backend(x, n, k, "per_row") == "scaled_mm" else "op"
 
 
 def nvfp4_form(x: torch.Tensor, n: int, k: int) -> str:
