@@ -153,10 +153,11 @@ def w4a16_op_replacement(kind: str, shape: LinearShape) -> Callable:
 
 def _weight_only_inline(kind: str) -> Callable:
     def choose(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
-        form = dispatch.weight_only_form(x_val)
+        int4 = kind in ("w4a16", "w4a16_lr")
+        form = dispatch.weight_only_form(x_val, int4)
         if form == "linear":
             return None
-        if form == "kernel" and kind in ("w4a16", "w4a16_lr"):
+        if form == "kernel" and int4:
             n, k = tensors["qweight"].shape[0], 2 * tensors["qweight"].shape[1]
             return w4a16_op_replacement(kind, LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"]))
         return weight_only_rows_replacement(kind, tensors.get("bias") is not None)

@@ -56,8 +56,9 @@ def test_weight_only_form_setting(monkeypatch):
     with FakeTensorMode():  # a CUDA tensor's metadata, no GPU needed
         one, cfg, tokens = (torch.empty(*s, 64, device="cuda") for s in ((1,), (2, 1), (1, 5)))
     cpu = torch.empty(1, 64)
-    # the default: the GEMV op on a GPU's few rows, the linear form on the CPU
+    # the default: the int4 GEMV op on a GPU's few rows; the linear form on the CPU and for the other kinds
     assert [dispatch.weight_only_form(t) for t in (one, cfg, tokens, cpu)] == ["kernel", "kernel", "linear", "linear"]
+    assert {dispatch.weight_only_form(t, int4=False) for t in (one, cfg, tokens, cpu)} == {"linear"}
     monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "rows")
     assert [dispatch.weight_only_form(t) for t in (one, cfg, tokens, cpu)] == ["rows", "rows", "linear", "rows"]
     monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "kernel")

@@ -47,7 +47,7 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   (:func:`w4_to_e4m3_cuda`), else its reference).
 * The weight-only forms (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``: the
   AdaLN modulation linears under SVDQuant), :func:`weight_only_form`: ``DIT_PASSES_WEIGHT_ONLY_FORM`` = ``auto``
-  (default: ``kernel`` on a GPU, ``linear`` on the CPU) | ``linear`` (the dequantized weight and ``aten.linear``) |
+  (default: ``kernel`` for int4 on a GPU, else ``linear``) | ``linear`` (the dequantized weight and ``aten.linear``) |
   ``rows`` (on at most :data:`FEW_ROWS` rows of x, a
   multiply-and-sum that Inductor fuses with the dequantization, ``graph_forms.dequantized_linear``) | ``kernel``
   (the int4 forms on those rows as the op ``dit_passes::w4a16_rows_linear``: on CUDA one Triton GEMV pass over the
@@ -346,19 +346,20 @@ def fp8_quantize_rows_cuda(x: torch.Tensor):
     return kernel.fp8_quantize_rows(x)
 
 
-def weight_only_form(x: torch.Tensor) -> str:
+def weight_only_form(x: torch.Tensor, int4: bool = True) -> str:
     """How a weight-only linear (int8 / fp8 / int4 / NVFP4 weights, activations in their dtype) is written for
     activations like ``x`` (a real or fake tensor): for at most :data:`FEW_ROWS` rows of x, ``"rows"``
     (``graph_forms.dequantized_linear``'s multiply-and-sum, which Inductor fuses with the dequantization) or
     ``"kernel"`` (the int4 forms: the op ``dit_passes::w4a16_rows_linear``, one GEMV pass over the packed weight;
     the others take ``"rows"``) as ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks; else ``"linear"`` (the dequantized weight,
-    then ``aten.linear``). ``auto`` (the default): ``"kernel"`` on a GPU (FLUX's modulation: 8.3 ms a step as the
-    linear form, 2.9 ms as the kernel, H100), ``"linear"`` on the CPU."""
+    then ``aten.linear``). ``auto`` (the default): ``"kernel"`` for the ``int4`` kinds on a GPU (FLUX's
+    modulation: 8.3 ms a step as the linear form, 2.2 ms as the kernel, H100), else ``"linear"`` (the rows form
+    holds an [rows, N, K] product where no compiler fuses it: not a default)."""
     s = os.environ.get(WEIGHT_ONLY_ENV, "auto").strip().lower() or "auto"
     if s not in WEIGHT_ONLY_SETTINGS:
         raise ValueError(f"{WEIGHT_ONLY_ENV}={s!r}: expected one of {WEIGHT_ONLY_SETTINGS}")
     if s == "auto":
-        s = "kernel" if x.device.type == "cuda" else "linear"
+        s = "kernel" if int4 and x.device.type == "cuda" else "linear"
     return s if math.prod(int(d) for d in x.shape[:-1]) <= FEW_ROWS else "linear"
 
 
