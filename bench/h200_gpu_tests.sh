@@ -16,7 +16,8 @@ set -o pipefail
 files=${GPU_TEST_FILES:-"tests/test_cuda_graph_step.py tests/test_quant_nvfp4.py tests/test_kernels_cutlass.py
   tests/test_kernels_w4a4.py tests/test_kernels_w4a8.py tests/test_quant_core.py tests/test_quant_forms.py
   tests/test_fp8_rowquant.py tests/test_w4_expand.py tests/test_lrcat.py tests/test_lrcat_act.py
-  tests/test_w4a16_rows.py tests/test_weight_only_rows.py tests/test_triton_kernel_globals.py"}  # GPU_TEST_FILES: a part of the list when one device call cannot hold all
+  tests/test_w4a16_rows.py tests/test_weight_only_rows.py tests/test_triton_kernel_globals.py"}
+# GPU_TEST_FILES: a part of the list when one device call cannot hold all (file paths or pytest node ids)
 timeout ${GPU_TESTS_TIMEOUT:-500} python3 -P -m pytest -q -p no:cacheprovider -rA "$@" $files \
   2>&1 | tee "$out/${GPU_TESTS_LOG:-gpu_tests.log}" | grep -v "^PASSED"
 echo "gpu tests rc=$?"
