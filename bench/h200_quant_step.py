@@ -118,8 +118,9 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "fp8_fused_rowquant_graphed", "svdq_w4_lrcat_split_act", "svdq_w4_lrcat_split_act_nofuse",
         "svdq_w4_lrcat_split_graphed", "svdq_w4_lrcat_split_act_graphed", "svdq_w4_lrcat_split_act_nofuse_graphed",
         "svdq_w4_lrcat_split_act_modrows", "svdq_w4_lrcat_split_act_modrows_graphed", "svdq_w4_default",
-        "svdq_w4_default_graphed", "fp8_default", "fp8_default_graphed")
-DEFAULT_ROWS = ROWS[:-17]
+        "svdq_w4_default_graphed", "fp8_default", "fp8_default_graphed", "svdq_w4_lrcat_split_mm",
+        "svdq_w4_lrcat_split_mm_graphed")
+DEFAULT_ROWS = ROWS[:-19]
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_act", "fp8_act_rowquant", "svdq_fp8",
            "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
            "w4_expand", "w4_expand_kernel", "svdq_fp8_fast_accum_expandkernel", "svdq_lrcat", "svdq_lrcat_expandkernel",
@@ -186,6 +187,11 @@ def row_specs():
         "svdq_w4_lrcat_split_act_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
                                            {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
                                             **mod_gemv}),
+        # the A operand as aten.mm for the branch's down projection (on the smoothed activation, which Inductor writes
+        # in its producer) and one row pass (dit_passes::lrcat_quantize_smoothed) instead of the two kernels
+        "svdq_w4_lrcat_split_mm": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
+                                   {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant, **mod_gemv,
+                                    dispatch.LRCAT_ACT_ENV: "mm"}),
         # the same with the modulation linears' multiply-and-sum rows form (stop 28's measured row) instead of the GEMV
         "svdq_w4_lrcat_split_act_modrows": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
                                             {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
@@ -208,7 +214,8 @@ def row_specs():
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with
     # more, smaller kernels (the row kernel's ~300 calls a step) hidden as a generation hides it
     graphed = ("bf16", "fp8_fused", "fp8_fused_rowquant", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_act",
-               "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default")
+               "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default",
+               "svdq_w4_lrcat_split_mm")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 

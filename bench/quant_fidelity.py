@@ -138,15 +138,17 @@ def main(argv=None) -> int:
                          "weight-only int4 + low-rank branch (w4a16_lr), "
                          "W4A4 like the rest (the flag alone), or none (every config leaves them unquantized)")
     ap.add_argument("--only", nargs="+", default=None, help="run only these configs (e.g. svdq_r32_ptq svdq_r32_dq)")
-    ap.add_argument("--act-quant", choices=("graph", "kernel"), default="graph",
+    ap.add_argument("--act-quant", choices=("graph", "kernel", "mm"), default="graph",
                     help="kernel: the fp8 / lrcat forms' activations through their ops (DIT_PASSES_FP8_ACT_QUANT; "
-                         "on the CPU the ops' references, the kernels' specifications)")
+                         "on the CPU the ops' references, the kernels' specifications); mm: the lrcat A operand "
+                         "from the smoothed activation in x.dtype and aten.mm (DIT_PASSES_LRCAT_ACT=mm)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from dit_passes.quant import dispatch
 
     os.environ[dispatch.BACKEND_ENV] = args.w4a4_backend  # read when each quantized graph is written
-    os.environ[dispatch.ACT_QUANT_ENV] = args.act_quant
+    os.environ[dispatch.ACT_QUANT_ENV] = "kernel" if args.act_quant == "mm" else args.act_quant
+    os.environ[dispatch.LRCAT_ACT_ENV] = "mm" if args.act_quant == "mm" else "stats"
     from dit_passes.fidelity import run_fidelity
     from dit_passes.models.digits import load_digits_pipeline
 

@@ -20,6 +20,13 @@ scaling and an e4m3 concatenation: four to five passes over [M, K] where these a
 kernels over a grid of K splits: the first design, one program per 16 tokens doing both passes, gave FLUX's 4608
 tokens 288 programs, too few loads in flight: 650-710 GB/s on an H100 (27.7 ms of a 138.7 ms step, stop 28).
 
+:func:`lrcat_quantize_smoothed` (``dit_passes::lrcat_quantize_smoothed``, ``DIT_PASSES_LRCAT_ACT=mm``; specification
+``graph_forms.lrcat_smoothed_activation``) takes the smoothed activation xd = x.dtype(x * smooth_inv), which Inductor
+writes in its producer, and h = xd @ lora_down.T from a GEMM (cuBLAS), and makes the same operand in one program per
+token (the row in registers, as ``fp8_rowquant_triton``'s one-pass kernel): sx and qx from xd's values, then the
+branch columns from h. The aim: x read once by cuBLAS's skinny GEMM and once here, no partial sums (the two-kernel
+path: 13.7 ms of a 116 ms SVDQuant step on an H100, stop 29). Bytes equal to its specification.
+
 Numerics: qx and sx are the graph form's bytes (the same fp32 operations in the same order; a max is exact in any
 order). h is accumulated in fp32 and not rounded to x.dtype before the scaling (the graph form rounds it: the op's
 reference does as the kernel does), so the branch's columns equal the reference's up to the summation order of h
@@ -36,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .fp8_rowquant_triton import _to_e4m3
+from .fp8_rowquant_triton import SINGLE_MAX
 from .fp8_rowquant_triton import is_supported as rows_supported
 from .w4a4_autotune import interpreting
 from .w4a4_triton import _round_to_bf16_rne
@@ -138,30 +146,64 @@ def _lrcat_quant_kernel(x_ptr, si_ptr, amax_ptr, h_ptr, c_ptr, a_ptr, sx_ptr, M,
     else:
         tl.store(sx_ptr + rows, sx, mask=m_mask)
         offs_r = tl.arange(0, R_PAD)
-        r_mask = offs_r < R
         h = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
         for s in range(0, S):  # the splits' partial sums in split order (one split: the one-pass kernel's h)
             h += tl.load(h_ptr + (s * M + rows)[:, None] * RH + offs_r[None, :], mask=(offs_r < RH)[None, :],
                          other=0.0)
-        c = tl.load(c_ptr + offs_r, mask=r_mask, other=1.0)
-        hs = tl.math.div_rn(h, sx[:, None] * c[None, :])                   # 0 past R: lora_down's rows read as 0
-        hs = tl.minimum(tl.maximum(hs, -E4M3_MAX), E4M3_MAX)
-        dst = a_ptr + rows[:, None] * s_am + (K + offs_r)[None, :]
-        hi = _to_e4m3(hs, SOFT)
-        if SPLIT:  # [hi | lo | hi], the last part also writing the zero columns up to COLS
-            lo = _to_e4m3(hs - _soft_e4m3(hs), SOFT)  # hi's value without an fp8 round trip in registers (sm_90:
-            # Triton 3.6 mis-lowered hi.to(float32) of the dot's layout: hi + lo off by hundreds in the GPU test)
-            tl.store(dst, hi, mask=m_mask[:, None] & r_mask[None, :])
-            tl.store(dst + R, lo, mask=m_mask[:, None] & r_mask[None, :])
-            tl.store(dst + 2 * R, hi, mask=m_mask[:, None] & (offs_r < COLS - 2 * R)[None, :])
-        else:
-            tl.store(dst, hi, mask=m_mask[:, None] & (offs_r < COLS)[None, :])
+        _store_branch(a_ptr + rows[:, None] * s_am + (K + offs_r)[None, :], h, sx, c_ptr, offs_r, m_mask[:, None], R,
+                      SPLIT, COLS, SOFT)
+
+
+@triton.jit
+def _store_branch(dst, h, sx, c_ptr, offs_r, row_ok, R, SPLIT: tl.constexpr, COLS: tl.constexpr, SOFT: tl.constexpr):
+    # the branch columns of a block of rows from h [ROWS, R_PAD] (fp32, 0 past R) and sx [ROWS]:
+    # hs = clamp(h / (sx * c)); [e4m3(hs)] or, split, [hi | lo | hi], zeros up to COLS
+    r_mask = offs_r < R
+    c = tl.load(c_ptr + offs_r, mask=r_mask, other=1.0)
+    hs = tl.math.div_rn(h, sx[:, None] * c[None, :])
+    hs = tl.minimum(tl.maximum(hs, -E4M3_MAX), E4M3_MAX)
+    hi = _to_e4m3(hs, SOFT)
+    if SPLIT:  # [hi | lo | hi], the last part also writing the zero columns up to COLS
+        lo = _to_e4m3(hs - _soft_e4m3(hs), SOFT)  # hi's value without an fp8 round trip in registers (sm_90:
+        # Triton 3.6 mis-lowered hi.to(float32) of the dot's layout: hi + lo off by hundreds in the GPU test)
+        tl.store(dst, hi, mask=row_ok & r_mask[None, :])
+        tl.store(dst + R, lo, mask=row_ok & r_mask[None, :])
+        tl.store(dst + 2 * R, hi, mask=row_ok & (offs_r < COLS - 2 * R)[None, :])
+    else:
+        tl.store(dst, hi, mask=row_ok & (offs_r < COLS)[None, :])
+
+
+@triton.jit
+def _lrcat_rows_kernel(x_ptr, h_ptr, c_ptr, a_ptr, sx_ptr, K, R, s_xm, s_hm, s_am, BLOCK: tl.constexpr,
+                       R_PAD: tl.constexpr, SPLIT: tl.constexpr, COLS: tl.constexpr, SOFT: tl.constexpr):
+    # one program per token, its row held in registers (K <= SINGLE_MAX): the smoothed activation's e4m3 and scale,
+    # then the branch columns from its down projection h (computed before, by a GEMM)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    xf = tl.load(x_ptr + row * s_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    sx = tl.math.div_rn(tl.max(tl.abs(xf), axis=0), E4M3_MAX)
+    sx = tl.where(sx == 0.0, 1.0, sx)
+    inv = tl.math.div_rn(1.0, sx)
+    y = tl.minimum(tl.maximum(xf * inv, -E4M3_MAX), E4M3_MAX)
+    tl.store(a_ptr + row * s_am + cols, _to_e4m3(y, SOFT), mask=mask)
+    tl.store(sx_ptr + row, sx)
+    offs_r = tl.arange(0, R_PAD)
+    h = tl.load(h_ptr + row * s_hm + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)[None, :]   # [1, R_PAD]
+    _store_branch(a_ptr + row * s_am + (K + offs_r)[None, :], h, tl.zeros([1], dtype=tl.float32) + sx, c_ptr,
+                  offs_r, tl.full([1, 1], 1, tl.int1), R, SPLIT, COLS, SOFT)
 
 
 def is_supported(x: torch.Tensor, lora_down: torch.Tensor) -> bool:
     """Whether the kernel takes these tensors: a float 2-D x (and lora_down) on an sm_89+ GPU (the e4m3 cast), or any
     device under the interpreter: the row quantization kernel's conditions."""
     return lora_down.dim() == 2 and lora_down.is_floating_point() and rows_supported(x)
+
+
+def smoothed_supported(xd: torch.Tensor) -> bool:
+    """Whether :func:`lrcat_quantize_smoothed` takes xd: the row kernel's conditions and at most SINGLE_MAX columns
+    (one token's row in registers)."""
+    return rows_supported(xd) and xd.dim() == 2 and 0 < xd.shape[1] <= SINGLE_MAX
 
 
 def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
@@ -205,4 +247,36 @@ def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: to
     _lrcat_quant_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(k, meta["BK"]) + 1)](
         x, si, amax, h, c.contiguous(), a, sx, m, k, r, bucket, x.stride(0), a.stride(0), S=s, RH=rh, R_PAD=r_pad,
         SPLIT=split, COLS=cols, SOFT=interpreting())
+    return a, sx
+
+
+def lrcat_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
+                            split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The A operand from the smoothed activation xd [M, K] (fp32 / bf16 / fp16, K <= SINGLE_MAX) and its down
+    projection h [M, R] (any float dtype; a GEMM made it), c fp32 [R] -> ``(a float8_e4m3fn [M, K + cols], sx fp32
+    [M, 1])``: one program per token, xd read once (``dit_passes::lrcat_quantize_smoothed``, its reference
+    ``graph_forms.lrcat_smoothed_activation``)."""
+    name = "lrcat_quantize_smoothed"
+    if xd.dim() != 2 or xd.dtype not in _DTYPES or not 0 < xd.shape[1] <= SINGLE_MAX:
+        raise ValueError(f"{name}: xd must be a 2-D tensor of {_DTYPES} with 1..{SINGLE_MAX} columns, got {xd.dtype} "
+                         f"{tuple(xd.shape)}; use the op's reference (graph_forms.lrcat_smoothed_activation)")
+    m, k = xd.shape
+    r = h.shape[1] if h.dim() == 2 else -1
+    if h.dim() != 2 or h.shape[0] != m or r < 1 or tuple(c.shape) != (r,) or c.dtype != torch.float32:
+        raise ValueError(f"{name}: h must be [{m}, R] (R >= 1) and c fp32 [R], got {tuple(h.shape)} and {c.dtype} "
+                         f"{tuple(c.shape)}")
+    if xd.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (got {xd.device}); on CPU use the op's "
+                         "reference or set TRITON_INTERPRET=1 (tests)")
+    cols = -(-r * (3 if split else 1) // 16) * 16  # graph_forms.lrcat_cols
+    a = torch.empty((m, k + cols), dtype=torch.float8_e4m3fn, device=xd.device)
+    sx = torch.empty((m, 1), dtype=torch.float32, device=xd.device)
+    if m == 0:
+        return a, sx
+    xd = xd if xd.stride(-1) == 1 else xd.contiguous()
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    r_pad = max(16, triton.next_power_of_2(max(r, cols - 2 * r) if split else cols))
+    _lrcat_rows_kernel[(m,)](xd, h, c.contiguous(), a, sx, k, r, xd.stride(0), h.stride(0), a.stride(0),
+                             BLOCK=triton.next_power_of_2(k), R_PAD=r_pad, SPLIT=split, COLS=cols, SOFT=interpreting(),
+                             num_warps=8 if k > 4096 else 4)
     return a, sx

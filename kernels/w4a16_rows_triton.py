@@ -2,7 +2,7 @@
 one bandwidth-bound GEMV pass over the packed weight (issue 22).
 
 :func:`w4a16_rows_linear` is the CUDA implementation of ``dit_passes::w4a16_rows_linear`` (its specification:
-``dit_passes.quant.graph_forms.w4a16_linear_form(..., rows=True)``, the multiply-and-sum). One program per
+``dit_passes.quant.weight_only_forms.w4a16_linear_form(..., rows=True)``, the multiply-and-sum). One program per
 ``BLOCK_N`` weight rows, looping over K in chunks of ``BB`` packed bytes::
 
     lo, hi = the chunk's int4 values (even k: the low nibble)            # [BLOCK_N, BB] each, exact in fp32
@@ -96,7 +96,7 @@ def w4a16_rows_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tens
     if not is_supported(x, qweight):
         raise ValueError(f"{name}: needs a 2-D float x of 1..{MAX_ROWS} rows and uint8 qweight on CUDA (or "
                          f"TRITON_INTERPRET=1), got x {x.dtype} {tuple(x.shape)} on {x.device}, qweight "
-                         f"{qweight.dtype}; use the op's reference (graph_forms.w4a16_linear_form(rows=True))")
+                         f"{qweight.dtype}; use the op's reference (weight_only_forms.w4a16_linear_form(rows=True))")
     m, k = x.shape
     n = qweight.shape[0]
     if tuple(qweight.shape) != (n, k // 2) or k % 64 or tuple(wscale.shape) != (n, k // 64):

@@ -32,11 +32,11 @@ form with the low-rank branch in the GEMM's K (``DIT_PASSES_W4A4_BACKEND=lrcat``
 A kind without an op (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``,
 weight-only int8 / fp8 / int4 / int4 + low-rank / NVFP4) is its graph form, shape-generic (on a few rows of x,
 where ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks, as a multiply-and-sum instead of ``aten.linear``,
-``graph_forms.dequantized_linear``, or for int4 as the op ``dit_passes::w4a16_rows_linear``): the int8 or e4m3
-values scaled per row (``graph_forms.w8a16_linear_form``), the int4 values unpacked and scaled per group
-(``graph_forms.w4a16_linear_form``) or the e2m1 values unpacked and scaled per block of 16 and by the global scale
+``weight_only_forms.dequantized_linear``, or for int4 as the op ``dit_passes::w4a16_rows_linear``): the int8 or e4m3
+values scaled per row (``weight_only_forms.w8a16_linear_form``), the int4 values unpacked and scaled per group
+(``weight_only_forms.w4a16_linear_form``) or the e2m1 values unpacked and scaled per block of 16 and by the global scale
 (``nvfp4_weight_only.nvfp4_weight_only_linear_form``), then ``aten.linear`` on the dequantized weight
-(``w4a16_lr``: plus the low-rank branch, ``graph_forms.w4a16_lr_linear_form``).
+(``w4a16_lr``: plus the low-rank branch, ``weight_only_forms.w4a16_lr_linear_form``).
 
 Equal inserted nodes are merged (the forms are pure ATen ops): linears reading one activation quantize it once.
 Every inserted node gets ``meta["val"]`` when the graph carries fake values; every inserted call also the replaced
@@ -57,8 +57,9 @@ import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passe
 from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, lrcat_cols, svdq_fp8_linear_form,
-                                          svdq_lrcat_linear_form, svdq_nvfp4_fp8_linear_form, w4a16_linear_form,
-                                          w4a16_lr_linear_form, w4a16_rows_op_form, w8a16_linear_form)
+                                          svdq_lrcat_linear_form, svdq_nvfp4_fp8_linear_form)
+from dit_passes.quant.weight_only_forms import (w4a16_linear_form, w4a16_lr_linear_form, w4a16_rows_op_form,
+                                                w8a16_linear_form)
 from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
 
 
@@ -117,8 +118,8 @@ def nvfp4_weight_only_replacement(x, qweight, wscale, wglobal, bias):
 
 @functools.lru_cache(maxsize=None)
 def weight_only_rows_replacement(kind: str, has_bias: bool) -> Callable:
-    """A weight-only kind's form as the multiply-and-sum over a few rows (``graph_forms.dequantized_linear``), as a
-    replacement; ``has_bias``: whether the linear has a bias (the sum adds it itself, so an absent one is not read)."""
+    """A weight-only kind's form as the multiply-and-sum over a few rows (``weight_only_forms.dequantized_linear``),
+    as a replacement; ``has_bias``: whether the linear has a bias (the sum adds it itself, so an absent one is not read)."""
     def b(bias):
         return bias if has_bias else None
 
@@ -141,7 +142,7 @@ def weight_only_rows_replacement(kind: str, has_bias: bool) -> Callable:
 @functools.lru_cache(maxsize=None)
 def w4a16_op_replacement(kind: str, shape: LinearShape) -> Callable:
     """An int4 weight-only kind (``w4a16`` / ``w4a16_lr``) on a few rows with the op ``dit_passes::w4a16_rows_linear``
-    (``graph_forms.w4a16_rows_op_form``) for x of ``shape``, as a replacement."""
+    (``weight_only_forms.w4a16_rows_op_form``) for x of ``shape``, as a replacement."""
     def w4a16_op(x, qweight, wscale, bias):
         return w4a16_rows_op_form(x, qweight, wscale, bias, shape)
 
@@ -237,7 +238,7 @@ def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optio
     if form == "fp8":
         return svdq_fp8_form_replacement(gemm, fast, shape, dispatch.w4_expand(x_val))
     return svdq_lrcat_form_replacement(gemm, fast, shape, dispatch.w4_expand(x_val), split,
-                                       dispatch.fp8_act_quant("per_row", x_val))
+                                       dispatch.lrcat_act_quant(x_val))
 
 
 @functools.lru_cache(maxsize=None)

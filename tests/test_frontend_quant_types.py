@@ -20,7 +20,7 @@ from dit_passes import compile_dit
 from dit_passes.frontend import QuantizeConfig, enable_cache, load, strify
 from dit_passes.quant.fp8_block import dequantize_fp8_blocks, fp8_block_linear_reference, prepare_fp8_block
 from dit_passes.quant.fp8_int8 import int8_linear_reference, prepare_fp8, prepare_int8
-from dit_passes.quant.graph_forms import w8a16_linear_form
+from dit_passes.quant.weight_only_forms import w8a16_linear_form
 from dit_passes.quant.svdquant import smoothing_vector
 
 pytest.importorskip("diffusers")

@@ -136,7 +136,7 @@ def test_form_with_the_op_beside_the_aten_form(split):
     fn = torch.compile(lambda t: svdq_lrcat_linear_form(t, *args, split=split, act_quant="kernel"), fullgraph=True,
                        backend="aot_eager")
     assert torch.equal(fn(x), kernel)
-    with pytest.raises(ValueError, match="activation quantization must be one of"):
+    with pytest.raises(ValueError, match="A operand.s form must be one of"):
         svdq_lrcat_linear_form(x, *args, act_quant="triton")
 
 

@@ -1,6 +1,6 @@
 """The int4 weight-only GEMV on a few rows (``dit_passes::w4a16_rows_linear``, kernels/w4a16_rows_triton.py): the
-kernel against its specification (``graph_forms.w4a16_linear_form(rows=True)``) under TRITON_INTERPRET=1 up to fp32
-summation order, the op through ``opcheck`` and ``torch.compile(fullgraph=True)``, ``DIT_PASSES_WEIGHT_ONLY_FORM=kernel``
+kernel against its specification (``weight_only_forms.w4a16_linear_form(rows=True)``) under TRITON_INTERPRET=1 up to
+fp32 summation order, the op through ``opcheck`` and ``torch.compile(fullgraph=True)``, ``DIT_PASSES_WEIGHT_ONLY_FORM=kernel``
 writing the op for FLUX's W4A16-LR modulation linears with the output unchanged, and on a GPU FLUX's modulation
 shapes.
 """
@@ -21,7 +21,7 @@ from dit_passes.kernels import w4a16_rows_triton as K  # noqa: E402
 from dit_passes.models.zoo import build  # noqa: E402
 from dit_passes.passes.quantize import SVDQuantW4A4  # noqa: E402
 from dit_passes.quant import dispatch  # noqa: E402
-from dit_passes.quant.graph_forms import w4a16_linear_form  # noqa: E402
+from dit_passes.quant.weight_only_forms import w4a16_linear_form  # noqa: E402
 from dit_passes.quant.w4a16 import prepare_w4a16  # noqa: E402
 
 OP = torch.ops.dit_passes.w4a16_rows_linear.default

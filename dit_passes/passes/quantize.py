@@ -16,7 +16,7 @@ sx, wscale, bias)`` on an sm_89+ GPU or the dequantized fp32 matmul elsewhere (`
 ``patterns/quant_linear.py``) -- so that torch.compile fuses the quantization into x's producer; their other
 options, ``quantize_8bit.py``: ``Int8Linear(granularity="per_tensor")`` calls ``dit_passes.int8_tensor_linear``,
 ``Fp8Linear("per_block")`` ``dit_passes.fp8_block_linear``, ``weight_only=True`` writes the weight-only form of
-``graph_forms.w8a16_linear_form`` with int8 / e4m3 weights)::
+``weight_only_forms.w8a16_linear_form`` with int8 / e4m3 weights)::
 
     qw = self.transformer_blocks.0.attn.to_q.qweight        # uint8 [N, K/2], two int4 per byte
     ws = self.transformer_blocks.0.attn.to_q.wscale         # bf16 [N, K/64]
@@ -29,16 +29,16 @@ options, ``quantize_8bit.py``: ``Int8Linear(granularity="per_tensor")`` calls ``
 The AdaLN modulation linears (role ``modulation``: their input is the conditioning vector, one row per sample)
 under SVDQuantW4A4 get a weight-only form by default (``modulation="w4a16_lr"``: int4 weights per group of 64 of
 the residual after SVDQuant's rank-``rank`` low-rank branch, the branch beside it in the activation dtype, the
-activations left in their dtype, as plain ATen ops; ``quant/graph_forms.w4a16_lr_linear_form``)::
+activations left in their dtype, as plain ATen ops; ``quant/weight_only_forms.w4a16_lr_linear_form``)::
 
     w = self.transformer_blocks.0.norm1.linear.qweight      # uint8 [N, K/2], two int4 per byte
     ws = self.transformer_blocks.0.norm1.linear.wscale      # bf16 [N, K/64]
     deq = aten.type_as(<unpacked w, times ws per group>, emb)
     mod = aten.add(aten.linear(emb, deq, b), aten.linear(aten.linear(emb, lora_down), lora_up))
 
-``modulation="w8a16"`` gives them weight-only int8 per output row (``graph_forms.w8a16_linear_form``; also what a
+``modulation="w8a16"`` gives them weight-only int8 per output row (``weight_only_forms.w8a16_linear_form``; also what a
 modulation linear whose K is not a multiple of 64 gets under the int4 forms), ``"w4a16"`` weight-only int4 without
-the branch (``graph_forms.w4a16_linear_form``), ``"svdq"`` W4A4 like the rest, ``None`` leaves them unquantized;
+the branch (``weight_only_forms.w4a16_linear_form``), ``"svdq"`` W4A4 like the rest, ``None`` leaves them unquantized;
 Fp8Linear and Int8Linear quantize them in their own form.
 
 Which linears: those of ``structure.linears`` inside a block (prologue/epilogue embedders and the final

@@ -25,7 +25,7 @@ class Fp8Linear(_QuantizeLinears):
     weight, the activations per token and ``block`` input features (``quant/fp8_block.py``), through
     ``dit_passes.fp8_block_linear``; linears whose N or K is not a multiple of ``block`` stay unquantized (listed).
     ``weight_only=True`` (cache-dit's ``float8_weight_only``): e4m3 weights per output row, dequantized into the
-    linear at run time, the activations left in their dtype (``graph_forms.w8a16_linear_form``)."""
+    linear at run time, the activations left in their dtype (``weight_only_forms.w8a16_linear_form``)."""
 
     name = "fp8_linear"
 

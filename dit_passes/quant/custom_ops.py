@@ -25,10 +25,14 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 * ``dit_passes::lrcat_quantize_rows(Tensor x, Tensor smooth_inv, Tensor lora_down, Tensor c, bool split)
   -> (Tensor, Tensor)``: the lrcat design's A operand e4m3 [M, K + cols] and per-token scale fp32 [M, 1]
   (``graph_forms.lrcat_activation``: smoothing, per-token e4m3 and the low-rank down projection of x [M, K]); what
-  the lrcat graph form writes with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (CUDA: one Triton kernel reading x once,
+  the lrcat graph form writes with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (CUDA: two Triton kernels,
   ``dit_passes.kernels.lrcat_act_triton``)
+* ``dit_passes::lrcat_quantize_smoothed(Tensor xd, Tensor h, Tensor c, bool split) -> (Tensor, Tensor)``: the same
+  operand from the smoothed activation xd [M, K] and its down projection h [M, R] computed before
+  (``graph_forms.lrcat_smoothed_activation``); what the lrcat form writes with ``DIT_PASSES_LRCAT_ACT=mm`` (CUDA: one
+  Triton program per token reading xd once)
 * ``dit_passes::w4a16_rows_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor``: weight-only int4
-  on a few rows x [M, K] (``graph_forms.w4a16_linear_form(rows=True)``: the AdaLN modulation linears); what the
+  on a few rows x [M, K] (``weight_only_forms.w4a16_linear_form(rows=True)``: the AdaLN modulation linears); what the
   int4 weight-only forms write with ``DIT_PASSES_WEIGHT_ONLY_FORM=kernel`` (CUDA: one GEMV pass over the packed
   weight, ``dit_passes.kernels.w4a16_rows_triton``)
 * ``dit_passes::int8_tensor_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (one scale for
@@ -56,11 +60,12 @@ from . import dispatch
 from .fp8_block import check_fp8_block_args, fp8_block_linear_reference
 from .fp8_int8 import (FP8_DTYPE, FP8_GRANULARITIES, fp8_linear_reference, fp8_linear_scaled_mm, int8_linear_reference,
                        quantize_fp8_act)
-from .graph_forms import lrcat_activation, lrcat_cols, lrcat_weight, w4a16_linear_form
+from .graph_forms import lrcat_activation, lrcat_cols, lrcat_smoothed_activation, lrcat_weight
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .nvfp4 import BLOCK, nvfp4_linear_reference
 from .w4a8 import w4a8_linear_reference
+from .weight_only_forms import w4a16_linear_form
 
 
 # ---------------------------------------------------------------------------------------------- W4A4
@@ -364,6 +369,41 @@ def _lrcat_quantize_rows_fake(x, smooth_inv, lora_down, c, split):
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
+def _check_lrcat_smoothed(xd, h, c) -> int:
+    name = "dit_passes::lrcat_quantize_smoothed"
+    if xd.dim() != 2 or xd.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: xd must be a 2-D fp32 / bf16 / fp16 tensor [M, K], got {xd.dtype} {list(xd.shape)}")
+    r = h.shape[1] if h.dim() == 2 else -1
+    if h.dim() != 2 or h.shape[0] != xd.shape[0] or r < 1 or not h.is_floating_point():
+        raise ValueError(f"{name}: h must be a float [{xd.shape[0]}, R] tensor (R >= 1: xd's down projection), got "
+                         f"{h.dtype} {list(h.shape)}")
+    if c.dtype != torch.float32 or tuple(c.shape) != (r,):
+        raise ValueError(f"{name}: c must be fp32 [{r}] (graph_forms.lrcat_c), got {c.dtype} {list(c.shape)}")
+    return r
+
+
+@torch.library.custom_op("dit_passes::lrcat_quantize_smoothed", mutates_args=())
+def lrcat_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
+                            split: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat A operand from the smoothed activation and its down projection, reference implementation (any
+    device): (e4m3 [M, K + cols], fp32 [M, 1])."""
+    r = _check_lrcat_smoothed(xd, h, c)
+    return lrcat_smoothed_activation(xd, h, c, xd.shape[0], r, split)
+
+
+@lrcat_quantize_smoothed.register_kernel("cuda")
+def _lrcat_quantize_smoothed_cuda(xd, h, c, split):
+    _check_lrcat_smoothed(xd, h, c)
+    return dispatch.lrcat_quantize_smoothed_cuda(xd, h, c, split)
+
+
+@lrcat_quantize_smoothed.register_fake
+def _lrcat_quantize_smoothed_fake(xd, h, c, split):
+    r = _check_lrcat_smoothed(xd, h, c)
+    return (xd.new_empty((xd.shape[0], xd.shape[1] + lrcat_cols(r, split)), dtype=FP8_DTYPE),
+            xd.new_empty((xd.shape[0], 1), dtype=torch.float32))
+
+
 def _check_w4a16_rows(x, qweight, wscale, bias) -> None:
     name = "dit_passes::w4a16_rows_linear"
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -381,7 +421,7 @@ def _check_w4a16_rows(x, qweight, wscale, bias) -> None:
 def w4a16_rows_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
                       bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Weight-only int4 linear of a few rows x [M, K], reference implementation (any device): the multiply-and-sum
-    of ``graph_forms.w4a16_linear_form(rows=True)``, [M, N] in x.dtype."""
+    of ``weight_only_forms.w4a16_linear_form(rows=True)``, [M, N] in x.dtype."""
     _check_w4a16_rows(x, qweight, wscale, bias)
     return w4a16_linear_form(x, qweight, wscale, bias, rows=True)
 

@@ -37,9 +37,11 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   the producer as a reduction and a pointwise kernel) |
   ``kernel`` (the op ``dit_passes::fp8_quantize_rows``, written on any device; on CUDA one Triton kernel reading
   x once, ``dit_passes.kernels.fp8_rowquant_triton``, on sm_89+ (:func:`fp8_quantize_rows_cuda`), else its
-  reference). The same setting writes the lrcat form's A
-  operand as the op ``dit_passes::lrcat_quantize_rows`` (smoothing, e4m3 and the low-rank down projection in one
-  Triton kernel, ``dit_passes.kernels.lrcat_act_triton``: :func:`lrcat_quantize_rows_cuda`).
+  reference). The same setting writes the lrcat form's A operand as the op ``dit_passes::lrcat_quantize_rows``
+  (smoothing, e4m3 and the low-rank down projection in two Triton kernels, ``dit_passes.kernels.lrcat_act_triton``:
+  :func:`lrcat_quantize_rows_cuda`); with
+  ``DIT_PASSES_LRCAT_ACT=mm`` as ``aten.mm`` for the down projection and the op ``dit_passes::lrcat_quantize_smoothed``
+  (:func:`lrcat_act_quant`; not the default until measured).
 * The SVDQuant fp8 graph form's weight expansion (int4 -> e4m3, group scales folded), :func:`w4_expand`:
   ``DIT_PASSES_W4_EXPAND`` = ``auto`` (default: ``kernel`` on sm_89+ GPUs, else ``graph``) | ``graph`` (ATen ops,
   ``graph_forms.w4_to_e4m3``, fused by Inductor) | ``kernel`` (the op ``dit_passes::w4_to_e4m3``, written on any
@@ -49,7 +51,7 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   AdaLN modulation linears under SVDQuant), :func:`weight_only_form`: ``DIT_PASSES_WEIGHT_ONLY_FORM`` = ``auto``
   (default: ``kernel`` for int4 on a GPU, else ``linear``) | ``linear`` (the dequantized weight and ``aten.linear``) |
   ``rows`` (on at most :data:`FEW_ROWS` rows of x, a
-  multiply-and-sum that Inductor fuses with the dequantization, ``graph_forms.dequantized_linear``) | ``kernel``
+  multiply-and-sum that Inductor fuses with the dequantization, ``weight_only_forms.dequantized_linear``) | ``kernel``
   (the int4 forms on those rows as the op ``dit_passes::w4a16_rows_linear``: on CUDA one Triton GEMV pass over the
   packed weight, ``dit_passes.kernels.w4a16_rows_triton``, :func:`w4a16_rows_cuda`).
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
@@ -72,10 +74,11 @@ from typing import Dict, Optional
 import torch
 
 from .fp8_int8 import quantize_fp8_act
-from .graph_forms import ACT_QUANTS, W4_EXPANDS, lrcat_activation, lrcat_weight, w4a16_linear_form
+from .graph_forms import ACT_QUANTS, W4_EXPANDS, lrcat_activation, lrcat_smoothed_activation, lrcat_weight
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
 from .w4a8 import w4a8_linear_reference
+from .weight_only_forms import w4a16_linear_form
 
 BACKEND_ENV, TABLE_ENV = "DIT_PASSES_W4A4_BACKEND", "DIT_PASSES_W4A4_TABLE"
 FAST_ACCUM_ENV = "DIT_PASSES_FP8_FAST_ACCUM"
@@ -86,9 +89,11 @@ W4_EXPAND_SETTINGS = ("auto", *W4_EXPANDS)
 LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_forms.svdq_lrcat_linear_form
 BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
+LRCAT_ACT_ENV = "DIT_PASSES_LRCAT_ACT"
+LRCAT_ACT_SETTINGS = ("stats", "mm")  # lrcat_act_quant
 WEIGHT_ONLY_ENV = "DIT_PASSES_WEIGHT_ONLY_FORM"
 WEIGHT_ONLY_SETTINGS = ("auto", "linear", "rows", "kernel")
-FEW_ROWS = 4  # the most rows of x written as graph_forms.dequantized_linear's multiply-and-sum (CFG: 2 per step)
+FEW_ROWS = 4  # the most rows of x written as weight_only_forms.dequantized_linear's multiply-and-sum (CFG: 2 per step)
 GROUP = 64
 
 
@@ -349,7 +354,7 @@ def fp8_quantize_rows_cuda(x: torch.Tensor):
 def weight_only_form(x: torch.Tensor, int4: bool = True) -> str:
     """How a weight-only linear (int8 / fp8 / int4 / NVFP4 weights, activations in their dtype) is written for
     activations like ``x`` (a real or fake tensor): for at most :data:`FEW_ROWS` rows of x, ``"rows"``
-    (``graph_forms.dequantized_linear``'s multiply-and-sum, which Inductor fuses with the dequantization) or
+    (``weight_only_forms.dequantized_linear``'s multiply-and-sum, which Inductor fuses with the dequantization) or
     ``"kernel"`` (the int4 forms: the op ``dit_passes::w4a16_rows_linear``, one GEMV pass over the packed weight;
     the others take ``"rows"``) as ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks; else ``"linear"`` (the dequantized weight,
     then ``aten.linear``). ``auto`` (the default): ``"kernel"`` for the ``int4`` kinds on a GPU (FLUX's
@@ -427,6 +432,27 @@ def lrcat_quantize_rows_cuda(x, smooth_inv, lora_down, c, split: bool):
     if kernel is None or not kernel.is_supported(x, lora_down):
         return lrcat_activation(x, smooth_inv, lora_down, c, x.shape[0], lora_down.shape[0], x.dtype, split)
     return kernel.lrcat_quantize_rows(x, smooth_inv, lora_down, c, split)
+
+
+def lrcat_act_quant(x: torch.Tensor) -> str:
+    """How the lrcat form writes its A operand for activations like ``x``: :func:`fp8_act_quant`'s ``"graph"`` /
+    ``"kernel"`` (``dit_passes::lrcat_quantize_rows``), or where that is ``"kernel"`` and ``DIT_PASSES_LRCAT_ACT=mm``,
+    ``"mm"``: the smoothed activation written in x.dtype (by its producer, under Inductor), its down projection by
+    ``aten.mm`` and one row pass, ``dit_passes::lrcat_quantize_smoothed``. Not the default until measured."""
+    s = os.environ.get(LRCAT_ACT_ENV, "stats").strip().lower() or "stats"
+    if s not in LRCAT_ACT_SETTINGS:
+        raise ValueError(f"{LRCAT_ACT_ENV}={s!r}: expected one of {LRCAT_ACT_SETTINGS}")
+    form = fp8_act_quant("per_row", x)
+    return "mm" if form == "kernel" and s == "mm" else form
+
+
+def lrcat_quantize_smoothed_cuda(xd, h, c, split: bool):
+    """``dit_passes::lrcat_quantize_smoothed`` on CUDA: the Triton kernel where it takes the tensors (sm_89+, K up to
+    its one-pass width), else the reference (``graph_forms.lrcat_smoothed_activation``)."""
+    kernel = lrcat_act_module()
+    if kernel is None or not kernel.smoothed_supported(xd):
+        return lrcat_smoothed_activation(xd, h, c, xd.shape[0], h.shape[1], split)
+    return kernel.lrcat_quantize_smoothed(xd, h, c, split)
 
 
 def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:

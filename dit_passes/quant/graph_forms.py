@@ -69,46 +69,8 @@ significant bits, an int4 times a group-scale ratio needs up to 3 + 24 (the fp32
 the W4A4 reference are the activations (e4m3 per token: finer than int4 per group of 64) and the low-rank product
 rounded to the activation dtype before it is added.
 
-Weight-only int4 linear, :func:`w4a16_linear_form` (the AdaLN modulation linears under SVDQuant: their input is one
-conditioning row per sample, so the GEMV is bound by reading the weight, and quantizing that row would add error
-for no speed). The stored tensors are the weight half of W4A4 (``int4.quantize_weight_w4``: int4 per row and group
-of 64 along K, bf16 group scales); the activations stay in x.dtype::
-
-    w = x.dtype(float(int4 values of qweight) * float(wscale) per group)    # [N, K]; exact in fp32
-    y = linear(x, w, bias)
-
-The product of an int4 value (<= 4 significant bits) and a bf16 scale (8) is exact in fp32, so in fp32 the form is
-the linear of the dequantized weight (``int4.dequantize_weight_w4``) bit for bit; in bf16 the weight takes one more
-rounding (2**-9 relative, far below the int4 step). Shape-generic (no constants): the op replaces any linear.
-
-Weight-only int4 with a low-rank branch, :func:`w4a16_lr_linear_form` (``w4a16.prepare_w4a16_lr``: the int4 part
-is the residual after SVDQuant's rank-r branch)::
-
-    y = w4a16_linear_form(x, qweight, wscale, bias) + linear(linear(x, lora_down), lora_up)   # branch in x.dtype
-
-In fp32 it is that sum over the fp32 dequantized residual bit for bit. Shape-generic.
-
-Weight-only int8 linear, :func:`w8a16_linear_form` (SVDQuant's default for the modulation linears; ``w8a16.py``):
-int8 weights per output row, fp32 row scales, the activations in x.dtype::
-
-    w = x.dtype(float(qweight) * float(wscale)[:, None])                   # [N, K]
-    y = linear(x, w, bias)
-
-In fp32 it is the linear of ``w8a16.dequantize_w8a16`` bit for bit (the same one product per element); in bf16
-the weight takes one rounding (2**-9 relative). Shape-generic like the int4 form. The same form serves weight-only
-fp8 (cache-dit's ``float8_weight_only``: qweight e4m3 [N, K], wscale fp32 [N], ``fp8_int8.prepare_fp8`` per row).
-
-The weight-only forms on a few rows (``rows=True``, :func:`dequantized_linear`; chosen by
-``dispatch.weight_only_form``, e.g. for the modulation linears' one conditioning row per sample): the linear as the
-same products summed in fp32 by one reduction, which Inductor fuses with the dequantization, reading the packed
-weight once where the linear writes a dequantized [N, K] copy for cuBLAS to read again::
-
-    y = x.dtype(sum_k(float(x)[..., None, :] * float(x.dtype(w))) + float(bias))       # [..., N]
-
-(FLUX's W4A16 modulation linears, a quarter of its weights: 8.3 ms a step on an H100 as copy + GEMV, 4.2 ms on an
-H200 as this reduction, stop 28; :func:`w4a16_rows_op_form` writes the op ``dit_passes::w4a16_rows_linear``, one
-Triton GEMV pass, instead.) In fp32 it equals the linear up to summation order; in bf16 it rounds once, as the
-linear's fp32 accumulation does.
+The weight-only forms (int4, int4 with a low-rank branch, int8 / fp8 weights; the modulation linears under
+SVDQuant) are in ``weight_only_forms.py``.
 """
 from __future__ import annotations
 
@@ -124,6 +86,7 @@ from .nvfp4 import SPLIT_SHIFT, e2m1_decode, nvfp4_fp8_operand, nvfp4_quantize, 
 aten = torch.ops.aten
 GEMMS = ("scaled_mm", "reference")
 ACT_QUANTS = ("graph", "kernel")  # fp8_quantize_x
+LRCAT_ACTS = (*ACT_QUANTS, "mm")  # svdq_lrcat_linear_form
 W4_EXPANDS = ("graph", "kernel")  # expand_w4
 _F32 = torch.float32
 W4_MAX = 8.0  # largest |int4| value: -8
@@ -340,9 +303,23 @@ def lrcat_activation(x2d: torch.Tensor, smooth_inv: torch.Tensor, lora_down: tor
         ld = aten._to_copy.default(aten._to_copy.default(lora_down, dtype=dtype), dtype=_F32)
         h = aten.mm.default(aten._to_copy.default(xd, dtype=_F32), aten.t.default(ld))
     else:
-        h = aten._to_copy.default(aten.mm.default(xd, aten.t.default(lora_down)), dtype=_F32)        # [M, R]
-    hs = aten.clamp.default(aten.div.Tensor(h, aten.mul.Tensor(sx, c)), -FP8_MAX, FP8_MAX)
-    return aten.cat.default([qx, _branch_cols(hs, m, r, split, activation=True)], 1), sx
+        h = aten.mm.default(xd, aten.t.default(lora_down))                                            # [M, R]
+    return _lrcat_operand(qx, sx, h, c, m, r, split), sx
+
+
+def lrcat_smoothed_activation(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor, m: int, r: int,
+                              split: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lrcat A operand and sx (as :func:`lrcat_activation`) from the smoothed activation xd = x.dtype(x *
+    smooth_inv) [M, K] and its down projection h = xd @ lora_down.T [M, R] (the specification of
+    ``dit_passes::lrcat_quantize_smoothed``): qx is quantized from xd's values, not from the fp32 product."""
+    qx, sx = fp8_quantize(aten._to_copy.default(xd, dtype=_F32), per_row=True)
+    return _lrcat_operand(qx, sx, h, c, m, r, split), sx
+
+
+def _lrcat_operand(qx, sx, h, c, m: int, r: int, split: bool) -> torch.Tensor:
+    hs = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
+                            -FP8_MAX, FP8_MAX)
+    return aten.cat.default([qx, _branch_cols(hs, m, r, split, activation=True)], 1)
 
 
 def lrcat_weight(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor, n: int, k: int,
@@ -370,8 +347,10 @@ def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch
                            split: bool = False, act_quant: str = "graph") -> torch.Tensor:
     """SVDQuant's stored tensors on fp8 tensor cores with the low-rank branch in the GEMM's K (module docstring,
     lrcat; ``split``: the branch's operands as e4m3 hi / lo pairs, 3R columns): x [*lead, K] -> [*lead, N];
-    ``act_quant="kernel"``: the A operand by the op ``dit_passes::lrcat_quantize_rows`` (one Triton kernel on CUDA
-    reading x once; h kept in fp32, :func:`lrcat_activation`)."""
+    ``act_quant="kernel"``: the A operand by the op ``dit_passes::lrcat_quantize_rows`` (two Triton kernels on CUDA;
+    h kept in fp32, :func:`lrcat_activation`); ``"mm"``: the smoothed activation in x.dtype (which Inductor writes in
+    its producer), h by ``aten.mm`` (cuBLAS), the rest by ``dit_passes::lrcat_quantize_smoothed`` (one row pass,
+    :func:`lrcat_smoothed_activation`)."""
     r = shape.rank
     if r == 0:  # no branch to fold
         return svdq_fp8_linear_form(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, shape, gemm, fast_accum,
@@ -380,11 +359,17 @@ def svdq_lrcat_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch
     if act_quant == "kernel":
         out = torch.ops.dit_passes.lrcat_quantize_rows.default(_rows(x, shape), smooth_inv, lora_down, c, split)
         a8, sx = out[0], out[1]
+    elif act_quant == "mm":
+        xd = aten._to_copy.default(aten.mul.Tensor(aten._to_copy.default(_rows(x, shape), dtype=_F32), smooth_inv),
+                                   dtype=shape.dtype)
+        h = aten.mm.default(xd, aten.t.default(lora_down))
+        out = torch.ops.dit_passes.lrcat_quantize_smoothed.default(xd, h, c, split)
+        a8, sx = out[0], out[1]
     elif act_quant == "graph":
         a8, sx = lrcat_activation(_rows(x, shape), smooth_inv, lora_down, c, shape.m, r, shape.dtype, split,
                                   h_in_fp32=False)
     else:
-        raise ValueError(f"fp8 activation quantization must be one of {ACT_QUANTS}, got {act_quant!r}")
+        raise ValueError(f"the lrcat A operand's form must be one of {LRCAT_ACTS}, got {act_quant!r}")
     b8, sw = lrcat_weight(qweight, wscale, lora_up, c, shape.n, shape.k, r, expand, split)
     y = fp8_gemm(a8, sx, b8, sw, bias if shape.has_bias else None, shape, True, gemm, fast_accum)
     return _unrows(y, shape)
@@ -409,85 +394,3 @@ def svdq_nvfp4_fp8_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: t
         lora_act = aten.mm.default(aten._to_copy.default(xs, dtype=shape.dtype), aten.t.default(lora_down))
         y = aten.addmm.default(y, lora_act, aten.t.default(lora_up))
     return _unrows(y, shape)
-
-
-def dequantized_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
-                       rows: bool = False) -> torch.Tensor:
-    """``linear(x, x.dtype(w), bias)`` of a dequantized weight w [N, K]; ``rows``: as a multiply-and-sum in fp32
-    (module docstring: for a few rows of x, so that the dequantization fuses into the reduction)."""
-    wx = aten.type_as.default(w, x)
-    if not rows:
-        return aten.linear.default(x, wx, bias)
-    prod = aten.mul.Tensor(aten.unsqueeze.default(aten._to_copy.default(x, dtype=_F32), -2),
-                           aten._to_copy.default(wx, dtype=_F32))                            # [..., N, K]
-    return _summed_rows(prod, bias, x)
-
-
-def _summed_rows(prod: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """The rows form's end: fp32 products [..., N, K'] summed over K', the bias added in fp32, rounded to x.dtype."""
-    y = aten.sum.dim_IntList(prod, [-1])
-    if bias is not None:
-        y = aten.add.Tensor(y, aten._to_copy.default(bias, dtype=_F32))
-    return aten.type_as.default(y, x)
-
-
-def w4a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                      bias: Optional[torch.Tensor], rows: bool = False) -> torch.Tensor:
-    """Weight-only int4 linear (module docstring): x [..., K], qweight uint8 [N, K/2], wscale [N, K/64], bias [N] or
-    None -> [..., N] in x.dtype."""
-    ws = aten.reshape.default(aten._to_copy.default(wscale, dtype=_F32), [-1, 1])            # [N * G, 1]
-    if rows:
-        return _int4_rows_linear(x, qweight, ws, bias)
-    q = int4_values(qweight, _F32)                                                           # [N, K]
-    w = aten.view_as.default(aten.mul.Tensor(aten.view.default(q, [-1, GROUP_SIZE]), ws), q)  # group-major rows
-    return dequantized_linear(x, w, bias)
-
-
-def _int4_rows_linear(x: torch.Tensor, qweight: torch.Tensor, ws: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The int4 weight-only linear as a multiply-and-sum (``dequantized_linear(rows=True)``) over the packed bytes'
-    two nibble planes, x's even and odd columns apart: the values never interleaved back into k order, which would
-    make Inductor write the planes out before the reduction instead of reading the packed bytes in it. ``ws``: the
-    fp32 group scales as [N * K/64, 1]."""
-    half = GROUP_SIZE // 2                                                                   # a group's bytes
-    xf = aten.unflatten.int(aten._to_copy.default(x, dtype=_F32), -1, [-1, 2])            # [..., K/2, 2]
-    acc = None
-    for plane, col in ((aten.bitwise_and.Scalar(qweight, 15), 0),
-                       (aten.bitwise_right_shift.Tensor_Scalar(qweight, 4), 1)):         # even k: the low nibble
-        q = aten.sub.Tensor(aten._to_copy.default(aten.bitwise_xor.Scalar(plane, 8), dtype=_F32), 8)   # [N, K/2]
-        w = aten.view_as.default(aten.mul.Tensor(aten.view.default(q, [-1, half]), ws), q)
-        w = aten._to_copy.default(aten.type_as.default(w, x), dtype=_F32)                  # x.dtype(w), as the linear
-        term = aten.mul.Tensor(aten.unsqueeze.default(aten.select.int(xf, -1, col), -2), w)  # [..., N, K/2]
-        acc = term if acc is None else aten.add.Tensor(acc, term)
-    return _summed_rows(acc, bias, x)
-
-
-def w4a16_rows_op_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: Optional[torch.Tensor],
-                       shape: LinearShape) -> torch.Tensor:
-    """The int4 weight-only linear on a few rows as the op ``dit_passes::w4a16_rows_linear`` (its reference: the
-    ``rows=True`` form; CUDA: one GEMV pass over the packed weight), x [*shape.lead, K] -> [*shape.lead, N]."""
-    y = torch.ops.dit_passes.w4a16_rows_linear.default(_rows(x, shape), qweight, wscale,
-                                                       bias if shape.has_bias else None)
-    return _unrows(y, shape)
-
-
-def w4a16_lr_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
-                         lora_up: torch.Tensor, bias: Optional[torch.Tensor], rows: bool = False,
-                         op_shape: Optional[LinearShape] = None) -> torch.Tensor:
-    """Weight-only int4 of the residual plus the low-rank branch (module docstring): x [..., K], qweight uint8
-    [N, K/2], wscale [N, K/64], lora_down [r, K], lora_up [N, r], bias [N] or None -> [..., N] in x.dtype;
-    ``op_shape``: the int4 part as :func:`w4a16_rows_op_form` for x of that shape."""
-    lora_act = aten.linear.default(x, aten.type_as.default(lora_down, x))                   # [..., r]
-    branch = aten.linear.default(lora_act, aten.type_as.default(lora_up, x))               # [..., N]
-    main = (w4a16_rows_op_form(x, qweight, wscale, bias, op_shape) if op_shape is not None
-            else w4a16_linear_form(x, qweight, wscale, bias, rows))
-    return aten.add.Tensor(main, branch)
-
-
-def w8a16_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                      bias: Optional[torch.Tensor], rows: bool = False) -> torch.Tensor:
-    """Weight-only int8 / fp8 linear (module docstring): x [..., K], qweight int8 or e4m3 [N, K], wscale [N], bias [N]
-    or None -> [..., N] in x.dtype."""
-    ws = aten.unsqueeze.default(aten._to_copy.default(wscale, dtype=_F32), 1)              # [N, 1]
-    w = aten.mul.Tensor(aten._to_copy.default(qweight, dtype=_F32), ws)                    # [N, K]
-    return dequantized_linear(x, w, bias, rows)

@@ -33,7 +33,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .graph_forms import dequantized_linear
+from .weight_only_forms import dequantized_linear
 from .nvfp4 import BLOCK, dequantize_weight_nvfp4, e2m1_decode, quantize_weight_nvfp4, unpack_fp4
 
 aten = torch.ops.aten
@@ -75,7 +75,7 @@ def nvfp4_weight_only_linear_form(x: torch.Tensor, qweight: torch.Tensor, wscale
                                   rows: bool = False) -> torch.Tensor:
     """Weight-only NVFP4 linear (module docstring): x [..., K], qweight uint8 [N, K/2], wscale e4m3 [N, K/16],
     wglobal fp32 [1], bias [N] or None -> [..., N] in x.dtype. No shape constants: traced once, it replaces any
-    linear; ``rows``: as ``graph_forms.dequantized_linear``'s multiply-and-sum (a few rows of x)."""
+    linear; ``rows``: as ``weight_only_forms.dequantized_linear``'s multiply-and-sum (a few rows of x)."""
     v = e2m1_decode(unpack_fp4(qweight))                                                     # [N, K] fp32
     s = aten.reshape.default(aten._to_copy.default(wscale, dtype=_F32), [-1, 1])            # [N * K/16, 1]
     w = aten.view_as.default(aten.mul.Tensor(aten.view.default(v, [-1, BLOCK]), s), v)      # block-major rows

@@ -6,14 +6,14 @@ is W4A4's weight quantization as is (:func:`dit_passes.quant.int4.quantize_weigh
 group of 64 along K, bf16 group scales ``amax / 7``, two values per byte); every element then lies within half its
 group's scale of the original, ``|w - q * wscale| <= wscale / 2`` (the scale is ``amax / 7`` rounded to bf16, at
 most 2**-9 off, so ``|w| / wscale <= 7.02`` and rounding alone gives q: the clamp never cuts). The linear runs as
-plain ATen ops written into the graph: :func:`dit_passes.quant.graph_forms.w4a16_linear_form`.
+plain ATen ops written into the graph: :func:`dit_passes.quant.weight_only_forms.w4a16_linear_form`.
 
 W4A16 with SVDQuant's low-rank branch (kind ``w4a16_lr``, :func:`prepare_w4a16_lr`): ``W ~= lora_up @ lora_down``
 (rank r, the factors in the activation dtype, from the seeded randomized SVD of W: SVDQuant's branch,
 :func:`dit_passes.quant.svdquant.low_rank_split`, without smoothing since the activations are not quantized) plus
 the int4 quantization above of the residual ``W - lora_up @ lora_down``. The branch takes W's largest singular
 directions (and with them the outlier rows / columns that widen int4's group scales), so the residual's groups
-quantize finer. Graph form: :func:`dit_passes.quant.graph_forms.w4a16_lr_linear_form`. Bytes per linear [N, K]:
+quantize finer. Graph form: :func:`dit_passes.quant.weight_only_forms.w4a16_lr_linear_form`. Bytes per linear [N, K]:
 W4A16's plus ``r * (N + K)`` factor elements (FLUX.1-dev's modulation linears, rank 32: +1.2% of W4A16's).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ more than the bytes they save are worth on a quarter of the model). Preparation 
 ``wscale[n] = amax|w[n]| / 127`` in fp32 (a zero scale becomes 1), ``q = clamp(rint(w / wscale), -127, 127)``.
 Every element then lies within half its row's scale of the original, ``|w - q * wscale| <= wscale / 2`` (the
 clamp never cuts: ``|w| / wscale <= 127`` up to one fp32 rounding). The linear runs as plain ATen ops written into
-the graph (:func:`dit_passes.quant.graph_forms.w8a16_linear_form`): the weight dequantized, then ``aten.linear``.
+the graph (:func:`dit_passes.quant.weight_only_forms.w8a16_linear_form`): the weight dequantized, then ``aten.linear``.
 
 Bytes per linear [N, K]: ``N * K`` (int8) + ``4 * N`` (scales) + the bias, about half the bf16 weight.
 """
