@@ -58,9 +58,9 @@ from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, lrcat_cols, svdq_fp8_linear_form,
                                           svdq_lrcat_linear_form, svdq_nvfp4_fp8_linear_form)
+from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
 from dit_passes.quant.weight_only_forms import (w4a16_linear_form, w4a16_lr_linear_form, w4a16_rows_op_form,
                                                 w8a16_linear_form)
-from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
 
 
 def linear_pattern(x, weight, bias):
@@ -119,7 +119,8 @@ def nvfp4_weight_only_replacement(x, qweight, wscale, wglobal, bias):
 @functools.lru_cache(maxsize=None)
 def weight_only_rows_replacement(kind: str, has_bias: bool) -> Callable:
     """A weight-only kind's form as the multiply-and-sum over a few rows (``weight_only_forms.dequantized_linear``),
-    as a replacement; ``has_bias``: whether the linear has a bias (the sum adds it itself, so an absent one is not read)."""
+    as a replacement; ``has_bias``: whether the linear has a bias (the sum adds it itself, so an absent one is not
+    read)."""
     def b(bias):
         return bias if has_bias else None
 

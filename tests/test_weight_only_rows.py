@@ -1,8 +1,8 @@
 """Weight-only linears on a few rows as a multiply-and-sum (``weight_only_forms.dequantized_linear(rows=True)``,
-chosen by ``dispatch.weight_only_form``): the same numbers as the linear form (fp32: up to summation order; bf16: within the
-weight's and output's roundings), no ``aten.linear`` left for the quantized weight, the setting's rule, and the
-SVDQuant pass writing it for FLUX's modulation linears (one conditioning row per sample) with the model's output
-unchanged, eager and under ``torch.compile(aot_eager)``."""
+chosen by ``dispatch.weight_only_form``): the same numbers as the linear form (fp32: up to summation order; bf16:
+within the weight's and output's roundings), no ``aten.linear`` left for the quantized weight, the setting's rule,
+and the SVDQuant pass writing it for FLUX's modulation linears (one conditioning row per sample) with the model's
+output unchanged, eager and under ``torch.compile(aot_eager)``."""
 from __future__ import annotations
 
 import pytest

@@ -39,9 +39,8 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   x once, ``dit_passes.kernels.fp8_rowquant_triton``, on sm_89+ (:func:`fp8_quantize_rows_cuda`), else its
   reference). The same setting writes the lrcat form's A operand as the op ``dit_passes::lrcat_quantize_rows``
   (smoothing, e4m3 and the low-rank down projection in two Triton kernels, ``dit_passes.kernels.lrcat_act_triton``:
-  :func:`lrcat_quantize_rows_cuda`); with
-  ``DIT_PASSES_LRCAT_ACT=mm`` as ``aten.mm`` for the down projection and the op ``dit_passes::lrcat_quantize_smoothed``
-  (:func:`lrcat_act_quant`; not the default until measured).
+  :func:`lrcat_quantize_rows_cuda`); with ``DIT_PASSES_LRCAT_ACT=mm`` as ``aten.mm`` for the down projection and
+  the op ``dit_passes::lrcat_quantize_smoothed`` (:func:`lrcat_act_quant`; not the default until measured).
 * The SVDQuant fp8 graph form's weight expansion (int4 -> e4m3, group scales folded), :func:`w4_expand`:
   ``DIT_PASSES_W4_EXPAND`` = ``auto`` (default: ``kernel`` on sm_89+ GPUs, else ``graph``) | ``graph`` (ATen ops,
   ``graph_forms.w4_to_e4m3``, fused by Inductor) | ``kernel`` (the op ``dit_passes::w4_to_e4m3``, written on any
@@ -50,10 +49,10 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
 * The weight-only forms (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``: the
   AdaLN modulation linears under SVDQuant), :func:`weight_only_form`: ``DIT_PASSES_WEIGHT_ONLY_FORM`` = ``auto``
   (default: ``kernel`` for int4 on a GPU, else ``linear``) | ``linear`` (the dequantized weight and ``aten.linear``) |
-  ``rows`` (on at most :data:`FEW_ROWS` rows of x, a
-  multiply-and-sum that Inductor fuses with the dequantization, ``weight_only_forms.dequantized_linear``) | ``kernel``
-  (the int4 forms on those rows as the op ``dit_passes::w4a16_rows_linear``: on CUDA one Triton GEMV pass over the
-  packed weight, ``dit_passes.kernels.w4a16_rows_triton``, :func:`w4a16_rows_cuda`).
+  ``rows`` (on at most :data:`FEW_ROWS` rows of x, a multiply-and-sum that Inductor fuses with the dequantization,
+  ``weight_only_forms.dequantized_linear``) | ``kernel`` (the int4 forms on those rows as the op
+  ``dit_passes::w4a16_rows_linear``: on CUDA one Triton GEMV pass over the packed weight,
+  ``dit_passes.kernels.w4a16_rows_triton``, :func:`w4a16_rows_cuda`).
 * ``dit_passes::int8_linear`` on CUDA, :func:`int8_backend`: ``torch._int_mm`` for M > 16 and K, N multiples
   of 8, else the exact reference dot.
 
@@ -327,7 +326,7 @@ def fp8_fast_accum() -> bool:
 def fp8_act_quant(granularity: str, x: Optional[torch.Tensor] = None) -> str:
     """How the fp8 graph form quantizes activations like ``x`` (module docstring): ``"graph"`` or ``"kernel"``
     (per-row only: a per-tensor scale stays in the graph form); ``auto`` (the default): the kernel on an sm_89+ GPU
-    (:func:`on_fp8_gpu`; 98.7 -> 93.9 ms on the fp8 step, H200), the graph form elsewhere."""
+    (:func:`on_fp8_gpu`; 98.7 -> 93.9 ms on the fp8 step, H100), the graph form elsewhere."""
     s = os.environ.get(ACT_QUANT_ENV, "auto").strip().lower() or "auto"
     if s not in ACT_QUANT_SETTINGS:
         raise ValueError(f"{ACT_QUANT_ENV}={s!r}: expected one of {ACT_QUANT_SETTINGS}")
@@ -465,9 +464,9 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     cores).
     ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes ``"lrcat_split"`` on
     Hopper (compute capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape: the
-    fastest SVDQuant design measured at SVDQuant's fidelity (FLUX step: 118.4 ms against bf16's 133.1 on an H100,
-    the default W4A8 form before it 152 ms on an H200; digits DiT 46.2 dB); every other setting, device or shape
-    gets the op."""
+    fastest SVDQuant design measured at SVDQuant's fidelity (FLUX step, graphed: 117.0 ms against bf16's 131.4 on an
+    H100; the W4A8 form, the default before it: 152 ms on an H200; digits DiT 46.2 dB); every other setting,
+    device or shape gets the op."""
     setting = backend_setting()
     if setting == "fp8" or setting in LRCAT_FORMS or setting in W4A8_FORMS:
         return setting
