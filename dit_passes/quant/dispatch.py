@@ -316,7 +316,8 @@ def fp8_gemm_backend(x: torch.Tensor, n: int, k: int, granularity: str) -> str:
 def fp8_fast_accum() -> bool:
     """``_scaled_mm`` with ``use_fast_accum`` (sm_90's fp8 MMA accumulates in reduced precision between promotions:
     faster, slightly less exact; the inference default of fp8 GEMMs, as torchao's): on by default,
-    ``DIT_PASSES_FP8_FAST_ACCUM=0`` turns it off. Every step row measured on the GPU ran with it (stops 26-29)."""
+    ``DIT_PASSES_FP8_FAST_ACCUM=0`` turns it off. The fp8 and SVDQuant step figures reported ran with it (stops
+    26-29)."""
     s = os.environ.get(FAST_ACCUM_ENV, "1").strip().lower()
     if s not in ("0", "1", "false", "true", ""):
         raise ValueError(f"{FAST_ACCUM_ENV}={s!r}: expected 0 or 1")
