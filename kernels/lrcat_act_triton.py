@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .fp8_rowquant_triton import _to_e4m3
-from .fp8_rowquant_triton import SINGLE_MAX
+from .fp8_rowquant_triton import SINGLE_MAX, num_warps_for
 from .fp8_rowquant_triton import is_supported as rows_supported
 from .w4a4_autotune import interpreting
 from .w4a4_triton import _round_to_bf16_rne
@@ -68,9 +68,13 @@ def _stats_configs():
         return [triton.Config({"BLOCK_M": 16, "BK": BLOCK_K}, num_warps=4)]
     # BLOCK_M: every program re-reads its split's lora_down rows from L2 (M / BLOCK_M times per call: at the fused
     # linears' rank 96 / 128 and BLOCK_M 16, eight times x's own bytes); BK: the [BLOCK_M, BK] x and [BK, R] lora_down
-    # chunks of a pipeline stage. The H200 step (stop 28) spent 14.4 ms here with only the first config.
+    # chunks of a pipeline stage, held in registers before the dot: ptxas (sm_90, on the CPU: tests/
+    # test_triton_sm90_compile.py's way) gave stop 28's configs 242-255 registers a thread at R_PAD 32 and spills at
+    # 128 (a few warps an SM: 8.2 ms a step on an H100, stop 29); BK 32 / 64 at 8 warps: 64-166, no spills. The
+    # first config: the one stop 28 measured.
     return [triton.Config({"BLOCK_M": bm, "BK": bk}, num_warps=w, num_stages=st)
-            for bm, bk, w, st in ((16, 256, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3))]
+            for bm, bk, w, st in ((16, 256, 4, 3), (32, 32, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3), (64, 64, 8, 3),
+                                  (128, 32, 8, 2))]
 
 
 def _quant_configs():
@@ -276,7 +280,8 @@ def lrcat_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
     xd = xd if xd.stride(-1) == 1 else xd.contiguous()
     h = h if h.stride(-1) == 1 else h.contiguous()
     r_pad = max(16, triton.next_power_of_2(max(r, cols - 2 * r) if split else cols))
+    block = triton.next_power_of_2(k)
     _lrcat_rows_kernel[(m,)](xd, h, c.contiguous(), a, sx, k, r, xd.stride(0), h.stride(0), a.stride(0),
-                             BLOCK=triton.next_power_of_2(k), R_PAD=r_pad, SPLIT=split, COLS=cols, SOFT=interpreting(),
-                             num_warps=8 if k > 4096 else 4)
+                             BLOCK=block, R_PAD=r_pad, SPLIT=split, COLS=cols, SOFT=interpreting(),
+                             num_warps=num_warps_for(block))
     return a, sx
