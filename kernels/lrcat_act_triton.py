@@ -68,10 +68,10 @@ def _stats_configs():
         return [triton.Config({"BLOCK_M": 16, "BK": BLOCK_K}, num_warps=4)]
     # BLOCK_M: every program re-reads its split's lora_down rows from L2 (M / BLOCK_M times per call: at the fused
     # linears' rank 96 / 128 and BLOCK_M 16, eight times x's own bytes); BK: the [BLOCK_M, BK] x and [BK, R] lora_down
-    # chunks of a pipeline stage, held in registers before the dot: ptxas (sm_90, on the CPU: tests/
-    # test_triton_sm90_compile.py's way) gave stop 28's configs 242-255 registers a thread at R_PAD 32 and spills at
-    # 128 (a few warps an SM: 8.2 ms a step on an H100, stop 29); BK 32 / 64 at 8 warps: 64-166, no spills. The
-    # first config: the one stop 28 measured.
+    # chunks of a pipeline stage. ptxas for sm_90 on the CPU (bench/triton_sm90_resources.py): stop 28's first config
+    # at R_PAD 128 takes 255 registers a thread and 149 KB of shared memory (one 4-warp program an SM; the step: 8.2
+    # ms of statistics on an H100, stop 29); BK 32 / 64 at 8 warps: 48-128 registers, 8-66 KB. The first config: the
+    # one stop 28 measured.
     return [triton.Config({"BLOCK_M": bm, "BK": bk}, num_warps=w, num_stages=st)
             for bm, bk, w, st in ((16, 256, 4, 3), (32, 32, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3), (64, 64, 8, 3),
                                   (128, 32, 8, 2))]
