@@ -36,12 +36,19 @@ def _rowquant_one_pass(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, BLOCK: tl.constexpr, 
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     xf = tl.load(x_ptr + row * s_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    q, scale = _row_e4m3(xf, SOFT)
+    tl.store(q_ptr + row * s_qm + cols, q, mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _row_e4m3(xf, SOFT: tl.constexpr):
+    # one row held in registers (fp32, 0 past K) -> its e4m3 values and scale (amax / 448; a zero row: 1)
     scale = tl.math.div_rn(tl.max(tl.abs(xf), axis=0), E4M3_MAX)
     scale = tl.where(scale == 0.0, 1.0, scale)
     inv = tl.math.div_rn(1.0, scale)
     y = tl.minimum(tl.maximum(xf * inv, -E4M3_MAX), E4M3_MAX)
-    tl.store(q_ptr + row * s_qm + cols, _to_e4m3(y, SOFT), mask=mask)
-    tl.store(s_ptr + row, scale)
+    return _to_e4m3(y, SOFT), scale
 
 
 @triton.jit

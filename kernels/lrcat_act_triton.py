@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .fp8_rowquant_triton import _to_e4m3
-from .fp8_rowquant_triton import SINGLE_MAX, num_warps_for
+from .fp8_rowquant_triton import SINGLE_MAX, _row_e4m3, num_warps_for
 from .fp8_rowquant_triton import is_supported as rows_supported
 from .w4a4_autotune import interpreting
 from .w4a4_triton import _round_to_bf16_rne
@@ -186,11 +186,8 @@ def _lrcat_rows_kernel(x_ptr, h_ptr, c_ptr, a_ptr, sx_ptr, K, R, s_xm, s_hm, s_a
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     xf = tl.load(x_ptr + row * s_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    sx = tl.math.div_rn(tl.max(tl.abs(xf), axis=0), E4M3_MAX)
-    sx = tl.where(sx == 0.0, 1.0, sx)
-    inv = tl.math.div_rn(1.0, sx)
-    y = tl.minimum(tl.maximum(xf * inv, -E4M3_MAX), E4M3_MAX)
-    tl.store(a_ptr + row * s_am + cols, _to_e4m3(y, SOFT), mask=mask)
+    q, sx = _row_e4m3(xf, SOFT)                                           # fp8_rowquant_triton's one-pass row
+    tl.store(a_ptr + row * s_am + cols, q, mask=mask)
     tl.store(sx_ptr + row, sx)
     offs_r = tl.arange(0, R_PAD)
     h = tl.load(h_ptr + row * s_hm + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)[None, :]   # [1, R_PAD]
@@ -210,6 +207,19 @@ def smoothed_supported(xd: torch.Tensor) -> bool:
     return rows_supported(xd) and xd.dim() == 2 and 0 < xd.shape[1] <= SINGLE_MAX
 
 
+def _outputs(name: str, x: torch.Tensor, r: int, split: bool, reference: str):
+    """Both ops' outputs, the A operand e4m3 [M, K + cols] and sx fp32 [M, 1], with cols (``graph_forms.lrcat_cols``)
+    and the branch programs' width (split: the widest of the three parts); x must be on CUDA (or interpreted)."""
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (got {x.device}); on CPU use the op's "
+                         f"reference (dit_passes.quant.{reference}) or set TRITON_INTERPRET=1 (tests)")
+    m, k = x.shape
+    cols = -(-r * (3 if split else 1) // 16) * 16
+    a = torch.empty((m, k + cols), dtype=torch.float8_e4m3fn, device=x.device)
+    sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    return a, sx, cols, max(16, triton.next_power_of_2(max(r, cols - 2 * r) if split else cols))
+
+
 def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
                         split: bool = False, block_k_split: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (fp32 / bf16 / fp16), smooth_inv fp32 [K], lora_down [R, K], c fp32 [R] -> ``(a float8_e4m3fn
@@ -225,12 +235,7 @@ def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: to
                          f"and {c.dtype} {tuple(c.shape)}")
     if tuple(smooth_inv.shape) != (k,):
         raise ValueError(f"{name}: smooth_inv must be [{k}], got {tuple(smooth_inv.shape)}")
-    if x.device.type != "cuda" and not interpreting():
-        raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (got {x.device}); on CPU use the op's "
-                         "reference (dit_passes.quant.graph_forms.lrcat_activation) or set TRITON_INTERPRET=1 (tests)")
-    cols = -(-r * (3 if split else 1) // 16) * 16  # graph_forms.lrcat_cols
-    a = torch.empty((m, k + cols), dtype=torch.float8_e4m3fn, device=x.device)
-    sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    a, sx, cols, r_pad = _outputs(name, x, r, split, "graph_forms.lrcat_activation")
     if m == 0:
         return a, sx
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -241,7 +246,6 @@ def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: to
     if ks % BLOCK_K:
         raise ValueError(f"{name}: the K split must be a multiple of {BLOCK_K}, got {ks}")
     s = triton.cdiv(k, ks)
-    r_pad = max(16, triton.next_power_of_2(max(r, cols - 2 * r) if split else cols))
     amax = torch.empty((s, m), dtype=torch.float32, device=x.device)
     h = torch.empty((s, m, rh), dtype=torch.float32, device=x.device)
     bucket = triton.next_power_of_2(m)
@@ -269,17 +273,11 @@ def lrcat_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
     if h.dim() != 2 or h.shape[0] != m or r < 1 or tuple(c.shape) != (r,) or c.dtype != torch.float32:
         raise ValueError(f"{name}: h must be [{m}, R] (R >= 1) and c fp32 [R], got {tuple(h.shape)} and {c.dtype} "
                          f"{tuple(c.shape)}")
-    if xd.device.type != "cuda" and not interpreting():
-        raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (got {xd.device}); on CPU use the op's "
-                         "reference or set TRITON_INTERPRET=1 (tests)")
-    cols = -(-r * (3 if split else 1) // 16) * 16  # graph_forms.lrcat_cols
-    a = torch.empty((m, k + cols), dtype=torch.float8_e4m3fn, device=xd.device)
-    sx = torch.empty((m, 1), dtype=torch.float32, device=xd.device)
+    a, sx, cols, r_pad = _outputs(name, xd, r, split, "graph_forms.lrcat_smoothed_activation")
     if m == 0:
         return a, sx
     xd = xd if xd.stride(-1) == 1 else xd.contiguous()
     h = h if h.stride(-1) == 1 else h.contiguous()
-    r_pad = max(16, triton.next_power_of_2(max(r, cols - 2 * r) if split else cols))
     block = triton.next_power_of_2(k)
     _lrcat_rows_kernel[(m,)](xd, h, c.contiguous(), a, sx, k, r, xd.stride(0), h.stride(0), a.stride(0),
                              BLOCK=block, R_PAD=r_pad, SPLIT=split, COLS=cols, SOFT=interpreting(),
