@@ -1,8 +1,9 @@
 """The per-rank Ray actor body: process group, model loading, compile_dit, calls.
 
-:class:`RankWorker` is a plain class; :class:`~dit_passes.launch.ray_launcher.RayLauncher` wraps it with
-``ray.remote`` when it launches (importing this module needs no Ray). One instance per rank, in its own
-process; everything it holds is per-instance.
+:class:`RankWorker` is a plain class; the :class:`~dit_passes.launch.ray_engine.RayEngine` that
+:class:`~dit_passes.launch.ray_launcher.RayLauncher` launches wraps it with ``ray.remote`` when it starts
+(importing this module needs no Ray). One instance per rank, in its own process; everything it holds is
+per-instance.
 
 Life cycle (each step one actor call, driven by the launcher): ``node_info`` (IP), ``open_rendezvous`` (rank 0
 hosts the store) -> ``init_process_group`` -> ``load`` (transfer payload -> object ->

@@ -1,0 +1,301 @@
+"""The cells of ``dit-passes coverage`` (:mod:`dit_passes.coverage`): what each column checks and how one cell runs,
+in this process or on gloo ranks. Each cell is
+
+* ``exact``: the rewritten module matches (fp32 max relative error <= :data:`TOLERANCE`; the cache columns:
+  the first call equals eager and the cached call equals the computed one on identical inputs; SVDQuant's
+  reference path: finite and within :data:`SVDQUANT_BOUND`, the error of 4-bit weights and activations);
+* ``refused: <reason>``: the library refused before running (a ``PassError``, a capture or block-discovery
+  error, a sharding / mesh error: what a user reads; not ``PassCrashed``, a pass's own crash while rewriting);
+* ``error: <type: msg>``: anything else (a crash while running, a wrong result, a timeout): a defect.
+
+The models are the zoo's tiny configs with every all-zero floating parameter redrawn (seeded, the same on
+every rank: ``zoo.build(..., redraw_zeros=True)``): diffusers zero-initialises gates, modulation and output
+projections and norm biases, and behind a zero gate a check against eager cannot see a wrong rewrite.
+
+The local columns run in this process, one model build per cell; the parallel ones run in one
+``run_ranks`` call on 2 gloo ranks for every family, each cell on its own process group with the cell's
+timeout, so a hang in one cell cannot stall the rest.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import signal
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["COLUMNS", "LOCAL_COLUMNS", "PARALLEL_COLUMNS", "TOLERANCE", "SVDQUANT_BOUND", "WORLD", "EXACT", "REFUSED",
+           "ERROR", "NO_CONFIG", "Cell", "CellTimeout", "run_cell", "run_local", "run_parallel", "parallel_worker"]
+
+LOCAL_COLUMNS = ("capture", "dbcache", "taylorseer", "regional", "svdquant")
+PARALLEL_COLUMNS = ("ulysses", "ring", "usp", "tp")
+COLUMNS = LOCAL_COLUMNS + PARALLEL_COLUMNS
+TOLERANCE = 1e-5
+SVDQUANT_BOUND = 0.25
+WORLD = 2
+
+EXACT, REFUSED, ERROR, NO_CONFIG = "exact", "refused", "error", "no config"
+
+
+@dataclasses.dataclass
+class Cell:
+    status: str                 # exact / refused / error / no config
+    detail: str = ""            # the reason (refused / error), or the measured error (exact)
+    seconds: float = 0.0
+
+    def text(self) -> str:
+        return self.status if not self.detail or self.status == EXACT else f"{self.status}: {self.detail}"
+
+
+class CellTimeout(BaseException):
+    """The cell ran past its time budget. A BaseException, as KeyboardInterrupt is: the alarm can fire inside code
+    that retries on ``Exception`` (capture tries export again, or with an opaque module, after a failed attempt),
+    which would swallow the deadline and let the cell run on."""
+
+
+class _Refused(Exception):
+    """Carries a refusal raised while lowering (capture + passes), before anything ran."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Raise CellTimeout in this (main) thread after ``seconds``; a no-op off the main thread."""
+    import threading
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise CellTimeout(f"cell ran past {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _refusal_types() -> tuple:
+    from .analysis.blocks import NoRepeatedBlocksError
+    from .capture import CaptureError
+    from .infra.pass_base import PassError
+    from .parallel.mesh import MeshError
+    from .parallel.tp_sharding import ShardingError
+    return (PassError, CaptureError, NoRepeatedBlocksError, ShardingError, MeshError)
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    msg = " ".join(str(e).split())
+    msg = msg if len(msg) <= limit else msg[: limit - 3] + "..."
+    return f"{type(e).__name__}: {msg}"
+
+
+def _leaves(out) -> List[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+def _max_rel(actual, expected) -> float:
+    """Max over the output tensors of max |a - e| / max |e| (inf when the structure or shapes differ)."""
+    a, e = _leaves(actual), _leaves(expected)
+    if len(a) != len(e) or any(x.shape != y.shape for x, y in zip(a, e)):
+        return float("inf")
+    worst = 0.0
+    for x, y in zip(a, e):
+        if not torch.isfinite(x).all():
+            return float("inf")
+        scale = y.float().abs().max().clamp_min(1e-30)
+        worst = max(worst, ((x.float() - y.float()).abs().max() / scale).item())
+    return worst
+
+
+def _compile(model, passes, inputs):
+    """compile_dit + lower now: a refusal here is raised as _Refused, anything else propagates."""
+    from . import compile_dit
+    from .infra.pass_base import PassCrashed
+    try:
+        compiled = compile_dit(model, passes=passes())
+        compiled.lower(**inputs)
+        return compiled
+    except PassCrashed:  # a crash inside a pass's rewrite (wrapped as a PassError): a defect, not a refusal
+        raise
+    except _refusal_types() as e:
+        if _timed_out(e):  # a refusal type wrapping the cell's deadline: the time ran out, nothing was refused
+            raise
+        raise _Refused(_short(e)) from e
+
+
+def _timed_out(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CellTimeout):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _within(rel: float, bound: float, what: str) -> None:
+    if not rel <= bound:
+        raise AssertionError(f"{what}: max relative error {rel:.3g} > {bound:g}")
+
+
+# --------------------------------------------------------------------------------------- the columns
+def _check_plain(passes: Callable[[], list], bound: float = TOLERANCE):
+    def check(zm, inputs, reference) -> str:
+        compiled = _compile(zm.model, passes, inputs)
+        with torch.no_grad():
+            out = compiled(**inputs)
+        rel = _max_rel(out, reference)
+        _within(rel, bound, "output vs eager")
+        return f"rel {rel:.1e}"
+    return check
+
+
+def _check_cache(passes: Callable[[], list], computed_calls: int):
+    """``computed_calls`` warm-up calls, then one that must be cached and equal the last computed one."""
+    def check(zm, inputs, reference) -> str:
+        compiled = _compile(zm.model, passes, inputs)
+        with torch.no_grad():
+            outs = [compiled(**inputs) for _ in range(computed_calls + 1)]
+        cached = list(compiled.report("dbcache").last_generation()["step_cached"])
+        expected = [False] * computed_calls + [True]
+        if cached != expected:
+            raise AssertionError(f"cache decisions {cached}, expected {expected}")
+        rel0 = _max_rel(outs[0], reference)
+        _within(rel0, TOLERANCE, "computed call vs eager")
+        rel = _max_rel(outs[-1], outs[-2])
+        _within(rel, TOLERANCE, "cached call vs computed call")
+        return f"rel {max(rel0, rel):.1e}"
+    return check
+
+
+def _local_checks() -> Dict[str, Callable]:
+    from .cache.config import TaylorSeerCalibratorConfig
+    from .passes import DBCache, RegionalCompile, SVDQuantW4A4
+
+    # always cache once a residual is stored: threshold 1, unlimited cached steps
+    always = dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=1.0, enable_separate_cfg=False)
+    return {
+        "capture": _check_plain(lambda: []),
+        "dbcache": _check_cache(lambda: [DBCache(max_warmup_steps=1, **always)], 1),
+        "taylorseer": _check_cache(lambda: [DBCache(max_warmup_steps=2, calibrator=TaylorSeerCalibratorConfig(
+            taylorseer_order=1), **always)], 2),
+        "regional": _check_plain(lambda: [RegionalCompile(backend="aot_eager")]),
+        "svdquant": _check_plain(lambda: [SVDQuantW4A4(rank=4, dynamic=True)], SVDQUANT_BOUND),
+    }
+
+
+def _parallel_checks(group) -> Dict[str, Callable]:
+    from .passes import USP, Ring, TensorParallel, Ulysses
+    size = torch.distributed.get_world_size(group)
+    return {
+        "ulysses": _check_plain(lambda: [Ulysses(size=size, group=group)]),
+        "ring": _check_plain(lambda: [Ring(size=size, group=group)]),
+        "usp": _check_plain(lambda: [USP(ulysses=size, ring=1, group=group)]),
+        "tp": _check_plain(lambda: [TensorParallel(size=size, group=group)]),
+    }
+
+
+def run_cell(family: str, check: Callable, timeout: float, batch: int = 1) -> Cell:
+    """Build ``family`` fresh (a pass may keep state on the module; zero parameters redrawn, see the module
+    docstring), run eager, then ``check``."""
+    from .models.zoo import build
+    start = time.perf_counter()
+    try:
+        with _deadline(timeout):
+            zm = build(family, redraw_zeros=True)
+            inputs = zm.make_inputs(batch=batch, seed=1)
+            with torch.no_grad():
+                reference = zm.model(**inputs)
+            detail = check(zm, inputs, reference)
+        return Cell(EXACT, detail, time.perf_counter() - start)
+    except _Refused as e:
+        return Cell(REFUSED, str(e), time.perf_counter() - start)
+    except CellTimeout as e:
+        return Cell(ERROR, _short(e), time.perf_counter() - start)
+    except Exception as e:  # noqa: BLE001 - every other failure is a defect the matrix shows
+        return Cell(ERROR, _short(e), time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence the libraries' warnings while the matrix runs (they would drown the table); restored after, as
+    a pooled rank (``run_ranks``) runs the next caller's function in the same process."""
+    import logging
+    import warnings
+    loggers = [logging.getLogger(name) for name in
+               ("diffusers", "torch", "torch._dynamo", "torch._inductor", "torch.fx", "torch.export")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
+def run_local(families: Sequence[str], columns: Sequence[str], timeout: float, batch: int = 1,
+              progress: Optional[Callable[[str], None]] = None) -> Dict[str, Dict[str, Cell]]:
+    checks = _local_checks()
+    out: Dict[str, Dict[str, Cell]] = {}
+    for family in families:
+        out[family] = {}
+        for column in columns:
+            out[family][column] = cell = run_cell(family, checks[column], timeout, batch)
+            if progress:
+                progress(f"{family:>16} {column:<11} {cell.seconds:6.1f} s  {cell.text()[:150]}")
+    return out
+
+
+def parallel_worker(rank: int, world: int, families: Sequence[str], columns: Sequence[str], timeout: float,
+                    batch: int) -> Dict[str, Dict[str, dict]]:
+    """One rank of the parallel columns (run by ``run_ranks``): every cell on a fresh group with the cell's
+    timeout, the ranks re-synchronised on the world group between cells."""
+    import torch.distributed as dist
+    out: Dict[str, Dict[str, dict]] = {}
+    with _quiet():
+        for family in families:
+            out[family] = {}
+            for column in columns:
+                dist.barrier()
+                group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout))
+                cell = run_cell(family, _parallel_checks(group)[column], timeout, batch)
+                out[family][column] = dataclasses.asdict(cell)
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(group)
+    return out
+
+
+def _merge_ranks(per_rank: List[Dict[str, Dict[str, dict]]]) -> Dict[str, Dict[str, Cell]]:
+    """One cell from the ranks' cells: an error on any rank wins, then a refusal, else exact (worst error)."""
+    out: Dict[str, Dict[str, Cell]] = {}
+    for family, row in per_rank[0].items():
+        out[family] = {}
+        for column in row:
+            cells = [Cell(**r[family][column]) for r in per_rank]
+            for status in (ERROR, REFUSED):
+                bad = [(i, c) for i, c in enumerate(cells) if c.status == status]
+                if bad:
+                    rank, c = bad[0]
+                    out[family][column] = Cell(status, f"rank {rank}: {c.detail}", max(x.seconds for x in cells))
+                    break
+            else:
+                out[family][column] = Cell(EXACT, cells[0].detail, max(x.seconds for x in cells))
+    return out
+
+
+def run_parallel(families: Sequence[str], columns: Sequence[str], timeout: float,
+                 batch: int = 1) -> Dict[str, Dict[str, Cell]]:
+    from .testing import run_ranks
+    budget = 120.0 + timeout * len(families) * len(columns)
+    per_rank = run_ranks(parallel_worker, WORLD, list(families), list(columns), timeout, batch, timeout=budget)
+    return _merge_ranks(per_rank)
