@@ -26,7 +26,11 @@ def sweep():
              "_w4a16_rows_kernel": w4a16_rows_triton._w4a16_rows_kernel,
              "_w4_expand_kernel": w4_expand_triton._w4_expand_kernel}
     variants = {"_lrcat_stats_kernel": [{"R_PAD": 32}, {"R_PAD": 128}], "_w4a16_rows_kernel": [{"M_PAD": 1}]}
+    seen = set()
     for module, name, pointers, constexprs, warps in KERNELS:
+        if name in seen:  # a kernel listed once per layout: its autotune configs cover them all
+            continue
+        seen.add(name)
         configs = tuned[name].configs if name in tuned else [triton.Config({}, num_warps=warps)]
         for extra in variants.get(name, [{}]):
             for cfg in configs:

@@ -10,6 +10,12 @@ one bandwidth-bound GEMV pass over the packed weight (issue 22).
     acc[m, n, b] += x[m, 2b] * w_lo[n, b] + x[m, 2b + 1] * w_hi[n, b]    # fp32, every row m of x at once
     y[m, n] = x.dtype(sum_b acc[m, n, b] + float(bias[n]))
 
+Two layouts, which the autotuner picks between per shape: flat (above: one program holds every row of x, a chunk
+is [BLOCK_N, BB] bytes, the group scale gathered per byte) and grouped (a chunk is [BLOCK_N, GC groups, 32 bytes],
+each group's scale loaded once and broadcast over its bytes; one row of x per program on grid axis 1, so a weight
+block's second read for a CFG pair comes from L2). ptxas for sm_90 (bench/triton_sm90_resources.py): flat issues one
+8-byte weight load and ~10 scalar loads per thread and chunk, grouped one 16-byte weight load and 4.
+
 Why a kernel: Inductor's fusion of that form (``DIT_PASSES_WEIGHT_ONLY_FORM=rows``) read the 1.6 GB of FLUX's packed
 modulation weights at ~0.4 TB/s on an H200 (4.2 ms a step, stop 28); the linear form before it wrote a dequantized
 bf16 copy for cuBLAS's GEMV (8.3 ms on an H100). Here each packed byte is read once and x's few rows stay in cache.
@@ -34,20 +40,83 @@ MAX_ROWS = 4      # rows of x per call (the graph writes the op for at most disp
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _config(bn: int, warps: int, bb: int = 0, gc: int = 0) -> "triton.Config":
+    """Flat (``bb`` bytes a chunk, every row of x in one program) or grouped (``gc`` groups of 32 bytes a chunk, one
+    row of x a program) layout."""
+    return triton.Config({"BLOCK_N": bn, "BB": bb or 32, "GC": gc or 1, "GROUPED": bool(gc)}, num_warps=warps)
+
+
 def _configs():
     if interpreting():
-        return [triton.Config({"BLOCK_N": 8, "BB": 64}, num_warps=4)]
-    # BLOCK_N x BB packed bytes a stage; the [M_PAD, BLOCK_N, BB] accumulator bounds the registers (M_PAD <= 4:
-    # at most 32 fp32 a thread per row of x)
-    return [triton.Config({"BLOCK_N": bn, "BB": bb}, num_warps=w)
-            for bn, bb, w in ((4, 256, 4), (8, 128, 4), (8, 256, 8), (16, 128, 8), (4, 512, 8), (2, 512, 4))]
+        return [_config(8, 4, bb=64)]
+    # flat: BLOCK_N x BB packed bytes a stage, the [M_PAD, BLOCK_N, BB] accumulator bounding the registers (M_PAD
+    # <= 4: at most 32 fp32 a thread per row of x). grouped: [BLOCK_N, GC, 32], a group's scale loaded once and
+    # broadcast over its bytes (flat loads it per byte: ptxas counts ~10 scalar loads per 8 weight bytes); x's rows
+    # apart on grid axis 1, a weight block's second read served by L2
+    flat = [_config(bn, w, bb=bb) for bn, bb, w in ((4, 256, 4), (8, 128, 4), (8, 256, 8), (16, 128, 8), (4, 512, 8),
+                                                       (2, 512, 4))]
+    return flat + [_config(bn, w, gc=gc) for bn, gc, w in ((8, 8, 4), (16, 8, 8), (8, 16, 8), (4, 16, 4), (32, 4, 8))]
 
 
 @triton.autotune(configs=_configs(), key=["N", "KB", "M_PAD"])
 @triton.jit
 def _w4a16_rows_kernel(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, M, N, s_xm, s_qn, s_wsn, s_ym,
                        KB: tl.constexpr, M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BB: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BB: tl.constexpr, GC: tl.constexpr, GROUPED: tl.constexpr):
+    if GROUPED:
+        _grouped_row(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, N, s_xm, s_qn, s_wsn, s_ym, KB, HAS_BIAS, SOFT_BF16, BLOCK_N,
+                     GC)
+    else:
+        _flat_rows(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, M, N, s_xm, s_qn, s_wsn, s_ym, KB, M_PAD, HAS_BIAS, SOFT_BF16,
+                   BLOCK_N, BB)
+
+
+@triton.jit
+def _weights(packed, ws, x_ptr, SOFT_BF16: tl.constexpr):
+    # a chunk's two nibble planes (even k: the low nibble) times their group scales, rounded to x.dtype as the linear
+    # form rounds its dequantized weight (the interpreter's cast truncates: round to nearest even by hand)
+    w_lo = (((packed & 15) ^ 8) - 8).to(tl.float32) * ws
+    w_hi = (((packed >> 4) ^ 8) - 8).to(tl.float32) * ws
+    if SOFT_BF16:
+        w_lo, w_hi = _round_to_bf16_rne(w_lo), _round_to_bf16_rne(w_hi)
+    else:
+        w_lo = w_lo.to(x_ptr.dtype.element_ty).to(tl.float32)
+        w_hi = w_hi.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return w_lo, w_hi
+
+
+@triton.jit
+def _grouped_row(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, N, s_xm, s_qn, s_wsn, s_ym, KB: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK_N: tl.constexpr, GC: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    rows = tl.where(n_mask, rows, 0).to(tl.int64)
+    m = tl.program_id(1).to(tl.int64)
+    offs_g = tl.arange(0, GC)
+    offs_j = tl.arange(0, GROUP_BYTES)
+    G: tl.constexpr = KB // GROUP_BYTES
+    acc = tl.zeros([BLOCK_N, GC, GROUP_BYTES], dtype=tl.float32)
+    for i in range(0, tl.cdiv(G, GC)):
+        g = i * GC + offs_g
+        g_mask = g < G
+        byte = g[:, None] * GROUP_BYTES + offs_j[None, :]                                   # [GC, 32]
+        packed = tl.load(qw_ptr + rows[:, None, None] * s_qn + byte[None, :, :], mask=g_mask[None, :, None],
+                         other=0).to(tl.int32)
+        ws = tl.load(ws_ptr + rows[:, None] * s_wsn + g[None, :], mask=g_mask[None, :], other=0.0).to(tl.float32)
+        w_lo, w_hi = _weights(packed, ws[:, :, None], x_ptr, SOFT_BF16)
+        x_even = tl.load(x_ptr + m * s_xm + 2 * byte, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + m * s_xm + 2 * byte + 1, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        acc += x_even[None, :, :] * w_lo + x_odd[None, :, :] * w_hi
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * s_ym + rows, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _flat_rows(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, M, N, s_xm, s_qn, s_wsn, s_ym, KB: tl.constexpr,
+               M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+               BB: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
     rows = tl.where(n_mask, rows, 0).to(tl.int64)  # rows past N read row 0, store nothing
@@ -63,13 +132,7 @@ def _w4a16_rows_kernel(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, M, N, s_xm, s_qn, s_
         packed = tl.load(qw_ptr + rows[:, None] * s_qn + byte[None, :], mask=b_mask[None, :], other=0).to(tl.int32)
         ws = tl.load(ws_ptr + rows[:, None] * s_wsn + (byte // GROUP_BYTES)[None, :], mask=b_mask[None, :],
                      other=0.0).to(tl.float32)
-        w_lo = (((packed & 15) ^ 8) - 8).to(tl.float32) * ws
-        w_hi = (((packed >> 4) ^ 8) - 8).to(tl.float32) * ws
-        if SOFT_BF16:  # the weight in x.dtype, as the linear form rounds it (the interpreter's cast truncates)
-            w_lo, w_hi = _round_to_bf16_rne(w_lo), _round_to_bf16_rne(w_hi)
-        else:
-            w_lo = w_lo.to(x_ptr.dtype.element_ty).to(tl.float32)
-            w_hi = w_hi.to(x_ptr.dtype.element_ty).to(tl.float32)
+        w_lo, w_hi = _weights(packed, ws, x_ptr, SOFT_BF16)
         xm = m_mask[:, None] & b_mask[None, :]
         x_even = tl.load(x_ptr + offs_m[:, None] * s_xm + 2 * byte[None, :], mask=xm, other=0.0).to(tl.float32)
         x_odd = tl.load(x_ptr + offs_m[:, None] * s_xm + 2 * byte[None, :] + 1, mask=xm, other=0.0).to(tl.float32)
@@ -89,9 +152,10 @@ def is_supported(x: torch.Tensor, qweight: torch.Tensor) -> bool:
 
 
 def w4a16_rows_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      bias: Optional[torch.Tensor] = None, config: Optional[dict] = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS; fp32 / bf16 / fp16), qweight uint8 [N, K/2], wscale [N, K/64], bias [N] or None ->
-    y [M, N] in x.dtype (module docstring)."""
+    y [M, N] in x.dtype (module docstring); ``config``: ``_config``'s arguments, to run one layout without the
+    autotuner (tests)."""
     name = "w4a16_rows_linear"
     if not is_supported(x, qweight):
         raise ValueError(f"{name}: needs a 2-D float x of 1..{MAX_ROWS} rows and uint8 qweight on CUDA (or "
@@ -109,8 +173,15 @@ def w4a16_rows_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tens
     qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
     b = bias if bias is not None else y  # unread without a bias
-    _w4a16_rows_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, qw, ws, b, y, m, n, x.stride(0), qw.stride(0), ws.stride(0), y.stride(0), KB=k // 2,
-        M_PAD=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
-        SOFT_BF16=interpreting() and x.dtype == torch.bfloat16)
+    def grid(meta):
+        return triton.cdiv(n, meta["BLOCK_N"]), m if meta["GROUPED"] else 1
+
+    args = (x, qw, ws, b, y, m, n, x.stride(0), qw.stride(0), ws.stride(0), y.stride(0))
+    meta = dict(KB=k // 2, M_PAD=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
+                SOFT_BF16=interpreting() and x.dtype == torch.bfloat16)
+    if config is None:
+        _w4a16_rows_kernel[grid](*args, **meta)
+    else:
+        c = _config(**config)
+        _w4a16_rows_kernel.fn[grid({**c.kwargs})](*args, **meta, **c.kwargs, num_warps=c.num_warps)
     return y

@@ -40,11 +40,14 @@ def _case(m, k, n, dtype, with_bias, seed=0):
 @pytest.mark.parametrize("m", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_kernel_equals_the_rows_form(m, dtype, with_bias):
-    """K = 192 (96 bytes: a full and a partial chunk of 64 under the interpreter), N = 40 (a partial row block)."""
+@pytest.mark.parametrize("layout", ["flat", "grouped"])
+def test_kernel_equals_the_rows_form(m, dtype, with_bias, layout):
+    """K = 192 (96 bytes: a full and a partial chunk of 64 flat, of 2 groups grouped), N = 40 (a partial row block);
+    both layouts the autotuner chooses between."""
     x, qw, ws, b = _case(m, 192, 40, dtype, with_bias)
     want = w4a16_linear_form(x, qw, ws, b, rows=True)
-    got = K.w4a16_rows_linear(*(t.to(DEV) if t is not None else None for t in (x, qw, ws, b))).cpu()
+    config = dict(bn=8, warps=4, bb=64) if layout == "flat" else dict(bn=8, warps=4, gc=2)
+    got = K.w4a16_rows_linear(*(t.to(DEV) if t is not None else None for t in (x, qw, ws, b)), config=config).cpu()
     assert got.dtype == dtype and got.shape == (m, 40)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
