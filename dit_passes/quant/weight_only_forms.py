@@ -22,7 +22,7 @@ is the residual after SVDQuant's rank-r branch)::
 
 In fp32 it is that sum over the fp32 dequantized residual bit for bit. Shape-generic.
 
-Weight-only int8 linear, :func:`w8a16_linear_form` (SVDQuant's default for the modulation linears; ``w8a16.py``):
+Weight-only int8 linear, :func:`w8a16_linear_form` (SVDQuant's ``modulation="w8a16"``; ``w8a16.py``):
 int8 weights per output row, fp32 row scales, the activations in x.dtype::
 
     w = x.dtype(float(qweight) * float(wscale)[:, None])                   # [N, K]
@@ -41,7 +41,7 @@ weight once where the linear writes a dequantized [N, K] copy for cuBLAS to read
 
 (FLUX's W4A16 modulation linears, a quarter of its weights: 8.3 ms a step on an H100 as copy + GEMV, 4.2 ms on an
 H200 as this reduction, stop 28; :func:`w4a16_rows_op_form` writes the op ``dit_passes::w4a16_rows_linear``, one
-Triton GEMV pass, instead.) In fp32 it equals the linear up to summation order; in bf16 it rounds once, as the
+Triton GEMV pass, instead: 2.2 ms on an H100, stop 29, the GPU default.) In fp32 it equals the linear up to summation order; in bf16 it rounds once, as the
 linear's fp32 accumulation does.
 """
 from __future__ import annotations
