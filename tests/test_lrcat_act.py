@@ -1,8 +1,9 @@
-"""The lrcat design's A operand in one kernel (``dit_passes::lrcat_quantize_rows``, kernels/lrcat_act_triton.py):
-the kernel against its specification (``graph_forms.lrcat_activation``) byte for byte under TRITON_INTERPRET=1, the
-specification against an independent computation, the op through ``opcheck`` and ``torch.compile(fullgraph=True)``,
-the lrcat form with the op beside the form's ATen activation path, ``DIT_PASSES_FP8_ACT_QUANT=kernel`` writing the op
-into the SVDQuant graph, and on an sm_89+ GPU the kernel on FLUX's shapes.
+"""The lrcat design's A operand in two kernels (``dit_passes::lrcat_quantize_rows``, kernels/lrcat_act_triton.py):
+the kernels against their specification (``graph_forms.lrcat_activation``) byte for byte under TRITON_INTERPRET=1,
+the specification against an independent computation, the op through ``opcheck`` and ``torch.compile(fullgraph=
+True)``, the lrcat form with the op (and with ``DIT_PASSES_LRCAT_ACT=mm``'s) beside the form's ATen activation
+path, ``DIT_PASSES_FP8_ACT_QUANT=kernel`` writing the op into the SVDQuant graph, and on an sm_89+ GPU the kernels on
+FLUX's shapes.
 """
 from __future__ import annotations
 
@@ -128,14 +129,20 @@ def test_form_with_the_op_beside_the_aten_form(split):
     args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias, shape, "reference")
     kernel = svdq_lrcat_linear_form(x, *args, split=split, act_quant="kernel")
     aten_form = svdq_lrcat_linear_form(x, *args, split=split)
+    # "mm" (DIT_PASSES_LRCAT_ACT=mm, dit_passes::lrcat_quantize_smoothed): qx from x.dtype(xs), h from aten.mm
+    mm = svdq_lrcat_linear_form(x, *args, split=split, act_quant="mm")
     exact = torch.nn.functional.linear(x.double(), w.double())
     err = {"kernel": relative_error(kernel, exact), "aten": relative_error(aten_form, exact),
-           "between": relative_error(kernel, aten_form)}
+           "mm": relative_error(mm, exact), "between": relative_error(kernel, aten_form)}
     print(split, err)
     assert err["kernel"] < 1.05 * err["aten"] and 0 < err["between"] < 0.35 * err["aten"]
+    assert err["mm"] < 1.05 * min(err["aten"], err["kernel"]) and relative_error(mm, kernel) < 0.35 * err["kernel"]
     fn = torch.compile(lambda t: svdq_lrcat_linear_form(t, *args, split=split, act_quant="kernel"), fullgraph=True,
                        backend="aot_eager")
     assert torch.equal(fn(x), kernel)
+    fn = torch.compile(lambda t: svdq_lrcat_linear_form(t, *args, split=split, act_quant="mm"), fullgraph=True,
+                       backend="aot_eager")
+    assert torch.equal(fn(x), mm)
     with pytest.raises(ValueError, match="A operand.s form must be one of"):
         svdq_lrcat_linear_form(x, *args, act_quant="triton")
 
