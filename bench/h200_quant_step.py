@@ -467,7 +467,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
             r["errors"][name] = f"{type(e).__name__}: {str(e)[:500]}"
             log(name, "FAILED", r["errors"][name])
-            log("".join(traceback.format_exc()[-4000:]))  # where: a device run is too dear to repeat for it
+            log(traceback.format_exc()[-4000:])  # where: a device run is too dear to repeat for it
             del model
             cleanup(device)
             continue

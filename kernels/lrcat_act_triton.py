@@ -42,8 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_rowquant_triton import _to_e4m3
-from .fp8_rowquant_triton import SINGLE_MAX, _row_e4m3, num_warps_for
+from .fp8_rowquant_triton import SINGLE_MAX, _row_e4m3, _to_e4m3, num_warps_for
 from .fp8_rowquant_triton import is_supported as rows_supported
 from .w4a4_autotune import interpreting
 from .w4a4_triton import _round_to_bf16_rne
@@ -204,7 +203,7 @@ def is_supported(x: torch.Tensor, lora_down: torch.Tensor) -> bool:
 def smoothed_supported(xd: torch.Tensor) -> bool:
     """Whether :func:`lrcat_quantize_smoothed` takes xd: the row kernel's conditions and at most SINGLE_MAX columns
     (one token's row in registers)."""
-    return rows_supported(xd) and xd.dim() == 2 and 0 < xd.shape[1] <= SINGLE_MAX
+    return rows_supported(xd) and 0 < xd.shape[1] <= SINGLE_MAX  # rows_supported: a 2-D float xd
 
 
 def _outputs(name: str, x: torch.Tensor, r: int, split: bool, reference: str):

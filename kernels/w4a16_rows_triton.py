@@ -173,6 +173,7 @@ def w4a16_rows_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tens
     qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
     b = bias if bias is not None else y  # unread without a bias
+
     def grid(meta):
         return triton.cdiv(n, meta["BLOCK_N"]), m if meta["GROUPED"] else 1
 
@@ -183,5 +184,5 @@ def w4a16_rows_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tens
         _w4a16_rows_kernel[grid](*args, **meta)
     else:
         c = _config(**config)
-        _w4a16_rows_kernel.fn[grid({**c.kwargs})](*args, **meta, **c.kwargs, num_warps=c.num_warps)
+        _w4a16_rows_kernel.fn[grid(c.kwargs)](*args, **meta, **c.kwargs, num_warps=c.num_warps)
     return y

@@ -18,12 +18,12 @@ from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
 from dit_passes.quant import dispatch
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, prepare_fp8, quantize_fp8_act
 from dit_passes.quant.graph_forms import LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4_to_e4m3
-from dit_passes.quant.weight_only_forms import w4a16_linear_form, w4a16_lr_linear_form, w8a16_linear_form
 from dit_passes.quant.int4 import dequantize_weight_w4, pack_int4, quantize_weight_w4
 from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form, prepare_nvfp4_weight_only
 from dit_passes.quant.svdquant import prepare_svdquant, relative_error, svdq_w4a4_linear_reference
 from dit_passes.quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from dit_passes.quant.w8a16 import dequantize_w8a16, prepare_w8a16
+from dit_passes.quant.weight_only_forms import w4a16_linear_form, w4a16_lr_linear_form, w8a16_linear_form
 
 torch.set_num_threads(1)
 FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
