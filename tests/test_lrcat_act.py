@@ -148,10 +148,11 @@ def test_form_with_the_op_beside_the_aten_form(split):
 
 
 def test_setting_writes_the_op_into_the_lrcat_graph(monkeypatch):
-    """``DIT_PASSES_FP8_ACT_QUANT=kernel`` with the lrcat_split backend: one op per W4A8 linear,
-    the output equal to the ATen activation path's (an fp32 model: h is fp32 in both)."""
+    """``DIT_PASSES_FP8_ACT_QUANT=kernel`` and ``DIT_PASSES_LRCAT_ACT=stats`` with the lrcat_split backend: one op
+    per W4A8 linear, the output equal to the ATen activation path's (an fp32 model: h is fp32 in both)."""
     monkeypatch.setenv(dispatch.BACKEND_ENV, "lrcat_split")
     monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
+    monkeypatch.setenv(dispatch.LRCAT_ACT_ENV, "stats")
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
     passes = [SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")]

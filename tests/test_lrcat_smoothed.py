@@ -86,15 +86,16 @@ def test_op_opcheck_compile_and_errors():
 
 
 def test_setting_writes_the_op_into_the_lrcat_graph(monkeypatch):
-    """``DIT_PASSES_LRCAT_ACT=mm`` (with the A-operand kernels asked for): one op per W4A8 linear, the output close
-    to the two-kernel op's; a bad value is an error naming the setting."""
+    """``DIT_PASSES_LRCAT_ACT`` unset (``auto``: ``mm``), with the A-operand kernels asked for: one op per W4A8
+    linear, the output close to the two-kernel op's (``stats``); a bad value is an error naming the setting."""
     monkeypatch.setenv(dispatch.BACKEND_ENV, "lrcat_split")
     monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
     make = lambda: [SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")]  # noqa: E731
+    monkeypatch.setenv(dispatch.LRCAT_ACT_ENV, "stats")
     two_kernels = compile_dit(zm.model, passes=make(), example_inputs=kw, keep_original=True)
-    monkeypatch.setenv(dispatch.LRCAT_ACT_ENV, "mm")
+    monkeypatch.delenv(dispatch.LRCAT_ACT_ENV)
     mm = compile_dit(zm.model, passes=make(), example_inputs=kw, keep_original=True)
     nodes = list(mm.graph_module.graph.nodes)
     w4 = sum(n.meta.get("dit_quant") == "svdq_w4a4" for n in nodes)

@@ -39,8 +39,8 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   x once, ``dit_passes.kernels.fp8_rowquant_triton``, on sm_89+ (:func:`fp8_quantize_rows_cuda`), else its
   reference). The same setting writes the lrcat form's A operand as the op ``dit_passes::lrcat_quantize_rows``
   (smoothing, e4m3 and the low-rank down projection in two Triton kernels, ``dit_passes.kernels.lrcat_act_triton``:
-  :func:`lrcat_quantize_rows_cuda`); with ``DIT_PASSES_LRCAT_ACT=mm`` as ``aten.mm`` for the down projection and
-  the op ``dit_passes::lrcat_quantize_smoothed`` (:func:`lrcat_act_quant`; not the default until measured).
+  :func:`lrcat_quantize_rows_cuda`) where ``DIT_PASSES_LRCAT_ACT=stats``; by default (``auto`` / ``mm``) as
+  ``aten.mm`` for the down projection and the op ``dit_passes::lrcat_quantize_smoothed`` (:func:`lrcat_act_quant`).
 * The SVDQuant fp8 graph form's weight expansion (int4 -> e4m3, group scales folded), :func:`w4_expand`:
   ``DIT_PASSES_W4_EXPAND`` = ``auto`` (default: ``kernel`` on sm_89+ GPUs, else ``graph``) | ``graph`` (ATen ops,
   ``graph_forms.w4_to_e4m3``, fused by Inductor) | ``kernel`` (the op ``dit_passes::w4_to_e4m3``, written on any
@@ -89,7 +89,7 @@ LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_f
 BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 LRCAT_ACT_ENV = "DIT_PASSES_LRCAT_ACT"
-LRCAT_ACT_SETTINGS = ("stats", "mm")  # lrcat_act_quant
+LRCAT_ACT_SETTINGS = ("auto", "stats", "mm")  # lrcat_act_quant
 WEIGHT_ONLY_ENV = "DIT_PASSES_WEIGHT_ONLY_FORM"
 WEIGHT_ONLY_SETTINGS = ("auto", "linear", "rows", "kernel")
 FEW_ROWS = 4  # the most rows of x written as weight_only_forms.dequantized_linear's multiply-and-sum (CFG: 2 per step)
@@ -435,15 +435,19 @@ def lrcat_quantize_rows_cuda(x, smooth_inv, lora_down, c, split: bool):
 
 
 def lrcat_act_quant(x: torch.Tensor) -> str:
-    """How the lrcat form writes its A operand for activations like ``x``: :func:`fp8_act_quant`'s ``"graph"`` /
-    ``"kernel"`` (``dit_passes::lrcat_quantize_rows``), or where that is ``"kernel"`` and ``DIT_PASSES_LRCAT_ACT=mm``,
-    ``"mm"``: the smoothed activation written in x.dtype (by its producer, under Inductor), its down projection by
-    ``aten.mm`` and one row pass, ``dit_passes::lrcat_quantize_smoothed``. Not the default until measured."""
-    s = os.environ.get(LRCAT_ACT_ENV, "stats").strip().lower() or "stats"
+    """How the lrcat form writes its A operand for activations like ``x``: where :func:`fp8_act_quant` says
+    ``"graph"``, the form's ATen ops; where it says ``"kernel"``, by ``DIT_PASSES_LRCAT_ACT``: ``mm`` (``auto``, the
+    default: the smoothed activation written in x.dtype by its producer under Inductor, its down projection by
+    ``aten.mm`` and one row pass, ``dit_passes::lrcat_quantize_smoothed``; the faster on the H100 step, stop 30:
+    115.6 against 119.3 ms) or ``stats`` (``dit_passes::lrcat_quantize_rows``: the down projection and the row
+    statistics in one Triton kernel, the quantization in a second)."""
+    s = os.environ.get(LRCAT_ACT_ENV, "auto").strip().lower() or "auto"
     if s not in LRCAT_ACT_SETTINGS:
         raise ValueError(f"{LRCAT_ACT_ENV}={s!r}: expected one of {LRCAT_ACT_SETTINGS}")
     form = fp8_act_quant("per_row", x)
-    return "mm" if form == "kernel" and s == "mm" else form
+    if form != "kernel":
+        return form
+    return "kernel" if s == "stats" else "mm"
 
 
 def lrcat_quantize_smoothed_cuda(xd, h, c, split: bool):
