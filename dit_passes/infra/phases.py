@@ -16,6 +16,9 @@ see in the graph:
 * ``LOAD_WEIGHTS``: a model built on the meta device gets the weights that no earlier pass replaced from its
   checkpoint (``compile_dit(weights=...)``); tensor parallelism read only its slices, quantization one weight at a
   time. Before anything moves or computes from a weight.
+* ``EPILOGUES``: rewrites the plain linears the quantizers left so less memory traffic surrounds their GEMMs
+  (``FuseLinearGelu``: GELU in the GEMM's epilogue; ``SplitConcatLinear``: a linear over a concatenation as one GEMM
+  per part, no concatenated copy). After ``QUANTIZE``, so the quantizers see the model's own linears.
 * ``OFFLOAD``: moves block weights off the device and inserts their loads.
 * ``ATTENTION_KERNEL``: pins the SDPA kernel of the aten attention nodes that remain.
 * ``CACHE``: moves a block range into a ``torch.cond`` branch (after everything that rewrites blocks).
@@ -35,6 +38,7 @@ class Phase(enum.IntEnum):
     FUSE_LINEARS = 25
     QUANTIZE = 30
     LOAD_WEIGHTS = 35
+    EPILOGUES = 38
     OFFLOAD = 40
     ATTENTION_KERNEL = 50
     CACHE = 60

@@ -13,6 +13,8 @@ from .quantize import Fp8Linear, Int4WeightOnly, Int8Linear, NVFP4WeightOnly, SV
 from .quantize_few_shot import SVDQuantFewShot
 from .load_quantized import LoadQuantized
 from .fuse_sibling_linears import FuseSiblingLinears
+from .linear_gelu import FuseLinearGelu
+from .split_concat_linear import SplitConcatLinear
 from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .offload import LayerwiseOffload
@@ -23,5 +25,6 @@ from .vae_parallel import VAEParallel
 __all__ = ["Cleanup", "DBCache", "DBPrune", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
            "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "SVDQuantFewShot", "Fp8Linear", "Int8Linear",
            "Int4WeightOnly", "NVFP4WeightOnly", "LoadQuantized", "FuseSiblingLinears",
+           "FuseLinearGelu", "SplitConcatLinear",
            "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend",
            "VAEParallel"]
