@@ -22,7 +22,10 @@ Only the fusion rows and their baselines, no per-linear table (about 3 minutes o
 Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compile_dit`` plus ``RegionalCompile``
 (Inductor) on every row, each lowered, compiled, timed and freed before the next:
 
-* ``bf16``: no quantization;
+* ``bf16``: no quantization; ``bf16_epilogue``: ``SplitConcatLinear`` and ``FuseLinearGelu`` (phase EPILOGUES: the
+  single blocks' proj_out on its two parts in place, no concatenated copy; the MLPs' tanh-GELU in cuBLASLt's
+  epilogue), still bf16, issue 23's lossless step; ``bf16_epilogue_cdt``: the same with Inductor's
+  ``coordinate_descent_tuning`` (:data:`COMPILE_OPTIONS`);
 * ``fp8`` / ``fp8_fast_accum``: ``Fp8Linear(exclude=())`` on every block linear, the AdaLN modulation ones included
   (per-channel e4m3 weights, per-token e4m3 activations quantized in the graph, ``_scaled_mm``), with
   ``DIT_PASSES_FP8_FAST_ACCUM`` = 0 / 1;
@@ -119,8 +122,11 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "svdq_w4_lrcat_split_graphed", "svdq_w4_lrcat_split_act_graphed", "svdq_w4_lrcat_split_act_nofuse_graphed",
         "svdq_w4_lrcat_split_act_modrows", "svdq_w4_lrcat_split_act_modrows_graphed", "svdq_w4_default",
         "svdq_w4_default_graphed", "fp8_default", "fp8_default_graphed", "svdq_w4_lrcat_split_mm",
-        "svdq_w4_lrcat_split_mm_graphed")
-DEFAULT_ROWS = ROWS[:-19]
+        "svdq_w4_lrcat_split_mm_graphed", "bf16_epilogue", "bf16_epilogue_graphed", "bf16_epilogue_cdt_graphed")
+# Inductor options of a row (its _graphed twin too): cdt, Inductor's coordinate-descent tuning of its own kernels'
+# block sizes (the RMSNorm + RoPE kernel of the bf16 step runs at ~1 TB/s; more compile time)
+COMPILE_OPTIONS = {"bf16_epilogue_cdt": {"coordinate_descent_tuning": True}}
+DEFAULT_ROWS = ROWS[:ROWS.index("svdq_w4_w4a8_fused")]  # the rest on request
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_act", "fp8_act_rowquant", "svdq_fp8",
            "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
            "w4_expand", "w4_expand_kernel", "svdq_fp8_fast_accum_expandkernel", "svdq_lrcat", "svdq_lrcat_expandkernel",
@@ -148,7 +154,7 @@ def environ(values: Dict[str, str]):
 
 
 def row_specs():
-    from dit_passes.passes.fuse_sibling_linears import FuseSiblingLinears
+    from dit_passes.passes import FuseLinearGelu, FuseSiblingLinears, SplitConcatLinear
     from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
     from dit_passes.quant import dispatch
 
@@ -157,8 +163,11 @@ def row_specs():
     expand = {dispatch.W4_EXPAND_ENV: "kernel"}
     # the modulation linears on their one row: the int4 GEMV op (stop 28 measured the "rows" form: 4.2 ms a step)
     mod_gemv = {dispatch.WEIGHT_ONLY_ENV: "kernel"}
+    two_kernels = {dispatch.LRCAT_ACT_ENV: "stats"}  # the _act rows' A operand (the default since stop 30: mm)
     specs = {
         "bf16": (lambda: [], {}),
+        "bf16_epilogue": (lambda: [SplitConcatLinear(), FuseLinearGelu()], {}),
+        "bf16_epilogue_cdt": (lambda: [SplitConcatLinear(), FuseLinearGelu()], {}),
         "fp8": (lambda: [Fp8Linear(exclude=())], exact),
         "fp8_fast_accum": (lambda: [Fp8Linear(exclude=())], fast),
         # q / k / v (+ proj_mlp) fused into one linear before quantizing: one activation quantization, one wider GEMM
@@ -183,19 +192,20 @@ def row_specs():
         # lrcat_split with its A operand by dit_passes::lrcat_quantize_rows (smoothing, e4m3, branch down: one kernel)
         # and the modulation linears' int4 GEMV (DIT_PASSES_WEIGHT_ONLY_FORM=kernel)
         "svdq_w4_lrcat_split_act": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                    {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant, **mod_gemv}),
+                                    {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant, **mod_gemv,
+                                     **two_kernels}),
         "svdq_w4_lrcat_split_act_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
                                            {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
-                                            **mod_gemv}),
+                                            **mod_gemv, **two_kernels}),
         # the A operand as aten.mm for the branch's down projection (on the smoothed activation, which Inductor writes
         # in its producer) and one row pass (dit_passes::lrcat_quantize_smoothed) instead of the two kernels
         "svdq_w4_lrcat_split_mm": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
                                    {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant, **mod_gemv,
-                                    dispatch.LRCAT_ACT_ENV: "mm"}),
+                                    dispatch.LRCAT_ACT_ENV: "mm"}),  # the default since stop 30
         # the same with the modulation linears' multiply-and-sum rows form (stop 28's measured row) instead of the GEMV
         "svdq_w4_lrcat_split_act_modrows": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
                                             {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
-                                             dispatch.WEIGHT_ONLY_ENV: "rows"}),
+                                             dispatch.WEIGHT_ONLY_ENV: "rows", **two_kernels}),
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
                                        {**w4a8, **fast}),
@@ -215,7 +225,7 @@ def row_specs():
     # more, smaller kernels (the row kernel's ~300 calls a step) hidden as a generation hides it
     graphed = ("bf16", "fp8_fused", "fp8_fused_rowquant", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_act",
                "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default",
-               "svdq_w4_lrcat_split_mm")
+               "svdq_w4_lrcat_split_mm", "bf16_epilogue", "bf16_epilogue_cdt")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 
@@ -302,6 +312,9 @@ def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, 
     compile_kwargs = {"backend": "eager"} if args.tiny else {}
     if name.endswith("_graphed"):
         compile_kwargs["mode"] = "reduce-overhead"
+    options = COMPILE_OPTIONS.get(name.removesuffix("_graphed"))
+    if options and not args.tiny:
+        compile_kwargs["options"] = options
     with environ(env), torch.no_grad():
         t0 = time.perf_counter()
         compiled = compile_dit(model, passes=make_passes(), torch_compile={"regional": True, **compile_kwargs})

@@ -13,12 +13,13 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
   True, ...}`` (``passes.RegionalCompile``: one Inductor compile per distinct block program, the rest eager);
 * ``graphed_regional_always``: ``compiled_regional_always`` with ``"mode": "reduce-overhead"``: the whole step
   replayed as one CUDA graph, the cache decision a conditional node (no host read per step);
+  ``graphed_regional_epilogue_always``: the same plus ``SplitConcatLinear`` and ``FuseLinearGelu`` (still bf16);
   ``graphed_regional_fp8_always``: the same plus ``FuseSiblingLinears`` and ``Fp8Linear`` on every block linear
   (fast accumulation, set by ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset; activations quantized by our row kernel,
   ``DIT_PASSES_FP8_ACT_QUANT=kernel`` when unset); it releases the bf16 block weights, so
   it runs last;
   ``compiled_regional_fp8_always``: the fp8 stack with the step eager (where no CUDA-graph IF nodes exist);
-* ``--preset fastest``: ``compiled_regional_always,graphed_regional_always,graphed_regional_fp8_always``;
+* ``--preset fastest``: ``compiled_regional_always,graphed_regional_epilogue_always,graphed_regional_fp8_always``;
 * ``--attention cudnn`` adds ``passes.AttentionBackend("cudnn")`` to every captured row (not ``eager``);
 * host time of capture + passes.
 
@@ -50,8 +51,8 @@ SIZES = {"full": (FLUX_DEV, 4096, 512), "tiny": (TINY, 256, 32)}
 STEPS, WARMUP = 28, 8
 ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "compiled_never", "compiled_always",
         "compiled_regional_never", "compiled_regional_always", "compiled_regional_fp8_always",
-        "graphed_regional_always", "graphed_regional_fp8_always")
-PRESETS = {"fastest": "compiled_regional_always,graphed_regional_always,graphed_regional_fp8_always"}
+        "graphed_regional_always", "graphed_regional_epilogue_always", "graphed_regional_fp8_always")
+PRESETS = {"fastest": "compiled_regional_always,graphed_regional_epilogue_always,graphed_regional_fp8_always"}
 
 
 def build_model(size: str, device: torch.device, dtype: torch.dtype):
@@ -140,10 +141,13 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
 
     graphed = {**regional, "mode": "reduce-overhead"}
 
-    def make(schedule: Optional[str], torch_compile: Optional[Dict[str, Any]] = None, fp8: bool = False):
+    def make(schedule: Optional[str], torch_compile: Optional[Dict[str, Any]] = None, fp8: bool = False,
+             epilogue: bool = False):
         def build():
             chosen = ([passes.DBCache(**s[schedule])] if schedule else []) + (
                 [passes.AttentionBackend(attention)] if attention else [])
+            if epilogue:  # still bf16: the concatenated copy before proj_out and the GELU kernels gone
+                chosen += [passes.SplitConcatLinear(), passes.FuseLinearGelu()]
             settings = {}
             if fp8:
                 from .quant.dispatch import ACT_QUANT_ENV, FAST_ACCUM_ENV
@@ -168,6 +172,7 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
             "compiled_regional_never": make("never", regional), "compiled_regional_always": make("always", regional),
             "compiled_regional_fp8_always": make("always", regional, fp8=True),
             "graphed_regional_always": make("always", graphed),
+            "graphed_regional_epilogue_always": make("always", graphed, epilogue=True),
             "graphed_regional_fp8_always": make("always", graphed, fp8=True)}
 
 
