@@ -5,7 +5,8 @@
 Builds FluxTransformer2DModel with the FLUX.1-dev config on ``torch.device("meta")`` in bf16, with the
 inputs of a 1024x1024 generation (4096 image tokens, 512 text tokens), and times
 ``compile_dit(model, passes=[], example_inputs=...)``: torch.export capture + cleanup + block
-discovery; then the same with ``passes=[DBCache(F8B0)]`` and ``torch_compile={"regional": True}`` (issue 23's
+discovery; then the same with ``passes=[DBCache(F8B0), SplitConcatLinear(), FuseLinearGelu()]`` and
+``torch_compile={"regional": True}`` (issue 23's
 build: the host part of a first generation). Asserts the structure (19 double + 38 single blocks, 57 attention sites) and writes
 ``capture_flux_full.json`` and ``.md``. Target: < 20 s.
 """
@@ -66,11 +67,13 @@ def run() -> dict:
     s = compiled.structure  # discovery on the cleaned graph (cleanup invalidated the first one)
     t_discover = time.perf_counter() - t0
 
-    # issue 23's build: capture + DBCache (F8B0) + regional compile's setup, the host part of a first generation
+    # issue 23's build: capture + DBCache (F8B0) + the epilogue passes + regional compile's setup, the host part of
+    # a first generation of `dit-passes bench --preset fastest`'s bf16 row
     from dit_passes import bench as B
     from dit_passes import passes
     t0 = time.perf_counter()
-    cached = compile_dit(model, passes=[passes.DBCache(**B.schedules()["always"])], example_inputs=inputs,
+    cached = compile_dit(model, passes=[passes.DBCache(**B.schedules()["always"]), passes.SplitConcatLinear(),
+                                        passes.FuseLinearGelu()], example_inputs=inputs,
                          torch_compile={"regional": True})
     t_dbcache = time.perf_counter() - t0
     per_pass = {r.name: round(r.seconds, 3) for r in cached._current().manager.records}
