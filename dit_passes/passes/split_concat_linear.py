@@ -2,10 +2,11 @@
 
 Why: ``linear(cat([a, b], -1), w, bias)`` first copies a and b into one buffer the GEMM then reads. FLUX's
 single-stream block does this with its attention output and its MLP's hidden state, 4608 x 15360 bf16 (141 MB)
-per block, 38 times a step (the kernel that writes it: ~4.1 of 131 ms a step on an H100,
-bench/results/h200_quant_step.json). Since ``cat([a, b]) @ w.T == a @ w[:, :ka].T + b @ w[:, ka:].T``, each part
-can be read where it already is: the weight's column slices are views (same storage, leading dimension K), which
-cuBLAS reads without a copy, and the sum folds into the pointwise kernel Inductor writes after the GEMMs.
+per block, 38 times a step (the kernel that writes it, GELU fused in: 4.1 of 131 ms a step on an H100,
+bench/results/h200_quant_step_stop30b_h100.json; with ``FuseLinearGelu`` the step is 3.2 ms faster). Since
+``cat([a, b]) @ w.T == a @ w[:, :ka].T + b @ w[:, ka:].T``, each part can be read where it already is: the weight's
+column slices are views (same storage, leading dimension K), which cuBLAS reads without a copy (Inductor passes
+them to the GEMM as reinterpreted views, and feeds the first product to the second GEMM as its C operand).
 
 Contract: phase ``EPILOGUES`` (after ``QUANTIZE``: only plain linears are left to split; a quantized one keeps its
 one GEMM). Matches ``aten.linear(aten.cat(parts, dim=last), w[, bias])`` where the concatenation's only readers
@@ -27,7 +28,7 @@ After::
     add = aten.add.Tensor(linear_a, linear_b)
 
 ``counts``: ``split`` (linears), ``parts`` and ``skipped_<reason>`` (``shared_cat``, ``not_last_dim``,
-``unaligned``, ``not_plain``).
+``unaligned``, ``symbolic_width``, ``not_plain``).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class SplitConcatLinear(Pass):
             start, terms = 0, []
             with g.inserting_before(n):
                 for i, part in enumerate(cat.args[0]):
-                    width = int(part.meta["val"].shape[-1])
+                    width = part.meta["val"].shape[-1]
                     cols = g.call_function(aten.slice.Tensor, (w, 1, start, start + width))
                     with_bias = (bias,) if i == 0 and bias is not None else ()  # the bias once, on the first part
                     lin = g.call_function(aten.linear.default, (part, cols) + with_bias)
@@ -115,12 +116,14 @@ def _why_not(n: fx.Node) -> Optional[str]:
     if any(u.op != "call_function" or u.target is not aten.linear.default or u.args[0] is not cat
            for u in cat.users):
         return "shared_cat"  # the concatenation is written anyway for its other readers
-    widths = [int(v.shape[-1]) for v in vals]
-    if sum(widths) != int(wval.shape[1]):
+    widths = [v.shape[-1] for v in vals]
+    if not all(isinstance(x, int) for x in (*widths, wval.shape[1])):
+        return "symbolic_width"  # a slice bound would guard on a dynamic size
+    if sum(widths) != wval.shape[1]:
         return "not_plain"
     item = wval.element_size()
     starts = [sum(widths[:i]) for i in range(len(widths))]
-    if any((s * item) % _ALIGN_BYTES for s in starts) or (int(wval.shape[1]) * item) % _ALIGN_BYTES:
+    if any((s * item) % _ALIGN_BYTES for s in starts) or (wval.shape[1] * item) % _ALIGN_BYTES:
         return "unaligned"
     return None
 
