@@ -11,8 +11,8 @@
 Rows come from ``dit_passes.models.diffusers_zoo.coverage_rows()`` (the transformer classes diffusers
 exports: a class without a zoo config shows as "no config"); columns are :data:`COLUMNS`. Each cell is exact,
 refused or error, run by :mod:`dit_passes.coverage_cells` (what each column runs, what each status means, how
-the cells run on gloo ranks). This module builds the matrix from the cells, merges an earlier one (``--update``), renders it and is
-the command line. Writes ``coverage.md`` / ``coverage.json`` to --out.
+the cells run on gloo ranks). This module builds the matrix from the cells, merges an earlier one
+(``--update``), renders it and is the command line. Writes ``coverage.md`` / ``coverage.json`` to --out.
 """
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ def merge_rows(base: dict, update: dict) -> dict:
     re-running a few families or columns after a fix keeps the rest of a 35-minute matrix. A column ``base``
     lacks is added (after ``base``'s; each row has the cells the update ran, the others none). The settings the
     update's cells depend on must be the same: batch and tolerance; the rank count where both ran a parallel
-    column, SVDQuant's bound where the update ran that column. The result lists both commands and seconds."""
+    column, SVDQuant's bound where the update ran that column. The result lists both commands, their seconds and
+    the diffusers / torch versions each ran with ("2.11.0, then 2.13.0")."""
     def parallel(m):
         return bool(set(m["columns"]) & set(PARALLEL_COLUMNS))
     keys = ["batch", "tolerance"] + (["world"] if parallel(base) and parallel(update) else []) + \
@@ -132,8 +133,9 @@ def merge_rows(base: dict, update: dict) -> dict:
     merged["seconds"] = round(base["seconds"] + update["seconds"], 1)
     merged["commands"] = list(base.get("commands") or [base.get("command", "")]) + [update.get("command", "")]
     merged["command"] = merged["commands"][0]
-    for k in ("diffusers", "torch"):
-        merged[k] = update[k]
+    for k in ("diffusers", "torch"):  # the versions each run's cells came from, in order
+        seen = [v for v in str(base.get(k, "")).split(", then ") if v]
+        merged[k] = ", then ".join(seen + [update[k]] * (update[k] not in seen))
     if parallel(update):
         merged["world"] = update["world"]
     return merged

@@ -233,6 +233,7 @@ def test_update_adds_a_column():
                rows=[{"class": "A", "family": "a", "cells": cells(epilogues="error")}])
     merged = coverage.merge_rows(base, new)
     assert merged["columns"] == ["capture", "tp", "epilogues"] and merged["world"] == 2
+    assert merged["torch"] == "t" and coverage.merge_rows(base, dict(new, torch="u"))["torch"] == "t, then u"
     assert [sorted(r["cells"]) for r in merged["rows"]] == [["capture", "epilogues", "tp"], ["capture", "tp"]]
     assert merged["rows"][0]["cells"]["epilogues"]["status"] == "error"
     assert merged["summary"]["epilogues"] == {"exact": 0, "refused": 0, "error": 1, "no config": 0}
