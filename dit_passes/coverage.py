@@ -5,12 +5,14 @@
     dit-passes coverage --columns capture,dbcache
     dit-passes coverage --variants only                       # only the real-checkpoint variants (flux[schnell])
     dit-passes coverage --families wan --update out/coverage/coverage.json --out out/coverage   # re-run cells
+    dit-passes coverage --columns epilogues --no-parallel --update out/coverage/coverage.json --out out/coverage
+                                                              # ... or add a column to an earlier matrix
 
 Rows come from ``dit_passes.models.diffusers_zoo.coverage_rows()`` (the transformer classes diffusers
 exports: a class without a zoo config shows as "no config"); columns are :data:`COLUMNS`. Each cell is exact,
-refused or error, run by :mod:`dit_passes.coverage_cells` (what each status means, how the cells run on gloo
-ranks). This module builds the matrix from the cells, merges an earlier one (``--update``), renders it and is
-the command line. Writes ``coverage.md`` / ``coverage.json`` to --out.
+refused or error, run by :mod:`dit_passes.coverage_cells` (what each column runs, what each status means, how
+the cells run on gloo ranks). This module builds the matrix from the cells, merges an earlier one
+(``--update``), renders it and is the command line. Writes ``coverage.md`` / ``coverage.json`` to --out.
 """
 from __future__ import annotations
 
@@ -100,15 +102,21 @@ def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: f
 
 def merge_rows(base: dict, update: dict) -> dict:
     """``base`` (an earlier matrix) with ``update``'s cells in place of the same (class, family, column) cells:
-    re-running a few families or columns after a fix keeps the rest of a 35-minute matrix. ``update``'s columns
-    must be among ``base``'s and its settings the same; the result lists both commands and their seconds."""
-    differ = [k for k in ("world", "batch", "tolerance", "svdquant_bound") if base.get(k) != update.get(k)]
-    extra = [c for c in update["columns"] if c not in base["columns"]]
-    if differ or extra:
-        what = (f"different {', '.join(differ)} ({[base.get(k) for k in differ]} vs {[update.get(k) for k in differ]})"
-                if differ else f"columns {extra} that the earlier matrix lacks")
-        raise ValueError(f"cannot merge coverage matrices with {what}: re-run with the earlier run's settings, or "
-                         "without --update")
+    re-running a few families or columns after a fix keeps the rest of a 35-minute matrix. A column ``base``
+    lacks is added (after ``base``'s; each row has the cells the update ran, the others none). The settings the
+    update's cells depend on must be the same: batch and tolerance; the rank count where both ran a parallel
+    column, SVDQuant's bound where the update ran that column. The result lists both commands, their seconds and
+    the diffusers / torch versions each ran with ("2.11.0, then 2.13.0")."""
+    def parallel(m):
+        return bool(set(m["columns"]) & set(PARALLEL_COLUMNS))
+    keys = ["batch", "tolerance"] + (["world"] if parallel(base) and parallel(update) else []) + \
+        (["svdquant_bound"] if "svdquant" in update["columns"] else [])
+    differ = [k for k in keys if base.get(k) != update.get(k)]
+    if differ:
+        raise ValueError(f"cannot merge coverage matrices with different {', '.join(differ)} "
+                         f"({[base.get(k) for k in differ]} vs {[update.get(k) for k in differ]}): re-run with the "
+                         "earlier run's settings, or without --update")
+    columns = list(base["columns"]) + [c for c in update["columns"] if c not in base["columns"]]
     fresh = {(r["class"], r["family"]): r for r in update["rows"]}
     rows = []
     for r in base["rows"]:
@@ -120,12 +128,16 @@ def merge_rows(base: dict, update: dict) -> dict:
             rows.append(r)
     merged = dict(base)
     merged["rows"] = rows + list(fresh.values())
-    merged["summary"] = summarize(merged["rows"], base["columns"])
+    merged["columns"] = columns
+    merged["summary"] = summarize(merged["rows"], columns)
     merged["seconds"] = round(base["seconds"] + update["seconds"], 1)
     merged["commands"] = list(base.get("commands") or [base.get("command", "")]) + [update.get("command", "")]
     merged["command"] = merged["commands"][0]
-    for k in ("diffusers", "torch"):
-        merged[k] = update[k]
+    for k in ("diffusers", "torch"):  # the versions each run's cells came from, in order
+        seen = [v for v in str(base.get(k, "")).split(", then ") if v]
+        merged[k] = ", then ".join(seen + [update[k]] * (update[k] not in seen))
+    if parallel(update):
+        merged["world"] = update["world"]
     return merged
 
 

@@ -8,6 +8,11 @@ in this process or on gloo ranks. Each cell is
   error, a sharding / mesh error: what a user reads; not ``PassCrashed``, a pass's own crash while rewriting);
 * ``error: <type: msg>``: anything else (a crash while running, a wrong result, a timeout): a defect.
 
+The columns: ``capture`` (no pass), ``dbcache`` / ``taylorseer`` (the cache), ``regional`` (RegionalCompile,
+aot_eager), ``svdquant`` (SVDQuantW4A4's reference path), ``epilogues`` (the EPILOGUES phase: SplitConcatLinear
+and FuseLinearGelu; the detail says how many linears each rewrote, ``split`` / ``gelu``), and on gloo ranks
+``ulysses``, ``ring``, ``usp``, ``tp``.
+
 The models are the zoo's tiny configs with every all-zero floating parameter redrawn (seeded, the same on
 every rank: ``zoo.build(..., redraw_zeros=True)``): diffusers zero-initialises gates, modulation and output
 projections and norm biases, and behind a zero gate a check against eager cannot see a wrong rewrite.
@@ -31,7 +36,7 @@ import torch.utils._pytree as pytree
 __all__ = ["COLUMNS", "LOCAL_COLUMNS", "PARALLEL_COLUMNS", "TOLERANCE", "SVDQUANT_BOUND", "WORLD", "EXACT", "REFUSED",
            "ERROR", "NO_CONFIG", "Cell", "CellTimeout", "run_cell", "run_local", "run_parallel", "parallel_worker"]
 
-LOCAL_COLUMNS = ("capture", "dbcache", "taylorseer", "regional", "svdquant")
+LOCAL_COLUMNS = ("capture", "dbcache", "taylorseer", "regional", "svdquant", "epilogues")
 PARALLEL_COLUMNS = ("ulysses", "ring", "usp", "tp")
 COLUMNS = LOCAL_COLUMNS + PARALLEL_COLUMNS
 TOLERANCE = 1e-5
@@ -146,15 +151,26 @@ def _within(rel: float, bound: float, what: str) -> None:
 
 
 # --------------------------------------------------------------------------------------- the columns
-def _check_plain(passes: Callable[[], list], bound: float = TOLERANCE):
+def _check_plain(passes: Callable[[], list], bound: float = TOLERANCE, describe: Optional[Callable] = None):
+    """The output vs eager within ``bound``; ``describe(compiled)`` adds to the detail (what the passes did)."""
     def check(zm, inputs, reference) -> str:
         compiled = _compile(zm.model, passes, inputs)
         with torch.no_grad():
             out = compiled(**inputs)
         rel = _max_rel(out, reference)
         _within(rel, bound, "output vs eager")
-        return f"rel {rel:.1e}"
+        return f"rel {rel:.1e}" + (f", {describe(compiled)}" if describe else "")
     return check
+
+
+def _pass_counts(shown: Dict[str, tuple]) -> Callable:
+    """A ``describe`` for :func:`_check_plain`: ``{pass name: (count key, label)}`` -> "label n, ..." from the
+    lowered graph's pass records (0 for a pass not among them)."""
+    def describe(compiled) -> str:
+        records = compiled._current().manager.records
+        return ", ".join(f"{label} {sum(r.result.counts.get(key, 0) for r in records if r.name == name)}"
+                         for name, (key, label) in shown.items())
+    return describe
 
 
 def _check_cache(passes: Callable[[], list], computed_calls: int):
@@ -177,7 +193,7 @@ def _check_cache(passes: Callable[[], list], computed_calls: int):
 
 def _local_checks() -> Dict[str, Callable]:
     from .cache.config import TaylorSeerCalibratorConfig
-    from .passes import DBCache, RegionalCompile, SVDQuantW4A4
+    from .passes import DBCache, FuseLinearGelu, RegionalCompile, SplitConcatLinear, SVDQuantW4A4
 
     # always cache once a residual is stored: threshold 1, unlimited cached steps
     always = dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=1.0, enable_separate_cfg=False)
@@ -188,6 +204,9 @@ def _local_checks() -> Dict[str, Callable]:
             taylorseer_order=1), **always)], 2),
         "regional": _check_plain(lambda: [RegionalCompile(backend="aot_eager")]),
         "svdquant": _check_plain(lambda: [SVDQuantW4A4(rank=4, dynamic=True)], SVDQUANT_BOUND),
+        # the EPILOGUES phase; the detail counts the linears each rewrote (0: nothing of the pattern there)
+        "epilogues": _check_plain(lambda: [SplitConcatLinear(), FuseLinearGelu()], describe=_pass_counts(
+            {SplitConcatLinear.name: ("split", "split"), FuseLinearGelu.name: ("fused", "gelu")})),
     }
 
 

@@ -73,6 +73,30 @@ def test_local_columns_exact_on_cheap_classes(local_matrix):
     assert local_matrix["columns"] == list(coverage.LOCAL_COLUMNS)
 
 
+def test_epilogues_detail_counts_the_rewritten_linears(local_matrix):
+    """The epilogues cell says how many linears each pass rewrote: the counts agree with the lowered graph
+    (one linear_gelu op per fused pair, one concatenation gone per split linear)."""
+    from dit_passes import compile_dit, passes
+    rows = {r["family"]: r for r in local_matrix["rows"]}
+    rewritten = 0
+    for family in CHEAP:
+        detail = rows[family]["cells"]["epilogues"]["detail"]
+        m = re.fullmatch(r"rel \S+, split (\d+), gelu (\d+)", detail)
+        assert m, detail
+        zm = zoo.build(family, redraw_zeros=True)
+        inputs = zm.make_inputs(seed=1)
+
+        def count(passes_, target):
+            compiled = compile_dit(zm.model, passes=passes_)
+            compiled.lower(**inputs)
+            return sum(n.target is target for n in compiled.graph.nodes)
+        cat, gelu = torch.ops.aten.cat.default, torch.ops.dit_passes.linear_gelu.default
+        assert int(m.group(1)) == count([], cat) - count([passes.SplitConcatLinear()], cat), (family, detail)
+        assert int(m.group(2)) == count([passes.FuseLinearGelu()], gelu), (family, detail)
+        rewritten += int(m.group(1)) + int(m.group(2))
+    assert rewritten, "no cheap class has a pattern either pass rewrites: the check sees nothing"
+
+
 def test_class_without_config_shows_no_config(local_matrix, tmp_path):
     row = next(r for r in local_matrix["rows"] if r["class"] == "NotAZooClass2DModel")
     assert row["family"] is None
@@ -171,7 +195,7 @@ def test_cli_arguments(capsys):
 
 def test_update_replaces_only_the_rerun_cells():
     """``--update``: re-run cells take the place of the same cells (a former "no config" class gets its family's
-    row), the others stay, counts and commands follow; a column the earlier matrix lacks refuses to merge."""
+    row), the others stay, counts and commands follow; another batch refuses to merge."""
     def matrix(rows, command, columns=("capture", "dbcache")):
         return {"diffusers": "d", "torch": "t", "world": 1, "batch": 1, "tolerance": 1e-5, "svdquant_bound": 0.25,
                 "columns": list(columns), "seconds": 10.0, "command": command,
@@ -179,7 +203,8 @@ def test_update_replaces_only_the_rerun_cells():
                                                              for col, st in cells.items()}} for c, f, cells in rows],
                 "summary": {}, "excluded": {}, "zoo_families": []}
 
-    base = matrix([("A", "a", {"capture": "error", "dbcache": "exact"}), ("B", "b", {"capture": "exact", "dbcache": "exact"}),
+    base = matrix([("A", "a", {"capture": "error", "dbcache": "exact"}),
+                   ("B", "b", {"capture": "exact", "dbcache": "exact"}),
                    ("C", None, {"capture": "no config", "dbcache": "no config"})], "first")
     new = matrix([("A", "a", {"capture": "exact"}), ("C", "c", {"capture": "refused"})], "second", columns=("capture",))
     merged = coverage.merge_rows(base, new)
@@ -189,8 +214,36 @@ def test_update_replaces_only_the_rerun_cells():
     assert merged["summary"]["capture"] == {"exact": 2, "refused": 1, "error": 0, "no config": 0}
     assert merged["commands"] == ["first", "second"] and merged["seconds"] == 20.0
     assert "then the rows of `second`" in coverage.to_markdown(merged)
-    with pytest.raises(ValueError, match="columns \\['tp'\\] that the earlier matrix lacks"):
-        coverage.merge_rows(base, matrix([("A", "a", {"tp": "exact"})], "third", columns=("tp",)))
+    with pytest.raises(ValueError, match="different batch"):
+        coverage.merge_rows(base, dict(new, batch=2))
+
+
+def test_update_adds_a_column():
+    """An update may add a column the earlier matrix lacks: each row gets its cell from the update (after the
+    earlier columns), a row the update did not run has none; a local-only update merges into a matrix made on
+    ranks (the rank count is no setting of its cells), a parallel one on another rank count refuses."""
+    def cells(**kw):
+        return {c: {"status": st, "detail": "", "seconds": 1.0} for c, st in kw.items()}
+
+    base = {"diffusers": "d", "torch": "t", "world": 2, "batch": 1, "tolerance": 1e-5, "svdquant_bound": 0.25,
+            "columns": ["capture", "tp"], "seconds": 10.0, "command": "first", "excluded": {}, "zoo_families": [],
+            "rows": [{"class": "A", "family": "a", "cells": cells(capture="exact", tp="exact")},
+                     {"class": "B", "family": "b", "cells": cells(capture="exact", tp="refused")}]}
+    new = dict(base, world=1, columns=["epilogues"], seconds=5.0, command="second",
+               rows=[{"class": "A", "family": "a", "cells": cells(epilogues="error")}])
+    merged = coverage.merge_rows(base, new)
+    assert merged["columns"] == ["capture", "tp", "epilogues"] and merged["world"] == 2
+    assert merged["torch"] == "t" and coverage.merge_rows(base, dict(new, torch="u"))["torch"] == "t, then u"
+    assert [sorted(r["cells"]) for r in merged["rows"]] == [["capture", "epilogues", "tp"], ["capture", "tp"]]
+    assert merged["rows"][0]["cells"]["epilogues"]["status"] == "error"
+    assert merged["summary"]["epilogues"] == {"exact": 0, "refused": 0, "error": 1, "no config": 0}
+    assert merged["summary"]["tp"] == {"exact": 1, "refused": 1, "error": 0, "no config": 0}
+    md = coverage.to_markdown(merged)
+    assert "| A | a | exact | exact | **error** [1] |" in md and "| B | b | exact | refused [2] |  |" in md
+    assert "B (no config)" not in coverage.to_text(merged)
+    with pytest.raises(ValueError, match="different world"):
+        coverage.merge_rows(base, dict(new, world=4, columns=["ulysses"],
+                                       rows=[{"class": "A", "family": "a", "cells": cells(ulysses="exact")}]))
 
 
 def test_dbcache_cuts_across_a_dual_to_single_hand_over():
