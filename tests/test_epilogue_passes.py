@@ -6,7 +6,8 @@ only reorders the K sum). Checked: what each pass rewrites on FLUX (every single
 tanh-GELU MLP) and on other families; what it leaves, with the reason counted (exact GELU, no bias, a shared
 output or concatenation, a concatenation not on the last dim, an unaligned slice); that the quantizers take their
 linears first whatever order the user lists the passes in; aot_eager and RegionalCompile; the weight held once
-(the slices are views of the one attribute). On a GPU: the op against its ATen pair and its cuBLASLt epilogue.
+(the slices are views of the one attribute); under TensorParallel on two gloo ranks. On a GPU: the op against its
+ATen pair and its cuBLASLt epilogue.
 """
 from __future__ import annotations
 
@@ -169,3 +170,29 @@ def test_cuda_op_equals_its_aten_pair(dtype):
     assert _rel(out, ref) <= max(1.05 * _rel(pair, ref), 1e-5 if dtype == torch.float32 else 0.0)
     compiled = torch.compile(lambda t: LINEAR_GELU(t, w, b), fullgraph=True)
     assert torch.equal(compiled(x), out)
+
+
+def _tp_epilogues(rank, world):
+    """On each gloo rank: tiny FLUX under TensorParallel(world) with the epilogue passes, against the unsharded model
+    (row-parallel proj_out now reads this rank's attention heads and MLP columns in place)."""
+    from dit_passes.passes.tensor_parallel import TensorParallel
+
+    torch.manual_seed(0)
+    zm = build("flux")
+    kw = zm.make_inputs(batch=2)
+    with torch.no_grad():
+        ref = zm.model(**kw)[0]
+        c = compile_dit(zm.model, passes=[TensorParallel(size=world), passes.SplitConcatLinear(),
+                                          passes.FuseLinearGelu()], keep_original=True)
+        out = c(**kw)[0]
+    counts = {r.name: r.result.counts for r in c._current().manager.records}
+    return {"err": _rel(out, ref), "split": counts["split_concat_linear"]["split"],
+            "fused": counts["fuse_linear_gelu"]["fused"], "singles": len(zm.model.single_transformer_blocks)}
+
+
+def test_with_tensor_parallel_on_two_ranks():
+    from dit_passes.testing.multiproc import run_ranks
+
+    for r in run_ranks(_tp_epilogues, 2, timeout=300):
+        assert r["err"] <= TOL, r
+        assert r["split"] >= r["singles"] and r["fused"] > 0, r
