@@ -20,12 +20,13 @@ scaling and an e4m3 concatenation: four to five passes over [M, K] where these a
 kernels over a grid of K splits: the first design, one program per 16 tokens doing both passes, gave FLUX's 4608
 tokens 288 programs, too few loads in flight: 650-710 GB/s on an H100 (27.7 ms of a 138.7 ms step, stop 28).
 
-:func:`lrcat_quantize_smoothed` (``dit_passes::lrcat_quantize_smoothed``, ``DIT_PASSES_LRCAT_ACT=mm``; specification
-``graph_forms.lrcat_smoothed_activation``) takes the smoothed activation xd = x.dtype(x * smooth_inv), which Inductor
-writes in its producer, and h = xd @ lora_down.T from a GEMM (cuBLAS), and makes the same operand in one program per
-token (the row in registers, as ``fp8_rowquant_triton``'s one-pass kernel): sx and qx from xd's values, then the
-branch columns from h. The aim: x read once by cuBLAS's skinny GEMM and once here, no partial sums (the two-kernel
-path: 13.7 ms of a 116 ms SVDQuant step on an H100, stop 29). Bytes equal to its specification.
+:func:`lrcat_quantize_smoothed` (``dit_passes::lrcat_quantize_smoothed``, ``DIT_PASSES_LRCAT_ACT=auto|mm``;
+specification ``graph_forms.lrcat_smoothed_activation``) takes the smoothed activation xd = x.dtype(x * smooth_inv),
+which Inductor writes in its producer, and h = xd @ lora_down.T from a GEMM (cuBLAS), and makes the same operand in
+one program per token (the row in registers, as ``fp8_rowquant_triton``'s one-pass kernel): sx and qx from xd's
+values, then the branch columns from h. x is read once by cuBLAS's skinny GEMM and once here, no partial sums: the
+default A operand since stop 30 (H100 step 115.6 ms against 119.3 with the two kernels, whose statistics kernel took
+10.1 ms of it; here the GEMM ~4.9 ms, this kernel 5.4). Bytes equal to its specification.
 
 Numerics: qx and sx are the graph form's bytes (the same fp32 operations in the same order; a max is exact in any
 order). h is accumulated in fp32 and not rounded to x.dtype before the scaling (the graph form rounds it: the op's

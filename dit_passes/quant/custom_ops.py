@@ -25,12 +25,12 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 * ``dit_passes::lrcat_quantize_rows(Tensor x, Tensor smooth_inv, Tensor lora_down, Tensor c, bool split)
   -> (Tensor, Tensor)``: the lrcat design's A operand e4m3 [M, K + cols] and per-token scale fp32 [M, 1]
   (``graph_forms.lrcat_activation``: smoothing, per-token e4m3 and the low-rank down projection of x [M, K]); what
-  the lrcat graph form writes with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (CUDA: two Triton kernels,
+  the lrcat graph form writes with ``DIT_PASSES_LRCAT_ACT=stats`` (CUDA: two Triton kernels,
   ``dit_passes.kernels.lrcat_act_triton``)
 * ``dit_passes::lrcat_quantize_smoothed(Tensor xd, Tensor h, Tensor c, bool split) -> (Tensor, Tensor)``: the same
   operand from the smoothed activation xd [M, K] and its down projection h [M, R] computed before
-  (``graph_forms.lrcat_smoothed_activation``); what the lrcat form writes with ``DIT_PASSES_LRCAT_ACT=mm`` (CUDA: one
-  Triton program per token reading xd once)
+  (``graph_forms.lrcat_smoothed_activation``); what the lrcat form writes by default on sm_89+ (``DIT_PASSES_LRCAT_ACT``
+  ``auto`` / ``mm``; CUDA: one Triton program per token reading xd once)
 * ``dit_passes::w4a16_rows_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor``: weight-only int4
   on a few rows x [M, K] (``weight_only_forms.w4a16_linear_form(rows=True)``: the AdaLN modulation linears); what the
   int4 weight-only forms write with ``DIT_PASSES_WEIGHT_ONLY_FORM=kernel`` (CUDA: one GEMV pass over the packed
