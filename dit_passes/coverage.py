@@ -5,7 +5,7 @@
     dit-passes coverage --columns capture,dbcache
     dit-passes coverage --variants only                       # only the real-checkpoint variants (flux[schnell])
     dit-passes coverage --families wan --update out/coverage/coverage.json --out out/coverage   # re-run cells
-    dit-passes coverage --columns epilogues --no-parallel --update out/coverage/coverage.json --out out/coverage
+    dit-passes coverage --columns fuse,fp8 --no-parallel --update out/coverage/coverage.json --out out/coverage
                                                               # ... or add a column to an earlier matrix
 
 Rows come from ``dit_passes.models.diffusers_zoo.coverage_rows()`` (the transformer classes diffusers
@@ -27,8 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import coverage_cells as _cells
-from .coverage_cells import (COLUMNS, ERROR, EXACT, LOCAL_COLUMNS, NO_CONFIG, PARALLEL_COLUMNS, REFUSED,
-                             SVDQUANT_BOUND, TOLERANCE, WORLD, Cell, _quiet, run_cell, run_local, run_parallel)
+from .coverage_cells import (COLUMNS, ERROR, EXACT, FP8_BOUND, FP8_RATIO, LOCAL_COLUMNS, NO_CONFIG, PARALLEL_COLUMNS,
+                             REFUSED, SVDQUANT_BOUND, TOLERANCE, WORLD, Cell, _quiet, run_cell, run_local, run_parallel)
 
 # Re-exported: tests/test_coverage.py and tests/test_zoo_variants.py read these from dit_passes.coverage.
 CellTimeout, parallel_worker = _cells.CellTimeout, _cells.parallel_worker
@@ -91,7 +91,8 @@ def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: f
     from .models.diffusers_zoo import EXCLUDED, transformer_classes
     return {
         "diffusers": diffusers.__version__, "torch": torch.__version__, "world": WORLD if par_cols else 1,
-        "batch": batch, "tolerance": TOLERANCE, "svdquant_bound": SVDQUANT_BOUND, "columns": shown,
+        "batch": batch, "tolerance": TOLERANCE, "svdquant_bound": SVDQUANT_BOUND,
+        "fp8_ratio": FP8_RATIO, "fp8_bound": FP8_BOUND, "columns": shown,
         "seconds": round(time.perf_counter() - start, 1),
         "rows": matrix,
         "summary": summarize(matrix, shown),
@@ -100,17 +101,21 @@ def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: f
     }
 
 
+_BOUNDS = {"svdquant": ("svdquant_bound",), "fp8": ("fp8_ratio", "fp8_bound")}  # a column's settings
+
+
 def merge_rows(base: dict, update: dict) -> dict:
     """``base`` (an earlier matrix) with ``update``'s cells in place of the same (class, family, column) cells:
     re-running a few families or columns after a fix keeps the rest of a 35-minute matrix. A column ``base``
     lacks is added (after ``base``'s; each row has the cells the update ran, the others none). The settings the
     update's cells depend on must be the same: batch and tolerance; the rank count where both ran a parallel
-    column, SVDQuant's bound where the update ran that column. The result lists both commands, their seconds and
-    the diffusers / torch versions each ran with ("2.11.0, then 2.13.0")."""
+    column, SVDQuant's / fp8's bounds where both ran that column (a base without it takes the update's). The
+    result lists both commands, their seconds and the diffusers / torch versions each ran with ("2.11.0, then
+    2.13.0")."""
     def parallel(m):
         return bool(set(m["columns"]) & set(PARALLEL_COLUMNS))
     keys = ["batch", "tolerance"] + (["world"] if parallel(base) and parallel(update) else []) + \
-        (["svdquant_bound"] if "svdquant" in update["columns"] else [])
+        [k for c in _BOUNDS for k in _BOUNDS[c] if c in update["columns"] and c in base["columns"]]
     differ = [k for k in keys if base.get(k) != update.get(k)]
     if differ:
         raise ValueError(f"cannot merge coverage matrices with different {', '.join(differ)} "
@@ -129,6 +134,9 @@ def merge_rows(base: dict, update: dict) -> dict:
     merged = dict(base)
     merged["rows"] = rows + list(fresh.values())
     merged["columns"] = columns
+    for c, keys in _BOUNDS.items():  # a column new to base: its bounds are the update's
+        if c in update["columns"] and c not in base["columns"]:
+            merged.update({k: update.get(k) for k in keys})
     merged["summary"] = summarize(merged["rows"], columns)
     merged["seconds"] = round(base["seconds"] + update["seconds"], 1)
     merged["commands"] = list(base.get("commands") or [base.get("command", "")]) + [update.get("command", "")]
@@ -166,9 +174,11 @@ def to_markdown(result: dict, command: str = "") -> str:
                   f" put in place of the same cells ({result['seconds']} s in all).", ""]
     elif commands:
         lines += [f"Made by `{commands[0]}` ({result['seconds']} s).", ""]
+    fp8 = (f"; fp8 e4m3 reference path: <= {result['fp8_ratio']:g} x the error of the same linears with e4m3 "
+           f"weights alone, itself <= {result['fp8_bound']:g}" if "fp8" in cols else "")
     lines += [f"exact: fp32 max relative error <= {result['tolerance']:g} vs eager (DBCache / TaylorSeer: the "
               f"cached call equals the computed one on identical inputs; SVDQuant W4A4 reference path: finite and "
-              f"<= {result['svdquant_bound']:g}); parallel columns on {result['world']} gloo ranks, "
+              f"<= {result['svdquant_bound']:g}{fp8}); parallel columns on {result['world']} gloo ranks, "
               f"batch {result['batch']}. refused: the library refused before running; error: a defect.", "",
               "| column | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for status in (EXACT, REFUSED, ERROR, NO_CONFIG):

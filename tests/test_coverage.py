@@ -97,6 +97,61 @@ def test_epilogues_detail_counts_the_rewritten_linears(local_matrix):
     assert rewritten, "no cheap class has a pattern either pass rewrites: the check sees nothing"
 
 
+def test_fuse_fp8_attention_details_count_what_the_passes_rewrote(local_matrix):
+    """The fuse / fp8 / attention cells say how many groups, linears and attentions their pass rewrote: the counts
+    agree with the lowered graphs (fewer linears by at least one per fused group, by one per quantized linear; one
+    aten.scaled_dot_product_attention per pinned attention before the pass)."""
+    from dit_passes import compile_dit, passes
+    rows = {r["family"]: r for r in local_matrix["rows"]}
+    linear, sdpa = torch.ops.aten.linear.default, torch.ops.aten.scaled_dot_product_attention.default
+    groups_seen = 0
+    for family in CHEAP:
+        cells = rows[family]["cells"]
+        groups = int(re.fullmatch(r"rel \S+, groups (\d+)", cells["fuse"]["detail"]).group(1))
+        quantized = int(re.fullmatch(r"rel \S+ \(weights only \S+\), linears (\d+)", cells["fp8"]["detail"]).group(1))
+        pinned = int(re.fullmatch(r"rel \S+, attention (\d+)", cells["attention"]["detail"]).group(1))
+
+        def count(passes_, target):  # a fresh model each time: the passes release the weights they rewrite
+            zm = zoo.build(family, redraw_zeros=True)
+            compiled = compile_dit(zm.model, passes=passes_)
+            compiled.lower(**zm.make_inputs(seed=1))
+            return sum(n.target is target for n in compiled.graph.nodes)
+        linears, attentions = count([], linear), count([], sdpa)
+        assert linears and attentions, family
+        assert groups <= linears - count([passes.FuseSiblingLinears()], linear), (family, groups)
+        # the block linears of a known role; embedders and final projections stay in fp32 (the pass's selection)
+        assert 0 < quantized == linears - count([passes.Fp8Linear(exclude=())], linear), (family, quantized)
+        assert pinned == attentions, (family, pinned)
+        groups_seen += groups
+    assert groups_seen, "no cheap class has sibling linears: the fuse column fuses nothing here"
+
+
+def _broken_fp8(how: str):
+    """Stands in for a wrong fp8 rewrite: Fp8Linear with its square weights transposed (the others as they are)
+    or its bias dropped."""
+    from dit_passes import passes
+
+    class Broken(passes.Fp8Linear):
+        def prepare(self, path, weight, bias, absmax, kind):
+            if how == "transposed":
+                weight = weight.t().contiguous() if weight.shape[0] == weight.shape[1] else weight
+            else:
+                bias = None if bias is None else torch.zeros_like(bias)
+            return super().prepare(path, weight, bias, absmax, kind)
+    return Broken(exclude=())
+
+
+@pytest.mark.parametrize("how", ["transposed", "bias"])
+def test_fp8_bound_catches_a_wrong_rewrite(how):
+    """The fp8 bound (FP8_RATIO x the error of e4m3 weights alone) is loose enough for e4m3's rounding (the fp8
+    column is exact on the cheap classes) and tight enough that a transposed weight or a missing bias is an error
+    on each of them."""
+    check = coverage._cells._check_plain(lambda: [_broken_fp8(how)], coverage._cells._fp8_bound)
+    for family in CHEAP:
+        cell = coverage.run_cell(family, check, timeout=60)
+        assert cell.status == "error" and "max relative error" in cell.detail, (family, how, cell)
+
+
 def test_class_without_config_shows_no_config(local_matrix, tmp_path):
     row = next(r for r in local_matrix["rows"] if r["class"] == "NotAZooClass2DModel")
     assert row["family"] is None
@@ -241,6 +296,14 @@ def test_update_adds_a_column():
     md = coverage.to_markdown(merged)
     assert "| A | a | exact | exact | **error** [1] |" in md and "| B | b | exact | refused [2] |  |" in md
     assert "B (no config)" not in coverage.to_text(merged)
+    # a column's bounds: taken from the update where the base lacks the column, else they must agree
+    fp8 = dict(new, columns=["fp8"], fp8_ratio=3.5, fp8_bound=0.1,
+               rows=[{"class": "A", "family": "a", "cells": cells(fp8="exact")}])
+    with_fp8 = coverage.merge_rows(base, fp8)
+    assert (with_fp8["fp8_ratio"], with_fp8["fp8_bound"]) == (3.5, 0.1)
+    assert "<= 3.5 x the error of the same linears with e4m3 weights alone" in coverage.to_markdown(with_fp8)
+    with pytest.raises(ValueError, match="different fp8_ratio"):
+        coverage.merge_rows(with_fp8, dict(fp8, fp8_ratio=10.0))
     with pytest.raises(ValueError, match="different world"):
         coverage.merge_rows(base, dict(new, world=4, columns=["ulysses"],
                                        rows=[{"class": "A", "family": "a", "cells": cells(ulysses="exact")}]))
