@@ -12,7 +12,7 @@ in this process or on gloo ranks. Each cell is
 The columns: ``capture`` (no pass), ``dbcache`` / ``taylorseer`` (the cache), ``regional`` (RegionalCompile,
 aot_eager), ``svdquant`` (SVDQuantW4A4's reference path), ``epilogues`` (the EPILOGUES phase: SplitConcatLinear
 and FuseLinearGelu; the detail says how many linears each rewrote, ``split`` / ``gelu``), ``fuse``
-(FuseSiblingLinears: ``groups`` fused), ``fp8`` (Fp8Linear, every linear: ``linears`` quantized), ``attention``
+(FuseSiblingLinears: ``groups`` fused), ``fp8`` (Fp8Linear's defaults: every block linear but a mixture of experts' router; ``linears`` quantized), ``attention``
 (AttentionBackend("cudnn"), the CPU's kernel as fallback: ``attention`` pinned), and on gloo ranks ``ulysses``,
 ``ring``, ``usp``, ``tp``.
 
@@ -189,7 +189,7 @@ def _fp8_bound(zm, inputs, reference):
     twin = build(zm.family, redraw_zeros=True).model
     with torch.no_grad():
         _within(_max_rel(twin(**inputs), reference), 0.0, "a second build of the model (the fp8 bound's) vs the first")
-    compiled = _compile(twin, lambda: [Fp8Linear(exclude=(), weight_only=True)], inputs)
+    compiled = _compile(twin, lambda: [Fp8Linear(weight_only=True)], inputs)
     with torch.no_grad():
         e_w = _max_rel(compiled(**inputs), reference)
     _within(e_w, FP8_BOUND, "e4m3 weights only (the fp8 bound's reference) vs eager")
@@ -244,7 +244,7 @@ def _local_checks() -> Dict[str, Callable]:
         # the siblings' outputs are slices of one wider matmul: exact up to the summation order
         "fuse": _check_plain(lambda: [FuseSiblingLinears()], describe=_pass_counts(
             {FuseSiblingLinears.name: ("fused_groups", "groups")})),
-        "fp8": _check_plain(lambda: [Fp8Linear(exclude=())], _fp8_bound, describe=_pass_counts(
+        "fp8": _check_plain(lambda: [Fp8Linear()], _fp8_bound, describe=_pass_counts(
             {Fp8Linear.name: ("replaced", "linears")})),
         # on the CPU the pinned kernel falls back to the math one, which eager runs too
         "attention": _check_plain(lambda: [AttentionBackend("cudnn")], describe=_pass_counts(

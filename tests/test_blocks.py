@@ -108,3 +108,29 @@ def test_attention_sites_link_projections():
         assert a.q.meta["val"].shape[1] == a.num_heads
     assert s.blocks_range(1, 3) == s.blocks[1:3]
     assert "transformer_blocks x2" in s.summary() and "heads=2, head_dim=16" in s.summary()
+
+
+def test_mixture_of_experts_router_role_and_quantizers_keep_it():
+    """NucleusMoE's expert gate feeds softmax -> topk: role ``router`` (by dataflow); Fp8Linear's default selection
+    leaves it in precision (rounding it flips the experts chosen), ``exclude=()`` takes it too."""
+    import diffusers
+
+    from dit_passes import passes
+    from dit_passes.models import zoo
+
+    if not hasattr(diffusers, zoo.class_name_of("nucleusmoe")):
+        pytest.skip("this diffusers has no NucleusMoE transformer")
+    zm = build("nucleusmoe")
+    kw = zm.make_inputs(batch=1, seed=1)
+    with torch.no_grad():
+        zm.model(**kw)  # a fresh NucleusMoE refuses capture (data-dependent shapes) until it has run once
+    s = compile_dit(zm.model, passes=[], example_inputs=kw).structure
+    routers = [lin.module_path for lin in s.linears_with_role("router")]
+    assert routers and all(p.endswith("img_mlp.gate") for p in routers), routers
+    assert not any(lin.module_path.endswith("gate") and lin.role != "router" for lin in s.linears)
+
+    def quantized(**kw_pass):
+        c = compile_dit(zm.model, passes=[passes.Fp8Linear(**kw_pass)], example_inputs=kw, keep_original=True)
+        return {n.meta.get("dit_module_path") for n in c.graph.nodes if n.meta.get("dit_quant")}
+    assert not set(routers) & quantized()
+    assert set(routers) <= quantized(exclude=())

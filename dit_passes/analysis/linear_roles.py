@@ -8,8 +8,10 @@ Roles (checked in this order, all by walking the graph, never by module names):
    the block's raw residual stream instead skips to 4: a norm-less pre-MLP input is the residual):
    attention only -> ``attn_out``; attention and a linear -> ``proj`` (Flux single blocks'
    ``proj_out`` over concat(attention, MLP)); a linear only -> ``mlp_down``.
-4. ``mlp_up``: the output reaches another stream-dependent linear.
-5. anything else: ``other``.
+4. ``router``: the output reaches a selection (top-k, argmax, sort) before any other linear: a mixture of experts'
+   gate, whose rounding would change which experts run (the quantizers keep it in precision by default).
+5. ``mlp_up``: the output reaches another stream-dependent linear.
+6. anything else: ``other``.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ ROLE_ATTENTION_OPS = SDPA_OPS | {torch.ops.higher_order.flex_attention}
 NORM_OPS = {aten.layer_norm.default, aten.rms_norm.default, aten.group_norm.default,
             aten.native_layer_norm.default}
 LINEAR = aten.linear.default
+# ops whose result is a choice among values (indices): a linear feeding one is a router
+SELECTION_OPS = {aten.topk.default, aten.argmax.default, aten.argmin.default, aten.sort.default, aten.sort.stable,
+                 aten.argsort.default, aten.argsort.stable, aten.max.dim, aten.min.dim}
 
 
 def _attn_mask(n: fx.Node) -> Optional[fx.Node]:
@@ -101,6 +106,22 @@ def _backward_reach(start: fx.Node, inside: Set[fx.Node], modulation: Set[fx.Nod
     return attn, lin, residual
 
 
+def _feeds_selection(start: fx.Node, inside: Set[fx.Node]) -> bool:
+    """Whether the value reaches a selection op (:data:`SELECTION_OPS`) inside the block before any linear."""
+    seen: Set[fx.Node] = set()
+    stack = [start]
+    while stack:
+        for u in stack.pop().users:
+            if u in seen or u not in inside:
+                continue
+            seen.add(u)
+            if u.target in SELECTION_OPS:
+                return True
+            if u.target is not LINEAR:
+                stack.append(u)
+    return False
+
+
 def _stream_dependent(block: Block) -> Set[fx.Node]:
     inside = set(block.nodes)
     dep: Set[fx.Node] = set()
@@ -159,6 +180,8 @@ def find_linears(gm: fx.GraphModule, fn_nodes: List[fx.Node], block_of: Dict[fx.
             roles[n] = "proj" if lin else "attn_out"
         elif lin:
             roles[n] = "mlp_down"
+        if n not in roles and _feeds_selection(n, inside):
+            roles[n] = "router"
         if n not in roles:
             _, reached = _forward_reach(n, inside)
             roles[n] = "mlp_up" if any(r not in modulation for r in reached) else "other"

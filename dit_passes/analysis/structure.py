@@ -60,7 +60,7 @@ class LinearSite:
     out_features: int
 
 
-ROLES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "lora", "other")
+ROLES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "router", "lora", "other")
 
 
 @dataclasses.dataclass

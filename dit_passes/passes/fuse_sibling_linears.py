@@ -17,9 +17,11 @@ explicitly.
 
 A group: ``aten.linear`` nodes of the top graph reading the same input node, each weight (and bias) a
 ``get_attr`` that only this linear reads, weights 2-D of one dtype / device and one K, all with a bias (of one
-dtype) or all without, of one role class (AdaLN modulation linears only with each other). Skipped, and counted
-per reason: unfused LoRA adapters and the base linears they wrap, a weight another node or subgraph also reads,
-a weight another pass released (not by this pass), anything whose output width is not its weight's rows.
+dtype) or all without, of one role class (AdaLN modulation linears only with each other, a mixture of experts'
+routers too: the quantizers keep a router in precision, which a fused linear would no longer let them). Skipped,
+and counted per reason: unfused LoRA adapters and the base linears they wrap, a weight another node or subgraph
+also reads, a weight another pass released (not by this pass), anything whose output width is not its weight's
+rows.
 
 Before (one double-stream FLUX block, tp=1)::
 
@@ -98,7 +100,8 @@ class FuseSiblingLinears(Pass):
                 continue
             w, b = _tensor(gm, n.args[1].target), _bias_node(n)
             key = (n.args[0], w.dtype, w.device, int(w.shape[1]), b is not None,
-                   None if b is None else _tensor(gm, b.target).dtype, roles.get(n) == "modulation")
+                   None if b is None else _tensor(gm, b.target).dtype, roles.get(n) == "modulation",
+                   roles.get(n) == "router")
             groups.setdefault(key, []).append(n)
         fused, members, widths, fused_paths = 0, 0, [], []
         record: Dict[str, FusedLinear] = {}  # fact fused_linears: the fused linear's path (its first member's)
