@@ -12,9 +12,9 @@ in this process or on gloo ranks. Each cell is
 The columns: ``capture`` (no pass), ``dbcache`` / ``taylorseer`` (the cache), ``regional`` (RegionalCompile,
 aot_eager), ``svdquant`` (SVDQuantW4A4's reference path), ``epilogues`` (the EPILOGUES phase: SplitConcatLinear
 and FuseLinearGelu; the detail says how many linears each rewrote, ``split`` / ``gelu``), ``fuse``
-(FuseSiblingLinears: ``groups`` fused), ``fp8`` (Fp8Linear's defaults: every block linear but a mixture of experts' router; ``linears`` quantized), ``attention``
-(AttentionBackend("cudnn"), the CPU's kernel as fallback: ``attention`` pinned), and on gloo ranks ``ulysses``,
-``ring``, ``usp``, ``tp``.
+(FuseSiblingLinears: ``groups`` fused), ``fp8`` (Fp8Linear's defaults: every block linear but a mixture of
+experts' router; ``linears`` quantized), ``attention`` (AttentionBackend("cudnn"), the CPU's kernel as fallback:
+``attention`` pinned), and on gloo ranks ``ulysses``, ``ring``, ``usp``, ``tp``.
 
 The models are the zoo's tiny configs with every all-zero floating parameter redrawn (seeded, the same on
 every rank: ``zoo.build(..., redraw_zeros=True)``): diffusers zero-initialises gates, modulation and output

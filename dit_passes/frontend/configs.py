@@ -203,8 +203,8 @@ class QuantizeConfig:
     ``exclude_layers``: substrings of module paths (or dit_passes role names such as ``"modulation"``);
     ignored when ``filter_fn(module, name) -> bool`` is given (reference rule). Its default is cache-dit's, which
     keeps the AdaLN modulation linears unquantized; without ``"modulation"`` / ``"mod"`` in it they are quantized
-    too (SVDQ: weight-only int4 + a low-rank branch, ``SVDQuantW4A4(modulation="w4a16_lr")``; fp8 / int8: their own form);
-    a mixture of experts' router (role ``router``) stays unquantized either way. Which linears:
+    too (SVDQ: weight-only int4 + a low-rank branch, ``SVDQuantW4A4(modulation="w4a16_lr")``; fp8 / int8: their own
+    form); a mixture of experts' router (role ``router``) stays unquantized either way. Which linears:
     ``regional_quantize=True`` (default) those inside the module's ``_repeated_blocks`` classes, else inside
     ``repeated_blocks``, else every linear (the reference's rule, :meth:`region`); ``regional_quantize=False`` every
     linear. ``precision_plan={layer-name substring: quant type}`` (any torchao type above) gives
