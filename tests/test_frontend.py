@@ -235,15 +235,16 @@ def test_quantize_config_float8_per_row_puts_fp8_linears_in_the_graph():
 def test_quant_types_map_onto_the_passes():
     from dit_passes.passes import Fp8Linear, Int8Linear, SVDQuantW4A4
     p = QuantizeConfig(quant_type="INT8_PER_ROW").to_pass()
-    assert type(p) is Int8Linear and p.exclude == ("embedder", "embed", "modulation", "mod")
+    assert type(p) is Int8Linear and p.exclude == ("embedder", "embed", "modulation", "mod", "router")
     p = QuantizeConfig(quant_type="float8_per_tensor", exclude_layers=["attn"]).to_pass()
-    assert type(p) is Fp8Linear and p.granularity == "per_tensor" and p.exclude == ("attn",)
+    # the front end keeps a mixture of experts' router in precision whatever exclude_layers says
+    assert type(p) is Fp8Linear and p.granularity == "per_tensor" and p.exclude == ("attn", "router")
     p = QuantizeConfig(quant_type="svdq_int4_r16_dq").to_pass()
     assert type(p) is SVDQuantW4A4 and (p.rank, p.dynamic, p.smooth) == (16, True, "none")
     # cache-dit's default exclude_layers keeps the modulation linears out; without it SVDQ gives them W4A16_LR
     assert "modulation" in p.exclude and p.modulation == "w4a16_lr"
     p = QuantizeConfig(quant_type="svdq_int4_r16_dq", exclude_layers=["embed"]).to_pass()
-    assert p.exclude == ("embed",) and p.modulation == "w4a16_lr"
+    assert p.exclude == ("embed", "router") and p.modulation == "w4a16_lr"
     p = QuantizeConfig(quant_type="svdq_nvfp4_r16_dq").to_pass()
     assert type(p) is SVDQuantW4A4 and (p.precision, p.kind, p.quant_type()) == ("nvfp4", "svdq_nvfp4",
                                                                                   "svdq_nvfp4_r16_dq")
