@@ -38,6 +38,14 @@ class PassResult:
         return f"changed={self.changed} ({counts}) {self.report}".strip()
 
 
+def skipped_summary(skipped: Dict[str, int], heading: str) -> Tuple[Dict[str, int], str]:
+    """What a pass left, by reason (``{"no_bias": 2}``): ``{"skipped_no_bias": 2}`` for its counts and
+    ``"; <heading>: 2 no bias"`` for its report (empty when nothing was left), reasons sorted."""
+    items = sorted(skipped.items())
+    text = f"; {heading}: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in items) if items else ""
+    return {f"skipped_{k}": v for k, v in items}, text
+
+
 @dataclasses.dataclass
 class PassContext:
     """Shared, per-compilation information handed to every pass.

@@ -62,7 +62,7 @@ from ..analysis.linear_roles import LINEAR, is_adapter_path
 from ..infra.facts import FusedLinear, facts_of
 from ..infra.graph_utils import copy_meta, set_val
 from ..infra.ownership import is_stand_in
-from ..infra.pass_base import Pass, PassContext, PassResult
+from ..infra.pass_base import Pass, PassContext, PassResult, skipped_summary
 from ..infra.phases import Phase
 from ..infra.weight_source import read_whole
 
@@ -122,12 +122,10 @@ class FuseSiblingLinears(Pass):
         gm.recompile()
         if record:
             facts_of(gm).fused_linears = {**facts_of(gm).fused_linears, **record}
-        counts = {"fused_groups": fused, "fused_linears": members, "linears_saved": members - fused}
-        counts.update({f"skipped_{k}": v for k, v in sorted(skipped.items())})
+        left, left_text = skipped_summary(skipped, "not fused")
+        counts = {"fused_groups": fused, "fused_linears": members, "linears_saved": members - fused, **left}
         report = (f"fused {members} linears into {fused} (output widths {sorted(set(widths))})" if fused
-                  else "no group of linears reading one input")
-        if skipped:
-            report += "; not fused: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in sorted(skipped.items()))
+                  else "no group of linears reading one input") + left_text
         # compiled.report("fuse_sibling_linears")[graph_id]: what each lowered graph fused and skipped
         ctx.runtime.reports.setdefault(self.name, {})
         ctx.runtime.register_report(self.name, {**ctx.runtime.reports[self.name], ctx.graph_id: {

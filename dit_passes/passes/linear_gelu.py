@@ -41,7 +41,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..infra.graph_utils import copy_meta
-from ..infra.pass_base import Pass, PassContext, PassResult
+from ..infra.pass_base import Pass, PassContext, PassResult, skipped_summary
 from ..infra.phases import Phase
 
 aten = torch.ops.aten
@@ -89,12 +89,10 @@ class FuseLinearGelu(Pass):
                 skipped[why] = skipped.get(why, 0) + 1
         g.lint()
         gm.recompile()
-        counts = {"fused": fused, **{f"skipped_{k}": v for k, v in sorted(skipped.items())}}
-        report = f"{fused} linear + tanh-GELU pairs as one GEMM with the GELU epilogue" if fused else \
-            "no linear followed by tanh-GELU"
-        if skipped:
-            report += "; left: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in sorted(skipped.items()))
-        return PassResult(fused > 0, counts, report)
+        left, left_text = skipped_summary(skipped, "left")
+        report = (f"{fused} linear + tanh-GELU pairs as one GEMM with the GELU epilogue" if fused
+                  else "no linear followed by tanh-GELU") + left_text
+        return PassResult(fused > 0, {"fused": fused, **left}, report)
 
 
 def _why_not(n: fx.Node) -> Optional[str]:

@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from ..infra.graph_utils import copy_meta, set_val
-from ..infra.pass_base import Pass, PassContext, PassResult
+from ..infra.pass_base import Pass, PassContext, PassResult, skipped_summary
 from ..infra.phases import Phase
 
 aten = torch.ops.aten
@@ -57,9 +57,9 @@ class SplitConcatLinear(Pass):
         split, parts, skipped = 0, 0, {}
         for n in list(g.nodes):
             why = _why_not(n)
-            if why:
-                skipped[why] = skipped.get(why, 0) + 1
-            if why is not None:
+            if why is not None:  # "": not a linear over a concatenation
+                if why:
+                    skipped[why] = skipped.get(why, 0) + 1
                 continue
             cat, w = n.args[0], n.args[1]
             bias = n.args[2] if len(n.args) > 2 else None
@@ -87,12 +87,10 @@ class SplitConcatLinear(Pass):
             split, parts = split + 1, parts + len(terms)
         g.lint()
         gm.recompile()
-        counts = {"split": split, "parts": parts, **{f"skipped_{k}": v for k, v in sorted(skipped.items())}}
+        left, left_text = skipped_summary(skipped, "left")
         report = (f"{split} linears over a concatenation as {parts} GEMMs on its parts" if split
-                  else "no linear over a concatenation")
-        if skipped:
-            report += "; left: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in sorted(skipped.items()))
-        return PassResult(split > 0, counts, report)
+                  else "no linear over a concatenation") + left_text
+        return PassResult(split > 0, {"split": split, "parts": parts, **left}, report)
 
 
 def _why_not(n: fx.Node) -> Optional[str]:
