@@ -19,6 +19,9 @@ see in the graph:
 * ``EPILOGUES``: rewrites the plain linears the quantizers left so less memory traffic surrounds their GEMMs
   (``FuseLinearGelu``: GELU in the GEMM's epilogue; ``SplitConcatLinear``: a linear over a concatenation as one GEMM
   per part, no concatenated copy). After ``QUANTIZE``, so the quantizers see the model's own linears.
+* ``FUSE_POINTWISE``: replaces a chain of memory-bound ops that Inductor writes as a slow kernel by one op of ours
+  (``FuseNormRope``: the q / k RMSNorm and the rotary embedding). After the sharding phases (it sees this rank's
+  heads and sequence shard) and before ``CACHE`` / ``COMPILE``, which move and compile the blocks it rewrote.
 * ``OFFLOAD``: moves block weights off the device and inserts their loads.
 * ``ATTENTION_KERNEL``: pins the SDPA kernel of the aten attention nodes that remain.
 * ``CACHE``: moves a block range into a ``torch.cond`` branch (after everything that rewrites blocks).
@@ -39,6 +42,7 @@ class Phase(enum.IntEnum):
     QUANTIZE = 30
     LOAD_WEIGHTS = 35
     EPILOGUES = 38
+    FUSE_POINTWISE = 39
     OFFLOAD = 40
     ATTENTION_KERNEL = 50
     CACHE = 60

@@ -15,6 +15,7 @@ from .load_quantized import LoadQuantized
 from .fuse_sibling_linears import FuseSiblingLinears
 from .linear_gelu import FuseLinearGelu
 from .split_concat_linear import SplitConcatLinear
+from .norm_rope import FuseNormRope
 from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .offload import LayerwiseOffload
@@ -25,6 +26,6 @@ from .vae_parallel import VAEParallel
 __all__ = ["Cleanup", "DBCache", "DBPrune", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
            "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "SVDQuantFewShot", "Fp8Linear", "Int8Linear",
            "Int4WeightOnly", "NVFP4WeightOnly", "LoadQuantized", "FuseSiblingLinears",
-           "FuseLinearGelu", "SplitConcatLinear",
+           "FuseLinearGelu", "SplitConcatLinear", "FuseNormRope",
            "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend",
            "VAEParallel"]

@@ -1,0 +1,294 @@
+"""FuseNormRope: the q / k RMSNorm and the interleaved rotary embedding after it become one op.
+
+Why: Inductor writes ``rope(rms_norm(q))`` as a reduction kernel per head row whose second loop swaps the pairs of
+``stack([-x1, x0], -1)``; on FLUX.1-dev's single blocks that kernel ran at ~1.2 TB/s on an H100 (3.5 ms of a
+128 ms step, ``bench/results/h200_quant_step_stop30b_h100.json``), and the double blocks pay a norm kernel, a
+concatenation and a rope kernel. ``dit_passes::rms_norm_rope`` reads each head row once and writes it once, the
+parts of a concatenation straight into their place in the output (``dit_passes.kernels.norm_rope_triton`` on CUDA;
+elsewhere the ATen ops it replaces, so the CPU result is the original's bit for bit).
+
+Contract: phase ``FUSE_POINTWISE`` (after the sharding phases: it sees this rank's heads and sequence shard, and
+the cos / sin tables the sequence sharding sliced). Matches the rotary embedding in its interleaved real form::
+
+    y   = rms_norm(x, [D], w, eps)        or   cat([rms_norm(x_i, [D], w_i, eps_i), ...], dim)  (dim not last)
+    x0, x1 = unbind(reshape(y, [..., D/2, 2]), -1)
+    rot = flatten(stack([-x1, x0], -1), -2)
+    out = to(to(y, f32) * cos + to(rot, f32) * sin, dtype(y))      (the casts absent in an fp32 model)
+
+with cos / sin broadcasting to y's shape and every reader of ``y`` (and of each norm) inside the match. Other
+rotary forms (complex ``view_as_complex``, the half-split ``unbind(-2)`` form, a rope of part of the tokens) and a
+rope without a norm before it are left to Inductor, counted. Nothing outside the match changes; no weight moves.
+
+Before (a FLUX single-stream block, bf16)::
+
+    rms_norm_10 = aten.rms_norm.default(unflatten_15, [128], attn_norm_q_weight, 1e-06)
+    reshape_6 = aten.reshape.default(rms_norm_10, [1, 4608, 24, -1, 2])
+    unbind_6 = aten.unbind.int(reshape_6, -1); getitem_46 = unbind_6[0]; getitem_47 = unbind_6[1]
+    stack_6 = aten.stack.default([aten.neg.default(getitem_47), getitem_46], -1)
+    flatten_9 = aten.flatten.using_ints(stack_6, 3)
+    add_37 = aten.add.Tensor(aten.mul.Tensor(aten.to.dtype(rms_norm_10, f32), unsqueeze_58),
+                             aten.mul.Tensor(aten.to.dtype(flatten_9, f32), unsqueeze_60))
+    to_52 = aten.to.dtype(add_37, torch.bfloat16)
+
+After::
+
+    rms_norm_rope = dit_passes.rms_norm_rope.default([unflatten_15], [attn_norm_q_weight], [1e-06],
+                                                     unsqueeze_58, unsqueeze_60, 1)
+
+``counts``: ``fused`` (rotary embeddings rewritten), ``parts`` (norms folded into them) and ``skipped_<reason>``
+(``no_norm``: the rope's input is not a norm or a concatenation of norms; ``shared_norm``: a norm's output is
+read outside the match; ``compute_dtype``: the rope does not compute in fp32; ``dtype``: the output's dtype is not
+the input's; ``shape``: cos / sin do not broadcast to the input, or an odd head size).
+"""
+from __future__ import annotations
+
+import importlib
+import operator
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..infra.graph_utils import copy_meta
+from ..infra.pass_base import Pass, PassContext, PassResult, skipped_summary
+from ..infra.phases import Phase
+
+aten = torch.ops.aten
+_CASTS = (aten.to.dtype, aten._to_copy.default)
+
+
+def rms_norm_rope_reference(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
+                            cos: torch.Tensor, sin: torch.Tensor, cat_dim: int) -> torch.Tensor:
+    """The ATen ops the op replaces, in the captured graph's order (module docstring)."""
+    ys = [torch.rms_norm(x, [x.shape[-1]], w, e) for x, w, e in zip(xs, weights, eps)]
+    y = torch.cat(ys, cat_dim) if len(ys) > 1 else ys[0]
+    x0, x1 = y.reshape(*y.shape[:-1], -1, 2).unbind(-1)
+    rot = torch.stack([-x1, x0], -1).flatten(-2)
+    return (y.to(torch.float32) * cos + rot.to(torch.float32) * sin).to(y.dtype)
+
+
+def _kernel():
+    try:
+        return importlib.import_module("dit_passes.kernels.norm_rope_triton")
+    except ImportError as e:  # no triton: the reference, said once per process by warnings' filter
+        warnings.warn(f"dit_passes.kernels.norm_rope_triton failed to import ({e}); rms_norm_rope runs its reference")
+        return None
+
+
+@torch.library.custom_op("dit_passes::rms_norm_rope", mutates_args=())
+def rms_norm_rope(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
+                  cos: torch.Tensor, sin: torch.Tensor, cat_dim: int) -> torch.Tensor:
+    """``rope(cat([rms_norm(x_i, w_i, eps_i)], cat_dim), cos, sin)``; on CUDA one Triton launch per part."""
+    kernel = _kernel() if xs[0].is_cuda else None
+    if kernel is None or not all(kernel.is_supported(x) for x in xs):
+        return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim)
+    out = xs[0].new_empty(_cat_shape(xs, cat_dim))
+    cos, sin, start = cos.expand(out.shape), sin.expand(out.shape), 0
+    for x, w, e in zip(xs, weights, eps):
+        n = x.shape[cat_dim]
+        kernel.rms_norm_rope_into(x, w, e, cos.narrow(cat_dim, start, n), sin.narrow(cat_dim, start, n),
+                                  out.narrow(cat_dim, start, n))
+        start += n
+    return out
+
+
+@rms_norm_rope.register_fake
+def _(xs, weights, eps, cos, sin, cat_dim):
+    return xs[0].new_empty(_cat_shape(xs, cat_dim))
+
+
+def _cat_shape(xs, cat_dim: int) -> List[int]:
+    shape = list(xs[0].shape)
+    shape[cat_dim] = sum(x.shape[cat_dim] for x in xs)
+    return shape
+
+
+class FuseNormRope(Pass):
+    """Write ``rope(rms_norm(x))`` (or of a concatenation of norms) as one ``dit_passes::rms_norm_rope``."""
+
+    name = "fuse_norm_rope"
+    phase = Phase.FUSE_POINTWISE
+    invalidates = ("structure",)  # the q / k norms are no longer aten nodes
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        g = gm.graph
+        fused, parts, skipped = 0, 0, {}
+        for n in list(g.nodes):
+            match = _match(n)
+            if match is None:
+                continue
+            if isinstance(match, str):
+                skipped[match] = skipped.get(match, 0) + 1
+                continue
+            last, norms, cat_dim, cos, sin, inside = match
+            args = ([m.args[0] for m in norms], [_weight(m) for m in norms], [_eps(m) for m in norms], cos, sin,
+                    cat_dim)
+            with g.inserting_before(last):
+                new = g.call_function(torch.ops.dit_passes.rms_norm_rope.default, args)
+            new.meta.update(last.meta)  # the rope's value: same shape and dtype
+            copy_meta(new, norms[0])    # the norm's module path (an attention's norm_q / norm_k)
+            last.replace_all_uses_with(new)
+            _erase(g, inside | {last, *norms})
+            fused, parts = fused + 1, parts + len(norms)
+        g.lint()
+        gm.recompile()
+        left, left_text = skipped_summary(skipped, "left to Inductor")
+        report = (f"{fused} rotary embeddings with their {parts} RMSNorms as one op each" if fused
+                  else "no RMSNorm + interleaved rotary embedding") + left_text
+        return PassResult(fused > 0, {"fused": fused, "parts": parts, **left}, report)
+
+
+# ------------------------------------------------------------------------------------------------ matching
+def _call(n, *targets) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in targets
+
+
+def _uncast(n) -> Tuple[object, Optional[torch.dtype]]:
+    """(source, dtype) of a plain dtype cast ``to(x, dtype)``; (n, None) for anything else."""
+    if _call(n, aten.to.dtype) and len(n.args) == 2 and not n.kwargs:
+        return n.args[0], n.args[1]
+    if _call(n, aten._to_copy.default) and len(n.args) == 1 and set(n.kwargs) == {"dtype"}:
+        return n.args[0], n.kwargs["dtype"]
+    return n, None
+
+
+def _dtype(n) -> Optional[torch.dtype]:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def _shape(n) -> Optional[Tuple[int, ...]]:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _rotated(n) -> Optional[fx.Node]:
+    """y when n is ``flatten(stack([-x1, x0], -1), -2)`` with ``x0, x1 = unbind(reshape(y, [..., D/2, 2]), -1)``."""
+    if not _call(n, aten.flatten.using_ints):
+        return None
+    st = n.args[0]
+    if not (_call(st, aten.stack.default) and len(st.args[0]) == 2):
+        return None
+    neg, g0 = st.args[0]
+    if not (_call(neg, aten.neg.default) and _call(g0, operator.getitem) and _call(neg.args[0], operator.getitem)):
+        return None
+    g1 = neg.args[0]
+    unbind = g0.args[0]
+    if unbind is not g1.args[0] or (g0.args[1], g1.args[1]) != (0, 1) or not _call(unbind, aten.unbind.int):
+        return None
+    reshape, y = unbind.args[0], None
+    if _call(reshape, aten.reshape.default, aten.view.default):
+        y = reshape.args[0]
+    ys, rs, fs = _shape(y), _shape(reshape), _shape(n)
+    if ys is None or rs is None or fs != ys or rs != ys[:-1] + (ys[-1] // 2, 2):
+        return None
+    dims = len(rs)
+    if (st.args[1] if len(st.args) > 1 else 0) % (dims) != dims - 1 or unbind.args[1] % dims != dims - 1:
+        return None
+    start = n.args[1] if len(n.args) > 1 else 0
+    end = n.args[2] if len(n.args) > 2 else -1
+    if start % dims != dims - 2 or end % dims != dims - 1:
+        return None
+    return y
+
+
+def _split_product(m) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
+    """(value, table) of ``value * table`` in either order; the value is the side that is a rope input."""
+    if not (_call(m, aten.mul.Tensor) and len(m.args) == 2 and all(isinstance(a, fx.Node) for a in m.args)):
+        return None, None
+    return m.args[0], m.args[1]
+
+
+def _match(add: fx.Node):
+    """None when ``add`` is not a rotary embedding; a skip reason (str) when it is one this pass leaves; else
+    (node to replace, norms, cat_dim, cos, sin)."""
+    if not (_call(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs):
+        return None
+    found = None
+    for m_y, m_r in (add.args, add.args[::-1]):
+        for y_side, cos in (_split_product(m_y), _split_product(m_y)[::-1]):
+            for r_side, sin in (_split_product(m_r), _split_product(m_r)[::-1]):
+                if y_side is None or r_side is None:
+                    continue
+                y, cast_y = _uncast(y_side)
+                r, cast_r = _uncast(r_side)
+                if isinstance(y, fx.Node) and _rotated(r) is y and cast_y == cast_r:
+                    found = (m_y, m_r, y, cos, sin)
+    if found is None:
+        return None
+    m_y, m_r, y, cos, sin = found
+    yshape, ydtype = _shape(y), _dtype(y)
+    if _dtype(add) != torch.float32:
+        return "compute_dtype"
+    last = add
+    if ydtype != torch.float32:
+        users = list(add.users)
+        cast, to = (_uncast(users[0]) if len(users) == 1 else (None, None))
+        if cast is not add or to != ydtype:
+            return "dtype"
+        last = users[0]
+    if any(s is None or torch.broadcast_shapes(s, yshape) != yshape for s in (_shape(cos), _shape(sin))) \
+            or yshape[-1] % 2 or len(yshape) > 4:
+        return "shape"
+    norms, cat_dim = _norms_of(y)
+    if norms is None:
+        return "no_norm"
+    inside = _match_nodes(add, m_y, m_r, y)
+    if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.users) != 1 for k in norms)):
+        return "shared_norm"
+    if any(_dtype(k) != _dtype(k.args[0]) or _dtype(k) != ydtype for k in norms):
+        return "dtype"
+    return last, norms, cat_dim, cos, sin, inside | {y}
+
+
+def _norms_of(y: fx.Node):
+    """([rms_norm nodes], cat_dim) when y is one RMSNorm over the last dim or a concatenation of them along a
+    leading dim; (None, 0) otherwise."""
+    parts, cat_dim = [y], 0
+    if _call(y, aten.cat.default):
+        parts = list(y.args[0])
+        dims = len(_shape(y) or ())
+        cat_dim = (y.args[1] if len(y.args) > 1 else 0) % max(dims, 1)
+        if cat_dim == dims - 1:
+            return None, 0
+    for k in parts:
+        if not (_call(k, aten.rms_norm.default) and len(k.args[1]) == 1 and not k.kwargs):
+            return None, 0
+    return parts, cat_dim
+
+
+def _match_nodes(add, m_y, m_r, y) -> set:
+    """The nodes of a matched rope that read y (directly or through the rotation)."""
+    inside = {add, m_y, m_r}
+    for side in (m_y, m_r):
+        for a in side.args:
+            src, _ = _uncast(a)
+            if src is not a:
+                inside.add(a)
+            if _call(src, aten.flatten.using_ints):
+                st = src.args[0]
+                neg, g0 = st.args[0]
+                unbind = g0.args[0]
+                inside.update({src, st, neg, g0, neg.args[0], unbind, unbind.args[0]})
+    return inside
+
+
+def _erase(g: fx.Graph, nodes: set) -> None:
+    """Erase the matched nodes left without readers, readers first (the rest of the graph is not touched)."""
+    order = {n: i for i, n in enumerate(g.nodes) if n in nodes}
+    for n in sorted(order, key=order.get, reverse=True):
+        if not n.users:
+            g.erase_node(n)
+
+
+def _weight(norm: fx.Node):
+    return norm.args[2] if len(norm.args) > 2 else None
+
+
+def _eps(norm: fx.Node) -> float:
+    eps = norm.args[3] if len(norm.args) > 3 else None
+    return float(eps) if eps is not None else torch.finfo(_dtype(norm.args[0])).eps
+
+
+__all__ = ["FuseNormRope", "rms_norm_rope", "rms_norm_rope_reference"]

@@ -1,0 +1,105 @@
+"""q / k RMSNorm and interleaved rotary embedding in one read and one write (issue 23).
+
+:func:`rms_norm_rope_into` is the CUDA implementation of ``dit_passes::rms_norm_rope`` (its specification: the
+ATen ops it replaces, ``dit_passes.passes.norm_rope.rms_norm_rope_reference``). Per row of ``D`` values (one head of
+one token)::
+
+    xf   = float(x[row, :])
+    y    = round(xf * rsqrt(mean(xf^2) + eps) * w)          # the norm's output, rounded to x's dtype once
+    out[2j]   = y[2j] * cos[2j] - y[2j+1] * sin[2j]          # fp32, rounded once to x's dtype
+    out[2j+1] = y[2j+1] * cos[2j+1] + y[2j] * sin[2j+1]
+
+Why a kernel: Inductor writes this chain (reduction, then the pair swap of ``stack([-x1, x0], -1)``) as one
+reduction kernel per head row; on FLUX.1-dev's single blocks it ran at ~1.2 TB/s on an H100 (3.5 ms a step,
+``bench/results/h200_quant_step_stop30b_h100.json``). Here a program takes ``BLOCK_R`` rows at once, reads each
+row once and writes it once, the pairs split in registers. ``x``, ``out``, ``cos`` and ``sin`` are 4-D with any
+strides (``cos`` / ``sin`` broadcast to ``out``'s shape: stride 0 on the broadcast dims) and a unit last stride for
+``x`` and ``out``; a concatenation along a leading dim is one call per part on a ``narrow`` of ``out``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .w4a4_autotune import interpreting
+
+ROWS = 16            # head rows per program: 16 x 128 bf16 values = 4 KB read, 4 KB written
+MAX_D = 1024         # widest head a program holds in registers
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, d1, d2, D, eps,
+                   sx0, sx1, sx2, so0, so1, so2, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
+                   HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, HALF_D: tl.constexpr, SOFT_BF16: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    i0, i1, i2 = rows // (d1 * d2), (rows // d2) % d1, rows % d2
+    cols = tl.arange(0, 2 * HALF_D)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    c = cols[None, :].to(tl.int64)
+    xf = tl.load(x_ptr + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None] + c, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    y = xf * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    y = _rounded(y, out_ptr, SOFT_BF16).to(tl.float32)  # the norm's output is a tensor of x's dtype in the graph
+    cos = tl.load(cos_ptr + (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None] + c * sc3, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None] + c * ss3, mask=mask, other=0.0)
+    ye, yo = tl.split(tl.reshape(y, [BLOCK_R, HALF_D, 2]))
+    ce, co = tl.split(tl.reshape(cos.to(tl.float32), [BLOCK_R, HALF_D, 2]))
+    se, so = tl.split(tl.reshape(sin.to(tl.float32), [BLOCK_R, HALF_D, 2]))
+    out = tl.reshape(tl.join(ye * ce - yo * se, yo * co + ye * so), [BLOCK_R, 2 * HALF_D])
+    tl.store(out_ptr + (i0 * so0 + i1 * so1 + i2 * so2)[:, None] + c, _rounded(out, out_ptr, SOFT_BF16), mask=mask)
+
+
+@triton.jit
+def _rounded(v, out_ptr, SOFT_BF16: tl.constexpr):
+    # fp32 -> out's dtype, round to nearest even. The interpreter's bf16 cast truncates: there (CPU tests) the
+    # rounding is done on the bits first, so the cast that follows is exact
+    if SOFT_BF16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(out_ptr.dtype.element_ty)
+
+
+def is_supported(x: torch.Tensor) -> bool:
+    """Whether the kernel takes ``x``: a float tensor of rank <= 4 with an even last dim <= MAX_D, on a GPU (or any
+    device under the interpreter)."""
+    ok = x.dtype in _DTYPES and 1 <= x.dim() <= 4 and x.shape[-1] % 2 == 0 and 0 < x.shape[-1] <= MAX_D
+    return ok and (x.device.type == "cuda" or interpreting())
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+def rms_norm_rope_into(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       out: torch.Tensor) -> torch.Tensor:
+    """Write RMSNorm(x) with the interleaved rotary embedding into ``out`` (module docstring); ``cos`` / ``sin``
+    broadcast to ``out``'s shape. Returns ``out``."""
+    name = "rms_norm_rope"
+    if not is_supported(x) or out.shape != x.shape or out.stride(-1) != 1:
+        raise ValueError(f"{name}: x must be a float tensor of rank <= 4 with an even last dim <= {MAX_D} on a GPU "
+                         f"and out of its shape with a unit last stride; got x {x.dtype} {tuple(x.shape)} on "
+                         f"{x.device}, out {tuple(out.shape)} strides {out.stride()}. Use the op's reference off GPU.")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    x4, o4 = _as_4d(x), _as_4d(out)
+    c4, s4 = _as_4d(cos.expand(out.shape)), _as_4d(sin.expand(out.shape))
+    d = x.shape[-1]
+    n_rows = x4.shape[0] * x4.shape[1] * x4.shape[2]
+    if n_rows == 0:
+        return out
+    w = weight if weight is not None else x  # an unread placeholder pointer when there is no weight
+    _rms_norm_rope[(triton.cdiv(n_rows, ROWS),)](
+        x4, w, c4, s4, o4, n_rows, x4.shape[1], x4.shape[2], d, float(eps),
+        *x4.stride()[:3], *o4.stride()[:3], *c4.stride(), *s4.stride(),
+        HAS_W=weight is not None, BLOCK_R=ROWS, HALF_D=triton.next_power_of_2(d) // 2,
+        SOFT_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+__all__ = ["rms_norm_rope_into", "is_supported", "ROWS", "MAX_D"]

@@ -1,0 +1,201 @@
+"""FuseNormRope and ``dit_passes::rms_norm_rope``: the q / k RMSNorm and the interleaved rotary embedding as one op.
+
+On CPU the op is the ATen ops it replaces, so the rewritten model equals the original bit for bit (fp32 and
+bf16). Checked: what the pass rewrites on FLUX (q and k of every attention, the double blocks' text and image
+norms folded into one op each) and on other families; what it leaves, with the reason counted; aot_eager and
+RegionalCompile; Ulysses on two gloo ranks (the rope of a sequence shard, its cos / sin sliced); the Triton kernel
+under the interpreter against the reference (parts of a concatenation, strided input, broadcast tables, no weight,
+an odd head size padded); on a GPU the op's CUDA path, eager and compiled.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dit_passes import compile_dit, passes
+from dit_passes.models.zoo import build
+from dit_passes.passes.norm_rope import rms_norm_rope_reference
+
+NORM_ROPE = torch.ops.dit_passes.rms_norm_rope.default
+aten = torch.ops.aten
+
+
+def _counts(records, name="fuse_norm_rope"):
+    return next(r.result.counts for r in records if r.name == name)
+
+
+def _nodes(graph, target):
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def _to(zm, dtype):
+    model = zm.model.to(dtype)
+    kw = zm.make_inputs(batch=1, seed=1)
+    return model, {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kw.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flux_every_q_and_k_fused_and_the_output_equal(dtype):
+    zm = build("flux")
+    model, kw = _to(zm, dtype)
+    plain = compile_dit(model, passes=[], example_inputs=kw)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        assert torch.equal(c(**kw)[0], model(**kw)[0])
+    doubles, singles = len(model.transformer_blocks), len(model.single_transformer_blocks)
+    counts = _counts(c._current().manager.records)
+    assert counts == {"fused": 2 * (doubles + singles), "parts": 4 * doubles + 2 * singles}
+    assert len(_nodes(c.graph, NORM_ROPE)) == counts["fused"]
+    assert not _nodes(c.graph, aten.rms_norm.default) and not _nodes(c.graph, aten.unbind.int)
+    assert len(_nodes(plain.graph, aten.rms_norm.default)) == counts["parts"]
+    # the double blocks' ops read the text and the image norms' inputs, concatenated along the tokens
+    two = [n for n in _nodes(c.graph, NORM_ROPE) if len(n.args[0]) == 2]
+    assert len(two) == 2 * doubles and {n.args[5] for n in two} == {1}
+
+
+@pytest.mark.parametrize("family", ["flux2", "hunyuanvideo", "chroma", "qwenimage", "wan", "sd3"])
+def test_other_families_equal_the_original(family):
+    zm = build(family, redraw_zeros=True)
+    kw = zm.make_inputs(batch=1, seed=1)
+    c = compile_dit(zm.model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        ref, out = zm.model(**kw), c(**kw)
+    ref, out = ref[0] if isinstance(ref, tuple) else ref.sample, out[0] if isinstance(out, tuple) else out.sample
+    assert torch.equal(out, ref)
+    counts = _counts(c._current().manager.records)
+    assert counts.get("fused", 0) == len(_nodes(c.graph, NORM_ROPE))
+
+
+class _Ropes(nn.Module):
+    """Ropes the pass must leave (each reason once) and one it takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    @staticmethod
+    def rope(y, cos, sin, upcast=True):
+        x0, x1 = y.reshape(*y.shape[:-1], -1, 2).unbind(-1)
+        rot = torch.stack([-x1, x0], -1).flatten(3)
+        if not upcast:
+            return y * cos + rot * sin
+        return (y.float() * cos + rot.float() * sin).to(y.dtype)
+
+    def forward(self, q, cos, sin):
+        n = torch.rms_norm(q, [8], self.w, 1e-6)
+        a = self.rope(n, cos, sin)                                   # fused
+        shared = torch.rms_norm(q, [8], self.w, 1e-6)
+        b = self.rope(shared, cos, sin) + shared                     # the norm read outside the rope: left
+        c = self.rope(q, cos, sin)                                   # no norm: left
+        h = torch.rms_norm(q.to(torch.bfloat16), [8], None, 1e-6)
+        d = self.rope(h, cos.to(torch.bfloat16), sin.to(torch.bfloat16), upcast=False)   # bf16 math: left
+        return a.sum() + b.sum() + c.sum() + d.float().sum()
+
+
+def test_what_is_left_is_counted_and_the_output_unchanged():
+    import dit_passes
+
+    m = _Ropes()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 3, 8, generator=g)
+    cos, sin = torch.randn(1, 6, 1, 8, generator=g), torch.randn(1, 6, 1, 8, generator=g)
+    be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, backend=be, fullgraph=True)(q, cos, sin), m(q, cos, sin))
+    assert _counts(be.last_manager.records) == {"fused": 1, "parts": 1, "skipped_compute_dtype": 1,
+                                                 "skipped_no_norm": 1, "skipped_shared_norm": 1}
+
+
+@pytest.mark.parametrize("compile_kwargs", [{"backend": "aot_eager"}, {"regional": True, "backend": "aot_eager"}])
+def test_compiles(compile_kwargs):
+    zm = build("flux")
+    kw = zm.make_inputs(batch=1, seed=1)
+    c = compile_dit(zm.model, passes=[passes.FuseNormRope(), passes.DBCache(Fn_compute_blocks=1)], example_inputs=kw,
+                    torch_compile={**compile_kwargs, "fullgraph": True})
+    with torch.no_grad():
+        assert torch.allclose(c(**kw)[0], zm.model(**kw)[0], rtol=1e-5, atol=1e-6)
+
+
+def _ulysses_norm_rope(rank, world):
+    """On each gloo rank: tiny FLUX under Ulysses(world) with FuseNormRope, against the unsharded model."""
+    torch.manual_seed(0)
+    zm = build("flux")
+    kw = zm.make_inputs(batch=1)
+    with torch.no_grad():
+        ref = zm.model(**kw)[0]
+        c = compile_dit(zm.model, passes=[passes.Ulysses(size=world), passes.FuseNormRope()], example_inputs=kw,
+                        keep_original=True)
+        out = c(**kw)[0]
+    return {"err": ((out - ref).norm() / ref.norm()).item(), "counts": _counts(c._current().manager.records),
+            "blocks": len(zm.model.transformer_blocks) + len(zm.model.single_transformer_blocks)}
+
+
+def test_with_ulysses_on_two_ranks():
+    from dit_passes.testing.multiproc import run_ranks
+
+    for r in run_ranks(_ulysses_norm_rope, 2, timeout=300):
+        assert r["err"] <= 1e-5, r
+        assert r["counts"]["fused"] == 2 * r["blocks"], r
+
+
+def _case(dtype, device="cpu", d=16, parts=(5, 7), weight=True, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    xs = [torch.randn(2, 3, n, d, device=device, generator=g).to(dtype).transpose(1, 2) for n in parts]  # strided
+    ws = [torch.randn(d, device=device, generator=g).to(dtype) if weight else None for _ in parts]
+    s = sum(parts)
+    cos = torch.randn(1, s, 1, d, device=device, generator=g)  # fp32 tables broadcast over batch and heads
+    sin = torch.randn(s, 1, d, device=device, generator=g)
+    return xs, ws, [1e-6] * len(parts), cos, sin, 1
+
+
+def _no_less_accurate(out, ref, exact, dtype):
+    """fp32: rounding only; bf16 / fp16: against float64, as close as the reference (which rounds the norm before
+    and after its weight, the kernel once): max and mean errors within a margin of the reference's."""
+    err, ref_err = (out.double() - exact).abs(), (ref.double() - exact).abs()
+    if dtype == torch.float32:
+        assert err.max().item() <= 1e-5, err.max().item()
+    else:
+        assert err.max() <= 1.5 * ref_err.max() and err.mean() <= 1.1 * ref_err.mean(), (err.max(), ref_err.max())
+
+
+@pytest.mark.parametrize("dtype,d,weight", [(torch.float32, 16, True), (torch.bfloat16, 16, True),
+                                            (torch.float32, 12, False), (torch.bfloat16, 128, True)])
+def test_triton_kernel_matches_the_reference(dtype, d, weight):
+    """Under TRITON_INTERPRET=1 (as CI runs the tests), the kernel per part into its narrow of the output."""
+    from dit_passes.kernels import norm_rope_triton as k
+    if not k.interpreting():
+        pytest.skip("runs the Triton kernel under TRITON_INTERPRET=1")
+    xs, ws, eps, cos, sin, dim = _case(dtype, d=d, weight=weight)
+    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim)
+    out = torch.empty_like(ref)
+    start = 0
+    for x, w, e in zip(xs, ws, eps):
+        n = x.shape[dim]
+        c, s = cos.expand(out.shape).narrow(dim, start, n), sin.expand(out.shape).narrow(dim, start, n)
+        k.rms_norm_rope_into(x, w, e, c, s, out.narrow(dim, start, n))
+        start += n
+    exact = rms_norm_rope_reference([x.double() for x in xs], [w.double() if w is not None else None for w in ws],
+                                    eps, cos.double(), sin.double(), dim)
+    _no_less_accurate(out, ref, exact, dtype)
+
+
+def test_kernel_refuses_what_it_cannot_take():
+    from dit_passes.kernels import norm_rope_triton as k
+    x = torch.randn(2, 3, 4, 7)
+    with pytest.raises(ValueError, match="even last dim"):
+        k.rms_norm_rope_into(x, None, 1e-6, x, x, torch.empty_like(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the op's Triton path)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_op_matches_the_reference(dtype):
+    xs, ws, eps, cos, sin, dim = _case(dtype, device="cuda", d=128, parts=(512, 4096))
+    out = NORM_ROPE(xs, ws, eps, cos, sin, dim)
+    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim)
+    exact = rms_norm_rope_reference([x.double() for x in xs], [w.double() for w in ws], eps, cos.double(),
+                                    sin.double(), dim)
+    assert out.shape == ref.shape and out.dtype == dtype
+    _no_less_accurate(out, ref, exact, dtype)
+    compiled = torch.compile(lambda *a: NORM_ROPE(*a), fullgraph=True)
+    assert torch.equal(compiled(xs, ws, eps, cos, sin, dim), out)
