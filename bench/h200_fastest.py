@@ -10,6 +10,8 @@ loop and forced schedule F8B0, 8 warm-up steps, then always cached: 20 of 28 ste
   decision a conditional node (``dit_passes/infra/cuda_graph_step.py``);
 * ``ours_bf16_epilogue``: ``ours_bf16`` plus ``SplitConcatLinear`` and ``FuseLinearGelu`` (still bf16: the single
   blocks' proj_out reads its two parts in place, the MLPs' GELU runs in the GEMM's epilogue);
+* ``ours_bf16_rope``: ``ours_bf16_epilogue`` plus ``FuseNormRope`` (the q / k RMSNorm and rotary embedding as one
+  op of ours, lossless); ``ours_fp8_rope``: ``ours_fp8`` plus ``FuseNormRope``;
 * ``ours_fp8``: ``ours_bf16`` plus ``FuseSiblingLinears`` and ``Fp8Linear`` on every block linear (fast
   accumulation), built last: it releases the bf16 block weights from the model; where torch has no CUDA-graph IF
   nodes, with the step eager.
@@ -104,7 +106,10 @@ def generation_profile(module, inputs) -> Dict[str, Any]:
 
 # our rows are dit-passes bench's (the command users run: dit-passes bench --size full --preset fastest)
 ROW_OF = {"ours_bf16_eagerstep": "compiled_regional_always", "ours_bf16": "graphed_regional_always",
-          "ours_bf16_epilogue": "graphed_regional_epilogue_always", "ours_fp8": "graphed_regional_fp8_always"}
+          "ours_bf16_epilogue": "graphed_regional_epilogue_always", "ours_fp8": "graphed_regional_fp8_always",
+          "ours_bf16_rope": "graphed_regional_epilogue_rope_always", "ours_fp8_rope": "graphed_regional_fp8_rope_always"}
+# the summary's rows: the bench preset users run (dit-passes bench --preset fastest), its bf16 and its fp8 stack
+PRESET_ROWS = [n for n, r in ROW_OF.items() if r in B.PRESETS["fastest"].split(",")]
 
 
 # one epilogue pass alone (which of the two a finding belongs to): built here, not rows users run
@@ -118,12 +123,12 @@ def build_row(name: str, model, inputs):
         return ONE_EPILOGUE[name], compile_dit(model, passes=chosen, example_inputs=dict(inputs),
                                                torch_compile={"regional": True, "mode": "reduce-overhead"})
     row = ROW_OF[name]
-    if name == "ours_fp8":  # one fp8 row per process (it releases the bf16 block weights): graphed where possible
+    if name.startswith("ours_fp8"):  # one fp8 row per process (it releases the bf16 block weights): graphed if it can
         from dit_passes.infra.cuda_graph_step import CudaGraphUnavailable, conditional_capture_mode
         try:
             conditional_capture_mode()
         except CudaGraphUnavailable:
-            row = "compiled_regional_fp8_always"
+            row = row.replace("graphed_", "compiled_") if name == "ours_fp8" else row  # no eager-step rope row
     return row, B.row_factories(model, inputs, {})[row]()
 
 
@@ -182,7 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--peers", default=None, help="flux_peers.py's JSON with the cacheditregional_always row")
     p.add_argument("--rows", default="reference,ours_bf16_eagerstep,ours_bf16,ours_bf16_epilogue,profile,ours_fp8")
-    p.add_argument("--profile-stack", default="ours_bf16_epilogue", choices=("ours_bf16", "ours_bf16_epilogue"),
+    p.add_argument("--profile-stack", default="ours_bf16_rope", choices=("ours_bf16", "ours_bf16_epilogue",
+                                                                         "ours_bf16_rope"),
                    help="the bf16 stack the profile row's steps use")
     p.add_argument("--generation-profile", action="store_true",
                    help="profile one more generation of each ours_bf16* row (GPU busy / idle, largest gaps)")
@@ -200,8 +206,8 @@ def main(argv=None) -> int:
                 res["rows"][name], ref = measure(name, model, inputs, 1, None)
             elif name == "profile":  # the graphed step, computed and cached, back to back
                 from dit_passes import compile_dit, passes
-                extra = [passes.SplitConcatLinear(), passes.FuseLinearGelu()] if a.profile_stack.endswith(
-                    "epilogue") else []
+                extra = [] if a.profile_stack == "ours_bf16" else [passes.SplitConcatLinear(), passes.FuseLinearGelu()]
+                extra += [passes.FuseNormRope()] if a.profile_stack == "ours_bf16_rope" else []
                 for key, sched in (("compute_step", "never"), ("cached_step", "always")):
                     s = {**B.schedules()[sched], "max_warmup_steps": 1}
                     m = compile_dit(model, passes=[passes.DBCache(**s), *extra], example_inputs=dict(inputs),
@@ -233,12 +239,15 @@ def main(argv=None) -> int:
     def get(row, key):
         return rows.get(row, {}).get(key)
     # the summary's bf16 row: the fastest preset's stack (with the epilogue passes) where this run measured it
-    best = "ours_bf16_epilogue" if get("ours_bf16_epilogue", "generation_s") is not None else "ours_bf16"
+    def pick(prefix):  # the preset's row of this precision where measured, else the first measured one
+        names = [n for n in PRESET_ROWS if n.startswith(prefix)] + [n for n in rows if n.startswith(prefix)]
+        return next((n for n in names if get(n, "generation_s") is not None), None)
+    best, fp8 = pick("ours_bf16"), pick("ours_fp8")
     res["summary"] = {
         "cachedit_compiled_s": peers.get("generation_s"), "cachedit_compiled_first_s": peers.get("first_generation_s"),
         "ours_bf16_s": get(best, "generation_s"), "ours_bf16_first_s": get(best, "first_generation_s"),
         "ours_bf16_row": best,
-        "ours_fp8_s": get("ours_fp8", "generation_s"),
+        "ours_fp8_s": get(fp8, "generation_s"), "ours_fp8_row": fp8,
         "cached_step_wall_ms": res.get("cached_step", {}).get("wall_ms"),
         "cached_step_kernel_ms": res.get("cached_step", {}).get("kernel_ms"),
         "compute_step_wall_ms": res.get("compute_step", {}).get("wall_ms"),

@@ -14,6 +14,8 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
 * ``graphed_regional_always``: ``compiled_regional_always`` with ``"mode": "reduce-overhead"``: the whole step
   replayed as one CUDA graph, the cache decision a conditional node (no host read per step);
   ``graphed_regional_epilogue_always``: the same plus ``SplitConcatLinear`` and ``FuseLinearGelu`` (still bf16);
+  ``graphed_regional_epilogue_rope_always``: that plus ``FuseNormRope`` (the q / k RMSNorm and rotary embedding
+  as one op); ``graphed_regional_fp8_rope_always``: the fp8 row below plus ``FuseNormRope``;
   ``graphed_regional_fp8_always``: the same plus ``FuseSiblingLinears`` and ``Fp8Linear`` on every block linear
   (fast accumulation, set by ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset; activations quantized by our row kernel,
   ``DIT_PASSES_FP8_ACT_QUANT=kernel`` when unset); it releases the bf16 block weights, so
@@ -51,7 +53,8 @@ SIZES = {"full": (FLUX_DEV, 4096, 512), "tiny": (TINY, 256, 32)}
 STEPS, WARMUP = 28, 8
 ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "compiled_never", "compiled_always",
         "compiled_regional_never", "compiled_regional_always", "compiled_regional_fp8_always",
-        "graphed_regional_always", "graphed_regional_epilogue_always", "graphed_regional_fp8_always")
+        "graphed_regional_always", "graphed_regional_epilogue_always", "graphed_regional_fp8_always",
+        "graphed_regional_epilogue_rope_always", "graphed_regional_fp8_rope_always")
 PRESETS = {"fastest": "compiled_regional_always,graphed_regional_epilogue_always,graphed_regional_fp8_always"}
 
 
@@ -142,7 +145,7 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
     graphed = {**regional, "mode": "reduce-overhead"}
 
     def make(schedule: Optional[str], torch_compile: Optional[Dict[str, Any]] = None, fp8: bool = False,
-             epilogue: bool = False):
+             epilogue: bool = False, rope: bool = False):
         def build():
             chosen = ([passes.DBCache(**s[schedule])] if schedule else []) + (
                 [passes.AttentionBackend(attention)] if attention else [])
@@ -160,6 +163,8 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
                 # q / k / v (and a single block's proj_mlp) as one linear: one activation quantization, one wider
                 # GEMM (H100: fp8 step 1.277x -> 1.294x bf16, bench/results/h200_quant_step_fused.md)
                 chosen += [passes.FuseSiblingLinears(), passes.Fp8Linear(exclude=())]
+            if rope:  # lossless: one read and one write of q and k between their GEMM and attention
+                chosen += [passes.FuseNormRope()]
             # the settings are read while the graph is written (lowered now: example_inputs), so they hold for this
             # build only and a setting the user made wins
             with _env_defaults(settings):
@@ -173,7 +178,9 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
             "compiled_regional_fp8_always": make("always", regional, fp8=True),
             "graphed_regional_always": make("always", graphed),
             "graphed_regional_epilogue_always": make("always", graphed, epilogue=True),
-            "graphed_regional_fp8_always": make("always", graphed, fp8=True)}
+            "graphed_regional_fp8_always": make("always", graphed, fp8=True),
+            "graphed_regional_epilogue_rope_always": make("always", graphed, epilogue=True, rope=True),
+            "graphed_regional_fp8_rope_always": make("always", graphed, fp8=True, rope=True)}
 
 
 def measure_row(name: str, make: Callable[[], Any], inputs, repeats: int) -> Dict[str, Any]:

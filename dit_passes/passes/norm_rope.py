@@ -42,6 +42,7 @@ the input's; ``shape``: cos / sin do not broadcast to the input, or an odd head 
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import operator
 import warnings
@@ -68,7 +69,9 @@ def rms_norm_rope_reference(xs: List[torch.Tensor], weights: List[Optional[torch
     return (y.to(torch.float32) * cos + rot.to(torch.float32) * sin).to(y.dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel():
+    # once per process: the op runs ~100 times a step, from Python where no CUDA graph replays it
     try:
         return importlib.import_module("dit_passes.kernels.norm_rope_triton")
     except ImportError as e:  # no triton: the reference, said once per process by warnings' filter
