@@ -25,6 +25,7 @@ import triton.language as tl
 from .w4a4_autotune import interpreting
 
 ROWS = 16            # head rows per program: 16 x 128 bf16 values = 4 KB read, 4 KB written
+WARPS = 4
 MAX_D = 1024         # widest head a program holds in registers
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -78,9 +79,10 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_rope_into(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       out: torch.Tensor) -> torch.Tensor:
+                       out: torch.Tensor, rows: int = ROWS, num_warps: int = WARPS) -> torch.Tensor:
     """Write RMSNorm(x) with the interleaved rotary embedding into ``out`` (module docstring); ``cos`` / ``sin``
-    broadcast to ``out``'s shape. Returns ``out``."""
+    broadcast to ``out``'s shape. Returns ``out``. ``rows`` / ``num_warps``: the launch (bench/norm_rope_kernel.py
+    times the choices)."""
     name = "rms_norm_rope"
     if not is_supported(x) or out.shape != x.shape or out.stride(-1) != 1:
         raise ValueError(f"{name}: x must be a float tensor of rank <= 4 with an even last dim <= {MAX_D} on a GPU "
@@ -94,12 +96,12 @@ def rms_norm_rope_into(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, s
     if n_rows == 0:
         return out
     w = weight if weight is not None else x  # an unread placeholder pointer when there is no weight
-    _rms_norm_rope[(triton.cdiv(n_rows, ROWS),)](
+    _rms_norm_rope[(triton.cdiv(n_rows, rows),)](
         x4, w, c4, s4, o4, n_rows, x4.shape[1], x4.shape[2], d, float(eps),
         *x4.stride()[:3], *o4.stride()[:3], *c4.stride(), *s4.stride(),
-        HAS_W=weight is not None, BLOCK_R=ROWS, HALF_D=triton.next_power_of_2(d) // 2,
-        SOFT_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=4)
+        HAS_W=weight is not None, BLOCK_R=rows, HALF_D=triton.next_power_of_2(d) // 2,
+        SOFT_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=num_warps)
     return out
 
 
-__all__ = ["rms_norm_rope_into", "is_supported", "ROWS", "MAX_D"]
+__all__ = ["rms_norm_rope_into", "is_supported", "ROWS", "WARPS", "MAX_D"]
