@@ -3,7 +3,8 @@
 Times the Triton kernel's launch choices (head rows per program x warps) against Inductor compiling the ATen ops
 it replaces (``rms_norm_rope_reference`` under ``torch.compile``), on a single block's q (4608 tokens x 24 heads
 x 128, bf16, fp32 cos / sin tables broadcast over the heads) and a double block's text + image q (512 + 4096
-tokens concatenated). GB/s counts one read of x and one write of the output (the tables are L2-resident).
+tokens concatenated), each timed as GPU time in a replayed CUDA graph. GB/s counts one read of x and one write of
+the output (the tables are L2-resident).
 
     python bench/norm_rope_kernel.py --out $OUT      # writes norm_rope_kernel.json
 """
@@ -16,17 +17,28 @@ import os
 import torch
 
 
-def _time_ms(fn, repeats: int = 50) -> float:
-    for _ in range(3):
-        fn()
+def _time_ms(fn, repeats: int = 20) -> float:
+    """GPU ms per call: ``repeats`` calls captured in one CUDA graph and replayed (the launches' host time, which
+    a CUDA-graph replay of the step hides too, left out)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(repeats):
-        fn()
+    for _ in range(5):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return start.elapsed_time(end) / (5 * repeats)
 
 
 def main() -> int:
