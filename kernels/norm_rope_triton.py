@@ -12,7 +12,7 @@ one token)::
 Why a kernel: Inductor writes this chain (reduction, then the pair swap of ``stack([-x1, x0], -1)``) as one
 reduction kernel per head row; on FLUX.1-dev's single blocks it ran at ~1.2 TB/s on an H100 (3.5 ms a step,
 ``bench/results/h200_quant_step_stop30b_h100.json``). Here a program takes ``BLOCK_R`` rows at once, reads each
-row once and writes it once, the pairs split in registers. ``x``, ``out``, ``cos`` and ``sin`` are 4-D with any
+row once and writes it once, the pairs split in registers: ~2.4 TB/s (the step's q / k work 6.5 -> 3.1 ms). ``x``, ``out``, ``cos`` and ``sin`` are 4-D with any
 strides (``cos`` / ``sin`` broadcast to ``out``'s shape: stride 0 on the broadcast dims) and a unit last stride for
 ``x`` and ``out``; a concatenation along a leading dim is one call per part on a ``narrow`` of ``out``.
 """
@@ -24,8 +24,11 @@ import triton.language as tl
 
 from .w4a4_autotune import interpreting
 
-ROWS = 16            # head rows per program: 16 x 128 bf16 values = 4 KB read, 4 KB written
-WARPS = 4
+# head rows per program and warps: on an H100, FLUX's q of a single block (4608 x 24 x 128 bf16) in 23.0 us (2.46
+# TB/s, one read and one write) with 8 rows / 2 warps, 24.6 us with 16 / 4, Inductor's kernel 42.5 us
+# (bench/results/norm_rope_kernel_h100.json: GPU time in a replayed CUDA graph)
+ROWS = 8
+WARPS = 2
 MAX_D = 1024         # widest head a program holds in registers
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
