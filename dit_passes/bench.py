@@ -21,7 +21,8 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
   ``DIT_PASSES_FP8_ACT_QUANT=kernel`` when unset); it releases the bf16 block weights, so
   it runs last;
   ``compiled_regional_fp8_always``: the fp8 stack with the step eager (where no CUDA-graph IF nodes exist);
-* ``--preset fastest``: ``compiled_regional_always,graphed_regional_epilogue_always,graphed_regional_fp8_always``;
+* ``--preset fastest``: ``compiled_regional_always,graphed_regional_epilogue_rope_always,
+  graphed_regional_fp8_rope_always``;
 * ``--attention cudnn`` adds ``passes.AttentionBackend("cudnn")`` to every captured row (not ``eager``);
 * host time of capture + passes.
 
@@ -55,7 +56,7 @@ ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "
         "compiled_regional_never", "compiled_regional_always", "compiled_regional_fp8_always",
         "graphed_regional_always", "graphed_regional_epilogue_always", "graphed_regional_fp8_always",
         "graphed_regional_epilogue_rope_always", "graphed_regional_fp8_rope_always")
-PRESETS = {"fastest": "compiled_regional_always,graphed_regional_epilogue_always,graphed_regional_fp8_always"}
+PRESETS = {"fastest": "compiled_regional_always,graphed_regional_epilogue_rope_always,graphed_regional_fp8_rope_always"}
 
 
 def build_model(size: str, device: torch.device, dtype: torch.dtype):
