@@ -166,34 +166,34 @@ def _shape(n) -> Optional[Tuple[int, ...]]:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _rotated(n) -> Optional[fx.Node]:
-    """y when n is ``flatten(stack([-x1, x0], -1), -2)`` with ``x0, x1 = unbind(reshape(y, [..., D/2, 2]), -1)``."""
+def _rotated(n) -> Tuple[Optional[fx.Node], List[fx.Node]]:
+    """(y, the rotation's nodes) when n is ``flatten(stack([-x1, x0], -1), -2)`` with ``x0, x1 =
+    unbind(reshape(y, [..., D/2, 2]), -1)``; (None, []) otherwise."""
     if not _call(n, aten.flatten.using_ints):
-        return None
+        return None, []
     st = n.args[0]
     if not (_call(st, aten.stack.default) and len(st.args[0]) == 2):
-        return None
+        return None, []
     neg, g0 = st.args[0]
     if not (_call(neg, aten.neg.default) and _call(g0, operator.getitem) and _call(neg.args[0], operator.getitem)):
-        return None
-    g1 = neg.args[0]
-    unbind = g0.args[0]
+        return None, []
+    g1, unbind = neg.args[0], g0.args[0]
     if unbind is not g1.args[0] or (g0.args[1], g1.args[1]) != (0, 1) or not _call(unbind, aten.unbind.int):
-        return None
-    reshape, y = unbind.args[0], None
-    if _call(reshape, aten.reshape.default, aten.view.default):
-        y = reshape.args[0]
-    ys, rs, fs = _shape(y), _shape(reshape), _shape(n)
-    if ys is None or rs is None or fs != ys or rs != ys[:-1] + (ys[-1] // 2, 2):
-        return None
+        return None, []
+    reshape = unbind.args[0]
+    if not _call(reshape, aten.reshape.default, aten.view.default):
+        return None, []
+    y = reshape.args[0]
+    ys, rs = _shape(y), _shape(reshape)
+    if ys is None or _shape(n) != ys or rs != ys[:-1] + (ys[-1] // 2, 2):
+        return None, []
     dims = len(rs)
-    if (st.args[1] if len(st.args) > 1 else 0) % (dims) != dims - 1 or unbind.args[1] % dims != dims - 1:
-        return None
-    start = n.args[1] if len(n.args) > 1 else 0
-    end = n.args[2] if len(n.args) > 2 else -1
-    if start % dims != dims - 2 or end % dims != dims - 1:
-        return None
-    return y
+    start, end = (n.args[1] if len(n.args) > 1 else 0), (n.args[2] if len(n.args) > 2 else -1)
+    stack_dim = st.args[1] if len(st.args) > 1 else 0
+    if stack_dim % dims != dims - 1 or unbind.args[1] % dims != dims - 1 or (start % dims, end % dims) != (
+            dims - 2, dims - 1):
+        return None, []
+    return y, [n, st, neg, g0, g1, unbind, reshape]
 
 
 def _split_product(m) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
@@ -216,11 +216,13 @@ def _match(add: fx.Node):
                     continue
                 y, cast_y = _uncast(y_side)
                 r, cast_r = _uncast(r_side)
-                if isinstance(y, fx.Node) and _rotated(r) is y and cast_y == cast_r:
-                    found = (m_y, m_r, y, cos, sin)
+                source, rotation = _rotated(r)
+                if isinstance(y, fx.Node) and source is y and cast_y == cast_r:
+                    # every node of the match that reads y, directly or through the rotation
+                    found = (y, cos, sin, {add, m_y, m_r, y_side, r_side, *rotation})
     if found is None:
         return None
-    m_y, m_r, y, cos, sin = found
+    y, cos, sin, inside = found
     yshape, ydtype = _shape(y), _dtype(y)
     if _dtype(add) != torch.float32:
         return "compute_dtype"
@@ -237,7 +239,6 @@ def _match(add: fx.Node):
     norms, cat_dim = _norms_of(y)
     if norms is None:
         return "no_norm"
-    inside = _match_nodes(add, m_y, m_r, y)
     if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.users) != 1 for k in norms)):
         return "shared_norm"
     if any(_dtype(k) != _dtype(k.args[0]) or _dtype(k) != ydtype for k in norms):
@@ -259,22 +260,6 @@ def _norms_of(y: fx.Node):
         if not (_call(k, aten.rms_norm.default) and len(k.args[1]) == 1 and not k.kwargs):
             return None, 0
     return parts, cat_dim
-
-
-def _match_nodes(add, m_y, m_r, y) -> set:
-    """The nodes of a matched rope that read y (directly or through the rotation)."""
-    inside = {add, m_y, m_r}
-    for side in (m_y, m_r):
-        for a in side.args:
-            src, _ = _uncast(a)
-            if src is not a:
-                inside.add(a)
-            if _call(src, aten.flatten.using_ints):
-                st = src.args[0]
-                neg, g0 = st.args[0]
-                unbind = g0.args[0]
-                inside.update({src, st, neg, g0, neg.args[0], unbind, unbind.args[0]})
-    return inside
 
 
 def _erase(g: fx.Graph, nodes: set) -> None:
