@@ -6,9 +6,10 @@ only reorders the K sum). Checked: what each pass rewrites on FLUX (every single
 tanh-GELU MLP) and on other families; what it leaves, with the reason counted (exact GELU, no bias, a shared
 output or concatenation, a concatenation not on the last dim, an unaligned slice); a concatenation the linear
 reads through reshapes of the leading dims (split, each part reshaped; Wan2.2-TI2V's timestep embedding), one
-that reshapes the last dim or has symbolic sizes (left, counted); that the quantizers take their linears first whatever order the user lists the passes in; aot_eager and RegionalCompile; the weight held once
-(the slices are views of the one attribute); under TensorParallel on two gloo ranks. On a GPU: the op against its
-ATen pair and its cuBLASLt epilogue.
+that reshapes the last dim or has symbolic sizes (left, counted); that the quantizers take their linears first
+whatever order the user lists the passes in; aot_eager and RegionalCompile; the weight held once (the slices are
+views of the one attribute); under TensorParallel on two gloo ranks. On a GPU: the op against its ATen pair and
+its cuBLASLt epilogue.
 """
 from __future__ import annotations
 
