@@ -4,10 +4,12 @@
 On CPU the op is the two ATen ops it replaces, so outputs equal the original (fp32, 1e-5 relative: the split
 only reorders the K sum). Checked: what each pass rewrites on FLUX (every single-stream ``proj_out``, every
 tanh-GELU MLP) and on other families; what it leaves, with the reason counted (exact GELU, no bias, a shared
-output or concatenation, a concatenation not on the last dim, an unaligned slice); that the quantizers take their
-linears first whatever order the user lists the passes in; aot_eager and RegionalCompile; the weight held once
-(the slices are views of the one attribute); under TensorParallel on two gloo ranks. On a GPU: the op against its
-ATen pair and its cuBLASLt epilogue.
+output or concatenation, a concatenation not on the last dim, an unaligned slice); a concatenation the linear
+reads through reshapes of the leading dims (split, each part reshaped; Wan2.2-TI2V's timestep embedding), one
+that reshapes the last dim or has symbolic sizes (left, counted); that the quantizers take their linears first
+whatever order the user lists the passes in; aot_eager and RegionalCompile; the weight held once (the slices are
+views of the one attribute); under TensorParallel on two gloo ranks. On a GPU: the op against its ATen pair and
+its cuBLASLt epilogue.
 """
 from __future__ import annotations
 
@@ -124,6 +126,80 @@ def test_what_is_left_is_counted_and_the_output_unchanged():
                                           "skipped_shared_output": 1}
     assert counts["split_concat_linear"] == {"split": 1, "parts": 2, "skipped_not_last_dim": 1,
                                              "skipped_shared_cat": 1, "skipped_unaligned": 1}
+
+
+class _Reshaped(nn.Module):
+    """Linears reading a concatenation through reshapes: of the leading dims only (split), of the last dim (left)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.rows, self.chain, self.merged = nn.Linear(24, 8), nn.Linear(24, 8), nn.Linear(5 * 16, 8)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g)
+
+    def forward(self, x, y):
+        xy = torch.cat([x.transpose(0, 1), y.transpose(0, 1)], -1)  # [5, 2, 8 + 16]
+        a = self.rows(xy.reshape(-1, 24))  # the leading dims merged (the parts can't be viewed so: copied): split
+        b = self.chain(torch.cat([y, x], -1).flatten(0, 1).unsqueeze(0))  # a chain of them: split
+        c = self.merged(torch.cat([x, x], -1).flatten(1))           # the last dim merged into [2, 80]: left
+        return a.sum() + b.sum() + c.sum()
+
+
+def test_through_reshapes_of_the_leading_dims():
+    """Each part gets the reshape of the leading dims before its partial linear; a reshape that changes the last
+    dim (the concatenated one) is left, counted."""
+    import dit_passes
+
+    m = _Reshaped().eval()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 16, generator=g)
+    be = dit_passes.backend(passes=[passes.SplitConcatLinear()], compiler="eager")
+    with torch.no_grad():
+        assert _rel(torch.compile(m, backend=be, fullgraph=True)(x, y), m(x, y)) <= TOL
+    counts = {r.name: r.result.counts for r in be.last_manager.records}["split_concat_linear"]
+    assert counts == {"split": 2, "parts": 4, "skipped_view_last_dim": 1}
+    gm = be.graphs[-1]
+    assert sum(n.target is aten.cat.default for n in gm.graph.nodes) == 1  # the merged one's, left
+    reshaped = [n for n in gm.graph.nodes if n.target is aten.linear.default and n.args[0].target is
+                aten.reshape.default]
+    assert sorted(tuple(n.args[0].args[1]) for n in reshaped) == [(1, 10, 8), (1, 10, 16), (10, 8), (10, 16)]
+
+
+def test_symbolic_shapes_are_left():
+    """Shapes from a symbolic trace (every size a symbol): a reshape chain is left as symbolic_view, a direct
+    concatenation as symbolic_width; the graph is unchanged."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dit_passes.infra.pass_base import PassContext
+
+    def f(x, y, w1, w2, w3):
+        a = F.linear(torch.cat([x, y], -1).reshape(-1, 24), w1)
+        b = F.linear(torch.cat([y, x], -1).flatten(0, 1).unsqueeze(0), w2)
+        return a.sum() + b.sum() + F.linear(torch.cat([x, y], -1), w3).sum()
+
+    args = (torch.randn(2, 5, 8), torch.randn(2, 5, 16), *(torch.randn(8, 24) for _ in range(3)))
+    gm = make_fx(f, tracing_mode="symbolic", pre_dispatch=True)(*args)
+    before = str(gm.graph)
+    result = passes.SplitConcatLinear().run(gm, PassContext())
+    assert not result.changed and str(gm.graph) == before
+    assert result.counts == {"split": 0, "parts": 0, "skipped_symbolic_view": 2, "skipped_symbolic_width": 1}
+
+
+def test_wan_ti2v_timestep_linear_is_split():
+    """Wan2.2-TI2V (expand_timesteps) concatenates [cos, sin] per token and reaches time_embedder.linear_1 through
+    a view: the linear now reads the parts in place."""
+    zm = build("wan[ti2v]")
+    kw = zm.make_inputs(batch=1, seed=1)
+    c = compile_dit(zm.model, passes=[passes.SplitConcatLinear()], example_inputs=kw)
+    with torch.no_grad():
+        assert _rel(c(**kw)[0], zm.model(**kw)[0]) <= TOL
+    assert _counts(c, "split_concat_linear")["split"] >= 1
+    paths = {n.meta["dit_module_path"] for n in _nodes(c, aten.linear.default) if n.args[1].target is
+             aten.slice.Tensor}
+    assert "condition_embedder.time_embedder.linear_1" in paths
+    assert not [n for n in _nodes(c, aten.linear.default) if n.args[0].target is aten.view.default
+                and n.args[0].args[0].target is aten.cat.default]
 
 
 def test_quantizers_take_the_linears_first():
