@@ -22,8 +22,9 @@ traced scalars as an extra output that is checked against the baked ones at ever
 (:class:`ValueSpecializationError` if they differ). One-element integer tensors passed as sizes (``reshape(b, gh,
 gw, ...)`` with HiDream's patch grid) are read the same way.
 
-Function caches (``lru_cache``) that an export fills hold fake tensors: capture empties them after each export
-(:mod:`dit_passes.capture_caches`), so a fresh model needs no eager call before its capture.
+Function caches (``lru_cache``) that an export fills hold fake tensors, as do attributes a lazy forward adds while
+traced: capture empties / deletes them after each export (:mod:`dit_passes.capture_caches`), so a fresh model
+needs no eager call before its capture and runs eagerly after it.
 
 Where export still fails inside a submodule, that submodule's class is captured as opaque eager calls
 (:mod:`dit_passes.capture_opaque`, DESIGN.md section 1) and the rest of the model is exported around them.

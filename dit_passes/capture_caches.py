@@ -1,11 +1,15 @@
-"""Function caches that a trace fills: emptied again after each export (DESIGN.md section 1).
+"""State that a trace leaves in the model: function caches emptied, fake attributes dropped after each export
+(DESIGN.md section 1).
 
 A model may memoise a helper with ``functools.lru_cache`` / ``functools.cache`` (a RoPE table keyed on the image
 grid, on a method: the cache lives on the class, keyed by ``self``). ``torch.export`` runs the forward on fake
 tensors, so a call that misses the cache while tracing stores a *FakeTensor* there, and every later call with the
 same arguments gets it back: the next eager run fails ("Tensor must have a last dimension of size 2" from a fake
-complex table) or the next trace bakes a tensor of a dead fake mode. torch.export already restores the modules'
-attributes it sees assigned (lazy ``self._table = ...``), not these caches, which sit outside the modules.
+complex table) or the next trace bakes a tensor of a dead fake mode. torch.export restores the module attributes
+that existed before it (``self._table = None``, then assigned), neither these caches, which sit outside the
+modules, nor an attribute a lazy forward adds (``if not hasattr(self, "_table"): self._table = ...``): capture
+deletes such an added attribute when it holds a FakeTensor (the next call initialises it again, as a fresh
+module's first call would).
 
 Capture cannot remove one entry of an ``lru_cache`` (no API for it), so a cache that missed during an export
 is emptied whole (``cache_clear``). That is safe: a cache is transparent by contract (the function's value is
@@ -26,6 +30,7 @@ import types
 from typing import Any, Dict, Iterator, List
 
 import torch
+import torch.utils._pytree as pytree
 
 _CACHE_TYPE = type(functools.lru_cache(maxsize=None)(len))  # functools.cache / lru_cache wrappers
 
@@ -73,14 +78,24 @@ def function_caches(model: torch.nn.Module) -> List[Any]:
     return list(found.values())
 
 
+def _holds_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return any(isinstance(leaf, FakeTensor) for leaf in pytree.tree_leaves(value))
+
+
 @contextlib.contextmanager
 def trace_time_caches_dropped(model: torch.nn.Module) -> Iterator[None]:
-    """Around a trace of ``model``: on exit (success or failure), empty the caches that missed during it."""
+    """Around a trace of ``model``: on exit (success or failure), empty the caches that missed during it and
+    delete the module attributes it added that hold fake tensors."""
     caches = function_caches(model)
     misses = [c.cache_info().misses for c in caches]
+    attributes = [(module, set(vars(module))) for module in model.modules()]
     try:
         yield
     finally:
         for cache, before in zip(caches, misses):
             if cache.cache_info().misses != before:
                 cache.cache_clear()
+        for module, before in attributes:
+            for name in [n for n, v in vars(module).items() if n not in before and _holds_fake(v)]:
+                del module.__dict__[name]

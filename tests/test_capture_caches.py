@@ -1,6 +1,6 @@
 """Function caches (``functools.lru_cache`` on a method) that a trace would fill with fake tensors: capture empties
 the ones that missed during an export, so a fresh model captures and still runs eagerly afterwards (NucleusMoE's
-RoPE table; ``dit_passes.capture_caches``)."""
+RoPE table; ``dit_passes.capture_caches``); likewise an attribute a lazy forward adds while traced."""
 from __future__ import annotations
 
 import functools
@@ -49,6 +49,34 @@ def test_fresh_model_with_a_method_cache_captures_and_still_runs_eagerly(routed)
         out = captured.gm(x)[0]
     assert bool(captured.baked_scalars) == routed
     assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+class _LazyTable(torch.nn.Module):
+    """A table added as an attribute by the first call (not declared in ``__init__``): export leaves a FakeTensor
+    there unless capture drops it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not hasattr(self, "table"):
+            self.table = torch.arange(x.shape[1] * 8.0).reshape(x.shape[1], 8) / 7
+        return (self.proj(x * self.table),)
+
+
+def test_attribute_a_lazy_forward_adds_while_traced_is_dropped():
+    torch.manual_seed(0)
+    model = _LazyTable().eval()
+    x = torch.randn(2, 5, 8)
+    captured = capture(model, (), {"x": x})
+    assert not hasattr(model, "table")  # as fresh as before the capture
+    with torch.no_grad():
+        ref = model(x)[0]
+        out = captured.gm(x)[0]
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    captured = capture(model, (), {"x": x})  # an attribute from an eager call stays: the graph bakes it
+    assert isinstance(model.table, torch.Tensor) and torch.equal(captured.gm(x)[0], out)
 
 
 def test_fresh_nucleusmoe_captures_and_equals_eager_under_dbcache():
