@@ -22,6 +22,10 @@ traced scalars as an extra output that is checked against the baked ones at ever
 (:class:`ValueSpecializationError` if they differ). One-element integer tensors passed as sizes (``reshape(b, gh,
 gw, ...)`` with HiDream's patch grid) are read the same way.
 
+Function caches (``lru_cache``) that an export fills hold fake tensors, as do attributes a lazy forward adds while
+traced: capture empties / deletes them after each export (:mod:`dit_passes.capture_caches`), so a fresh model
+needs no eager call before its capture and runs eagerly after it.
+
 Where export still fails inside a submodule, that submodule's class is captured as opaque eager calls
 (:mod:`dit_passes.capture_opaque`, DESIGN.md section 1) and the rest of the model is exported around them.
 """
@@ -40,6 +44,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .capture_caches import trace_time_caches_dropped
 from .capture_values import ScalarRecorder, ScalarReplay
 from .infra.trace_templates import TraceTemplates
 from .infra.facts import StateIO, facts_of
@@ -211,9 +216,12 @@ def _export_noise_quiet():
         log.setLevel(level)
 
 
-def _export_static(wrapper: torch.nn.Module, tensors: tuple, why: str):
-    """``torch.export`` of ``wrapper``, refused (CaptureError) if the graph still holds a data-dependent size."""
-    with torch.inference_mode(False), torch.no_grad(), _export_noise_quiet():
+def _export_static(wrapper: "_CallWithConstants", tensors: tuple, why: str):
+    """``torch.export`` of ``wrapper``, refused (CaptureError) if the graph still holds a data-dependent size.
+    The model's function caches that the trace fills are emptied after it (:mod:`.capture_caches`: they would hold
+    fake tensors, which break the next eager run, the value-specialised retry's included)."""
+    with torch.inference_mode(False), torch.no_grad(), trace_time_caches_dropped(wrapper._model), \
+            _export_noise_quiet():
         ep = torch.export.export(wrapper, tensors, strict=False)
     dynamic = _data_dependent_shape(ep.graph_module)
     if dynamic is not None:

@@ -183,8 +183,8 @@ def _check_plain(passes: Callable[[], list], bound: Union[float, Callable] = TOL
 
 
 def _fp8_bound(zm, inputs, reference):
-    """FP8_RATIO x the error of e4m3 weights alone on a second build of the model (see FP8_RATIO), run eagerly
-    once as the first one was (NucleusMoE captures only after an eager call) and checked to be the same model."""
+    """FP8_RATIO x the error of e4m3 weights alone on a second build of the model (see FP8_RATIO), checked to be the
+    same model by one eager run (the capture needs none before it: see ``dit_passes.capture_caches``)."""
     from .models.zoo import build
     from .passes import Fp8Linear
     twin = build(zm.family, redraw_zeros=True).model

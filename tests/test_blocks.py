@@ -122,8 +122,6 @@ def test_mixture_of_experts_router_role_and_quantizers_keep_it():
         pytest.skip("this diffusers has no NucleusMoE transformer")
     zm = build("nucleusmoe")
     kw = zm.make_inputs(batch=1, seed=1)
-    with torch.no_grad():
-        zm.model(**kw)  # a fresh NucleusMoE refuses capture (data-dependent shapes) until it has run once
     s = compile_dit(zm.model, passes=[], example_inputs=kw).structure
     routers = [lin.module_path for lin in s.linears_with_role("router")]
     assert routers and all(p.endswith("img_mlp.gate") for p in routers), routers
