@@ -146,6 +146,19 @@ def test_flex_attention_stays_eager_between_two_regions_per_block():
     assert cnt.frame_count == 2
 
 
+def test_template_signature_code_is_the_template_modules_code():
+    # a template's signature takes the code generated from its graph without building its GraphModule (built only
+    # for a signature not seen yet, to compile it): that code must be the module's, or equal blocks would not share
+    from dit_passes.passes.regional_compile import _regions as block_regions, _Template
+    zm = build("flux")
+    c = compile_dit(zm.model, passes=[], example_inputs=zm.make_inputs())
+    lists = set(c.structure.candidates) | {bl.name for bl in c.structure.block_lists}
+    templates = [_Template(nodes) for _, nodes in block_regions(c.graph_module.graph, lists)]
+    assert len(templates) == 4
+    codes = [t.code() for t in templates]
+    assert codes == [t.gm.code for t in templates] and len(set(codes)) == 2  # double and single blocks
+
+
 def _step_loop(model, kwargs, steps=8):
     outs, lat = [], kwargs["hidden_states"].clone()
     for i in range(steps):
