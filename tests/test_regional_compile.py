@@ -255,3 +255,22 @@ def test_torch_compile_regional_entry_point():
     # regional=False is the whole-graph compile, as without the key
     w = compile_dit(zm.model, torch_compile={"regional": False, "backend": "eager"})
     assert torch.equal(_run(w, kw), ref) and w._current().runner is not None
+
+
+def test_inductor_pool_is_warmed_only_for_inductor_on_cuda(monkeypatch):
+    # compile_dit starts Inductor's compile workers at a CUDA lowering that Inductor will compile (so that they start
+    # while the capture and the passes run); never on the CPU, never for another backend
+    import dit_passes.compiled as compiled_mod
+    warmed = []
+    monkeypatch.setattr(compiled_mod, "_warm_inductor_pool", lambda: warmed.append(1))
+    zm = build("flux")
+    inductor = [compile_dit(zm.model, torch_compile={"regional": True}),
+                compile_dit(zm.model, torch_compile={"regional": True, "mode": "reduce-overhead"}),
+                compile_dit(zm.model, torch_compile={"mode": "max-autotune-no-cudagraphs"}),
+                compile_dit(zm.model, passes=[passes.RegionalCompile()])]
+    other = [compile_dit(zm.model), compile_dit(zm.model, torch_compile={"regional": True, "backend": "eager"}),
+             compile_dit(zm.model, torch_compile={"backend": "aot_eager"})]
+    assert [c._compiles_with_inductor() for c in inductor + other] == [True] * 4 + [False] * 3
+    c = compile_dit(zm.model, torch_compile={"regional": True, "backend": "eager"}, example_inputs=zm.make_inputs())
+    c2 = compile_dit(zm.model, torch_compile={"regional": True}, example_inputs=zm.make_inputs())
+    assert c._current() is not None and c2._current() is not None and not warmed  # CPU: left to Inductor
