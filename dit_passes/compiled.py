@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -35,6 +36,25 @@ from .infra.runtime import Runtime
 from .infra.weight_source import as_weight_source, check_has_source, source_stand_ins
 from .passes.cleanup import Cleanup
 from .passes.load_weights import LoadWeights
+
+
+def _warm_inductor_pool() -> None:
+    """Start Inductor's compile-worker pool now: torch's ``maybe_warm_pool`` (``AsyncCompile.warm_pool`` where it is
+    missing), which the Inductor backend itself calls only at its first compile, after the capture and the passes
+    (18 s for FLUX.1-dev on the GPU host). Kernels Inductor compiles before the pool is ready are compiled one by one
+    in this process. Off with ``DIT_PASSES_WARM_INDUCTOR_POOL=0``; torch's own switches (``TORCH_WARM_POOL=0``, one
+    compile thread, no Triton) still apply."""
+    if os.environ.get("DIT_PASSES_WARM_INDUCTOR_POOL", "1") == "0":
+        return
+    try:
+        from torch._inductor import async_compile
+    except ImportError:  # a torch without Inductor: nothing to warm
+        return
+    warm = getattr(async_compile, "maybe_warm_pool", None)
+    if warm is None:
+        warm = getattr(getattr(async_compile, "AsyncCompile", None), "warm_pool", None)
+    if warm is not None:
+        warm()
 
 
 @dataclasses.dataclass
@@ -136,6 +156,7 @@ class CompiledDiT(torch.nn.Module):
                 raise ValueError("passes.RegionalCompile compiles each block; torch_compile={...} would compile the "
                                  "whole graph on top of it: drop one (or use torch_compile={'regional': True, ...})")
         self._torch_compile = torch_compile
+        self._pool_warmed = False  # Inductor's compile workers started at the first CUDA lowering (_warm_inductor_pool)
         self._by_key: Dict[Any, LoweredGraph] = {}
         self._value_leaves: Dict[Any, List[int]] = {}  # signature -> leaves whose values key the graph
         self._last: Optional[LoweredGraph] = None
@@ -263,6 +284,9 @@ class CompiledDiT(torch.nn.Module):
         tensors = [x for x in pytree.tree_leaves(kwargs) if isinstance(x, torch.Tensor)]
         check_has_source(self.original, ledger.source, tensors)
         device = self._device or (tensors[0].device if tensors else torch.device("cpu"))
+        if device.type == "cuda" and not self._pool_warmed and self._compiles_with_inductor():
+            self._pool_warmed = True
+            _warm_inductor_pool()  # its worker processes start while the capture and the passes run
         if self._cuda_graphs:  # refused before capturing
             if device.type != "cuda":
                 raise CudaGraphUnavailable(f"torch_compile={{'regional': True, 'mode': 'reduce-overhead'}} replays the "
@@ -303,6 +327,14 @@ class CompiledDiT(torch.nn.Module):
         self.graphs[f"g{len(self._by_key)}"] = gm
         self._by_key[key] = lowered
         return lowered
+
+    def _compiles_with_inductor(self) -> bool:
+        """Whether a lowered graph goes to Inductor: the whole graph (``torch_compile={...}``) or its blocks
+        (``torch_compile={"regional": True}``, ``passes.RegionalCompile``), with the default backend."""
+        from .passes.regional_compile import RegionalCompile
+        kwargs = [self._torch_compile] if self._torch_compile is not None else []
+        kwargs += [p.compile_kwargs for p in self._passes + [self._regional] if isinstance(p, RegionalCompile)]
+        return any(k.get("backend", "inductor") == "inductor" for k in kwargs)
 
     def _cuda_graph_step(self, lowered: LoweredGraph, capture_mode: type) -> CudaGraphStep:
         """The lowered graph's eager runner, replayed as a CUDA graph (mode="reduce-overhead") with the conditional

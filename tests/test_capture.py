@@ -168,3 +168,36 @@ def test_example_inputs_capture_eagerly_and_explain():
     text = compiled.explain(print_output=False)
     assert "captured FluxTransformer2DModel" in text and "== cleanup()" in text
     assert "transformer_blocks x2" in text and "single_transformer_blocks x2" in text
+
+
+def test_module_without_input_guards_is_the_same_graph():
+    # capture takes ep.module(check_guards=False) where torch has it: no guard function to generate and no extra
+    # recompile, and once export's input checks are dropped (_flatten_codegen) the same graph, names, code and meta
+    import inspect
+
+    from dit_passes.capture import _flatten_codegen, _unlifted_module
+    zm = build("flux")
+    kw = {k: v for k, v in zm.make_inputs().items() if k != "return_dict"}
+
+    class Call(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = zm.model
+
+        def forward(self, *args):
+            return self.model(**dict(zip(kw, args)), return_dict=False)
+
+    with torch.no_grad():
+        ep = torch.export.export(Call(), tuple(kw.values()), strict=False)
+    if "check_guards" not in inspect.signature(ep.module).parameters:
+        pytest.skip("this torch's ExportedProgram.module() has no check_guards")
+    guarded, unguarded = ep.module(), _unlifted_module(ep)
+    assert any(n.target == "_guards_fn" for n in guarded.graph.nodes)
+    assert not any(n.target == "_guards_fn" for n in unguarded.graph.nodes)
+    for gm in (guarded, unguarded):
+        _flatten_codegen(gm, list(kw))
+    assert guarded.code == unguarded.code
+    assert [(n.name, n.op, n.target, sorted(n.meta)) for n in guarded.graph.nodes] == \
+        [(n.name, n.op, n.target, sorted(n.meta)) for n in unguarded.graph.nodes]
+    with torch.no_grad():
+        assert_same(unguarded(*kw.values()), guarded(*kw.values()))

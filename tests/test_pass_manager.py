@@ -5,6 +5,7 @@ every check runs on a real exported graph with real ``meta["val"]``.
 """
 from __future__ import annotations
 
+import operator
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from dit_passes.analysis.blocks import get_structure
 from dit_passes.capture import capture
 from dit_passes.infra.graph_utils import copy_meta, set_val
 from dit_passes.infra.facts import FactAccessError, StateIO, facts_of
-from dit_passes.infra.pass_base import Pass, PassContext, PassError, PassResult
+from dit_passes.infra.pass_base import Pass, PassContext, PassCrashed, PassError, PassResult
 from dit_passes.infra.pass_manager import PassManager, order_passes
 from dit_passes.infra.phases import Phase
 
@@ -210,6 +211,92 @@ def test_broken_graph_error_names_pass(toy, bad, fragment):
     with pytest.raises(PassError) as err:
         PassManager([ReluToGelu(), bad()]).run(gm)  # the good pass first: the error blames the bad one
     assert fragment in str(err.value)
+
+
+class ReluToGeluRecompiled(ReluToGelu):
+    """ReluToGelu ending as the library's passes do: ``ctx.recompile_at_end(gm)``."""
+    name = "relu_to_gelu_recompiled"
+
+    def run(self, gm, ctx):
+        result = super().run(gm, ctx)
+        ctx.recompile_at_end(gm)
+        return result
+
+
+class _NoSource:
+    """A constant argument whose repr is not Python: the graph lints, its generated code does not compile."""
+
+    def __repr__(self):
+        return "1 +* 2"
+
+
+class UncompilableCode(Pass):
+    name = "uncompilable_code"
+    phase = Phase.QUANTIZE
+
+    def run(self, gm, ctx):
+        n = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
+        with gm.graph.inserting_after(n):
+            new = gm.graph.call_function(operator.add, (n, _NoSource()))
+        copy_meta(new, n)
+        new.meta["val"] = n.meta["val"]
+        n.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        ctx.recompile_at_end(gm)
+        return PassResult(True)
+
+
+def _count_recompiles(gm) -> list:
+    """The calls of ``gm.recompile`` from now on (this instance only: the verification calls it by name)."""
+    calls, real = [], gm.recompile
+
+    def counted():
+        calls.append(1)
+        return real()
+    gm.recompile = counted
+    return calls
+
+
+def test_recompile_at_end_is_done_once_by_the_manager(toy):
+    model, x = toy
+    gm = captured_gm(model, x)
+    calls = _count_recompiles(gm)
+    mgr = PassManager([ReluToGeluRecompiled()])
+    mgr.run(gm)
+    assert len(calls) == 1  # the pass's recompile, which the verification reuses instead of generating it again
+    assert "gelu" in gm.code and "relu" not in gm.code and mgr.records[0].after == gm.code
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x)[0], _reference_with_gelu(model, x), rtol=0, atol=1e-6)
+    # a pass that leaves the recompile to the verification: one too, the same code
+    plain = captured_gm(model, x)
+    plain_calls = _count_recompiles(plain)
+    PassManager([ReluToGelu()]).run(plain)
+    assert len(plain_calls) == 1 and plain.code == gm.code
+    # without verification the manager still does the pass's recompile
+    unverified = captured_gm(model, x)
+    PassManager([ReluToGeluRecompiled()], verify=False).run(unverified)
+    assert unverified.code == gm.code
+
+
+def test_recompile_at_end_outside_a_manager_recompiles_now(toy):
+    model, x = toy
+    gm = captured_gm(model, x)
+    calls = _count_recompiles(gm)
+    ctx = PassContext()
+    ReluToGeluRecompiled().run(gm, ctx)
+    assert len(calls) == 1 and "gelu" in gm.code
+    other = captured_gm(model, x)  # a graph other than the one the manager runs the pass on: recompiled now too
+    mgr_gm = captured_gm(model, x)
+    ctx._deferred_gm = mgr_gm
+    ctx.recompile_at_end(other)
+    assert not ctx._recompile_asked
+
+
+def test_deferred_recompile_failure_is_the_pass_crash(toy):
+    # as when the pass recompiled itself: a crash of the pass (PassCrashed), not a verification error
+    with pytest.raises(PassCrashed, match="pass 'uncompilable_code' failed: SyntaxError"):
+        PassManager([UncompilableCode()]).run(captured_gm(*toy))
+    with pytest.raises(SyntaxError):  # run directly: the recompile raises at once
+        UncompilableCode().run(captured_gm(*toy), PassContext())
 
 
 def test_non_pass_is_type_error(toy):

@@ -146,6 +146,19 @@ def test_flex_attention_stays_eager_between_two_regions_per_block():
     assert cnt.frame_count == 2
 
 
+def test_template_signature_code_is_the_template_modules_code():
+    # a template's signature takes the code generated from its graph without building its GraphModule (built only
+    # for a signature not seen yet, to compile it): that code must be the module's, or equal blocks would not share
+    from dit_passes.passes.regional_compile import _regions as block_regions, _Template
+    zm = build("flux")
+    c = compile_dit(zm.model, passes=[], example_inputs=zm.make_inputs())
+    lists = set(c.structure.candidates) | {bl.name for bl in c.structure.block_lists}
+    templates = [_Template(nodes) for _, nodes in block_regions(c.graph_module.graph, lists)]
+    assert len(templates) == 4
+    codes = [t.code() for t in templates]
+    assert codes == [t.gm.code for t in templates] and len(set(codes)) == 2  # double and single blocks
+
+
 def _step_loop(model, kwargs, steps=8):
     outs, lat = [], kwargs["hidden_states"].clone()
     for i in range(steps):
@@ -242,3 +255,22 @@ def test_torch_compile_regional_entry_point():
     # regional=False is the whole-graph compile, as without the key
     w = compile_dit(zm.model, torch_compile={"regional": False, "backend": "eager"})
     assert torch.equal(_run(w, kw), ref) and w._current().runner is not None
+
+
+def test_inductor_pool_is_warmed_only_for_inductor_on_cuda(monkeypatch):
+    # compile_dit starts Inductor's compile workers at a CUDA lowering that Inductor will compile (so that they start
+    # while the capture and the passes run); never on the CPU, never for another backend
+    import dit_passes.compiled as compiled_mod
+    warmed = []
+    monkeypatch.setattr(compiled_mod, "_warm_inductor_pool", lambda: warmed.append(1))
+    zm = build("flux")
+    inductor = [compile_dit(zm.model, torch_compile={"regional": True}),
+                compile_dit(zm.model, torch_compile={"regional": True, "mode": "reduce-overhead"}),
+                compile_dit(zm.model, torch_compile={"mode": "max-autotune-no-cudagraphs"}),
+                compile_dit(zm.model, passes=[passes.RegionalCompile()])]
+    other = [compile_dit(zm.model), compile_dit(zm.model, torch_compile={"regional": True, "backend": "eager"}),
+             compile_dit(zm.model, torch_compile={"backend": "aot_eager"})]
+    assert [c._compiles_with_inductor() for c in inductor + other] == [True] * 4 + [False] * 3
+    c = compile_dit(zm.model, torch_compile={"regional": True, "backend": "eager"}, example_inputs=zm.make_inputs())
+    c2 = compile_dit(zm.model, torch_compile={"regional": True}, example_inputs=zm.make_inputs())
+    assert c._current() is not None and c2._current() is not None and not warmed  # CPU: left to Inductor

@@ -20,7 +20,7 @@ import dataclasses
 import difflib
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
@@ -74,11 +74,14 @@ def order_passes(passes: Sequence[Pass]) -> List[Pass]:
     return ordered
 
 
-def verify_graph(gm: fx.GraphModule, after: str) -> None:
-    """Lint + recompile + metadata check. Raises PassError naming the pass that broke the graph."""
+def verify_graph(gm: fx.GraphModule, after: str, recompiled: bool = False) -> None:
+    """Lint + recompile + metadata check. Raises PassError naming the pass that broke the graph.
+    ``recompiled``: the graph was recompiled after the pass's last edit (its ``ctx.recompile_at_end``): the code
+    it has is the code a recompile would generate again, so it is not generated twice."""
     try:
         gm.graph.lint()
-        gm.recompile()
+        if not recompiled:
+            gm.recompile()
     except Exception as e:  # noqa: BLE001 - re-raised with the pass's name
         raise PassError(f"graph is invalid after pass '{after}': {type(e).__name__}: {e}. "
                         f"The pass produced a malformed graph; fix the pass or remove it from passes=[...]") from e
@@ -100,12 +103,18 @@ class PassManager:
         self.verify = verify
         self.records: List[PassRecord] = []
 
-    def _run_one(self, gm: fx.GraphModule, ctx: PassContext, p: Pass) -> PassResult:
+    def _run_one(self, gm: fx.GraphModule, ctx: PassContext, p: Pass) -> Tuple[PassResult, bool]:
+        """The pass's result, and whether ``gm`` was recompiled after its last edit (``ctx.recompile_at_end``)."""
         facts = facts_of(gm)
         snap = facts.snapshot()
         facts.guard(p.name, frozenset(p.reads), frozenset(p.writes))
+        outer = (ctx._deferred_gm, ctx._recompile_asked)  # a pass may run a manager of its own on ctx
+        ctx._deferred_gm, ctx._recompile_asked = gm, False
         try:
             result = p.run(gm, ctx)
+            recompiled = ctx._recompile_asked
+            if recompiled:  # the pass's closing recompile, where it would have run (its failure is the pass's crash)
+                gm.recompile()
         except (PassError, FactAccessError):
             raise
         except Refusal as e:  # a refusal of what the pass relies on (sharding, mesh, block discovery, capture)
@@ -114,13 +123,14 @@ class PassManager:
             raise PassCrashed(f"pass '{p.name}' failed: {type(e).__name__}: {e}") from e
         finally:
             facts.guard(None)
+            ctx._deferred_gm, ctx._recompile_asked = outer
         undeclared = sorted(set(facts.changed_since(snap)) - set(p.writes))
         if undeclared:
             raise PassError(f"pass '{p.name}' changed graph fact(s) {undeclared} without declaring them in its "
                             f"writes {list(p.writes)}")
         if not isinstance(result, PassResult):
             raise PassError(f"pass '{p.name}' returned {type(result).__name__}, expected PassResult")
-        return result
+        return result, recompiled
 
     def run(self, gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.GraphModule:
         ctx = ctx or PassContext()
@@ -130,10 +140,10 @@ class PassManager:
         for idx, p in enumerate(self.passes, start=1):
             before = gm.code
             t0 = time.perf_counter()
-            result = self._run_one(gm, ctx, p)
+            result, recompiled = self._run_one(gm, ctx, p)
             seconds = time.perf_counter() - t0
             if self.verify:
-                verify_graph(gm, p.name)
+                verify_graph(gm, p.name, recompiled)
             for fact in p.invalidates:
                 object.__setattr__(facts_of(gm), fact, None)
             self.records.append(PassRecord(p.name, p.describe(), p.phase.name, tuple(p.reads), tuple(p.writes),

@@ -121,7 +121,7 @@ class AttentionBackend(Pass):
             n.replace_all_uses_with(new)
             gm.graph.erase_node(n)
             rewritten += 1
-        gm.recompile()
+        ctx.recompile_at_end(gm)
         report = (f"{rewritten} attentions run on {self.backends[0]} (then {self.backends[1:] or 'nothing'})"
                   + (f"; {skipped} left as they are (dropout or grouped-query attention)" if skipped else ""))
         if rewritten == 0 and skipped == 0:  # e.g. after Ulysses / Ring, whose attention picks its own kernel

@@ -294,7 +294,7 @@ def finish_state_io(gm: fx.GraphModule, ctx: PassContext, name: str, make_store:
     prev_user = facts.num_user_outputs if facts.num_user_outputs is not None else len(user_outs)
     out_node.args = (tuple(user_outs) + tuple(state_out) + (use_cache, diff),)
     g.eliminate_dead_code()
-    gm.recompile()
+    ctx.recompile_at_end(gm)
     store = ctx.runtime.state.get(name)
     if store is None:
         store = ctx.runtime.state[name] = make_store()

@@ -59,7 +59,7 @@ class Cleanup(Pass):
         dead = len(gm.graph.nodes)
         gm.graph.eliminate_dead_code()
         dead -= len(gm.graph.nodes)
-        gm.recompile()
+        ctx.recompile_at_end(gm)
         counts = {"assert_removed": asserts, "noop_to_removed": noop_to, "dead_removed": dead}
         return PassResult(bool(asserts or noop_to or dead), counts,
                           f"removed {asserts} metadata asserts, {noop_to} no-op casts, {dead} dead nodes")

@@ -119,7 +119,7 @@ class FuseSiblingLinears(Pass):
             fused, members = fused + 1, members + len(nodes)
             widths.append(width)
         gm.graph.lint()
-        gm.recompile()
+        ctx.recompile_at_end(gm)
         if record:
             facts_of(gm).fused_linears = {**facts_of(gm).fused_linears, **record}
         left, left_text = skipped_summary(skipped, "not fused")

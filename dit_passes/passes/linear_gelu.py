@@ -88,7 +88,7 @@ class FuseLinearGelu(Pass):
             elif why:
                 skipped[why] = skipped.get(why, 0) + 1
         g.lint()
-        gm.recompile()
+        ctx.recompile_at_end(gm)
         left, left_text = skipped_summary(skipped, "left")
         report = (f"{fused} linear + tanh-GELU pairs as one GEMM with the GELU epilogue" if fused
                   else "no linear followed by tanh-GELU") + left_text

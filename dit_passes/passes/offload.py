@@ -169,7 +169,7 @@ class LayerwiseOffload(Pass):
             ahead_bytes.append(nbytes if host != b.index else 0)
             moved += self._offload(gm, ws, pin)
         g.lint()
-        gm.recompile()
+        ctx.recompile_at_end(gm)
         facts_of(gm).offload_loads = loads  # the cache pass keeps each load with its block
         counts = {"blocks_offloaded": len(loads), "blocks_persistent": len(keep), "weights_offloaded": moved,
                   "prefetched_ahead": sum(1 for x in ahead_bytes if x)}

@@ -212,7 +212,25 @@ class _Template:
             env[n] = g.node_copy(n, lambda x: env[x])
             env[n].name = f"n{i}"  # canonical names: equal programs print equal code
         g.output(tuple(env[o] for o in self.outputs))
-        self.gm = fx.GraphModule(torch.nn.Module(), g, class_name="BlockTemplate")
+        self.graph = g
+        self._gm: fx.GraphModule | None = None
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        """The template as a GraphModule, built when first asked for: only a template whose signature is new is
+        compiled, and building one generates and compiles its code (57 times for FLUX.1-dev, 2 of them used)."""
+        if self._gm is None:
+            self._gm = fx.GraphModule(torch.nn.Module(), self.graph, class_name="BlockTemplate")
+        return self._gm
+
+    def code(self) -> str:
+        """``self.gm.code`` without building the module: the code a GraphModule's recompile generates (it calls
+        ``python_code(root_module="self")``; with the profiler-metadata option on, it also rewrites the code, so
+        then the module is built)."""
+        from torch.fx.experimental import _config as fx_config
+        if self._gm is not None or getattr(fx_config, "enrich_profiler_metadata", False):
+            return self.gm.code
+        return self.graph.python_code(root_module="self").src
 
     def signature(self, root: torch.nn.Module) -> Tuple[Any, ...]:
         def meta(a: fx.Node):
@@ -222,7 +240,7 @@ class _Template:
             if not isinstance(v, torch.Tensor):
                 return ("value", repr(v))
             return (tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type)
-        return (self.gm.code, tuple(meta(a) for a in self.acts + self.weights))
+        return (self.code(), tuple(meta(a) for a in self.acts + self.weights))
 
 
 def _attr(root: torch.nn.Module, target: str) -> Any:
@@ -307,7 +325,7 @@ class RegionalCompile(Pass):
                     continue
                 self._outline(owner, path, nodes, table, used, counts)
             owner.graph.lint()
-            owner.recompile()
+            ctx.recompile_at_end(owner)  # run by a pass manager, the top graph is recompiled once after the pass
         counts["templates"] = len(used)
         counts["templates_reused"] = sum(1 for new in used.values() if not new)
         if not counts["regions"]:

@@ -124,7 +124,7 @@ class SplitConcatLinear(Pass):
                 g.erase_node(dead)
             split, parts = split + 1, parts + len(terms)
         g.lint()
-        gm.recompile()
+        ctx.recompile_at_end(gm)
         left, left_text = skipped_summary(skipped, "left")
         report = (f"{split} linears over a concatenation as {parts} GEMMs on its parts" if split
                   else "no linear over a concatenation") + left_text
