@@ -135,7 +135,7 @@ class FuseNormRope(Pass):
             _erase(g, inside | {last, *norms})
             fused, parts = fused + 1, parts + len(norms)
         g.lint()
-        gm.recompile()
+        ctx.recompile_at_end(gm)
         left, left_text = skipped_summary(skipped, "left to Inductor")
         report = (f"{fused} rotary embeddings with their {parts} RMSNorms as one op each" if fused
                   else "no RMSNorm + interleaved rotary embedding") + left_text
