@@ -2,10 +2,11 @@
 
 On CPU the op is the ATen ops it replaces, so the rewritten model equals the original bit for bit (fp32 and
 bf16). Checked: what the pass rewrites on FLUX (q and k of every attention, the double blocks' text and image
-norms folded into one op each) and on other families; what it leaves, with the reason counted; aot_eager and
-RegionalCompile; Ulysses on two gloo ranks (the rope of a sequence shard, its cos / sin sliced); the Triton kernel
-under the interpreter against the reference (parts of a concatenation, strided input, broadcast tables, no weight,
-an odd head size padded); on a GPU the op's CUDA path, eager and compiled.
+norms folded into one op each) and on other families (Chroma's functionalised graph, JoyImage's rotation of the
+upcast norm); what it leaves, with the reason counted; aot_eager and RegionalCompile; Ulysses on two gloo ranks
+(the rope of a sequence shard, its cos / sin sliced); the Triton kernel under the interpreter against the reference
+(parts of a concatenation, strided input, broadcast tables, no weight, an odd head size padded); on a GPU the op's
+CUDA path, eager and compiled.
 """
 from __future__ import annotations
 
@@ -65,6 +66,22 @@ def test_other_families_equal_the_original(family):
     assert torch.equal(out, ref)
     counts = _counts(c._current().manager.records)
     assert counts.get("fused", 0) == len(_nodes(c.graph, NORM_ROPE))
+
+
+@pytest.mark.parametrize("family", ["chroma", "joyimage_edit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_functionalised_and_upcast_first_forms_fused(family, dtype):
+    """Chroma's graph is functionalised at capture (in-place ops), so its flatten is a view; JoyImage rotates
+    ``to(y, f32)`` and casts back with ``type_as(out, y)``. Every interleaved rope of both is fused, bit for bit."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, dtype)
+    plain = compile_dit(model, passes=[], example_inputs=kw)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        assert torch.equal(c(**kw)[0], model(**kw)[0])
+    ropes = len(_nodes(plain.graph, aten.unbind.int))
+    assert ropes and _counts(c._current().manager.records)["fused"] == ropes
+    assert not _nodes(c.graph, aten.unbind.int) and len(_nodes(c.graph, NORM_ROPE)) == ropes
 
 
 class _Ropes(nn.Module):

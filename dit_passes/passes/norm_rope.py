@@ -15,9 +15,12 @@ the cos / sin tables the sequence sharding sliced). Matches the rotary embedding
     rot = flatten(stack([-x1, x0], -1), -2)
     out = to(to(y, f32) * cos + to(rot, f32) * sin, dtype(y))      (the casts absent in an fp32 model)
 
-with cos / sin broadcasting to y's shape and every reader of ``y`` (and of each norm) inside the match. Other
-rotary forms (complex ``view_as_complex``, the half-split ``unbind(-2)`` form, a rope of part of the tokens) and a
-rope without a norm before it are left to Inductor, counted. Nothing outside the match changes; no weight moves.
+(the flatten also as a view / reshape to y's shape, as a graph functionalised at capture has it; the rotation also
+of ``to(y, f32)``, the same values; the last cast also as ``type_as(out, y)``) with cos / sin broadcasting to y's
+shape and every reader of ``y`` (and of each norm) inside the match. An interleaved rope the pass leaves is counted
+with its reason (below); other rotary forms (complex ``view_as_complex``, the half-split ``unbind(-2)`` /
+``chunk`` + ``cat([-x2, x1], -1)`` form, ``x[..., 0::2]`` slices written back by ``slice_scatter``, a 2 x 2 rotation
+matrix) are not recognised and not counted. Nothing outside the match changes; no weight moves.
 
 Before (a FLUX single-stream block, bf16)::
 
@@ -56,6 +59,7 @@ from ..infra.phases import Phase
 
 aten = torch.ops.aten
 _CASTS = (aten.to.dtype, aten._to_copy.default)
+_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
 
 def rms_norm_rope_reference(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
@@ -150,6 +154,8 @@ def _uncast(n) -> Tuple[object, Optional[torch.dtype]]:
         return n.args[0], n.args[1]
     if _call(n, aten._to_copy.default) and len(n.args) == 1 and set(n.kwargs) == {"dtype"}:
         return n.args[0], n.kwargs["dtype"]
+    if _call(n, aten.type_as.default) and len(n.args) == 2 and not n.kwargs and _dtype(n.args[1]) is not None:
+        return n.args[0], _dtype(n.args[1])  # ``out.type_as(x)`` (JoyImage): a cast to x's dtype, x read too
     return n, None
 
 
@@ -163,9 +169,11 @@ def _shape(n) -> Optional[Tuple[int, ...]]:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _rotated(n) -> Optional[fx.Node]:
-    """y when n is ``flatten(stack([-x1, x0], -1), -2)`` with ``x0, x1 = unbind(reshape(y, [..., D/2, 2]), -1)``."""
-    if not _call(n, aten.flatten.using_ints):
+def _rotated(n) -> Optional[Tuple[fx.Node, set]]:
+    """(y, the rotation's nodes) when n is ``flatten(stack([-x1, x0], -1), -2)`` with ``x0, x1 = unbind(reshape(y,
+    [..., D/2, 2]), -1)``. The flatten may be a view / reshape to y's shape: a graph functionalised at capture (a
+    model with in-place ops: Chroma, HunyuanVideo, Bria-FIBO) has its composite ops decomposed, flatten into view."""
+    if not _call(n, aten.flatten.using_ints, *_VIEWS):
         return None
     st = n.args[0]
     if not (_call(st, aten.stack.default) and len(st.args[0]) == 2):
@@ -178,19 +186,21 @@ def _rotated(n) -> Optional[fx.Node]:
     if unbind is not g1.args[0] or (g0.args[1], g1.args[1]) != (0, 1) or not _call(unbind, aten.unbind.int):
         return None
     reshape, y = unbind.args[0], None
-    if _call(reshape, aten.reshape.default, aten.view.default):
+    if _call(reshape, *_VIEWS):
         y = reshape.args[0]
     ys, rs, fs = _shape(y), _shape(reshape), _shape(n)
-    if ys is None or rs is None or fs != ys or rs != ys[:-1] + (ys[-1] // 2, 2):
+    if ys is None or rs is None or fs != ys or rs != ys[:-1] + (ys[-1] // 2, 2) or _shape(st) != rs:
         return None
     dims = len(rs)
     if (st.args[1] if len(st.args) > 1 else 0) % (dims) != dims - 1 or unbind.args[1] % dims != dims - 1:
         return None
-    start = n.args[1] if len(n.args) > 1 else 0
-    end = n.args[2] if len(n.args) > 2 else -1
-    if start % dims != dims - 2 or end % dims != dims - 1:
-        return None
-    return y
+    if _call(n, aten.flatten.using_ints):
+        start = n.args[1] if len(n.args) > 1 else 0
+        end = n.args[2] if len(n.args) > 2 else -1
+        if start % dims != dims - 2 or end % dims != dims - 1:
+            return None
+    # a view / reshape of the stack to y's shape (checked above) is the flatten of its last two dims
+    return y, {n, st, neg, g0, g1, unbind, reshape}
 
 
 def _split_product(m) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
@@ -213,7 +223,13 @@ def _match(add: fx.Node):
                     continue
                 y, cast_y = _uncast(y_side)
                 r, cast_r = _uncast(r_side)
-                if isinstance(y, fx.Node) and _rotated(r) is y and cast_y == cast_r:
+                rot = _rotated(r)
+                if rot is None or not isinstance(y, fx.Node):
+                    continue
+                src, cast_in = _uncast(rot[0])
+                if cast_r is None and cast_in is not None:  # rotate(to(y, f32)) (JoyImage): the same values
+                    rot, cast_r = (src,), cast_in
+                if rot[0] is y and cast_y == cast_r:
                     found = (m_y, m_r, y, cos, sin)
     if found is None:
         return None
@@ -221,20 +237,19 @@ def _match(add: fx.Node):
     yshape, ydtype = _shape(y), _dtype(y)
     if _dtype(add) != torch.float32:
         return "compute_dtype"
-    last = add
-    if ydtype != torch.float32:
-        users = list(add.users)
-        cast, to = (_uncast(users[0]) if len(users) == 1 else (None, None))
-        if cast is not add or to != ydtype:
-            return "dtype"
+    last, users = add, list(add.users)
+    cast, to = _uncast(users[0]) if len(users) == 1 else (None, None)
+    if cast is add and to == ydtype:  # the cast back to y's dtype (in an fp32 model a no-op ``type_as`` may stay)
         last = users[0]
+    elif ydtype != torch.float32:
+        return "dtype"
     if any(s is None or torch.broadcast_shapes(s, yshape) != yshape for s in (_shape(cos), _shape(sin))) \
             or yshape[-1] % 2 or len(yshape) > 4:
         return "shape"
     norms, cat_dim = _norms_of(y)
     if norms is None:
         return "no_norm"
-    inside = _match_nodes(add, m_y, m_r, y)
+    inside = _match_nodes(add, m_y, m_r) | {last}
     if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.users) != 1 for k in norms)):
         return "shared_norm"
     if any(_dtype(k) != _dtype(k.args[0]) or _dtype(k) != ydtype for k in norms):
@@ -258,7 +273,7 @@ def _norms_of(y: fx.Node):
     return parts, cat_dim
 
 
-def _match_nodes(add, m_y, m_r, y) -> set:
+def _match_nodes(add, m_y, m_r) -> set:
     """The nodes of a matched rope that read y (directly or through the rotation)."""
     inside = {add, m_y, m_r}
     for side in (m_y, m_r):
@@ -266,11 +281,11 @@ def _match_nodes(add, m_y, m_r, y) -> set:
             src, _ = _uncast(a)
             if src is not a:
                 inside.add(a)
-            if _call(src, aten.flatten.using_ints):
-                st = src.args[0]
-                neg, g0 = st.args[0]
-                unbind = g0.args[0]
-                inside.update({src, st, neg, g0, neg.args[0], unbind, unbind.args[0]})
+            rot = _rotated(src)
+            if rot is not None:
+                inside.update(rot[1])
+                if _uncast(rot[0])[0] is not rot[0]:  # the cast inside: rotate(to(y, f32))
+                    inside.add(rot[0])
     return inside
 
 
