@@ -84,6 +84,35 @@ def test_functionalised_and_upcast_first_forms_fused(family, dtype):
     assert not _nodes(c.graph, aten.unbind.int) and len(_nodes(c.graph, NORM_ROPE)) == ropes
 
 
+@pytest.mark.parametrize("family", ["ltxvideo", "sana_wm_refiner"])
+def test_norm_and_rope_over_all_heads_fused(family):
+    """LTX-Video and the SANA-WM refiner norm q / k over all heads and rope them before the head split (the pair
+    split by ``unflatten`` in the refiner): the self-attention's q and k of every block fused, bit for bit."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, torch.float32)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        assert torch.equal(c(**kw)[0], model(**kw)[0])
+    assert _counts(c._current().manager.records)["fused"] == 2 * len(model.transformer_blocks)
+
+
+def test_rows_wider_than_the_kernel_are_left():
+    """A norm + rope over more than MAX_D values (LTX-Video's 2048-wide q / k) would run the op's reference on the
+    GPU, slower than Inductor's kernels: left, counted as a shape skip."""
+    import dit_passes
+    from dit_passes.passes.norm_rope import MAX_D
+
+    class Wide(nn.Module):
+        def forward(self, q, cos, sin):
+            return _Ropes.rope(torch.rms_norm(q, [q.shape[-1]], None, 1e-6), cos, sin)
+
+    q, cos, sin = (torch.randn(1, 3, 1, MAX_D + 2) for _ in range(3))
+    be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
+    with torch.no_grad():
+        assert torch.equal(torch.compile(Wide(), backend=be, fullgraph=True)(q, cos, sin), Wide()(q, cos, sin))
+    assert _counts(be.last_manager.records) == {"fused": 0, "parts": 0, "skipped_shape": 1}
+
+
 class _Ropes(nn.Module):
     """Ropes the pass must leave (each reason once) and one it takes."""
 
@@ -199,6 +228,8 @@ def test_triton_kernel_matches_the_reference(dtype, d, weight):
 
 def test_kernel_refuses_what_it_cannot_take():
     from dit_passes.kernels import norm_rope_triton as k
+    from dit_passes.passes.norm_rope import MAX_D
+    assert k.MAX_D == MAX_D  # the pass leaves rows the kernel would not take
     x = torch.randn(2, 3, 4, 7)
     with pytest.raises(ValueError, match="even last dim"):
         k.rms_norm_rope_into(x, None, 1e-6, x, x, torch.empty_like(x))

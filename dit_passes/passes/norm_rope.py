@@ -41,7 +41,8 @@ After::
 ``counts``: ``fused`` (rotary embeddings rewritten), ``parts`` (norms folded into them) and ``skipped_<reason>``
 (``no_norm``: the rope's input is not a norm or a concatenation of norms; ``shared_norm``: a norm's output is
 read outside the match; ``compute_dtype``: the rope does not compute in fp32; ``dtype``: the output's dtype is not
-the input's; ``shape``: cos / sin do not broadcast to the input, or an odd head size).
+the input's; ``shape``: cos / sin do not broadcast to the input, an odd head size, or rows wider than the kernel
+takes, ``MAX_D``: LTX-Video's norm and rope span all heads, 2048 wide, where the op would run its reference).
 """
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ from ..infra.phases import Phase
 
 aten = torch.ops.aten
 _CASTS = (aten.to.dtype, aten._to_copy.default)
-_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+# row-major reshapes: which one the graph has, its value depends only on the shape it makes (checked by the matcher)
+_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.unflatten.int)
+MAX_D = 1024  # the widest row dit_passes.kernels.norm_rope_triton takes (its MAX_D; a test checks they agree)
 
 
 def rms_norm_rope_reference(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
@@ -244,7 +247,7 @@ def _match(add: fx.Node):
     elif ydtype != torch.float32:
         return "dtype"
     if any(s is None or torch.broadcast_shapes(s, yshape) != yshape for s in (_shape(cos), _shape(sin))) \
-            or yshape[-1] % 2 or len(yshape) > 4:
+            or yshape[-1] % 2 or yshape[-1] > MAX_D or len(yshape) > 4:
         return "shape"
     norms, cat_dim = _norms_of(y)
     if norms is None:
@@ -306,4 +309,4 @@ def _eps(norm: fx.Node) -> float:
     return float(eps) if eps is not None else torch.finfo(_dtype(norm.args[0])).eps
 
 
-__all__ = ["FuseNormRope", "rms_norm_rope", "rms_norm_rope_reference"]
+__all__ = ["FuseNormRope", "rms_norm_rope", "rms_norm_rope_reference", "MAX_D"]
