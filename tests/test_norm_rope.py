@@ -113,6 +113,64 @@ def test_rows_wider_than_the_kernel_are_left():
     assert _counts(be.last_manager.records) == {"fused": 0, "parts": 0, "skipped_shape": 1}
 
 
+@pytest.mark.parametrize("family", ["hunyuanvideo", "hunyuanvideo15"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decomposed_rms_norm_fused(family, dtype):
+    """HunyuanVideo (1.5) norm q / k with diffusers' RMSNorm, which the graph has as ATen ops (pow, mean, rsqrt,
+    the weight's product): the op takes them with ``decomposed=True``, its reference repeats them, bit for bit.
+    The self-attention's q and k of every dual-stream block fused (HunyuanVideo's single blocks rope only the image
+    part of the tokens: left, counted as no_norm)."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, dtype)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        assert torch.equal(c(**kw)[0], model(**kw)[0])
+    ops = _nodes(c.graph, NORM_ROPE)
+    assert len(ops) == 2 * len(model.transformer_blocks) and all(n.args[6] is True for n in ops)
+    singles = len(getattr(model, "single_transformer_blocks", ()))
+    assert _counts(c._current().manager.records) == {"fused": len(ops), "parts": len(ops),
+                                                     **({"skipped_no_norm": 2 * singles} if singles else {})}
+
+
+class _DecomposedNorms(nn.Module):
+    """diffusers' RMSNorm written out (taken) and forms the pass must leave."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8).to(dtype))
+        self.w32 = nn.Parameter(torch.randn(8))
+
+    @staticmethod
+    def norm(x, w, eps=1e-6, llama=False):
+        if llama:  # the statistics and the product of the upcast x, cast back with type_as: left
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
+        h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+        if w is None:
+            return h.to(x.dtype)
+        return (h.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else h) * w
+
+    def forward(self, q, cos, sin):
+        a = _Ropes.rope(self.norm(q, self.w), cos, sin)                 # fused
+        b = _Ropes.rope(self.norm(q, None), cos, sin)                   # fused (no weight)
+        c = _Ropes.rope(self.norm(q, self.w, llama=True), cos, sin)     # left: no_norm
+        d = _Ropes.rope(self.norm(q, self.w32), cos, sin)               # fp32 weight on bf16 q: fp32 out, left
+        return a.float().sum() + b.float().sum() + c.float().sum() + d.float().sum()
+
+
+def test_decomposed_forms_taken_and_left():
+    import dit_passes
+
+    m = _DecomposedNorms(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 3, 8, generator=g).to(torch.bfloat16)
+    cos, sin = torch.randn(1, 6, 1, 8, generator=g), torch.randn(1, 6, 1, 8, generator=g)
+    be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, backend=be, fullgraph=True)(q, cos, sin), m(q, cos, sin))
+    assert _counts(be.last_manager.records) == {"fused": 2, "parts": 2, "skipped_no_norm": 1, "skipped_dtype": 1}
+
+
 class _Ropes(nn.Module):
     """Ropes the pass must leave (each reason once) and one it takes."""
 
@@ -205,15 +263,17 @@ def _no_less_accurate(out, ref, exact, dtype):
         assert err.max() <= 1.5 * ref_err.max() and err.mean() <= 1.1 * ref_err.mean(), (err.max(), ref_err.max())
 
 
-@pytest.mark.parametrize("dtype,d,weight", [(torch.float32, 16, True), (torch.bfloat16, 16, True),
-                                            (torch.float32, 12, False), (torch.bfloat16, 128, True)])
-def test_triton_kernel_matches_the_reference(dtype, d, weight):
-    """Under TRITON_INTERPRET=1 (as CI runs the tests), the kernel per part into its narrow of the output."""
+@pytest.mark.parametrize("dtype,d,weight,decomposed", [
+    (torch.float32, 16, True, False), (torch.bfloat16, 16, True, False), (torch.float32, 12, False, False),
+    (torch.bfloat16, 128, True, False), (torch.bfloat16, 128, True, True), (torch.bfloat16, 16, False, True)])
+def test_triton_kernel_matches_the_reference(dtype, d, weight, decomposed):
+    """Under TRITON_INTERPRET=1 (as CI runs the tests), the kernel per part into its narrow of the output; the
+    decomposed norm (diffusers' RMSNorm, rounded before its bf16 weight) is as accurate computed the kernel's way."""
     from dit_passes.kernels import norm_rope_triton as k
     if not k.interpreting():
         pytest.skip("runs the Triton kernel under TRITON_INTERPRET=1")
     xs, ws, eps, cos, sin, dim = _case(dtype, d=d, weight=weight)
-    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim)
+    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim, decomposed)
     out = torch.empty_like(ref)
     start = 0
     for x, w, e in zip(xs, ws, eps):
@@ -237,13 +297,14 @@ def test_kernel_refuses_what_it_cannot_take():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the op's Triton path)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_op_matches_the_reference(dtype):
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_cuda_op_matches_the_reference(dtype, decomposed):
     xs, ws, eps, cos, sin, dim = _case(dtype, device="cuda", d=128, parts=(512, 4096))
-    out = NORM_ROPE(xs, ws, eps, cos, sin, dim)
-    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim)
+    out = NORM_ROPE(xs, ws, eps, cos, sin, dim, decomposed)
+    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim, decomposed)
     exact = rms_norm_rope_reference([x.double() for x in xs], [w.double() for w in ws], eps, cos.double(),
                                     sin.double(), dim)
     assert out.shape == ref.shape and out.dtype == dtype
     _no_less_accurate(out, ref, exact, dtype)
     compiled = torch.compile(lambda *a: NORM_ROPE(*a), fullgraph=True)
-    assert torch.equal(compiled(xs, ws, eps, cos, sin, dim), out)
+    assert torch.equal(compiled(xs, ws, eps, cos, sin, dim, decomposed), out)

@@ -17,10 +17,13 @@ the cos / sin tables the sequence sharding sliced). Matches the rotary embedding
 
 (the flatten also as a view / reshape to y's shape, as a graph functionalised at capture has it; the rotation also
 of ``to(y, f32)``, the same values; the last cast also as ``type_as(out, y)``) with cos / sin broadcasting to y's
-shape and every reader of ``y`` (and of each norm) inside the match. An interleaved rope the pass leaves is counted
-with its reason (below); other rotary forms (complex ``view_as_complex``, the half-split ``unbind(-2)`` /
-``chunk`` + ``cat([-x2, x1], -1)`` form, ``x[..., 0::2]`` slices written back by ``slice_scatter``, a 2 x 2 rotation
-matrix) are not recognised and not counted. Nothing outside the match changes; no weight moves.
+shape and every reader of ``y`` (and of each norm) inside the match. The norm may also be diffusers' ``RMSNorm``,
+which the graph has as ATen ops (``x * rsqrt(mean(x.float() ** 2) + eps)``, the weight's product after:
+``_decomposed_rms_norm``; HunyuanVideo, HunyuanImage, FramePack, Bria-FIBO's single blocks): the op gets
+``decomposed=True`` and its reference repeats those ops (all parts of one op of one form). An interleaved rope the
+pass leaves is counted with its reason (below); other rotary forms (complex ``view_as_complex``, the half-split
+``unbind(-2)`` / ``chunk`` + ``cat([-x2, x1], -1)`` form, ``x[..., 0::2]`` slices written back by ``slice_scatter``,
+a 2 x 2 rotation matrix) are not recognised and not counted. Nothing outside the match changes; no weight moves.
 
 Before (a FLUX single-stream block, bf16)::
 
@@ -39,13 +42,15 @@ After::
                                                      unsqueeze_58, unsqueeze_60, 1)
 
 ``counts``: ``fused`` (rotary embeddings rewritten), ``parts`` (norms folded into them) and ``skipped_<reason>``
-(``no_norm``: the rope's input is not a norm or a concatenation of norms; ``shared_norm``: a norm's output is
+(``no_norm``: the rope's input is not a norm or a concatenation of norms (a LayerNorm, a slice of a norm: the rope
+of the image part of a single-stream block's tokens, or no norm at all); ``shared_norm``: a norm's output is
 read outside the match; ``compute_dtype``: the rope does not compute in fp32; ``dtype``: the output's dtype is not
 the input's; ``shape``: cos / sin do not broadcast to the input, an odd head size, or rows wider than the kernel
 takes, ``MAX_D``: LTX-Video's norm and rope span all heads, 2048 wide, where the op would run its reference).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import operator
 import warnings
@@ -65,10 +70,25 @@ _VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, at
 MAX_D = 1024  # the widest row dit_passes.kernels.norm_rope_triton takes (its MAX_D; a test checks they agree)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _rms_norm(x: torch.Tensor, w: Optional[torch.Tensor], eps: float, decomposed: bool) -> torch.Tensor:
+    if not decomposed:
+        return torch.rms_norm(x, [x.shape[-1]], w, eps)
+    # diffusers' RMSNorm, op for op: the statistics in fp32, the product in x's promotion with fp32, rounded to a
+    # half-precision weight's dtype before the weight (or to x's dtype without one)
+    h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+    if w is None:
+        return h.to(x.dtype)
+    return (h.to(w.dtype) if w.dtype in _HALF else h) * w
+
+
 def rms_norm_rope_reference(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
-                            cos: torch.Tensor, sin: torch.Tensor, cat_dim: int) -> torch.Tensor:
+                            cos: torch.Tensor, sin: torch.Tensor, cat_dim: int,
+                            decomposed: bool = False) -> torch.Tensor:
     """The ATen ops the op replaces, in the captured graph's order (module docstring)."""
-    ys = [torch.rms_norm(x, [x.shape[-1]], w, e) for x, w, e in zip(xs, weights, eps)]
+    ys = [_rms_norm(x, w, e, decomposed) for x, w, e in zip(xs, weights, eps)]
     y = torch.cat(ys, cat_dim) if len(ys) > 1 else ys[0]
     x0, x1 = y.reshape(*y.shape[:-1], -1, 2).unbind(-1)
     rot = torch.stack([-x1, x0], -1).flatten(-2)
@@ -85,11 +105,13 @@ def _kernel():
 
 @torch.library.custom_op("dit_passes::rms_norm_rope", mutates_args=())
 def rms_norm_rope(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
-                  cos: torch.Tensor, sin: torch.Tensor, cat_dim: int) -> torch.Tensor:
-    """``rope(cat([rms_norm(x_i, w_i, eps_i)], cat_dim), cos, sin)``; on CUDA one Triton launch per part."""
+                  cos: torch.Tensor, sin: torch.Tensor, cat_dim: int, decomposed: bool = False) -> torch.Tensor:
+    """``rope(cat([rms_norm(x_i, w_i, eps_i)], cat_dim), cos, sin)``; on CUDA one Triton launch per part.
+    ``decomposed``: the norm is diffusers' RMSNorm written out in ATen ops (the reference repeats them; the kernel
+    computes both forms alike, in fp32, rounding once where the decomposed bf16 form rounds before its weight)."""
     kernel = _kernel() if xs[0].is_cuda else None
     if kernel is None or not all(kernel.is_supported(x) for x in xs):
-        return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim)
+        return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim, decomposed)
     out = xs[0].new_empty(_cat_shape(xs, cat_dim))
     cos, sin, start = cos.expand(out.shape), sin.expand(out.shape), 0
     for x, w, e in zip(xs, weights, eps):
@@ -101,7 +123,7 @@ def rms_norm_rope(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]],
 
 
 @rms_norm_rope.register_fake
-def _(xs, weights, eps, cos, sin, cat_dim):
+def _(xs, weights, eps, cos, sin, cat_dim, decomposed=False):
     return xs[0].new_empty(_cat_shape(xs, cat_dim))
 
 
@@ -129,14 +151,15 @@ class FuseNormRope(Pass):
                 skipped[match] = skipped.get(match, 0) + 1
                 continue
             last, norms, cat_dim, cos, sin, inside = match
-            args = ([m.args[0] for m in norms], [_weight(m) for m in norms], [_eps(m) for m in norms], cos, sin,
-                    cat_dim)
+            decomposed = norms[0].decomposed
+            args = ([k.x for k in norms], [k.weight for k in norms], [k.eps for k in norms], cos, sin, cat_dim)
             with g.inserting_before(last):
-                new = g.call_function(torch.ops.dit_passes.rms_norm_rope.default, args)
+                new = g.call_function(torch.ops.dit_passes.rms_norm_rope.default,
+                                      args + ((True,) if decomposed else ()))
             new.meta.update(last.meta)  # the rope's value: same shape and dtype
-            copy_meta(new, norms[0])    # the norm's module path (an attention's norm_q / norm_k)
+            copy_meta(new, norms[0].out)  # the norm's module path (an attention's norm_q / norm_k)
             last.replace_all_uses_with(new)
-            _erase(g, inside | {last, *norms})
+            _erase(g, inside | {last, *(n for k in norms for n in k.nodes)})
             fused, parts = fused + 1, parts + len(norms)
         g.lint()
         gm.recompile()
@@ -253,16 +276,26 @@ def _match(add: fx.Node):
     if norms is None:
         return "no_norm"
     inside = _match_nodes(add, m_y, m_r) | {last}
-    if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.users) != 1 for k in norms)):
+    if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.out.users) != 1 for k in norms)):
         return "shared_norm"
-    if any(_dtype(k) != _dtype(k.args[0]) or _dtype(k) != ydtype for k in norms):
+    if any(_dtype(k.out) != _dtype(k.x) or _dtype(k.out) != ydtype for k in norms):
         return "dtype"
     return last, norms, cat_dim, cos, sin, inside | {y}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Norm:
+    out: fx.Node                # the norm's value: y, or a part of y's concatenation
+    x: fx.Node
+    weight: Optional[fx.Node]
+    eps: float
+    nodes: frozenset            # the norm's own nodes (out included)
+    decomposed: bool            # diffusers' RMSNorm in ATen ops (``_rms_norm``), not aten.rms_norm
+
+
 def _norms_of(y: fx.Node):
-    """([rms_norm nodes], cat_dim) when y is one RMSNorm over the last dim or a concatenation of them along a
-    leading dim; (None, 0) otherwise."""
+    """([_Norm], cat_dim) when y is one RMSNorm over the last dim or a concatenation of them (all of one form)
+    along a leading dim; (None, 0) otherwise."""
     parts, cat_dim = [y], 0
     if _call(y, aten.cat.default):
         parts = list(y.args[0])
@@ -270,10 +303,73 @@ def _norms_of(y: fx.Node):
         cat_dim = (y.args[1] if len(y.args) > 1 else 0) % max(dims, 1)
         if cat_dim == dims - 1:
             return None, 0
+    norms = []
     for k in parts:
-        if not (_call(k, aten.rms_norm.default) and len(k.args[1]) == 1 and not k.kwargs):
-            return None, 0
-    return parts, cat_dim
+        if _call(k, aten.rms_norm.default) and len(k.args[1]) == 1 and not k.kwargs:
+            norms.append(_Norm(k, k.args[0], _weight(k), _eps(k), frozenset({k}), False))
+        else:
+            norms.append(_decomposed_rms_norm(k))
+    if any(k is None for k in norms) or len({k.decomposed for k in norms}) != 1:
+        return None, 0
+    return norms, cat_dim
+
+
+def _decomposed_rms_norm(out) -> Optional[_Norm]:
+    """diffusers' RMSNorm as the graph has it (``_rms_norm``'s decomposed branch, op for op)::
+
+        h   = mul(x, rsqrt(add(mean(pow(to(x, f32), 2), [-1], keepdim=True), eps)))   (no cast for fp32 x)
+        out = mul(to(h, w.dtype), w)  for a half-precision weight,  mul(h, w)  for an fp32 one,  to(h, x.dtype)
+              (or h for fp32 x) without a weight."""
+    if not isinstance(out, fx.Node):
+        return None
+    core = _rms_core(out)
+    if core is not None:  # no weight, fp32 x: the cast back elided
+        ok = _dtype(core[0]) == torch.float32
+        return _Norm(out, core[0], None, core[1], frozenset({out, *core[2]}), True) if ok else None
+    src, to = _uncast(out)
+    if to is not None:  # no weight: cast back to x's dtype
+        core = _rms_core(src)
+        ok = core is not None and to == _dtype(core[0])
+        return _Norm(out, core[0], None, core[1], frozenset({out, src, *core[2]}), True) if ok else None
+    if not (_call(out, aten.mul.Tensor) and len(out.args) == 2 and not out.kwargs):
+        return None
+    h, w = out.args
+    ws = _shape(w)
+    if not isinstance(w, fx.Node) or ws is None or ws != (_shape(out) or ())[-1:]:
+        return None
+    src, to = _uncast(h)
+    if (to is not None) != (_dtype(w) in _HALF) or (to is not None and to != _dtype(w)):
+        return None
+    core = _rms_core(src)
+    if core is None:
+        return None
+    return _Norm(out, core[0], w, core[1], frozenset({out, h, src, *core[2]}), True)
+
+
+def _rms_core(h) -> Optional[Tuple[fx.Node, float, set]]:
+    """(x, eps, nodes) when h is ``mul(x, rsqrt(add(mean(pow(xf, 2), [-1], True), eps)))``, xf: x or
+    to(x, f32)."""
+    if not (_call(h, aten.mul.Tensor) and len(h.args) == 2 and not h.kwargs):
+        return None
+    x, r = h.args
+    if not (_call(r, aten.rsqrt.default) and isinstance(x, fx.Node)):
+        return None
+    a = r.args[0]
+    if not (_call(a, aten.add.Tensor) and len(a.args) == 2 and isinstance(a.args[1], float) and not a.kwargs):
+        return None
+    m = a.args[0]
+    dims = len(_shape(x) or ())
+    if not (_call(m, aten.mean.dim) and not m.kwargs and len(m.args) == 3 and m.args[2] is True
+            and [d % max(dims, 1) for d in m.args[1]] == [dims - 1]):
+        return None
+    p = m.args[0]
+    if not (_call(p, aten.pow.Tensor_Scalar) and p.args[1] == 2 and not p.kwargs):
+        return None
+    xf, to = _uncast(p.args[0])
+    if xf is not x or (to if to is not None else _dtype(x)) != torch.float32:
+        return None
+    nodes = {h, r, a, m, p} | ({p.args[0]} if to is not None else set())
+    return x, a.args[1], nodes
 
 
 def _match_nodes(add, m_y, m_r) -> set:
