@@ -171,6 +171,60 @@ def test_decomposed_forms_taken_and_left():
     assert _counts(be.last_manager.records) == {"fused": 2, "parts": 2, "skipped_no_norm": 1, "skipped_dtype": 1}
 
 
+@pytest.mark.parametrize("family", ["ace_step", "cosmos"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_half_split_rope_fused(family, dtype):
+    """ACE-Step and Cosmos rope with diffusers' ``use_real_unbind_dim=-2`` (x1, x2 = unbind(reshape(y, [..., 2,
+    D/2]), -2), rot = cat([-x2, x1], -1)) after diffusers' RMSNorm: the self-attention's q and k of every block
+    fused with ``half_split=True``, bit for bit."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, dtype)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        ref, out = model(**kw), c(**kw)
+    ref, out = ref[0] if isinstance(ref, tuple) else ref.sample, out[0] if isinstance(out, tuple) else out.sample
+    assert torch.equal(out, ref)
+    ops = _nodes(c.graph, NORM_ROPE)
+    blocks = len(getattr(model, "transformer_blocks", getattr(model, "layers", ())))
+    assert blocks and len(ops) == 2 * blocks and all(n.args[7] is True for n in ops)
+    assert _counts(c._current().manager.records) == {"fused": len(ops), "parts": len(ops)}
+
+
+class _HalfRopes(nn.Module):
+    """The half-split rotation's three spellings, each after an RMSNorm: all taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    @staticmethod
+    def rope(y, cos, sin, form):
+        if form == "unbind":
+            x1, x2 = y.reshape(*y.shape[:-1], 2, -1).unbind(-2)
+        elif form == "chunk":
+            x1, x2 = y.chunk(2, dim=-1)
+        else:
+            x1, x2 = y[..., : y.shape[-1] // 2], y[..., y.shape[-1] // 2:]
+        return y * cos + torch.cat([-x2, x1], -1) * sin
+
+    def forward(self, q, cos, sin):
+        return sum(self.rope(torch.rms_norm(q, [8], self.w, 1e-6), cos, sin, f).sum()
+                   for f in ("unbind", "chunk", "slices"))
+
+
+def test_half_split_forms_taken():
+    import dit_passes
+
+    m = _HalfRopes()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 3, 8, generator=g)
+    cos, sin = torch.randn(1, 6, 1, 8, generator=g), torch.randn(1, 6, 1, 8, generator=g)
+    be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, backend=be, fullgraph=True)(q, cos, sin), m(q, cos, sin))
+    assert _counts(be.last_manager.records) == {"fused": 3, "parts": 3}
+
+
 class _Ropes(nn.Module):
     """Ropes the pass must leave (each reason once) and one it takes."""
 
@@ -263,26 +317,30 @@ def _no_less_accurate(out, ref, exact, dtype):
         assert err.max() <= 1.5 * ref_err.max() and err.mean() <= 1.1 * ref_err.mean(), (err.max(), ref_err.max())
 
 
-@pytest.mark.parametrize("dtype,d,weight,decomposed", [
-    (torch.float32, 16, True, False), (torch.bfloat16, 16, True, False), (torch.float32, 12, False, False),
-    (torch.bfloat16, 128, True, False), (torch.bfloat16, 128, True, True), (torch.bfloat16, 16, False, True)])
-def test_triton_kernel_matches_the_reference(dtype, d, weight, decomposed):
+@pytest.mark.parametrize("dtype,d,weight,decomposed,half", [
+    (torch.float32, 16, True, False, False), (torch.bfloat16, 16, True, False, False),
+    (torch.float32, 12, False, False, False), (torch.bfloat16, 128, True, False, False),
+    (torch.bfloat16, 128, True, True, False), (torch.bfloat16, 16, False, True, False),
+    (torch.float32, 16, True, False, True), (torch.float32, 12, False, False, True),
+    (torch.bfloat16, 128, True, True, True)])
+def test_triton_kernel_matches_the_reference(dtype, d, weight, decomposed, half):
     """Under TRITON_INTERPRET=1 (as CI runs the tests), the kernel per part into its narrow of the output; the
-    decomposed norm (diffusers' RMSNorm, rounded before its bf16 weight) is as accurate computed the kernel's way."""
+    decomposed norm (diffusers' RMSNorm, rounded before its bf16 weight) is as accurate computed the kernel's way;
+    the half-split pairs (j, j + D/2), D/2 not a power of two included (12)."""
     from dit_passes.kernels import norm_rope_triton as k
     if not k.interpreting():
         pytest.skip("runs the Triton kernel under TRITON_INTERPRET=1")
     xs, ws, eps, cos, sin, dim = _case(dtype, d=d, weight=weight)
-    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim, decomposed)
+    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim, decomposed, half)
     out = torch.empty_like(ref)
     start = 0
     for x, w, e in zip(xs, ws, eps):
         n = x.shape[dim]
         c, s = cos.expand(out.shape).narrow(dim, start, n), sin.expand(out.shape).narrow(dim, start, n)
-        k.rms_norm_rope_into(x, w, e, c, s, out.narrow(dim, start, n))
+        k.rms_norm_rope_into(x, w, e, c, s, out.narrow(dim, start, n), half_split=half)
         start += n
     exact = rms_norm_rope_reference([x.double() for x in xs], [w.double() if w is not None else None for w in ws],
-                                    eps, cos.double(), sin.double(), dim)
+                                    eps, cos.double(), sin.double(), dim, half_split=half)
     _no_less_accurate(out, ref, exact, dtype)
 
 
@@ -297,14 +355,14 @@ def test_kernel_refuses_what_it_cannot_take():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the op's Triton path)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("decomposed", [False, True])
-def test_cuda_op_matches_the_reference(dtype, decomposed):
+@pytest.mark.parametrize("decomposed,half", [(False, False), (True, False), (True, True)])
+def test_cuda_op_matches_the_reference(dtype, decomposed, half):
     xs, ws, eps, cos, sin, dim = _case(dtype, device="cuda", d=128, parts=(512, 4096))
-    out = NORM_ROPE(xs, ws, eps, cos, sin, dim, decomposed)
-    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim, decomposed)
+    out = NORM_ROPE(xs, ws, eps, cos, sin, dim, decomposed, half)
+    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim, decomposed, half)
     exact = rms_norm_rope_reference([x.double() for x in xs], [w.double() for w in ws], eps, cos.double(),
-                                    sin.double(), dim)
+                                    sin.double(), dim, half_split=half)
     assert out.shape == ref.shape and out.dtype == dtype
     _no_less_accurate(out, ref, exact, dtype)
     compiled = torch.compile(lambda *a: NORM_ROPE(*a), fullgraph=True)
-    assert torch.equal(compiled(xs, ws, eps, cos, sin, dim, decomposed), out)
+    assert torch.equal(compiled(xs, ws, eps, cos, sin, dim, decomposed, half), out)

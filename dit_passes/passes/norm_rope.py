@@ -20,10 +20,13 @@ of ``to(y, f32)``, the same values; the last cast also as ``type_as(out, y)``) w
 shape and every reader of ``y`` (and of each norm) inside the match. The norm may also be diffusers' ``RMSNorm``,
 which the graph has as ATen ops (``x * rsqrt(mean(x.float() ** 2) + eps)``, the weight's product after:
 ``_decomposed_rms_norm``; HunyuanVideo, HunyuanImage, FramePack, Bria-FIBO's single blocks): the op gets
-``decomposed=True`` and its reference repeats those ops (all parts of one op of one form). An interleaved rope the
-pass leaves is counted with its reason (below); other rotary forms (complex ``view_as_complex``, the half-split
-``unbind(-2)`` / ``chunk`` + ``cat([-x2, x1], -1)`` form, ``x[..., 0::2]`` slices written back by ``slice_scatter``,
-a 2 x 2 rotation matrix) are not recognised and not counted. Nothing outside the match changes; no weight moves.
+``decomposed=True`` and its reference repeats those ops (all parts of one op of one form). The rotation may also be
+the half-split one, ``rot = cat([-x2, x1], -1)`` with x1, x2 the halves of y's last dim (``unbind(reshape(y, [...,
+2, D/2]), -2)``, ``chunk(y, 2, -1)`` or ``y[..., :D/2]`` / ``y[..., D/2:]``: ``_rotated_halves``; ACE-Step, Cosmos):
+the op gets ``half_split=True`` (its kernel pairs j with j + D/2). A rope of one of these forms the pass leaves is
+counted with its reason (below); other rotary forms (complex ``view_as_complex``, ``x[..., 0::2]`` slices written
+back by ``slice_scatter``, a 2 x 2 rotation matrix) are not recognised and not counted. Nothing outside the match
+changes; no weight moves.
 
 Before (a FLUX single-stream block, bf16)::
 
@@ -86,12 +89,16 @@ def _rms_norm(x: torch.Tensor, w: Optional[torch.Tensor], eps: float, decomposed
 
 def rms_norm_rope_reference(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
                             cos: torch.Tensor, sin: torch.Tensor, cat_dim: int,
-                            decomposed: bool = False) -> torch.Tensor:
+                            decomposed: bool = False, half_split: bool = False) -> torch.Tensor:
     """The ATen ops the op replaces, in the captured graph's order (module docstring)."""
     ys = [_rms_norm(x, w, e, decomposed) for x, w, e in zip(xs, weights, eps)]
     y = torch.cat(ys, cat_dim) if len(ys) > 1 else ys[0]
-    x0, x1 = y.reshape(*y.shape[:-1], -1, 2).unbind(-1)
-    rot = torch.stack([-x1, x0], -1).flatten(-2)
+    if half_split:  # pairs (j, j + D/2): x1, x2 = halves, rot = cat([-x2, x1]) (the values of any of its forms)
+        x1, x2 = y.chunk(2, -1)
+        rot = torch.cat([-x2, x1], -1)
+    else:
+        x0, x1 = y.reshape(*y.shape[:-1], -1, 2).unbind(-1)
+        rot = torch.stack([-x1, x0], -1).flatten(-2)
     return (y.to(torch.float32) * cos + rot.to(torch.float32) * sin).to(y.dtype)
 
 
@@ -105,25 +112,27 @@ def _kernel():
 
 @torch.library.custom_op("dit_passes::rms_norm_rope", mutates_args=())
 def rms_norm_rope(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
-                  cos: torch.Tensor, sin: torch.Tensor, cat_dim: int, decomposed: bool = False) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, cat_dim: int, decomposed: bool = False,
+                  half_split: bool = False) -> torch.Tensor:
     """``rope(cat([rms_norm(x_i, w_i, eps_i)], cat_dim), cos, sin)``; on CUDA one Triton launch per part.
     ``decomposed``: the norm is diffusers' RMSNorm written out in ATen ops (the reference repeats them; the kernel
-    computes both forms alike, in fp32, rounding once where the decomposed bf16 form rounds before its weight)."""
+    computes both forms alike, in fp32, rounding once where the decomposed bf16 form rounds before its weight).
+    ``half_split``: the rotation pairs element j with j + D/2 (``cat([-x2, x1], -1)``), not 2j with 2j + 1."""
     kernel = _kernel() if xs[0].is_cuda else None
     if kernel is None or not all(kernel.is_supported(x) for x in xs):
-        return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim, decomposed)
+        return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim, decomposed, half_split)
     out = xs[0].new_empty(_cat_shape(xs, cat_dim))
     cos, sin, start = cos.expand(out.shape), sin.expand(out.shape), 0
     for x, w, e in zip(xs, weights, eps):
         n = x.shape[cat_dim]
         kernel.rms_norm_rope_into(x, w, e, cos.narrow(cat_dim, start, n), sin.narrow(cat_dim, start, n),
-                                  out.narrow(cat_dim, start, n))
+                                  out.narrow(cat_dim, start, n), half_split=half_split)
         start += n
     return out
 
 
 @rms_norm_rope.register_fake
-def _(xs, weights, eps, cos, sin, cat_dim, decomposed=False):
+def _(xs, weights, eps, cos, sin, cat_dim, decomposed=False, half_split=False):
     return xs[0].new_empty(_cat_shape(xs, cat_dim))
 
 
@@ -150,12 +159,12 @@ class FuseNormRope(Pass):
             if isinstance(match, str):
                 skipped[match] = skipped.get(match, 0) + 1
                 continue
-            last, norms, cat_dim, cos, sin, inside = match
+            last, norms, cat_dim, cos, sin, inside, half = match
             decomposed = norms[0].decomposed
             args = ([k.x for k in norms], [k.weight for k in norms], [k.eps for k in norms], cos, sin, cat_dim)
+            args += (decomposed, True) if half else (True,) if decomposed else ()  # defaults left out
             with g.inserting_before(last):
-                new = g.call_function(torch.ops.dit_passes.rms_norm_rope.default,
-                                      args + ((True,) if decomposed else ()))
+                new = g.call_function(torch.ops.dit_passes.rms_norm_rope.default, args)
             new.meta.update(last.meta)  # the rope's value: same shape and dtype
             copy_meta(new, norms[0].out)  # the norm's module path (an attention's norm_q / norm_k)
             last.replace_all_uses_with(new)
@@ -195,7 +204,15 @@ def _shape(n) -> Optional[Tuple[int, ...]]:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _rotated(n) -> Optional[Tuple[fx.Node, set]]:
+def _rotated(n) -> Optional[Tuple[fx.Node, set, bool]]:
+    """(y, the rotation's nodes, half_split): :func:`_rotated_pairs` or :func:`_rotated_halves`."""
+    if _call(n, aten.cat.default):
+        return _rotated_halves(n)
+    found = _rotated_pairs(n)
+    return (*found, False) if found is not None else None
+
+
+def _rotated_pairs(n) -> Optional[Tuple[fx.Node, set]]:
     """(y, the rotation's nodes) when n is ``flatten(stack([-x1, x0], -1), -2)`` with ``x0, x1 = unbind(reshape(y,
     [..., D/2, 2]), -1)``. The flatten may be a view / reshape to y's shape: a graph functionalised at capture (a
     model with in-place ops: Chroma, HunyuanVideo, Bria-FIBO) has its composite ops decomposed, flatten into view."""
@@ -229,6 +246,43 @@ def _rotated(n) -> Optional[Tuple[fx.Node, set]]:
     return y, {n, st, neg, g0, g1, unbind, reshape}
 
 
+def _rotated_halves(n) -> Optional[Tuple[fx.Node, set, bool]]:
+    """(y, the rotation's nodes, True) when n is ``cat([-x2, x1], -1)`` with x1, x2 the halves of y's last dim:
+    ``unbind(reshape(y, [..., 2, D/2]), -2)`` (diffusers' ``use_real_unbind_dim=-2``: ACE-Step, Cosmos),
+    ``chunk(y, 2, -1)`` / its ``split``, or ``y[..., :D/2]``, ``y[..., D/2:]``."""
+    if not (len(n.args[0]) == 2 and len(n.args) > 1):
+        return None
+    ys, (neg, x1) = _shape(n), n.args[0]
+    if ys is None or not ys or n.args[1] % len(ys) != len(ys) - 1 or ys[-1] % 2 or not _call(neg, aten.neg.default):
+        return None
+    x2, half, last = neg.args[0], ys[-1] // 2, len(ys) - 1
+    if not (_shape(x1) == _shape(x2) == ys[:-1] + (half,)):
+        return None
+    if _call(x1, aten.slice.Tensor) and _call(x2, aten.slice.Tensor) and x1.args[0] is x2.args[0]:
+        y = x1.args[0]
+        bounds = [tuple(s.args[1:]) + (1,) * (5 - len(s.args)) for s in (x1, x2)]  # (dim, start, end, step)
+        ok = all(d % len(ys) == last and st == 1 for d, _, _, st in bounds) and bounds[0][1] in (0, None) \
+            and bounds[0][2] == half and bounds[1][1] == half and bounds[1][2] is not None and bounds[1][2] >= ys[-1]
+        return (y, {n, neg, x1, x2}, True) if ok and _shape(y) == ys else None
+    if not (_call(x1, operator.getitem) and _call(x2, operator.getitem) and x1.args[0] is x2.args[0]
+            and (x1.args[1], x2.args[1]) == (0, 1)):
+        return None
+    src = x1.args[0]
+    if _call(src, aten.unbind.int) and _call(src.args[0], *_VIEWS):
+        y = src.args[0].args[0]
+        ok = _shape(src.args[0]) == ys[:-1] + (2, half) and src.args[1] % (len(ys) + 1) == len(ys) - 1
+        nodes = {src, src.args[0]}
+    elif _call(src, aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default):
+        y = src.args[0]
+        dim = src.args[2] if len(src.args) > 2 else 0
+        ok = dim % len(ys) == last and len(src.users) == 2 and src.args[1] in (2, half, [half, half]) \
+            and (src.args[1] == 2) == _call(src, aten.chunk.default)
+        nodes = {src}
+    else:
+        return None
+    return (y, {n, neg, x1, x2, *nodes}, True) if ok and _shape(y) == ys else None
+
+
 def _split_product(m) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
     """(value, table) of ``value * table`` in either order; the value is the side that is a rope input."""
     if not (_call(m, aten.mul.Tensor) and len(m.args) == 2 and all(isinstance(a, fx.Node) for a in m.args)):
@@ -252,14 +306,15 @@ def _match(add: fx.Node):
                 rot = _rotated(r)
                 if rot is None or not isinstance(y, fx.Node):
                     continue
+                rot_half = rot[2]
                 src, cast_in = _uncast(rot[0])
                 if cast_r is None and cast_in is not None:  # rotate(to(y, f32)) (JoyImage): the same values
                     rot, cast_r = (src,), cast_in
                 if rot[0] is y and cast_y == cast_r:
-                    found = (m_y, m_r, y, cos, sin)
+                    found = (m_y, m_r, y, cos, sin, rot_half)
     if found is None:
         return None
-    m_y, m_r, y, cos, sin = found
+    m_y, m_r, y, cos, sin, half = found
     yshape, ydtype = _shape(y), _dtype(y)
     if _dtype(add) != torch.float32:
         return "compute_dtype"
@@ -280,7 +335,7 @@ def _match(add: fx.Node):
         return "shared_norm"
     if any(_dtype(k.out) != _dtype(k.x) or _dtype(k.out) != ydtype for k in norms):
         return "dtype"
-    return last, norms, cat_dim, cos, sin, inside | {y}
+    return last, norms, cat_dim, cos, sin, inside | {y}, half
 
 
 @dataclasses.dataclass(frozen=True)
