@@ -292,7 +292,7 @@ def _split_product(m) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
 
 def _match(add: fx.Node):
     """None when ``add`` is not a rotary embedding; a skip reason (str) when it is one this pass leaves; else
-    (node to replace, norms, cat_dim, cos, sin)."""
+    (node to replace, [_Norm], cat_dim, cos, sin, the matched nodes, half_split)."""
     if not (_call(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs):
         return None
     found = None
@@ -306,12 +306,12 @@ def _match(add: fx.Node):
                 rot = _rotated(r)
                 if rot is None or not isinstance(y, fx.Node):
                     continue
-                rot_half = rot[2]
-                src, cast_in = _uncast(rot[0])
+                rot_y, half = rot[0], rot[2]
+                src, cast_in = _uncast(rot_y)
                 if cast_r is None and cast_in is not None:  # rotate(to(y, f32)) (JoyImage): the same values
-                    rot, cast_r = (src,), cast_in
-                if rot[0] is y and cast_y == cast_r:
-                    found = (m_y, m_r, y, cos, sin, rot_half)
+                    rot_y, cast_r = src, cast_in
+                if rot_y is y and cast_y == cast_r:
+                    found = (m_y, m_r, y, cos, sin, half)
     if found is None:
         return None
     m_y, m_r, y, cos, sin, half = found
