@@ -68,7 +68,8 @@ def main() -> int:
             for x, wt, e in zip(xs, ws, eps):
                 n = x.shape[1]
                 k.rms_norm_rope_into(x, wt, e, cos.expand(out.shape).narrow(1, start, n),
-                                     sin.expand(out.shape).narrow(1, start, n), out.narrow(1, start, n), r, w)
+                                     sin.expand(out.shape).narrow(1, start, n), out.narrow(1, start, n),
+                                     rows=r, num_warps=w)
                 start += n
         for r in (4, 8, 16, 32, 64):
             for w in (1, 2, 4, 8):

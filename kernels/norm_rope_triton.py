@@ -9,6 +9,9 @@ one token)::
     out[2j]   = y[2j] * cos[2j] - y[2j+1] * sin[2j]          # fp32, rounded once to x's dtype
     out[2j+1] = y[2j+1] * cos[2j+1] + y[2j] * sin[2j+1]
 
+or with ``half_split`` the same with the pairs (j, j + D/2) in place of (2j, 2j + 1) (``cat([-x2, x1], -1)``): the
+program loads the columns in the order j, j + D/2, ... so that the pairs sit side by side in registers as above.
+
 Why a kernel: Inductor writes this chain (reduction, then the pair swap of ``stack([-x1, x0], -1)``) as one
 reduction kernel per head row; on FLUX.1-dev's single blocks it ran at ~1.2 TB/s on an H100 (3.5 ms a step,
 ``bench/results/h200_quant_step_stop30b_h100.json``). Here a program takes ``BLOCK_R`` rows at once, reads each
@@ -36,17 +39,24 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, d1, d2, D, eps,
                    sx0, sx1, sx2, so0, so1, so2, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
-                   HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, HALF_D: tl.constexpr, SOFT_BF16: tl.constexpr):
+                   HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, HALF_D: tl.constexpr, SOFT_BF16: tl.constexpr,
+                   HALF_SPLIT: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     i0, i1, i2 = rows // (d1 * d2), (rows // d2) % d1, rows % d2
-    cols = tl.arange(0, 2 * HALF_D)
-    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    pos = tl.arange(0, 2 * HALF_D)  # register position: pair pos // 2, member pos % 2
+    if HALF_SPLIT:
+        cols = pos // 2 + (pos % 2) * (D // 2)
+        valid = pos // 2 < D // 2
+    else:
+        cols = pos
+        valid = pos < D
+    mask = (rows < n_rows)[:, None] & valid[None, :]
     c = cols[None, :].to(tl.int64)
     xf = tl.load(x_ptr + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None] + c, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
     y = xf * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        y = y * tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
     y = _rounded(y, out_ptr, SOFT_BF16).to(tl.float32)  # the norm's output is a tensor of x's dtype in the graph
     cos = tl.load(cos_ptr + (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None] + c * sc3, mask=mask, other=0.0)
     sin = tl.load(sin_ptr + (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None] + c * ss3, mask=mask, other=0.0)
@@ -82,10 +92,11 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_rope_into(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       out: torch.Tensor, rows: int = ROWS, num_warps: int = WARPS) -> torch.Tensor:
-    """Write RMSNorm(x) with the interleaved rotary embedding into ``out`` (module docstring); ``cos`` / ``sin``
-    broadcast to ``out``'s shape. Returns ``out``. ``rows`` / ``num_warps``: the launch (bench/norm_rope_kernel.py
-    times the choices)."""
+                       out: torch.Tensor, half_split: bool = False, rows: int = ROWS,
+                       num_warps: int = WARPS) -> torch.Tensor:
+    """Write RMSNorm(x) with the interleaved (or with ``half_split`` the half-split) rotary embedding into ``out``
+    (module docstring); ``cos`` / ``sin`` broadcast to ``out``'s shape. Returns ``out``. ``rows`` / ``num_warps``:
+    the launch (bench/norm_rope_kernel.py times the choices)."""
     name = "rms_norm_rope"
     if not is_supported(x) or out.shape != x.shape or out.stride(-1) != 1:
         raise ValueError(f"{name}: x must be a float tensor of rank <= 4 with an even last dim <= {MAX_D} on a GPU "
@@ -103,7 +114,7 @@ def rms_norm_rope_into(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, s
         x4, w, c4, s4, o4, n_rows, x4.shape[1], x4.shape[2], d, float(eps),
         *x4.stride()[:3], *o4.stride()[:3], *c4.stride(), *s4.stride(),
         HAS_W=weight is not None, BLOCK_R=rows, HALF_D=triton.next_power_of_2(d) // 2,
-        SOFT_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=num_warps)
+        SOFT_BF16=interpreting() and out.dtype == torch.bfloat16, HALF_SPLIT=bool(half_split), num_warps=num_warps)
     return out
 
 

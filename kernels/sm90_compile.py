@@ -45,6 +45,12 @@ KERNELS = [
      dict(G=48, G_PAD=64, BLOCK_K=1024, LR=True, SPLIT=True, R_OUT=96, R_BLOCK=64, SOFT=False, GS=64, BLOCK_N=16), 8),
     ("fp8_rowquant_triton", "_rowquant_one_pass",
      dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(BLOCK=4096, SOFT=False), 4),
+    ("norm_rope_triton", "_rms_norm_rope",
+     dict(x_ptr="*bf16", w_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*bf16", eps="fp32"),
+     dict(HAS_W=True, BLOCK_R=8, HALF_D=64, SOFT_BF16=False, HALF_SPLIT=False), 2),
+    ("norm_rope_triton", "_rms_norm_rope",
+     dict(x_ptr="*bf16", w_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*bf16", eps="fp32"),
+     dict(HAS_W=True, BLOCK_R=8, HALF_D=64, SOFT_BF16=False, HALF_SPLIT=True), 2),
 ]
 
 

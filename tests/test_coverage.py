@@ -126,6 +126,22 @@ def test_fuse_fp8_attention_details_count_what_the_passes_rewrote(local_matrix):
     assert groups_seen, "no cheap class has sibling linears: the fuse column fuses nothing here"
 
 
+@pytest.mark.parametrize("family", ["flux", "cosmos"])
+def test_norm_rope_detail_counts_the_fused_ropes(family):
+    """The norm_rope cell says how many ropes FuseNormRope fused: one dit_passes::rms_norm_rope op each in the
+    lowered graph (FLUX: interleaved, aten.rms_norm; Cosmos: half-split, diffusers' RMSNorm in ATen ops)."""
+    from dit_passes import compile_dit, passes
+    from dit_passes.coverage_cells import _local_checks
+    torch.set_num_threads(1)
+    cell = coverage.run_cell(family, _local_checks()["norm_rope"], 60)
+    assert cell.status == "exact", cell
+    ropes = int(re.fullmatch(r"rel \S+, ropes (\d+)", cell.detail).group(1))
+    zm = zoo.build(family, redraw_zeros=True)
+    compiled = compile_dit(zm.model, passes=[passes.FuseNormRope()])
+    compiled.lower(**zm.make_inputs(seed=1))
+    assert 0 < ropes == sum(n.target is torch.ops.dit_passes.rms_norm_rope.default for n in compiled.graph.nodes)
+
+
 def _broken_fp8(how: str):
     """Stands in for a wrong fp8 rewrite: Fp8Linear with its square weights transposed (the others as they are)
     or its bias dropped."""

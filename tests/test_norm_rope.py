@@ -2,10 +2,11 @@
 
 On CPU the op is the ATen ops it replaces, so the rewritten model equals the original bit for bit (fp32 and
 bf16). Checked: what the pass rewrites on FLUX (q and k of every attention, the double blocks' text and image
-norms folded into one op each) and on other families; what it leaves, with the reason counted; aot_eager and
-RegionalCompile; Ulysses on two gloo ranks (the rope of a sequence shard, its cos / sin sliced); the Triton kernel
-under the interpreter against the reference (parts of a concatenation, strided input, broadcast tables, no weight,
-an odd head size padded); on a GPU the op's CUDA path, eager and compiled.
+norms folded into one op each) and on other families (Chroma's functionalised graph, JoyImage's rotation of the
+upcast norm); what it leaves, with the reason counted; aot_eager and RegionalCompile; Ulysses on two gloo ranks
+(the rope of a sequence shard, its cos / sin sliced); the Triton kernel under the interpreter against the reference
+(parts of a concatenation, strided input, broadcast tables, no weight, an odd head size padded); on a GPU the op's
+CUDA path, eager and compiled.
 """
 from __future__ import annotations
 
@@ -65,6 +66,163 @@ def test_other_families_equal_the_original(family):
     assert torch.equal(out, ref)
     counts = _counts(c._current().manager.records)
     assert counts.get("fused", 0) == len(_nodes(c.graph, NORM_ROPE))
+
+
+@pytest.mark.parametrize("family", ["chroma", "joyimage_edit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_functionalised_and_upcast_first_forms_fused(family, dtype):
+    """Chroma's graph is functionalised at capture (in-place ops), so its flatten is a view; JoyImage rotates
+    ``to(y, f32)`` and casts back with ``type_as(out, y)``. Every interleaved rope of both is fused, bit for bit."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, dtype)
+    plain = compile_dit(model, passes=[], example_inputs=kw)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        assert torch.equal(c(**kw)[0], model(**kw)[0])
+    ropes = len(_nodes(plain.graph, aten.unbind.int))
+    assert ropes and _counts(c._current().manager.records)["fused"] == ropes
+    assert not _nodes(c.graph, aten.unbind.int) and len(_nodes(c.graph, NORM_ROPE)) == ropes
+
+
+@pytest.mark.parametrize("family", ["ltxvideo", "sana_wm_refiner"])
+def test_norm_and_rope_over_all_heads_fused(family):
+    """LTX-Video and the SANA-WM refiner norm q / k over all heads and rope them before the head split (the pair
+    split by ``unflatten`` in the refiner): the self-attention's q and k of every block fused, bit for bit."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, torch.float32)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        assert torch.equal(c(**kw)[0], model(**kw)[0])
+    assert _counts(c._current().manager.records)["fused"] == 2 * len(model.transformer_blocks)
+
+
+def test_rows_wider_than_the_kernel_are_left():
+    """A norm + rope over more than MAX_D values (LTX-Video's 2048-wide q / k) would run the op's reference on the
+    GPU, slower than Inductor's kernels: left, counted as a shape skip."""
+    import dit_passes
+    from dit_passes.passes.norm_rope import MAX_D
+
+    class Wide(nn.Module):
+        def forward(self, q, cos, sin):
+            return _Ropes.rope(torch.rms_norm(q, [q.shape[-1]], None, 1e-6), cos, sin)
+
+    q, cos, sin = (torch.randn(1, 3, 1, MAX_D + 2) for _ in range(3))
+    be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
+    with torch.no_grad():
+        assert torch.equal(torch.compile(Wide(), backend=be, fullgraph=True)(q, cos, sin), Wide()(q, cos, sin))
+    assert _counts(be.last_manager.records) == {"fused": 0, "parts": 0, "skipped_shape": 1}
+
+
+@pytest.mark.parametrize("family", ["hunyuanvideo", "hunyuanvideo15"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decomposed_rms_norm_fused(family, dtype):
+    """HunyuanVideo (1.5) norm q / k with diffusers' RMSNorm, which the graph has as ATen ops (pow, mean, rsqrt,
+    the weight's product): the op takes them with ``decomposed=True``, its reference repeats them, bit for bit.
+    The self-attention's q and k of every dual-stream block fused (HunyuanVideo's single blocks rope only the image
+    part of the tokens: left, counted as no_norm)."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, dtype)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        assert torch.equal(c(**kw)[0], model(**kw)[0])
+    ops = _nodes(c.graph, NORM_ROPE)
+    assert len(ops) == 2 * len(model.transformer_blocks) and all(n.args[6] is True for n in ops)
+    singles = len(getattr(model, "single_transformer_blocks", ()))
+    assert _counts(c._current().manager.records) == {"fused": len(ops), "parts": len(ops),
+                                                     **({"skipped_no_norm": 2 * singles} if singles else {})}
+
+
+class _DecomposedNorms(nn.Module):
+    """diffusers' RMSNorm written out (taken) and forms the pass must leave."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8).to(dtype))
+        self.w32 = nn.Parameter(torch.randn(8))
+
+    @staticmethod
+    def norm(x, w, eps=1e-6, llama=False):
+        if llama:  # the statistics and the product of the upcast x, cast back with type_as: left
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
+        h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+        if w is None:
+            return h.to(x.dtype)
+        return (h.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else h) * w
+
+    def forward(self, q, cos, sin):
+        a = _Ropes.rope(self.norm(q, self.w), cos, sin)                 # fused
+        b = _Ropes.rope(self.norm(q, None), cos, sin)                   # fused (no weight)
+        c = _Ropes.rope(self.norm(q, self.w, llama=True), cos, sin)     # left: no_norm
+        d = _Ropes.rope(self.norm(q, self.w32), cos, sin)               # fp32 weight on bf16 q: fp32 out, left
+        return a.float().sum() + b.float().sum() + c.float().sum() + d.float().sum()
+
+
+def test_decomposed_forms_taken_and_left():
+    import dit_passes
+
+    m = _DecomposedNorms(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 3, 8, generator=g).to(torch.bfloat16)
+    cos, sin = torch.randn(1, 6, 1, 8, generator=g), torch.randn(1, 6, 1, 8, generator=g)
+    be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, backend=be, fullgraph=True)(q, cos, sin), m(q, cos, sin))
+    assert _counts(be.last_manager.records) == {"fused": 2, "parts": 2, "skipped_no_norm": 1, "skipped_dtype": 1}
+
+
+@pytest.mark.parametrize("family", ["ace_step", "cosmos"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_half_split_rope_fused(family, dtype):
+    """ACE-Step and Cosmos rope with diffusers' ``use_real_unbind_dim=-2`` (x1, x2 = unbind(reshape(y, [..., 2,
+    D/2]), -2), rot = cat([-x2, x1], -1)) after diffusers' RMSNorm: the self-attention's q and k of every block
+    fused with ``half_split=True``, bit for bit."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, dtype)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        ref, out = model(**kw), c(**kw)
+    ref, out = ref[0] if isinstance(ref, tuple) else ref.sample, out[0] if isinstance(out, tuple) else out.sample
+    assert torch.equal(out, ref)
+    ops = _nodes(c.graph, NORM_ROPE)
+    blocks = len(getattr(model, "transformer_blocks", getattr(model, "layers", ())))
+    assert blocks and len(ops) == 2 * blocks and all(n.args[7] is True for n in ops)
+    assert _counts(c._current().manager.records) == {"fused": len(ops), "parts": len(ops)}
+
+
+class _HalfRopes(nn.Module):
+    """The half-split rotation's three spellings, each after an RMSNorm: all taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    @staticmethod
+    def rope(y, cos, sin, form):
+        if form == "unbind":
+            x1, x2 = y.reshape(*y.shape[:-1], 2, -1).unbind(-2)
+        elif form == "chunk":
+            x1, x2 = y.chunk(2, dim=-1)
+        else:
+            x1, x2 = y[..., : y.shape[-1] // 2], y[..., y.shape[-1] // 2:]
+        return y * cos + torch.cat([-x2, x1], -1) * sin
+
+    def forward(self, q, cos, sin):
+        return sum(self.rope(torch.rms_norm(q, [8], self.w, 1e-6), cos, sin, f).sum()
+                   for f in ("unbind", "chunk", "slices"))
+
+
+def test_half_split_forms_taken():
+    import dit_passes
+
+    m = _HalfRopes()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 3, 8, generator=g)
+    cos, sin = torch.randn(1, 6, 1, 8, generator=g), torch.randn(1, 6, 1, 8, generator=g)
+    be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, backend=be, fullgraph=True)(q, cos, sin), m(q, cos, sin))
+    assert _counts(be.last_manager.records) == {"fused": 3, "parts": 3}
 
 
 class _Ropes(nn.Module):
@@ -159,29 +317,37 @@ def _no_less_accurate(out, ref, exact, dtype):
         assert err.max() <= 1.5 * ref_err.max() and err.mean() <= 1.1 * ref_err.mean(), (err.max(), ref_err.max())
 
 
-@pytest.mark.parametrize("dtype,d,weight", [(torch.float32, 16, True), (torch.bfloat16, 16, True),
-                                            (torch.float32, 12, False), (torch.bfloat16, 128, True)])
-def test_triton_kernel_matches_the_reference(dtype, d, weight):
-    """Under TRITON_INTERPRET=1 (as CI runs the tests), the kernel per part into its narrow of the output."""
+@pytest.mark.parametrize("dtype,d,weight,decomposed,half", [
+    (torch.float32, 16, True, False, False), (torch.bfloat16, 16, True, False, False),
+    (torch.float32, 12, False, False, False), (torch.bfloat16, 128, True, False, False),
+    (torch.bfloat16, 128, True, True, False), (torch.bfloat16, 16, False, True, False),
+    (torch.float32, 16, True, False, True), (torch.float32, 12, False, False, True),
+    (torch.bfloat16, 128, True, True, True)])
+def test_triton_kernel_matches_the_reference(dtype, d, weight, decomposed, half):
+    """Under TRITON_INTERPRET=1 (as CI runs the tests), the kernel per part into its narrow of the output; the
+    decomposed norm (diffusers' RMSNorm, rounded before its bf16 weight) is as accurate computed the kernel's way;
+    the half-split pairs (j, j + D/2), D/2 not a power of two included (12)."""
     from dit_passes.kernels import norm_rope_triton as k
     if not k.interpreting():
         pytest.skip("runs the Triton kernel under TRITON_INTERPRET=1")
     xs, ws, eps, cos, sin, dim = _case(dtype, d=d, weight=weight)
-    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim)
+    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim, decomposed, half)
     out = torch.empty_like(ref)
     start = 0
     for x, w, e in zip(xs, ws, eps):
         n = x.shape[dim]
         c, s = cos.expand(out.shape).narrow(dim, start, n), sin.expand(out.shape).narrow(dim, start, n)
-        k.rms_norm_rope_into(x, w, e, c, s, out.narrow(dim, start, n))
+        k.rms_norm_rope_into(x, w, e, c, s, out.narrow(dim, start, n), half_split=half)
         start += n
     exact = rms_norm_rope_reference([x.double() for x in xs], [w.double() if w is not None else None for w in ws],
-                                    eps, cos.double(), sin.double(), dim)
+                                    eps, cos.double(), sin.double(), dim, half_split=half)
     _no_less_accurate(out, ref, exact, dtype)
 
 
 def test_kernel_refuses_what_it_cannot_take():
     from dit_passes.kernels import norm_rope_triton as k
+    from dit_passes.passes.norm_rope import MAX_D
+    assert k.MAX_D == MAX_D  # the pass leaves rows the kernel would not take
     x = torch.randn(2, 3, 4, 7)
     with pytest.raises(ValueError, match="even last dim"):
         k.rms_norm_rope_into(x, None, 1e-6, x, x, torch.empty_like(x))
@@ -189,13 +355,14 @@ def test_kernel_refuses_what_it_cannot_take():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the op's Triton path)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_op_matches_the_reference(dtype):
+@pytest.mark.parametrize("decomposed,half", [(False, False), (True, False), (True, True)])
+def test_cuda_op_matches_the_reference(dtype, decomposed, half):
     xs, ws, eps, cos, sin, dim = _case(dtype, device="cuda", d=128, parts=(512, 4096))
-    out = NORM_ROPE(xs, ws, eps, cos, sin, dim)
-    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim)
+    out = NORM_ROPE(xs, ws, eps, cos, sin, dim, decomposed, half)
+    ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, dim, decomposed, half)
     exact = rms_norm_rope_reference([x.double() for x in xs], [w.double() for w in ws], eps, cos.double(),
-                                    sin.double(), dim)
+                                    sin.double(), dim, half_split=half)
     assert out.shape == ref.shape and out.dtype == dtype
     _no_less_accurate(out, ref, exact, dtype)
     compiled = torch.compile(lambda *a: NORM_ROPE(*a), fullgraph=True)
-    assert torch.equal(compiled(xs, ws, eps, cos, sin, dim), out)
+    assert torch.equal(compiled(xs, ws, eps, cos, sin, dim, decomposed, half), out)

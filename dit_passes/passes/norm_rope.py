@@ -15,9 +15,18 @@ the cos / sin tables the sequence sharding sliced). Matches the rotary embedding
     rot = flatten(stack([-x1, x0], -1), -2)
     out = to(to(y, f32) * cos + to(rot, f32) * sin, dtype(y))      (the casts absent in an fp32 model)
 
-with cos / sin broadcasting to y's shape and every reader of ``y`` (and of each norm) inside the match. Other
-rotary forms (complex ``view_as_complex``, the half-split ``unbind(-2)`` form, a rope of part of the tokens) and a
-rope without a norm before it are left to Inductor, counted. Nothing outside the match changes; no weight moves.
+(the flatten also as a view / reshape to y's shape, as a graph functionalised at capture has it; the rotation also
+of ``to(y, f32)``, the same values; the last cast also as ``type_as(out, y)``) with cos / sin broadcasting to y's
+shape and every reader of ``y`` (and of each norm) inside the match. The norm may also be diffusers' ``RMSNorm``,
+which the graph has as ATen ops (``x * rsqrt(mean(x.float() ** 2) + eps)``, the weight's product after:
+``_decomposed_rms_norm``; HunyuanVideo, HunyuanImage, FramePack, Bria-FIBO's single blocks): the op gets
+``decomposed=True`` and its reference repeats those ops (all parts of one op of one form). The rotation may also be
+the half-split one, ``rot = cat([-x2, x1], -1)`` with x1, x2 the halves of y's last dim (``unbind(reshape(y, [...,
+2, D/2]), -2)``, ``chunk(y, 2, -1)`` or ``y[..., :D/2]`` / ``y[..., D/2:]``: ``_rotated_halves``; ACE-Step, Cosmos):
+the op gets ``half_split=True`` (its kernel pairs j with j + D/2). A rope of one of these forms the pass leaves is
+counted with its reason (below); other rotary forms (complex ``view_as_complex``, ``x[..., 0::2]`` slices written
+back by ``slice_scatter``, a 2 x 2 rotation matrix) are not recognised and not counted. Nothing outside the match
+changes; no weight moves.
 
 Before (a FLUX single-stream block, bf16)::
 
@@ -36,12 +45,15 @@ After::
                                                      unsqueeze_58, unsqueeze_60, 1)
 
 ``counts``: ``fused`` (rotary embeddings rewritten), ``parts`` (norms folded into them) and ``skipped_<reason>``
-(``no_norm``: the rope's input is not a norm or a concatenation of norms; ``shared_norm``: a norm's output is
+(``no_norm``: the rope's input is not a norm or a concatenation of norms (a LayerNorm, a slice of a norm: the rope
+of the image part of a single-stream block's tokens, or no norm at all); ``shared_norm``: a norm's output is
 read outside the match; ``compute_dtype``: the rope does not compute in fp32; ``dtype``: the output's dtype is not
-the input's; ``shape``: cos / sin do not broadcast to the input, or an odd head size).
+the input's; ``shape``: cos / sin do not broadcast to the input, an odd head size, or rows wider than the kernel
+takes, ``MAX_D``: LTX-Video's norm and rope span all heads, 2048 wide, where the op would run its reference).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import operator
@@ -57,15 +69,35 @@ from ..infra.phases import Phase
 
 aten = torch.ops.aten
 _CASTS = (aten.to.dtype, aten._to_copy.default)
+# row-major reshapes: which one the graph has, its value depends only on the shape it makes (checked by the matcher)
+_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.unflatten.int)
+MAX_D = 1024  # the widest row dit_passes.kernels.norm_rope_triton takes (its MAX_D; a test checks they agree)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _rms_norm(x: torch.Tensor, w: Optional[torch.Tensor], eps: float, decomposed: bool) -> torch.Tensor:
+    if not decomposed:
+        return torch.rms_norm(x, [x.shape[-1]], w, eps)
+    # diffusers' RMSNorm, op for op: the statistics in fp32, the product in x's promotion with fp32, rounded to a
+    # half-precision weight's dtype before the weight (or to x's dtype without one)
+    h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+    if w is None:
+        return h.to(x.dtype)
+    return (h.to(w.dtype) if w.dtype in _HALF else h) * w
 
 
 def rms_norm_rope_reference(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
-                            cos: torch.Tensor, sin: torch.Tensor, cat_dim: int) -> torch.Tensor:
+                            cos: torch.Tensor, sin: torch.Tensor, cat_dim: int,
+                            decomposed: bool = False, half_split: bool = False) -> torch.Tensor:
     """The ATen ops the op replaces, in the captured graph's order (module docstring)."""
-    ys = [torch.rms_norm(x, [x.shape[-1]], w, e) for x, w, e in zip(xs, weights, eps)]
+    ys = [_rms_norm(x, w, e, decomposed) for x, w, e in zip(xs, weights, eps)]
     y = torch.cat(ys, cat_dim) if len(ys) > 1 else ys[0]
-    x0, x1 = y.reshape(*y.shape[:-1], -1, 2).unbind(-1)
-    rot = torch.stack([-x1, x0], -1).flatten(-2)
+    if half_split:  # pairs (j, j + D/2): x1, x2 = halves, rot = cat([-x2, x1]) (the values of any of its forms)
+        x1, x2 = y.chunk(2, -1)
+        rot = torch.cat([-x2, x1], -1)
+    else:
+        x0, x1 = y.reshape(*y.shape[:-1], -1, 2).unbind(-1)
+        rot = torch.stack([-x1, x0], -1).flatten(-2)
     return (y.to(torch.float32) * cos + rot.to(torch.float32) * sin).to(y.dtype)
 
 
@@ -81,23 +113,27 @@ def _kernel():
 
 @torch.library.custom_op("dit_passes::rms_norm_rope", mutates_args=())
 def rms_norm_rope(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
-                  cos: torch.Tensor, sin: torch.Tensor, cat_dim: int) -> torch.Tensor:
-    """``rope(cat([rms_norm(x_i, w_i, eps_i)], cat_dim), cos, sin)``; on CUDA one Triton launch per part."""
+                  cos: torch.Tensor, sin: torch.Tensor, cat_dim: int, decomposed: bool = False,
+                  half_split: bool = False) -> torch.Tensor:
+    """``rope(cat([rms_norm(x_i, w_i, eps_i)], cat_dim), cos, sin)``; on CUDA one Triton launch per part.
+    ``decomposed``: the norm is diffusers' RMSNorm written out in ATen ops (the reference repeats them; the kernel
+    computes both forms alike, in fp32, rounding once where the decomposed bf16 form rounds before its weight).
+    ``half_split``: the rotation pairs element j with j + D/2 (``cat([-x2, x1], -1)``), not 2j with 2j + 1."""
     kernel = _kernel() if xs[0].is_cuda else None
     if kernel is None or not all(kernel.is_supported(x) for x in xs):
-        return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim)
+        return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim, decomposed, half_split)
     out = xs[0].new_empty(_cat_shape(xs, cat_dim))
     cos, sin, start = cos.expand(out.shape), sin.expand(out.shape), 0
     for x, w, e in zip(xs, weights, eps):
         n = x.shape[cat_dim]
         kernel.rms_norm_rope_into(x, w, e, cos.narrow(cat_dim, start, n), sin.narrow(cat_dim, start, n),
-                                  out.narrow(cat_dim, start, n))
+                                  out.narrow(cat_dim, start, n), half_split=half_split)
         start += n
     return out
 
 
 @rms_norm_rope.register_fake
-def _(xs, weights, eps, cos, sin, cat_dim):
+def _(xs, weights, eps, cos, sin, cat_dim, decomposed=False, half_split=False):
     return xs[0].new_empty(_cat_shape(xs, cat_dim))
 
 
@@ -124,15 +160,16 @@ class FuseNormRope(Pass):
             if isinstance(match, str):
                 skipped[match] = skipped.get(match, 0) + 1
                 continue
-            last, norms, cat_dim, cos, sin, inside = match
-            args = ([m.args[0] for m in norms], [_weight(m) for m in norms], [_eps(m) for m in norms], cos, sin,
-                    cat_dim)
+            last, norms, cat_dim, cos, sin, inside, half = match
+            decomposed = norms[0].decomposed
+            args = ([k.x for k in norms], [k.weight for k in norms], [k.eps for k in norms], cos, sin, cat_dim)
+            args += (decomposed, True) if half else (True,) if decomposed else ()  # defaults left out
             with g.inserting_before(last):
                 new = g.call_function(torch.ops.dit_passes.rms_norm_rope.default, args)
             new.meta.update(last.meta)  # the rope's value: same shape and dtype
-            copy_meta(new, norms[0])    # the norm's module path (an attention's norm_q / norm_k)
+            copy_meta(new, norms[0].out)  # the norm's module path (an attention's norm_q / norm_k)
             last.replace_all_uses_with(new)
-            _erase(g, inside | {last, *norms})
+            _erase(g, inside | {last, *(n for k in norms for n in k.nodes)})
             fused, parts = fused + 1, parts + len(norms)
         g.lint()
         ctx.recompile_at_end(gm)
@@ -153,6 +190,8 @@ def _uncast(n) -> Tuple[object, Optional[torch.dtype]]:
         return n.args[0], n.args[1]
     if _call(n, aten._to_copy.default) and len(n.args) == 1 and set(n.kwargs) == {"dtype"}:
         return n.args[0], n.kwargs["dtype"]
+    if _call(n, aten.type_as.default) and len(n.args) == 2 and not n.kwargs and _dtype(n.args[1]) is not None:
+        return n.args[0], _dtype(n.args[1])  # ``out.type_as(x)`` (JoyImage): a cast to x's dtype, x read too
     return n, None
 
 
@@ -166,34 +205,83 @@ def _shape(n) -> Optional[Tuple[int, ...]]:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _rotated(n) -> Tuple[Optional[fx.Node], List[fx.Node]]:
-    """(y, the rotation's nodes) when n is ``flatten(stack([-x1, x0], -1), -2)`` with ``x0, x1 =
-    unbind(reshape(y, [..., D/2, 2]), -1)``; (None, []) otherwise."""
-    if not _call(n, aten.flatten.using_ints):
-        return None, []
+def _rotated(n) -> Optional[Tuple[fx.Node, set, bool]]:
+    """(y, the rotation's nodes, half_split): :func:`_rotated_pairs` or :func:`_rotated_halves`."""
+    if _call(n, aten.cat.default):
+        return _rotated_halves(n)
+    found = _rotated_pairs(n)
+    return (*found, False) if found is not None else None
+
+
+def _rotated_pairs(n) -> Optional[Tuple[fx.Node, set]]:
+    """(y, the rotation's nodes) when n is ``flatten(stack([-x1, x0], -1), -2)`` with ``x0, x1 = unbind(reshape(y,
+    [..., D/2, 2]), -1)``. The flatten may be a view / reshape to y's shape: a graph functionalised at capture (a
+    model with in-place ops: Chroma, HunyuanVideo, Bria-FIBO) has its composite ops decomposed, flatten into view."""
+    if not _call(n, aten.flatten.using_ints, *_VIEWS):
+        return None
     st = n.args[0]
     if not (_call(st, aten.stack.default) and len(st.args[0]) == 2):
-        return None, []
+        return None
     neg, g0 = st.args[0]
     if not (_call(neg, aten.neg.default) and _call(g0, operator.getitem) and _call(neg.args[0], operator.getitem)):
-        return None, []
-    g1, unbind = neg.args[0], g0.args[0]
+        return None
+    g1 = neg.args[0]
+    unbind = g0.args[0]
     if unbind is not g1.args[0] or (g0.args[1], g1.args[1]) != (0, 1) or not _call(unbind, aten.unbind.int):
-        return None, []
-    reshape = unbind.args[0]
-    if not _call(reshape, aten.reshape.default, aten.view.default):
-        return None, []
-    y = reshape.args[0]
-    ys, rs = _shape(y), _shape(reshape)
-    if ys is None or _shape(n) != ys or rs != ys[:-1] + (ys[-1] // 2, 2):
-        return None, []
+        return None
+    reshape, y = unbind.args[0], None
+    if _call(reshape, *_VIEWS):
+        y = reshape.args[0]
+    ys, rs, fs = _shape(y), _shape(reshape), _shape(n)
+    if ys is None or rs is None or fs != ys or rs != ys[:-1] + (ys[-1] // 2, 2) or _shape(st) != rs:
+        return None
     dims = len(rs)
-    start, end = (n.args[1] if len(n.args) > 1 else 0), (n.args[2] if len(n.args) > 2 else -1)
-    stack_dim = st.args[1] if len(st.args) > 1 else 0
-    if stack_dim % dims != dims - 1 or unbind.args[1] % dims != dims - 1 or (start % dims, end % dims) != (
-            dims - 2, dims - 1):
-        return None, []
-    return y, [n, st, neg, g0, g1, unbind, reshape]
+    if (st.args[1] if len(st.args) > 1 else 0) % (dims) != dims - 1 or unbind.args[1] % dims != dims - 1:
+        return None
+    if _call(n, aten.flatten.using_ints):
+        start = n.args[1] if len(n.args) > 1 else 0
+        end = n.args[2] if len(n.args) > 2 else -1
+        if start % dims != dims - 2 or end % dims != dims - 1:
+            return None
+    # a view / reshape of the stack to y's shape (checked above) is the flatten of its last two dims
+    return y, {n, st, neg, g0, g1, unbind, reshape}
+
+
+def _rotated_halves(n) -> Optional[Tuple[fx.Node, set, bool]]:
+    """(y, the rotation's nodes, True) when n is ``cat([-x2, x1], -1)`` with x1, x2 the halves of y's last dim:
+    ``unbind(reshape(y, [..., 2, D/2]), -2)`` (diffusers' ``use_real_unbind_dim=-2``: ACE-Step, Cosmos),
+    ``chunk(y, 2, -1)`` / its ``split``, or ``y[..., :D/2]``, ``y[..., D/2:]``."""
+    if not (len(n.args[0]) == 2 and len(n.args) > 1):
+        return None
+    ys, (neg, x1) = _shape(n), n.args[0]
+    if ys is None or not ys or n.args[1] % len(ys) != len(ys) - 1 or ys[-1] % 2 or not _call(neg, aten.neg.default):
+        return None
+    x2, half, last = neg.args[0], ys[-1] // 2, len(ys) - 1
+    if not (_shape(x1) == _shape(x2) == ys[:-1] + (half,)):
+        return None
+    if _call(x1, aten.slice.Tensor) and _call(x2, aten.slice.Tensor) and x1.args[0] is x2.args[0]:
+        y = x1.args[0]
+        bounds = [tuple(s.args[1:]) + (1,) * (5 - len(s.args)) for s in (x1, x2)]  # (dim, start, end, step)
+        ok = all(d % len(ys) == last and st == 1 for d, _, _, st in bounds) and bounds[0][1] in (0, None) \
+            and bounds[0][2] == half and bounds[1][1] == half and bounds[1][2] is not None and bounds[1][2] >= ys[-1]
+        return (y, {n, neg, x1, x2}, True) if ok and _shape(y) == ys else None
+    if not (_call(x1, operator.getitem) and _call(x2, operator.getitem) and x1.args[0] is x2.args[0]
+            and (x1.args[1], x2.args[1]) == (0, 1)):
+        return None
+    src = x1.args[0]
+    if _call(src, aten.unbind.int) and _call(src.args[0], *_VIEWS):
+        y = src.args[0].args[0]
+        ok = _shape(src.args[0]) == ys[:-1] + (2, half) and src.args[1] % (len(ys) + 1) == len(ys) - 1
+        nodes = {src, src.args[0]}
+    elif _call(src, aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default):
+        y = src.args[0]
+        dim = src.args[2] if len(src.args) > 2 else 0
+        ok = dim % len(ys) == last and len(src.users) == 2 and src.args[1] in (2, half, [half, half]) \
+            and (src.args[1] == 2) == _call(src, aten.chunk.default)
+        nodes = {src}
+    else:
+        return None
+    return (y, {n, neg, x1, x2, *nodes}, True) if ok and _shape(y) == ys else None
 
 
 def _split_product(m) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
@@ -205,7 +293,7 @@ def _split_product(m) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
 
 def _match(add: fx.Node):
     """None when ``add`` is not a rotary embedding; a skip reason (str) when it is one this pass leaves; else
-    (node to replace, norms, cat_dim, cos, sin)."""
+    (node to replace, [_Norm], cat_dim, cos, sin, the matched nodes, half_split)."""
     if not (_call(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs):
         return None
     found = None
@@ -216,39 +304,54 @@ def _match(add: fx.Node):
                     continue
                 y, cast_y = _uncast(y_side)
                 r, cast_r = _uncast(r_side)
-                source, rotation = _rotated(r)
-                if isinstance(y, fx.Node) and source is y and cast_y == cast_r:
-                    # every node of the match that reads y, directly or through the rotation
-                    found = (y, cos, sin, {add, m_y, m_r, y_side, r_side, *rotation})
+                rot = _rotated(r)
+                if rot is None or not isinstance(y, fx.Node):
+                    continue
+                rot_y, half = rot[0], rot[2]
+                src, cast_in = _uncast(rot_y)
+                if cast_r is None and cast_in is not None:  # rotate(to(y, f32)) (JoyImage): the same values
+                    rot_y, cast_r = src, cast_in
+                if rot_y is y and cast_y == cast_r:
+                    found = (m_y, m_r, y, cos, sin, half)
     if found is None:
         return None
-    y, cos, sin, inside = found
+    m_y, m_r, y, cos, sin, half = found
     yshape, ydtype = _shape(y), _dtype(y)
     if _dtype(add) != torch.float32:
         return "compute_dtype"
-    last = add
-    if ydtype != torch.float32:
-        users = list(add.users)
-        cast, to = (_uncast(users[0]) if len(users) == 1 else (None, None))
-        if cast is not add or to != ydtype:
-            return "dtype"
+    last, users = add, list(add.users)
+    cast, to = _uncast(users[0]) if len(users) == 1 else (None, None)
+    if cast is add and to == ydtype:  # the cast back to y's dtype (in an fp32 model a no-op ``type_as`` may stay)
         last = users[0]
+    elif ydtype != torch.float32:
+        return "dtype"
     if any(s is None or torch.broadcast_shapes(s, yshape) != yshape for s in (_shape(cos), _shape(sin))) \
-            or yshape[-1] % 2 or len(yshape) > 4:
+            or yshape[-1] % 2 or yshape[-1] > MAX_D or len(yshape) > 4:
         return "shape"
     norms, cat_dim = _norms_of(y)
     if norms is None:
         return "no_norm"
-    if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.users) != 1 for k in norms)):
+    inside = _match_nodes(add, m_y, m_r) | {last}
+    if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.out.users) != 1 for k in norms)):
         return "shared_norm"
-    if any(_dtype(k) != _dtype(k.args[0]) or _dtype(k) != ydtype for k in norms):
+    if any(_dtype(k.out) != _dtype(k.x) or _dtype(k.out) != ydtype for k in norms):
         return "dtype"
-    return last, norms, cat_dim, cos, sin, inside | {y}
+    return last, norms, cat_dim, cos, sin, inside | {y}, half
+
+
+@dataclasses.dataclass(frozen=True)
+class _Norm:
+    out: fx.Node                # the norm's value: y, or a part of y's concatenation
+    x: fx.Node
+    weight: Optional[fx.Node]
+    eps: float
+    nodes: frozenset            # the norm's own nodes (out included)
+    decomposed: bool            # diffusers' RMSNorm in ATen ops (``_rms_norm``), not aten.rms_norm
 
 
 def _norms_of(y: fx.Node):
-    """([rms_norm nodes], cat_dim) when y is one RMSNorm over the last dim or a concatenation of them along a
-    leading dim; (None, 0) otherwise."""
+    """([_Norm], cat_dim) when y is one RMSNorm over the last dim or a concatenation of them (all of one form)
+    along a leading dim; (None, 0) otherwise."""
     parts, cat_dim = [y], 0
     if _call(y, aten.cat.default):
         parts = list(y.args[0])
@@ -256,10 +359,89 @@ def _norms_of(y: fx.Node):
         cat_dim = (y.args[1] if len(y.args) > 1 else 0) % max(dims, 1)
         if cat_dim == dims - 1:
             return None, 0
+    norms = []
     for k in parts:
-        if not (_call(k, aten.rms_norm.default) and len(k.args[1]) == 1 and not k.kwargs):
-            return None, 0
-    return parts, cat_dim
+        if _call(k, aten.rms_norm.default) and len(k.args[1]) == 1 and not k.kwargs:
+            norms.append(_Norm(k, k.args[0], _weight(k), _eps(k), frozenset({k}), False))
+        else:
+            norms.append(_decomposed_rms_norm(k))
+    if any(k is None for k in norms) or len({k.decomposed for k in norms}) != 1:
+        return None, 0
+    return norms, cat_dim
+
+
+def _decomposed_rms_norm(out) -> Optional[_Norm]:
+    """diffusers' RMSNorm as the graph has it (``_rms_norm``'s decomposed branch, op for op)::
+
+        h   = mul(x, rsqrt(add(mean(pow(to(x, f32), 2), [-1], keepdim=True), eps)))   (no cast for fp32 x)
+        out = mul(to(h, w.dtype), w)  for a half-precision weight,  mul(h, w)  for an fp32 one,  to(h, x.dtype)
+              (or h for fp32 x) without a weight."""
+    if not isinstance(out, fx.Node):
+        return None
+    core = _rms_core(out)
+    if core is not None:  # no weight, fp32 x: the cast back elided
+        ok = _dtype(core[0]) == torch.float32
+        return _Norm(out, core[0], None, core[1], frozenset({out, *core[2]}), True) if ok else None
+    src, to = _uncast(out)
+    if to is not None:  # no weight: cast back to x's dtype
+        core = _rms_core(src)
+        ok = core is not None and to == _dtype(core[0])
+        return _Norm(out, core[0], None, core[1], frozenset({out, src, *core[2]}), True) if ok else None
+    if not (_call(out, aten.mul.Tensor) and len(out.args) == 2 and not out.kwargs):
+        return None
+    h, w = out.args
+    ws = _shape(w)
+    if not isinstance(w, fx.Node) or ws is None or ws != (_shape(out) or ())[-1:]:
+        return None
+    src, to = _uncast(h)
+    if (to is not None) != (_dtype(w) in _HALF) or (to is not None and to != _dtype(w)):
+        return None
+    core = _rms_core(src)
+    if core is None:
+        return None
+    return _Norm(out, core[0], w, core[1], frozenset({out, h, src, *core[2]}), True)
+
+
+def _rms_core(h) -> Optional[Tuple[fx.Node, float, set]]:
+    """(x, eps, nodes) when h is ``mul(x, rsqrt(add(mean(pow(xf, 2), [-1], True), eps)))``, xf: x or
+    to(x, f32)."""
+    if not (_call(h, aten.mul.Tensor) and len(h.args) == 2 and not h.kwargs):
+        return None
+    x, r = h.args
+    if not (_call(r, aten.rsqrt.default) and isinstance(x, fx.Node)):
+        return None
+    a = r.args[0]
+    if not (_call(a, aten.add.Tensor) and len(a.args) == 2 and isinstance(a.args[1], float) and not a.kwargs):
+        return None
+    m = a.args[0]
+    dims = len(_shape(x) or ())
+    if not (_call(m, aten.mean.dim) and not m.kwargs and len(m.args) == 3 and m.args[2] is True
+            and [d % max(dims, 1) for d in m.args[1]] == [dims - 1]):
+        return None
+    p = m.args[0]
+    if not (_call(p, aten.pow.Tensor_Scalar) and p.args[1] == 2 and not p.kwargs):
+        return None
+    xf, to = _uncast(p.args[0])
+    if xf is not x or (to if to is not None else _dtype(x)) != torch.float32:
+        return None
+    nodes = {h, r, a, m, p} | ({p.args[0]} if to is not None else set())
+    return x, a.args[1], nodes
+
+
+def _match_nodes(add, m_y, m_r) -> set:
+    """The nodes of a matched rope that read y (directly or through the rotation)."""
+    inside = {add, m_y, m_r}
+    for side in (m_y, m_r):
+        for a in side.args:
+            src, _ = _uncast(a)
+            if src is not a:
+                inside.add(a)
+            rot = _rotated(src)
+            if rot is not None:
+                inside.update(rot[1])
+                if _uncast(rot[0])[0] is not rot[0]:  # the cast inside: rotate(to(y, f32))
+                    inside.add(rot[0])
+    return inside
 
 
 def _erase(g: fx.Graph, nodes: set) -> None:
@@ -279,4 +461,4 @@ def _eps(norm: fx.Node) -> float:
     return float(eps) if eps is not None else torch.finfo(_dtype(norm.args[0])).eps
 
 
-__all__ = ["FuseNormRope", "rms_norm_rope", "rms_norm_rope_reference"]
+__all__ = ["FuseNormRope", "rms_norm_rope", "rms_norm_rope_reference", "MAX_D"]
