@@ -68,7 +68,6 @@ from ..infra.pass_base import Pass, PassContext, PassResult, skipped_summary
 from ..infra.phases import Phase
 
 aten = torch.ops.aten
-_CASTS = (aten.to.dtype, aten._to_copy.default)
 # row-major reshapes: which one the graph has, its value depends only on the shape it makes (checked by the matcher)
 _VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.unflatten.int)
 MAX_D = 1024  # the widest row dit_passes.kernels.norm_rope_triton takes (its MAX_D; a test checks they agree)
