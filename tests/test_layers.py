@@ -1,7 +1,8 @@
 """The layer rule, checked on the source: lower layers import nothing from the upper ones.
 
-Lower: infra, analysis, capture (and its capture_values / capture_opaque), cache, parallel, quant, and the
-top-level kernels/ and patterns/ folders (installed as dit_passes.kernels / dit_passes.patterns). A lower layer imports only lower layers: not
+Lower: infra, analysis, capture (and its capture_values / capture_opaque / capture_caches), cache, parallel, quant,
+and the top-level kernels/ and patterns/ folders (installed as dit_passes.kernels / dit_passes.patterns). A lower
+layer imports only lower layers: not
 passes, compiled, frontend, launch, cli, backend, demo, fidelity, bench, nor the package root
 (``from dit_passes import compile_dit``). Every import counts, also one inside a function.
 """
@@ -11,9 +12,10 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# capture: capture.py with its parts capture_values.py (value specialisation) and capture_opaque.py (opaque modules)
-LOWER = {"infra", "analysis", "capture", "capture_values", "capture_opaque", "cache", "parallel", "quant", "kernels",
-         "patterns"}
+# capture: capture.py with its parts capture_values.py (value specialisation), capture_opaque.py (opaque modules) and
+# capture_caches.py (the state a trace leaves in the model)
+LOWER = {"infra", "analysis", "capture", "capture_values", "capture_opaque", "capture_caches", "cache", "parallel",
+         "quant", "kernels", "patterns"}
 
 
 def _unit_of(path: pathlib.Path) -> tuple:
