@@ -158,17 +158,23 @@ class _DecomposedNorms(nn.Module):
         return a.float().sum() + b.float().sum() + c.float().sum() + d.float().sum()
 
 
-def test_decomposed_forms_taken_and_left():
+def _through_backend(m: nn.Module, dtype=torch.float32) -> dict:
+    """The pass's counts on ``m`` through the torch.compile backend (no DiT: compile_dit would find no blocks),
+    the compiled output equal to the module's."""
     import dit_passes
 
-    m = _DecomposedNorms(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 6, 3, 8, generator=g).to(torch.bfloat16)
+    q = torch.randn(2, 6, 3, 8, generator=g).to(dtype)
     cos, sin = torch.randn(1, 6, 1, 8, generator=g), torch.randn(1, 6, 1, 8, generator=g)
     be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
     with torch.no_grad():
         assert torch.equal(torch.compile(m, backend=be, fullgraph=True)(q, cos, sin), m(q, cos, sin))
-    assert _counts(be.last_manager.records) == {"fused": 2, "parts": 2, "skipped_no_norm": 1, "skipped_dtype": 1}
+    return _counts(be.last_manager.records)
+
+
+def test_decomposed_forms_taken_and_left():
+    assert _through_backend(_DecomposedNorms(torch.bfloat16), torch.bfloat16) == {
+        "fused": 2, "parts": 2, "skipped_no_norm": 1, "skipped_dtype": 1}
 
 
 @pytest.mark.parametrize("family", ["ace_step", "cosmos"])
@@ -213,16 +219,7 @@ class _HalfRopes(nn.Module):
 
 
 def test_half_split_forms_taken():
-    import dit_passes
-
-    m = _HalfRopes()
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 6, 3, 8, generator=g)
-    cos, sin = torch.randn(1, 6, 1, 8, generator=g), torch.randn(1, 6, 1, 8, generator=g)
-    be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
-    with torch.no_grad():
-        assert torch.equal(torch.compile(m, backend=be, fullgraph=True)(q, cos, sin), m(q, cos, sin))
-    assert _counts(be.last_manager.records) == {"fused": 3, "parts": 3}
+    assert _through_backend(_HalfRopes()) == {"fused": 3, "parts": 3}
 
 
 class _Ropes(nn.Module):
@@ -252,17 +249,8 @@ class _Ropes(nn.Module):
 
 
 def test_what_is_left_is_counted_and_the_output_unchanged():
-    import dit_passes
-
-    m = _Ropes()
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 6, 3, 8, generator=g)
-    cos, sin = torch.randn(1, 6, 1, 8, generator=g), torch.randn(1, 6, 1, 8, generator=g)
-    be = dit_passes.backend(passes=[passes.FuseNormRope()], compiler="eager")
-    with torch.no_grad():
-        assert torch.equal(torch.compile(m, backend=be, fullgraph=True)(q, cos, sin), m(q, cos, sin))
-    assert _counts(be.last_manager.records) == {"fused": 1, "parts": 1, "skipped_compute_dtype": 1,
-                                                 "skipped_no_norm": 1, "skipped_shared_norm": 1}
+    assert _through_backend(_Ropes()) == {"fused": 1, "parts": 1, "skipped_compute_dtype": 1, "skipped_no_norm": 1,
+                                          "skipped_shared_norm": 1}
 
 
 @pytest.mark.parametrize("compile_kwargs", [{"backend": "aot_eager"}, {"regional": True, "backend": "aot_eager"}])
