@@ -3,8 +3,9 @@
 One q of FLUX.1-dev's single blocks at 1024² (4608 tokens, 24 heads of 128, bf16, fp32 cos / sin tables over the
 tokens), in the three forms FuseNormRope takes: ``interleaved`` (aten.rms_norm, pairs (2j, 2j+1): FLUX),
 ``decomposed`` (diffusers' RMSNorm as ATen ops: HunyuanVideo), ``half_split`` (pairs (j, j + D/2) after diffusers'
-RMSNorm: ACE-Step, Cosmos). Per form: median time of ``--iters`` calls (CUDA events) of the op (its Triton
-kernel) and of ``torch.compile`` of the op's reference (the graph Inductor gets without the pass), the bytes each
+RMSNorm: ACE-Step, Cosmos). Per form: the GPU time per call (``norm_rope_kernel._time_ms``: ``--iters`` calls
+replayed in a CUDA graph, the launches' host time left out) of the op (its Triton kernel) and of ``torch.compile``
+of the op's reference (the graph Inductor gets without the pass), the bytes each
 must move (x, out and the tables once) as GB/s, and the max difference between the two outputs relative to the
 reference's max (bf16 rounding: the kernel rounds once, the decomposed reference also before the weight). Writes
 ``--out`` (JSON) and prints a markdown table.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -23,21 +23,6 @@ import torch
 FORMS = {"interleaved": dict(decomposed=False, half_split=False),
          "decomposed": dict(decomposed=True, half_split=False),
          "half_split": dict(decomposed=True, half_split=True)}
-
-
-def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -52,6 +37,7 @@ def main(argv=None) -> int:
         print("norm_rope_forms: needs a GPU (it times the op's Triton kernel against Inductor's)", file=sys.stderr)
         return 2
     from dit_passes.passes.norm_rope import rms_norm_rope_reference
+    from norm_rope_kernel import _time_ms  # beside this script
 
     op = torch.ops.dit_passes.rms_norm_rope.default
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -67,7 +53,7 @@ def main(argv=None) -> int:
         ref_fn = torch.compile(lambda *t: rms_norm_rope_reference(*t), fullgraph=True)
         ref, out = ref_fn(*args), op(*args)
         rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        t_op, t_ind = _time(lambda: op(*args), a.iters), _time(lambda: ref_fn(*args), a.iters)
+        t_op, t_ind = _time_ms(lambda: op(*args), a.iters), _time_ms(lambda: ref_fn(*args), a.iters)
         rows.append(dict(form=name, op_ms=t_op, inductor_ms=t_ind, op_gbps=moved / t_op / 1e6,
                          inductor_gbps=moved / t_ind / 1e6, speedup=t_ind / t_op, max_rel_diff=rel))
     info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shape=[1, s, h, d], iters=a.iters,

@@ -311,10 +311,12 @@ def _match(add: fx.Node):
                 if cast_r is None and cast_in is not None:  # rotate(to(y, f32)) (JoyImage): the same values
                     rot_y, cast_r = src, cast_in
                 if rot_y is y and cast_y == cast_r:
-                    found = (m_y, m_r, y, cos, sin, half)
+                    # the nodes that read y, directly or through the rotation (its cast of y included)
+                    reads_y = {add, m_y, m_r, y_side, r_side, *rot[1]} | ({rot[0]} if rot[0] is not y else set())
+                    found = (y, cos, sin, half, reads_y)
     if found is None:
         return None
-    m_y, m_r, y, cos, sin, half = found
+    y, cos, sin, half, reads_y = found
     yshape, ydtype = _shape(y), _dtype(y)
     if _dtype(add) != torch.float32:
         return "compute_dtype"
@@ -330,7 +332,7 @@ def _match(add: fx.Node):
     norms, cat_dim = _norms_of(y)
     if norms is None:
         return "no_norm"
-    inside = _match_nodes(add, m_y, m_r) | {last}
+    inside = reads_y | {last}
     if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.out.users) != 1 for k in norms)):
         return "shared_norm"
     if any(_dtype(k.out) != _dtype(k.x) or _dtype(k.out) != ydtype for k in norms):
@@ -425,22 +427,6 @@ def _rms_core(h) -> Optional[Tuple[fx.Node, float, set]]:
         return None
     nodes = {h, r, a, m, p} | ({p.args[0]} if to is not None else set())
     return x, a.args[1], nodes
-
-
-def _match_nodes(add, m_y, m_r) -> set:
-    """The nodes of a matched rope that read y (directly or through the rotation)."""
-    inside = {add, m_y, m_r}
-    for side in (m_y, m_r):
-        for a in side.args:
-            src, _ = _uncast(a)
-            if src is not a:
-                inside.add(a)
-            rot = _rotated(src)
-            if rot is not None:
-                inside.update(rot[1])
-                if _uncast(rot[0])[0] is not rot[0]:  # the cast inside: rotate(to(y, f32))
-                    inside.add(rot[0])
-    return inside
 
 
 def _erase(g: fx.Graph, nodes: set) -> None:
