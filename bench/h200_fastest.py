@@ -11,7 +11,8 @@ loop and forced schedule F8B0, 8 warm-up steps, then always cached: 20 of 28 ste
 * ``ours_bf16_epilogue``: ``ours_bf16`` plus ``SplitConcatLinear`` and ``FuseLinearGelu`` (still bf16: the single
   blocks' proj_out reads its two parts in place, the MLPs' GELU runs in the GEMM's epilogue);
 * ``ours_bf16_rope``: ``ours_bf16_epilogue`` plus ``FuseNormRope`` (the q / k RMSNorm and rotary embedding as one
-  op of ours, lossless); ``ours_fp8_rope``: ``ours_fp8`` plus ``FuseNormRope``;
+  op of ours, lossless); ``ours_fp8_rope``: ``ours_fp8`` plus ``FuseNormRope``; ``ours_{bf16,fp8}_pointwise``:
+  the ``_rope`` rows plus ``FuseNormModulate`` (AdaLN's LayerNorm + modulation as one op of ours, lossless);
 * ``ours_fp8``: ``ours_bf16`` plus ``FuseSiblingLinears`` and ``Fp8Linear`` on every block linear (fast
   accumulation), built last: it releases the bf16 block weights from the model; where torch has no CUDA-graph IF
   nodes, with the step eager.
@@ -107,7 +108,10 @@ def generation_profile(module, inputs) -> Dict[str, Any]:
 # our rows are dit-passes bench's (the command users run: dit-passes bench --size full --preset fastest)
 ROW_OF = {"ours_bf16_eagerstep": "compiled_regional_always", "ours_bf16": "graphed_regional_always",
           "ours_bf16_epilogue": "graphed_regional_epilogue_always", "ours_fp8": "graphed_regional_fp8_always",
-          "ours_bf16_rope": "graphed_regional_epilogue_rope_always", "ours_fp8_rope": "graphed_regional_fp8_rope_always"}
+          "ours_bf16_rope": "graphed_regional_epilogue_rope_always",
+          "ours_fp8_rope": "graphed_regional_fp8_rope_always",
+          "ours_bf16_pointwise": "graphed_regional_epilogue_pointwise_always",
+          "ours_fp8_pointwise": "graphed_regional_fp8_pointwise_always"}
 # the summary's rows: the bench preset users run (dit-passes bench --preset fastest), its bf16 and its fp8 stack
 PRESET_ROWS = [n for n, r in ROW_OF.items() if r in B.PRESETS["fastest"].split(",")]
 
@@ -187,8 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--peers", default=None, help="flux_peers.py's JSON with the cacheditregional_always row")
     p.add_argument("--rows", default="reference,ours_bf16_eagerstep,ours_bf16,ours_bf16_epilogue,profile,ours_fp8")
-    p.add_argument("--profile-stack", default="ours_bf16_rope", choices=("ours_bf16", "ours_bf16_epilogue",
-                                                                         "ours_bf16_rope"),
+    p.add_argument("--profile-stack", default="ours_bf16_pointwise", choices=("ours_bf16", "ours_bf16_epilogue",
+                                                                         "ours_bf16_rope", "ours_bf16_pointwise"),
                    help="the bf16 stack the profile row's steps use")
     p.add_argument("--generation-profile", action="store_true",
                    help="profile one more generation of each ours_bf16* row (GPU busy / idle, largest gaps)")
@@ -198,16 +202,19 @@ def main(argv=None) -> int:
     inputs = B.make_inputs("full", dev, dt)
     res: Dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "command": "python bench/h200_fastest.py " + " ".join(sys.argv[1:]), "rows": {}}
-    ref = None
+    ref, latents = None, {}  # latents: each row's final latents, for a reference listed after it
     for name in a.rows.split(","):
         t0 = time.perf_counter()
         try:
             if name == "reference":
                 res["rows"][name], ref = measure(name, model, inputs, 1, None)
+                for earlier, x in latents.items():  # rows measured before it (the first generation of a process
+                    res["rows"][earlier]["rel_err_vs_reference"] = rel_err(x, ref)  # is the row listed first)
             elif name == "profile":  # the graphed step, computed and cached, back to back
                 from dit_passes import compile_dit, passes
                 extra = [] if a.profile_stack == "ours_bf16" else [passes.SplitConcatLinear(), passes.FuseLinearGelu()]
-                extra += [passes.FuseNormRope()] if a.profile_stack == "ours_bf16_rope" else []
+                extra += [passes.FuseNormRope()] if a.profile_stack in ("ours_bf16_rope", "ours_bf16_pointwise") else []
+                extra += [passes.FuseNormModulate()] if a.profile_stack == "ours_bf16_pointwise" else []
                 for key, sched in (("compute_step", "never"), ("cached_step", "always")):
                     s = {**B.schedules()[sched], "max_warmup_steps": 1}
                     m = compile_dit(model, passes=[passes.DBCache(**s), *extra], example_inputs=dict(inputs),
@@ -217,7 +224,7 @@ def main(argv=None) -> int:
             else:
                 bench_row, module = build_row(name, model, inputs)
                 build_s = time.perf_counter() - t0
-                row, _ = measure(name, module, inputs, a.repeats, ref)
+                row, latents[name] = measure(name, module, inputs, a.repeats, ref)
                 if a.generation_profile and name.startswith("ours_bf16"):
                     row["generation_profile"] = generation_profile(module, inputs)
                 res["rows"][name] = {"bench_row": bench_row, "build_s": build_s, **row}

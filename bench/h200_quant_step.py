@@ -59,6 +59,8 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   W4A8 Triton kernels (``kernels/w4a8_triton.py``);
 * ``bf16_epilogue_rope`` / ``fp8_default_rope`` / ``svdq_w4_default_rope``: ``bf16_epilogue`` / ``fp8_default`` /
   ``svdq_w4_default`` plus ``FuseNormRope`` (the q / k RMSNorm and rotary embedding as one op, lossless);
+* ``bf16_pointwise`` / ``fp8_pointwise`` / ``svdq_w4_pointwise`` (graphed only): those plus ``FuseNormModulate``
+  (AdaLN's LayerNorm + modulation, with the gated residual before it, as one op, lossless);
 * ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 on the CUTLASS kernels
   (``DIT_PASSES_W4A4_BACKEND=cutlass``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
 
@@ -126,7 +128,8 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "svdq_w4_default_graphed", "fp8_default", "fp8_default_graphed", "svdq_w4_lrcat_split_mm",
         "svdq_w4_lrcat_split_mm_graphed", "bf16_epilogue", "bf16_epilogue_graphed", "bf16_epilogue_cdt_graphed",
         "bf16_epilogue_rope", "fp8_default_rope", "svdq_w4_default_rope", "bf16_epilogue_rope_graphed",
-        "fp8_default_rope_graphed", "svdq_w4_default_rope_graphed")
+        "fp8_default_rope_graphed", "svdq_w4_default_rope_graphed", "bf16_pointwise_graphed", "fp8_pointwise_graphed",
+        "svdq_w4_pointwise_graphed")
 # Inductor options of a row (its _graphed twin too): cdt, Inductor's coordinate-descent tuning of its own kernels'
 # block sizes (the RMSNorm + RoPE kernel of the bf16 step runs at ~1 TB/s; more compile time)
 COMPILE_OPTIONS = {"bf16_epilogue_cdt": {"coordinate_descent_tuning": True}}
@@ -158,7 +161,7 @@ def environ(values: Dict[str, str]):
 
 
 def row_specs():
-    from dit_passes.passes import FuseLinearGelu, FuseNormRope, FuseSiblingLinears, SplitConcatLinear
+    from dit_passes.passes import FuseLinearGelu, FuseNormModulate, FuseNormRope, FuseSiblingLinears, SplitConcatLinear
     from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
     from dit_passes.quant import dispatch
 
@@ -230,12 +233,16 @@ def row_specs():
     specs["fp8_default_rope"] = (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=()), FuseNormRope()], {})
     specs["svdq_w4_default_rope"] = (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True),
                                               FuseNormRope()], {})
+    # *_pointwise: the *_rope rows plus FuseNormModulate (lossless: AdaLN's norm + modulation as one op of ours)
+    for name, rope in (("bf16_pointwise", "bf16_epilogue_rope"), ("fp8_pointwise", "fp8_default_rope"),
+                       ("svdq_w4_pointwise", "svdq_w4_default_rope")):
+        specs[name] = (lambda rope=rope: [*specs[rope][0](), FuseNormModulate()], specs[rope][1])
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with
     # more, smaller kernels (the row kernel's ~300 calls a step) hidden as a generation hides it
     graphed = ("bf16", "fp8_fused", "fp8_fused_rowquant", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_act",
                "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default",
                "svdq_w4_lrcat_split_mm", "bf16_epilogue", "bf16_epilogue_cdt", "bf16_epilogue_rope", "fp8_default_rope",
-               "svdq_w4_default_rope")
+               "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 

@@ -6,7 +6,7 @@ x 128, bf16, fp32 cos / sin tables broadcast over the heads) and a double block'
 tokens concatenated), each timed as GPU time in a replayed CUDA graph. GB/s counts one read of x and one write of
 the output (the tables are L2-resident).
 
-    python bench/norm_rope_kernel.py --out $OUT      # writes norm_rope_kernel.json
+    python bench/norm_rope_kernel.py --out $OUT [--half-split]  # writes norm_rope_kernel[_half_split].json
 """
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ def main() -> int:
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="out/norm_rope_kernel")
+    p.add_argument("--half-split", action="store_true", help="the half-split rotation (pairs j, j + D/2) instead")
     a = p.parse_args()
     dev, dt, heads, d = "cuda", torch.bfloat16, 24, 128
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": {}}
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "half_split": a.half_split, "cases": {}}
     for case, parts in (("single", (4608,)), ("double", (512, 4096))):
         g = torch.Generator(device=dev).manual_seed(0)
         xs = [torch.randn(1, n, heads, d, device=dev, dtype=dt, generator=g) for n in parts]
@@ -58,9 +59,9 @@ def main() -> int:
         cos, sin = (torch.randn(1, s, 1, d, device=dev, generator=g) for _ in range(2))
         eps = [1e-6] * len(parts)
         gb = 2 * sum(x.numel() * x.element_size() for x in xs) / 1e9
-        ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, 1)
+        ref = rms_norm_rope_reference(xs, ws, eps, cos, sin, 1, half_split=a.half_split)
         inductor = torch.compile(rms_norm_rope_reference)
-        rows = {"inductor": _time_ms(lambda: inductor(xs, ws, eps, cos, sin, 1))}
+        rows = {"inductor": _time_ms(lambda: inductor(xs, ws, eps, cos, sin, 1, half_split=a.half_split))}
         out = torch.empty_like(ref)
 
         def ours(r, w):
@@ -69,7 +70,7 @@ def main() -> int:
                 n = x.shape[1]
                 k.rms_norm_rope_into(x, wt, e, cos.expand(out.shape).narrow(1, start, n),
                                      sin.expand(out.shape).narrow(1, start, n), out.narrow(1, start, n),
-                                     rows=r, num_warps=w)
+                                     half_split=a.half_split, rows=r, num_warps=w)
                 start += n
         for r in (4, 8, 16, 32, 64):
             for w in (1, 2, 4, 8):
@@ -87,7 +88,7 @@ def main() -> int:
               f"{rows['inductor'] * 1e3:.1f} us; default rows{k.ROWS}_warps{k.WARPS} "
               f"{rows[f'rows{k.ROWS}_warps{k.WARPS}'] * 1e3:.1f} us", flush=True)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "norm_rope_kernel.json"), "w") as f:
+    with open(os.path.join(a.out, "norm_rope_kernel" + ("_half_split" if a.half_split else "") + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0
 

@@ -22,7 +22,8 @@ their branch holds the whole weight); ``svdq_r8_*``: rank 8 unfused and fused (2
 truncates). ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
 F8B0, 8 warm-up steps, then always cached; and the same with sibling linears fused and fp8 per row);
 ``stack_fastest`` / ``stack_fastest_fp8``: the bench preset's stacks, those plus the lossless fusions
-(SplitConcatLinear, FuseLinearGelu, FuseNormRope; on the CPU their ops are the ATen ops they replace).
+(SplitConcatLinear, FuseLinearGelu, FuseNormRope, FuseNormModulate; on the CPU their ops are the ATen ops they
+replace).
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
     from dit_passes import compile_dit
     from dit_passes.models.digits import sample
     from dit_passes.bench import schedules
-    from dit_passes.passes import DBCache, FuseLinearGelu, FuseNormRope, FuseSiblingLinears, SplitConcatLinear
+    from dit_passes.passes import (DBCache, FuseLinearGelu, FuseNormModulate, FuseNormRope, FuseSiblingLinears,
+                                   SplitConcatLinear)
     from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 
     exclude = ("modulation",) if modulation == "none" else ()
@@ -96,9 +98,9 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
                                       Fp8Linear("per_row", exclude=exclude)],
         # the preset's full stacks: plus the lossless fusions (epilogues, q / k RMSNorm + RoPE as one op)
         "stack_fastest": lambda: [DBCache(**schedules()["always"]), SplitConcatLinear(), FuseLinearGelu(),
-                                  FuseNormRope()],
+                                  FuseNormRope(), FuseNormModulate()],
         "stack_fastest_fp8": lambda: [DBCache(**schedules()["always"]), FuseSiblingLinears(),
-                                      Fp8Linear("per_row", exclude=exclude), FuseNormRope()],
+                                      Fp8Linear("per_row", exclude=exclude), FuseNormRope(), FuseNormModulate()],
     }
 
     def config(name, make_pass):

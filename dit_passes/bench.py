@@ -16,13 +16,15 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
   ``graphed_regional_epilogue_always``: the same plus ``SplitConcatLinear`` and ``FuseLinearGelu`` (still bf16);
   ``graphed_regional_epilogue_rope_always``: that plus ``FuseNormRope`` (the q / k RMSNorm and rotary embedding
   as one op); ``graphed_regional_fp8_rope_always``: the fp8 row below plus ``FuseNormRope``;
+  ``graphed_regional_{epilogue,fp8}_pointwise_always``: the two ``_rope`` rows plus ``FuseNormModulate`` (AdaLN's
+  LayerNorm + modulation, and the gated residual before it, as one op);
   ``graphed_regional_fp8_always``: the same plus ``FuseSiblingLinears`` and ``Fp8Linear`` on every block linear
   (fast accumulation, set by ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset; activations quantized by our row kernel,
   ``DIT_PASSES_FP8_ACT_QUANT=kernel`` when unset); it releases the bf16 block weights, so
   it runs last;
   ``compiled_regional_fp8_always``: the fp8 stack with the step eager (where no CUDA-graph IF nodes exist);
-* ``--preset fastest``: ``compiled_regional_always,graphed_regional_epilogue_rope_always,
-  graphed_regional_fp8_rope_always``;
+* ``--preset fastest``: ``compiled_regional_always,graphed_regional_epilogue_pointwise_always,
+  graphed_regional_fp8_pointwise_always``;
 * ``--attention cudnn`` adds ``passes.AttentionBackend("cudnn")`` to every captured row (not ``eager``);
 * host time of capture + passes.
 
@@ -55,8 +57,10 @@ STEPS, WARMUP = 28, 8
 ROWS = ("eager", "graph", "dbcache_never", "dbcache_always", "compiled_graph", "compiled_never", "compiled_always",
         "compiled_regional_never", "compiled_regional_always", "compiled_regional_fp8_always",
         "graphed_regional_always", "graphed_regional_epilogue_always", "graphed_regional_fp8_always",
-        "graphed_regional_epilogue_rope_always", "graphed_regional_fp8_rope_always")
-PRESETS = {"fastest": "compiled_regional_always,graphed_regional_epilogue_rope_always,graphed_regional_fp8_rope_always"}
+        "graphed_regional_epilogue_rope_always", "graphed_regional_fp8_rope_always",
+        "graphed_regional_epilogue_pointwise_always", "graphed_regional_fp8_pointwise_always")
+PRESETS = {"fastest": "compiled_regional_always,graphed_regional_epilogue_pointwise_always,"
+                      "graphed_regional_fp8_pointwise_always"}
 
 
 def build_model(size: str, device: torch.device, dtype: torch.dtype):
@@ -146,7 +150,7 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
     graphed = {**regional, "mode": "reduce-overhead"}
 
     def make(schedule: Optional[str], torch_compile: Optional[Dict[str, Any]] = None, fp8: bool = False,
-             epilogue: bool = False, rope: bool = False):
+             epilogue: bool = False, rope: bool = False, modulate: bool = False):
         def build():
             chosen = ([passes.DBCache(**s[schedule])] if schedule else []) + (
                 [passes.AttentionBackend(attention)] if attention else [])
@@ -166,6 +170,8 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
                 chosen += [passes.FuseSiblingLinears(), passes.Fp8Linear(exclude=())]
             if rope:  # lossless: one read and one write of q and k between their GEMM and attention
                 chosen += [passes.FuseNormRope()]
+            if modulate:  # lossless: AdaLN's norm + modulation (+ the gated residual) read and written once
+                chosen += [passes.FuseNormModulate()]
             # the settings are read while the graph is written (lowered now: example_inputs), so they hold for this
             # build only and a setting the user made wins
             with _env_defaults(settings):
@@ -181,7 +187,10 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
             "graphed_regional_epilogue_always": make("always", graphed, epilogue=True),
             "graphed_regional_fp8_always": make("always", graphed, fp8=True),
             "graphed_regional_epilogue_rope_always": make("always", graphed, epilogue=True, rope=True),
-            "graphed_regional_fp8_rope_always": make("always", graphed, fp8=True, rope=True)}
+            "graphed_regional_fp8_rope_always": make("always", graphed, fp8=True, rope=True),
+            "graphed_regional_epilogue_pointwise_always": make("always", graphed, epilogue=True, rope=True,
+                                                               modulate=True),
+            "graphed_regional_fp8_pointwise_always": make("always", graphed, fp8=True, rope=True, modulate=True)}
 
 
 def measure_row(name: str, make: Callable[[], Any], inputs, repeats: int) -> Dict[str, Any]:

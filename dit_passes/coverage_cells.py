@@ -14,7 +14,9 @@ aot_eager), ``svdquant`` (SVDQuantW4A4's reference path), ``epilogues`` (the EPI
 and FuseLinearGelu; the detail says how many linears each rewrote, ``split`` / ``gelu``), ``fuse``
 (FuseSiblingLinears: ``groups`` fused), ``fp8`` (Fp8Linear's defaults: every block linear but a mixture of
 experts' router; ``linears`` quantized), ``attention`` (AttentionBackend("cudnn"), the CPU's kernel as fallback:
-``attention`` pinned), ``norm_rope`` (FuseNormRope, the op's reference on the CPU: ``ropes`` fused), and on gloo ranks ``ulysses``, ``ring``, ``usp``, ``tp``.
+``attention`` pinned), ``norm_rope`` (FuseNormRope, the op's reference on the CPU: ``ropes`` fused),
+``norm_modulate`` (FuseNormModulate, likewise: ``norms`` fused), and on gloo ranks ``ulysses``, ``ring``, ``usp``,
+``tp``.
 
 The models are the zoo's tiny configs with every all-zero floating parameter redrawn (seeded, the same on
 every rank: ``zoo.build(..., redraw_zeros=True)``): diffusers zero-initialises gates, modulation and output
@@ -41,7 +43,7 @@ __all__ = ["COLUMNS", "LOCAL_COLUMNS", "PARALLEL_COLUMNS", "TOLERANCE", "SVDQUAN
            "run_parallel", "parallel_worker"]
 
 LOCAL_COLUMNS = ("capture", "dbcache", "taylorseer", "regional", "svdquant", "epilogues", "fuse", "fp8", "attention",
-                 "norm_rope")
+                 "norm_rope", "norm_modulate")
 PARALLEL_COLUMNS = ("ulysses", "ring", "usp", "tp")
 COLUMNS = LOCAL_COLUMNS + PARALLEL_COLUMNS
 TOLERANCE = 1e-5
@@ -227,8 +229,8 @@ def _check_cache(passes: Callable[[], list], computed_calls: int):
 
 def _local_checks() -> Dict[str, Callable]:
     from .cache.config import TaylorSeerCalibratorConfig
-    from .passes import (AttentionBackend, DBCache, Fp8Linear, FuseLinearGelu, FuseNormRope, FuseSiblingLinears,
-                         RegionalCompile, SplitConcatLinear, SVDQuantW4A4)
+    from .passes import (AttentionBackend, DBCache, Fp8Linear, FuseLinearGelu, FuseNormModulate, FuseNormRope,
+                         FuseSiblingLinears, RegionalCompile, SplitConcatLinear, SVDQuantW4A4)
 
     # always cache once a residual is stored: threshold 1, unlimited cached steps
     always = dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=1.0, enable_separate_cfg=False)
@@ -253,6 +255,9 @@ def _local_checks() -> Dict[str, Callable]:
         # q / k RMSNorm + interleaved rope as one op; on the CPU the op is the ATen ops it replaces
         "norm_rope": _check_plain(lambda: [FuseNormRope()], describe=_pass_counts(
             {FuseNormRope.name: ("fused", "ropes")})),
+        # AdaLN's LayerNorm + modulation (+ the gated residual) as one op; on the CPU the ATen ops it replaces
+        "norm_modulate": _check_plain(lambda: [FuseNormModulate()], describe=_pass_counts(
+            {FuseNormModulate.name: ("fused", "norms")})),
     }
 
 

@@ -16,6 +16,7 @@ from .fuse_sibling_linears import FuseSiblingLinears
 from .linear_gelu import FuseLinearGelu
 from .split_concat_linear import SplitConcatLinear
 from .norm_rope import FuseNormRope
+from .norm_modulate import FuseNormModulate
 from .context_parallel import USP, Ring, Ulysses
 from .tensor_parallel import TensorParallel
 from .offload import LayerwiseOffload
@@ -26,6 +27,6 @@ from .vae_parallel import VAEParallel
 __all__ = ["Cleanup", "DBCache", "DBPrune", "FirstBlockCache", "MagCache", "TaylorSeerCache", "SeaCache", "TeaCache",
            "PyramidAttentionBroadcast", "FasterCache", "SVDQuantW4A4", "SVDQuantFewShot", "Fp8Linear", "Int8Linear",
            "Int4WeightOnly", "NVFP4WeightOnly", "LoadQuantized", "FuseSiblingLinears",
-           "FuseLinearGelu", "SplitConcatLinear", "FuseNormRope",
+           "FuseLinearGelu", "SplitConcatLinear", "FuseNormRope", "FuseNormModulate",
            "Ulysses", "Ring", "USP", "TensorParallel", "LayerwiseOffload", "RegionalCompile", "AttentionBackend",
            "VAEParallel"]
