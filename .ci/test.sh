@@ -6,12 +6,12 @@ bash .ci/setup.sh
 export TRITON_INTERPRET=1 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # -P: the repository root stays off sys.path (its kernels/ folder would shadow the PyPI package `kernels`).
 # tests/conftest.py marks the tests that run gloo ranks (`ranks`) and those that start Ray (`ray`).
-# Three pytest processes side by side on the 2 cores, from the start:
-#  - the Ray tests at the normal priority: they mostly wait (clusters and actors starting, handshakes), ~160-190 s
-#    alone with the cores partly idle;
-#  - niced by 10 below them, taking the cores Ray leaves: the single-process tests on two xdist workers, and the
-#    rank tests one at a time in one pytest process (each keeps 2-4 rank processes busy; one process, so the pooled
-#    ranks and the rank fixtures serve them all).
+# The Ray tests at the normal priority from the start, beside them niced by 10 the single-process tests on two xdist
+# workers, then (niced) the rank tests one at a time in one pytest process (each keeps 2-4 rank processes busy; one
+# process, so the pooled ranks and the rank fixtures serve them all). The Ray tests mostly wait (clusters and actors
+# starting, handshakes), ~160-190 s alone with the cores partly idle. The rank tests after the single-process ones,
+# not beside them: alone the two took 360 s (693 CPU-s) and 260 s (378 CPU-s) on this 2-core machine, side by side
+# 840 s (24 CPU-min: 4 to 6 busy processes on 2 cores thrash each other's caches and wait on each other's captures).
 # Ray runs its workers (the actors that import torch, build and run the models) at nice 15 by default (its
 # worker_niceness, to favour its raylet): below the niced tests, which then took the cores from them (beside
 # everything the Ray tests once took 1054 s and a worker missed the launcher's 60 s start-up; beside 2 busy loops at
@@ -29,14 +29,12 @@ trap 'rm -rf "$trace_dir" "$logs"' EXIT
 export DIT_PASSES_TRACE_DIR=$trace_dir PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 PYTEST=(.venv/bin/python -P -m pytest -q -p no:cacheprovider)
 
-nice -n 10 "${PYTEST[@]}" -n "${PYTEST_WORKERS:-2}" -m "not ranks and not ray" "$@" &
-single_pid=$!
-nice -n 10 "${PYTEST[@]}" -m "ranks and not ray" "$@" >"$logs/ranks" 2>&1 &
-ranks_pid=$!
 rc=0
-RAY_worker_niceness=0 "${PYTEST[@]}" -m ray "$@" >"$logs/ray" 2>&1 || rc=$?
-wait "$ranks_pid" || rc=$((rc ? rc : $?))
-wait "$single_pid" || rc=$((rc ? rc : $?))
+RAY_worker_niceness=0 "${PYTEST[@]}" -m ray "$@" >"$logs/ray" 2>&1 &
+ray_pid=$!
+nice -n 10 "${PYTEST[@]}" -n "${PYTEST_WORKERS:-2}" -m "not ranks and not ray" "$@" || rc=$?
+nice -n 10 "${PYTEST[@]}" -m "ranks and not ray" "$@" >"$logs/ranks" 2>&1 || rc=$((rc ? rc : $?))
+wait "$ray_pid" || rc=$((rc ? rc : $?))
 echo "--- the tests that run gloo ranks:"
 cat "$logs/ranks"
 echo "--- the tests that start Ray:"
