@@ -6,12 +6,13 @@ bash .ci/setup.sh
 export TRITON_INTERPRET=1 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # -P: the repository root stays off sys.path (its kernels/ folder would shadow the PyPI package `kernels`).
 # tests/conftest.py marks the tests that run gloo ranks (`ranks`) and those that start Ray (`ray`).
-# The Ray tests at the normal priority from the start, beside them niced by 10 the single-process tests on two xdist
-# workers, then (niced) the rank tests one at a time in one pytest process (each keeps 2-4 rank processes busy; one
-# process, so the pooled ranks and the rank fixtures serve them all). The Ray tests mostly wait (clusters and actors
-# starting, handshakes), ~160-190 s alone with the cores partly idle. The rank tests after the single-process ones,
-# not beside them: alone the two took 360 s (693 CPU-s) and 260 s (378 CPU-s) on this 2-core machine, side by side
-# 840 s (24 CPU-min: 4 to 6 busy processes on 2 cores thrash each other's caches and wait on each other's captures).
+# First the single-process tests alone on two xdist workers; then the Ray tests at the normal priority and beside them,
+# niced by 10, the rank tests one at a time in one pytest process (each keeps 2-4 rank processes busy; one process,
+# so the pooled ranks and the rank fixtures serve them all). The Ray tests mostly wait (clusters and actors starting,
+# handshakes), ~160-190 s alone with the cores partly idle. Alone the single-process tests took 360 s (693 CPU-s) and
+# the rank tests 260 s (378 CPU-s) on this 2-core machine; all three groups side by side 840 s (24 CPU-min: 5 or more
+# busy processes on 2 cores thrash each other's caches and wait on each other's captures); the single-process tests
+# beside the Ray tests 522 s.
 # Ray runs its workers (the actors that import torch, build and run the models) at nice 15 by default (its
 # worker_niceness, to favour its raylet): below the niced tests, which then took the cores from them (beside
 # everything the Ray tests once took 1054 s and a worker missed the launcher's 60 s start-up; beside 2 busy loops at
@@ -30,9 +31,9 @@ export DIT_PASSES_TRACE_DIR=$trace_dir PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 PYTEST=(.venv/bin/python -P -m pytest -q -p no:cacheprovider)
 
 rc=0
+"${PYTEST[@]}" -n "${PYTEST_WORKERS:-2}" -m "not ranks and not ray" "$@" || rc=$?
 RAY_worker_niceness=0 "${PYTEST[@]}" -m ray "$@" >"$logs/ray" 2>&1 &
 ray_pid=$!
-nice -n 10 "${PYTEST[@]}" -n "${PYTEST_WORKERS:-2}" -m "not ranks and not ray" "$@" || rc=$?
 nice -n 10 "${PYTEST[@]}" -m "ranks and not ray" "$@" >"$logs/ranks" 2>&1 || rc=$((rc ? rc : $?))
 wait "$ray_pid" || rc=$((rc ? rc : $?))
 echo "--- the tests that run gloo ranks:"
