@@ -6,14 +6,14 @@ bash .ci/setup.sh
 export TRITON_INTERPRET=1 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # -P: the repository root stays off sys.path (its kernels/ folder would shadow the PyPI package `kernels`).
 # tests/conftest.py marks the tests that run gloo ranks (`ranks`) and those that start Ray (`ray`).
-# The single-process tests on two xdist workers from the start, niced by 10, beside the Ray tests at the normal
-# priority; when the Ray tests end, the rank tests (niced) beside what is left of the single-process ones, one at a
-# time in one pytest process (each keeps 2-4 rank processes busy; one process, so the pooled ranks and the rank
-# fixtures serve them all). Measured on this 2-core machine: alone the single-process tests took 360 s (693 CPU-s),
-# the rank tests 260 s (378 CPU-s, the cores partly idle while the driver computes references), the Ray tests
-# ~200 s (waiting on clusters and actors in part); all three side by side from the start 840 s (5 or more busy
-# processes thrash each other); single + Ray, then the ranks alone 780 s; single alone, then ranks + Ray 940 s (the
-# Ray tests' workers took the cores from the niced ranks).
+# The single-process tests on two xdist workers, niced by 10, beside the Ray tests at the normal priority; then the
+# rank tests alone (niced), one at a time in one pytest process (each keeps 2-4 rank processes busy; one process, so
+# the pooled ranks and the rank fixtures serve them all). Measured on this 2-core machine (fresh clones): alone the
+# single-process tests took 360 s (693 CPU-s), the rank tests 260 s (378 CPU-s, the cores partly idle while the
+# driver computes references), the Ray tests ~200 s (waiting on clusters and actors in part); this order 780 s; all
+# three side by side from the start 840 s (5 or more busy processes thrash each other); the single-process tests
+# alone, then ranks + Ray 940 s (the Ray tests' workers took the cores from the niced ranks); the rank tests started
+# when the Ray tests ended, beside the rest of the single-process ones, slower still.
 # Ray runs its workers (the actors that import torch, build and run the models) at nice 15 by default (its
 # worker_niceness, to favour its raylet): below the niced tests, which then took the cores from them (beside
 # everything the Ray tests once took 1054 s and a worker missed the launcher's 60 s start-up; beside 2 busy loops at
@@ -32,11 +32,11 @@ export DIT_PASSES_TRACE_DIR=$trace_dir PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 PYTEST=(.venv/bin/python -P -m pytest -q -p no:cacheprovider)
 
 rc=0
-nice -n 10 "${PYTEST[@]}" -n "${PYTEST_WORKERS:-2}" -m "not ranks and not ray" "$@" &
-single_pid=$!
-RAY_worker_niceness=0 "${PYTEST[@]}" -m ray "$@" >"$logs/ray" 2>&1 || rc=$?
+RAY_worker_niceness=0 "${PYTEST[@]}" -m ray "$@" >"$logs/ray" 2>&1 &
+ray_pid=$!
+nice -n 10 "${PYTEST[@]}" -n "${PYTEST_WORKERS:-2}" -m "not ranks and not ray" "$@" || rc=$?
+wait "$ray_pid" || rc=$((rc ? rc : $?))
 nice -n 10 "${PYTEST[@]}" -m "ranks and not ray" "$@" >"$logs/ranks" 2>&1 || rc=$((rc ? rc : $?))
-wait "$single_pid" || rc=$((rc ? rc : $?))
 echo "--- the tests that run gloo ranks:"
 cat "$logs/ranks"
 echo "--- the tests that start Ray:"

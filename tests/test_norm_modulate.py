@@ -15,24 +15,19 @@ import torch.nn as nn
 from dit_passes import compile_dit, passes
 from dit_passes.models.zoo import build
 from dit_passes.passes.norm_modulate import layer_norm_modulate_reference, residual_layer_norm_modulate_reference
+from test_norm_rope import _counts as counts_of, _to  # noqa: E402 - the tests folder is on sys.path
 
 LNM = torch.ops.dit_passes.layer_norm_modulate.default
 RLNM = torch.ops.dit_passes.residual_layer_norm_modulate.default
 aten = torch.ops.aten
 
 
-def _counts(records, name="fuse_norm_modulate"):
-    return next(r.result.counts for r in records if r.name == name)
+def _counts(records):
+    return counts_of(records, "fuse_norm_modulate")
 
 
 def _nodes(graph, *targets):
     return [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
-
-
-def _to(zm, dtype):
-    model = zm.model.to(dtype)
-    kw = zm.make_inputs(batch=1, seed=1)
-    return model, {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kw.items()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
