@@ -7,9 +7,10 @@ tensors, so a call that misses the cache while tracing stores a *FakeTensor* the
 same arguments gets it back: the next eager run fails ("Tensor must have a last dimension of size 2" from a fake
 complex table) or the next trace bakes a tensor of a dead fake mode. torch.export restores the module attributes
 that existed before it (``self._table = None``, then assigned), neither these caches, which sit outside the
-modules, nor an attribute a lazy forward adds (``if not hasattr(self, "_table"): self._table = ...``): capture
-deletes such an added attribute when it holds a FakeTensor (the next call initialises it again, as a fresh
-module's first call would).
+modules, nor an attribute a lazy forward adds (``if not hasattr(self, "_table"): self._table = ...``) or sets
+(``self.freqs_cis = None`` in ``__init__``, a list of tables after the first call: Bria-FIBO 2's ``RopeEmbedder``, a
+plain object a module holds): capture deletes such an added attribute, or puts back the value a declared one had,
+when it holds a FakeTensor (the next call initialises it again, as a fresh module's first call would).
 
 Capture cannot remove one entry of an ``lru_cache`` (no API for it), so a cache that missed during an export
 is emptied whole (``cache_clear``). That is safe: a cache is transparent by contract (the function's value is
@@ -33,6 +34,9 @@ import torch
 import torch.utils._pytree as pytree
 
 _CACHE_TYPE = type(functools.lru_cache(maxsize=None)(len))  # functools.cache / lru_cache wrappers
+# attribute values that are not an object's own state (classes, functions, modules of code, tensors, submodules)
+_NOT_STATE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
+              functools.partial, torch.Tensor, torch.nn.Module)
 
 
 def _caches_in(value: Any, found: Dict[int, Any]) -> None:
@@ -89,13 +93,30 @@ def trace_time_caches_dropped(model: torch.nn.Module) -> Iterator[None]:
     delete the module attributes it added that hold fake tensors."""
     caches = function_caches(model)
     misses = [c.cache_info().misses for c in caches]
-    attributes = [(module, set(vars(module))) for module in model.modules()]
+    attributes = [(holder, dict(vars(holder))) for holder in _state_holders(model)]  # shallow: the values before
     try:
         yield
     finally:
         for cache, before in zip(caches, misses):
             if cache.cache_info().misses != before:
                 cache.cache_clear()
-        for module, before in attributes:
-            for name in [n for n, v in vars(module).items() if n not in before and _holds_fake(v)]:
-                del module.__dict__[name]
+        for holder, before in attributes:
+            for name, value in list(vars(holder).items()):
+                if not _holds_fake(value) or (name in before and before[name] is value):
+                    continue
+                if name not in before:
+                    del holder.__dict__[name]
+                elif not _holds_fake(before[name]):  # declared, then set while traced (``self.freqs_cis = None``,
+                    holder.__dict__[name] = before[name]  # a list of fake tables after): its value before
+
+
+def _state_holders(model: torch.nn.Module) -> List[Any]:
+    """The modules, and the plain Python objects they hold as attributes (Bria-FIBO 2 / Z-Image keep their RoPE
+    tables on a ``RopeEmbedder`` that is not an ``nn.Module``)."""
+    found: Dict[int, Any] = {}
+    for module in model.modules():
+        found[id(module)] = module
+        for value in vars(module).values():
+            if hasattr(value, "__dict__") and not isinstance(value, _NOT_STATE):
+                found.setdefault(id(value), value)
+    return list(found.values())

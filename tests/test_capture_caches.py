@@ -1,6 +1,6 @@
 """Function caches (``functools.lru_cache`` on a method) that a trace would fill with fake tensors: capture empties
 the ones that missed during an export, so a fresh model captures and still runs eagerly afterwards (NucleusMoE's
-RoPE table; ``dit_passes.capture_caches``); likewise an attribute a lazy forward adds while traced."""
+RoPE table; ``dit_passes.capture_caches``); likewise an attribute a lazy forward adds or sets while traced."""
 from __future__ import annotations
 
 import functools
@@ -79,6 +79,36 @@ def test_attribute_a_lazy_forward_adds_while_traced_is_dropped():
     assert isinstance(model.table, torch.Tensor) and torch.equal(captured.gm(x)[0], out)
 
 
+class _DeclaredTable(torch.nn.Module):
+    """A table declared ``None`` in ``__init__`` and set by the first call to a list of complex tables (Bria-FIBO 2's
+    ``freqs_cis``), with a host read that makes the first export fail and capture retry after an eager run."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.tables = None
+
+    def forward(self, x):
+        if self.tables is None:
+            self.tables = [torch.polar(torch.ones(x.shape[1], 4), torch.arange(x.shape[1] * 4.0).reshape(-1, 4) / 7)]
+        y = self.proj(torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], 4, 2)) * self.tables[0])
+                      .flatten(-2))
+        n = int(torch.full((1,), x.shape[1]).item())
+        return (y[:, :n],)
+
+
+def test_attribute_declared_then_set_while_traced_gets_its_value_back():
+    torch.manual_seed(0)
+    model = _DeclaredTable().eval()
+    x = torch.randn(2, 5, 8)
+    captured = capture(model, (), {"x": x})  # no eager call before: the first export sets the fake list
+    assert captured.baked_scalars
+    with torch.no_grad():
+        ref = model(x)[0]
+        out = captured.gm(x)[0]
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
 def test_fresh_nucleusmoe_captures_and_equals_eager_under_dbcache():
     """NucleusMoE memoises its RoPE table with ``lru_cache`` and reads its expert sizes on the host: a fresh model
     captured only after an eager call, before capture emptied the caches its first export filled. The computed
@@ -103,3 +133,22 @@ def test_fresh_nucleusmoe_captures_and_equals_eager_under_dbcache():
     scale = ref.abs().max()
     for out in outs:
         assert (out - ref).abs().max() <= 1e-5 * scale
+
+
+def test_fresh_bria_fibo2_captures_and_equals_eager():
+    """Bria-FIBO 2 keeps its RoPE tables on a plain ``RopeEmbedder`` object (``freqs_cis = None``, then set by the
+    first call) and reads a gist count on the host: a fresh model captured only after an eager call, before capture
+    put back the attributes its first export set to fake tables on the objects the modules hold."""
+    import diffusers
+
+    from dit_passes.models import zoo
+
+    if not hasattr(diffusers, zoo.class_name_of("bria_fibo2")):
+        pytest.skip("this diffusers has no Bria-FIBO 2 transformer")
+    zm = zoo.build("bria_fibo2")
+    kw = zm.make_inputs(batch=1, seed=1)
+    compiled = compile_dit(zm.model, passes=[], example_inputs=kw)  # no eager call before
+    with torch.no_grad():
+        ref = zm.model(**kw)[0]  # eagerly after the capture: no fake table left on the model's objects
+        out = compiled(**kw)[0]
+    assert torch.equal(out, ref)
