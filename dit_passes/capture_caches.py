@@ -5,12 +5,12 @@ A model may memoise a helper with ``functools.lru_cache`` / ``functools.cache`` 
 grid, on a method: the cache lives on the class, keyed by ``self``). ``torch.export`` runs the forward on fake
 tensors, so a call that misses the cache while tracing stores a *FakeTensor* there, and every later call with the
 same arguments gets it back: the next eager run fails ("Tensor must have a last dimension of size 2" from a fake
-complex table) or the next trace bakes a tensor of a dead fake mode. torch.export restores the module attributes
-that existed before it (``self._table = None``, then assigned), neither these caches, which sit outside the
-modules, nor an attribute a lazy forward adds (``if not hasattr(self, "_table"): self._table = ...``) or sets
-(``self.freqs_cis = None`` in ``__init__``, a list of tables after the first call: Bria-FIBO 2's ``RopeEmbedder``, a
-plain object a module holds): capture deletes such an added attribute, or puts back the value a declared one had,
-when it holds a FakeTensor (the next call initialises it again, as a fresh module's first call would).
+complex table) or the next trace bakes a tensor of a dead fake mode. torch.export restores neither these caches,
+which sit outside the modules, nor an attribute a lazy forward adds (``if not hasattr(self, "_table"):
+self._table = ...``) or sets (``self.freqs_cis = None`` in ``__init__``, a list of tables after the first call:
+Bria-FIBO 2's ``RopeEmbedder``, a plain object a module holds): capture deletes such an added attribute, or puts
+back the value a declared one had, when it holds a FakeTensor (the next call initialises it again, as a fresh
+module's first call would).
 
 Capture cannot remove one entry of an ``lru_cache`` (no API for it), so a cache that missed during an export
 is emptied whole (``cache_clear``). That is safe: a cache is transparent by contract (the function's value is
