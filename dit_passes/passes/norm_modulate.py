@@ -42,19 +42,18 @@ float computation). A LayerNorm with no modulation after it is not a candidate a
 """
 from __future__ import annotations
 
-import functools
-import importlib
+import dataclasses
 import operator
-import warnings
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
+from ..analysis.blocks import _block_key
 from ..infra.graph_utils import copy_meta
 from ..infra.pass_base import Pass, PassContext, PassResult, skipped_summary
 from ..infra.phases import Phase
-from .norm_rope import _call, _dtype, _erase, _shape, _uncast
+from .norm_rope import _call, _dtype, _erase, _shape, _uncast, kernel_module
 
 aten = torch.ops.aten
 MAX_D = 16384  # the widest row dit_passes.kernels.ln_modulate_triton takes (its MAX_D; a test checks they agree)
@@ -87,15 +86,8 @@ def residual_layer_norm_modulate_reference(residual: torch.Tensor, y: torch.Tens
                                             out_dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel():
-    # once per process: the op runs ~100 times a step, from Python where no CUDA graph replays it
-    try:
-        return importlib.import_module("dit_passes.kernels.ln_modulate_triton")
-    except ImportError as e:  # no triton: the reference, said once per process by warnings' filter
-        warnings.warn(f"dit_passes.kernels.ln_modulate_triton failed to import ({e}); layer_norm_modulate runs its "
-                      "reference")
-        return None
+    return kernel_module("ln_modulate_triton", "layer_norm_modulate")
 
 
 def _out_dtype(x, scale, shift, in_dtype, norm_dtype, out_dtype) -> torch.dtype:
@@ -214,13 +206,22 @@ class FuseNormModulate(Pass):
 
 
 # ------------------------------------------------------------------------------------------------ matching
+@dataclasses.dataclass
 class _Match:
-    __slots__ = ("last", "norm", "x", "weight", "bias", "eps", "scale", "shift", "plus_one", "in_dtype", "norm_dtype",
-                 "out_dtype", "nodes", "res")
-
-    def __init__(self, **kw):
-        for k, v in kw.items():
-            setattr(self, k, v)
+    last: fx.Node                   # the node the op's output replaces (the sum, or its cast)
+    norm: fx.Node                   # the LayerNorm's value (its module path goes to the op)
+    x: fx.Node
+    weight: Any
+    bias: Any
+    eps: float
+    scale: fx.Node                  # m, or s of ``m = s + 1`` with plus_one
+    shift: fx.Node
+    plus_one: bool
+    in_dtype: Optional[torch.dtype]
+    norm_dtype: Optional[torch.dtype]
+    out_dtype: Optional[torch.dtype]
+    nodes: set                      # the matched nodes, erased once the op replaces them
+    res: Optional[Tuple[fx.Node, fx.Node, Optional[fx.Node], fx.Node]] = None  # (r, y, gate, x's add)
 
 
 def _layer_norm(n) -> Optional[Tuple[fx.Node, object, object, float, set]]:
@@ -298,12 +299,11 @@ def _match(last: fx.Node, order):
     if s is not None:  # ``1 + scale`` read only here: its sum joins the op (in fp32 on the GPU, as Inductor had it)
         nodes.add(m)
     match = _Match(last=end, norm=norm_out, x=x, weight=w, bias=b, eps=eps, scale=m if s is None else s, shift=a,
-                   plus_one=s is not None, in_dtype=in_dtype, norm_dtype=norm_dtype, out_dtype=out_dtype, nodes=nodes,
-                   res=None)
-    match.res = _residual(x, match, order)
-    if match.res is not None:
-        match.nodes = nodes | {match.res[3]} | ({match.res[4]} if match.res[4] is not None else set())
-        match.res = match.res[:4]
+                   plus_one=s is not None, in_dtype=in_dtype, norm_dtype=norm_dtype, out_dtype=out_dtype, nodes=nodes)
+    found = _residual(x, match, order)
+    if found is not None:
+        match.res, residual_nodes = found
+        match.nodes = nodes | residual_nodes
     return match
 
 
@@ -319,9 +319,12 @@ def _plus_one(m: fx.Node) -> Optional[fx.Node]:
 
 
 def _residual(x: fx.Node, match: _Match, order):
-    """(r, y, gate, the add, the gate's product or None) when x = ``r + gate * y`` / ``r + y`` can join the op:
-    one dtype, one block, the product read only by the add, every other reader of x after the op's place."""
-    if not (_call(x, aten.add.Tensor) and len(x.args) == 2 and not x.kwargs) or _block(x) != _block(match.norm):
+    """((r, y, gate, the add), the nodes it joins) when x = ``r + gate * y`` / ``r + y`` can join the op: one dtype,
+    the product read only by the add, every other reader of x after the op's place, and x in the norm's block (of
+    any list: the module paths' list indices agree), so that the blocks stay node ranges for the passes after this
+    one (the cache passes cut there)."""
+    same_block = _block_key(x.meta.get("dit_module_path", "")) == _block_key(match.norm.meta.get("dit_module_path", ""))
+    if not (_call(x, aten.add.Tensor) and len(x.args) == 2 and not x.kwargs) or not same_block:
         return None
     xs, xd = _shape(x), _dtype(x)
     later = order.get(match.last, -1)
@@ -335,17 +338,10 @@ def _residual(x: fx.Node, match: _Match, order):
                 if isinstance(gate, fx.Node) and isinstance(y, fx.Node) and _shape(y) == xs and _dtype(y) == xd \
                         and _dtype(gate) == xd and _shape(gate) is not None \
                         and torch.broadcast_shapes(_shape(gate), xs) == xs:
-                    return r, y, gate, x, t
+                    return (r, y, gate, x), {x, t}
         if _dtype(t) == xd and _shape(t) == xs:
-            return r, t, None, x, None
+            return (r, t, None, x), {x}
     return None
-
-
-def _block(n: fx.Node) -> Tuple[str, ...]:
-    """Every ``<list>.<i>`` prefix of n's module path: a residual and the norm after it join only inside one block
-    (of any list), so that the blocks stay node ranges for the passes after this one (the cache passes cut there)."""
-    parts = n.meta.get("dit_module_path", "").split(".")
-    return tuple(".".join(parts[:i + 1]) for i, p in enumerate(parts) if p.isdigit() and i > 0)
 
 
 __all__ = ["FuseNormModulate", "layer_norm_modulate", "residual_layer_norm_modulate",

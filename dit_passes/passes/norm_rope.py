@@ -101,13 +101,18 @@ def rms_norm_rope_reference(xs: List[torch.Tensor], weights: List[Optional[torch
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
-    # once per process: the op runs ~100 times a step, from Python where no CUDA graph replays it
+def kernel_module(name: str, op: str):
+    """``dit_passes.kernels.<name>``, imported once per process (the pointwise ops run ~100 times a step, from
+    Python where no CUDA graph replays them); None without triton: ``op`` runs its reference, said once."""
     try:
-        return importlib.import_module("dit_passes.kernels.norm_rope_triton")
-    except ImportError as e:  # no triton: the reference, said once per process by warnings' filter
-        warnings.warn(f"dit_passes.kernels.norm_rope_triton failed to import ({e}); rms_norm_rope runs its reference")
+        return importlib.import_module(f"dit_passes.kernels.{name}")
+    except ImportError as e:
+        warnings.warn(f"dit_passes.kernels.{name} failed to import ({e}); {op} runs its reference")
         return None
+
+
+def _kernel():
+    return kernel_module("norm_rope_triton", "rms_norm_rope")
 
 
 @torch.library.custom_op("dit_passes::rms_norm_rope", mutates_args=())
