@@ -61,6 +61,8 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   ``svdq_w4_default`` plus ``FuseNormRope`` (the q / k RMSNorm and rotary embedding as one op, lossless);
 * ``bf16_pointwise`` / ``fp8_pointwise`` / ``svdq_w4_pointwise`` (graphed only): those plus ``FuseNormModulate``
   (AdaLN's LayerNorm + modulation, with the gated residual before it, as one op, lossless);
+* ``svdq_w4_pointwise_words`` (graphed only): ``svdq_w4_pointwise`` with the expansion kernel's word form
+  (``DIT_PASSES_W4_EXPAND_FORM=words``: a thread converts eight int4 values of an int32 word, not a byte's two);
 * ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 on the CUTLASS kernels
   (``DIT_PASSES_W4A4_BACKEND=cutlass``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
 
@@ -129,7 +131,7 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "svdq_w4_lrcat_split_mm_graphed", "bf16_epilogue", "bf16_epilogue_graphed", "bf16_epilogue_cdt_graphed",
         "bf16_epilogue_rope", "fp8_default_rope", "svdq_w4_default_rope", "bf16_epilogue_rope_graphed",
         "fp8_default_rope_graphed", "svdq_w4_default_rope_graphed", "bf16_pointwise_graphed", "fp8_pointwise_graphed",
-        "svdq_w4_pointwise_graphed")
+        "svdq_w4_pointwise_graphed", "svdq_w4_pointwise_words_graphed")
 # Inductor options of a row (its _graphed twin too): cdt, Inductor's coordinate-descent tuning of its own kernels'
 # block sizes (the RMSNorm + RoPE kernel of the bf16 step runs at ~1 TB/s; more compile time)
 COMPILE_OPTIONS = {"bf16_epilogue_cdt": {"coordinate_descent_tuning": True}}
@@ -161,6 +163,7 @@ def environ(values: Dict[str, str]):
 
 
 def row_specs():
+    from dit_passes.kernels import w4_expand_triton
     from dit_passes.passes import FuseLinearGelu, FuseNormModulate, FuseNormRope, FuseSiblingLinears, SplitConcatLinear
     from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
     from dit_passes.quant import dispatch
@@ -237,12 +240,14 @@ def row_specs():
     for name, rope in (("bf16_pointwise", "bf16_epilogue_rope"), ("fp8_pointwise", "fp8_default_rope"),
                        ("svdq_w4_pointwise", "svdq_w4_default_rope")):
         specs[name] = (lambda rope=rope: [*specs[rope][0](), FuseNormModulate()], specs[rope][1])
+    # the expansion kernel converting an int32 word (eight values) a thread instead of a byte (bench/w4_expand_kernel.py)
+    specs["svdq_w4_pointwise_words"] = (specs["svdq_w4_pointwise"][0], {w4_expand_triton.FORM_ENV: "words"})
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with
     # more, smaller kernels (the row kernel's ~300 calls a step) hidden as a generation hides it
     graphed = ("bf16", "fp8_fused", "fp8_fused_rowquant", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_act",
                "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default",
                "svdq_w4_lrcat_split_mm", "bf16_epilogue", "bf16_epilogue_cdt", "bf16_epilogue_rope", "fp8_default_rope",
-               "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise")
+               "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise", "svdq_w4_pointwise_words")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 

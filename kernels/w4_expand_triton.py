@@ -29,6 +29,7 @@ columns use the hardware cast on the GPU.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -41,6 +42,8 @@ from .w4a8_triton import E4M3_MAX, _nibble_planes, _soft_e4m3
 
 GROUP = 64
 MAX_BLOCK_K = 1024  # output columns per program (a power of two dividing K)
+FORM = "bytes"  # what a thread converts: a packed byte (two values) or an int32 word (eight); bench/w4_expand_kernel.py
+FORM_ENV = "DIT_PASSES_W4_EXPAND_FORM"  # "bytes" / "words": FORM for a process (bench rows compare the two)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -52,12 +55,12 @@ def _configs():
     return [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((4, 4), (8, 4), (8, 8), (16, 8), (32, 8))]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_K", "LR", "SPLIT", "R_OUT"])
+@triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_K", "LR", "SPLIT", "R_OUT", "WORDS"])
 @triton.jit
 def _w4_expand_kernel(qw_ptr, ws_ptr, w16_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N, K, R, s_qn, s_wsn, s_w16n, s_w8n,
                       s_lun, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_K: tl.constexpr, LR: tl.constexpr,
                       SPLIT: tl.constexpr, R_OUT: tl.constexpr, R_BLOCK: tl.constexpr, SOFT: tl.constexpr,
-                      GS: tl.constexpr, BLOCK_N: tl.constexpr):
+                      GS: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
     # GS: the group size, an argument (compiled Triton reads no plain Python globals; the interpreter does).
     # Grid (K chunks, row blocks): every program streams one [BLOCK_N, BLOCK_K] tile, so FLUX's 3072-row weights give
     # thousands of programs (one program per row block looping over K left most SMs idle: 154-831 GB/s).
@@ -75,23 +78,28 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w16_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N,
         luc = lu.to(tl.float32) * tl.load(c_ptr + offs_r, mask=offs_r < R, other=1.0)[None, :]
         wmax = tl.maximum(wmax, tl.max(tl.abs(luc), axis=1))
     sw = tl.math.div_rn(wmax, E4M3_MAX)
-    # the chunk as [BLOCK_N, groups, 32 bytes]: a group's ratio broadcasts over its bytes with no reshape, and the two
-    # e4m3 values of a byte (even k: low nibble) leave as one int16, so k order needs no interleave in registers
+    # the chunk as [BLOCK_N, groups, units of a group]: a group's ratio broadcasts over its units with no reshape
     GK: tl.constexpr = BLOCK_K // GS
     offs_gk = tl.arange(0, GK)
-    offs_j = tl.arange(0, GS // 2)
-    byte = (pid_k * GK + offs_gk)[None, :, None] * (GS // 2) + offs_j[None, None, :]
-    packed = tl.load(qw_ptr + rows[:, None, None] * s_qn + byte)
-    lo, hi = _nibble_planes(packed, False)                              # exact fp32 [BLOCK_N, GK, 32]
     g = tl.load(ws_ptr + rows[:, None] * s_wsn + (pid_k * GK + offs_gk)[None, :]).to(tl.float32)
     ratio = tl.math.div_rn(g, sw[:, None])[:, :, None]                 # [BLOCK_N, GK, 1]
-    lo = tl.minimum(tl.maximum(lo * ratio, -E4M3_MAX), E4M3_MAX)
-    hi = tl.minimum(tl.maximum(hi * ratio, -E4M3_MAX), E4M3_MAX)
-    if SOFT:  # the interpreter: no inline PTX
-        pair = (_e4m3_bits(lo) | (_e4m3_bits(hi) << 8)).to(tl.int16)  # little endian: even k at the lower byte
-    else:
-        pair = _e4m3_pair(lo, hi)
-    tl.store(w16_ptr + rows[:, None, None] * s_w16n + byte, pair, mask=row_mask[:, None, None])
+    if WORDS:  # int32 words of 8 nibbles in, int64 words of their 8 e4m3 bytes out (k order kept: little endian)
+        offs_j = tl.arange(0, GS // 8)
+        unit = (pid_k * GK + offs_gk)[None, :, None] * (GS // 8) + offs_j[None, None, :]
+        word = tl.load(qw_ptr + rows[:, None, None] * s_qn + unit)
+        out = _e4m3_word(word, ratio, SOFT)
+    else:  # bytes in, each byte's two e4m3 values (even k: low nibble) out as one int16: no interleave in registers
+        offs_j = tl.arange(0, GS // 2)
+        unit = (pid_k * GK + offs_gk)[None, :, None] * (GS // 2) + offs_j[None, None, :]
+        packed = tl.load(qw_ptr + rows[:, None, None] * s_qn + unit)
+        lo, hi = _nibble_planes(packed, False)                          # exact fp32 [BLOCK_N, GK, 32]
+        lo = tl.minimum(tl.maximum(lo * ratio, -E4M3_MAX), E4M3_MAX)
+        hi = tl.minimum(tl.maximum(hi * ratio, -E4M3_MAX), E4M3_MAX)
+        if SOFT:  # the interpreter: no inline PTX
+            out = (_e4m3_bits(lo) | (_e4m3_bits(hi) << 8)).to(tl.int16)  # little endian: even k at the lower byte
+        else:
+            out = _e4m3_pair(lo, hi)
+    tl.store(w16_ptr + rows[:, None, None] * s_w16n + unit, out, mask=row_mask[:, None, None])
     if pid_k == 0:
         tl.store(sw_ptr + rows, sw, mask=row_mask)
         if LR:  # columns K .. K + R_OUT: e4m3(lora_up * c / sw) (SPLIT: hi, hi, lo), zeros past them
@@ -116,6 +124,33 @@ def _e4m3_pair(lo, hi):
     at ~1.2 TB/s on an H100, stop 28); inline PTX also keeps Triton's fp8 type out (see :func:`_e4m3_bits`)."""
     return tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,f,f", [lo, hi], dtype=tl.int16,
                                      is_pure=True, pack=1)
+
+
+@triton.jit
+def _nibble(word, i: tl.constexpr, ratio):
+    """Nibble ``i`` of int32 words (two's complement, k = 8j + i) times its group's ratio, clamped to e4m3's range:
+    the exact value by :func:`_nibble_planes`' bit trick."""
+    v = (((word >> (4 * i)) & 15) ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0
+    return tl.minimum(tl.maximum(v * ratio, -E4M3_MAX), E4M3_MAX)
+
+
+@triton.jit
+def _e4m3_word(word, ratio, SOFT: tl.constexpr):
+    """int32 words of eight int4 values -> int64 words of their eight e4m3 bytes in the same order, by four
+    ``cvt.rn.satfinite.e4m3x2.f32`` (``_soft_e4m3`` bits under the interpreter): 4 bytes read and 8 written per
+    thread-element, where the byte form moves one and two."""
+    v0, v1, v2, v3 = _nibble(word, 0, ratio), _nibble(word, 1, ratio), _nibble(word, 2, ratio), _nibble(word, 3, ratio)
+    v4, v5, v6, v7 = _nibble(word, 4, ratio), _nibble(word, 5, ratio), _nibble(word, 6, ratio), _nibble(word, 7, ratio)
+    if SOFT:
+        lo = (_e4m3_bits(v0) | (_e4m3_bits(v1) << 8) | (_e4m3_bits(v2) << 16) | (_e4m3_bits(v3) << 24))
+        hi = (_e4m3_bits(v4) | (_e4m3_bits(v5) << 8) | (_e4m3_bits(v6) << 16) | (_e4m3_bits(v7) << 24))
+        return (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 a, b, c, d; .reg .b32 l, h;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 a, $2, $1; cvt.rn.satfinite.e4m3x2.f32 b, $4, $3;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 c, $6, $5; cvt.rn.satfinite.e4m3x2.f32 d, $8, $7;\n"
+        "mov.b32 l, {a, b}; mov.b32 h, {c, d}; mov.b64 $0, {l, h}; }",
+        "=l,f,f,f,f,f,f,f,f", [v0, v1, v2, v3, v4, v5, v6, v7], dtype=tl.int64, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -166,9 +201,9 @@ def _check(name: str, qweight: torch.Tensor, wscale: torch.Tensor) -> None:
 
 
 def _expand(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: Optional[torch.Tensor], c: Optional[torch.Tensor],
-            r_out: int, split: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+            r_out: int, split: bool, form: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The launch both ops share: the [N, K + r_out] e4m3 operand and the row scale; ``lora_up`` None: no low-rank
-    columns (r_out 0)."""
+    columns (r_out 0); ``form`` "bytes" / "words" (default :data:`FORM`), the units a thread converts."""
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     qw = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     ws = wscale if wscale.stride(-1) == 1 else wscale.contiguous()
@@ -186,23 +221,28 @@ def _expand(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: Optional[torch
     def grid(meta):
         return (k // bk, triton.cdiv(n, meta["BLOCK_N"]))
 
-    w16 = out.view(torch.int16)  # the same bytes, two e4m3 per element (K + r_out is even)
-    _w4_expand_kernel[grid](qw, ws, w16, out, sw, lu, cc, n, k, r, qw.stride(0), ws.stride(0), w16.stride(0),
+    words = (form or os.environ.get(FORM_ENV) or FORM) == "words" and qw.stride(0) % 4 == 0 and qw.data_ptr() % 4 == 0
+    if words:  # the same bytes: int32 words of 8 int4 values in, int64 words of 8 e4m3 out (K + r_out % 16 == 0)
+        src, dst = qw.view(torch.int32), out.view(torch.int64)
+    else:  # bytes in, two e4m3 per int16 out (K + r_out is even)
+        src, dst = qw, out.view(torch.int16)
+    _w4_expand_kernel[grid](src, ws, dst, out, sw, lu, cc, n, k, r, src.stride(0), ws.stride(0), dst.stride(0),
                             out.stride(0), lu.stride(0) if lora_up is not None else 0, G=groups,
                             G_PAD=triton.next_power_of_2(groups), BLOCK_K=bk, LR=lora_up is not None, SPLIT=split,
-                            R_OUT=r_out, R_BLOCK=r_block, SOFT=interpreting(), GS=GROUP)
+                            R_OUT=r_out, R_BLOCK=r_block, SOFT=interpreting(), GS=GROUP, WORDS=words)
     return out, sw
 
 
-def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def w4_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, form: Optional[str] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """qweight uint8 [N, K/2] (even k in the low nibble), wscale [N, K/64] (fp32 / bf16 / fp16, >= 0) ->
     ``(w8 float8_e4m3fn [N, K], sw fp32 [N])`` (module docstring)."""
     _check("w4_to_e4m3", qweight, wscale)
-    return _expand(qweight, wscale, None, None, 0, False)
+    return _expand(qweight, wscale, None, None, 0, False, form)
 
 
 def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch.Tensor, c: torch.Tensor,
-                     split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                     split: bool = False, form: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The lrcat B operand and row scale (``graph_forms.lrcat_weight``): qweight uint8 [N, K/2], wscale [N, K/64],
     lora_up [N, R], c fp32 [R] -> (e4m3 [N, K + cols] = [e4m3(q * wscale / sw) | e4m3(u) | 0], sw fp32 [N]) with
     sw = max(8 * max_g wscale, max_r |lora_up * c|) / 448, u = lora_up * c / sw (``split``: [.. | hi(u) | hi(u) |
@@ -214,4 +254,4 @@ def w4_lrcat_to_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: torch
         raise ValueError(f"{name}: lora_up must be [{n}, R] and c fp32 [R], got {tuple(lora_up.shape)} and {c.dtype} "
                          f"{tuple(c.shape)}")
     r_out = -(-r * (3 if split else 1) // 16) * 16  # graph_forms.lrcat_cols
-    return _expand(qweight, wscale, lora_up, c, r_out, split)
+    return _expand(qweight, wscale, lora_up, c, r_out, split, form)

@@ -131,14 +131,15 @@ def test_lrcat_error_vs_exact_linear(dtype):
     assert abs(err["lrcat_split"] - err["svdq_fp8"]) < 0.03 * err["svdq_fp8"]
 
 
+@pytest.mark.parametrize("form", ["bytes", "words"])
 @pytest.mark.parametrize("rank,k,split,cols", [(32, 256, False, 32), (20, 320, False, 32), (32, 3072, False, 32),
                                                (32, 256, True, 96), (20, 320, True, 64)])
-def test_kernel_b_operand_bit_for_bit(rank, k, split, cols):
+def test_kernel_b_operand_bit_for_bit(rank, k, split, cols, form):
     _, _, _, q = _case(torch.bfloat16, k=k, n=40, rank=rank, seed=1)
     assert q.rank == rank
     c, sw = lrcat_scales(q.wscale, q.lora_down, q.lora_up, k)
     want, want_sw = lrcat_weight(q.qweight, q.wscale, q.lora_up, c, q.N, k, rank, split=split)
-    got, got_sw = K.w4_lrcat_to_e4m3(q.qweight.to(DEV), q.wscale.to(DEV), q.lora_up.to(DEV), c.to(DEV), split)
+    got, got_sw = K.w4_lrcat_to_e4m3(q.qweight.to(DEV), q.wscale.to(DEV), q.lora_up.to(DEV), c.to(DEV), split, form)
     got, got_sw = got.cpu(), got_sw.cpu()  # the kernel on the GPU where there is one, the reference on the CPU
     assert got.shape == (40, k + cols) and got.dtype == torch.float8_e4m3fn
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -200,8 +201,9 @@ def test_cuda_lrcat_on_flux_shapes(k, n):
     cuda = [t.cuda() for t in (q.qweight, q.wscale, q.lora_up, c)]
     for split in (False, True):
         want, want_sw = lrcat_weight(q.qweight, q.wscale, q.lora_up, c, n, k, q.rank, split=split)
-        got, got_sw = OP(*cuda, split)
-        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)) and torch.equal(got_sw.cpu(), want_sw)
+        for got, got_sw in (OP(*cuda, split), K.w4_lrcat_to_e4m3(*cuda, split, form="words")):
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+            assert torch.equal(got_sw.cpu(), want_sw)
     qc = q.to("cuda")
     for split in (False, True):
         got = _lrcat(x.cuda(), qc, gemm="scaled_mm", expand="kernel", split=split).cpu()

@@ -52,19 +52,27 @@ def _assert_same(got, want):
     assert torch.equal(w8.cpu().view(torch.uint8), w8_ref.cpu().view(torch.uint8))
 
 
+@pytest.mark.parametrize("form", ["bytes", "words"])
 @pytest.mark.parametrize("n,k", [(8, 128), (13, 192), (5, 320), (6, 3072), (3, 15360)])
-def test_kernel_equals_reference_bit_for_bit(n, k):
-    """Row blocks with and without a remainder; K chunks of 128 / 64 / 64 / 1024 / 1024 (K = 15360: 15 chunks)."""
+def test_kernel_equals_reference_bit_for_bit(n, k, form):
+    """Row blocks with and without a remainder; K chunks of 128 / 64 / 64 / 1024 / 1024 (K = 15360: 15 chunks); a
+    thread converting a packed byte or an int32 word of eight values."""
     qw, ws = _weights(n, k)
-    _assert_same(K.w4_to_e4m3(qw, ws), w4_to_e4m3(qw.cpu(), ws.cpu(), n, k))
+    _assert_same(K.w4_to_e4m3(qw, ws, form=form), w4_to_e4m3(qw.cpu(), ws.cpu(), n, k))
 
 
+@pytest.mark.parametrize("form", ["bytes", "words"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_scale_dtypes_and_strides(dtype):
+def test_kernel_scale_dtypes_and_strides(dtype, form):
     qw, ws = _weights(10, 256, dtype, seed=1)
     wide = torch.zeros(10, 256, dtype=torch.uint8, device=qw.device)
     wide[:, :128] = qw
-    _assert_same(K.w4_to_e4m3(wide[:, :128], ws), w4_to_e4m3(qw.cpu(), ws.cpu(), 10, 256))  # a row stride of 256
+    want = w4_to_e4m3(qw.cpu(), ws.cpu(), 10, 256)
+    _assert_same(K.w4_to_e4m3(wide[:, :128], ws, form=form), want)  # a row stride of 256
+    odd = torch.zeros(10 * 130 + 1, dtype=torch.uint8, device=qw.device)
+    odd_view = odd[1:].view(10, 130)[:, :128]  # a row stride of 130 bytes, an odd offset: no int32 words
+    odd_view.copy_(qw)
+    _assert_same(K.w4_to_e4m3(odd_view, ws, form=form), want)
 
 
 def test_block_k_and_errors():
@@ -131,7 +139,10 @@ def test_setting_writes_the_op_into_the_svdq_graph(monkeypatch):
 @pytest.mark.skipif(not CUDA_FP8, reason="needs an sm_89+ GPU (the hardware e4m3 cast)")
 @pytest.mark.parametrize("n,k", [(3072, 3072), (12288, 3072), (3072, 12288), (3072, 15360), (9216, 3072)])
 def test_cuda_kernel_equals_reference_on_flux_shapes(n, k):
-    """FLUX.1-dev's weight shapes (q / k / v fused: 9216 rows): the op on CUDA runs the kernel."""
+    """FLUX.1-dev's weight shapes (q / k / v fused: 9216 rows): the op on CUDA runs the kernel; both forms."""
     qw, ws = _weights(n, k, device="cuda")
     assert dispatch.w4_expand_module().is_supported(qw, ws)
-    _assert_same(OP(qw, ws), w4_to_e4m3(qw.cpu(), ws.cpu(), n, k))
+    want = w4_to_e4m3(qw.cpu(), ws.cpu(), n, k)
+    _assert_same(OP(qw, ws), want)
+    for form in ("bytes", "words"):
+        _assert_same(K.w4_to_e4m3(qw, ws, form=form), want)
