@@ -2,7 +2,7 @@
 
     dit-passes inspect flux                          # discovered structure + what each pass did
     dit-passes inspect wan --passes cleanup --variant alt_resolution --graph
-    dit-passes demo ... | fidelity ... | bench ... | coverage ...   # delegated to dit_passes.<command>:main
+    dit-passes demo ... | fidelity ... | bench ... | coverage ... | fuzz ...   # delegated to dit_passes.<command>:main
 
 ``inspect`` builds a tiny zoo model (random weights, CPU), captures it with ``compile_dit`` and prints
 ``structure.summary()``, the per-pass explain (counts and diff), the resident memory by kind and block
@@ -23,6 +23,7 @@ DELEGATED = {
     "fidelity": ("dit_passes.demo:fidelity_main", "compare a compiled pipeline's images with the original's"),
     "bench": ("dit_passes.bench", "time a compiled transformer against the original"),
     "coverage": ("dit_passes.coverage", "every DiT class of diffusers x every pass: exact / refused / error"),
+    "fuzz": ("dit_passes.coverage_fuzz", "every pass on configs drawn around each class's tiny one"),
 }
 
 

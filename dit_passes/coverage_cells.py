@@ -33,7 +33,7 @@ import dataclasses
 import datetime
 import signal
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -189,7 +189,7 @@ def _fp8_bound(zm, inputs, reference):
     same model by one eager run (the capture needs none before it: see ``dit_passes.capture_caches``)."""
     from .models.zoo import build
     from .passes import Fp8Linear
-    twin = build(zm.family, redraw_zeros=True).model
+    twin = build(zm.family, redraw_zeros=True, **zm.overrides).model
     with torch.no_grad():
         _within(_max_rel(twin(**inputs), reference), 0.0, "a second build of the model (the fp8 bound's) vs the first")
     compiled = _compile(twin, lambda: [Fp8Linear(weight_only=True)], inputs)
@@ -272,14 +272,15 @@ def _parallel_checks(group) -> Dict[str, Callable]:
     }
 
 
-def run_cell(family: str, check: Callable, timeout: float, batch: int = 1) -> Cell:
+def run_cell(family: str, check: Callable, timeout: float, batch: int = 1,
+             overrides: Optional[Dict[str, object]] = None) -> Cell:
     """Build ``family`` fresh (a pass may keep state on the module; zero parameters redrawn, see the module
-    docstring), run eager, then ``check``."""
+    docstring; ``overrides``: config fields replaced), run eager, then ``check``."""
     from .models.zoo import build
     start = time.perf_counter()
     try:
         with _deadline(timeout):
-            zm = build(family, redraw_zeros=True)
+            zm = build(family, redraw_zeros=True, **(overrides or {}))
             inputs = zm.make_inputs(batch=batch, seed=1)
             with torch.no_grad():
                 reference = zm.model(**inputs)
@@ -313,33 +314,44 @@ def _quiet():
                 lg.setLevel(level)
 
 
+# Rows drawn outside the zoo's configs (``coverage_fuzz``): a row key -> (family, config overrides); a key not in
+# the mapping is a family built from its zoo config.
+Drawn = Optional[Dict[str, Tuple[str, Dict[str, object]]]]
+
+
+def _row(key: str, drawn: Drawn) -> Tuple[str, Dict[str, object]]:
+    return (drawn or {}).get(key, (key, {}))
+
+
 def run_local(families: Sequence[str], columns: Sequence[str], timeout: float, batch: int = 1,
-              progress: Optional[Callable[[str], None]] = None) -> Dict[str, Dict[str, Cell]]:
+              progress: Optional[Callable[[str], None]] = None, drawn: Drawn = None) -> Dict[str, Dict[str, Cell]]:
     checks = _local_checks()
     out: Dict[str, Dict[str, Cell]] = {}
-    for family in families:
-        out[family] = {}
+    for key in families:
+        family, overrides = _row(key, drawn)
+        out[key] = {}
         for column in columns:
-            out[family][column] = cell = run_cell(family, checks[column], timeout, batch)
+            out[key][column] = cell = run_cell(family, checks[column], timeout, batch, overrides)
             if progress:
-                progress(f"{family:>16} {column:<11} {cell.seconds:6.1f} s  {cell.text()[:150]}")
+                progress(f"{key:>16} {column:<11} {cell.seconds:6.1f} s  {cell.text()[:150]}")
     return out
 
 
 def parallel_worker(rank: int, world: int, families: Sequence[str], columns: Sequence[str], timeout: float,
-                    batch: int) -> Dict[str, Dict[str, dict]]:
+                    batch: int, drawn: Drawn = None) -> Dict[str, Dict[str, dict]]:
     """One rank of the parallel columns (run by ``run_ranks``): every cell on a fresh group with the cell's
     timeout, the ranks re-synchronised on the world group between cells."""
     import torch.distributed as dist
     out: Dict[str, Dict[str, dict]] = {}
     with _quiet():
-        for family in families:
-            out[family] = {}
+        for key in families:
+            family, overrides = _row(key, drawn)
+            out[key] = {}
             for column in columns:
                 dist.barrier()
                 group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout))
-                cell = run_cell(family, _parallel_checks(group)[column], timeout, batch)
-                out[family][column] = dataclasses.asdict(cell)
+                cell = run_cell(family, _parallel_checks(group)[column], timeout, batch, overrides)
+                out[key][column] = dataclasses.asdict(cell)
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(group)
     return out
@@ -364,8 +376,9 @@ def _merge_ranks(per_rank: List[Dict[str, Dict[str, dict]]]) -> Dict[str, Dict[s
 
 
 def run_parallel(families: Sequence[str], columns: Sequence[str], timeout: float,
-                 batch: int = 1) -> Dict[str, Dict[str, Cell]]:
+                 batch: int = 1, drawn: Drawn = None) -> Dict[str, Dict[str, Cell]]:
     from .testing import run_ranks
     budget = 120.0 + timeout * len(families) * len(columns)
-    per_rank = run_ranks(parallel_worker, WORLD, list(families), list(columns), timeout, batch, timeout=budget)
+    per_rank = run_ranks(parallel_worker, WORLD, list(families), list(columns), timeout, batch, drawn,
+                         timeout=budget)
     return _merge_ranks(per_rank)

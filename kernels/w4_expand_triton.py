@@ -42,7 +42,7 @@ from .w4a8_triton import E4M3_MAX, _nibble_planes, _soft_e4m3
 
 GROUP = 64
 MAX_BLOCK_K = 1024  # output columns per program (a power of two dividing K)
-FORM = "bytes"  # what a thread converts: a packed byte (two values) or an int32 word (eight); bench/w4_expand_kernel.py
+FORM = "words"  # what a thread converts: an int32 word (eight values) or a packed byte (two); bench/w4_expand_kernel.py
 FORM_ENV = "DIT_PASSES_W4_EXPAND_FORM"  # "bytes" / "words": FORM for a process (bench rows compare the two)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -132,3 +132,24 @@ def test_mixture_of_experts_router_role_and_quantizers_keep_it():
         return {n.meta.get("dit_module_path") for n in c.graph.nodes if n.meta.get("dit_quant")}
     assert not set(routers) & quantized()
     assert set(routers) <= quantized(exclude=())
+
+
+@pytest.mark.parametrize("family,overrides,lists", [
+    ("wan", dict(num_layers=1), [("blocks", 1)]),
+    ("flux", dict(num_layers=1, num_single_layers=0), [("transformer_blocks", 1)]),
+    ("flux", dict(num_layers=1, num_single_layers=3), [("transformer_blocks", 1), ("single_transformer_blocks", 3)]),
+])
+def test_a_list_of_one_attending_block_is_a_block_list(family, overrides, lists):
+    """A one-layer DiT (and FLUX with one double block) captures as a DiT: a list of one block counts when the block
+    attends; the lowered module equals eager, and DBCache refuses with a reason (nothing between Fn and Bn)."""
+    from dit_passes.infra.pass_base import PassError
+    from dit_passes.passes import DBCache
+    zm = build(family, **overrides)
+    kw = zm.make_inputs()
+    compiled = compile_dit(zm.model, example_inputs=kw)
+    assert [(bl.name, bl.count) for bl in compiled.structure.block_lists] == lists
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**kw)[0], zm.model(**kw)[0], rtol=1e-5, atol=1e-5)
+    if sum(c for _, c in lists) == 1:
+        with pytest.raises(PassError, match="at least one middle block can be cached"):
+            compile_dit(zm.model, passes=[DBCache(Fn_compute_blocks=1, Bn_compute_blocks=0)], example_inputs=kw)

@@ -6,7 +6,8 @@ Contract
 
 How (no per-model tables):
 1. Every module path ``<prefix>.<i>`` where ``<prefix>`` has at least two integer children of one class
-   is a *repeated list* candidate (``transformer_blocks``, ``blocks``, ``layers``, any name).
+   is a *repeated list* candidate (``transformer_blocks``, ``blocks``, ``layers``, any name); so is a list of
+   one child that runs an attention (a one-layer DiT).
    Lists nested inside another candidate's blocks (``to_out.0``) are ignored.
 2. The main stack starts from the candidate holding the most linear-weight elements and extends to a
    list at the same nesting depth that is its *unique* predecessor (successor) in the dataflow:
@@ -29,7 +30,7 @@ import torch.fx as fx
 from ..capture import module_class_of
 from ..infra.facts import facts_of
 from ..infra.pass_base import Refusal
-from .linear_roles import find_attention, find_linears
+from .linear_roles import ROLE_ATTENTION_OPS, find_attention, find_linears
 from .structure import Block, BlockList, DiTStructure
 
 _INT = re.compile(r"^\d+$")
@@ -52,10 +53,14 @@ def _candidates(nodes: List[fx.Node]) -> Dict[str, Dict[int, str]]:
         for prefix, idx in _block_key(path):
             if idx not in seen[prefix]:
                 seen[prefix][idx] = module_class_of(n, f"{prefix}.{idx}")
+    # a list of one block is a block list when that block attends (a one-layer DiT, FLUX with one double block):
+    # one element alone says nothing of repetition, and an indexed attention-free module is a Sequential's part
+    attends = {prefix for n in nodes if n.target in ROLE_ATTENTION_OPS
+               for prefix, _ in _block_key(n.meta.get("dit_module_path", ""))}
     out = {}
     for prefix, idxs in seen.items():
         classes = set(idxs.values())
-        if len(idxs) >= 2 and len(classes) == 1:
+        if len(classes) == 1 and (len(idxs) >= 2 or prefix in attends):
             out[prefix] = idxs
     # drop lists nested inside the blocks of another candidate (e.g. attn.to_out.0 would not qualify,
     # but a per-block ModuleList of 2+ sub-layers would)
@@ -81,7 +86,8 @@ def discover(gm: fx.GraphModule, block_lists: Optional[List[str]] = None) -> DiT
     if not cands:
         tops = sorted({n.meta.get("dit_module_path", "").split(".")[0] for n in fn_nodes} - {""})
         raise NoRepeatedBlocksError(
-            "no repeated block list found: a DiT needs a ModuleList of >= 2 blocks of one class "
+            "no repeated block list found: a DiT needs a ModuleList of blocks of one class (two or more, or one that "
+            "attends) "
             f"(e.g. transformer_blocks.0, transformer_blocks.1). Top-level modules seen: {tops[:20]}. "
             "Pass a diffusers transformer, or name the lists with block_lists=[...]")
 

@@ -51,7 +51,7 @@ from dit_passes.models.zoo_variants import VARIANTS, variant_spec
 from dit_passes.models.zoo_video import VIDEO_FAMILIES
 
 __all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ALL_VARIANTS", "VARIANTS_HERE", "ZooModel", "build",
-           "config_for", "class_name_of", "model_class", "redraw_zero_parameters"]
+           "config_for", "class_name_of", "family_spec", "model_class", "redraw_zero_parameters"]
 
 _CURATED = IMAGE_FAMILIES + VIDEO_FAMILIES
 MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES + EXTRA_IMAGE_FAMILIES + EXTRA_AV_FAMILIES
@@ -82,6 +82,7 @@ class ZooModel:
     variants: tuple[str, ...]
     expected: dict
     pipeline_class: str | None
+    overrides: dict = dataclasses.field(default_factory=dict)  # the config fields ``build`` was given
 
 
 def _spec(family: str) -> FamilySpec:
@@ -94,6 +95,11 @@ def _spec(family: str) -> FamilySpec:
             f"does not have; available families here: {', '.join(FAMILIES + MORE_FAMILIES_HERE)}"
         )
     return spec
+
+
+def family_spec(family: str) -> FamilySpec:
+    """The static description of ``family`` (its config, block-list and head fields); raises as :func:`build`."""
+    return _spec(family)
 
 
 def class_name_of(family: str) -> str:
@@ -232,4 +238,5 @@ def build(family: str, seed: int = 0, redraw_zeros: bool = False, **overrides: A
         variants=tuple(spec.sizes_by_variant),
         expected=_expected(spec, config),
         pipeline_class=spec.pipeline_class,
+        overrides=copy.deepcopy(dict(overrides)),
     )

@@ -1,0 +1,45 @@
+"""``dit-passes fuzz`` (``dit_passes.coverage_fuzz``): configs drawn around a family's tiny one, probed, and the
+coverage matrix's cells run on the valid ones."""
+from __future__ import annotations
+
+import inspect
+import json
+
+from dit_passes import coverage_fuzz as fz
+from dit_passes.models.zoo import config_for, family_spec, model_class
+
+
+def test_draws_are_deterministic_and_change_known_fields():
+    for family in ("flux", "wan", "sd3"):
+        spec, base = family_spec(family), config_for(family)
+        params = inspect.signature(model_class(family).__init__).parameters
+        draws = [fz.draw_overrides(family, s) for s in range(4)]
+        assert draws == [fz.draw_overrides(family, s) for s in range(4)]
+        for d in draws:
+            assert d and set(d) <= set(params)
+            assert all(base.get(k, params[k].default) != v for k, v in d.items())  # every field changed
+            for key in spec.block_list_keys.values():
+                assert d.get(key, base[key]) in fz.MAIN_BLOCKS + (base[key],)
+            assert all(isinstance(v, bool) for k, v in d.items() if isinstance(base.get(k, params[k].default), bool))
+
+
+def test_fuzz_runs_cells_on_valid_draws_and_drops_a_rejected_head_count(tmp_path, capsys):
+    """SD3's seed-0 draw changes its head count, which its caption projection's width rejects: the draw is kept
+    without it; FLUX's draw runs as drawn. Every cell exact; the CLI writes the table and the JSON."""
+    assert "num_attention_heads" in fz.draw_overrides("sd3", 0)
+    rc = fz.main(["--families", "flux,sd3", "--columns", "capture,fp8", "--quiet", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "fuzz.json").read_text())
+    rows = {r["family"]: r for r in result["rows"]}
+    assert rows["flux"]["overrides"] == fz.draw_overrides("flux", 0) and rows["flux"]["invalid"] is None
+    assert "num_attention_heads" not in rows["sd3"]["overrides"] and rows["sd3"]["invalid"] is None
+    assert result["valid"] == 2 and result["summary"] == {c: {"exact": 2, "refused": 0, "error": 0}
+                                                          for c in ("capture", "fp8")}
+    assert "| exact | 2 | 2 |" in (tmp_path / "fuzz.md").read_text()
+    assert fz.main(["--columns", "nope"]) == 2 and "unknown column" in capsys.readouterr().err
+
+
+def test_a_draw_the_class_rejects_is_invalid_not_an_error():
+    why = fz.probe("flux", {"axes_dims_rope": (4, 4, 4)}, timeout=60)  # rope width 12 for heads of 16
+    assert why is not None and "Error" in why
+    assert fz.probe("flux", {"num_layers": 1}, timeout=60) is None
