@@ -138,10 +138,13 @@ def test_mixture_of_experts_router_role_and_quantizers_keep_it():
     ("wan", dict(num_layers=1), [("blocks", 1)]),
     ("flux", dict(num_layers=1, num_single_layers=0), [("transformer_blocks", 1)]),
     ("flux", dict(num_layers=1, num_single_layers=3), [("transformer_blocks", 1), ("single_transformer_blocks", 3)]),
+    ("flux3", dict(num_layers=1, num_single_layers=1), [("txt_mode_blocks", 1), ("single_transformer_blocks", 1)]),
 ])
 def test_a_list_of_one_attending_block_is_a_block_list(family, overrides, lists):
     """A one-layer DiT (and FLUX with one double block) captures as a DiT: a list of one block counts when the block
-    attends; the lowered module equals eager, and DBCache refuses with a reason (nothing between Fn and Bn)."""
+    attends; the lowered module equals eager. One block: DBCache refuses with a reason (nothing between Fn and Bn).
+    More: it caches, its streams told from the side inputs without a second reader (FLUX.2's per-list modulation
+    vectors, which a list of one block reads once: the cut refused them as streams before)."""
     from dit_passes.infra.pass_base import PassError
     from dit_passes.passes import DBCache
     zm = build(family, **overrides)
@@ -150,6 +153,13 @@ def test_a_list_of_one_attending_block_is_a_block_list(family, overrides, lists)
     assert [(bl.name, bl.count) for bl in compiled.structure.block_lists] == lists
     with torch.no_grad():
         torch.testing.assert_close(compiled(**kw)[0], zm.model(**kw)[0], rtol=1e-5, atol=1e-5)
+    cache = [DBCache(Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=1, residual_diff_threshold=1.0)]
     if sum(c for _, c in lists) == 1:
         with pytest.raises(PassError, match="at least one middle block can be cached"):
-            compile_dit(zm.model, passes=[DBCache(Fn_compute_blocks=1, Bn_compute_blocks=0)], example_inputs=kw)
+            compile_dit(zm.model, passes=cache, example_inputs=kw)
+        return
+    cached = compile_dit(zm.model, passes=cache, example_inputs=kw)
+    with torch.no_grad():
+        outs = [cached(**kw)[0] for _ in range(2)]
+    assert list(cached.report("dbcache").last_generation()["step_cached"]) == [False, True]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

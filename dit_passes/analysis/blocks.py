@@ -207,14 +207,28 @@ def _boundaries(blocks: List[Block], pos: Dict[fx.Node, int]) -> None:
                     if pos[a] < start or a.op == "placeholder":
                         readers[a].add(b.index)
     for b in blocks:
-        inside = set(b.nodes)
-        ins = b._inputs  # type: ignore[attr-defined]
-        b.side_inputs = [a for a in ins if (pos[a] < start or a.op == "placeholder") and len(readers[a]) > 1]
-        b.stream_inputs = [a for a in ins if a not in b.side_inputs and a.meta.get("val") is not None
-                           and isinstance(a.meta["val"], torch.Tensor) and a.meta["val"].dim() >= 3]
-        last = pos[b.last]
+        inside, last = set(b.nodes), pos[b.last]
         b.stream_outputs = [n for n in b.nodes if isinstance(n.meta.get("val"), torch.Tensor)
                             and any(u not in inside and pos[u] > last for u in n.users)]
+    # A value several blocks read is a side input. A list of one block has no second reader to tell its side
+    # inputs (its list's modulation vectors, FLUX.2's per-list ones) from the streams: there a value from before the
+    # stack is a stream only if it has the shape of some block's stream output.
+    per_list = defaultdict(int)
+    for b in blocks:
+        per_list[b.list_name] += 1
+    out_shapes = {tuple(o.meta["val"].shape) for b in blocks for o in b.stream_outputs}
+    for b in blocks:
+        ins = b._inputs  # type: ignore[attr-defined]
+
+        def side(a: fx.Node, alone: bool = per_list[b.list_name] == 1) -> bool:
+            if not (pos[a] < start or a.op == "placeholder"):
+                return False
+            val = a.meta.get("val")
+            return len(readers[a]) > 1 or (alone and not (isinstance(val, torch.Tensor)
+                                                          and tuple(val.shape) in out_shapes))
+        b.side_inputs = [a for a in ins if side(a)]
+        b.stream_inputs = [a for a in ins if a not in b.side_inputs and a.meta.get("val") is not None
+                           and isinstance(a.meta["val"], torch.Tensor) and a.meta["val"].dim() >= 3]
         del b._inputs  # type: ignore[attr-defined]
 
 
