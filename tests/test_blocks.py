@@ -163,3 +163,21 @@ def test_a_list_of_one_attending_block_is_a_block_list(family, overrides, lists)
         outs = [cached(**kw)[0] for _ in range(2)]
     assert list(cached.report("dbcache").last_generation()["step_cached"]) == [False, True]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,lists,prologue", [
+    ("hidream", [("double_stream_blocks", 2), ("single_stream_blocks", 2)], "caption_projection"),
+    ("longcat_audio", [("blocks", 4)], "text_conv_layer"),
+])
+def test_a_list_that_runs_no_attention_is_not_blocks(family, lists, prologue):
+    """HiDream's five caption projections and LongCat-Audio's text convolutions are lists of one class feeding the
+    first block list: the stack held them as its first blocks (DBCache's Fn counted projections; its residual
+    signal was a projection's output). Lists whose blocks run no attention stay prologue where others attend."""
+    zm = build(family, redraw_zeros=True)
+    kw = zm.make_inputs(seed=1)
+    compiled = compile_dit(zm.model, example_inputs=kw)
+    s = compiled.structure
+    assert [(bl.name, bl.count) for bl in s.block_lists] == lists
+    assert s.candidates[prologue] >= 2 and all(not b.path.startswith(prologue) for b in s.blocks)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**kw)[0], zm.model(**kw)[0], rtol=1e-5, atol=1e-5)

@@ -10,13 +10,15 @@ How (no per-model tables):
    one child that runs an attention (a one-layer DiT).
    Lists nested inside another candidate's blocks (``to_out.0``) are ignored.
 2. The main stack starts from the candidate holding the most linear-weight elements and extends to a
-   list at the same nesting depth that is its *unique* predecessor (successor) in the dataflow:
+   list at the same nesting depth that is its *unique* predecessor (successor) in the dataflow, among the lists
+   whose blocks attend where any does (HiDream's caption projections are a list feeding the blocks, not blocks):
    Flux's double blocks feed its single blocks (one range, as the reference treats it), whereas
    Lumina2's noise and context refiners both feed ``layers`` (so they stay prologue), and HunyuanVideo's
    token refiner sits deeper (``context_embedder.token_refiner.refiner_blocks``) and is never the stack.
 3. A block is the contiguous node range of its path; its stream inputs are values it reads that no other
    block reads from the prologue (the residual streams), its side inputs those every block shares
-   (temb, rotary embeddings, masks).
+   (temb, rotary embeddings, masks); in a list of one block, which has no second reader, a value from the prologue
+   is a stream only if it has the shape of a block's stream output.
 """
 from __future__ import annotations
 
@@ -55,8 +57,7 @@ def _candidates(nodes: List[fx.Node]) -> Dict[str, Dict[int, str]]:
                 seen[prefix][idx] = module_class_of(n, f"{prefix}.{idx}")
     # a list of one block is a block list when that block attends (a one-layer DiT, FLUX with one double block):
     # one element alone says nothing of repetition, and an indexed attention-free module is a Sequential's part
-    attends = {prefix for n in nodes if n.target in ROLE_ATTENTION_OPS
-               for prefix, _ in _block_key(n.meta.get("dit_module_path", ""))}
+    attends = _attending(nodes)
     out = {}
     for prefix, idxs in seen.items():
         classes = set(idxs.values())
@@ -66,6 +67,12 @@ def _candidates(nodes: List[fx.Node]) -> Dict[str, Dict[int, str]]:
     # but a per-block ModuleList of 2+ sub-layers would)
     nested = {p for p in out for q in out if p != q and re.match(rf"^{re.escape(q)}\.\d+\.", p)}
     return {p: v for p, v in out.items() if p not in nested}
+
+
+def _attending(nodes: List[fx.Node]) -> Set[str]:
+    """The list prefixes whose blocks run an attention (SDPA or flex attention) somewhere inside them."""
+    return {prefix for n in nodes if n.target in ROLE_ATTENTION_OPS
+            for prefix, _ in _block_key(n.meta.get("dit_module_path", ""))}
 
 
 def _weight_elems(gm: fx.GraphModule, nodes: List[fx.Node]) -> int:
@@ -152,6 +159,12 @@ def discover(gm: fx.GraphModule, block_lists: Optional[List[str]] = None) -> DiT
 
 
 def _main_chain(gm: fx.GraphModule, groups: Dict[str, Dict[int, List[fx.Node]]], pos) -> List[str]:
+    # Where some lists attend, only those are transformer blocks: HiDream's five caption projections and
+    # LongCat-Audio's text convolutions feed the first block list (and would extend the stack backwards) but run
+    # no attention; a model with no SDPA / flex attention at all (linear attention only) keeps every list.
+    attending = _attending([n for g in groups.values() for ns in g.values() for n in ns])
+    if attending & set(groups):
+        groups = {p: g for p, g in groups.items() if p in attending}
     weight = {p: _weight_elems(gm, [n for ns in g.values() for n in ns]) or sum(map(len, g.values()))
               for p, g in groups.items()}
     start = {p: min(pos[n] for ns in g.values() for n in ns) for p, g in groups.items()}
