@@ -223,6 +223,21 @@ def to_text(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cli_selection(prog: str, families: str, columns: str, variants: str):
+    """The rows and columns the comma lists of a command line name, or None after printing to stderr what is wrong
+    (an unknown column, family or class)."""
+    cols = [c.strip() for c in columns.split(",") if c.strip()]
+    unknown = [c for c in cols if c not in COLUMNS]
+    if unknown:
+        print(f"{prog}: unknown column(s) {unknown}; columns: {', '.join(COLUMNS)}", file=sys.stderr)
+        return None
+    try:
+        return select_rows([f.strip() for f in families.split(",") if f.strip()], variants), cols
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="dit-passes coverage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="", help="comma-separated zoo families or diffusers class names")
@@ -237,16 +252,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--update", default="", help="an earlier coverage.json: run only --families / --columns "
                         "and write it with those cells replaced")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    columns = [c.strip() for c in args.columns.split(",") if c.strip()]
-    unknown = [c for c in columns if c not in COLUMNS]
-    if unknown:
-        print(f"dit-passes coverage: unknown column(s) {unknown}; columns: {', '.join(COLUMNS)}", file=sys.stderr)
+    picked = cli_selection("dit-passes coverage", args.families, args.columns, args.variants)
+    if picked is None:
         return 2
-    try:
-        rows = select_rows([f.strip() for f in args.families.split(",") if f.strip()], args.variants)
-    except ValueError as e:
-        print(f"dit-passes coverage: {e}", file=sys.stderr)
-        return 2
+    rows, columns = picked
     torch.set_num_threads(1)
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     with _quiet():
@@ -271,5 +280,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-__all__ = ["COLUMNS", "LOCAL_COLUMNS", "PARALLEL_COLUMNS", "Cell", "build_matrix", "main", "merge_rows", "run_cell",
-           "select_rows", "summarize", "to_markdown", "to_text"]
+__all__ = ["COLUMNS", "LOCAL_COLUMNS", "PARALLEL_COLUMNS", "Cell", "build_matrix", "cli_selection", "main", "merge_rows",
+           "run_cell", "select_rows", "summarize", "to_markdown", "to_text"]

@@ -151,7 +151,7 @@ def to_markdown(result: dict, command: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .coverage import select_rows
+    from .coverage import cli_selection
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="dit-passes fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default="", help="comma-separated zoo families or class names (default: all)")
@@ -163,17 +163,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default="", help="directory for fuzz.md / fuzz.json")
     p.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     a = p.parse_args(argv)
-    columns = [c.strip() for c in a.columns.split(",") if c.strip()]
-    unknown = [c for c in columns if c not in COLUMNS]
-    if unknown or a.draws < 1:
-        print(f"dit-passes fuzz: unknown column(s) {unknown}; columns: {', '.join(COLUMNS)}" if unknown else
-              "dit-passes fuzz: --draws must be >= 1", file=sys.stderr)
+    if a.draws < 1:
+        print("dit-passes fuzz: --draws must be >= 1", file=sys.stderr)
         return 2
-    try:
-        rows = select_rows([f.strip() for f in a.families.split(",") if f.strip()], "none")
-    except ValueError as e:
-        print(f"dit-passes fuzz: {e}", file=sys.stderr)
+    picked = cli_selection("dit-passes fuzz", a.families, a.columns, "none")
+    if picked is None:
         return 2
+    rows, columns = picked
     torch.set_num_threads(1)
     progress = None if a.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     with _quiet():
