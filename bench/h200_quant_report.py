@@ -10,8 +10,9 @@ from typing import Any, Dict, List, Sequence
 def summarize(r: Dict[str, Any]) -> None:
     rows = r["rows"]
     r["step_ms"] = {name: row["step_ms"] for name, row in rows.items()}
-    if "bf16" in rows:
-        r["bf16_compiled_ms"] = rows["bf16"]["step_ms"]
+    bf16 = "bf16" if "bf16" in rows else "bf16_graphed" if "bf16_graphed" in rows else None
+    if bf16:
+        r["bf16_compiled_ms"] = rows[bf16]["step_ms"]
     svdq = {n: v["step_ms"] for n, v in rows.items() if n.startswith("svdq_w4")}
     if svdq:
         best = min(svdq, key=svdq.get)
@@ -20,9 +21,9 @@ def summarize(r: Dict[str, Any]) -> None:
     if fp8:
         best = min(fp8, key=fp8.get)
         r["fp8_compiled_ms"], r["fp8_design"] = fp8[best], best
-    if "bf16" in rows:  # a graphed row against the graphed bf16 step where measured: like against like
+    if bf16:  # a graphed row against the graphed bf16 step where measured: like against like
         def base(n):
-            return rows["bf16_graphed" if n.endswith("_graphed") and "bf16_graphed" in rows else "bf16"]["step_ms"]
+            return rows["bf16_graphed" if n.endswith("_graphed") and "bf16_graphed" in rows else bf16]["step_ms"]
         r["speedup_vs_bf16"] = {n: base(n) / v["step_ms"] for n, v in rows.items()}
     r["linear_ms"] = {shape: {d: v["ms"] for d, v in res.items()} for shape, res in r.get("linears", {}).items()}
     r["memory"] = memory_ratios(rows)
