@@ -136,7 +136,6 @@ def test_mixture_of_experts_router_role_and_quantizers_keep_it():
 
 @pytest.mark.parametrize("family,overrides,lists", [
     ("wan", dict(num_layers=1), [("blocks", 1)]),
-    ("flux", dict(num_layers=1, num_single_layers=0), [("transformer_blocks", 1)]),
     ("flux", dict(num_layers=1, num_single_layers=3), [("transformer_blocks", 1), ("single_transformer_blocks", 3)]),
     ("flux3", dict(num_layers=1, num_single_layers=1), [("txt_mode_blocks", 1), ("single_transformer_blocks", 1)]),
 ])

@@ -152,12 +152,14 @@ def test_families_match_single_process_with_the_collectives_counted(rule_ranks):
     assert cases["ernie_image"]["counts"]["attention_replaced"] == 2 and cases["ernie_image"]["shard_dims_3d"] == [0]
     # PRX: queries over text + image keys stay local over the gathered keys (k and v per attention)
     assert cases["prx"]["counts"]["attention_local"] == 2 and cases["prx"]["counts"]["nonlocal_gathers"] == 4
-    # linear attention: one all-reduce per block, for v^T k (a sum over the tokens: LongCat-Audio, the toys below)
+    # linear attention: one all-reduce per block, for v^T k (a sum over the tokens: the toys below)
     assert cases["sana"]["counts"]["all_reduce"] == 2
-    # LongCat-Audio: 4 text ConvNeXt convs gathered; the DiT stack's own stream sharded where it starts
+    # LongCat-Audio: its text ConvNeXt convs (and their sums over the tokens) run before the stack, whole on every rank
+    # (no attention: not blocks), so nothing is gathered or reduced for them; the audio stream sharded where the stack
+    # starts (before stop 33 the convs were the stack's first blocks: 4 gathers, 1 all-reduce, 2 inputs sharded)
     longcat = cases["longcat_audio"]["counts"]
-    assert longcat["nonlocal_gathers"] >= 4 and longcat["all_reduce"] == 1
-    assert longcat["inputs_sharded"] == 2 and longcat["attention_replaced"] == 4
+    assert longcat["nonlocal_gathers"] == 0 and longcat["all_reduce"] == 0, longcat
+    assert longcat["inputs_sharded"] == 1 and longcat["attention_replaced"] == 4
     # Z-Image: q and k rotary regions of 2 blocks rewritten, the attention still distributed
     assert cases["zimage"]["counts"]["regions"] == 4 and cases["zimage"]["counts"]["attention_replaced"] == 2
     # OmniGen: K / V with one head, broadcast to the query heads, the attention still distributed
