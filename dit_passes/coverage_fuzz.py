@@ -36,15 +36,15 @@ from .coverage_cells import (COLUMNS, ERROR, EXACT, LOCAL_COLUMNS, PARALLEL_COLU
                              _quiet, _short, run_local, run_parallel)
 
 MAIN_BLOCKS = (1, 3)        # the zoo's block lists hold 2
-AUX_BLOCKS = (0, 1, 3)      # a list outside the main stack (FLUX's single blocks) may be empty
+AUX_BLOCKS = (0, 1, 3)      # a list outside the main stack (refiners, a token refiner) may be empty
 HEADS = (1, 3)              # the zoo's 2 heads
 FLIP = 0.35                 # a boolean field's chance of being flipped
-INVALID = "invalid"
 
 
 def draw_overrides(family: str, seed: int) -> Dict[str, object]:
     """Config fields to replace in ``family``'s tiny config: block-list lengths, the head count, flipped booleans
-    (module docstring). Deterministic in ``(family, seed)``; an empty draw is redrawn from the next seed."""
+    (module docstring). Deterministic in ``(family, seed)``; a draw that changes nothing is drawn again (up to 16
+    times)."""
     from .models.zoo import config_for, family_spec, model_class
     spec, base = family_spec(family), config_for(family)
     params = inspect.signature(model_class(family).__init__).parameters
