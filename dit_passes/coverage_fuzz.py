@@ -32,8 +32,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .coverage_cells import (COLUMNS, ERROR, EXACT, LOCAL_COLUMNS, PARALLEL_COLUMNS, REFUSED, Cell, _deadline,
-                             _quiet, _short, run_local, run_parallel)
+from .coverage_cells import (COLUMNS, ERROR, EXACT, LOCAL_COLUMNS, PARALLEL_COLUMNS, REFUSED, Cell, _leaves, _quiet,
+                             run_cell, run_local, run_parallel)
 
 MAIN_BLOCKS = (1, 3)        # the zoo's block lists hold 2
 AUX_BLOCKS = (0, 1, 3)      # a list outside the main stack (refiners, a token refiner) may be empty
@@ -68,19 +68,17 @@ def draw_overrides(family: str, seed: int) -> Dict[str, object]:
 
 
 def probe(family: str, overrides: Dict[str, object], timeout: float, batch: int = 1) -> Optional[str]:
-    """None where the class builds and runs eagerly with ``overrides``, else why not (the draw is invalid)."""
-    from .models.zoo import build
-    try:
-        with _deadline(timeout):
-            zm = build(family, redraw_zeros=True, **overrides)
-            with torch.no_grad():
-                out = zm.model(**zm.make_inputs(batch=batch, seed=1))
-        leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not leaves or not all(torch.isfinite(t).all() for t in leaves):
-            return "eager output not finite"
-        return None
-    except Exception as e:  # noqa: BLE001 - the class rejecting the config, whatever it raises
-        return f"{type(e).__name__}: {_short(e, 200)}"
+    """None where the class builds and runs eagerly with ``overrides`` (a finite output), else why not (the draw is
+    invalid): the matrix's cell with no pass to check."""
+    cell = run_cell(family, _finite, timeout, batch, overrides)
+    return None if cell.status == EXACT else cell.detail
+
+
+def _finite(zm, inputs, reference) -> str:
+    leaves = _leaves(reference)
+    if not leaves or not all(torch.isfinite(t).all() for t in leaves):
+        raise ValueError("eager output not finite")
+    return ""
 
 
 def _heads_key(family: str) -> str:

@@ -23,7 +23,7 @@ How (no per-model tables):
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
@@ -47,8 +47,8 @@ def _block_key(path: str) -> List[Tuple[str, int]]:
     return [(".".join(parts[:i]), int(p)) for i, p in enumerate(parts) if _INT.match(p) and i > 0]
 
 
-def _candidates(nodes: List[fx.Node]) -> Dict[str, Dict[int, str]]:
-    """prefix -> {index: block class} for every repeated-list candidate."""
+def _candidates(nodes: List[fx.Node], attends: Set[str]) -> Dict[str, Dict[int, str]]:
+    """prefix -> {index: block class} for every repeated-list candidate (``attends``: :func:`_attending`)."""
     seen: Dict[str, Dict[int, str]] = defaultdict(dict)
     for n in nodes:
         path = n.meta.get("dit_module_path", "")
@@ -57,7 +57,6 @@ def _candidates(nodes: List[fx.Node]) -> Dict[str, Dict[int, str]]:
                 seen[prefix][idx] = module_class_of(n, f"{prefix}.{idx}")
     # a list of one block is a block list when that block attends (a one-layer DiT, FLUX with one double block):
     # one element alone says nothing of repetition, and an indexed attention-free module is a Sequential's part
-    attends = _attending(nodes)
     out = {}
     for prefix, idxs in seen.items():
         classes = set(idxs.values())
@@ -89,7 +88,8 @@ def discover(gm: fx.GraphModule, block_lists: Optional[List[str]] = None) -> DiT
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     fn_nodes = [n for n in nodes if n.op == "call_function"]
-    cands = _candidates(fn_nodes)
+    attends = _attending(fn_nodes)
+    cands = _candidates(fn_nodes, attends)
     if not cands:
         tops = sorted({n.meta.get("dit_module_path", "").split(".")[0] for n in fn_nodes} - {""})
         raise NoRepeatedBlocksError(
@@ -115,7 +115,7 @@ def discover(gm: fx.GraphModule, block_lists: Optional[List[str]] = None) -> DiT
                                         f"{ {p: len(v) for p, v in groups.items()} }")
         chain = sorted(block_lists, key=lambda p: min(pos[n] for ns in groups[p].values() for n in ns))
     else:
-        chain = _main_chain(gm, groups, pos)
+        chain = _main_chain(gm, groups, pos, attends)
 
     blocks: List[Block] = []
     lists: List[BlockList] = []
@@ -158,13 +158,12 @@ def discover(gm: fx.GraphModule, block_lists: Optional[List[str]] = None) -> DiT
                         candidates={p: len(v) for p, v in groups.items()})
 
 
-def _main_chain(gm: fx.GraphModule, groups: Dict[str, Dict[int, List[fx.Node]]], pos) -> List[str]:
+def _main_chain(gm: fx.GraphModule, groups: Dict[str, Dict[int, List[fx.Node]]], pos, attends: Set[str]) -> List[str]:
     # Where some lists attend, only those are transformer blocks: HiDream's five caption projections and
     # LongCat-Audio's text convolutions feed the first block list (and would extend the stack backwards) but run
     # no attention; a model with no SDPA / flex attention at all (linear attention only) keeps every list.
-    attending = _attending([n for g in groups.values() for ns in g.values() for n in ns])
-    if attending & set(groups):
-        groups = {p: g for p, g in groups.items() if p in attending}
+    if attends & set(groups):
+        groups = {p: g for p, g in groups.items() if p in attends}
     weight = {p: _weight_elems(gm, [n for ns in g.values() for n in ns]) or sum(map(len, g.values()))
               for p, g in groups.items()}
     start = {p: min(pos[n] for ns in g.values() for n in ns) for p, g in groups.items()}
@@ -226,20 +225,17 @@ def _boundaries(blocks: List[Block], pos: Dict[fx.Node, int]) -> None:
     # A value several blocks read is a side input. A list of one block has no second reader to tell its side
     # inputs (its list's modulation vectors, FLUX.2's per-list ones) from the streams: there a value from before the
     # stack is a stream only if it has the shape of some block's stream output.
-    per_list = defaultdict(int)
-    for b in blocks:
-        per_list[b.list_name] += 1
+    per_list = Counter(b.list_name for b in blocks)
     out_shapes = {tuple(o.meta["val"].shape) for b in blocks for o in b.stream_outputs}
+
+    def side(a: fx.Node, alone: bool) -> bool:
+        if not (pos[a] < start or a.op == "placeholder"):
+            return False
+        val = a.meta.get("val")
+        return len(readers[a]) > 1 or (alone and not (isinstance(val, torch.Tensor) and tuple(val.shape) in out_shapes))
     for b in blocks:
         ins = b._inputs  # type: ignore[attr-defined]
-
-        def side(a: fx.Node, alone: bool = per_list[b.list_name] == 1) -> bool:
-            if not (pos[a] < start or a.op == "placeholder"):
-                return False
-            val = a.meta.get("val")
-            return len(readers[a]) > 1 or (alone and not (isinstance(val, torch.Tensor)
-                                                          and tuple(val.shape) in out_shapes))
-        b.side_inputs = [a for a in ins if side(a)]
+        b.side_inputs = [a for a in ins if side(a, per_list[b.list_name] == 1)]
         b.stream_inputs = [a for a in ins if a not in b.side_inputs and a.meta.get("val") is not None
                            and isinstance(a.meta["val"], torch.Tensor) and a.meta["val"].dim() >= 3]
         del b._inputs  # type: ignore[attr-defined]
