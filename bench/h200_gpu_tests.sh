@@ -1,5 +1,5 @@
 #!/bin/bash
-# The tests that skip without a GPU (all eighteen files, or GPU_TEST_FILES), on the device, in one call (issue 22 item 4); log to $OUT/gpu_tests.log.
+# The tests that skip without a GPU (all nineteen files, or GPU_TEST_FILES), on the device, in one call (issue 22 item 4); log to $OUT/gpu_tests.log.
 #   device tool: run(command="bash bench/h200_gpu_tests.sh", carry=[".whl"])   (.whl: ../shared/tools/device-wheels
 #   nvidia-cutlass==4.2.0.0 diffusers ...: the CUTLASS headers, and diffusers for the zoo models)
 # Run from the repository root (pytest -P: the checkout's kernels/ folder must not shadow the installed package).
@@ -17,7 +17,8 @@ files=${GPU_TEST_FILES:-"tests/test_cuda_graph_step.py tests/test_quant_nvfp4.py
   tests/test_kernels_w4a4.py tests/test_kernels_w4a8.py tests/test_quant_core.py tests/test_quant_forms.py
   tests/test_fp8_rowquant.py tests/test_w4_expand.py tests/test_lrcat.py tests/test_lrcat_act.py
   tests/test_w4a16_rows.py tests/test_weight_only_rows.py tests/test_triton_kernel_globals.py
-  tests/test_lrcat_smoothed.py tests/test_epilogue_passes.py tests/test_norm_rope.py tests/test_norm_modulate.py"}
+  tests/test_lrcat_smoothed.py tests/test_epilogue_passes.py tests/test_norm_rope.py tests/test_norm_modulate.py
+  tests/test_w4_lut.py"}
 # GPU_TEST_FILES: a part of the list when one device call cannot hold all (file paths or pytest node ids)
 timeout ${GPU_TESTS_TIMEOUT:-500} python3 -P -m pytest -q -p no:cacheprovider -rA "$@" $files \
   2>&1 | tee "$out/${GPU_TESTS_LOG:-gpu_tests.log}" | grep -v "^PASSED"

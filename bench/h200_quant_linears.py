@@ -125,7 +125,57 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
         c = lrcat_c(q.lora_down, q.K)
         return lambda: torch.ops.dit_passes.lrcat_quantize_rows(x, q.smooth_inv, q.lora_down, c, True)
 
-    return {"bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
+    def lut_operands(x, w, b):
+        from dit_passes.kernels import w4a8_lut_cutlass as L
+        from dit_passes.quant import w4_lut
+
+        q = svdq(x, w, b)
+        lw = w4_lut.prepare_lut(q.qweight, q.wscale, q.lora_down, q.lora_up)
+        return L, w4_lut, q, lw
+
+    def svdq_lut(x, w, b):  # xd by Inductor, h by mm, the A operand by the planes kernel, the LUT GEMM
+        if not lut_available():
+            return None
+        from dit_passes.kernels.lrcat_act_triton import lrcat_quantize_smoothed
+        L, w4_lut, q, lw = lut_operands(x, w, b)
+
+        def smoothed(t):
+            xd = (t.float() * q.smooth_inv).to(t.dtype)
+            return xd, xd @ q.lora_down.t()
+        prep = torch.compile(smoothed, backend=backend, fullgraph=True)
+        bias = q.bias.to(torch.bfloat16) if q.bias is not None else None
+
+        def run():
+            xd, h = prep(x)
+            a8, sx = lrcat_quantize_smoothed(xd, h, lw.c, planes=True)
+            return L.lut_gemm(lw.codes, lw.tables, a8, lw.sw, sx.view(-1), bias)
+        return run
+
+    def lut_gemm(config: str):  # the GEMM alone; checked against its reference before it is timed
+        def build(x, w, b):
+            if not lut_available():
+                return None
+            L, w4_lut, q, lw = lut_operands(x, w, b)
+            a8, sx = w4_lut.lut_activation(x, q.smooth_inv, q.lora_down, lw.c, x.dtype, x.shape[0], q.rank)
+            bias = q.bias.to(torch.bfloat16) if q.bias is not None else None
+            out = L.lut_gemm(lw.codes, lw.tables, a8, lw.sw, sx, bias, config)
+            ref = w4_lut.lut_gemm_reference(lw.codes, lw.tables, a8, lw.sw, sx, bias, torch.bfloat16)
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            print(f"[lut_gemm {config}] {tuple(a8.shape)} x {tuple(lw.codes.shape)}: rel err vs reference {err:.2e}",
+                  flush=True)
+            if not err < 1e-2:
+                raise RuntimeError(f"lut_gemm {config}: rel err {err} against its reference")
+            return lambda: L.lut_gemm(lw.codes, lw.tables, a8, lw.sw, sx, bias, config)
+        return build
+
+    def lut_available() -> bool:
+        from dit_passes.kernels import w4a8_lut_cutlass as L
+        return device.type == "cuda" and L.is_available()
+
+    from dit_passes.kernels.w4a8_lut_cutlass import CONFIGS as LUT_CONFIGS
+    lut = {"svdq_lut": svdq_lut, **{f"w4a8_gemm_lut_{c}": lut_gemm(c) for c in LUT_CONFIGS},
+           "svdq_lrcat_split_mm": svdq_fp8(True, "kernel", lrcat="split", act="mm")}
+    return {**lut, "bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
             "fp8_rowquant": fp8_rowquant, "fp8_act": fp8_act(False), "fp8_act_rowquant": fp8_act(True),
             "svdq_fp8": svdq_fp8(False), "svdq_fp8_fast_accum": svdq_fp8(True), "svdq_w4a8_fused": svdq_w4a8(False),
             "svdq_w4a8_fused_fold": svdq_w4a8(True), "w4a8_act": w4a8_parts("act"), "w4a8_gemm": w4a8_parts("gemm"),

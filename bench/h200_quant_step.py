@@ -113,6 +113,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from h200_quant_linears import RANK, clear_svdq, linear_designs, svdq, w4a8_tile  # noqa: E402
 from h200_quant_report import markdown, save as save_report  # noqa: E402
+from dit_passes.kernels.w4a8_lut_cutlass import CONFIGS as LUT_CONFIGS  # noqa: E402
 
 FULL = dict(img=4096, txt=512, m=4608, shapes=((3072, 3072), (3072, 12288), (12288, 3072), (15360, 3072)))
 TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
@@ -131,7 +132,7 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "svdq_w4_lrcat_split_mm_graphed", "bf16_epilogue", "bf16_epilogue_graphed", "bf16_epilogue_cdt_graphed",
         "bf16_epilogue_rope", "fp8_default_rope", "svdq_w4_default_rope", "bf16_epilogue_rope_graphed",
         "fp8_default_rope_graphed", "svdq_w4_default_rope_graphed", "bf16_pointwise_graphed", "fp8_pointwise_graphed",
-        "svdq_w4_pointwise_graphed", "svdq_w4_pointwise_words_graphed")
+        "svdq_w4_pointwise_graphed", "svdq_w4_pointwise_words_graphed", "svdq_w4_lut_pointwise_graphed")
 # Inductor options of a row (its _graphed twin too): cdt, Inductor's coordinate-descent tuning of its own kernels'
 # block sizes (the RMSNorm + RoPE kernel of the bf16 step runs at ~1 TB/s; more compile time)
 COMPILE_OPTIONS = {"bf16_epilogue_cdt": {"coordinate_descent_tuning": True}}
@@ -139,8 +140,9 @@ DEFAULT_ROWS = ROWS[:ROWS.index("svdq_w4_w4a8_fused")]  # the rest on request
 LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_act", "fp8_act_rowquant", "svdq_fp8",
            "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
            "w4_expand", "w4_expand_kernel", "svdq_fp8_fast_accum_expandkernel", "svdq_lrcat", "svdq_lrcat_expandkernel",
-           "svdq_lrcat_split_expandkernel", "lrcat_act", "svdq_lrcat_split_act", "svdq_op")
-DEFAULT_LINEARS = LINEARS[:-1]
+           "svdq_lrcat_split_expandkernel", "lrcat_act", "svdq_lrcat_split_act", "svdq_op", "svdq_lrcat_split_mm",
+           "svdq_lut", *(f"w4a8_gemm_lut_{c}" for c in LUT_CONFIGS))
+DEFAULT_LINEARS = LINEARS[:LINEARS.index("svdq_op")]
 
 
 def log(*a) -> None:
@@ -240,6 +242,9 @@ def row_specs():
     for name, rope in (("bf16_pointwise", "bf16_epilogue_rope"), ("fp8_pointwise", "fp8_default_rope"),
                        ("svdq_w4_pointwise", "svdq_w4_default_rope")):
         specs[name] = (lambda rope=rope: [*specs[rope][0](), FuseNormModulate()], specs[rope][1])
+    # the lookup-table form: the int4 codes read by the CUTLASS mixed-input GEMM through per-group e4m3 tables
+    # (quant/w4_lut.py), no expanded weight; the branch as two int4 digit planes in K
+    specs["svdq_w4_lut_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut"})
     # the expansion kernel converting an int32 word (eight values) a thread instead of a byte (bench/w4_expand_kernel.py)
     specs["svdq_w4_pointwise_words"] = (specs["svdq_w4_pointwise"][0], {w4_expand_triton.FORM_ENV: "words"})
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with
@@ -247,7 +252,8 @@ def row_specs():
     graphed = ("bf16", "fp8_fused", "fp8_fused_rowquant", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_act",
                "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default",
                "svdq_w4_lrcat_split_mm", "bf16_epilogue", "bf16_epilogue_cdt", "bf16_epilogue_rope", "fp8_default_rope",
-               "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise", "svdq_w4_pointwise_words")
+               "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise", "svdq_w4_pointwise_words",
+               "svdq_w4_lut_pointwise")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 
@@ -359,6 +365,9 @@ def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, 
                "original_only_gib": gib(sum(b for p, b in original.items() if p not in held)),
                "peak_gib": gib(peak), "env": env, **({"profile": profiled} if profiled else {}),
                "passes": {r.name: r.result.report for r in records if r.name != "cleanup"}}
+        lut = sys.modules.get("dit_passes.kernels.w4a8_lut_cutlass")
+        if lut is not None and lut.tuned_configs():  # the LUT GEMM's tile configs "auto" chose, per (M, N, K)
+            row["lut_configs"] = {"x".join(map(str, key[:3])): c for key, c in lut.tuned_configs().items()}
     del compiled
     cleanup(device)
     return row, out.float()

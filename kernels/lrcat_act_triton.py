@@ -159,15 +159,22 @@ def _lrcat_quant_kernel(x_ptr, si_ptr, amax_ptr, h_ptr, c_ptr, a_ptr, sx_ptr, M,
 
 
 @triton.jit
-def _store_branch(dst, h, sx, c_ptr, offs_r, row_ok, R, SPLIT: tl.constexpr, COLS: tl.constexpr, SOFT: tl.constexpr):
+def _store_branch(dst, h, sx, c_ptr, offs_r, row_ok, R, SPLIT: tl.constexpr, COLS: tl.constexpr, SOFT: tl.constexpr,
+                  PLANES: tl.constexpr = False):
     # the branch columns of a block of rows from h [ROWS, R_PAD] (fp32, 0 past R) and sx [ROWS]:
-    # hs = clamp(h / (sx * c)); [e4m3(hs)] or, split, [hi | lo | hi], zeros up to COLS
+    # hs = clamp(h / (sx * c)); [e4m3(hs)] or, split, [hi | lo | hi], zeros up to COLS; PLANES (the LUT GEMM's
+    # operand, w4_lut.lut_smoothed_activation): [hi | e4m3(hi / 16) | lo], zeros up to COLS
     r_mask = offs_r < R
     c = tl.load(c_ptr + offs_r, mask=r_mask, other=1.0)
     hs = tl.math.div_rn(h, sx[:, None] * c[None, :])
     hs = tl.minimum(tl.maximum(hs, -E4M3_MAX), E4M3_MAX)
     hi = _to_e4m3(hs, SOFT)
-    if SPLIT:  # [hi | lo | hi], the last part also writing the zero columns up to COLS
+    if PLANES:  # hi / 16 from hi's value in fp32 (_soft_e4m3: no fp8 round trip in registers, see below); exact
+        hi_f = _soft_e4m3(hs)
+        tl.store(dst, hi, mask=row_ok & r_mask[None, :])
+        tl.store(dst + R, _to_e4m3(hi_f * 0.0625, SOFT), mask=row_ok & r_mask[None, :])
+        tl.store(dst + 2 * R, _to_e4m3(hs - hi_f, SOFT), mask=row_ok & (offs_r < COLS - 2 * R)[None, :])
+    elif SPLIT:  # [hi | lo | hi], the last part also writing the zero columns up to COLS
         lo = _to_e4m3(hs - _soft_e4m3(hs), SOFT)  # hi's value without an fp8 round trip in registers (sm_90:
         # Triton 3.6 mis-lowered hi.to(float32) of the dot's layout: hi + lo off by hundreds in the GPU test)
         tl.store(dst, hi, mask=row_ok & r_mask[None, :])
@@ -179,7 +186,8 @@ def _store_branch(dst, h, sx, c_ptr, offs_r, row_ok, R, SPLIT: tl.constexpr, COL
 
 @triton.jit
 def _lrcat_rows_kernel(x_ptr, h_ptr, c_ptr, a_ptr, sx_ptr, K, R, s_xm, s_hm, s_am, BLOCK: tl.constexpr,
-                       R_PAD: tl.constexpr, SPLIT: tl.constexpr, COLS: tl.constexpr, SOFT: tl.constexpr):
+                       R_PAD: tl.constexpr, SPLIT: tl.constexpr, COLS: tl.constexpr, SOFT: tl.constexpr,
+                       PLANES: tl.constexpr):
     # one program per token, its row held in registers (K <= SINGLE_MAX): the smoothed activation's e4m3 and scale,
     # then the branch columns from its down projection h (computed before, by a GEMM)
     row = tl.program_id(0).to(tl.int64)
@@ -192,7 +200,7 @@ def _lrcat_rows_kernel(x_ptr, h_ptr, c_ptr, a_ptr, sx_ptr, K, R, s_xm, s_hm, s_a
     offs_r = tl.arange(0, R_PAD)
     h = tl.load(h_ptr + row * s_hm + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)[None, :]   # [1, R_PAD]
     _store_branch(a_ptr + row * s_am + (K + offs_r)[None, :], h, tl.zeros([1], dtype=tl.float32) + sx, c_ptr,
-                  offs_r, tl.full([1, 1], 1, tl.int1), R, SPLIT, COLS, SOFT)
+                  offs_r, tl.full([1, 1], 1, tl.int1), R, SPLIT, COLS, SOFT, PLANES)
 
 
 def is_supported(x: torch.Tensor, lora_down: torch.Tensor) -> bool:
@@ -207,17 +215,19 @@ def smoothed_supported(xd: torch.Tensor) -> bool:
     return rows_supported(xd) and 0 < xd.shape[1] <= SINGLE_MAX  # rows_supported: a 2-D float xd
 
 
-def _outputs(name: str, x: torch.Tensor, r: int, split: bool, reference: str):
-    """Both ops' outputs, the A operand e4m3 [M, K + cols] and sx fp32 [M, 1], with cols (``graph_forms.lrcat_cols``)
-    and the branch programs' width (split: the widest of the three parts); x must be on CUDA (or interpreted)."""
+def _outputs(name: str, x: torch.Tensor, r: int, split: bool, reference: str, planes: bool = False):
+    """The ops' outputs, the A operand e4m3 [M, K + cols] and sx fp32 [M, 1], with cols (``graph_forms.lrcat_cols``;
+    planes: ``w4_lut.branch_cols``) and the branch programs' width (split, planes: the widest of the three parts);
+    x must be on CUDA (or interpreted)."""
     if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (got {x.device}); on CPU use the op's "
                          f"reference (dit_passes.quant.{reference}) or set TRITON_INTERPRET=1 (tests)")
     m, k = x.shape
-    cols = -(-r * (3 if split else 1) // 16) * 16
+    cols = -(-3 * r // 64) * 64 if planes else -(-r * (3 if split else 1) // 16) * 16
     a = torch.empty((m, k + cols), dtype=torch.float8_e4m3fn, device=x.device)
     sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    return a, sx, cols, max(16, triton.next_power_of_2(max(r, cols - 2 * r) if split else cols))
+    width = max(r, cols - 2 * r) if split or planes else cols
+    return a, sx, cols, max(16, triton.next_power_of_2(width))
 
 
 def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
@@ -258,13 +268,14 @@ def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: to
     return a, sx
 
 
-def lrcat_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
-                            split: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def lrcat_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor, split: bool = False,
+                            planes: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The A operand from the smoothed activation xd [M, K] (fp32 / bf16 / fp16, K <= SINGLE_MAX) and its down
     projection h [M, R] (any float dtype; a GEMM made it), c fp32 [R] -> ``(a float8_e4m3fn [M, K + cols], sx fp32
     [M, 1])``: one program per token, xd read once (``dit_passes::lrcat_quantize_smoothed``, its reference
-    ``graph_forms.lrcat_smoothed_activation``)."""
-    name = "lrcat_quantize_smoothed"
+    ``graph_forms.lrcat_smoothed_activation``; ``planes``: the LUT GEMM's branch columns,
+    ``dit_passes::lut_quantize_smoothed``, reference ``w4_lut.lut_smoothed_activation``)."""
+    name = "lut_quantize_smoothed" if planes else "lrcat_quantize_smoothed"
     if xd.dim() != 2 or xd.dtype not in _DTYPES or not 0 < xd.shape[1] <= SINGLE_MAX:
         raise ValueError(f"{name}: xd must be a 2-D tensor of {_DTYPES} with 1..{SINGLE_MAX} columns, got {xd.dtype} "
                          f"{tuple(xd.shape)}; use the op's reference (graph_forms.lrcat_smoothed_activation)")
@@ -273,13 +284,13 @@ def lrcat_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
     if h.dim() != 2 or h.shape[0] != m or r < 1 or tuple(c.shape) != (r,) or c.dtype != torch.float32:
         raise ValueError(f"{name}: h must be [{m}, R] (R >= 1) and c fp32 [R], got {tuple(h.shape)} and {c.dtype} "
                          f"{tuple(c.shape)}")
-    a, sx, cols, r_pad = _outputs(name, xd, r, split, "graph_forms.lrcat_smoothed_activation")
+    a, sx, cols, r_pad = _outputs(name, xd, r, split, "graph_forms.lrcat_smoothed_activation", planes)
     if m == 0:
         return a, sx
     xd = xd if xd.stride(-1) == 1 else xd.contiguous()
     h = h if h.stride(-1) == 1 else h.contiguous()
     block = triton.next_power_of_2(k)
     _lrcat_rows_kernel[(m,)](xd, h, c.contiguous(), a, sx, k, r, xd.stride(0), h.stride(0), a.stride(0),
-                             BLOCK=block, R_PAD=r_pad, SPLIT=split, COLS=cols, SOFT=interpreting(),
+                             BLOCK=block, R_PAD=r_pad, SPLIT=split, COLS=cols, SOFT=interpreting(), PLANES=planes,
                              num_warps=num_warps_for(block))
     return a, sx

@@ -54,11 +54,13 @@ import torch.fx as fx
 from torch.fx.subgraph_rewriter import ReplacedPatterns, replace_pattern_with_filters
 
 import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
+import dit_passes.quant.lut_ops  # noqa: F401  (registers the LUT form's ops)
 from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, lrcat_cols, svdq_fp8_linear_form,
                                           svdq_lrcat_linear_form, svdq_nvfp4_fp8_linear_form)
 from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
+from dit_passes.quant.w4_lut import svdq_lut_linear_form
 from dit_passes.quant.weight_only_forms import (w4a16_linear_form, w4a16_lr_linear_form, w4a16_rows_op_form,
                                                 w8a16_linear_form)
 
@@ -261,6 +263,25 @@ def _nvfp4_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Opti
     return svdq_nvfp4_fp8_form_replacement(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
 
 
+def svdq_lut_replacement(x, codes, tables, sw, c, lora_down, smooth_inv, bias):
+    return torch.ops.dit_passes.svdq_lut_linear.default(x, codes, tables, sw, c, lora_down, smooth_inv, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def svdq_lut_form_replacement(shape: LinearShape, act: str) -> Callable:
+    """SVDQuant's lookup-table form (``w4_lut.svdq_lut_linear_form``) for one shape, as a replacement; ``act=
+    "kernel"``: its A operand by the op ``dit_passes::lut_quantize_smoothed``."""
+    def svdq_lut_form(x, codes, tables, sw, c, lora_down, smooth_inv, bias):
+        return svdq_lut_linear_form(x, codes, tables, sw, c, lora_down, smooth_inv, bias, shape, act)
+    return svdq_lut_form
+
+
+def _lut_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Callable:
+    n, k, r = tensors["codes"].shape[0], tensors["smooth_inv"].shape[0], tensors["lora_down"].shape[0]
+    shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["sw"], rank=r)
+    return svdq_lut_form_replacement(shape, dispatch.fp8_act_quant("per_row", x_val))
+
+
 @dataclass(frozen=True)
 class QuantKind:
     """One quantized linear: its replacement function, the op it calls (None: the replacement is a graph form of
@@ -278,6 +299,9 @@ _8BIT_ARGS = ("qweight", "wscale", "bias")
 QUANT_KINDS: Dict[str, QuantKind] = {
     "svdq_w4a4": QuantKind(svdq_w4a4_replacement, torch.ops.dit_passes.svdq_w4a4_linear.default,
                            ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias"), _svdq_inline),
+    # SVDQuant stored for the lookup-table GEMM (w4_lut.to_lut_table; SVDQuantW4A4 on Hopper, dispatch.svdq_lut)
+    "svdq_lut": QuantKind(svdq_lut_replacement, torch.ops.dit_passes.svdq_lut_linear.default,
+                          ("codes", "tables", "sw", "c", "lora_down", "smooth_inv", "bias"), _lut_inline),
     "svdq_nvfp4": QuantKind(svdq_nvfp4_replacement, torch.ops.dit_passes.svdq_nvfp4_linear.default,
                             ("qweight", "wscale", "wglobal", "lora_down", "lora_up", "smooth_inv", "bias"),
                             _nvfp4_inline),

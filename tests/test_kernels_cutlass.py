@@ -9,6 +9,7 @@ The CUDA tests need an sm_90 GPU, nvcc and the nvidia-cutlass headers (the first
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -22,6 +23,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from dit_passes.kernels import cutlass_build as B  # noqa: E402
 from dit_passes.kernels import w4a4_cutlass as C  # noqa: E402
 from dit_passes.kernels import w4a4_cutlass_linear as L  # noqa: E402
 from dit_passes.quant import dispatch as D  # noqa: E402
@@ -143,7 +145,7 @@ def test_find_cutlass_include_env_override(tmp_path, monkeypatch):
 def test_find_cutlass_include_missing_names_the_pip_command(tmp_path, monkeypatch):
     monkeypatch.setenv("DIT_PASSES_CUTLASS_INCLUDE", str(tmp_path / "nope"))
     monkeypatch.delenv("CUTLASS_PATH", raising=False)
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(B.importlib.util, "find_spec", lambda name: None)
     from importlib import metadata
 
     def _missing(name):
@@ -168,7 +170,7 @@ def test_find_cutlass_include_from_package_layout(tmp_path, monkeypatch):
     class Spec:
         submodule_search_locations = [str(pkg)]
 
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: Spec() if name == "cutlass_library" else None)
+    monkeypatch.setattr(B.importlib.util, "find_spec", lambda name: Spec() if name == "cutlass_library" else None)
     assert C.find_cutlass_include() == str(inc)
 
 
@@ -182,7 +184,7 @@ def test_find_nvcc(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_HOME")
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    monkeypatch.setattr(C, "_NVCC_FALLBACKS", ())
+    monkeypatch.setattr(B, "_NVCC_FALLBACKS", ())
     with pytest.raises(C.CutlassUnavailable, match="nvcc not found"):
         C.find_nvcc()
 
@@ -225,8 +227,8 @@ def _fake_toolchain(tmp_path, monkeypatch, calls):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nocuda"))
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    monkeypatch.setattr(C, "_NVCC_FALLBACKS", (str(nvcc),))
-    monkeypatch.setattr(C, "SOURCE", str(src))
+    monkeypatch.setattr(B, "_NVCC_FALLBACKS", (str(nvcc),))
+    monkeypatch.setattr(C, "LIBRARY", dataclasses.replace(C.LIBRARY, source=str(src)))
 
     def fake_run(cmd, **kw):
         calls.append(list(cmd))
@@ -236,7 +238,7 @@ def _fake_toolchain(tmp_path, monkeypatch, calls):
         open(out, "w").write("obj" if "-c" in cmd else "lib")
         return subprocess.CompletedProcess(cmd, 0, "ptxas info    : Used 168 registers\n", "")
 
-    monkeypatch.setattr(C.subprocess, "run", fake_run)
+    monkeypatch.setattr(B.subprocess, "run", fake_run)
     return src, nvcc
 
 
@@ -258,7 +260,7 @@ def test_build_orchestration_and_cache_reuse(tmp_path, monkeypatch):
     n = len(calls)
     assert C.build() == so and not [c for c in calls[n:] if "-c" in c]  # reused, nothing compiled
     # another machine without nvcc: the same source/header/flags built elsewhere is found
-    monkeypatch.setattr(C, "_NVCC_FALLBACKS", ())
+    monkeypatch.setattr(B, "_NVCC_FALLBACKS", ())
     assert C.built_library() == so and C.build() == so
     src.write_text("// source v2\n")  # a changed source never reuses the old library
     assert C.built_library() is None
@@ -269,14 +271,14 @@ def test_build_orchestration_and_cache_reuse(tmp_path, monkeypatch):
 def test_build_failure_reports_the_log(tmp_path, monkeypatch):
     calls = []
     _fake_toolchain(tmp_path, monkeypatch, calls)
-    real = C.subprocess.run
+    real = B.subprocess.run
 
     def failing(cmd, **kw):
         if "-c" in cmd and "-DW4A4_CONFIG_INDEX=1" in cmd:
             return subprocess.CompletedProcess(cmd, 2, "", "k.cu(10): error: something broke\n")
         return real(cmd, **kw)
 
-    monkeypatch.setattr(C.subprocess, "run", failing)
+    monkeypatch.setattr(B.subprocess, "run", failing)
     with pytest.raises(RuntimeError, match="something broke"):
         C.build()
     assert C.built_library() is None and not [c for c in calls if "-shared" in c]

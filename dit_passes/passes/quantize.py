@@ -88,6 +88,8 @@ from ..quant.int4 import GROUP_SIZE
 from ..quant.nvfp4 import BLOCK as NVFP4_BLOCK, prepare_svdquant_nvfp4
 from ..quant.serialize import save_quantized
 from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
+from ..quant import dispatch
+from ..quant.w4_lut import to_lut_table
 from ..quant.svdquant import SMOOTH_MODES, SVD_PRECISIONS, prepare_svdquant
 from ..quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from ..quant.w8a16 import prepare_w8a16
@@ -206,6 +208,12 @@ class _QuantizeLinears(Pass):
                 absmax: Optional[torch.Tensor], kind: str) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def stored_form(self, tables: Dict[str, Dict[str, torch.Tensor]], kinds: Dict[str, str]) -> Dict[str, str]:
+        """The kinds the graph writes for ``tables`` as the device of their tensors stores them: a subclass may turn
+        a kind's tensors into a device-specific form, replacing ``tables``' entries in place (the pass's state then
+        holds that form alone: each weight held once). Default: as prepared."""
+        return kinds
+
     def _state(self, ctx: PassContext) -> Dict[str, Any]:
         return ctx.runtime.state.setdefault(self.name, {})
 
@@ -253,6 +261,7 @@ class _QuantizeLinears(Pass):
         else:
             signature = quant_signature(gm, paths, graph_block_lists(structure), self._fused)
             tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
+        kinds = self.stored_form(tables, kinds)
         counts = apply_by_kind(gm, sites, kinds, tables, ledger, self)
         counts["skipped_k"] = skipped
         if self._fused:
@@ -473,6 +482,20 @@ class SVDQuantW4A4(_QuantizeLinears):
         if bad:
             raise PassError(f"{self.name}: calibration saw inf/nan inputs at {bad[:3]}; check the calibration prompts")
         return stats
+
+    def stored_form(self, tables, kinds):
+        """On a Hopper GPU where the LUT GEMM runs (or anywhere with ``DIT_PASSES_W4A4_BACKEND=lut``), W4A4 tables
+        become the lookup-table form (``quant/w4_lut.py``: codes, tables, sw, c; qweight, wscale and lora_up are not
+        kept) and their kind ``svdq_lut``; a table converted on an earlier lowering keeps that kind."""
+        tensors = [t for table in tables.values() for t in table.values() if t is not None]
+        lut = bool(tensors) and dispatch.svdq_lut(tensors[0].device)
+        out = dict(kinds)
+        for p, table in tables.items():
+            if lut and out[p] == self.kind == "svdq_w4a4" and "codes" not in table:
+                tables[p] = to_lut_table(table)
+            if "codes" in tables[p]:
+                out[p] = "svdq_lut"
+        return out
 
     def rank_of(self, path: str) -> int:
         """The low-rank branch's rank for the linear at ``path``: ``rank`` per member of a fused linear."""

@@ -3,7 +3,7 @@ serialization.
 
 Importing this package registers the ``torch.ops.dit_passes.*`` quantized-linear ops.
 """
-from . import custom_ops  # noqa: F401  (registers the custom ops)
+from . import custom_ops, lut_ops  # noqa: F401  (registers the custom ops)
 from .calibrate import ActAbsMaxObserver, collect_linear_act_absmax
 from .fp8_int8 import Fp8Weight, Int8Weight, fp8_linear_reference, int8_linear_reference, prepare_fp8, prepare_int8
 from .int4 import (GROUP_SIZE, fused_act_quant_reference, pack_int4, quantize_activation_w4, quantize_weight_w4,

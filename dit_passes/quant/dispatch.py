@@ -86,8 +86,10 @@ ACT_QUANT_SETTINGS = ("auto", *ACT_QUANTS)  # auto: resolved per device to what 
 W4_EXPAND_ENV = "DIT_PASSES_W4_EXPAND"
 W4_EXPAND_SETTINGS = ("auto", *W4_EXPANDS)
 LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_forms.svdq_lrcat_linear_form
-BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold")
+BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold", "lut")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
+# the LUT form as the Hopper default (auto): set once measured faster than lrcat_split on the FLUX step
+LUT_DEFAULT = False
 LRCAT_ACT_ENV = "DIT_PASSES_LRCAT_ACT"
 LRCAT_ACT_SETTINGS = ("auto", "stats", "mm")  # lrcat_act_quant
 WEIGHT_ONLY_ENV = "DIT_PASSES_WEIGHT_ONLY_FORM"
@@ -498,3 +500,39 @@ def int8_backend(x: torch.Tensor, qweight: torch.Tensor) -> str:
     n, k = qweight.shape
     m = x.numel() // max(k, 1)
     return "int_mm" if x.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0 else "reference"
+
+
+# ---------------------------------------------------------------------------------------------- the LUT form
+@functools.lru_cache(maxsize=None)
+def lut_gemm_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.w4a8_lut_cutlass`` (``lut_gemm``, ``is_available``), or None."""
+    return _import_kernel("w4a8_lut_cutlass", "the reference")
+
+
+def lut_ready(device: torch.device) -> bool:
+    """Whether the LUT GEMM runs on ``device``: a compute-capability-9 GPU where its library builds (nvcc and the
+    nvidia-cutlass headers, the first time) or was built."""
+    if device.type != "cuda" or capability(device)[0] != 9:
+        return False
+    module = lut_gemm_module()
+    return module is not None and module.is_available()
+
+
+def svdq_lut(device: torch.device) -> bool:
+    """Whether SVDQuant's linears are stored and written in the lookup-table form (``w4_lut.py``) for a model on
+    ``device``: ``DIT_PASSES_W4A4_BACKEND=lut`` on any device (the reference GEMM off Hopper; tests); ``auto`` on
+    a Hopper GPU where the LUT GEMM runs (:func:`lut_ready`)."""
+    setting = backend_setting()
+    return setting == "lut" or (setting == "auto" and LUT_DEFAULT and lut_ready(device))
+
+
+def lut_gemm_kernel(a: torch.Tensor, out_dtype: torch.dtype) -> Optional[ModuleType]:
+    """The module running ``dit_passes::w4a8_lut_gemm`` on CUDA for this operand (bf16 out on Hopper), or None
+    (the reference)."""
+    return lut_gemm_module() if out_dtype == torch.bfloat16 and lut_ready(a.device) else None
+
+
+def lut_act_kernel(xd: torch.Tensor) -> Optional[ModuleType]:
+    """The module running ``dit_passes::lut_quantize_smoothed`` on CUDA (sm_89+, a row in registers), or None."""
+    kernel = lrcat_act_module()
+    return kernel if kernel is not None and kernel.smoothed_supported(xd) else None
