@@ -250,12 +250,12 @@ def parallel_results():
     return single, run_ranks(_par_ranks, 2, timeout=300)
 
 
-def _check_parallel(parallel_results, case):
+def _check_parallel(parallel_results, case, tol=1e-5):
     single, ranks = parallel_results
     ref = single[case]
     for rank, res in enumerate(ranks):
         r = res[case]
-        assert rel(r["out"], ref["out"]) <= 1e-5, f"{case} rank {rank}: {rel(r['out'], ref['out']):.2e}"
+        assert rel(r["out"], ref["out"]) <= tol, f"{case} rank {rank}: {rel(r['out'], ref['out']):.2e}"
         assert r["cached"] == ref["cached"], (case, rank, r["cached"], ref["cached"])
         assert r["fp8"] == ref["fp8"]
     return ref, ranks[0][case]
@@ -266,10 +266,14 @@ def test_parallel_examples_ulysses_cache_and_fp8(parallel_results):
     """Seeds 001 (README) and 004 (README-CN, quickstart 2): ``enable_cache(pipe, cache_config=DBCacheConfig(),
     parallelism_config=ParallelismConfig(ulysses_size=2))`` and the same ``+ quantize_config=QuantizeConfig(
     quant_type="float8_per_row")``, on 2 gloo ranks: each rank's latents equal the single process's (1e-5
-    relative) with the same cached steps (decisions are all-reduced), and fp8 linears in the graph."""
+    relative; with fp8 1e-3, below) with the same cached steps (decisions are all-reduced), and fp8 linears in the
+    graph."""
     ref, r = _check_parallel(parallel_results, "ulysses_cache")
     assert ref["cached"] and r["passes"] == ["ulysses", "dbcache"] and r["fp8"] == 0
-    ref, r = _check_parallel(parallel_results, "ulysses_cache_fp8")
+    # Attention over a rank's half of the heads sums in another order than over all of them (last-ulp differences,
+    # within 1e-5 above); a per-token e4m3 rounding downstream amplifies one such difference to a whole e4m3 step
+    # (1/16 of the value) where it straddles a rounding boundary: 1.2e-4 measured with transformers 5.25's embeddings
+    ref, r = _check_parallel(parallel_results, "ulysses_cache_fp8", tol=1e-3)
     assert ref["cached"] and r["passes"] == ["ulysses", "fp8_linear", "dbcache"] and r["fp8"] > 0
 
 
