@@ -147,7 +147,7 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
 
         def run():
             xd, h = prep(x)
-            a8, sx = lrcat_quantize_smoothed(xd, h, lw.c, planes=True)
+            a8, sx = lrcat_quantize_smoothed(xd, h, lw.c, planes=w4_lut.PLANES)
             return L.lut_gemm(lw.codes, lw.tables, a8, lw.sw, sx.view(-1), bias)
         return run
 

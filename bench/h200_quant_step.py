@@ -132,7 +132,8 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "svdq_w4_lrcat_split_mm_graphed", "bf16_epilogue", "bf16_epilogue_graphed", "bf16_epilogue_cdt_graphed",
         "bf16_epilogue_rope", "fp8_default_rope", "svdq_w4_default_rope", "bf16_epilogue_rope_graphed",
         "fp8_default_rope_graphed", "svdq_w4_default_rope_graphed", "bf16_pointwise_graphed", "fp8_pointwise_graphed",
-        "svdq_w4_pointwise_graphed", "svdq_w4_pointwise_words_graphed", "svdq_w4_lut_pointwise_graphed")
+        "svdq_w4_pointwise_graphed", "svdq_w4_pointwise_words_graphed", "svdq_w4_lut_pointwise_graphed",
+        "svdq_w4_lut2_pointwise_graphed")
 # Inductor options of a row (its _graphed twin too): cdt, Inductor's coordinate-descent tuning of its own kernels'
 # block sizes (the RMSNorm + RoPE kernel of the bf16 step runs at ~1 TB/s; more compile time)
 COMPILE_OPTIONS = {"bf16_epilogue_cdt": {"coordinate_descent_tuning": True}}
@@ -245,6 +246,9 @@ def row_specs():
     # the lookup-table form: the int4 codes read by the CUTLASS mixed-input GEMM through per-group e4m3 tables
     # (quant/w4_lut.py), no expanded weight; the branch as two int4 digit planes in K
     specs["svdq_w4_lut_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut"})
+    # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter
+    specs["svdq_w4_lut2_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
+                                                                      dispatch.LUT_PLANES_ENV: "2"})
     # the expansion kernel converting an int32 word (eight values) a thread instead of a byte (bench/w4_expand_kernel.py)
     specs["svdq_w4_pointwise_words"] = (specs["svdq_w4_pointwise"][0], {w4_expand_triton.FORM_ENV: "words"})
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with
@@ -253,7 +257,7 @@ def row_specs():
                "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default",
                "svdq_w4_lrcat_split_mm", "bf16_epilogue", "bf16_epilogue_cdt", "bf16_epilogue_rope", "fp8_default_rope",
                "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise", "svdq_w4_pointwise_words",
-               "svdq_w4_lut_pointwise")
+               "svdq_w4_lut_pointwise", "svdq_w4_lut2_pointwise")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 

@@ -160,10 +160,11 @@ def _lrcat_quant_kernel(x_ptr, si_ptr, amax_ptr, h_ptr, c_ptr, a_ptr, sx_ptr, M,
 
 @triton.jit
 def _store_branch(dst, h, sx, c_ptr, offs_r, row_ok, R, SPLIT: tl.constexpr, COLS: tl.constexpr, SOFT: tl.constexpr,
-                  PLANES: tl.constexpr = False):
+                  PLANES: tl.constexpr = 0):
     # the branch columns of a block of rows from h [ROWS, R_PAD] (fp32, 0 past R) and sx [ROWS]:
     # hs = clamp(h / (sx * c)); [e4m3(hs)] or, split, [hi | lo | hi], zeros up to COLS; PLANES (the LUT GEMM's
-    # operand, w4_lut.lut_smoothed_activation): [hi | e4m3(hi / 16) | lo], zeros up to COLS
+    # operand, w4_lut.lut_smoothed_activation): [hi | e4m3(hi / 16) | lo] (PLANES 3) or [hi | e4m3(hi / 16)] (2),
+    # zeros up to COLS
     r_mask = offs_r < R
     c = tl.load(c_ptr + offs_r, mask=r_mask, other=1.0)
     hs = tl.math.div_rn(h, sx[:, None] * c[None, :])
@@ -172,8 +173,12 @@ def _store_branch(dst, h, sx, c_ptr, offs_r, row_ok, R, SPLIT: tl.constexpr, COL
     if PLANES:  # hi / 16 from hi's value in fp32 (_soft_e4m3: no fp8 round trip in registers, see below); exact
         hi_f = _soft_e4m3(hs)
         tl.store(dst, hi, mask=row_ok & r_mask[None, :])
-        tl.store(dst + R, _to_e4m3(hi_f * 0.0625, SOFT), mask=row_ok & r_mask[None, :])
-        tl.store(dst + 2 * R, _to_e4m3(hs - hi_f, SOFT), mask=row_ok & (offs_r < COLS - 2 * R)[None, :])
+        hi16 = _to_e4m3(hi_f * 0.0625, SOFT)
+        if PLANES == 3:  # the last plane also writes the zero columns up to COLS (h is 0 past R)
+            tl.store(dst + R, hi16, mask=row_ok & r_mask[None, :])
+            tl.store(dst + 2 * R, _to_e4m3(hs - hi_f, SOFT), mask=row_ok & (offs_r < COLS - 2 * R)[None, :])
+        else:
+            tl.store(dst + R, hi16, mask=row_ok & (offs_r < COLS - R)[None, :])
     elif SPLIT:  # [hi | lo | hi], the last part also writing the zero columns up to COLS
         lo = _to_e4m3(hs - _soft_e4m3(hs), SOFT)  # hi's value without an fp8 round trip in registers (sm_90:
         # Triton 3.6 mis-lowered hi.to(float32) of the dot's layout: hi + lo off by hundreds in the GPU test)
@@ -215,7 +220,7 @@ def smoothed_supported(xd: torch.Tensor) -> bool:
     return rows_supported(xd) and 0 < xd.shape[1] <= SINGLE_MAX  # rows_supported: a 2-D float xd
 
 
-def _outputs(name: str, x: torch.Tensor, r: int, split: bool, reference: str, planes: bool = False):
+def _outputs(name: str, x: torch.Tensor, r: int, split: bool, reference: str, planes: int = 0):
     """The ops' outputs, the A operand e4m3 [M, K + cols] and sx fp32 [M, 1], with cols (``graph_forms.lrcat_cols``;
     planes: ``w4_lut.branch_cols``) and the branch programs' width (split, planes: the widest of the three parts);
     x must be on CUDA (or interpreted)."""
@@ -223,10 +228,11 @@ def _outputs(name: str, x: torch.Tensor, r: int, split: bool, reference: str, pl
         raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (got {x.device}); on CPU use the op's "
                          f"reference (dit_passes.quant.{reference}) or set TRITON_INTERPRET=1 (tests)")
     m, k = x.shape
-    cols = -(-3 * r // 64) * 64 if planes else -(-r * (3 if split else 1) // 16) * 16
+    cols = -(-planes * r // 64) * 64 if planes else -(-r * (3 if split else 1) // 16) * 16
     a = torch.empty((m, k + cols), dtype=torch.float8_e4m3fn, device=x.device)
     sx = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    width = max(r, cols - 2 * r) if split or planes else cols
+    # the widest stored part: split / 3 planes the last (R up to the zeros' end), 2 planes the second
+    width = max(r, cols - 2 * r) if split or planes == 3 else (max(r, cols - r) if planes else cols)
     return a, sx, cols, max(16, triton.next_power_of_2(width))
 
 
@@ -269,11 +275,11 @@ def lrcat_quantize_rows(x: torch.Tensor, smooth_inv: torch.Tensor, lora_down: to
 
 
 def lrcat_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor, split: bool = False,
-                            planes: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                            planes: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """The A operand from the smoothed activation xd [M, K] (fp32 / bf16 / fp16, K <= SINGLE_MAX) and its down
     projection h [M, R] (any float dtype; a GEMM made it), c fp32 [R] -> ``(a float8_e4m3fn [M, K + cols], sx fp32
     [M, 1])``: one program per token, xd read once (``dit_passes::lrcat_quantize_smoothed``, its reference
-    ``graph_forms.lrcat_smoothed_activation``; ``planes``: the LUT GEMM's branch columns,
+    ``graph_forms.lrcat_smoothed_activation``; ``planes`` 2 / 3: the LUT GEMM's branch columns,
     ``dit_passes::lut_quantize_smoothed``, reference ``w4_lut.lut_smoothed_activation``)."""
     name = "lut_quantize_smoothed" if planes else "lrcat_quantize_smoothed"
     if xd.dim() != 2 or xd.dtype not in _DTYPES or not 0 < xd.shape[1] <= SINGLE_MAX:

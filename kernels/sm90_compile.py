@@ -32,11 +32,11 @@ KERNELS = [
      dict(S=3, RH=128, R_PAD=128, SPLIT=True, COLS=384, SOFT=False, BLOCK_M=8, BK=512), 4),
     ("lrcat_act_triton", "_lrcat_rows_kernel",
      dict(x_ptr="*bf16", h_ptr="*bf16", c_ptr="*fp32", a_ptr="*fp8e4nv", sx_ptr="*fp32"),
-     dict(BLOCK=4096, R_PAD=128, SPLIT=True, COLS=384, SOFT=False, PLANES=False), 4),
+     dict(BLOCK=4096, R_PAD=128, SPLIT=True, COLS=384, SOFT=False, PLANES=0), 4),
     # the LUT GEMM's A operand (planes [hi | hi / 16 | lo]) at FLUX's fused rank 128
     ("lrcat_act_triton", "_lrcat_rows_kernel",
      dict(x_ptr="*bf16", h_ptr="*bf16", c_ptr="*fp32", a_ptr="*fp8e4nv", sx_ptr="*fp32"),
-     dict(BLOCK=4096, R_PAD=128, SPLIT=False, COLS=384, SOFT=False, PLANES=True), 4),
+     dict(BLOCK=4096, R_PAD=128, SPLIT=False, COLS=384, SOFT=False, PLANES=3), 4),
     ("w4a16_rows_triton", "_w4a16_rows_kernel",
      dict(x_ptr="*bf16", qw_ptr="*u8", ws_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16"),
      dict(KB=1536, M_PAD=2, HAS_BIAS=True, SOFT_BF16=False, BLOCK_N=8, BB=256, GC=1, GROUPED=False), 8),

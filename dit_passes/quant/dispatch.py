@@ -90,6 +90,8 @@ BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
 # the LUT form as the Hopper default (auto): set once measured faster than lrcat_split on the FLUX step
 LUT_DEFAULT = False
+LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
+LUT_PLANES_DEFAULT = 3
 LRCAT_ACT_ENV = "DIT_PASSES_LRCAT_ACT"
 LRCAT_ACT_SETTINGS = ("auto", "stats", "mm")  # lrcat_act_quant
 WEIGHT_ONLY_ENV = "DIT_PASSES_WEIGHT_ONLY_FORM"
@@ -524,6 +526,16 @@ def svdq_lut(device: torch.device) -> bool:
     a Hopper GPU where the LUT GEMM runs (:func:`lut_ready`)."""
     setting = backend_setting()
     return setting == "lut" or (setting == "auto" and LUT_DEFAULT and lut_ready(device))
+
+
+def lut_planes() -> int:
+    """The LUT form's branch columns in K (``DIT_PASSES_LUT_PLANES``): 3 ([hi | hi16 | lo]: ~8 bits of h, lrcat_split's
+    fidelity) or 2 ([hi | hi16]: h in e4m3, the GEMM 64-128 columns shorter; the default where measured faster at
+    SVDQuant's fidelity, LUT_PLANES_DEFAULT)."""
+    s = os.environ.get(LUT_PLANES_ENV, "").strip() or str(LUT_PLANES_DEFAULT)
+    if s not in ("2", "3"):
+        raise ValueError(f"{LUT_PLANES_ENV}={s!r}: expected 2 or 3")
+    return int(s)
 
 
 def lut_gemm_kernel(a: torch.Tensor, out_dtype: torch.dtype) -> Optional[ModuleType]:

@@ -1,10 +1,10 @@
 """The custom ops of SVDQuant's lookup-table form (``w4_lut.py``), each with its reference (any device: the op's
 body), fake and CUDA implementations:
 
-* ``dit_passes::lut_quantize_smoothed(Tensor xd, Tensor h, Tensor c) -> (Tensor, Tensor)``: the GEMM's A operand
-  [qx | hi | hi16 | lo | 0] e4m3 [M, K + C] and sx fp32 [M] from the smoothed activation xd [M, K] and its down
-  projection h [M, R] (``w4_lut.lut_smoothed_activation``; CUDA: the row kernel of
-  ``dit_passes.kernels.lrcat_act_triton`` with ``planes=True``, one program per token reading xd once);
+* ``dit_passes::lut_quantize_smoothed(Tensor xd, Tensor h, Tensor c, int planes) -> (Tensor, Tensor)``: the GEMM's
+  A operand [qx | hi | hi16 | lo | 0] (planes 3; 2: without lo) e4m3 [M, K + C] and sx fp32 [M] from the smoothed
+  activation xd [M, K] and its down projection h [M, R] (``w4_lut.lut_smoothed_activation``; CUDA: the row kernel of
+  ``dit_passes.kernels.lrcat_act_triton`` with ``planes``, one program per token reading xd once);
 * ``dit_passes::w4a8_lut_gemm(Tensor codes, Tensor tables, Tensor a, Tensor sw, Tensor sx, Tensor? bias,
   ScalarType out_dtype) -> Tensor``: ``out_dtype(sx * (sw * (a @ decode(codes, tables).T)) + bias)``
   (``w4_lut.lut_gemm_reference``; CUDA: the CUTLASS kernel ``dit_passes.kernels.w4a8_lut_cutlass`` on a
@@ -21,10 +21,10 @@ from . import dispatch
 from .fp8_int8 import FP8_DTYPE
 from .int4 import GROUP_SIZE
 from .graph_forms import LinearShape
-from .w4_lut import branch_cols, lut_gemm_reference, lut_smoothed_activation, svdq_lut_linear_form
+from .w4_lut import PLANE_CHOICES, branch_cols, lut_gemm_reference, lut_smoothed_activation, svdq_lut_linear_form
 
 
-def _check_act(xd, h, c) -> int:
+def _check_act(xd, h, c, planes) -> int:
     name = "dit_passes::lut_quantize_smoothed"
     if xd.dim() != 2 or xd.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: xd must be a 2-D fp32 / bf16 / fp16 tensor [M, K], got {xd.dtype} {list(xd.shape)}")
@@ -34,33 +34,36 @@ def _check_act(xd, h, c) -> int:
                          f"{h.dtype} {list(h.shape)}")
     if c.dtype != torch.float32 or tuple(c.shape) != (r,):
         raise ValueError(f"{name}: c must be fp32 [{r}] (graph_forms.lrcat_c), got {c.dtype} {list(c.shape)}")
+    if planes not in PLANE_CHOICES:
+        raise ValueError(f"{name}: planes must be one of {PLANE_CHOICES} (the branch's columns in K), got {planes}")
     return r
 
 
 @torch.library.custom_op("dit_passes::lut_quantize_smoothed", mutates_args=())
-def lut_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def lut_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
+                          planes: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The LUT GEMM's A operand, reference implementation (any device): (e4m3 [M, K + C], fp32 [M])."""
-    r = _check_act(xd, h, c)
-    a, sx = lut_smoothed_activation(xd, h, c, xd.shape[0], r)
+    r = _check_act(xd, h, c, planes)
+    a, sx = lut_smoothed_activation(xd, h, c, xd.shape[0], r, planes)
     return a, sx.clone()  # an op's outputs may not alias one another's storage or its inputs'
 
 
 @lut_quantize_smoothed.register_kernel("cuda")
-def _lut_quantize_smoothed_cuda(xd, h, c):
-    r = _check_act(xd, h, c)
+def _lut_quantize_smoothed_cuda(xd, h, c, planes):
+    r = _check_act(xd, h, c, planes)
     kernel = dispatch.lut_act_kernel(xd)
     if kernel is None:
-        a, sx = lut_smoothed_activation(xd, h, c, xd.shape[0], r)
+        a, sx = lut_smoothed_activation(xd, h, c, xd.shape[0], r, planes)
         return a, sx.clone()
-    a, sx = kernel.lrcat_quantize_smoothed(xd, h, c, planes=True)
+    a, sx = kernel.lrcat_quantize_smoothed(xd, h, c, planes=planes)
     return a, sx.view(-1)
 
 
 @lut_quantize_smoothed.register_fake
-def _lut_quantize_smoothed_fake(xd, h, c):
-    r = _check_act(xd, h, c)
+def _lut_quantize_smoothed_fake(xd, h, c, planes):
+    r = _check_act(xd, h, c, planes)
     m, k = xd.shape
-    return (xd.new_empty((m, k + branch_cols(r)), dtype=FP8_DTYPE), xd.new_empty((m,), dtype=torch.float32))
+    return (xd.new_empty((m, k + branch_cols(r, planes)), dtype=FP8_DTYPE), xd.new_empty((m,), dtype=torch.float32))
 
 
 def _check_gemm(codes, tables, a, sw, sx, bias) -> Tuple[int, int, int]:
@@ -111,7 +114,7 @@ def svdq_lut_linear(x: torch.Tensor, codes: torch.Tensor, tables: torch.Tensor, 
     not known when the graph is written; otherwise its graph form, ``w4_lut.svdq_lut_linear_form``), any device."""
     shape = LinearShape.of(x, codes.shape[0], x.shape[-1], bias, sw, rank=lora_down.shape[0])
     return svdq_lut_linear_form(x, codes, tables, sw, c, lora_down, smooth_inv, bias, shape,
-                                dispatch.fp8_act_quant("per_row", x)).clone()
+                                dispatch.fp8_act_quant("per_row", x), dispatch.lut_planes()).clone()
 
 
 @svdq_lut_linear.register_fake

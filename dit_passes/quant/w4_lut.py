@@ -47,11 +47,13 @@ BRANCH_MAX = 119.0                    # |v| <= 119 = 16 * 7 + 7: two int4 digits
 HEADROOM = FP8_MAX / (2 * BRANCH_MAX)  # |u| <= 238 keeps s <= 2, so the branch table's 16 s 8 <= 256 <= 448
 MIN_STEP_LOG2 = -13                    # s >= 2^-13: 16 s 1 = 2^-9, e4m3's smallest subnormal, stays exact
 PLANES = 3                             # the branch's columns in K: [hi | hi16 | lo] against [uh | ul | uh]
+PLANE_CHOICES = (2, 3)
 
 
-def branch_cols(r: int) -> int:
-    """C = 3R rounded up to a multiple of 64 (whole K-groups: the GEMM's tile K), the columns the branch adds to K."""
-    return -(-PLANES * r // GROUP_SIZE) * GROUP_SIZE
+def branch_cols(r: int, planes: int = PLANES) -> int:
+    """C = planes R rounded up to a multiple of 64 (whole K-groups: the GEMM's tile K), the columns the branch adds
+    to K: 3 planes stored; a GEMM over 2 reads the stored operand's prefix (:func:`weight_prefix`)."""
+    return -(-planes * r // GROUP_SIZE) * GROUP_SIZE
 
 
 @dataclass
@@ -161,27 +163,30 @@ def decode(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return torch.gather(full.permute(1, 0, 2), 2, c).reshape(n, g * GROUP_SIZE)
 
 
-def lut_smoothed_activation(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor, m: int,
-                            r: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def lut_smoothed_activation(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor, m: int, r: int,
+                            planes: int = PLANES) -> Tuple[torch.Tensor, torch.Tensor]:
     """The A operand e4m3 [M, K + C] and sx fp32 [M] from the smoothed activation xd = x.dtype(x smooth_inv)
     [M, K] and its down projection h = xd @ lora_down.T [M, R] (module docstring; the specification of
-    ``dit_passes::lut_quantize_smoothed``), ATen ops; M and R constants (the forms are traced)."""
+    ``dit_passes::lut_quantize_smoothed``), ATen ops; M and R constants (the forms are traced). ``planes=2``: [qx | hi |
+    hi16 | 0], against the stored B's prefix of K + :func:`branch_cols` (R, 2) columns (its third plane's codes in
+    that prefix meet zeros): h in e4m3 alone, the GEMM 64 to 128 columns shorter."""
     qx, sx = fp8_quantize(aten._to_copy.default(xd, dtype=_F32), per_row=True)
-    pad = branch_cols(r) - PLANES * r
+    pad = branch_cols(r, planes) - planes * r
     hs = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
                             -FP8_MAX, FP8_MAX)
     hi = aten._to_copy.default(hs, dtype=FP8_DTYPE)
     hi_f = aten._to_copy.default(hi, dtype=_F32)
     hi16 = aten._to_copy.default(aten.div.Tensor(hi_f, 16.0), dtype=FP8_DTYPE)
     lo = aten._to_copy.default(aten.sub.Tensor(hs, hi_f), dtype=FP8_DTYPE)
-    parts = [qx, hi, hi16, lo]
+    parts = [qx, hi, hi16, lo][:1 + planes]
     if pad:
         parts.append(aten._to_copy.default(aten.new_zeros.default(hs, [m, pad]), dtype=FP8_DTYPE))
     return aten.cat.default(parts, 1), aten.view.default(sx, [m])
 
 
 def lut_activation(x2d: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
-                   dtype: torch.dtype, m: int, r: int, act: str = "graph") -> Tuple[torch.Tensor, torch.Tensor]:
+                   dtype: torch.dtype, m: int, r: int, act: str = "graph",
+                   planes: int = PLANES) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (A, sx) (module docstring): the smoothed activation in x's dtype, its down projection by one mm,
     then :func:`lut_smoothed_activation` as ATen ops (``act="graph"``) or as the op ``dit_passes::lut_quantize_smoothed``
     (``"kernel"``); no branch (R = 0): [qx] alone. M, R constants."""
@@ -191,9 +196,9 @@ def lut_activation(x2d: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch
         return qx, aten.view.default(sx, [m])
     h = aten.mm.default(xd, aten.t.default(lora_down))
     if act == "kernel":
-        out = torch.ops.dit_passes.lut_quantize_smoothed.default(xd, h, c)
+        out = torch.ops.dit_passes.lut_quantize_smoothed.default(xd, h, c, planes)
         return out[0], out[1]
-    return lut_smoothed_activation(xd, h, c, m, r)
+    return lut_smoothed_activation(xd, h, c, m, r, planes)
 
 
 def lut_gemm_reference(codes: torch.Tensor, tables: torch.Tensor, a8: torch.Tensor, sw: torch.Tensor,
@@ -226,13 +231,24 @@ def to_lut_table(table: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def weight_prefix(codes: torch.Tensor, tables: torch.Tensor, n: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The stored B operand's first ``k`` columns (k a multiple of 64), codes [N, k/2] and tables [k/64, N, 8]: views.
+    The kernel's layout orders its 512-code atoms N first, K-blocks of 32 outermost, so k columns are a prefix of the
+    codes' storage, as of the tables'."""
+    flat = aten.slice.Tensor(aten.view.default(codes, [-1]), 0, 0, n * k // 2)
+    return aten.view.default(flat, [n, k // 2]), aten.slice.Tensor(tables, 0, 0, k // GROUP_SIZE)
+
+
 def svdq_lut_linear_form(x: torch.Tensor, codes: torch.Tensor, tables: torch.Tensor, sw: torch.Tensor,
                          c: torch.Tensor, lora_down: torch.Tensor, smooth_inv: torch.Tensor,
-                         bias: Optional[torch.Tensor], shape: LinearShape, act: str) -> torch.Tensor:
+                         bias: Optional[torch.Tensor], shape: LinearShape, act: str, planes: int = PLANES) -> torch.Tensor:
     """The LUT form of one linear, x [*lead, K] -> [*lead, N] (module docstring): :func:`lut_activation` (its A
     operand by ATen ops, ``act="graph"``, or the op ``dit_passes::lut_quantize_smoothed``, ``"kernel"``), then
-    ``dit_passes::w4a8_lut_gemm``. ``shape`` (lead, K, N, dtype, rank) holds the constants (the form is traced)."""
+    ``dit_passes::w4a8_lut_gemm`` over the branch's ``planes`` (2: the stored operand's prefix). ``shape`` (lead, K,
+    N, dtype, rank) holds the constants (the form is traced)."""
     x2d = x if len(shape.lead) == 1 else aten.reshape.default(x, [shape.m, shape.k])
-    a8, sx = lut_activation(x2d, smooth_inv, lora_down, c, shape.dtype, shape.m, shape.rank, act)
+    a8, sx = lut_activation(x2d, smooth_inv, lora_down, c, shape.dtype, shape.m, shape.rank, act, planes)
+    if planes != PLANES and shape.rank:
+        codes, tables = weight_prefix(codes, tables, shape.n, shape.k + branch_cols(shape.rank, planes))
     y = torch.ops.dit_passes.w4a8_lut_gemm.default(codes, tables, a8, sw, sx, bias, shape.dtype)
     return y if len(shape.lead) == 1 else aten.view.default(y, [*shape.lead, shape.n])
