@@ -63,6 +63,11 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   (AdaLN's LayerNorm + modulation, with the gated residual before it, as one op, lossless);
 * ``svdq_w4_pointwise_words`` (graphed only): ``svdq_w4_pointwise`` with the expansion kernel's word form
   (``DIT_PASSES_W4_EXPAND_FORM=words``: a thread converts eight int4 values of an int32 word, not a byte's two);
+* ``svdq_w4_lut_pointwise`` / ``svdq_w4_lut2_pointwise`` / ``svdq_w4_expand_pointwise`` (graphed only):
+  ``svdq_w4_pointwise`` with each SVDQuant design named: the lookup-table form (``DIT_PASSES_W4A4_BACKEND=lut``,
+  ``quant/w4_lut.py``: the int4 codes read by the CUTLASS mixed-input GEMM, the branch's three planes; ``lut2``: two,
+  ``DIT_PASSES_LUT_PLANES=2``; the Hopper default since stop 34) and the expansion design (``lrcat_split``, the default
+  before); a row of the LUT form records the tile configs its GEMM's "auto" chose (``lut_configs``);
 * ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 on the CUTLASS kernels
   (``DIT_PASSES_W4A4_BACKEND=cutlass``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
 
@@ -133,7 +138,7 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "bf16_epilogue_rope", "fp8_default_rope", "svdq_w4_default_rope", "bf16_epilogue_rope_graphed",
         "fp8_default_rope_graphed", "svdq_w4_default_rope_graphed", "bf16_pointwise_graphed", "fp8_pointwise_graphed",
         "svdq_w4_pointwise_graphed", "svdq_w4_pointwise_words_graphed", "svdq_w4_lut_pointwise_graphed",
-        "svdq_w4_lut2_pointwise_graphed")
+        "svdq_w4_lut2_pointwise_graphed", "svdq_w4_expand_pointwise_graphed")
 # Inductor options of a row (its _graphed twin too): cdt, Inductor's coordinate-descent tuning of its own kernels'
 # block sizes (the RMSNorm + RoPE kernel of the bf16 step runs at ~1 TB/s; more compile time)
 COMPILE_OPTIONS = {"bf16_epilogue_cdt": {"coordinate_descent_tuning": True}}
@@ -246,6 +251,8 @@ def row_specs():
     # the lookup-table form: the int4 codes read by the CUTLASS mixed-input GEMM through per-group e4m3 tables
     # (quant/w4_lut.py), no expanded weight; the branch as two int4 digit planes in K
     specs["svdq_w4_lut_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut"})
+    # the expansion design (lrcat_split, the Hopper default until stop 34) named, now that auto stores the LUT form
+    specs["svdq_w4_expand_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lrcat_split"})
     # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter
     specs["svdq_w4_lut2_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
                                                                       dispatch.LUT_PLANES_ENV: "2"})
@@ -257,7 +264,7 @@ def row_specs():
                "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default",
                "svdq_w4_lrcat_split_mm", "bf16_epilogue", "bf16_epilogue_cdt", "bf16_epilogue_rope", "fp8_default_rope",
                "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise", "svdq_w4_pointwise_words",
-               "svdq_w4_lut_pointwise", "svdq_w4_lut2_pointwise")
+               "svdq_w4_lut_pointwise", "svdq_w4_lut2_pointwise", "svdq_w4_expand_pointwise")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 

@@ -46,7 +46,8 @@ NUMERICS = {"auto": "W4A4 (true 4-bit activations, the reference)",
                      "low-rank branch folded into the GEMM's K in e4m3)",
             "lrcat_split": "W4A8 lrcat_split (as lrcat, the branch's operands as e4m3 hi / lo pairs: 3R columns)",
             "lut": "W4A8 lut (Hopper design: int4 weights read through per-group e4m3 tables inside the GEMM, e4m3 "
-                   "activations per token, the branch in K as two int4 digit planes of lora_up against e4m3 h)"}
+                   "activations per token, the branch in K as int4 digit planes of lora_up against the e4m3 hi / lo "
+                   "of h; DIT_PASSES_LUT_PLANES=2: against h in e4m3)"}
 
 
 def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w8a16"):

@@ -134,7 +134,8 @@ def test_fp8_pass_writes_the_form_for_every_block_linear():
 def test_cuda_forms_use_scaled_mm_and_compile(method, monkeypatch):
     """bf16 tiny Flux on the GPU: every quantized linear's GEMM is ``aten._scaled_mm``; Inductor's regional compile
     gives the eager graph's output (up to bf16 rounding and fusion order). ``svdq_default``: no setting, what
-    ``auto`` gives (on Hopper the lrcat_split form with the A-operand, expansion and GEMV ops)."""
+    ``auto`` gives (on Hopper the lookup-table form where its library runs, whose GEMM is ``dit_passes::w4a8_lut_gemm``,
+    else the lrcat_split form with the A-operand, expansion and GEMV ops)."""
     zm = build("flux", **FLUX64)
     model = zm.model.to("cuda", torch.bfloat16)
     kw = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in zm.make_inputs().items()}
@@ -151,7 +152,10 @@ def test_cuda_forms_use_scaled_mm_and_compile(method, monkeypatch):
     eager = compile_dit(model, passes=[make()], example_inputs=kw, keep_original=True)
     with torch.no_grad():
         ref = eager(**kw)[0]
-    assert sum(n.target is SCALED_MM for n in eager.graph_module.graph.nodes) == replaced
+    gemm = SCALED_MM
+    if method == "svdq_default" and dispatch.lut_ready(torch.device("cuda")):
+        gemm = torch.ops.dit_passes.w4a8_lut_gemm.default
+    assert sum(n.target is gemm for n in eager.graph_module.graph.nodes) == replaced
     regional = compile_dit(model, passes=[make(), passes.RegionalCompile()], example_inputs=kw, keep_original=True)  # Inductor
     with torch.no_grad():
         out = regional(**kw)[0]

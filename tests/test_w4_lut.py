@@ -23,20 +23,16 @@ from dit_passes.passes.quantize import SVDQuantW4A4  # noqa: E402
 from dit_passes.quant import dispatch, w4_lut  # noqa: E402
 from dit_passes.quant.graph_forms import LinearShape, _w4_over, svdq_lrcat_linear_form  # noqa: E402
 from dit_passes.quant.svdquant import prepare_svdquant, relative_error  # noqa: E402
+from test_lrcat import _case as lrcat_case  # noqa: E402 - the tests folder is on sys.path (pytest's rootdir)
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
 
 
 def _case(dtype=torch.float32, k=256, n=192, rank=32, seed=0, branch_scale=1.0):
-    """A linear with outlier input channels, SVDQuant PTQ on its activations (``branch_scale`` enlarges lora_up: rows
-    whose branch sets the row scale)."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(4, 16, k, generator=g) * (1 + 8 * (torch.rand(k, generator=g) > 0.97))).to(dtype)
-    w = (torch.rand(n, k, generator=g) * 2 - 1) * k ** -0.5
-    w[:, :4] *= 6
-    w, b = w.to(dtype), (torch.randn(n, generator=g) * 0.1).to(dtype)
-    q = prepare_svdquant(w, b, act_absmax=x.float().abs().amax((0, 1)), rank=rank, smooth="act", dtype=dtype)
+    """test_lrcat's linear (outlier input channels, SVDQuant PTQ on its activations); ``branch_scale`` enlarges
+    lora_up: rows whose branch sets the row scale."""
+    x, w, b, q = lrcat_case(dtype, k, n, rank, seed)
     if branch_scale != 1.0:
         q.lora_up = (q.lora_up.float() * branch_scale).to(dtype)
     return x, w, b, q

@@ -369,8 +369,9 @@ def _lrcat_quantize_rows_fake(x, smooth_inv, lora_down, c, split):
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
-def _check_lrcat_smoothed(xd, h, c) -> int:
-    name = "dit_passes::lrcat_quantize_smoothed"
+def check_smoothed_operands(xd, h, c, name: str = "dit_passes::lrcat_quantize_smoothed") -> int:
+    """The smoothed activation xd [M, K], its down projection h [M, R] and the branch scale c fp32 [R] of the ops that
+    make an A operand from them (this one, ``lut_ops``'); returns R."""
     if xd.dim() != 2 or xd.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: xd must be a 2-D fp32 / bf16 / fp16 tensor [M, K], got {xd.dtype} {list(xd.shape)}")
     r = h.shape[1] if h.dim() == 2 else -1
@@ -387,19 +388,19 @@ def lrcat_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
                             split: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """The lrcat A operand from the smoothed activation and its down projection, reference implementation (any
     device): (e4m3 [M, K + cols], fp32 [M, 1])."""
-    r = _check_lrcat_smoothed(xd, h, c)
+    r = check_smoothed_operands(xd, h, c)
     return lrcat_smoothed_activation(xd, h, c, xd.shape[0], r, split)
 
 
 @lrcat_quantize_smoothed.register_kernel("cuda")
 def _lrcat_quantize_smoothed_cuda(xd, h, c, split):
-    _check_lrcat_smoothed(xd, h, c)
+    check_smoothed_operands(xd, h, c)
     return dispatch.lrcat_quantize_smoothed_cuda(xd, h, c, split)
 
 
 @lrcat_quantize_smoothed.register_fake
 def _lrcat_quantize_smoothed_fake(xd, h, c, split):
-    r = _check_lrcat_smoothed(xd, h, c)
+    r = check_smoothed_operands(xd, h, c)
     return (xd.new_empty((xd.shape[0], xd.shape[1] + lrcat_cols(r, split)), dtype=FP8_DTYPE),
             xd.new_empty((xd.shape[0], 1), dtype=torch.float32))
 

@@ -88,8 +88,9 @@ W4_EXPAND_SETTINGS = ("auto", *W4_EXPANDS)
 LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_forms.svdq_lrcat_linear_form
 BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold", "lut")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
-# the LUT form as the Hopper default (auto): set once measured faster than lrcat_split on the FLUX step
-LUT_DEFAULT = False
+# the LUT form is the Hopper default (auto) where its library builds: FLUX step 104.4 / 105.8 ms against bf16's 131.1 /
+# 131.8 (1.255x / 1.246x), lrcat_split 109.2 in the first call (stop 34, H100); digits DiT PTQ 45.5 dB (lrcat_split 46.2)
+LUT_DEFAULT = True
 LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
 LUT_PLANES_DEFAULT = 3
 LRCAT_ACT_ENV = "DIT_PASSES_LRCAT_ACT"
@@ -472,10 +473,10 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     (``dit_passes::svdq_w4a4_linear``: true W4A4, the reference numerics, and the choice for GPUs with 4-bit tensor
     cores).
     ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes ``"lrcat_split"`` on
-    Hopper (compute capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape: the
-    fastest SVDQuant design measured at SVDQuant's fidelity (FLUX step, graphed: 117.0 ms against bf16's 131.4 on an
-    H100; the W4A8 form, the default before it: 152 ms on an H200; digits DiT 46.2 dB); every other setting,
-    device or shape gets the op."""
+    Hopper (compute capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape and the
+    lookup-table form (:func:`svdq_lut`, kind ``svdq_lut``, which the pass stores instead where its library runs: the
+    fastest design measured, stop 34) does not apply (FLUX step, graphed: 109.2 ms against bf16's 131.1 on an H100;
+    digits DiT 46.2 dB); every other setting, device or shape gets the op."""
     setting = backend_setting()
     if setting == "fp8" or setting in LRCAT_FORMS or setting in W4A8_FORMS:
         return setting

@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import dispatch
+from .custom_ops import check_smoothed_operands
 from .fp8_int8 import FP8_DTYPE
 from .int4 import GROUP_SIZE
 from .graph_forms import LinearShape
@@ -26,14 +27,7 @@ from .w4_lut import PLANE_CHOICES, branch_cols, lut_gemm_reference, lut_smoothed
 
 def _check_act(xd, h, c, planes) -> int:
     name = "dit_passes::lut_quantize_smoothed"
-    if xd.dim() != 2 or xd.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{name}: xd must be a 2-D fp32 / bf16 / fp16 tensor [M, K], got {xd.dtype} {list(xd.shape)}")
-    r = h.shape[1] if h.dim() == 2 else -1
-    if h.dim() != 2 or h.shape[0] != xd.shape[0] or r < 1 or not h.is_floating_point():
-        raise ValueError(f"{name}: h must be a float [{xd.shape[0]}, R] tensor (R >= 1: xd's down projection), got "
-                         f"{h.dtype} {list(h.shape)}")
-    if c.dtype != torch.float32 or tuple(c.shape) != (r,):
-        raise ValueError(f"{name}: c must be fp32 [{r}] (graph_forms.lrcat_c), got {c.dtype} {list(c.shape)}")
+    r = check_smoothed_operands(xd, h, c, name)
     if planes not in PLANE_CHOICES:
         raise ValueError(f"{name}: planes must be one of {PLANE_CHOICES} (the branch's columns in K), got {planes}")
     return r
