@@ -15,6 +15,7 @@ configs=$(python3 -c "import re; print(','.join('w4a8_gemm_lut_' + c for c in re
   open('kernels/w4a8_lut_cutlass.py').read().split('CONFIGS = [')[1].split(']')[0])))")
 OUT=$out/linears QUANT_STEP_TIMEOUT=${LUT_LINEARS_TIMEOUT:-200} bash bench/h200_quant_step.sh --linears-only \
   --linears ${LUT_LINEARS:-bf16_mm,fp8_gemm,svdq_lrcat_split_mm,svdq_lut,$configs}
-OUT=$out/step QUANT_STEP_TIMEOUT=${LUT_STEP_TIMEOUT:-300} bash bench/h200_quant_step.sh --budget-s ${LUT_BUDGET_S:-150} \
+OUT=$out/step QUANT_STEP_TIMEOUT=${LUT_STEP_TIMEOUT:-300} bash bench/h200_quant_step.sh \
+  --budget-s ${LUT_BUDGET_S:-150} \
   --repeats 5 --profile-steps 1 --linears "" \
   --rows ${LUT_ROWS:-bf16_graphed,svdq_w4_lut_pointwise_graphed,svdq_w4_expand_pointwise_graphed}

@@ -174,7 +174,7 @@ def row_specs():
     from dit_passes.kernels import w4_expand_triton
     from dit_passes.passes import FuseLinearGelu, FuseNormModulate, FuseNormRope, FuseSiblingLinears, SplitConcatLinear
     from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
-    from dit_passes.quant import dispatch
+    from dit_passes.quant import dispatch, lut_dispatch
 
     exact, fast = {dispatch.FAST_ACCUM_ENV: "0"}, {dispatch.FAST_ACCUM_ENV: "1"}
     w4a8, rowquant = {dispatch.BACKEND_ENV: "fp8"}, {dispatch.ACT_QUANT_ENV: "kernel"}
@@ -255,7 +255,7 @@ def row_specs():
     specs["svdq_w4_expand_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lrcat_split"})
     # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter
     specs["svdq_w4_lut2_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
-                                                                      dispatch.LUT_PLANES_ENV: "2"})
+                                                                      lut_dispatch.LUT_PLANES_ENV: "2"})
     # the expansion kernel converting an int32 word (eight values) a thread instead of a byte (bench/w4_expand_kernel.py)
     specs["svdq_w4_pointwise_words"] = (specs["svdq_w4_pointwise"][0], {w4_expand_triton.FORM_ENV: "words"})
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with
@@ -263,8 +263,8 @@ def row_specs():
     graphed = ("bf16", "fp8_fused", "fp8_fused_rowquant", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_act",
                "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default",
                "svdq_w4_lrcat_split_mm", "bf16_epilogue", "bf16_epilogue_cdt", "bf16_epilogue_rope", "fp8_default_rope",
-               "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise", "svdq_w4_pointwise_words",
-               "svdq_w4_lut_pointwise", "svdq_w4_lut2_pointwise", "svdq_w4_expand_pointwise")
+               "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise",
+               "svdq_w4_pointwise_words", "svdq_w4_lut_pointwise", "svdq_w4_lut2_pointwise", "svdq_w4_expand_pointwise")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 

@@ -9,7 +9,7 @@ uint8 [K/64, N, 8] (eight e4m3 bytes per row and K-group: a code >= 8 reads ``T[
 
 Why: Hopper has no 4-bit tensor cores. The expansion design (``w4_expand_triton``) writes every weight as e4m3 and
 reads it back each call, 1.5 bytes a weight of memory traffic beside a GEMM that is compute bound; here the int4
-codes go from shared memory to registers and become e4m3 by two byte permutes (``prmt``) per four codes, inside the
+codes go from shared memory to registers and become e4m3 by three byte permutes (``prmt``) per four codes, inside the
 GEMM (CUTLASS's mixed-input mainloop, the weight as the register-sourced wgmma operand), and the group scales are
 in the tables, so no per-group multiply. The mainloop wants two or more k-blocks of 32 a tile (it asserts four):
 SVDQuant's K-group of 64 is the tile's K, one relaxed ``static_assert`` in a patched copy of one header.

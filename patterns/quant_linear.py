@@ -56,7 +56,7 @@ from torch.fx.subgraph_rewriter import ReplacedPatterns, replace_pattern_with_fi
 import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passes.*)
 import dit_passes.quant.lut_ops  # noqa: F401  (registers the LUT form's ops)
 from dit_passes.infra.graph_utils import set_val
-from dit_passes.quant import dispatch
+from dit_passes.quant import dispatch, lut_dispatch
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, lrcat_cols, svdq_fp8_linear_form,
                                           svdq_lrcat_linear_form, svdq_nvfp4_fp8_linear_form)
 from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
@@ -279,7 +279,7 @@ def svdq_lut_form_replacement(shape: LinearShape, act: str, planes: int) -> Call
 def _lut_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Callable:
     n, k, r = tensors["codes"].shape[0], tensors["smooth_inv"].shape[0], tensors["lora_down"].shape[0]
     shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["sw"], rank=r)
-    return svdq_lut_form_replacement(shape, dispatch.fp8_act_quant("per_row", x_val), dispatch.lut_planes())
+    return svdq_lut_form_replacement(shape, dispatch.fp8_act_quant("per_row", x_val), lut_dispatch.lut_planes())
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ _8BIT_ARGS = ("qweight", "wscale", "bias")
 QUANT_KINDS: Dict[str, QuantKind] = {
     "svdq_w4a4": QuantKind(svdq_w4a4_replacement, torch.ops.dit_passes.svdq_w4a4_linear.default,
                            ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias"), _svdq_inline),
-    # SVDQuant stored for the lookup-table GEMM (w4_lut.to_lut_table; SVDQuantW4A4 on Hopper, dispatch.svdq_lut)
+    # SVDQuant stored for the lookup-table GEMM (w4_lut.to_lut_table; SVDQuantW4A4 on Hopper, lut_dispatch.svdq_lut)
     "svdq_lut": QuantKind(svdq_lut_replacement, torch.ops.dit_passes.svdq_lut_linear.default,
                           ("codes", "tables", "sw", "c", "lora_down", "smooth_inv", "bias"), _lut_inline),
     "svdq_nvfp4": QuantKind(svdq_nvfp4_replacement, torch.ops.dit_passes.svdq_nvfp4_linear.default,

@@ -15,7 +15,7 @@ import torch
 from dit_passes import compile_dit, passes
 from dit_passes.models.zoo import build
 from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
-from dit_passes.quant import dispatch
+from dit_passes.quant import dispatch, lut_dispatch
 from dit_passes.quant.fp8_int8 import fp8_linear_reference, prepare_fp8, quantize_fp8_act
 from dit_passes.quant.graph_forms import LinearShape, fp8_linear_form, svdq_fp8_linear_form, w4_to_e4m3
 from dit_passes.quant.int4 import dequantize_weight_w4, pack_int4, quantize_weight_w4
@@ -153,7 +153,7 @@ def test_cuda_forms_use_scaled_mm_and_compile(method, monkeypatch):
     with torch.no_grad():
         ref = eager(**kw)[0]
     gemm = SCALED_MM
-    if method == "svdq_default" and dispatch.lut_ready(torch.device("cuda")):
+    if method == "svdq_default" and lut_dispatch.lut_ready(torch.device("cuda")):
         gemm = torch.ops.dit_passes.w4a8_lut_gemm.default
     assert sum(n.target is gemm for n in eager.graph_module.graph.nodes) == replaced
     regional = compile_dit(model, passes=[make(), passes.RegionalCompile()], example_inputs=kw, keep_original=True)  # Inductor

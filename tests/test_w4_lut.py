@@ -41,8 +41,8 @@ def _case(dtype=torch.float32, k=256, n=192, rank=32, seed=0, branch_scale=1.0):
 @pytest.mark.parametrize("branch_scale", [1.0, 300.0])
 def test_tables_hold_svdquant_values(branch_scale):
     """The main weights decode to e4m3(q * wscale / sw), the expansion design's bytes under the LUT's row scale; the
-    branch decodes to 16 s [uh | ul | uh] (one table; A's planes are [hi | hi / 16 | lo]) with s a power of two <= 2 and s (16 uh + ul) within half a step of u; the
-    tables' entries are symmetric (code q >= 1 reads -T[8 - q])."""
+    branch decodes to 16 s [uh | ul | uh] (one table; A's planes are [hi | hi / 16 | lo]) with s a power of two <= 2
+    and s (16 uh + ul) within half a step of u; the tables' entries are symmetric (code q >= 1 reads -T[8 - q])."""
     _, _, _, q = _case(branch_scale=branch_scale)
     lw = w4_lut.prepare_lut(q.qweight, q.wscale, q.lora_down, q.lora_up)
     k, r = q.K, q.rank
@@ -84,9 +84,9 @@ def test_lut_linear_error_beside_lrcat(dtype):
     out = w4_lut.lut_linear_reference(x, lw, q.lora_down, q.smooth_inv, q.bias)
     shape = LinearShape.of(x, q.N, q.K, q.bias, q.wscale, rank=q.rank)
     e_lut = relative_error(out, ref)
-    e_lrcat, e_split = (relative_error(svdq_lrcat_linear_form(x, q.qweight, q.wscale, q.lora_down, q.lora_up,
-                                                              q.smooth_inv, q.bias, shape, "reference", split=split), ref)
-                        for split in (False, True))
+    e_lrcat, e_split = (relative_error(svdq_lrcat_linear_form(
+        x, q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias, shape, "reference", split=split), ref)
+        for split in (False, True))
     assert 0 < e_lut < e_lrcat and e_lut < 1.05 * e_split, (e_lut, e_lrcat, e_split)
     # two planes: the stored operand's prefix against [qx | hi | hi16]: h in e4m3, between lrcat's and lrcat_split's
     # error (measured 0.051-0.055 against 0.055-0.059 and 0.044-0.049)
@@ -108,7 +108,8 @@ def test_act_kernel_planes_byte_for_byte(r, planes):
     h = (torch.randn(8, r, generator=g) * 50).to(xd.device)
     c = (torch.rand(r, generator=g) * 10 + 1).to(xd.device)
     a, sx = lrcat_act_triton.lrcat_quantize_smoothed(xd, h, c, planes=planes)
-    ra, rsx = w4_lut.lut_smoothed_activation(xd.cpu(), h.cpu(), c.cpu(), 8, r, planes)  # CPU: IEEE division, as the kernel
+    # the reference on the CPU: IEEE division, as the kernel's
+    ra, rsx = w4_lut.lut_smoothed_activation(xd.cpu(), h.cpu(), c.cpu(), 8, r, planes)
     assert torch.equal(a.view(torch.uint8).cpu(), ra.view(torch.uint8)) and torch.equal(sx.view(-1).cpu(), rsx)
 
 
@@ -214,3 +215,32 @@ def test_library_header_patch(tmp_path):
     (inc / header).write_text(body.replace(">= 4", ">= 8"))
     with pytest.raises(B.CutlassUnavailable, match="cannot patch"):
         B.patched_header(str(inc), header, patches)
+
+
+def test_stored_form_converts_what_the_layout_takes(monkeypatch):
+    """With the LUT form asked for, a W4A4 table becomes the LUT kind (its int4 tables dropped) where N is a multiple of
+    16; a linear of 24 outputs keeps W4A4's tables and kind; other kinds are left alone."""
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "lut")
+    _, _, _, q32 = _case(n=32, k=64, rank=8)
+    _, _, _, q24 = _case(n=24, k=64, rank=8)
+    tables = {"a": q32.tensors(), "b": q24.tensors(), "c": {"qweight": torch.zeros(16, 8), "wscale": torch.ones(16)}}
+    kinds = SVDQuantW4A4(rank=8, dynamic=True).stored_form(tables, {"a": "svdq_w4a4", "b": "svdq_w4a4", "c": "w8a16"})
+    assert kinds == {"a": "svdq_lut", "b": "svdq_w4a4", "c": "w8a16"}
+    assert "codes" in tables["a"] and "qweight" not in tables["a"] and "qweight" in tables["b"]
+
+
+def test_load_writes_the_lut_form(tmp_path, monkeypatch):
+    """A saved SVDQuant checkpoint (the canonical int4 tables) loaded where the LUT form is asked for is written as
+    that form, equal to quantizing in place with it."""
+    import dit_passes
+    zm = build("flux", **FLUX64)
+    kw = zm.make_inputs()
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "lut")
+    made = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16",
+                                                      serialize_to=str(tmp_path))], example_inputs=kw,
+                       keep_original=True)
+    loaded = dit_passes.load(zm.model, str(tmp_path), example_inputs=kw, keep_original=True)
+    kinds = [n.meta.get("dit_quant") for n in loaded.graph_module.graph.nodes if n.meta.get("dit_quant")]
+    assert kinds.count("svdq_lut") > 0 and "svdq_w4a4" not in kinds
+    with torch.no_grad():
+        assert torch.equal(loaded(**kw)[0], made(**kw)[0])

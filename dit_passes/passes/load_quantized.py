@@ -34,6 +34,7 @@ from ..infra.phases import Phase
 from ..quant.loading import read_checkpoint
 from ..quant.serialize import QuantizedCheckpointError
 from ..quant.signature import graph_block_lists, place_tables, quant_signature, tensor_at
+from ..quant.w4_lut import lut_storage
 from .quantize import QUANT_KINDS
 from .quantize_fused import fused_members
 from .quantize_graph import apply_by_kind, released_tables
@@ -121,7 +122,9 @@ class LoadQuantized(Pass):
             if sig["weights_sha256"] != self.config.get("_weights_sha256", sig["weights_sha256"]):
                 raise PassError(f"{self.source}: the model's weights changed since dit_passes.load checked them")
         weight = tensor_at(gm, sites[0].weight)  # device and dtype the stored tensors follow
-        counts = apply_by_kind(gm, sites, self.kinds, self._on(weight), ledger, self)
+        placed = self._on(weight)
+        kinds = lut_storage(placed, self.kinds)  # SVDQuant's tables in the LUT form where the device runs it
+        counts = apply_by_kind(gm, sites, kinds, placed, ledger, self)
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
         return PassResult(True, counts, f"{self.config.get('quant_type')} loaded from {self.source}: "
                                         f"{counts['replaced']} linear node(s); {counts['bytes_before']} -> "

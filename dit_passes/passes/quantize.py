@@ -88,8 +88,7 @@ from ..quant.int4 import GROUP_SIZE
 from ..quant.nvfp4 import BLOCK as NVFP4_BLOCK, prepare_svdquant_nvfp4
 from ..quant.serialize import save_quantized
 from ..quant.signature import FORMAT, graph_block_lists, place_tables, quant_signature, tensor_at
-from ..quant import dispatch
-from ..quant.w4_lut import to_lut_table
+from ..quant.w4_lut import lut_storage
 from ..quant.svdquant import SMOOTH_MODES, SVD_PRECISIONS, prepare_svdquant
 from ..quant.w4a16 import prepare_w4a16, prepare_w4a16_lr
 from ..quant.w8a16 import prepare_w8a16
@@ -485,17 +484,9 @@ class SVDQuantW4A4(_QuantizeLinears):
 
     def stored_form(self, tables, kinds):
         """On a Hopper GPU where the LUT GEMM runs (or anywhere with ``DIT_PASSES_W4A4_BACKEND=lut``), W4A4 tables
-        become the lookup-table form (``quant/w4_lut.py``: codes, tables, sw, c; qweight, wscale and lora_up are not
-        kept) and their kind ``svdq_lut``; a table converted on an earlier lowering keeps that kind."""
-        tensors = [t for table in tables.values() for t in table.values() if t is not None]
-        lut = bool(tensors) and dispatch.svdq_lut(tensors[0].device)
-        out = dict(kinds)
-        for p, table in tables.items():
-            if lut and out[p] == self.kind == "svdq_w4a4" and "codes" not in table:
-                tables[p] = to_lut_table(table)
-            if "codes" in tables[p]:
-                out[p] = "svdq_lut"
-        return out
+        become the lookup-table form where N is a multiple of 16 (``quant/w4_lut.lut_storage``: codes, tables, sw,
+        c; qweight, wscale and lora_up are not kept), kind ``svdq_lut``."""
+        return lut_storage(tables, kinds)
 
     def rank_of(self, path: str) -> int:
         """The low-rank branch's rank for the linear at ``path``: ``rank`` per member of a fused linear."""

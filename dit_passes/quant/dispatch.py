@@ -23,6 +23,8 @@ the timing table (``custom_ops.py`` asks here; the kernels in ``dit_passes.kerne
   [w8 | u8], the branch in e4m3), on any device (the reference GEMM off the GPU); its B operand by ATen ops or, with
   ``DIT_PASSES_W4_EXPAND=kernel``, by the op ``dit_passes::w4_lrcat_to_e4m3``; ``lrcat_split``: the branch's
   operands as e4m3 hi / lo pairs (3R columns, ~8 significant bits): the Hopper default (``auto``).
+* ``DIT_PASSES_W4A4_BACKEND=lut`` (and ``auto`` on Hopper where its library builds): SVDQuant's tables stored for the
+  lookup-table GEMM (``w4_lut.py``); which kernels run it is ``lut_dispatch.py``'s, beside this module.
 * ``DIT_PASSES_W4A4_BACKEND`` = ``w4a8`` / ``w4a8_fold``: SVDQuant's linears are written as the op
   ``dit_passes::svdq_w4a8_linear`` (``fold`` False / True), which runs the fused W4A8 Triton kernels
   (``dit_passes.kernels.w4a8_triton``: the int4 weights turned into e4m3 inside the GEMM, per-token e4m3 activations
@@ -88,11 +90,6 @@ W4_EXPAND_SETTINGS = ("auto", *W4_EXPANDS)
 LRCAT_FORMS = ("lrcat", "lrcat_split")  # svdq_form's answers that write graph_forms.svdq_lrcat_linear_form
 BACKENDS = ("auto", "triton", "cutlass", "fp8", *LRCAT_FORMS, "w4a8", "w4a8_fold", "lut")
 W4A8_FORMS = ("w4a8", "w4a8_fold")  # svdq_form's answers that write dit_passes::svdq_w4a8_linear
-# the LUT form is the Hopper default (auto) where its library builds: FLUX step 104.4 / 105.8 ms against bf16's 131.1 /
-# 131.8 (1.255x / 1.246x), lrcat_split 109.2 in the first call (stop 34, H100); digits DiT PTQ 45.5 dB (lrcat_split 46.2)
-LUT_DEFAULT = True
-LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
-LUT_PLANES_DEFAULT = 3
 LRCAT_ACT_ENV = "DIT_PASSES_LRCAT_ACT"
 LRCAT_ACT_SETTINGS = ("auto", "stats", "mm")  # lrcat_act_quant
 WEIGHT_ONLY_ENV = "DIT_PASSES_WEIGHT_ONLY_FORM"
@@ -474,8 +471,8 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     cores).
     ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes ``"lrcat_split"`` on
     Hopper (compute capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape and the
-    lookup-table form (:func:`svdq_lut`, kind ``svdq_lut``, which the pass stores instead where its library runs: the
-    fastest design measured, stop 34) does not apply (FLUX step, graphed: 109.2 ms against bf16's 131.1 on an H100;
+    lookup-table form (``lut_dispatch.svdq_lut``, kind ``svdq_lut``, which the pass stores instead where its library
+    runs: the fastest design measured, stop 34) does not apply (FLUX step, graphed: 109.2 ms against bf16's 131.1 on an H100;
     digits DiT 46.2 dB); every other setting, device or shape gets the op."""
     setting = backend_setting()
     if setting == "fp8" or setting in LRCAT_FORMS or setting in W4A8_FORMS:
@@ -503,49 +500,3 @@ def int8_backend(x: torch.Tensor, qweight: torch.Tensor) -> str:
     n, k = qweight.shape
     m = x.numel() // max(k, 1)
     return "int_mm" if x.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0 else "reference"
-
-
-# ---------------------------------------------------------------------------------------------- the LUT form
-@functools.lru_cache(maxsize=None)
-def lut_gemm_module() -> Optional[ModuleType]:
-    """``dit_passes.kernels.w4a8_lut_cutlass`` (``lut_gemm``, ``is_available``), or None."""
-    return _import_kernel("w4a8_lut_cutlass", "the reference")
-
-
-def lut_ready(device: torch.device) -> bool:
-    """Whether the LUT GEMM runs on ``device``: a compute-capability-9 GPU where its library builds (nvcc and the
-    nvidia-cutlass headers, the first time) or was built."""
-    if device.type != "cuda" or capability(device)[0] != 9:
-        return False
-    module = lut_gemm_module()
-    return module is not None and module.is_available()
-
-
-def svdq_lut(device: torch.device) -> bool:
-    """Whether SVDQuant's linears are stored and written in the lookup-table form (``w4_lut.py``) for a model on
-    ``device``: ``DIT_PASSES_W4A4_BACKEND=lut`` on any device (the reference GEMM off Hopper; tests); ``auto`` on
-    a Hopper GPU where the LUT GEMM runs (:func:`lut_ready`)."""
-    setting = backend_setting()
-    return setting == "lut" or (setting == "auto" and LUT_DEFAULT and lut_ready(device))
-
-
-def lut_planes() -> int:
-    """The LUT form's branch columns in K (``DIT_PASSES_LUT_PLANES``): 3 ([hi | hi16 | lo]: ~8 bits of h, lrcat_split's
-    fidelity) or 2 ([hi | hi16]: h in e4m3, the GEMM 64-128 columns shorter; the default where measured faster at
-    SVDQuant's fidelity, LUT_PLANES_DEFAULT)."""
-    s = os.environ.get(LUT_PLANES_ENV, "").strip() or str(LUT_PLANES_DEFAULT)
-    if s not in ("2", "3"):
-        raise ValueError(f"{LUT_PLANES_ENV}={s!r}: expected 2 or 3")
-    return int(s)
-
-
-def lut_gemm_kernel(a: torch.Tensor, out_dtype: torch.dtype) -> Optional[ModuleType]:
-    """The module running ``dit_passes::w4a8_lut_gemm`` on CUDA for this operand (bf16 out on Hopper), or None
-    (the reference)."""
-    return lut_gemm_module() if out_dtype == torch.bfloat16 and lut_ready(a.device) else None
-
-
-def lut_act_kernel(xd: torch.Tensor) -> Optional[ModuleType]:
-    """The module running ``dit_passes::lut_quantize_smoothed`` on CUDA (sm_89+, a row in registers), or None."""
-    kernel = lrcat_act_module()
-    return kernel if kernel is not None and kernel.smoothed_supported(xd) else None

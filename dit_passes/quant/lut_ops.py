@@ -10,18 +10,18 @@ body), fake and CUDA implementations:
   (``w4_lut.lut_gemm_reference``; CUDA: the CUTLASS kernel ``dit_passes.kernels.w4a8_lut_cutlass`` on a
   compute-capability-9 GPU for bf16 out, else the reference).
 
-Which runs is :func:`dispatch.lut_gemm_backend`'s and :func:`dispatch.lut_act_backend`'s answer."""
+Which runs is ``lut_dispatch``'s answer (:func:`lut_dispatch.lut_gemm_kernel`, :func:`lut_dispatch.lut_act_kernel`)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
 
-from . import dispatch
+from . import dispatch, lut_dispatch
 from .custom_ops import check_smoothed_operands
 from .fp8_int8 import FP8_DTYPE
-from .int4 import GROUP_SIZE
 from .graph_forms import LinearShape
+from .int4 import GROUP_SIZE
 from .w4_lut import PLANE_CHOICES, branch_cols, lut_gemm_reference, lut_smoothed_activation, svdq_lut_linear_form
 
 
@@ -45,7 +45,7 @@ def lut_quantize_smoothed(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
 @lut_quantize_smoothed.register_kernel("cuda")
 def _lut_quantize_smoothed_cuda(xd, h, c, planes):
     r = _check_act(xd, h, c, planes)
-    kernel = dispatch.lut_act_kernel(xd)
+    kernel = lut_dispatch.lut_act_kernel(xd)
     if kernel is None:
         a, sx = lut_smoothed_activation(xd, h, c, xd.shape[0], r, planes)
         return a, sx.clone()
@@ -88,7 +88,7 @@ def w4a8_lut_gemm(codes: torch.Tensor, tables: torch.Tensor, a: torch.Tensor, sw
 @w4a8_lut_gemm.register_kernel("cuda")
 def _w4a8_lut_gemm_cuda(codes, tables, a, sw, sx, bias, out_dtype):
     m, _, _ = _check_gemm(codes, tables, a, sw, sx, bias)
-    kernel = dispatch.lut_gemm_kernel(a, out_dtype)
+    kernel = lut_dispatch.lut_gemm_kernel(a, out_dtype)
     if kernel is None or m % 8 or (bias is not None and bias.dtype != torch.bfloat16):
         return lut_gemm_reference(codes, tables, a, sw, sx, bias, out_dtype)
     return kernel.lut_gemm(codes.contiguous(), tables.contiguous(), a.contiguous(), sw.contiguous(),
@@ -108,11 +108,12 @@ def svdq_lut_linear(x: torch.Tensor, codes: torch.Tensor, tables: torch.Tensor, 
     not known when the graph is written; otherwise its graph form, ``w4_lut.svdq_lut_linear_form``), any device."""
     shape = LinearShape.of(x, codes.shape[0], x.shape[-1], bias, sw, rank=lora_down.shape[0])
     return svdq_lut_linear_form(x, codes, tables, sw, c, lora_down, smooth_inv, bias, shape,
-                                dispatch.fp8_act_quant("per_row", x), dispatch.lut_planes()).clone()
+                                dispatch.fp8_act_quant("per_row", x), lut_dispatch.lut_planes()).clone()
 
 
 @svdq_lut_linear.register_fake
 def _svdq_lut_linear_fake(x, codes, tables, sw, c, lora_down, smooth_inv, bias):
     if x.shape[-1] != smooth_inv.shape[0]:
-        raise ValueError(f"dit_passes::svdq_lut_linear: x's last dim {x.shape[-1]} != smooth_inv's {smooth_inv.shape[0]}")
+        raise ValueError(f"dit_passes::svdq_lut_linear: x's last dim {x.shape[-1]} != smooth_inv's "
+                         f"{smooth_inv.shape[0]}")
     return x.new_empty((*x.shape[:-1], codes.shape[0]))

@@ -36,6 +36,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from . import lut_dispatch
 from .fp8_int8 import FP8_DTYPE, FP8_MAX
 from .graph_forms import LinearShape, fp8_quantize, lrcat_c
 from .int4 import GROUP_SIZE, int4_values
@@ -48,6 +49,12 @@ HEADROOM = FP8_MAX / (2 * BRANCH_MAX)  # |u| <= 238 keeps s <= 2, so the branch 
 MIN_STEP_LOG2 = -13                    # s >= 2^-13: 16 s 1 = 2^-9, e4m3's smallest subnormal, stays exact
 PLANES = 3                             # the branch's columns in K: [hi | hi16 | lo] against [uh | ul | uh]
 PLANE_CHOICES = (2, 3)
+
+
+def lut_supported(n: int) -> bool:
+    """Whether a linear with N outputs takes the LUT form: its layout tiles rows by 16 (K is SVDQuant's multiple of
+    64); other linears keep SVDQuant's tables and forms."""
+    return n % 16 == 0
 
 
 def branch_cols(r: int, planes: int = PLANES) -> int:
@@ -188,7 +195,8 @@ def lut_activation(x2d: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch
                    dtype: torch.dtype, m: int, r: int, act: str = "graph",
                    planes: int = PLANES) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (A, sx) (module docstring): the smoothed activation in x's dtype, its down projection by one mm,
-    then :func:`lut_smoothed_activation` as ATen ops (``act="graph"``) or as the op ``dit_passes::lut_quantize_smoothed``
+    then :func:`lut_smoothed_activation` as ATen ops (``act="graph"``) or as the op
+    ``dit_passes::lut_quantize_smoothed``
     (``"kernel"``); no branch (R = 0): [qx] alone. M, R constants."""
     xd = aten._to_copy.default(aten.mul.Tensor(aten._to_copy.default(x2d, dtype=_F32), smooth_inv), dtype=dtype)
     if not r:
@@ -239,9 +247,26 @@ def weight_prefix(codes: torch.Tensor, tables: torch.Tensor, n: int, k: int) -> 
     return aten.view.default(flat, [n, k // 2]), aten.slice.Tensor(tables, 0, 0, k // GROUP_SIZE)
 
 
+def lut_storage(tables: Dict[str, Dict[str, torch.Tensor]], kinds: Dict[str, str]) -> Dict[str, str]:
+    """The kinds the graph writes for these prepared ``tables`` (module path -> tensors) on their device: where
+    ``lut_dispatch.svdq_lut`` asks for the LUT form, each W4A4 table of a linear it takes (:func:`lut_supported`) is
+    replaced in ``tables`` by :func:`to_lut_table` (in place: the holder of the dict keeps one form) and its kind
+    becomes ``svdq_lut``; a table converted before keeps that kind; other kinds are left alone."""
+    tensors = [t for table in tables.values() for t in table.values() if t is not None]
+    lut = bool(tensors) and lut_dispatch.svdq_lut(tensors[0].device)
+    out = dict(kinds)
+    for p, table in tables.items():
+        if lut and out.get(p) == "svdq_w4a4" and "codes" not in table and lut_supported(table["qweight"].shape[0]):
+            tables[p] = to_lut_table(table)
+        if "codes" in tables[p]:
+            out[p] = "svdq_lut"
+    return out
+
+
 def svdq_lut_linear_form(x: torch.Tensor, codes: torch.Tensor, tables: torch.Tensor, sw: torch.Tensor,
                          c: torch.Tensor, lora_down: torch.Tensor, smooth_inv: torch.Tensor,
-                         bias: Optional[torch.Tensor], shape: LinearShape, act: str, planes: int = PLANES) -> torch.Tensor:
+                         bias: Optional[torch.Tensor], shape: LinearShape, act: str,
+                         planes: int = PLANES) -> torch.Tensor:
     """The LUT form of one linear, x [*lead, K] -> [*lead, N] (module docstring): :func:`lut_activation` (its A
     operand by ATen ops, ``act="graph"``, or the op ``dit_passes::lut_quantize_smoothed``, ``"kernel"``), then
     ``dit_passes::w4a8_lut_gemm`` over the branch's ``planes`` (2: the stored operand's prefix). ``shape`` (lead, K,

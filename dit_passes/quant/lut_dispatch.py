@@ -1,0 +1,71 @@
+"""Which implementation runs SVDQuant's lookup-table form (``w4_lut.py``, ``lut_ops.py``), beside ``dispatch.py``
+(whose ``DIT_PASSES_W4A4_BACKEND`` it reads through :func:`dispatch.backend_setting`):
+
+* :func:`svdq_lut`: whether the W4A4 tables are stored in the LUT form for a model on a device (``auto``: a Hopper
+  GPU where the CUTLASS library builds, :func:`lut_ready`; ``lut``: any device);
+* :func:`lut_planes`: the branch's columns in K (``DIT_PASSES_LUT_PLANES``, 3 by default);
+* :func:`lut_gemm_kernel` / :func:`lut_act_kernel`: the kernel modules of the two ops on CUDA, or None (the
+  reference).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from .dispatch import _import_kernel, backend_setting, capability, lrcat_act_module
+
+# the LUT form is the Hopper default (auto) where its library builds: FLUX step 104.4 / 105.8 ms against bf16's
+# 131.1 / 131.8 (1.255x / 1.246x), lrcat_split 109.2 in the first call (stop 34, H100); digits DiT PTQ 45.5 dB
+# (lrcat_split 46.2)
+LUT_DEFAULT = True
+LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
+LUT_PLANES_DEFAULT = 3
+
+
+@functools.lru_cache(maxsize=None)
+def lut_gemm_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.w4a8_lut_cutlass`` (``lut_gemm``, ``is_available``), or None."""
+    return _import_kernel("w4a8_lut_cutlass", "the reference")
+
+
+def lut_ready(device: torch.device) -> bool:
+    """Whether the LUT GEMM runs on ``device``: a compute-capability-9 GPU where its library builds (nvcc and the
+    nvidia-cutlass headers, the first time) or was built."""
+    if device.type != "cuda" or capability(device)[0] != 9:
+        return False
+    module = lut_gemm_module()
+    return module is not None and module.is_available()
+
+
+def svdq_lut(device: torch.device) -> bool:
+    """Whether SVDQuant's linears are stored and written in the lookup-table form (``w4_lut.py``) for a model on
+    ``device``: ``DIT_PASSES_W4A4_BACKEND=lut`` on any device (the reference GEMM off Hopper; tests); ``auto`` on
+    a Hopper GPU where the LUT GEMM runs (:func:`lut_ready`)."""
+    setting = backend_setting()
+    return setting == "lut" or (setting == "auto" and LUT_DEFAULT and lut_ready(device))
+
+
+def lut_planes() -> int:
+    """The LUT form's branch columns in K (``DIT_PASSES_LUT_PLANES``): 3 ([hi | hi16 | lo]: ~8 bits of h, lrcat_split's
+    fidelity) or 2 ([hi | hi16]: h in e4m3, the GEMM 64-128 columns shorter; the default where measured faster at
+    SVDQuant's fidelity, LUT_PLANES_DEFAULT)."""
+    s = os.environ.get(LUT_PLANES_ENV, "").strip() or str(LUT_PLANES_DEFAULT)
+    if s not in ("2", "3"):
+        raise ValueError(f"{LUT_PLANES_ENV}={s!r}: expected 2 or 3")
+    return int(s)
+
+
+def lut_gemm_kernel(a: torch.Tensor, out_dtype: torch.dtype) -> Optional[ModuleType]:
+    """The module running ``dit_passes::w4a8_lut_gemm`` on CUDA for this operand (bf16 out on Hopper), or None
+    (the reference)."""
+    return lut_gemm_module() if out_dtype == torch.bfloat16 and lut_ready(a.device) else None
+
+
+def lut_act_kernel(xd: torch.Tensor) -> Optional[ModuleType]:
+    """The module running ``dit_passes::lut_quantize_smoothed`` on CUDA (sm_89+, a row in registers), or None."""
+    kernel = lrcat_act_module()
+    return kernel if kernel is not None and kernel.smoothed_supported(xd) else None
