@@ -472,8 +472,8 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes ``"lrcat_split"`` on
     Hopper (compute capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape and the
     lookup-table form (``lut_dispatch.svdq_lut``, kind ``svdq_lut``, which the pass stores instead where its library
-    runs: the fastest design measured, stop 34) does not apply (FLUX step, graphed: 109.2 ms against bf16's 131.1 on an H100;
-    digits DiT 46.2 dB); every other setting, device or shape gets the op."""
+    runs: the fastest design measured, stop 34) does not apply (FLUX step, graphed: 109.2 ms against bf16's 131.1 on
+    an H100; digits DiT 46.2 dB); every other setting, device or shape gets the op."""
     setting = backend_setting()
     if setting == "fp8" or setting in LRCAT_FORMS or setting in W4A8_FORMS:
         return setting
