@@ -53,6 +53,7 @@ def _load():
     if _LIB is not None:
         return _LIB
     if cutlass_build.built_library(LIBRARY) is None:
+        cutlass_build.find_nvcc(), cutlass_build.find_cutlass_include()  # CutlassUnavailable, unwarned, if unbuildable
         warnings.warn("dit_passes: building the LUT GEMM library (nvcc, first use on this machine: minutes; cached "
                       "under $DIT_PASSES_CUTLASS_CACHE)")
     path = cutlass_build.build(LIBRARY)
