@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 import json
 
+import pytest
+
 from dit_passes import coverage_fuzz as fz
 from dit_passes.models.zoo import config_for, family_spec, model_class
 
@@ -43,3 +45,11 @@ def test_a_draw_the_class_rejects_is_invalid_not_an_error():
     why = fz.probe("flux", {"axes_dims_rope": (4, 4, 4)}, timeout=60)  # rope width 12 for heads of 16
     assert why is not None and "Error" in why
     assert fz.probe("flux", {"num_layers": 1}, timeout=60) is None
+
+
+@pytest.mark.parametrize("family,flags", [("qwenimage", {"use_additional_t_cond": True}), ("flux3", {"flow_map": True}),
+                                          ("hunyuanimage", {"use_meanflow": True, "guidance_embeds": True})])
+def test_inputs_follow_the_flags_a_draw_turns_on(family, flags):
+    """The classes refuse a call without the inputs these flags ask for (additional_t_cond, target_timestep,
+    timestep_r / guidance): the zoo's builders add them, so such draws are probed, not listed as the class's."""
+    assert fz.probe(family, flags, timeout=60) is None

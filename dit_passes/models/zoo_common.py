@@ -135,3 +135,16 @@ def check_batch(batch: int) -> None:
 
 def image_text_tokens(image: int, text: int) -> dict:
     return {"image": int(image), "text": int(text)}
+
+
+def with_flag_inputs(builder: Callable, extras: Mapping[str, Callable]) -> Callable:
+    """``builder`` (config, batch, sizes, gen) -> inputs, plus the inputs a class requires when a config flag is on:
+    ``extras`` maps the flag to ``(config, batch, inputs) -> {name: value}``. The zoo's configs leave those flags off;
+    configs drawn around them (``dit-passes fuzz``) turn them on, and the class then refuses a call without them."""
+    def inputs(config, batch, sizes, gen):
+        out = builder(config, batch, sizes, gen)
+        for flag, make in extras.items():
+            if config.get(flag):
+                out.update(make(config, batch, out))
+        return out
+    return inputs

@@ -17,7 +17,7 @@ import torch
 from diffusers.models.embeddings import get_2d_rotary_pos_embed
 
 from dit_passes.models.zoo_common import (FamilySpec, cfg_rows, grid_ids, image_text_tokens, text_mask, text_rows,
-                                          timestep_rows)
+                                          timestep_rows, with_flag_inputs)
 from dit_passes.models.zoo_image import DIM, HEAD_DIM, HEADS, ROPE_3AXES, TEXT_DIM  # the curated zoo's sizes
 
 _IMAGE_SIZES = {"default": {"grid": (4, 4), "text": 8}, "alt_resolution": {"grid": (6, 4), "text": 8}}
@@ -198,7 +198,11 @@ COGVIEW4 = _family("cogview4", "CogView4Transformer2DModel", dict(_COGVIEW, rope
 
 
 # ------------------------------------------------------------------------------------ hunyuan image
-_hunyuanimage_inputs = _text_inputs("text_embed_dim", latent=functools.partial(_latent_2d, p=1))
+# the step-distilled (meanflow) model takes the interval's other end, r = t for plain sampling; a guidance-distilled
+# one the guidance scale (x 1000, as HunyuanImagePipeline passes it)
+_hunyuanimage_inputs = with_flag_inputs(_text_inputs("text_embed_dim", latent=functools.partial(_latent_2d, p=1)), {
+    "use_meanflow": lambda config, batch, out: {"timestep_r": out["timestep"].clone()},
+    "guidance_embeds": lambda config, batch, out: {"guidance": torch.full((batch,), 3500.0)}})
 
 
 HUNYUANIMAGE = _family("hunyuanimage", "HunyuanImageTransformer2DModel",
@@ -242,7 +246,10 @@ FLUX3 = _family("flux3", "Flux3Transformer2DModel",
                 dict(in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2,
                      attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM,
                      timestep_channels=32, axes_dims_rope=(4, 4, 4, 4)),
-                _flux3_inputs, {"mode_blocks.image": "num_layers", "txt_mode_blocks": "num_layers",
+                # a flow map (step-distilled) embeds the timestep each step jumps to as well
+                with_flag_inputs(_flux3_inputs, {"flow_map": lambda config, batch, out: {
+                    "target_timestep": out["timestep"] * 0.5}}),
+                {"mode_blocks.image": "num_layers", "txt_mode_blocks": "num_layers",
                                 "single_transformer_blocks": "num_single_layers"}, 2)
 
 

@@ -232,8 +232,7 @@ def _qwen_layered(layers=1):
         extra = cfg_rows(gen, batch, (layers + 1) * h * w, config["in_channels"])
         out["hidden_states"] = torch.cat([out["hidden_states"], extra], dim=1)
         out["img_shapes"] = [[(1, h, w)] * (layers + 2) for _ in range(batch)]
-        out["additional_t_cond"] = torch.zeros(batch, dtype=torch.long)
-        return out
+        return out  # additional_t_cond: the family's builder follows use_additional_t_cond
     return inputs
 
 
