@@ -24,7 +24,9 @@ def svdq(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
 
 def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
     """name -> (x, w, b) -> zero-argument callable computing the quantized linear (or None: not on this device)."""
-    from dit_passes.quant import dispatch, prepare_fp8
+    from dit_passes.kernels import w4a8_lut_cutlass as L
+    from dit_passes.kernels.lrcat_act_triton import lrcat_quantize_smoothed
+    from dit_passes.quant import dispatch, prepare_fp8, w4_lut
     from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, fp8_quantize, lrcat_c, lrcat_cols,
                                               svdq_fp8_linear_form, svdq_lrcat_linear_form, w4_to_e4m3)
 
@@ -126,18 +128,13 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
         return lambda: torch.ops.dit_passes.lrcat_quantize_rows(x, q.smooth_inv, q.lora_down, c, True)
 
     def lut_operands(x, w, b):
-        from dit_passes.kernels import w4a8_lut_cutlass as L
-        from dit_passes.quant import w4_lut
-
         q = svdq(x, w, b)
-        lw = w4_lut.prepare_lut(q.qweight, q.wscale, q.lora_down, q.lora_up)
-        return L, w4_lut, q, lw
+        return q, w4_lut.prepare_lut(q.qweight, q.wscale, q.lora_down, q.lora_up)
 
     def svdq_lut(x, w, b):  # xd by Inductor, h by mm, the A operand by the planes kernel, the LUT GEMM
         if not lut_available():
             return None
-        from dit_passes.kernels.lrcat_act_triton import lrcat_quantize_smoothed
-        L, w4_lut, q, lw = lut_operands(x, w, b)
+        q, lw = lut_operands(x, w, b)
 
         def smoothed(t):
             xd = (t.float() * q.smooth_inv).to(t.dtype)
@@ -155,7 +152,7 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
         def build(x, w, b):
             if not lut_available():
                 return None
-            L, w4_lut, q, lw = lut_operands(x, w, b)
+            q, lw = lut_operands(x, w, b)
             a8, sx = w4_lut.lut_activation(x, q.smooth_inv, q.lora_down, lw.c, x.dtype, x.shape[0], q.rank)
             bias = q.bias.to(torch.bfloat16) if q.bias is not None else None
             out = L.lut_gemm(lw.codes, lw.tables, a8, lw.sw, sx, bias, config)
@@ -168,12 +165,9 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
             return lambda: L.lut_gemm(lw.codes, lw.tables, a8, lw.sw, sx, bias, config)
         return build
 
-    def lut_available() -> bool:
-        from dit_passes.kernels import w4a8_lut_cutlass as L
+    def lut_available() -> bool:  # asked only by the LUT designs: the first call may build the library
         return device.type == "cuda" and L.is_available()
-
-    from dit_passes.kernels.w4a8_lut_cutlass import CONFIGS as LUT_CONFIGS
-    lut = {"svdq_lut": svdq_lut, **{f"w4a8_gemm_lut_{c}": lut_gemm(c) for c in LUT_CONFIGS},
+    lut = {"svdq_lut": svdq_lut, **{f"w4a8_gemm_lut_{c}": lut_gemm(c) for c in L.CONFIGS},
            "svdq_lrcat_split_mm": svdq_fp8(True, "kernel", lrcat="split", act="mm")}
     return {**lut, "bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
             "fp8_rowquant": fp8_rowquant, "fp8_act": fp8_act(False), "fp8_act_rowquant": fp8_act(True),

@@ -249,13 +249,13 @@ def row_specs():
                        ("svdq_w4_pointwise", "svdq_w4_default_rope")):
         specs[name] = (lambda rope=rope: [*specs[rope][0](), FuseNormModulate()], specs[rope][1])
     # the lookup-table form: the int4 codes read by the CUTLASS mixed-input GEMM through per-group e4m3 tables
-    # (quant/w4_lut.py), no expanded weight; the branch as two int4 digit planes in K
+    # (quant/w4_lut.py), no expanded weight; the branch as int4 digit planes in K (three; lut2: their two-plane prefix)
     specs["svdq_w4_lut_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut"})
-    # the expansion design (lrcat_split, the Hopper default until stop 34) named, now that auto stores the LUT form
-    specs["svdq_w4_expand_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lrcat_split"})
     # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter
     specs["svdq_w4_lut2_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
                                                                       lut_dispatch.LUT_PLANES_ENV: "2"})
+    # the expansion design (lrcat_split, the Hopper default until stop 34) named, now that auto stores the LUT form
+    specs["svdq_w4_expand_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lrcat_split"})
     # the expansion kernel converting an int32 word (eight values) a thread instead of a byte (bench/w4_expand_kernel.py)
     specs["svdq_w4_pointwise_words"] = (specs["svdq_w4_pointwise"][0], {w4_expand_triton.FORM_ENV: "words"})
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with

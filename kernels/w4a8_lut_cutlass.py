@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -45,7 +45,6 @@ LIBRARY = cutlass_build.CutlassLibrary(
 _LIB = None
 _WORKSPACE: Dict[tuple, int] = {}
 _TUNED: Dict[tuple, str] = {}   # (M, N, K, device) -> the config "auto" measured fastest
-_OFFSETS: Dict[tuple, torch.Tensor] = {}
 
 
 def _load():
@@ -91,21 +90,13 @@ def is_available(build_if_needed: bool = True) -> bool:
         return False
 
 
-def configs() -> List[str]:
-    return list(CONFIGS)
-
-
 def shuffle_offsets(n: int, k: int) -> torch.Tensor:
     """int64 [N * K] (CPU): where the library's shuffled layout puts code (n, k) (row-major index n * K + k); the
     layout ``w4_lut.shuffle_index`` computes (tests compare them)."""
-    key = (n, k)
-    if key not in _OFFSETS:
-        out = torch.empty(n * k, dtype=torch.int32)
-        code = _load().w4a8_lut_shuffle_offsets(n, k, out.data_ptr())
-        if code != 0:
-            raise RuntimeError(f"w4a8_lut_shuffle_offsets({n}, {k}): {_load().w4a8_lut_last_error_detail().decode()}")
-        _OFFSETS[key] = out.long()
-    return _OFFSETS[key]
+    out = torch.empty(n * k, dtype=torch.int32)
+    if _load().w4a8_lut_shuffle_offsets(n, k, out.data_ptr()) != 0:
+        raise RuntimeError(f"w4a8_lut_shuffle_offsets({n}, {k}): {_load().w4a8_lut_last_error_detail().decode()}")
+    return out.long()
 
 
 def lut_gemm(codes: torch.Tensor, tables: torch.Tensor, x8: torch.Tensor, sw: torch.Tensor, sx: torch.Tensor,

@@ -24,6 +24,7 @@ from .dispatch import _import_kernel, backend_setting, capability, lrcat_act_mod
 LUT_DEFAULT = True
 LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
 LUT_PLANES_DEFAULT = 3
+PLANE_CHOICES = (2, 3)  # the stored operand has three planes; a GEMM over two reads its prefix
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,8 +55,8 @@ def lut_planes() -> int:
     fidelity) or 2 ([hi | hi16]: h in e4m3, the GEMM 64-128 columns shorter; the default where measured faster at
     SVDQuant's fidelity, LUT_PLANES_DEFAULT)."""
     s = os.environ.get(LUT_PLANES_ENV, "").strip() or str(LUT_PLANES_DEFAULT)
-    if s not in ("2", "3"):
-        raise ValueError(f"{LUT_PLANES_ENV}={s!r}: expected 2 or 3")
+    if s not in tuple(map(str, PLANE_CHOICES)):
+        raise ValueError(f"{LUT_PLANES_ENV}={s!r}: expected one of {PLANE_CHOICES}")
     return int(s)
 
 

@@ -22,7 +22,8 @@ from .custom_ops import check_smoothed_operands
 from .fp8_int8 import FP8_DTYPE
 from .graph_forms import LinearShape
 from .int4 import GROUP_SIZE
-from .w4_lut import PLANE_CHOICES, branch_cols, lut_gemm_reference, lut_smoothed_activation, svdq_lut_linear_form
+from .lut_dispatch import PLANE_CHOICES
+from .w4_lut import branch_cols, lut_gemm_reference, lut_smoothed_activation, svdq_lut_linear_form
 
 
 def _check_act(xd, h, c, planes) -> int:

@@ -48,7 +48,6 @@ BRANCH_MAX = 119.0                    # |v| <= 119 = 16 * 7 + 7: two int4 digits
 HEADROOM = FP8_MAX / (2 * BRANCH_MAX)  # |u| <= 238 keeps s <= 2, so the branch table's 16 s 8 <= 256 <= 448
 MIN_STEP_LOG2 = -13                    # s >= 2^-13: 16 s 1 = 2^-9, e4m3's smallest subnormal, stays exact
 PLANES = 3                             # the branch's columns in K: [hi | hi16 | lo] against [uh | ul | uh]
-PLANE_CHOICES = (2, 3)
 
 
 def lut_supported(n: int) -> bool:
@@ -66,14 +65,11 @@ def branch_cols(r: int, planes: int = PLANES) -> int:
 @dataclass
 class LutWeight:
     """The GEMM's weight operand: ``codes`` uint8 [N, (K + C) / 2] (two codes a byte, in the kernel's layout:
-    :func:`shuffle_codes`), ``tables`` uint8 [(K + C) / 64, N, 8] (e4m3 bytes), ``sw`` fp32 [N], ``c`` fp32 [R]; K and
-    R the original."""
+    :func:`shuffle_codes`), ``tables`` uint8 [(K + C) / 64, N, 8] (e4m3 bytes), ``sw`` fp32 [N], ``c`` fp32 [R]."""
     codes: torch.Tensor
     tables: torch.Tensor
     sw: torch.Tensor
     c: torch.Tensor
-    k: int
-    rank: int
 
 
 def lut_codes(q: torch.Tensor) -> torch.Tensor:
@@ -130,7 +126,7 @@ def prepare_lut(qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Te
         codes = torch.cat([codes, planes], 1)
         branch = _e4m3_bytes((16 * s)[:, None] * levels)                                # [N, 8]
         tables = torch.cat([tables, branch[None].expand(cols // GROUP_SIZE, n, 8)], 0)
-    return LutWeight(shuffle_codes(codes), tables.contiguous(), sw.contiguous(), c, k, r)
+    return LutWeight(shuffle_codes(codes), tables.contiguous(), sw.contiguous(), c)
 
 
 def shuffle_index(n: int, k: int, device=None) -> torch.Tensor:
@@ -183,9 +179,9 @@ def lut_smoothed_activation(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor, 
                             -FP8_MAX, FP8_MAX)
     hi = aten._to_copy.default(hs, dtype=FP8_DTYPE)
     hi_f = aten._to_copy.default(hi, dtype=_F32)
-    hi16 = aten._to_copy.default(aten.div.Tensor(hi_f, 16.0), dtype=FP8_DTYPE)
-    lo = aten._to_copy.default(aten.sub.Tensor(hs, hi_f), dtype=FP8_DTYPE)
-    parts = [qx, hi, hi16, lo][:1 + planes]
+    parts = [qx, hi, aten._to_copy.default(aten.div.Tensor(hi_f, 16.0), dtype=FP8_DTYPE)]
+    if planes == 3:
+        parts.append(aten._to_copy.default(aten.sub.Tensor(hs, hi_f), dtype=FP8_DTYPE))   # lo
     if pad:
         parts.append(aten._to_copy.default(aten.new_zeros.default(hs, [m, pad]), dtype=FP8_DTYPE))
     return aten.cat.default(parts, 1), aten.view.default(sx, [m])
@@ -252,8 +248,8 @@ def lut_storage(tables: Dict[str, Dict[str, torch.Tensor]], kinds: Dict[str, str
     ``lut_dispatch.svdq_lut`` asks for the LUT form, each W4A4 table of a linear it takes (:func:`lut_supported`) is
     replaced in ``tables`` by :func:`to_lut_table` (in place: the holder of the dict keeps one form) and its kind
     becomes ``svdq_lut``; a table converted before keeps that kind; other kinds are left alone."""
-    tensors = [t for table in tables.values() for t in table.values() if t is not None]
-    lut = bool(tensors) and lut_dispatch.svdq_lut(tensors[0].device)
+    first = next((t for table in tables.values() for t in table.values() if t is not None), None)
+    lut = first is not None and lut_dispatch.svdq_lut(first.device)
     out = dict(kinds)
     for p, table in tables.items():
         if lut and out.get(p) == "svdq_w4a4" and "codes" not in table and lut_supported(table["qweight"].shape[0]):
