@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dit_passes import coverage_fuzz as fz
-from dit_passes.models.zoo import config_for, family_spec, model_class
+from dit_passes.models.zoo import build, config_for, family_spec, model_class
 
 
 def test_draws_are_deterministic_and_change_known_fields():
@@ -47,9 +47,23 @@ def test_a_draw_the_class_rejects_is_invalid_not_an_error():
     assert fz.probe("flux", {"num_layers": 1}, timeout=60) is None
 
 
-@pytest.mark.parametrize("family,flags", [("qwenimage", {"use_additional_t_cond": True}), ("flux3", {"flow_map": True}),
-                                          ("hunyuanimage", {"use_meanflow": True, "guidance_embeds": True})])
-def test_inputs_follow_the_flags_a_draw_turns_on(family, flags):
+@pytest.mark.parametrize("family,flags,batch", [
+    ("qwenimage", {"use_additional_t_cond": True}, 1), ("flux3", {"flow_map": True}, 1),
+    ("hunyuanimage", {"use_meanflow": True, "guidance_embeds": True}, 1),
+    ("consisid", {"is_train_face": True, "num_layers": 3}, 2),
+    ("skyreels_v2", {"inject_sample_info": True}, 1), ("skyreels_v2", {"inject_sample_info": True}, 2)])
+def test_inputs_follow_the_flags_a_draw_turns_on(family, flags, batch):
     """The classes refuse a call without the inputs these flags ask for (additional_t_cond, target_timestep,
-    timestep_r / guidance): the zoo's builders add them, so such draws are probed, not listed as the class's."""
-    assert fz.probe(family, flags, timeout=60) is None
+    timestep_r / guidance, ConsisID's face id_cond / id_vit_hidden, SkyReels' fps per row): the zoo's builders add
+    them, so such draws are probed, not listed as the class's. A CFG pair too, where the input is per row."""
+    assert fz.probe(family, flags, timeout=60, batch=batch) is None
+
+
+def test_a_field_tied_to_the_block_counts_follows_a_draw():
+    """HiDream indexes a caption projection per block by its llama_layers: a drawn block count (1 + 1 here, the
+    zoo's list holds 4) was rejected with an IndexError, not the force_inference_output drawn with it (a flag that
+    only acts in training). The zoo's list follows the counts; a list the caller gives is kept."""
+    flags = {"force_inference_output": True, "num_layers": 1, "num_single_layers": 1}
+    assert fz.probe("hidream", flags, timeout=60, batch=2) is None
+    assert build("hidream", **flags).model.config.llama_layers == [0, 1]
+    assert build("hidream", num_layers=1, num_single_layers=1, llama_layers=[1, 0]).model.config.llama_layers == [1, 0]

@@ -128,6 +128,8 @@ def _checked_config(spec: FamilySpec, overrides: dict) -> dict:
         raise TypeError(f"{spec.class_name} has no config field(s) {unknown}; valid fields: {valid}")
     config = config_for(spec.name)
     config.update(copy.deepcopy(overrides))
+    if spec.tied_config is not None:  # fields tied to the overridden ones follow them, unless overridden too
+        config.update({k: v for k, v in spec.tied_config(config).items() if k not in overrides})
     return config
 
 

@@ -57,6 +57,9 @@ class FamilySpec:
     heads_of: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
     # set up the built model the way its parent does (DreamLite's UNet installs its own attention processors)
     after_build: Callable[[torch.nn.Module], None] | None = None
+    # config -> the fields the class needs to agree with fields a caller may change (HiDream's llama_layers: one per
+    # block); ``build`` applies it after the overrides, to every field the overrides do not name
+    tied_config: Callable[[Mapping[str, Any]], dict] | None = None
 
     def heads_and_head_dim(self, config: Mapping[str, Any]) -> tuple[int, int]:
         if self.heads_of is not None:
@@ -139,12 +142,13 @@ def image_text_tokens(image: int, text: int) -> dict:
 
 def with_flag_inputs(builder: Callable, extras: Mapping[str, Callable]) -> Callable:
     """``builder`` (config, batch, sizes, gen) -> inputs, plus the inputs a class requires when a config flag is on:
-    ``extras`` maps the flag to ``(config, batch, inputs) -> {name: value}``. The zoo's configs leave those flags off;
-    configs drawn around them (``dit-passes fuzz``) turn them on, and the class then refuses a call without them."""
+    ``extras`` maps the flag to ``(config, batch, inputs, gen) -> {name: value}``. The zoo's configs leave those flags
+    off; configs drawn around them (``dit-passes fuzz``) turn them on, and the class then refuses a call without them.
+    An extra draws after ``builder`` (from the same ``gen``), so the inputs of the flag-off call keep their values."""
     def inputs(config, batch, sizes, gen):
         out = builder(config, batch, sizes, gen)
         for flag, make in extras.items():
             if config.get(flag):
-                out.update(make(config, batch, out))
+                out.update(make(config, batch, out, gen))
         return out
     return inputs

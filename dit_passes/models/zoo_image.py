@@ -190,7 +190,7 @@ QWENIMAGE = FamilySpec(
     config=dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=HEAD_DIM,
                 num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM, axes_dims_rope=ROPE_3AXES),
     # Qwen-Image-Layered's flag (the layered variant): an is-RGB condition per sample
-    inputs=with_flag_inputs(_qwenimage_inputs, {"use_additional_t_cond": lambda config, batch, out: {
+    inputs=with_flag_inputs(_qwenimage_inputs, {"use_additional_t_cond": lambda config, batch, out, gen: {
         "additional_t_cond": torch.zeros(batch, dtype=torch.long)}}),
     sizes_by_variant=_PACKED_SIZES,
     tokens=_grid_tokens,

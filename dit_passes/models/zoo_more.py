@@ -201,8 +201,8 @@ COGVIEW4 = _family("cogview4", "CogView4Transformer2DModel", dict(_COGVIEW, rope
 # the step-distilled (meanflow) model takes the interval's other end, r = t for plain sampling; a guidance-distilled
 # one the guidance scale (x 1000, as HunyuanImagePipeline passes it)
 _hunyuanimage_inputs = with_flag_inputs(_text_inputs("text_embed_dim", latent=functools.partial(_latent_2d, p=1)), {
-    "use_meanflow": lambda config, batch, out: {"timestep_r": out["timestep"].clone()},
-    "guidance_embeds": lambda config, batch, out: {"guidance": torch.full((batch,), 3500.0)}})
+    "use_meanflow": lambda config, batch, out, gen: {"timestep_r": out["timestep"].clone()},
+    "guidance_embeds": lambda config, batch, out, gen: {"guidance": torch.full((batch,), 3500.0)}})
 
 
 HUNYUANIMAGE = _family("hunyuanimage", "HunyuanImageTransformer2DModel",
@@ -247,7 +247,7 @@ FLUX3 = _family("flux3", "Flux3Transformer2DModel",
                      attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, joint_attention_dim=TEXT_DIM,
                      timestep_channels=32, axes_dims_rope=(4, 4, 4, 4)),
                 # a flow map (step-distilled) embeds the timestep each step jumps to as well
-                with_flag_inputs(_flux3_inputs, {"flow_map": lambda config, batch, out: {
+                with_flag_inputs(_flux3_inputs, {"flow_map": lambda config, batch, out, gen: {
                     "target_timestep": out["timestep"] * 0.5}}),
                 {"mode_blocks.image": "num_layers", "txt_mode_blocks": "num_layers",
                                 "single_transformer_blocks": "num_single_layers"}, 2)
@@ -341,7 +341,10 @@ HIDREAM = _family("hidream", "HiDreamImageTransformer2DModel",
                        num_routed_experts=2, num_activated_experts=1, axes_dims_rope=ROPE_3AXES,
                        max_resolution=(16, 16), llama_layers=[0, 1, 2, 3]),
                   _hidream_inputs, {"double_stream_blocks": "num_layers", "single_stream_blocks": "num_single_layers"},
-                  2, pipeline_class="HiDreamImagePipeline")
+                  2, pipeline_class="HiDreamImagePipeline",
+                  # one llama layer per block (HiDream-I1: 48 for 16 + 32): the class builds a caption projection per
+                  # block and indexes them by llama_layers, so a drawn block count needs a list of that length
+                  tied_config=lambda c: {"llama_layers": list(range(c["num_layers"] + c["num_single_layers"]))})
 
 
 

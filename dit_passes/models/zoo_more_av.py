@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
-from dit_passes.models.zoo_common import cfg_rows, text_mask, text_rows, timestep_rows
+from dit_passes.models.zoo_common import cfg_rows, randn, text_mask, text_rows, timestep_rows, with_flag_inputs
 from dit_passes.models.zoo_more import (
     _DUAL_SINGLE,
     DIM,
@@ -24,7 +24,11 @@ _wan_like_inputs = _text_inputs("text_dim", mask=None)
 
 _WAN_LIKE = dict(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4,
                  out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64)
-SKYREELS_V2 = _family("skyreels_v2", "SkyReelsV2Transformer3DModel", _WAN_LIKE, _wan_like_inputs,
+# SkyReels-V2-DF's fps condition as its pipelines pass it: one entry per row ([fps] * batch, each 0 for 16 fps, else
+# 1), so a CFG pair gets one per row as one call does
+_skyreels_v2_inputs = with_flag_inputs(_wan_like_inputs, {
+    "inject_sample_info": lambda config, batch, out, gen: {"fps": [1] * batch}})
+SKYREELS_V2 = _family("skyreels_v2", "SkyReelsV2Transformer3DModel", _WAN_LIKE, _skyreels_v2_inputs,
                       {"blocks": "num_layers"}, 1, video=True, pipeline_class="SkyReelsV2Pipeline")
 CHRONOEDIT = _family("chronoedit", "ChronoEditTransformer3DModel", dict(_WAN_LIKE, rope_temporal_skip_len=2),
                      _wan_like_inputs, {"blocks": "num_layers"}, 1, video=True)
@@ -163,15 +167,41 @@ HUNYUANVIDEO15 = _family("hunyuanvideo15", "HunyuanVideo15Transformer3DModel",
 
 
 # ------------------------------------------------------------------------------------------ consisid
-def _consisid_inputs(config, batch, sizes, gen):
+_FACE_TOKENS = 5  # ViT tokens per face feature (EVA-CLIP's 577)
+
+
+def _consisid_plain_inputs(config, batch, sizes, gen):
     from dit_passes.models.zoo_video import _cogvideox_inputs
     return _cogvideox_inputs(config, batch, sizes, gen)
+
+
+def _consisid_face(config, batch, out, gen):
+    """``is_train_face``: the face the identity is kept from, as ConsisIDPipeline passes it: the face embedding
+    (antelopev2's and CLIP's, ``LFE_id_dim`` wide) and the CLIP ViT's hidden states at ``LFE_num_scale`` depths. One
+    face for every row: the pipeline hands the same batch-1 tensors to both CFG rows (they broadcast in the
+    perceiver cross-attention)."""
+    return {"id_cond": randn(gen, 1, config["LFE_id_dim"]),
+            "id_vit_hidden": [randn(gen, 1, _FACE_TOKENS, config["LFE_vit_dim"])
+                              for _ in range(config["LFE_num_scale"])]}
+
+
+_consisid_inputs = with_flag_inputs(_consisid_plain_inputs, {"is_train_face": _consisid_face})
+# The face modules at the zoo's widths (used only where is_train_face is on). The class derives the perceiver
+# cross-attention's key width as int(inner_dim * 2 / 3), 21 for 2 heads of 16, and the facial extractor's output
+# must match it (a draw of another head count is rejected, and retried without it). cross_attn_interval 1: the class
+# builds num_layers // interval cross-attentions but runs one at every block i % interval == 0, so with ConsisID's 2
+# an odd block count (every drawn one: 1 or 3) indexes past the list (a diffusers bug; the real 42 blocks are even)
+_CONSISID_FACE = dict(cross_attn_interval=1, cross_attn_dim_head=HEAD_DIM, cross_attn_num_heads=HEADS,
+                      LFE_id_dim=TEXT_DIM, LFE_vit_dim=DIM, LFE_depth=2, LFE_dim_head=HEAD_DIM, LFE_num_heads=HEADS,
+                      LFE_num_id_token=2, LFE_num_querie=4, LFE_output_dim=int(DIM / 3 * 2), LFE_ff_mult=2,
+                      LFE_num_scale=2)
 
 
 CONSISID = _family("consisid", "ConsisIDTransformer3DModel",
                    dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
                         time_embed_dim=DIM, text_embed_dim=TEXT_DIM, num_layers=2, sample_width=8, sample_height=8,
-                        sample_frames=5, patch_size=2, max_text_seq_length=8, use_rotary_positional_embeddings=True),
+                        sample_frames=5, patch_size=2, max_text_seq_length=8, use_rotary_positional_embeddings=True,
+                        **_CONSISID_FACE),
                    _consisid_inputs, {"transformer_blocks": "num_layers"}, 2, video=True,
                    pipeline_class="ConsisIDPipeline")
 

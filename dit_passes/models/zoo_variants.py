@@ -166,8 +166,7 @@ def _skyreels_df(base, config, batch, sizes, gen):
     t = out["timestep"][:, None] * torch.linspace(0.5, 1.0, frames)[None]
     out["timestep"] = t.contiguous()
     out["enable_diffusion_forcing"] = True
-    out["fps"] = [1] * batch
-    return out
+    return out  # fps: the family's builder follows inject_sample_info
 
 
 def _cosmos_v2w(base, config, batch, sizes, gen):
