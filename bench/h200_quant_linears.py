@@ -24,7 +24,7 @@ def svdq(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
 
 def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
     """name -> (x, w, b) -> zero-argument callable computing the quantized linear (or None: not on this device)."""
-    from dit_passes.kernels import w4a8_lut_cutlass as L
+    from dit_passes.kernels import lut_act_triton, w4a8_lut_cutlass as L
     from dit_passes.kernels.lrcat_act_triton import lrcat_quantize_smoothed
     from dit_passes.quant import dispatch, prepare_fp8, w4_lut
     from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, fp8_quantize, lrcat_c, lrcat_cols,
@@ -131,22 +131,29 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
         q = svdq(x, w, b)
         return q, w4_lut.prepare_lut(q.qweight, q.wscale, q.lora_down, q.lora_up)
 
-    def svdq_lut(x, w, b):  # xd by Inductor, h by mm, the A operand by the planes kernel, the LUT GEMM
-        if not lut_available():
-            return None
-        q, lw = lut_operands(x, w, b)
+    def svdq_lut(act: str):
+        # xd (and amax) by Inductor, then lowrank: the A operand with h inside (dit_passes::lut_quantize_lowrank's
+        # kernel); rows: h by mm, the A operand by the row kernel (the form before); the LUT GEMM
+        def build(x, w, b):
+            if not lut_available():
+                return None
+            q, lw = lut_operands(x, w, b)
 
-        def smoothed(t):
-            xd = (t.float() * q.smooth_inv).to(t.dtype)
-            return xd, xd @ q.lora_down.t()
-        prep = torch.compile(smoothed, backend=backend, fullgraph=True)
-        bias = q.bias.to(torch.bfloat16) if q.bias is not None else None
+            def smoothed(t):
+                xd = (t.float() * q.smooth_inv).to(t.dtype)
+                return (xd, w4_lut.token_amax(xd)) if act == "lowrank" else (xd, xd @ q.lora_down.t())
+            prep = torch.compile(smoothed, backend=backend, fullgraph=True)
+            bias = q.bias.to(torch.bfloat16) if q.bias is not None else None
 
-        def run():
-            xd, h = prep(x)
-            a8, sx = lrcat_quantize_smoothed(xd, h, lw.c, planes=w4_lut.PLANES)
-            return L.lut_gemm(lw.codes, lw.tables, a8, lw.sw, sx.view(-1), bias)
-        return run
+            def run():
+                xd, stat = prep(x)
+                if act == "lowrank":
+                    a8, sx = lut_act_triton.lut_quantize_lowrank(xd, stat, q.lora_down, lw.c, w4_lut.PLANES)
+                else:
+                    a8, sx = lrcat_quantize_smoothed(xd, stat, lw.c, planes=w4_lut.PLANES)
+                return L.lut_gemm(lw.codes, lw.tables, a8, lw.sw, sx.view(-1), bias)
+            return run
+        return build
 
     def lut_gemm(config: str):  # the GEMM alone; checked against its reference before it is timed
         def build(x, w, b):
@@ -167,7 +174,8 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
 
     def lut_available() -> bool:  # asked only by the LUT designs: the first call may build the library
         return device.type == "cuda" and L.is_available()
-    lut = {"svdq_lut": svdq_lut, **{f"w4a8_gemm_lut_{c}": lut_gemm(c) for c in L.CONFIGS},
+    lut = {"svdq_lut": svdq_lut("lowrank"), "svdq_lut_rows": svdq_lut("rows"),
+           **{f"w4a8_gemm_lut_{c}": lut_gemm(c) for c in L.CONFIGS},
            "svdq_lrcat_split_mm": svdq_fp8(True, "kernel", lrcat="split", act="mm")}
     return {**lut, "bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,
             "fp8_rowquant": fp8_rowquant, "fp8_act": fp8_act(False), "fp8_act_rowquant": fp8_act(True),

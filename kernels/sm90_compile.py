@@ -37,6 +37,13 @@ KERNELS = [
     ("lrcat_act_triton", "_lrcat_rows_kernel",
      dict(x_ptr="*bf16", h_ptr="*bf16", c_ptr="*fp32", a_ptr="*fp8e4nv", sx_ptr="*fp32"),
      dict(BLOCK=4096, R_PAD=128, SPLIT=False, COLS=384, SOFT=False, PLANES=3), 4),
+    # ... and with the down projection inside (lut_act_triton), at FLUX's fused rank 128, three splits of 1024
+    ("lut_act_triton", "_lowrank_quant_kernel",
+     dict(x_ptr="*bf16", amax_ptr="*fp32", ld_ptr="*bf16", a_ptr="*fp8e4nv", h_ptr="*fp32"),
+     dict(KS=1024, R_PAD=128, DOT_F32=False, SOFT=False, BLOCK_M=32, BK=128), 8),
+    ("lut_act_triton", "_lowrank_branch_kernel",
+     dict(h_ptr="*fp32", amax_ptr="*fp32", c_ptr="*fp32", a_ptr="*fp8e4nv", sx_ptr="*fp32"),
+     dict(S=3, RH=128, W_PAD=128, COLS=384, PLANES=3, SOFT=False, BLOCK_M=16), 4),
     ("w4a16_rows_triton", "_w4a16_rows_kernel",
      dict(x_ptr="*bf16", qw_ptr="*u8", ws_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16"),
      dict(KB=1536, M_PAD=2, HAS_BIAS=True, SOFT_BF16=False, BLOCK_N=8, BB=256, GC=1, GROUPED=False), 8),

@@ -269,8 +269,8 @@ def svdq_lut_replacement(x, codes, tables, sw, c, lora_down, smooth_inv, bias):
 
 @functools.lru_cache(maxsize=None)
 def svdq_lut_form_replacement(shape: LinearShape, act: str, planes: int) -> Callable:
-    """SVDQuant's lookup-table form (``w4_lut.svdq_lut_linear_form``) for one shape, as a replacement; ``act=
-    "kernel"``: its A operand by the op ``dit_passes::lut_quantize_smoothed``; ``planes``: the branch's columns."""
+    """SVDQuant's lookup-table form (``w4_lut.svdq_lut_linear_form``) for one shape, as a replacement; ``act``:
+    how its A operand is written (``lut_dispatch.lut_act``); ``planes``: the branch's columns."""
     def svdq_lut_form(x, codes, tables, sw, c, lora_down, smooth_inv, bias):
         return svdq_lut_linear_form(x, codes, tables, sw, c, lora_down, smooth_inv, bias, shape, act, planes)
     return svdq_lut_form
@@ -279,7 +279,7 @@ def svdq_lut_form_replacement(shape: LinearShape, act: str, planes: int) -> Call
 def _lut_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Callable:
     n, k, r = tensors["codes"].shape[0], tensors["smooth_inv"].shape[0], tensors["lora_down"].shape[0]
     shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["sw"], rank=r)
-    return svdq_lut_form_replacement(shape, dispatch.fp8_act_quant("per_row", x_val), lut_dispatch.lut_planes())
+    return svdq_lut_form_replacement(shape, lut_dispatch.lut_act(x_val), lut_dispatch.lut_planes())
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,84 @@ def test_act_kernel_planes_byte_for_byte(r, planes):
     assert torch.equal(a.view(torch.uint8).cpu(), ra.view(torch.uint8)) and torch.equal(sx.view(-1).cpu(), rsx)
 
 
+def _lowrank_case(dtype, m, k, r, exact: bool, seed=0):
+    """xd, its amax, lora_down, c. ``exact``: integers / 4 against small integers, so every fp32 sum of h is exact
+    in any order (the kernel's split and chunk order then meets the reference's mm byte for byte)."""
+    g = torch.Generator().manual_seed(seed)
+    if exact:
+        xd = (torch.randint(-8, 9, (m, k), generator=g).float() / 4).to(dtype)
+        ld = torch.randint(-4, 5, (r, k), generator=g).float().to(dtype)
+    else:
+        xd = (torch.randn(m, k, generator=g) * 3).to(dtype)
+        ld = (torch.randn(r, k, generator=g) * k ** -0.5).to(dtype)
+    xd[3] = 0  # a zero token: scale 1, not 0 / 0
+    dev = lrcat_act_triton_device()
+    xd, ld = xd.to(dev), ld.to(dev)
+    return xd, w4_lut.token_amax(xd), ld, (torch.rand(r, generator=g) * 10 + 1).to(dev)
+
+
+@pytest.mark.parametrize("dtype,r,planes,split", [(torch.bfloat16, 32, 3, 0), (torch.bfloat16, 96, 2, 256),
+                                                  (torch.bfloat16, 20, 3, 512), (torch.float32, 20, 2, 256)])
+def test_lowrank_kernel_byte_for_byte(dtype, r, planes, split):
+    """``dit_passes::lut_quantize_lowrank``'s kernel (the down projection inside, K in splits) equals
+    ``lut_lowrank_activation`` byte for byte where h's sums are exact; the op's reference is that function."""
+    from dit_passes.kernels import lut_act_triton
+    xd, amax, ld, c = _lowrank_case(dtype, 40, 640, r, exact=True)
+    a, sx = lut_act_triton.lut_quantize_lowrank(xd, amax, ld, c, planes, split)
+    ra, rsx = w4_lut.lut_lowrank_activation(xd.cpu(), amax.cpu(), ld.cpu(), c.cpu(), 40, r, planes)
+    assert a.shape == (40, 640 + w4_lut.branch_cols(r, planes))
+    assert torch.equal(a.view(torch.uint8).cpu(), ra.view(torch.uint8)) and torch.equal(sx.cpu(), rsx)
+    oa, osx = torch.ops.dit_passes.lut_quantize_lowrank(xd.cpu(), amax.cpu(), ld.cpu(), c.cpu(), planes)
+    assert torch.equal(oa.view(torch.uint8), ra.view(torch.uint8)) and torch.equal(osx, rsx)
+
+
+def test_lowrank_kernel_on_random_values_and_against_the_rows_form():
+    """On random values: qx and sx byte for byte, the branch's columns up to h's summation order (an e4m3 step on a
+    few); its hi + lo nearer the exact h than the rows form's (whose mm rounds h to bf16)."""
+    from dit_passes.kernels import lut_act_triton
+    xd, amax, ld, c = _lowrank_case(torch.bfloat16, 48, 768, 32, exact=False, seed=1)
+    a, sx = lut_act_triton.lut_quantize_lowrank(xd, amax, ld, c, 3)
+    ra, rsx = w4_lut.lut_lowrank_activation(xd.cpu(), amax.cpu(), ld.cpu(), c.cpu(), 48, 32, 3)
+    a, ra = a.cpu(), ra
+    assert torch.equal(a[:, :768].view(torch.uint8), ra[:, :768].view(torch.uint8)) and torch.equal(sx.cpu(), rsx)
+    diff = a[:, 768:].float() != ra[:, 768:].float()
+    assert diff.float().mean() < 0.02
+    assert ((a[:, 768:].float() - ra[:, 768:].float()).abs() <= ra[:, 768:].float().abs() / 8 + 2 ** -9).all()
+    # the branch's hi + lo against the exact hs: closer than the rows form's (h rounded to bf16 by its mm)
+    xf, c = xd.cpu().float(), c.cpu()
+    hs = (xf @ ld.cpu().float().t()) / (rsx[:, None] * c)
+    rows, _ = w4_lut.lut_smoothed_activation(xd.cpu(), (xd @ ld.t()).cpu(), c, 48, 32, 3)
+    kept = [relative_error(op[:, 768:800].float() + op[:, 832:864].float(), hs) for op in (a, rows)]
+    assert kept[0] < 0.5 * kept[1] < 2e-3, kept
+
+
+def test_lut_act_setting(monkeypatch):
+    """``DIT_PASSES_LUT_ACT`` picks the A operand's op where the kernels run (``fp8_act_quant``'s ``kernel``); the
+    graph form stays the graph form; a bad value is named."""
+    from dit_passes.quant import lut_dispatch
+    x = torch.zeros(2, 64)
+    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
+    assert lut_dispatch.lut_act(x) == "kernel"
+    monkeypatch.setenv(lut_dispatch.LUT_ACT_ENV, "rows")
+    assert lut_dispatch.lut_act(x) == "rows"
+    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "graph")
+    assert lut_dispatch.lut_act(x) == "graph"
+    monkeypatch.setenv(lut_dispatch.LUT_ACT_ENV, "fused")
+    with pytest.raises(ValueError, match="DIT_PASSES_LUT_ACT='fused'"):
+        lut_dispatch.lut_act(x)
+
+
+def test_lowrank_op_checks():
+    xd, amax, ld, c = (t.cpu() for t in _lowrank_case(torch.bfloat16, 16, 128, 8, exact=False))
+    torch.library.opcheck(torch.ops.dit_passes.lut_quantize_lowrank, (xd, amax, ld, c, 3))
+    with pytest.raises(ValueError, match="amax must be fp32"):
+        torch.ops.dit_passes.lut_quantize_lowrank(xd, amax[:4], ld, c, 3)
+    with pytest.raises(ValueError, match="lora_down must be a float"):
+        torch.ops.dit_passes.lut_quantize_lowrank(xd, amax, ld[:, :64], c, 3)
+    with pytest.raises(ValueError, match="planes must be one of"):
+        torch.ops.dit_passes.lut_quantize_lowrank(xd, amax, ld, c, 1)
+
+
 def lrcat_act_triton_device() -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) else "cpu"
 
@@ -134,6 +212,8 @@ def test_ops_opcheck_compile_and_errors():
     assert torch.equal(w4_lut.svdq_lut_linear_form(x, *args, "kernel"), want)
     fn = torch.compile(lambda t: w4_lut.svdq_lut_linear_form(t, *args, "kernel"), fullgraph=True, backend="aot_eager")
     assert torch.equal(fn(x), want)
+    # the form before (h by an mm in x's dtype, then the row kernel's op): within h's bf16 rounding
+    assert 0 < relative_error(w4_lut.svdq_lut_linear_form(x, *args, "rows"), want) < 1e-2
     with pytest.raises(ValueError, match="tables uint8"):
         torch.ops.dit_passes.w4a8_lut_gemm(lw.codes, lw.tables[:1], a8, lw.sw, sx, q.bias, x.dtype)
     with pytest.raises(ValueError, match="c must be fp32"):
@@ -192,6 +272,11 @@ def test_cuda_lut_gemm_on_flux_shapes(k, n):
     assert torch.equal(L.shuffle_offsets(n, k + 128), w4_lut.shuffle_index(n, k + 128).long())
     # two planes: the kernel on the stored operand's prefix (views) equals the reference GEMM on the same prefix
     a2, sx2 = w4_lut.lut_activation(x, q.smooth_inv, q.lora_down, lw.c, x.dtype, 4608, 32, "kernel", 2)
+    # ... whose A operand (the lowrank kernel, h inside) is its specification's: qx and sx byte for byte, the branch
+    # up to h's summation order
+    ga, gsx = w4_lut.lut_activation(x, q.smooth_inv, q.lora_down, lw.c, x.dtype, 4608, 32, "graph", 2)
+    assert torch.equal(a2[:, :k].view(torch.uint8), ga[:, :k].view(torch.uint8)) and torch.equal(sx2, gsx)
+    assert (a2[:, k:].view(torch.uint8) != ga[:, k:].view(torch.uint8)).float().mean() < 0.01
     codes2, tables2 = w4_lut.weight_prefix(lw.codes, lw.tables, n, a2.shape[1])
     ref2 = w4_lut.lut_gemm_reference(codes2, tables2, a2, lw.sw, sx2, q.bias, torch.bfloat16).float()
     assert relative_error(L.lut_gemm(codes2, tables2, a2, lw.sw, sx2, q.bias).float(), ref2) < 4e-3

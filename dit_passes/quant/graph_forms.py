@@ -133,10 +133,13 @@ def _unrows(y: torch.Tensor, shape: LinearShape) -> torch.Tensor:
     return y if len(shape.lead) == 1 else aten.view.default(y, [*shape.lead, shape.n])
 
 
-def fp8_quantize(xf: torch.Tensor, per_row: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [M, K] -> (e4m3 [M, K], fp32 scale [M, 1] per token, or [] over the tensor)."""
-    a = aten.abs.default(xf)
-    amax = aten.amax.default(a, [1], True) if per_row else aten.amax.default(a)
+def fp8_quantize(xf: torch.Tensor, per_row: bool,
+                 amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [M, K] -> (e4m3 [M, K], fp32 scale [M, 1] per token, or [] over the tensor); ``amax``: max |xf| (of
+    the scale's shape) where the graph has it already."""
+    if amax is None:
+        a = aten.abs.default(xf)
+        amax = aten.amax.default(a, [1], True) if per_row else aten.amax.default(a)
     scale = aten.div.Tensor(amax, FP8_MAX)
     scale = aten.where.ScalarSelf(aten.eq.Scalar(scale, 0), 1.0, scale)
     # one division per token, then a multiplication per element (fp8_int8.quantize_fp8_act)

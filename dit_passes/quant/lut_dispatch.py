@@ -4,8 +4,10 @@
 * :func:`svdq_lut`: whether the W4A4 tables are stored in the LUT form for a model on a device (``auto``: a Hopper
   GPU where the CUTLASS library builds, :func:`lut_ready`; ``lut``: any device);
 * :func:`lut_planes`: the branch's columns in K (``DIT_PASSES_LUT_PLANES``, 3 by default);
-* :func:`lut_gemm_kernel` / :func:`lut_act_kernel`: the kernel modules of the two ops on CUDA, or None (the
-  reference).
+* :func:`lut_act`: how the A operand is written (``DIT_PASSES_LUT_ACT``: the op that computes the down projection
+  itself, or the row kernel after a cuBLAS mm);
+* :func:`lut_gemm_kernel` / :func:`lut_lowrank_kernel` / :func:`lut_act_kernel`: the kernel modules of the ops on
+  CUDA, or None (the reference).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .dispatch import _import_kernel, backend_setting, capability, lrcat_act_module
+from .dispatch import _import_kernel, backend_setting, capability, fp8_act_quant, lrcat_act_module
 
 # the LUT form is the Hopper default (auto) where its library builds: FLUX step 104.4 / 105.8 ms against bf16's
 # 131.1 / 131.8 (1.255x / 1.246x), lrcat_split 109.2 in the first call (stop 34, H100); digits DiT PTQ 45.5 dB
@@ -25,6 +27,8 @@ LUT_DEFAULT = True
 LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
 LUT_PLANES_DEFAULT = 3
 PLANE_CHOICES = (2, 3)  # the stored operand has three planes; a GEMM over two reads its prefix
+LUT_ACT_ENV = "DIT_PASSES_LUT_ACT"
+LUT_ACT_SETTINGS = ("lowrank", "rows")
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,10 +64,34 @@ def lut_planes() -> int:
     return int(s)
 
 
+def lut_act(x: torch.Tensor) -> str:
+    """How the LUT form writes the A operand of activations like ``x`` (``w4_lut.lut_activation``'s ``act``):
+    ``"graph"`` (ATen ops) where ``dispatch.fp8_act_quant`` keeps the graph form (off sm_89+ GPUs), else as
+    ``DIT_PASSES_LUT_ACT`` asks: ``lowrank`` (the default) ``"kernel"``, the op ``dit_passes::lut_quantize_lowrank``
+    (the down projection inside it, xd read once); ``rows``: a cuBLAS mm for h, then the row kernel (xd read twice)."""
+    s = os.environ.get(LUT_ACT_ENV, "").strip().lower() or LUT_ACT_SETTINGS[0]
+    if s not in LUT_ACT_SETTINGS:
+        raise ValueError(f"{LUT_ACT_ENV}={s!r}: expected one of {LUT_ACT_SETTINGS}")
+    act = fp8_act_quant("per_row", x)
+    return "rows" if act == "kernel" and s == "rows" else act
+
+
 def lut_gemm_kernel(a: torch.Tensor, out_dtype: torch.dtype) -> Optional[ModuleType]:
     """The module running ``dit_passes::w4a8_lut_gemm`` on CUDA for this operand (bf16 out on Hopper), or None
     (the reference)."""
     return lut_gemm_module() if out_dtype == torch.bfloat16 and lut_ready(a.device) else None
+
+
+@functools.lru_cache(maxsize=None)
+def lut_act_module() -> Optional[ModuleType]:
+    """``dit_passes.kernels.lut_act_triton`` (``lut_quantize_lowrank``, ``is_supported``), or None."""
+    return _import_kernel("lut_act_triton", "the reference")
+
+
+def lut_lowrank_kernel(xd: torch.Tensor) -> Optional[ModuleType]:
+    """The module running ``dit_passes::lut_quantize_lowrank`` on CUDA (sm_89+), or None."""
+    kernel = lut_act_module()
+    return kernel if kernel is not None and kernel.is_supported(xd) else None
 
 
 def lut_act_kernel(xd: torch.Tensor) -> Optional[ModuleType]:

@@ -5,25 +5,30 @@ body), fake and CUDA implementations:
   A operand [qx | hi | hi16 | lo | 0] (planes 3; 2: without lo) e4m3 [M, K + C] and sx fp32 [M] from the smoothed
   activation xd [M, K] and its down projection h [M, R] (``w4_lut.lut_smoothed_activation``; CUDA: the row kernel of
   ``dit_passes.kernels.lrcat_act_triton`` with ``planes``, one program per token reading xd once);
+* ``dit_passes::lut_quantize_lowrank(Tensor xd, Tensor amax, Tensor lora_down, Tensor c, int planes) -> (Tensor,
+  Tensor)``: the same operand from xd, its per-token amax fp32 [M] and lora_down [R, K], h computed inside in fp32
+  (``w4_lut.lut_lowrank_activation``; CUDA: ``dit_passes.kernels.lut_act_triton``, xd read once);
 * ``dit_passes::w4a8_lut_gemm(Tensor codes, Tensor tables, Tensor a, Tensor sw, Tensor sx, Tensor? bias,
   ScalarType out_dtype) -> Tensor``: ``out_dtype(sx * (sw * (a @ decode(codes, tables).T)) + bias)``
   (``w4_lut.lut_gemm_reference``; CUDA: the CUTLASS kernel ``dit_passes.kernels.w4a8_lut_cutlass`` on a
   compute-capability-9 GPU for bf16 out, else the reference).
 
-Which runs is ``lut_dispatch``'s answer (:func:`lut_dispatch.lut_gemm_kernel`, :func:`lut_dispatch.lut_act_kernel`)."""
+Which runs is ``lut_dispatch``'s answer (:func:`lut_dispatch.lut_gemm_kernel`, :func:`lut_dispatch.lut_lowrank_kernel`,
+:func:`lut_dispatch.lut_act_kernel`)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
 
-from . import dispatch, lut_dispatch
+from . import lut_dispatch
 from .custom_ops import check_smoothed_operands
 from .fp8_int8 import FP8_DTYPE
 from .graph_forms import LinearShape
 from .int4 import GROUP_SIZE
 from .lut_dispatch import PLANE_CHOICES
-from .w4_lut import branch_cols, lut_gemm_reference, lut_smoothed_activation, svdq_lut_linear_form
+from .w4_lut import (branch_cols, lut_gemm_reference, lut_lowrank_activation, lut_smoothed_activation,
+                     svdq_lut_linear_form)
 
 
 def _check_act(xd, h, c, planes) -> int:
@@ -57,6 +62,52 @@ def _lut_quantize_smoothed_cuda(xd, h, c, planes):
 @lut_quantize_smoothed.register_fake
 def _lut_quantize_smoothed_fake(xd, h, c, planes):
     r = _check_act(xd, h, c, planes)
+    m, k = xd.shape
+    return (xd.new_empty((m, k + branch_cols(r, planes)), dtype=FP8_DTYPE), xd.new_empty((m,), dtype=torch.float32))
+
+
+def _check_lowrank(xd, amax, lora_down, c, planes) -> int:
+    name = "dit_passes::lut_quantize_lowrank"
+    if xd.dim() != 2 or xd.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: xd must be a 2-D fp32 / bf16 / fp16 tensor [M, K], got {xd.dtype} {list(xd.shape)}")
+    m, k = xd.shape
+    if amax.dtype != torch.float32 or tuple(amax.shape) != (m,):
+        raise ValueError(f"{name}: amax must be fp32 [{m}] (max |xd| per token: w4_lut.token_amax), got {amax.dtype} "
+                         f"{list(amax.shape)}")
+    r = lora_down.shape[0] if lora_down.dim() == 2 else -1
+    if r < 1 or lora_down.shape[1] != k or not lora_down.is_floating_point():
+        raise ValueError(f"{name}: lora_down must be a float [R, {k}] tensor (R >= 1), got {lora_down.dtype} "
+                         f"{list(lora_down.shape)}")
+    if c.dtype != torch.float32 or tuple(c.shape) != (r,):
+        raise ValueError(f"{name}: c must be fp32 [{r}] (graph_forms.lrcat_c), got {c.dtype} {list(c.shape)}")
+    if planes not in PLANE_CHOICES:
+        raise ValueError(f"{name}: planes must be one of {PLANE_CHOICES} (the branch's columns in K), got {planes}")
+    return r
+
+
+@torch.library.custom_op("dit_passes::lut_quantize_lowrank", mutates_args=())
+def lut_quantize_lowrank(xd: torch.Tensor, amax: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
+                         planes: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The LUT GEMM's A operand with the down projection computed inside, reference implementation (any device):
+    (e4m3 [M, K + C], fp32 [M])."""
+    r = _check_lowrank(xd, amax, lora_down, c, planes)
+    a, sx = lut_lowrank_activation(xd, amax, lora_down, c, xd.shape[0], r, planes)
+    return a, sx.clone()
+
+
+@lut_quantize_lowrank.register_kernel("cuda")
+def _lut_quantize_lowrank_cuda(xd, amax, lora_down, c, planes):
+    r = _check_lowrank(xd, amax, lora_down, c, planes)
+    kernel = lut_dispatch.lut_lowrank_kernel(xd)
+    if kernel is None:
+        a, sx = lut_lowrank_activation(xd, amax, lora_down, c, xd.shape[0], r, planes)
+        return a, sx.clone()
+    return kernel.lut_quantize_lowrank(xd, amax, lora_down, c, planes)
+
+
+@lut_quantize_lowrank.register_fake
+def _lut_quantize_lowrank_fake(xd, amax, lora_down, c, planes):
+    r = _check_lowrank(xd, amax, lora_down, c, planes)
     m, k = xd.shape
     return (xd.new_empty((m, k + branch_cols(r, planes)), dtype=FP8_DTYPE), xd.new_empty((m,), dtype=torch.float32))
 
@@ -109,7 +160,7 @@ def svdq_lut_linear(x: torch.Tensor, codes: torch.Tensor, tables: torch.Tensor, 
     not known when the graph is written; otherwise its graph form, ``w4_lut.svdq_lut_linear_form``), any device."""
     shape = LinearShape.of(x, codes.shape[0], x.shape[-1], bias, sw, rank=lora_down.shape[0])
     return svdq_lut_linear_form(x, codes, tables, sw, c, lora_down, smooth_inv, bias, shape,
-                                dispatch.fp8_act_quant("per_row", x), lut_dispatch.lut_planes()).clone()
+                                lut_dispatch.lut_act(x), lut_dispatch.lut_planes()).clone()
 
 
 @svdq_lut_linear.register_fake

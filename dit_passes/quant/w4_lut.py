@@ -16,7 +16,7 @@ lora_down [R, K], lora_up [N, R], smooth_inv [K], bias [N])::
     B = [code(q) | code(uh) | code(ul) | code(uh) | 0]       [N, K + C], C = 3R up to a multiple of 64
 
     per call:  xs = float(x) smooth_inv;  sx, qx = per-token e4m3 of xs (graph_forms.fp8_quantize)
-               h = x.dtype(xs) @ lora_down.T;  hs = clamp(h / (sx c), -448, 448)
+               h = xd @ lora_down.T (fp32), xd = x.dtype(xs);  hs = clamp(h / (sx c), -448, 448)
                hi = e4m3(hs);  lo = e4m3(hs - hi);  hi16 = e4m3(hi / 16)
                A = [qx | hi | hi16 | lo | 0]                  [M, K + C]
                y = x.dtype(sx (sw (A @ B.T)) + bias)         (B's codes read through their tables)
@@ -32,7 +32,7 @@ order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -166,6 +166,22 @@ def decode(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return torch.gather(full.permute(1, 0, 2), 2, c).reshape(n, g * GROUP_SIZE)
 
 
+def _branch_parts(h: torch.Tensor, sx: torch.Tensor, c: torch.Tensor, m: int, r: int,
+                  planes: int) -> List[torch.Tensor]:
+    """The A operand's branch columns from h [M, R] and sx fp32 [M, 1]: [hi, hi16(, lo)(, zeros)], e4m3 each."""
+    pad = branch_cols(r, planes) - planes * r
+    hs = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
+                            -FP8_MAX, FP8_MAX)
+    hi = aten._to_copy.default(hs, dtype=FP8_DTYPE)
+    hi_f = aten._to_copy.default(hi, dtype=_F32)
+    parts = [hi, aten._to_copy.default(aten.div.Tensor(hi_f, 16.0), dtype=FP8_DTYPE)]
+    if planes == 3:
+        parts.append(aten._to_copy.default(aten.sub.Tensor(hs, hi_f), dtype=FP8_DTYPE))   # lo
+    if pad:
+        parts.append(aten._to_copy.default(aten.new_zeros.default(hs, [m, pad]), dtype=FP8_DTYPE))
+    return parts
+
+
 def lut_smoothed_activation(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor, m: int, r: int,
                             planes: int = PLANES) -> Tuple[torch.Tensor, torch.Tensor]:
     """The A operand e4m3 [M, K + C] and sx fp32 [M] from the smoothed activation xd = x.dtype(x smooth_inv)
@@ -174,35 +190,46 @@ def lut_smoothed_activation(xd: torch.Tensor, h: torch.Tensor, c: torch.Tensor, 
     hi16 | 0], against the stored B's prefix of K + :func:`branch_cols` (R, 2) columns (its third plane's codes in
     that prefix meet zeros): h in e4m3 alone, the GEMM 64 to 128 columns shorter."""
     qx, sx = fp8_quantize(aten._to_copy.default(xd, dtype=_F32), per_row=True)
-    pad = branch_cols(r, planes) - planes * r
-    hs = aten.clamp.default(aten.div.Tensor(aten._to_copy.default(h, dtype=_F32), aten.mul.Tensor(sx, c)),
-                            -FP8_MAX, FP8_MAX)
-    hi = aten._to_copy.default(hs, dtype=FP8_DTYPE)
-    hi_f = aten._to_copy.default(hi, dtype=_F32)
-    parts = [qx, hi, aten._to_copy.default(aten.div.Tensor(hi_f, 16.0), dtype=FP8_DTYPE)]
-    if planes == 3:
-        parts.append(aten._to_copy.default(aten.sub.Tensor(hs, hi_f), dtype=FP8_DTYPE))   # lo
-    if pad:
-        parts.append(aten._to_copy.default(aten.new_zeros.default(hs, [m, pad]), dtype=FP8_DTYPE))
-    return aten.cat.default(parts, 1), aten.view.default(sx, [m])
+    return aten.cat.default([qx, *_branch_parts(h, sx, c, m, r, planes)], 1), aten.view.default(sx, [m])
+
+
+def token_amax(xd: torch.Tensor) -> torch.Tensor:
+    """max |xd| per token, fp32 [M]: written beside xd, Inductor computes it in xd's producer (one pass)."""
+    return aten.amax.default(aten.abs.default(aten._to_copy.default(xd, dtype=_F32)), [1])
+
+
+def lut_lowrank_activation(xd: torch.Tensor, amax: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor, m: int,
+                           r: int, planes: int = PLANES) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The A operand and sx from xd [M, K], its per-token amax fp32 [M] (:func:`token_amax`) and lora_down [R, K]:
+    :func:`lut_smoothed_activation` with sx from ``amax`` and h = float(xd) @ float(lora_down).T in fp32 (not
+    rounded to xd's dtype), the specification of ``dit_passes::lut_quantize_lowrank``; ATen ops."""
+    xf = aten._to_copy.default(xd, dtype=_F32)
+    qx, sx = fp8_quantize(xf, per_row=True, amax=aten.view.default(amax, [m, 1]))
+    h = aten.mm.default(xf, aten.t.default(aten._to_copy.default(lora_down, dtype=_F32)))
+    return aten.cat.default([qx, *_branch_parts(h, sx, c, m, r, planes)], 1), aten.view.default(sx, [m])
 
 
 def lut_activation(x2d: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
                    dtype: torch.dtype, m: int, r: int, act: str = "graph",
                    planes: int = PLANES) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (A, sx) (module docstring): the smoothed activation in x's dtype, its down projection by one mm,
-    then :func:`lut_smoothed_activation` as ATen ops (``act="graph"``) or as the op
-    ``dit_passes::lut_quantize_smoothed``
-    (``"kernel"``); no branch (R = 0): [qx] alone. M, R constants."""
+    """x [M, K] -> (A, sx) (module docstring): the smoothed activation xd in x's dtype and its per-token amax (one
+    pass of xd's producer under Inductor), then :func:`lut_lowrank_activation` as ATen ops (``act="graph"``) or as
+    the op ``dit_passes::lut_quantize_lowrank`` (``"kernel"``: xd read once, h on tensor cores); ``"rows"``: h by
+    one mm in x's dtype and the op ``dit_passes::lut_quantize_smoothed`` (the form before; xd read twice). No branch
+    (R = 0): [qx] alone. M, R constants."""
     xd = aten._to_copy.default(aten.mul.Tensor(aten._to_copy.default(x2d, dtype=_F32), smooth_inv), dtype=dtype)
     if not r:
         qx, sx = fp8_quantize(aten._to_copy.default(xd, dtype=_F32), per_row=True)
         return qx, aten.view.default(sx, [m])
-    h = aten.mm.default(xd, aten.t.default(lora_down))
-    if act == "kernel":
-        out = torch.ops.dit_passes.lut_quantize_smoothed.default(xd, h, c, planes)
+    if act == "rows":
+        out = torch.ops.dit_passes.lut_quantize_smoothed.default(xd, aten.mm.default(xd, aten.t.default(lora_down)),
+                                                                 c, planes)
         return out[0], out[1]
-    return lut_smoothed_activation(xd, h, c, m, r, planes)
+    amax = token_amax(xd)
+    if act == "kernel":
+        out = torch.ops.dit_passes.lut_quantize_lowrank.default(xd, amax, lora_down, c, planes)
+        return out[0], out[1]
+    return lut_lowrank_activation(xd, amax, lora_down, c, m, r, planes)
 
 
 def lut_gemm_reference(codes: torch.Tensor, tables: torch.Tensor, a8: torch.Tensor, sw: torch.Tensor,
@@ -264,7 +291,8 @@ def svdq_lut_linear_form(x: torch.Tensor, codes: torch.Tensor, tables: torch.Ten
                          bias: Optional[torch.Tensor], shape: LinearShape, act: str,
                          planes: int = PLANES) -> torch.Tensor:
     """The LUT form of one linear, x [*lead, K] -> [*lead, N] (module docstring): :func:`lut_activation` (its A
-    operand by ATen ops, ``act="graph"``, or the op ``dit_passes::lut_quantize_smoothed``, ``"kernel"``), then
+    operand by ATen ops, ``act="graph"``, the op ``dit_passes::lut_quantize_lowrank``, ``"kernel"``, or ``"rows"``),
+    then
     ``dit_passes::w4a8_lut_gemm`` over the branch's ``planes`` (2: the stored operand's prefix). ``shape`` (lead, K,
     N, dtype, rank) holds the constants (the form is traced)."""
     x2d = x if len(shape.lead) == 1 else aten.reshape.default(x, [shape.m, shape.k])
