@@ -201,11 +201,12 @@ def token_amax(xd: torch.Tensor) -> torch.Tensor:
 def lut_lowrank_activation(xd: torch.Tensor, amax: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor, m: int,
                            r: int, planes: int = PLANES) -> Tuple[torch.Tensor, torch.Tensor]:
     """The A operand and sx from xd [M, K], its per-token amax fp32 [M] (:func:`token_amax`) and lora_down [R, K]:
-    :func:`lut_smoothed_activation` with sx from ``amax`` and h = float(xd) @ float(lora_down).T in fp32 (not
-    rounded to xd's dtype), the specification of ``dit_passes::lut_quantize_lowrank``; ATen ops."""
+    :func:`lut_smoothed_activation` with sx from ``amax`` and h = xd @ lora_down.T of their values in xd's dtype,
+    summed in fp32 (not rounded to xd's dtype), the specification of ``dit_passes::lut_quantize_lowrank``; ATen ops."""
     xf = aten._to_copy.default(xd, dtype=_F32)
     qx, sx = fp8_quantize(xf, per_row=True, amax=aten.view.default(amax, [m, 1]))
-    h = aten.mm.default(xf, aten.t.default(aten._to_copy.default(lora_down, dtype=_F32)))
+    ld = aten._to_copy.default(aten._to_copy.default(lora_down, dtype=xd.dtype), dtype=_F32)
+    h = aten.mm.default(xf, aten.t.default(ld))
     return aten.cat.default([qx, *_branch_parts(h, sx, c, m, r, planes)], 1), aten.view.default(sx, [m])
 
 
