@@ -13,8 +13,8 @@ out=${OUT:-$(pwd)/out/lut}
 GPU_TEST_FILES=${LUT_TEST_FILES:-"tests/test_w4_lut.py tests/test_quant_forms.py"} GPU_TESTS_LOG=gpu_tests_lut.log \
   GPU_TESTS_TIMEOUT=${LUT_TESTS_TIMEOUT:-120} bash bench/h200_gpu_tests.sh -k "${LUT_TESTS_K:-cuda or lowrank}"
 rows=bf16_graphed,svdq_w4_lut_pointwise_graphed,svdq_w4_lut2_pointwise_graphed,fp8_pointwise_graphed
-rows=$rows,svdq_w4_lut_rows_pointwise_graphed
+rows=$rows,svdq_w4_lut_lowrank_pointwise_graphed
 OUT=$out/step QUANT_STEP_TIMEOUT=${LUT_STEP_TIMEOUT:-420} bash bench/h200_quant_step.sh \
   --budget-s ${LUT_BUDGET_S:-300} --repeats ${LUT_REPEATS:-5} --profile-steps ${LUT_PROFILE_STEPS:-1} \
-  --linears ${LUT_LINEARS:-bf16_mm,fp8_gemm,svdq_lut,svdq_lut_rows,w4a8_gemm_lut_coop_128x256_c2x1} \
+  --linears ${LUT_LINEARS:-bf16_mm,fp8_gemm,svdq_lut,svdq_lut_lowrank,w4a8_gemm_lut_coop_128x256_c2x1} \
   --rows ${LUT_ROWS:-$rows}

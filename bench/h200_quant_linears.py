@@ -132,8 +132,8 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
         return q, w4_lut.prepare_lut(q.qweight, q.wscale, q.lora_down, q.lora_up)
 
     def svdq_lut(act: str):
-        # xd (and amax) by Inductor, then lowrank: the A operand with h inside (dit_passes::lut_quantize_lowrank's
-        # kernel); rows: h by mm, the A operand by the row kernel (the form before); the LUT GEMM
+        # xd (and amax) by Inductor, then rows: h by mm, the A operand by the row kernel (the default); lowrank: the
+        # A operand with h inside (dit_passes::lut_quantize_lowrank's kernel); the LUT GEMM
         def build(x, w, b):
             if not lut_available():
                 return None
@@ -174,7 +174,7 @@ def linear_designs(device: torch.device, tiny: bool) -> Dict[str, Callable]:
 
     def lut_available() -> bool:  # asked only by the LUT designs: the first call may build the library
         return device.type == "cuda" and L.is_available()
-    lut = {"svdq_lut": svdq_lut("lowrank"), "svdq_lut_rows": svdq_lut("rows"),
+    lut = {"svdq_lut": svdq_lut("rows"), "svdq_lut_lowrank": svdq_lut("lowrank"),
            **{f"w4a8_gemm_lut_{c}": lut_gemm(c) for c in L.CONFIGS},
            "svdq_lrcat_split_mm": svdq_fp8(True, "kernel", lrcat="split", act="mm")}
     return {**lut, "bf16_mm": bf16_mm, "fp8": fp8(False), "fp8_fast_accum": fp8(True), "fp8_gemm": fp8_gemm,

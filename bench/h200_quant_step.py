@@ -68,8 +68,10 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   ``quant/w4_lut.py``: the int4 codes read by the CUTLASS mixed-input GEMM, the branch's three planes; ``lut2``: two,
   ``DIT_PASSES_LUT_PLANES=2``; the Hopper default since stop 34) and the expansion design (``lrcat_split``, the default
   before); a row of the LUT form records the tile configs its GEMM's "auto" chose (``lut_configs``);
-  ``svdq_w4_lut_rows_pointwise``: the LUT form's A operand as before stop 35 (``DIT_PASSES_LUT_ACT=rows``: h by a
-  cuBLAS mm, then the row kernel; the default since computes h inside its own kernel, ``lut_act_triton``);
+  ``svdq_w4_lut_rows_pointwise`` / ``svdq_w4_lut_lowrank_pointwise``: the LUT form's A operand named
+  (``DIT_PASSES_LUT_ACT``: h by a cuBLAS mm, then the row kernel, the default; or the op computing h inside,
+  ``kernels/lut_act_triton.py``; stop 35's run had lowrank as the default, so its ``svdq_w4_lut_pointwise`` and
+  ``lut2`` rows are lowrank);
 * ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 on the CUTLASS kernels
   (``DIT_PASSES_W4A4_BACKEND=cutlass``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
 
@@ -140,7 +142,8 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "bf16_epilogue_rope", "fp8_default_rope", "svdq_w4_default_rope", "bf16_epilogue_rope_graphed",
         "fp8_default_rope_graphed", "svdq_w4_default_rope_graphed", "bf16_pointwise_graphed", "fp8_pointwise_graphed",
         "svdq_w4_pointwise_graphed", "svdq_w4_pointwise_words_graphed", "svdq_w4_lut_pointwise_graphed",
-        "svdq_w4_lut2_pointwise_graphed", "svdq_w4_lut_rows_pointwise_graphed", "svdq_w4_expand_pointwise_graphed")
+        "svdq_w4_lut2_pointwise_graphed", "svdq_w4_lut_rows_pointwise_graphed", "svdq_w4_lut_lowrank_pointwise_graphed",
+        "svdq_w4_expand_pointwise_graphed")
 # Inductor options of a row (its _graphed twin too): cdt, Inductor's coordinate-descent tuning of its own kernels'
 # block sizes (the RMSNorm + RoPE kernel of the bf16 step runs at ~1 TB/s; more compile time)
 COMPILE_OPTIONS = {"bf16_epilogue_cdt": {"coordinate_descent_tuning": True}}
@@ -149,7 +152,7 @@ LINEARS = ("bf16_mm", "fp8", "fp8_fast_accum", "fp8_gemm", "fp8_rowquant", "fp8_
            "svdq_fp8_fast_accum", "svdq_w4a8_fused", "svdq_w4a8_fused_fold", "w4a8_act", "w4a8_gemm", "w4a8_gemm_fold",
            "w4_expand", "w4_expand_kernel", "svdq_fp8_fast_accum_expandkernel", "svdq_lrcat", "svdq_lrcat_expandkernel",
            "svdq_lrcat_split_expandkernel", "lrcat_act", "svdq_lrcat_split_act", "svdq_op", "svdq_lrcat_split_mm",
-           "svdq_lut", "svdq_lut_rows", *(f"w4a8_gemm_lut_{c}" for c in LUT_CONFIGS))
+           "svdq_lut", "svdq_lut_lowrank", *(f"w4a8_gemm_lut_{c}" for c in LUT_CONFIGS))
 DEFAULT_LINEARS = LINEARS[:LINEARS.index("svdq_op")]
 
 
@@ -256,9 +259,11 @@ def row_specs():
     # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter
     specs["svdq_w4_lut2_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
                                                                       lut_dispatch.LUT_PLANES_ENV: "2"})
-    # the A operand as before stop 35: h by cuBLAS's mm, then the row kernel (xd read twice)
-    specs["svdq_w4_lut_rows_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
-                                                                          lut_dispatch.LUT_ACT_ENV: "rows"})
+    # the A operand named: h by cuBLAS's mm, then the row kernel (xd read twice; the default), or the lowrank op
+    # (xd's amax in its producer, h inside the op; xd read once)
+    for act in lut_dispatch.LUT_ACT_SETTINGS:
+        specs[f"svdq_w4_lut_{act}_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
+                                                                                lut_dispatch.LUT_ACT_ENV: act})
     # the expansion design (lrcat_split, the Hopper default until stop 34) named, now that auto stores the LUT form
     specs["svdq_w4_expand_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lrcat_split"})
     # the expansion kernel converting an int32 word (eight values) a thread instead of a byte (bench/w4_expand_kernel.py)
@@ -270,7 +275,7 @@ def row_specs():
                "svdq_w4_lrcat_split_mm", "bf16_epilogue", "bf16_epilogue_cdt", "bf16_epilogue_rope", "fp8_default_rope",
                "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise",
                "svdq_w4_pointwise_words", "svdq_w4_lut_pointwise", "svdq_w4_lut2_pointwise",
-               "svdq_w4_lut_rows_pointwise", "svdq_w4_expand_pointwise")
+               "svdq_w4_lut_rows_pointwise", "svdq_w4_lut_lowrank_pointwise", "svdq_w4_expand_pointwise")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 

@@ -171,8 +171,8 @@ def test_lut_act_setting(monkeypatch):
     x = torch.zeros(2, 64)
     monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
     assert lut_dispatch.lut_act(x) == "kernel"
-    monkeypatch.setenv(lut_dispatch.LUT_ACT_ENV, "rows")
-    assert lut_dispatch.lut_act(x) == "rows"
+    monkeypatch.setenv(lut_dispatch.LUT_ACT_ENV, "lowrank")
+    assert lut_dispatch.lut_act(x) == "lowrank"
     monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "graph")
     assert lut_dispatch.lut_act(x) == "graph"
     monkeypatch.setenv(lut_dispatch.LUT_ACT_ENV, "fused")
@@ -212,8 +212,8 @@ def test_ops_opcheck_compile_and_errors():
     assert torch.equal(w4_lut.svdq_lut_linear_form(x, *args, "kernel"), want)
     fn = torch.compile(lambda t: w4_lut.svdq_lut_linear_form(t, *args, "kernel"), fullgraph=True, backend="aot_eager")
     assert torch.equal(fn(x), want)
-    # the form before (h by an mm in x's dtype, then the row kernel's op): within h's bf16 rounding
-    assert 0 < relative_error(w4_lut.svdq_lut_linear_form(x, *args, "rows"), want) < 1e-2
+    # the lowrank op's form (h inside in fp32, not rounded to x's dtype): within that rounding
+    assert 0 < relative_error(w4_lut.svdq_lut_linear_form(x, *args, "lowrank"), want) < 1e-2
     with pytest.raises(ValueError, match="tables uint8"):
         torch.ops.dit_passes.w4a8_lut_gemm(lw.codes, lw.tables[:1], a8, lw.sw, sx, q.bias, x.dtype)
     with pytest.raises(ValueError, match="c must be fp32"):
@@ -272,11 +272,16 @@ def test_cuda_lut_gemm_on_flux_shapes(k, n):
     assert torch.equal(L.shuffle_offsets(n, k + 128), w4_lut.shuffle_index(n, k + 128).long())
     # two planes: the kernel on the stored operand's prefix (views) equals the reference GEMM on the same prefix
     a2, sx2 = w4_lut.lut_activation(x, q.smooth_inv, q.lora_down, lw.c, x.dtype, 4608, 32, "kernel", 2)
-    # ... whose A operand (the lowrank kernel, h inside) is its specification's: qx and sx byte for byte, the branch
-    # up to h's summation order
-    ga, gsx = w4_lut.lut_activation(x, q.smooth_inv, q.lora_down, lw.c, x.dtype, 4608, 32, "graph", 2)
-    assert torch.equal(a2[:, :k].view(torch.uint8), ga[:, :k].view(torch.uint8)) and torch.equal(sx2, gsx)
-    assert (a2[:, k:].view(torch.uint8) != ga[:, k:].view(torch.uint8)).float().mean() < 0.01
+    # the lowrank op's A operand against its specification on the CPU (IEEE division by 448, as the kernel's; CUDA
+    # ATen divides by a scalar as a multiplication by its reciprocal, an ulp off in some rows): qx and sx byte for
+    # byte, the branch up to h's summation order
+    xd = (x.float() * q.smooth_inv).to(x.dtype)
+    amax = w4_lut.token_amax(xd)
+    la, lsx = torch.ops.dit_passes.lut_quantize_lowrank(xd, amax, q.lora_down, lw.c, 2)
+    ra, rsx = w4_lut.lut_lowrank_activation(xd.cpu(), amax.cpu(), q.lora_down.cpu(), lw.c.cpu(), 4608, 32, 2)
+    la = la.view(torch.uint8).cpu()
+    assert torch.equal(la[:, :k], ra.view(torch.uint8)[:, :k]) and torch.equal(lsx.cpu(), rsx)
+    assert (la[:, k:] != ra.view(torch.uint8)[:, k:]).float().mean() < 0.01
     codes2, tables2 = w4_lut.weight_prefix(lw.codes, lw.tables, n, a2.shape[1])
     ref2 = w4_lut.lut_gemm_reference(codes2, tables2, a2, lw.sw, sx2, q.bias, torch.bfloat16).float()
     assert relative_error(L.lut_gemm(codes2, tables2, a2, lw.sw, sx2, q.bias).float(), ref2) < 4e-3

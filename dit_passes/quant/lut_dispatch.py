@@ -4,8 +4,8 @@
 * :func:`svdq_lut`: whether the W4A4 tables are stored in the LUT form for a model on a device (``auto``: a Hopper
   GPU where the CUTLASS library builds, :func:`lut_ready`; ``lut``: any device);
 * :func:`lut_planes`: the branch's columns in K (``DIT_PASSES_LUT_PLANES``, 3 by default);
-* :func:`lut_act`: how the A operand is written (``DIT_PASSES_LUT_ACT``: the op that computes the down projection
-  itself, or the row kernel after a cuBLAS mm);
+* :func:`lut_act`: how the A operand is written (``DIT_PASSES_LUT_ACT``: the row kernel after a cuBLAS mm, or the
+  op that computes the down projection itself);
 * :func:`lut_gemm_kernel` / :func:`lut_lowrank_kernel` / :func:`lut_act_kernel`: the kernel modules of the ops on
   CUDA, or None (the reference).
 """
@@ -28,7 +28,7 @@ LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
 LUT_PLANES_DEFAULT = 3
 PLANE_CHOICES = (2, 3)  # the stored operand has three planes; a GEMM over two reads its prefix
 LUT_ACT_ENV = "DIT_PASSES_LUT_ACT"
-LUT_ACT_SETTINGS = ("lowrank", "rows")
+LUT_ACT_SETTINGS = ("rows", "lowrank")
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,13 +67,15 @@ def lut_planes() -> int:
 def lut_act(x: torch.Tensor) -> str:
     """How the LUT form writes the A operand of activations like ``x`` (``w4_lut.lut_activation``'s ``act``):
     ``"graph"`` (ATen ops) where ``dispatch.fp8_act_quant`` keeps the graph form (off sm_89+ GPUs), else as
-    ``DIT_PASSES_LUT_ACT`` asks: ``lowrank`` (the default) ``"kernel"``, the op ``dit_passes::lut_quantize_lowrank``
-    (the down projection inside it, xd read once); ``rows``: a cuBLAS mm for h, then the row kernel (xd read twice)."""
+    ``DIT_PASSES_LUT_ACT`` asks: ``rows`` (the default), ``"kernel"``: h by a cuBLAS mm, then the row kernel (xd read
+    twice); ``lowrank``: the op ``dit_passes::lut_quantize_lowrank`` (xd's amax in its producer, the down projection
+    inside the op, xd read once), measured no faster: FLUX step 103.8 ms against the default's 103.1 on an H200
+    (its quantization kernel at ~half the memory bandwidth, stop 35)."""
     s = os.environ.get(LUT_ACT_ENV, "").strip().lower() or LUT_ACT_SETTINGS[0]
     if s not in LUT_ACT_SETTINGS:
         raise ValueError(f"{LUT_ACT_ENV}={s!r}: expected one of {LUT_ACT_SETTINGS}")
     act = fp8_act_quant("per_row", x)
-    return "rows" if act == "kernel" and s == "rows" else act
+    return "lowrank" if act == "kernel" and s == "lowrank" else act
 
 
 def lut_gemm_kernel(a: torch.Tensor, out_dtype: torch.dtype) -> Optional[ModuleType]:

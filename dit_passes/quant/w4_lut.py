@@ -16,7 +16,7 @@ lora_down [R, K], lora_up [N, R], smooth_inv [K], bias [N])::
     B = [code(q) | code(uh) | code(ul) | code(uh) | 0]       [N, K + C], C = 3R up to a multiple of 64
 
     per call:  xs = float(x) smooth_inv;  sx, qx = per-token e4m3 of xs (graph_forms.fp8_quantize)
-               h = xd @ lora_down.T (fp32), xd = x.dtype(xs);  hs = clamp(h / (sx c), -448, 448)
+               h = xd @ lora_down.T, xd = x.dtype(xs);  hs = clamp(h / (sx c), -448, 448)
                hi = e4m3(hs);  lo = e4m3(hs - hi);  hi16 = e4m3(hi / 16)
                A = [qx | hi | hi16 | lo | 0]                  [M, K + C]
                y = x.dtype(sx (sw (A @ B.T)) + bias)         (B's codes read through their tables)
@@ -213,24 +213,23 @@ def lut_lowrank_activation(xd: torch.Tensor, amax: torch.Tensor, lora_down: torc
 def lut_activation(x2d: torch.Tensor, smooth_inv: torch.Tensor, lora_down: torch.Tensor, c: torch.Tensor,
                    dtype: torch.dtype, m: int, r: int, act: str = "graph",
                    planes: int = PLANES) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (A, sx) (module docstring): the smoothed activation xd in x's dtype and its per-token amax (one
-    pass of xd's producer under Inductor), then :func:`lut_lowrank_activation` as ATen ops (``act="graph"``) or as
-    the op ``dit_passes::lut_quantize_lowrank`` (``"kernel"``: xd read once, h on tensor cores); ``"rows"``: h by
-    one mm in x's dtype and the op ``dit_passes::lut_quantize_smoothed`` (the form before; xd read twice). No branch
-    (R = 0): [qx] alone. M, R constants."""
+    """x [M, K] -> (A, sx) (module docstring): the smoothed activation xd in x's dtype, its down projection by one
+    mm, then :func:`lut_smoothed_activation` as ATen ops (``act="graph"``) or as the op
+    ``dit_passes::lut_quantize_smoothed`` (``"kernel"``, the row kernel); ``"lowrank"``: xd's per-token amax (one
+    pass of xd's producer under Inductor), then the op ``dit_passes::lut_quantize_lowrank`` (the down projection
+    inside, in fp32: :func:`lut_lowrank_activation`). No branch (R = 0): [qx] alone. M, R constants."""
     xd = aten._to_copy.default(aten.mul.Tensor(aten._to_copy.default(x2d, dtype=_F32), smooth_inv), dtype=dtype)
     if not r:
         qx, sx = fp8_quantize(aten._to_copy.default(xd, dtype=_F32), per_row=True)
         return qx, aten.view.default(sx, [m])
-    if act == "rows":
-        out = torch.ops.dit_passes.lut_quantize_smoothed.default(xd, aten.mm.default(xd, aten.t.default(lora_down)),
-                                                                 c, planes)
+    if act == "lowrank":
+        out = torch.ops.dit_passes.lut_quantize_lowrank.default(xd, token_amax(xd), lora_down, c, planes)
         return out[0], out[1]
-    amax = token_amax(xd)
+    h = aten.mm.default(xd, aten.t.default(lora_down))
     if act == "kernel":
-        out = torch.ops.dit_passes.lut_quantize_lowrank.default(xd, amax, lora_down, c, planes)
+        out = torch.ops.dit_passes.lut_quantize_smoothed.default(xd, h, c, planes)
         return out[0], out[1]
-    return lut_lowrank_activation(xd, amax, lora_down, c, m, r, planes)
+    return lut_smoothed_activation(xd, h, c, m, r, planes)
 
 
 def lut_gemm_reference(codes: torch.Tensor, tables: torch.Tensor, a8: torch.Tensor, sw: torch.Tensor,
@@ -292,8 +291,8 @@ def svdq_lut_linear_form(x: torch.Tensor, codes: torch.Tensor, tables: torch.Ten
                          bias: Optional[torch.Tensor], shape: LinearShape, act: str,
                          planes: int = PLANES) -> torch.Tensor:
     """The LUT form of one linear, x [*lead, K] -> [*lead, N] (module docstring): :func:`lut_activation` (its A
-    operand by ATen ops, ``act="graph"``, the op ``dit_passes::lut_quantize_lowrank``, ``"kernel"``, or ``"rows"``),
-    then
+    operand by ATen ops, ``act="graph"``, the row kernel's op, ``"kernel"``, or ``dit_passes::lut_quantize_lowrank``,
+    ``"lowrank"``), then
     ``dit_passes::w4a8_lut_gemm`` over the branch's ``planes`` (2: the stored operand's prefix). ``shape`` (lead, K,
     N, dtype, rank) holds the constants (the form is traced)."""
     x2d = x if len(shape.lead) == 1 else aten.reshape.default(x, [shape.m, shape.k])
