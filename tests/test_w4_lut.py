@@ -151,7 +151,7 @@ def test_lowrank_kernel_on_random_values_and_against_the_rows_form():
     xd, amax, ld, c = _lowrank_case(torch.bfloat16, 48, 768, 32, exact=False, seed=1)
     a, sx = lut_act_triton.lut_quantize_lowrank(xd, amax, ld, c, 3)
     ra, rsx = w4_lut.lut_lowrank_activation(xd.cpu(), amax.cpu(), ld.cpu(), c.cpu(), 48, 32, 3)
-    a, ra = a.cpu(), ra
+    a = a.cpu()
     assert torch.equal(a[:, :768].view(torch.uint8), ra[:, :768].view(torch.uint8)) and torch.equal(sx.cpu(), rsx)
     diff = a[:, 768:].float() != ra[:, 768:].float()
     assert diff.float().mean() < 0.02
@@ -272,6 +272,9 @@ def test_cuda_lut_gemm_on_flux_shapes(k, n):
     assert torch.equal(L.shuffle_offsets(n, k + 128), w4_lut.shuffle_index(n, k + 128).long())
     # two planes: the kernel on the stored operand's prefix (views) equals the reference GEMM on the same prefix
     a2, sx2 = w4_lut.lut_activation(x, q.smooth_inv, q.lora_down, lw.c, x.dtype, 4608, 32, "kernel", 2)
+    codes2, tables2 = w4_lut.weight_prefix(lw.codes, lw.tables, n, a2.shape[1])
+    ref2 = w4_lut.lut_gemm_reference(codes2, tables2, a2, lw.sw, sx2, q.bias, torch.bfloat16).float()
+    assert relative_error(L.lut_gemm(codes2, tables2, a2, lw.sw, sx2, q.bias).float(), ref2) < 4e-3
     # the lowrank op's A operand against its specification on the CPU (IEEE division by 448, as the kernel's; CUDA
     # ATen divides by a scalar as a multiplication by its reciprocal, an ulp off in some rows): qx and sx byte for
     # byte, the branch up to h's summation order
@@ -282,9 +285,6 @@ def test_cuda_lut_gemm_on_flux_shapes(k, n):
     la = la.view(torch.uint8).cpu()
     assert torch.equal(la[:, :k], ra.view(torch.uint8)[:, :k]) and torch.equal(lsx.cpu(), rsx)
     assert (la[:, k:] != ra.view(torch.uint8)[:, k:]).float().mean() < 0.01
-    codes2, tables2 = w4_lut.weight_prefix(lw.codes, lw.tables, n, a2.shape[1])
-    ref2 = w4_lut.lut_gemm_reference(codes2, tables2, a2, lw.sw, sx2, q.bias, torch.bfloat16).float()
-    assert relative_error(L.lut_gemm(codes2, tables2, a2, lw.sw, sx2, q.bias).float(), ref2) < 4e-3
     exact = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert relative_error(torch.ops.dit_passes.svdq_lut_linear(x, lw.codes, lw.tables, lw.sw, lw.c, q.lora_down,
                                                                q.smooth_inv, q.bias).float(), exact) < 0.1

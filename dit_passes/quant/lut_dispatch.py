@@ -21,8 +21,8 @@ import torch
 from .dispatch import _import_kernel, backend_setting, capability, fp8_act_quant, lrcat_act_module
 
 # the LUT form is the Hopper default (auto) where its library builds: FLUX step 104.4 / 105.8 ms against bf16's
-# 131.1 / 131.8 (1.255x / 1.246x), lrcat_split 109.2 in the first call (stop 34, H100); digits DiT PTQ 45.5 dB
-# (lrcat_split 46.2)
+# 131.1 / 131.8 (1.255x / 1.246x), lrcat_split 109.2 in the first call (stop 34, H100); 103.1 against 131.4 (1.274x,
+# stop 35, H200); digits DiT PTQ 45.5 dB (lrcat_split 46.2)
 LUT_DEFAULT = True
 LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
 LUT_PLANES_DEFAULT = 3
