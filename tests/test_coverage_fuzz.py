@@ -51,12 +51,38 @@ def test_a_draw_the_class_rejects_is_invalid_not_an_error():
     ("qwenimage", {"use_additional_t_cond": True}, 1), ("flux3", {"flow_map": True}, 1),
     ("hunyuanimage", {"use_meanflow": True, "guidance_embeds": True}, 1),
     ("consisid", {"is_train_face": True, "num_layers": 3}, 2),
-    ("skyreels_v2", {"inject_sample_info": True}, 1), ("skyreels_v2", {"inject_sample_info": True}, 2)])
+    ("skyreels_v2", {"inject_sample_info": True}, 1), ("skyreels_v2", {"inject_sample_info": True}, 2),
+    ("sana", {"guidance_embeds": True}, 2), ("sana_video", {"guidance_embeds": True}, 1),
+    ("kandinsky6", {"visual_cond": False}, 1), ("kandinsky6", {"visual_cond": False, "num_visual_blocks": 3}, 2)])
 def test_inputs_follow_the_flags_a_draw_turns_on(family, flags, batch):
     """The classes refuse a call without the inputs these flags ask for (additional_t_cond, target_timestep,
-    timestep_r / guidance, ConsisID's face id_cond / id_vit_hidden, SkyReels' fps per row): the zoo's builders add
-    them, so such draws are probed, not listed as the class's. A CFG pair too, where the input is per row."""
+    timestep_r / guidance, ConsisID's face id_cond / id_vit_hidden, SkyReels' fps per row, Sana's guidance) or with
+    inputs a flag turns off (Kandinsky 6 without visual_cond takes the latent channels alone): the zoo's builders
+    follow them, so such draws are probed, not listed as the class's. A CFG pair too, where the input is per row."""
     assert fz.probe(family, flags, timeout=60, batch=batch) is None
+
+
+@pytest.mark.parametrize("family,flags,field,value", [
+    ("wan_animate", {"num_layers": 1}, "inject_face_latents_blocks", 1),
+    ("wan_animate", {"num_layers": 3}, "inject_face_latents_blocks", 1),
+    ("hunyuandit", {"num_attention_heads": 3}, "hidden_size", 48),
+    ("hunyuandit", {"num_attention_heads": 1, "learn_sigma": False}, "hidden_size", 16),
+    ("sana", {"num_attention_heads": 3, "guidance_embeds": True}, "cross_attention_dim", 48),
+    ("sana_video", {"num_attention_heads": 1}, "num_cross_attention_heads", 1)])
+def test_fields_tied_to_drawn_counts_follow_them(family, flags, field, value):
+    """Wan-Animate runs a face adapter at every block i % inject_face_latents_blocks == 0 but builds only
+    num_layers // interval of them (an IndexError for the drawn 1 or 3 blocks with the zoo's 2); HunyuanDiT's
+    embedders are hidden_size wide and its blocks heads x head_dim, Sana's cross-attention reads the heads x head_dim
+    wide caption projection as cross_attention_dim (shape mismatches for a drawn head count)."""
+    assert fz.probe(family, flags, timeout=60) is None
+    assert build(family, **flags).model.config[field] == value
+
+
+@pytest.mark.parametrize("family", ["cogvideox", "consisid"])
+def test_a_learned_position_table_is_built_fp32(family):
+    """With use_learned_positional_embeddings the CogVideoX patch embedder keeps its sincos table, built in fp64,
+    as a persistent buffer: the zoo refused to build the draw (its fp32 promise); it casts the table."""
+    assert fz.probe(family, {"use_learned_positional_embeddings": True}, timeout=60) is None
 
 
 def test_a_field_tied_to_the_block_counts_follows_a_draw():

@@ -140,6 +140,13 @@ def image_text_tokens(image: int, text: int) -> dict:
     return {"image": int(image), "text": int(text)}
 
 
+def fp32_tables(model: torch.nn.Module) -> None:
+    """CogVideoX's patch embedder builds its sincos table in fp64 (diffusers' sincos helpers default to fp64 off MPS);
+    with ``use_learned_positional_embeddings`` the table is a persistent buffer (a checkpoint loads over it), which
+    broke the zoo's fp32 promise. The forward casts it to the embeddings' dtype, so fp32 changes no result."""
+    model.float()
+
+
 def with_flag_inputs(builder: Callable, extras: Mapping[str, Callable]) -> Callable:
     """``builder`` (config, batch, sizes, gen) -> inputs, plus the inputs a class requires when a config flag is on:
     ``extras`` maps the flag to ``(config, batch, inputs, gen) -> {name: value}``. The zoo's configs leave those flags

@@ -117,11 +117,23 @@ MINIMAX_H3 = _family("minimax_h3", "MiniMaxH3Transformer3DModel",
 # ------------------------------------------------------------------------- kandinsky 6 (video + audio)
 def _kandinsky6_inputs(config, batch, sizes, gen):
     """Kandinsky6TI2VAPipeline with a reference image: the clean first frame is appended as a masked tail frame
-    that reuses rotary position 0 and carries token type 1; channels are [latent | conditioning latent | mask]."""
+    that reuses rotary position 0 and carries token type 1; channels are [latent | conditioning latent | mask].
+    Without ``visual_cond`` the class takes the latent channels alone and the pipeline refuses an image: its
+    text-to-video call (no tail frame, default rotary positions, no token types)."""
     f, h, w = sizes["grid"]
     text = sizes["text"]
     pt, ph, pw = config["patch_size"]
     c = config["in_visual_dim"]
+    if not config.get("visual_cond", True):  # the class's default is True
+        return {
+            "hidden_states": cfg_rows(gen, batch, f, h * ph, w * pw, c),
+            "audio_hidden_states": cfg_rows(gen, batch, 2 * f, config["in_audio_dim"]),
+            "encoder_hidden_states": text_rows(gen, batch, text, config["in_text_dim"]),
+            "pooled_projections": text_rows(gen, batch, config["in_text_dim2"]),
+            "timestep": timestep_rows(gen, batch, 1000.0),
+            "encoder_attention_mask": text_mask(batch, text, torch.bool),
+            "return_dict": False,
+        }
     latents = cfg_rows(gen, batch, f + 1, h * ph, w * pw, c)
     cond_mask = torch.zeros(batch, f + 1, h * ph, w * pw, 1)
     cond_mask[:, -1] = 1.0
@@ -271,7 +283,12 @@ WAN_ANIMATE = _family("wan_animate", "WanAnimateTransformer3DModel",
                            motion_style_dim=16, motion_dim=4, motion_encoder_dim=16, face_encoder_hidden_dim=16,
                            face_encoder_num_heads=2, inject_face_latents_blocks=2, motion_encoder_batch_size=4),
                       _wan_animate_inputs, {"blocks": "num_layers"}, 1, video=True,
-                      pipeline_class="WanAnimatePipeline")
+                      pipeline_class="WanAnimatePipeline",
+                      # the class builds num_layers // interval face adapters but runs one at every block
+                      # i % interval == 0, so a block count the interval does not divide (every drawn one: 1 or 3)
+                      # indexes past the list (diffusers' bug; the checkpoint's 40 / 5 divides): then an adapter
+                      # after every block
+                      tied_config=lambda c: {"inject_face_latents_blocks": 2 if c["num_layers"] % 2 == 0 else 1})
 
 
 EXTRA_AV_FAMILIES = (ACE_STEP, MINIMAX_MUSIC3, MINIMAX_H3, KANDINSKY6, LTX2, FRAMEPACK,

@@ -261,13 +261,28 @@ def _sana_inputs(config, batch, sizes, gen):
     }
 
 
+def sana_cross_attention(config) -> dict:
+    """Sana's caption projection is heads x head_dim wide, and its cross-attention reads it as cross_attention_dim
+    (a drawn head count was a shape mismatch); its heads follow too, so that both attentions have the same heads,
+    as in the checkpoints (2240 = 70 x 32 = 20 x 112)."""
+    heads = config["num_attention_heads"]
+    return {"cross_attention_dim": heads * config["attention_head_dim"], "num_cross_attention_heads": heads}
+
+
+def sana_guidance(config, batch, out, gen):
+    """``guidance_embeds`` (SANA-Sprint): the class then embeds a guidance per row and calls its embedder without
+    one when none is given (a TypeError). SanaSprintPipeline passes its guidance_scale (4.5 by default) times
+    ``guidance_embeds_scale``, the same for every row."""
+    return {"guidance": torch.full((batch,), 4.5 * config.get("guidance_embeds_scale", 0.1))}
+
+
 SANA = FamilySpec(
     name="sana",
     class_name="SanaTransformer2DModel",
     config=dict(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
                 num_layers=2, num_cross_attention_heads=HEADS, cross_attention_head_dim=HEAD_DIM,
                 cross_attention_dim=DIM, caption_channels=TEXT_DIM, mlp_ratio=2.5, sample_size=8, patch_size=1),
-    inputs=_sana_inputs,
+    inputs=with_flag_inputs(_sana_inputs, {"guidance_embeds": sana_guidance}),
     sizes_by_variant={
         "default": {"grid": (4, 8), "text": 8},
         "alt_resolution": {"grid": (6, 8), "text": 8},
@@ -284,6 +299,7 @@ SANA = FamilySpec(
     },
     block_list_keys={"transformer_blocks": "num_layers"},
     pipeline_class="SanaPipeline",
+    tied_config=sana_cross_attention,
 )
 
 

@@ -172,7 +172,9 @@ HUNYUANDIT = _family("hunyuandit", "HunyuanDiT2DModel",
                           sample_size=8, hidden_size=DIM, num_layers=4, cross_attention_dim=TEXT_DIM,
                           cross_attention_dim_t5=TEXT_DIM, pooled_projection_dim=TEXT_DIM, text_len=8, text_len_t5=8,
                           use_style_cond_and_image_meta_size=True),
-                     _hunyuandit_inputs, {"blocks": "num_layers"}, 1, pipeline_class="HunyuanDiTPipeline")
+                     _hunyuandit_inputs, {"blocks": "num_layers"}, 1, pipeline_class="HunyuanDiTPipeline",
+                     # the patch / time embedders are hidden_size wide, the blocks heads x head_dim: one width
+                     tied_config=lambda c: {"hidden_size": c["num_attention_heads"] * c["attention_head_dim"]})
 
 
 # --------------------------------------------------------------------------------------- cogview 3/4

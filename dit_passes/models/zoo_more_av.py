@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
-from dit_passes.models.zoo_common import cfg_rows, randn, text_mask, text_rows, timestep_rows, with_flag_inputs
+from dit_passes.models.zoo_common import (cfg_rows, fp32_tables, randn, text_mask, text_rows, timestep_rows,
+                                          with_flag_inputs)
+from dit_passes.models.zoo_image import sana_cross_attention, sana_guidance
 from dit_passes.models.zoo_more import (
     _DUAL_SINGLE,
     DIM,
@@ -101,7 +103,8 @@ STABLE_AUDIO = _family("stable_audio", "StableAudioDiTModel",
 
 
 # ---------------------------------------------------------------------------------------- sana video
-_sana_video_inputs = _text_inputs("caption_channels")
+# SANA-Video's class takes SANA-Sprint's guidance embedder too (no pipeline passes one): the same guidance per row
+_sana_video_inputs = with_flag_inputs(_text_inputs("caption_channels"), {"guidance_embeds": sana_guidance})
 
 
 SANA_VIDEO = _family("sana_video", "SanaVideoTransformer3DModel",
@@ -110,7 +113,7 @@ SANA_VIDEO = _family("sana_video", "SanaVideoTransformer3DModel",
                           cross_attention_dim=DIM, caption_channels=TEXT_DIM, sample_size=8, patch_size=(1, 2, 2),
                           rope_max_seq_len=64),
                      _sana_video_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
-                     pipeline_class="SanaVideoPipeline")
+                     pipeline_class="SanaVideoPipeline", tied_config=sana_cross_attention)
 
 
 # -------------------------------------------------------------------------------------------- cosmos
@@ -203,7 +206,7 @@ CONSISID = _family("consisid", "ConsisIDTransformer3DModel",
                         sample_frames=5, patch_size=2, max_text_seq_length=8, use_rotary_positional_embeddings=True,
                         **_CONSISID_FACE),
                    _consisid_inputs, {"transformer_blocks": "num_layers"}, 2, video=True,
-                   pipeline_class="ConsisIDPipeline")
+                   pipeline_class="ConsisIDPipeline", after_build=fp32_tables)  # CogVideoX's patch embedder
 
 
 # -------------------------------------------------------------------------------------- kandinsky 5

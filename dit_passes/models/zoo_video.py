@@ -10,7 +10,8 @@ from typing import Any, Mapping
 import torch
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 
-from dit_passes.models.zoo_common import FamilySpec, cfg_rows, image_text_tokens, text_mask, text_rows, timestep_rows
+from dit_passes.models.zoo_common import (FamilySpec, cfg_rows, fp32_tables, image_text_tokens, text_mask, text_rows,
+                                          timestep_rows)
 
 HEADS = 2
 HEAD_DIM = 16
@@ -142,6 +143,7 @@ COGVIDEOX = FamilySpec(
     },
     block_list_keys={"transformer_blocks": "num_layers"},
     pipeline_class="CogVideoXPipeline",
+    after_build=fp32_tables,  # a drawn use_learned_positional_embeddings keeps the sincos table, built in fp64
 )
 
 
