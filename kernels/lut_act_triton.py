@@ -33,11 +33,10 @@ import triton.language as tl
 
 from .fp8_rowquant_triton import _to_e4m3
 from .fp8_rowquant_triton import is_supported as rows_supported
-from .lrcat_act_triton import _outputs, _store_branch, k_split
+from .lrcat_act_triton import _DTYPES, _outputs, _store_branch, k_split
 from .w4a4_autotune import interpreting
 from .w4a8_triton import E4M3_MAX
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BRANCH_BLOCK_M = 16
 
 
