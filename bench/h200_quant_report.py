@@ -90,9 +90,9 @@ def markdown(r: Dict[str, Any], order: Sequence[str] = ()) -> str:
         designs = sorted({d for res in r["linears"].values() for d in res},
                          key=lambda d: (tuple(order) + (d,)).index(d))
         lines += ["", f"Per linear, M = {r['linear_m']}: ms [/ ms per call back to back] (TFLOP/s, speedup vs bf16 mm, "
-                  "rel. err vs fp32; for SVDQuant also true W4A4's rel. err on the same weights; b2b: the speedup "
-                  "with calls back to back; GPU: kernel time per call by the profiler, and its speedup over "
-                  "bf16_mm's)", "",
+                  "rel. err vs fp32 [vs the bf16 linear]; for SVDQuant also true W4A4's rel. err on the same "
+                  "weights; b2b: the speedup with calls back to back; GPU: kernel time per call by the profiler, "
+                  "and its speedup over bf16_mm's)", "",
                   "| design | " + " | ".join(r["linears"]) + " |", "|---|" + "---|" * len(r["linears"])]
         for d in designs:
             cells = []
@@ -107,7 +107,8 @@ def markdown(r: Dict[str, Any], order: Sequence[str] = ()) -> str:
                 if v.get("speedup_vs_bf16_mm") is not None:
                     extra.append(f"{v['speedup_vs_bf16_mm']:.2f}x")
                 if "rel_err_vs_fp32" in v:
-                    extra.append(f"{v['rel_err_vs_fp32']:.2e}")
+                    extra.append(f"{v['rel_err_vs_fp32']:.2e}" + (f" [bf16 {v['rel_err_vs_bf16']:.2e}]"
+                                                                    if v.get("rel_err_vs_bf16") else ""))
                 if "rel_err_w4a4_reference" in v:
                     extra.append(f"W4A4 {v['rel_err_w4a4_reference']:.2e}")
                 b2b = "" if v.get("ms_b2b") is None else f" / {v['ms_b2b']:.3f}"
