@@ -325,6 +325,40 @@ def back_to_back_ms(fn: Callable[[], Any], repeats: int, device: torch.device, b
     return statistics.median(times)
 
 
+def graphed_ms(fn: Callable[[], Any], repeats: int, device: torch.device, batch: int):
+    """Median ms per call with ``batch`` calls captured in one CUDA graph and replayed: the linear as the graphed
+    step runs it (no host time, the gaps between its kernels kept); None off the GPU, for ``batch`` 0, or where the
+    design cannot be captured (the error is printed)."""
+    if device.type != "cuda" or batch <= 0:
+        return None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(batch):
+                fn()
+    except Exception as e:  # noqa: BLE001 - a design that cannot be captured still gets its other times
+        log(f"graphed_ms: not captured: {type(e).__name__}: {str(e)[:200]}")
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(3, repeats // 2)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / batch)
+    del graph
+    return statistics.median(times)
+
+
 def memory_bound(ms: float, b2b, nbytes: int, gpu=None) -> Dict[str, Any]:
     """A bandwidth-bound row: ms and GB/s, with calls back to back (a short kernel's time is mostly the op's
     Python / launch overhead when each call starts on an idle GPU) and by the kernels' own time (``gpu``)."""
@@ -424,6 +458,7 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                     continue
                 ms = median_ms(fn, args.linear_repeats, device, warmup=3)
                 b2b = back_to_back_ms(fn, args.linear_repeats, device, args.linear_b2b)
+                graphed = graphed_ms(fn, args.linear_repeats, device, args.linear_b2b)
                 # kernel time alone: a short op's event times measure its host launch path (calls back to back too)
                 gpu = step_profile(fn, 5)["gpu_ms"] if device.type == "cuda" else None
                 if name.startswith("w4_expand"):  # memory-bound: packed int4 + scales read, e4m3 written
@@ -433,10 +468,12 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                     res[name] = memory_bound(ms, b2b, m * k * x.element_size() + m * k, gpu)
                     continue
                 if name.startswith("w4a8_gemm"):  # the GEMM alone: its time, no error of its own to report
-                    res[name] = {"ms": ms, "ms_b2b": b2b, "tflops": 2 * m * n * k / (ms * 1e9), **w4a8_tile(name)}
+                    res[name] = {"ms": ms, "ms_b2b": b2b, "ms_graph": graphed, "tflops": 2 * m * n * k / (ms * 1e9),
+                                 **w4a8_tile(name)}
                     continue
                 y = torch.nn.functional.linear(x, w, b) if name == "bf16_mm" else fn()
-                res[name] = {"ms": ms, "ms_b2b": b2b, "gpu_ms": gpu, "tflops": 2 * m * n * k / (ms * 1e9),
+                res[name] = {"ms": ms, "ms_b2b": b2b, "ms_graph": graphed, "gpu_ms": gpu,
+                             "tflops": 2 * m * n * k / (ms * 1e9),
                              "rel_err_vs_fp32": rel_err(y.float(), ref),
                              "rel_err_vs_bf16": rel_err(y.float(), ref_bf16), **w4a8_tile(name)}
             if any(d.startswith("svdq") for d in res):  # true W4A4 on the same weights, for the error only
@@ -452,6 +489,9 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                     v["speedup_vs_bf16_mm"] = base / v["ms"] if base else None
                     if base_b2b and v.get("ms_b2b"):
                         v["speedup_b2b_vs_bf16_mm"] = base_b2b / v["ms_b2b"]
+                    base_graph = res.get("bf16_mm", {}).get("ms_graph")
+                    if base_graph and v.get("ms_graph"):
+                        v["speedup_graph_vs_bf16_mm"] = base_graph / v["ms_graph"]
                     base_gpu = res.get("bf16_mm", {}).get("gpu_ms")
                     if base_gpu and v.get("gpu_ms"):
                         v["speedup_gpu_vs_bf16_mm"] = base_gpu / v["gpu_ms"]
