@@ -65,9 +65,9 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   (``DIT_PASSES_W4_EXPAND_FORM=words``: a thread converts eight int4 values of an int32 word, not a byte's two);
 * ``svdq_w4_lut_pointwise`` / ``svdq_w4_lut2_pointwise`` / ``svdq_w4_expand_pointwise`` (graphed only):
   ``svdq_w4_pointwise`` with each SVDQuant design named: the lookup-table form (``DIT_PASSES_W4A4_BACKEND=lut``,
-  ``quant/w4_lut.py``: the int4 codes read by the CUTLASS mixed-input GEMM, the branch's three planes; ``lut2``: two,
-  ``DIT_PASSES_LUT_PLANES=2``; the Hopper default since stop 34) and the expansion design (``lrcat_split``, the default
-  before); a row of the LUT form records the tile configs its GEMM's "auto" chose (``lut_configs``);
+  ``quant/w4_lut.py``: the int4 codes read by the CUTLASS mixed-input GEMM, the branch's three planes,
+  ``DIT_PASSES_LUT_PLANES=3``; ``lut2``: two, the default since stop 36; the LUT form is the Hopper default since
+  stop 34) and the expansion design (``lrcat_split``, the default before); a row of the LUT form records the tile configs its GEMM's "auto" chose (``lut_configs``);
   ``svdq_w4_lut_rows_pointwise`` / ``svdq_w4_lut_lowrank_pointwise``: the LUT form's A operand named
   (``DIT_PASSES_LUT_ACT``: h by a cuBLAS mm, then the row kernel, the default; or the op computing h inside,
   ``kernels/lut_act_triton.py``; stop 35's run had lowrank as the default, so its ``svdq_w4_lut_pointwise`` and
@@ -255,8 +255,10 @@ def row_specs():
         specs[name] = (lambda rope=rope: [*specs[rope][0](), FuseNormModulate()], specs[rope][1])
     # the lookup-table form: the int4 codes read by the CUTLASS mixed-input GEMM through per-group e4m3 tables
     # (quant/w4_lut.py), no expanded weight; the branch as int4 digit planes in K (three; lut2: their two-plane prefix)
-    specs["svdq_w4_lut_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut"})
-    # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter
+    # (the planes named on both rows: the default changed from three to two in stop 36)
+    specs["svdq_w4_lut_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
+                                                                     lut_dispatch.LUT_PLANES_ENV: "3"})
+    # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter (the default since stop 36)
     specs["svdq_w4_lut2_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
                                                                       lut_dispatch.LUT_PLANES_ENV: "2"})
     # the A operand named: h by cuBLAS's mm, then the row kernel (xd read twice; the default), or the lowrank op

@@ -125,7 +125,7 @@ def _nvcc_version(nvcc: str) -> str:
     return out.strip().splitlines()[-1] if out.strip() else "unknown"
 
 
-def _cache_root() -> str:
+def cache_root() -> str:
     env = os.environ.get("DIT_PASSES_CUTLASS_CACHE")
     if env:
         return os.path.abspath(env)
@@ -164,7 +164,7 @@ def _manifest(lib: CutlassLibrary, include_dir: str, nvcc: Optional[str]):
 
 
 def _find_built(lib: CutlassLibrary, key: str, man: dict) -> Optional[str]:
-    root = _cache_root()
+    root = cache_root()
     so = os.path.join(root, key, lib.name + ".so")
     if os.path.isfile(so):
         return so
@@ -206,7 +206,7 @@ def build(lib: CutlassLibrary, verbose: bool = False, force: bool = False, jobs:
         return hit
     if nvcc is None:
         find_nvcc()  # raises CutlassUnavailable naming what was tried
-    root = _cache_root()
+    root = cache_root()
     out_dir = os.path.join(root, key)
     so_path = os.path.join(out_dir, lib.name + ".so")
     os.makedirs(out_dir, exist_ok=True)

@@ -20,7 +20,7 @@ from dit_passes import compile_dit  # noqa: E402
 from dit_passes.kernels import lrcat_act_triton  # noqa: E402
 from dit_passes.models.zoo import build  # noqa: E402
 from dit_passes.passes.quantize import SVDQuantW4A4  # noqa: E402
-from dit_passes.quant import dispatch, w4_lut  # noqa: E402
+from dit_passes.quant import dispatch, lut_dispatch, w4_lut  # noqa: E402
 from dit_passes.quant.graph_forms import LinearShape, _w4_over, svdq_lrcat_linear_form  # noqa: E402
 from dit_passes.quant.svdquant import prepare_svdquant, relative_error  # noqa: E402
 from test_lrcat import _case as lrcat_case  # noqa: E402 - the tests folder is on sys.path (pytest's rootdir)
@@ -74,10 +74,10 @@ def test_shuffle_is_a_permutation_and_round_trips():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lut_linear_error_beside_lrcat(dtype):
+def test_lut_linear_error_beside_lrcat(dtype, monkeypatch):
     """Against the exact linear the LUT form's error is lrcat_split's (both keep ~8 bits of the branch's operands; the
     int4 weights dominate the error): within 5%, below lrcat's (its branch e4m3 x e4m3); with two planes between the
-    two; the whole-linear op equals its graph form."""
+    two; the whole-linear op equals its graph form over the planes asked for (two by default)."""
     x, w, b, q = _case(dtype)
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     lw = w4_lut.prepare_lut(q.qweight, q.wscale, q.lora_down, q.lora_up)
@@ -94,9 +94,11 @@ def test_lut_linear_error_beside_lrcat(dtype):
     two = w4_lut.svdq_lut_linear_form(x, lw.codes, lw.tables, lw.sw, lw.c, q.lora_down, q.smooth_inv, q.bias, lshape,
                                       "graph", 2)
     assert e_split < relative_error(two, ref) < e_lrcat
-    op = torch.ops.dit_passes.svdq_lut_linear.default(x, lw.codes, lw.tables, lw.sw, lw.c, q.lora_down, q.smooth_inv,
-                                                       q.bias)
-    assert torch.equal(op, out)
+    for planes, form in (("", two), ("3", out), ("2", two)):
+        monkeypatch.setenv(lut_dispatch.LUT_PLANES_ENV, planes)
+        op = torch.ops.dit_passes.svdq_lut_linear.default(x, lw.codes, lw.tables, lw.sw, lw.c, q.lora_down,
+                                                           q.smooth_inv, q.bias)
+        assert torch.equal(op, form), planes
 
 
 @pytest.mark.parametrize("r,planes", [(32, 3), (20, 3), (96, 3), (32, 2), (20, 2), (96, 2)])
@@ -167,7 +169,6 @@ def test_lowrank_kernel_on_random_values_and_against_the_rows_form():
 def test_lut_act_setting(monkeypatch):
     """``DIT_PASSES_LUT_ACT`` picks the A operand's op where the kernels run (``fp8_act_quant``'s ``kernel``); the
     graph form stays the graph form; a bad value is named."""
-    from dit_passes.quant import lut_dispatch
     x = torch.zeros(2, 64)
     monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
     assert lut_dispatch.lut_act(x) == "kernel"

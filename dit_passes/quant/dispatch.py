@@ -153,7 +153,9 @@ def backend_setting() -> str:
 
 
 def table_path() -> str:
-    return os.environ.get(TABLE_ENV) or os.path.join(_cutlass_gemm()._cache_root(), "w4a4_backend_table.json")
+    """``DIT_PASSES_W4A4_TABLE`` or the timing table beside the built CUTLASS libraries (their cache root)."""
+    build = importlib.import_module("dit_passes.kernels.cutlass_build")  # no triton, no nvcc needed to import
+    return os.environ.get(TABLE_ENV) or os.path.join(build.cache_root(), "w4a4_backend_table.json")
 
 
 _TABLES: Dict[tuple, Dict[tuple, list]] = {}

@@ -3,7 +3,7 @@
 
 * :func:`svdq_lut`: whether the W4A4 tables are stored in the LUT form for a model on a device (``auto``: a Hopper
   GPU where the CUTLASS library builds, :func:`lut_ready`; ``lut``: any device);
-* :func:`lut_planes`: the branch's columns in K (``DIT_PASSES_LUT_PLANES``, 3 by default);
+* :func:`lut_planes`: the branch's columns in K (``DIT_PASSES_LUT_PLANES``, 2 by default);
 * :func:`lut_act`: how the A operand is written (``DIT_PASSES_LUT_ACT``: the row kernel after a cuBLAS mm, or the
   op that computes the down projection itself);
 * :func:`lut_gemm_kernel` / :func:`lut_lowrank_kernel` / :func:`lut_act_kernel`: the kernel modules of the ops on
@@ -25,7 +25,11 @@ from .dispatch import _import_kernel, backend_setting, capability, fp8_act_quant
 # stop 35, H200); digits DiT PTQ 45.5 dB (lrcat_split 46.2)
 LUT_DEFAULT = True
 LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
-LUT_PLANES_DEFAULT = 3
+# two planes (h in e4m3, the GEMM 64 columns shorter at rank 32): the faster in each run that had both, at SVDQuant's
+# fidelity (issue 22: "keep the fastest at SVDQuant-level fidelity"): FLUX step 104.54 ms against three planes' 105.71
+# (bf16 131.72, stop 36, H100, one process); 103.32 against 103.77 (lowrank A operand, stop 35, H200); digits DiT PTQ
+# 45.34 dB against 45.49 (true W4A4's numerics 45.1; quant_fidelity_lut2.md)
+LUT_PLANES_DEFAULT = 2
 PLANE_CHOICES = (2, 3)  # the stored operand has three planes; a GEMM over two reads its prefix
 LUT_ACT_ENV = "DIT_PASSES_LUT_ACT"
 LUT_ACT_SETTINGS = ("rows", "lowrank")
