@@ -25,10 +25,18 @@ def test_draws_are_deterministic_and_change_known_fields():
             assert all(isinstance(v, bool) for k, v in d.items() if isinstance(base.get(k, params[k].default), bool))
 
 
-def test_fuzz_runs_cells_on_valid_draws_and_drops_a_rejected_head_count(tmp_path, capsys):
-    """SD3's seed-0 draw changes its head count, which its caption projection's width rejects: the draw is kept
-    without it; FLUX's draw runs as drawn. Every cell exact; the CLI writes the table and the JSON."""
+def test_fuzz_runs_cells_on_valid_draws_and_drops_a_rejected_head_count(tmp_path, capsys, monkeypatch):
+    """SD3's seed-0 draw changes its head count; where the class rejects that (stood in for here: the zoo's widths
+    now follow the heads, so the real class runs it) the draw is kept without it. FLUX's draw runs as drawn. Every
+    cell exact; the CLI writes the table and the JSON."""
     assert "num_attention_heads" in fz.draw_overrides("sd3", 0)
+    real_probe = fz.probe
+
+    def probe(family, overrides, timeout, batch=1):
+        if family == "sd3" and "num_attention_heads" in overrides:
+            return "ValueError: a width the class ties to the head count (stand-in)"
+        return real_probe(family, overrides, timeout, batch)
+    monkeypatch.setattr(fz, "probe", probe)
     rc = fz.main(["--families", "flux,sd3", "--columns", "capture,fp8", "--quiet", "--out", str(tmp_path)])
     assert rc == 0
     result = json.loads((tmp_path / "fuzz.json").read_text())
@@ -53,11 +61,13 @@ def test_a_draw_the_class_rejects_is_invalid_not_an_error():
     ("consisid", {"is_train_face": True, "num_layers": 3}, 2),
     ("skyreels_v2", {"inject_sample_info": True}, 1), ("skyreels_v2", {"inject_sample_info": True}, 2),
     ("sana", {"guidance_embeds": True}, 2), ("sana_video", {"guidance_embeds": True}, 1),
-    ("kandinsky6", {"visual_cond": False}, 1), ("kandinsky6", {"visual_cond": False, "num_visual_blocks": 3}, 2)])
+    ("kandinsky6", {"visual_cond": False}, 1), ("kandinsky6", {"visual_cond": False, "num_visual_blocks": 3}, 2),
+    ("cosmos3", {"sound_gen": False}, 1), ("cosmos3", {"sound_gen": False, "action_gen": False}, 2)])
 def test_inputs_follow_the_flags_a_draw_turns_on(family, flags, batch):
     """The classes refuse a call without the inputs these flags ask for (additional_t_cond, target_timestep,
     timestep_r / guidance, ConsisID's face id_cond / id_vit_hidden, SkyReels' fps per row, Sana's guidance) or with
-    inputs a flag turns off (Kandinsky 6 without visual_cond takes the latent channels alone): the zoo's builders
+    inputs a flag turns off (Kandinsky 6 without visual_cond takes the latent channels alone; Cosmos 3 without
+    sound_gen / action_gen has no sound / action projections, so it packs no such rows): the zoo's builders
     follow them, so such draws are probed, not listed as the class's. A CFG pair too, where the input is per row."""
     assert fz.probe(family, flags, timeout=60, batch=batch) is None
 
@@ -68,12 +78,25 @@ def test_inputs_follow_the_flags_a_draw_turns_on(family, flags, batch):
     ("hunyuandit", {"num_attention_heads": 3}, "hidden_size", 48),
     ("hunyuandit", {"num_attention_heads": 1, "learn_sigma": False}, "hidden_size", 16),
     ("sana", {"num_attention_heads": 3, "guidance_embeds": True}, "cross_attention_dim", 48),
-    ("sana_video", {"num_attention_heads": 1}, "num_cross_attention_heads", 1)])
+    ("sana_video", {"num_attention_heads": 1}, "num_cross_attention_heads", 1),
+    ("sana_wm", {"num_attention_heads": 3}, "hidden_size", 48),
+    ("sd3", {"num_attention_heads": 1}, "caption_projection_dim", 16),
+    ("auraflow", {"num_attention_heads": 1}, "caption_projection_dim", 16),
+    ("pixart", {"num_attention_heads": 1}, "cross_attention_dim", 16),
+    ("latte", {"num_attention_heads": 3}, "cross_attention_dim", 48),
+    ("allegro", {"num_attention_heads": 1}, "cross_attention_dim", 16),
+    ("ltxvideo", {"num_attention_heads": 3}, "cross_attention_dim", 48),
+    ("ltx2", {"num_attention_heads": 1, "use_prompt_embeddings": False}, "cross_attention_dim", 16)])
 def test_fields_tied_to_drawn_counts_follow_them(family, flags, field, value):
     """Wan-Animate runs a face adapter at every block i % inject_face_latents_blocks == 0 but builds only
     num_layers // interval of them (an IndexError for the drawn 1 or 3 blocks with the zoo's 2); HunyuanDiT's
     embedders are hidden_size wide and its blocks heads x head_dim, Sana's cross-attention reads the heads x head_dim
-    wide caption projection as cross_attention_dim (shape mismatches for a drawn head count)."""
+    wide caption projection as cross_attention_dim (shape mismatches for a drawn head count); SANA-WM's
+    cross-attention splits hidden_size over the heads (3 heads of the zoo's 32 wide: a ValueError). SD3 / AuraFlow
+    join the caption_projection_dim wide text to the heads x head_dim wide image tokens, PixArt / Latte / Allegro /
+    LTX-Video / LTX-2 read their heads x head_dim wide caption projection as cross_attention_dim; LTX-2 without
+    use_prompt_embeddings takes its text at that width (the pipeline's connector projects it): the fuzzer dropped
+    each such drawn head count (fuzz seed 2000)."""
     assert fz.probe(family, flags, timeout=60) is None
     assert build(family, **flags).model.config[field] == value
 

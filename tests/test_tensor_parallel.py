@@ -46,6 +46,17 @@ def test_map_view_dim():
         map_view_dim([1, 8, 6], [1, 8, 3, 2], 2, 2)                       # 3 heads over 2 ranks
 
 
+def test_padded_view_keeps_the_head_dim_behind_a_batch_of_one():
+    """One real head padded to 2 on 2 ranks, batch 1: a RoPE's (B, H, S, D) -> (B, H, S, D/2, 2) view has two
+    size-1 dims in front of the tokens; the padded heads stay at dim 1. The outermost (the batch) was taken, and the
+    rotated half then met the unrotated one sharded differently: TensorParallel refused CogVideoX, HunyuanDiT,
+    Stable Audio and AnyFlow at 1 head (fuzz seed 2000)."""
+    from dit_passes.parallel.tp_padded import _padded_dim
+    assert _padded_dim([1, 1, 32, 16], [1, 1, 32, 8, 2], 1, 1, 2, 2) == (1, 2, 1)
+    assert _padded_dim([1, 1, 32, 8, 2], [1, 1, 32, 16], 1, 1, 2, 2) == (1, 2, 1)
+    assert _padded_dim([1, 40, 16], [1, 40, 1, 16], 2, 16, 32, 2) == (2, 2, 1)  # hidden -> (1 head, head_dim)
+
+
 def test_check_divisible_names_valid_sizes():
     with pytest.raises(ShardingError, match=r"mlp.*\[1, 2, 3, 6\]"):
         check_divisible([12, 18], 4, "mlp")

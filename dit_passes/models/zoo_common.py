@@ -159,3 +159,14 @@ def with_flag_inputs(builder: Callable, extras: Mapping[str, Callable]) -> Calla
                 out.update(make(config, batch, out, gen))
         return out
     return inputs
+
+
+def inner_width(*fields: str, heads: str = "num_attention_heads", head_dim: str = "attention_head_dim") -> Callable:
+    """A ``tied_config``: ``fields`` hold the blocks' heads x head_dim width. Classes read such a field where the
+    width arrives from outside the attention (a caption projection feeding the cross-attention's keys, a context
+    projection joined to the image tokens); every checkpoint sets it to that width, and the zoo's fixed value broke
+    a drawn head count (shape mismatches)."""
+    def tied(config: Mapping[str, Any]) -> dict:
+        width = int(config[heads]) * int(config[head_dim])
+        return {f: width for f in fields}
+    return tied

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dit_passes.models.zoo_common import cfg_rows, text_mask, text_rows, timestep_rows
+from dit_passes.models.zoo_common import cfg_rows, inner_width, text_mask, text_rows, timestep_rows
 from dit_passes.models.zoo_extra_av2 import EXTRA_AV2_FAMILIES
 from dit_passes.models.zoo_more import DIM, HEAD_DIM, HEADS, ROPE_3AXES, TEXT_DIM, _family
 
@@ -174,12 +174,17 @@ def _ltx2_inputs(config, batch, sizes, gen):
     audio = 2 * f
     t = timestep_rows(gen, batch, 1000.0)
     mask = text_mask(batch, text, torch.long)
+    # LTX-2.0 projects the captions inside the model; without use_prompt_embeddings (LTX-2.3) the pipeline's
+    # connector hands each modality its text already at the cross-attention's width
+    inside = config.get("use_prompt_embeddings", True)
+    video_text = config["caption_channels"] if inside else config["cross_attention_dim"]
+    audio_text = config["caption_channels"] if inside else config["audio_cross_attention_dim"]
     return {
         # LTX2Pipeline packs the latents to (B, F*H*W, C) and (B, audio frames, C)
         "hidden_states": cfg_rows(gen, batch, f * h * w, config["in_channels"]),
         "audio_hidden_states": cfg_rows(gen, batch, audio, config["audio_in_channels"]),
-        "encoder_hidden_states": text_rows(gen, batch, text, config["caption_channels"]),
-        "audio_encoder_hidden_states": text_rows(gen, batch, text, config["caption_channels"]),
+        "encoder_hidden_states": text_rows(gen, batch, text, video_text),
+        "audio_encoder_hidden_states": text_rows(gen, batch, text, audio_text),
         "timestep": t,
         "sigma": t.clone(),  # LTX2Pipeline passes sigma=timestep (LTX-2.3 prompt modulation)
         "encoder_attention_mask": mask,
@@ -202,7 +207,8 @@ LTX2 = _family("ltx2", "LTX2VideoTransformer3DModel",
                     audio_out_channels=8, audio_num_attention_heads=HEADS, audio_attention_head_dim=HEAD_DIM,
                     audio_cross_attention_dim=DIM, audio_gated_attn=True, audio_cross_attn_mod=True, num_layers=2,
                     caption_channels=TEXT_DIM, rope_type="split", use_prompt_adaln_single=True),
-               _ltx2_inputs, {"transformer_blocks": "num_layers"}, 2, video=True, pipeline_class="LTX2Pipeline")
+               _ltx2_inputs, {"transformer_blocks": "num_layers"}, 2, video=True, pipeline_class="LTX2Pipeline",
+               tied_config=inner_width("cross_attention_dim"))  # the video caption projection: heads x head_dim
 
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from dit_passes.models.zoo_common import MAX_BATCH, cfg_rows, check_batch, randn, text_mask, text_rows, timestep_rows
+from dit_passes.models.zoo_common import (MAX_BATCH, cfg_rows, check_batch, inner_width, randn, text_mask, text_rows,
+                                          timestep_rows)
 from dit_passes.models.zoo_more import DIM, HEAD_DIM, HEADS, TEXT_DIM, _family
 
 
@@ -45,39 +46,43 @@ def _cosmos3_inputs(config, batch, sizes, gen):
         vision_mse.append(torch.arange(curr + h * w, curr + f * h * w))
         vision_noisy.append(noisy)
         curr += f * h * w
-    sound_ids, _ = get_3d_mrope_ids_vae_tokens(sound_len, 1, 1, offset, fps=25.0, base_fps=float(config["base_fps"]),
-                                               temporal_compression_factor=1)
-    action_ids, _ = get_3d_mrope_ids_vae_tokens(action_len, 1, 1, offset, fps=24.0, base_fps=float(config["base_fps"]),
-                                                temporal_compression_factor=1, base_temporal_compression_factor=4,
-                                                start_frame_offset=1)
-    sound_seq = torch.arange(curr, curr + sound_len)
-    action_seq = torch.arange(curr + sound_len, curr + sound_len + action_len)
     t = float(timestep_rows(gen, 1, 1000.0))
+    # the sound / action rows only where the class has their heads (sound_gen / action_gen): without them it has
+    # no audio_proj_in / action_proj_in, and the pipeline packs no such rows
+    extra = {}
+    if config.get("sound_gen"):
+        sound_ids, _ = get_3d_mrope_ids_vae_tokens(sound_len, 1, 1, offset, fps=25.0,
+                                                   base_fps=float(config["base_fps"]), temporal_compression_factor=1)
+        sound_seq = torch.arange(curr, curr + sound_len)
+        positions.append(sound_ids)
+        curr += sound_len
+        extra.update(sound_tokens=[randn(gen, config["sound_dim"], sound_len)], sound_token_shapes=[(sound_len, 1, 1)],
+                     sound_sequence_indexes=sound_seq, sound_mse_loss_indexes=sound_seq.clone(),
+                     sound_timesteps=torch.full((sound_len,), t), sound_noisy_frame_indexes=[torch.arange(sound_len)])
+    if config.get("action_gen"):
+        action_ids, _ = get_3d_mrope_ids_vae_tokens(action_len, 1, 1, offset, fps=24.0,
+                                                    base_fps=float(config["base_fps"]), temporal_compression_factor=1,
+                                                    base_temporal_compression_factor=4, start_frame_offset=1)
+        action_seq = torch.arange(curr, curr + action_len)
+        positions.append(action_ids)
+        curr += action_len
+        extra.update(action_tokens=[randn(gen, action_len, config["action_dim"])],
+                     action_token_shapes=[(action_len, 1, 1)], action_sequence_indexes=action_seq,
+                     action_mse_loss_indexes=action_seq[1:], action_timesteps=torch.full((action_len - 1,), t),
+                     action_noisy_frame_indexes=[torch.arange(1, action_len)], action_domain_ids=[torch.tensor(1)])
     return {
         "input_ids": input_ids,
         "text_indexes": torch.arange(text),
-        "position_ids": torch.cat(positions + [sound_ids, action_ids], dim=1),
+        "position_ids": torch.cat(positions, dim=1),
         "und_len": text,
-        "sequence_length": int(action_seq[-1]) + 1,
+        "sequence_length": curr,
         "vision_tokens": [latents] * batch,
         "vision_token_shapes": vision_shapes,
         "vision_sequence_indexes": torch.cat(vision_seq),
         "vision_mse_loss_indexes": torch.cat(vision_mse),
         "vision_timesteps": torch.full((batch * (f - 1) * h * w,), t),
         "vision_noisy_frame_indexes": vision_noisy,
-        "sound_tokens": [randn(gen, config["sound_dim"], sound_len)],
-        "sound_token_shapes": [(sound_len, 1, 1)],
-        "sound_sequence_indexes": sound_seq,
-        "sound_mse_loss_indexes": sound_seq.clone(),
-        "sound_timesteps": torch.full((sound_len,), t),
-        "sound_noisy_frame_indexes": [torch.arange(sound_len)],
-        "action_tokens": [randn(gen, action_len, config["action_dim"])],
-        "action_token_shapes": [(action_len, 1, 1)],
-        "action_sequence_indexes": action_seq,
-        "action_mse_loss_indexes": action_seq[1:],
-        "action_timesteps": torch.full((action_len - 1,), t),
-        "action_noisy_frame_indexes": [torch.arange(1, action_len)],
-        "action_domain_ids": [torch.tensor(1)],
+        **extra,
         "return_dict": False,
     }
 
@@ -235,7 +240,10 @@ SANA_WM = _family("sana_wm", "SanaWMTransformer3DModel",
                        softmax_every_n=2, linear_head_dim=HEAD_DIM, chunk_plucker_channels=6 * _SANA_WM_VAE_STRIDE[0],
                        chunk_plucker_post_attn_blocks=2, caption_channels=TEXT_DIM, mlp_ratio=2.0),
                   _sana_wm_inputs, {"blocks": "num_layers"}, 1, video=True, head_dim_key="linear_head_dim",
-                  pipeline_class="SanaWMPipeline")
+                  pipeline_class="SanaWMPipeline",
+                  # the blocks' cross-attention splits hidden_size over the heads, their self-attention over
+                  # hidden_size // linear_head_dim heads (the checkpoint: 20 x 112 = 2240)
+                  tied_config=inner_width("hidden_size", head_dim="linear_head_dim"))
 
 
 # ------------------------------------------------------------------- sana-wm stage 2 (LTX-2 AR refiner)

@@ -17,6 +17,7 @@ from dit_passes.models.zoo_common import (
     cfg_rows,
     grid_ids,
     image_text_tokens,
+    inner_width,
     text_mask,
     text_rows,
     timestep_rows,
@@ -165,6 +166,7 @@ SD3 = FamilySpec(
     },
     block_list_keys={"transformer_blocks": "num_layers"},
     pipeline_class="StableDiffusion3Pipeline",
+    tied_config=inner_width("caption_projection_dim"),  # the text stream joins the image one at heads x head_dim
 )
 
 
@@ -336,6 +338,7 @@ PIXART = FamilySpec(
     },
     block_list_keys={"transformer_blocks": "num_layers"},
     pipeline_class="PixArtSigmaPipeline",
+    tied_config=inner_width("cross_attention_dim"),  # the caption projection is heads x head_dim wide
 )
 
 

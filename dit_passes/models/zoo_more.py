@@ -16,8 +16,8 @@ from typing import Any, Mapping
 import torch
 from diffusers.models.embeddings import get_2d_rotary_pos_embed
 
-from dit_passes.models.zoo_common import (FamilySpec, cfg_rows, grid_ids, image_text_tokens, text_mask, text_rows,
-                                          timestep_rows, with_flag_inputs)
+from dit_passes.models.zoo_common import (FamilySpec, cfg_rows, grid_ids, image_text_tokens, inner_width, text_mask,
+                                          text_rows, timestep_rows, with_flag_inputs)
 from dit_passes.models.zoo_image import DIM, HEAD_DIM, HEADS, ROPE_3AXES, TEXT_DIM  # the curated zoo's sizes
 
 _IMAGE_SIZES = {"default": {"grid": (4, 4), "text": 8}, "alt_resolution": {"grid": (6, 4), "text": 8}}
@@ -127,7 +127,8 @@ AURAFLOW = _family("auraflow", "AuraFlowTransformer2DModel",
                         caption_projection_dim=DIM, out_channels=4, pos_embed_max_size=64),
                    _auraflow_inputs,
                    {"joint_transformer_blocks": "num_mmdit_layers",
-                    "single_transformer_blocks": "num_single_dit_layers"}, 2, pipeline_class="AuraFlowPipeline")
+                    "single_transformer_blocks": "num_single_dit_layers"}, 2, pipeline_class="AuraFlowPipeline",
+                   tied_config=inner_width("caption_projection_dim"))  # text tokens join the image ones
 
 
 # ----------------------------------------------------------------------------------------------- dit

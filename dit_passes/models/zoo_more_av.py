@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
-from dit_passes.models.zoo_common import (cfg_rows, fp32_tables, randn, text_mask, text_rows, timestep_rows,
-                                          with_flag_inputs)
+from dit_passes.models.zoo_common import (cfg_rows, fp32_tables, inner_width, randn, text_mask, text_rows,
+                                          timestep_rows, with_flag_inputs)
 from dit_passes.models.zoo_image import sana_cross_attention, sana_guidance
 from dit_passes.models.zoo_more import (
     _DUAL_SINGLE,
@@ -49,7 +49,7 @@ LATTE = _family("latte", "LatteTransformer3DModel",
                 _latte_inputs, {"transformer_blocks": "num_layers", "temporal_transformer_blocks": "num_layers"}, 1,
                 video=True, sizes_by_variant={"default": {"grid": (2, 4, 4), "text": 8},
                                               "alt_resolution": {"grid": (2, 6, 4), "text": 8}},
-                pipeline_class="LattePipeline")
+                pipeline_class="LattePipeline", tied_config=inner_width("cross_attention_dim"))
 
 
 # ---------------------------------------------------------------------------------------- allegro
@@ -61,7 +61,7 @@ ALLEGRO = _family("allegro", "AllegroTransformer3DModel",
                        in_channels=4, out_channels=4, num_layers=2, cross_attention_dim=DIM, sample_height=8,
                        sample_width=8, sample_frames=2, caption_channels=TEXT_DIM),
                   _allegro_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
-                  pipeline_class="AllegroPipeline")
+                  pipeline_class="AllegroPipeline", tied_config=inner_width("cross_attention_dim"))
 
 
 # ----------------------------------------------------------------------------------------- mochi

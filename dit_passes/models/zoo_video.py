@@ -10,8 +10,8 @@ from typing import Any, Mapping
 import torch
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 
-from dit_passes.models.zoo_common import (FamilySpec, cfg_rows, fp32_tables, image_text_tokens, text_mask, text_rows,
-                                          timestep_rows)
+from dit_passes.models.zoo_common import (FamilySpec, cfg_rows, fp32_tables, image_text_tokens, inner_width, text_mask,
+                                          text_rows, timestep_rows)
 
 HEADS = 2
 HEAD_DIM = 16
@@ -182,6 +182,7 @@ LTXVIDEO = FamilySpec(
     },
     block_list_keys={"transformer_blocks": "num_layers"},
     pipeline_class="LTXPipeline",
+    tied_config=inner_width("cross_attention_dim"),  # the caption projection is heads x head_dim wide
 )
 
 VIDEO_FAMILIES = (WAN, HUNYUANVIDEO, COGVIDEOX, LTXVIDEO)

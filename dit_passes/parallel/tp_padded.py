@@ -35,7 +35,11 @@ def _padded_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, real:
     the padded units (a head of ``D`` when splitting ``H*D``, a row of ``D`` when merging ``(H, D)``) whole on
     every rank, else ShardingError."""
     pre = math.prod(in_shape[:d])
-    for k in (k for k in range(len(out_shape)) if math.prod(out_shape[:k]) == pre):
+    ks = [k for k in range(len(out_shape)) if math.prod(out_shape[:k]) == pre]
+    # size-1 dims let several output dims share the prefix (a batch of 1 in front of 1 real head): the one behind
+    # the unchanged leading dims is the dim the next ops read as this one (the outermost, the batch, was taken)
+    ks.sort(key=lambda k: list(out_shape[:k]) != list(in_shape[:d]))
+    for k in ks:
         size = out_shape[k]
         if real % size == 0:  # split (or kept): size units of real // size elements each
             unit = real // size
