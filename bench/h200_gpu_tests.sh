@@ -1,8 +1,9 @@
 #!/bin/bash
 # The tests that skip without a GPU (all nineteen files, or GPU_TEST_FILES, or the node ids listed in the file
 # GPU_TEST_IDS), on the device, in one call (issue 22 item 4); log to $OUT/gpu_tests.log.
-#   bash bench/h200_gpu_tests.sh --list   (on a CPU machine: runs the files here and writes the node ids of the tests
-#   that skipped to bench/gpu_test_ids.txt; then GPU_TEST_IDS=bench/gpu_test_ids.txt runs exactly those on the device)
+#   PYTHON=.venv/bin/python bash bench/h200_gpu_tests.sh --list   (on a CPU machine: runs the files here and writes
+#   the node ids of the tests that skipped to bench/gpu_test_ids.txt; then GPU_TEST_IDS=bench/gpu_test_ids.txt runs
+#   exactly those on the device)
 #   device tool: run(command="bash bench/h200_gpu_tests.sh", carry=[".whl"])   (.whl: ../shared/tools/device-wheels
 #   nvidia-cutlass==4.2.0.0 diffusers ...: the CUTLASS headers, and diffusers for the zoo models)
 # Run from the repository root (pytest -P: the checkout's kernels/ folder must not shadow the installed package).
@@ -16,7 +17,8 @@ files=${GPU_TEST_FILES:-"tests/test_cuda_graph_step.py tests/test_quant_nvfp4.py
   tests/test_w4_lut.py"}
 if [ "${1:-}" = "--list" ]; then  # pytest -v names each skipped test; the interpreter stands in for the kernels
   list=bench/gpu_test_ids.txt
-  { sed -n '1,2p' "$list"; TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python3 -P -m pytest -p no:cacheprovider -v $files \
+  { sed -n '1,2p' "$list"
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 ${PYTHON:-python3} -P -m pytest -p no:cacheprovider -v $files \
       | sed -n 's/^\(tests\/[^ ]*\) SKIPPED.*/\1/p' | sort -u; } > "$list.new" && mv "$list.new" "$list"
   echo "$(grep -vc '^#' "$list") node ids in $list"
   exit 0
