@@ -101,7 +101,9 @@ default); each with TFLOP/s, speedup over ``bf16_mm`` and the relative error aga
 activations with 1% outlier channels, weights as ``nn.Linear`` initialises them; bias included; ``bf16_mm``'s error is
 ``F.linear``'s, its time ``torch.mm``'s).
 ``ms_b2b``: ``--linear-b2b`` calls back to back between two events (GPU time, the per-call Python / launch overhead
-hidden; ``ms`` starts each call on an idle GPU, so counts it). Writes ``h200_quant_step.json`` / ``.md`` to ``--out``
+hidden; ``ms`` starts each call on an idle GPU, so counts it); ``ms_graph``: as many calls captured in one CUDA graph
+and replayed (the linear as the graphed step runs it: no host time, the gaps between its kernels kept);
+``rel_err_vs_bf16``: a design's error against the bf16 linear (``F.linear``), beside ``rel_err_vs_fp32``. Writes ``h200_quant_step.json`` / ``.md`` to ``--out``
 after every row; rows not started within ``--budget-s`` are skipped (the device call has a time limit).
 """
 from __future__ import annotations
