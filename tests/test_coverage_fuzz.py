@@ -6,6 +6,7 @@ import inspect
 import json
 
 import pytest
+import torch
 
 from dit_passes import coverage_fuzz as fz
 from dit_passes.models.zoo import build, config_for, family_spec, model_class
@@ -62,14 +63,41 @@ def test_a_draw_the_class_rejects_is_invalid_not_an_error():
     ("skyreels_v2", {"inject_sample_info": True}, 1), ("skyreels_v2", {"inject_sample_info": True}, 2),
     ("sana", {"guidance_embeds": True}, 2), ("sana_video", {"guidance_embeds": True}, 1),
     ("kandinsky6", {"visual_cond": False}, 1), ("kandinsky6", {"visual_cond": False, "num_visual_blocks": 3}, 2),
-    ("cosmos3", {"sound_gen": False}, 1), ("cosmos3", {"sound_gen": False, "action_gen": False}, 2)])
+    ("cosmos3", {"sound_gen": False}, 1), ("cosmos3", {"sound_gen": False, "action_gen": False}, 2),
+    ("bria_fibo", {"guidance_embeds": False}, 1), ("kandinsky5", {"visual_cond": True}, 1),
+    ("kandinsky5", {"visual_cond": True, "num_visual_blocks": 1}, 2)])
 def test_inputs_follow_the_flags_a_draw_turns_on(family, flags, batch):
     """The classes refuse a call without the inputs these flags ask for (additional_t_cond, target_timestep,
     timestep_r / guidance, ConsisID's face id_cond / id_vit_hidden, SkyReels' fps per row, Sana's guidance) or with
     inputs a flag turns off (Kandinsky 6 without visual_cond takes the latent channels alone; Cosmos 3 without
     sound_gen / action_gen has no sound / action projections, so it packs no such rows): the zoo's builders
-    follow them, so such draws are probed, not listed as the class's. A CFG pair too, where the input is per row."""
+    follow them, so such draws are probed, not listed as the class's. A CFG pair too, where the input is per row.
+    Fuzz seed 3000: Bria FIBO without guidance_embeds has no guidance embedder but adds any guidance it is given (an
+    AttributeError); Kandinsky 5 with visual_cond embeds 2 C + 1 channels (a matmul shape error on C)."""
     assert fz.probe(family, flags, timeout=60, batch=batch) is None
+
+
+def test_the_i2v_variant_keeps_its_inputs_now_its_family_builds_them():
+    """kandinsky5[i2v] lost its own builder when the family's took over the visual_cond channels: the inputs are
+    the ones its builder made, value for value (the latents, then one conditioning frame drawn after them, its
+    mask), rebuilt here as that builder did."""
+    from dit_passes.models.zoo import _make_inputs
+    from dit_passes.models.zoo_common import cfg_rows
+    from dit_passes.models.zoo_more_av import _kandinsky5_inputs
+    spec = family_spec("kandinsky5[i2v]")
+    config = dict(build("kandinsky5[i2v]").model.config)
+    got = _make_inputs(spec, config, batch=2)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    old = _kandinsky5_inputs(config, 2, spec.sizes_by_variant["default"], gen)
+    lat = old["hidden_states"]
+    cond = torch.zeros_like(lat)
+    cond[:, :1] = cfg_rows(gen, 2, *lat.shape[2:])[:, None]
+    mask = torch.zeros(*lat.shape[:-1], 1)
+    mask[:, :1] = 1.0
+    assert torch.equal(got.pop("hidden_states"), torch.cat([lat, cond, mask], dim=-1))
+    old.pop("hidden_states")
+    assert got.keys() == old.keys()
+    assert all(torch.equal(got[k], v) for k, v in old.items() if isinstance(v, torch.Tensor))
 
 
 @pytest.mark.parametrize("family,flags,field,value", [
@@ -86,7 +114,9 @@ def test_inputs_follow_the_flags_a_draw_turns_on(family, flags, batch):
     ("latte", {"num_attention_heads": 3}, "cross_attention_dim", 48),
     ("allegro", {"num_attention_heads": 1}, "cross_attention_dim", 16),
     ("ltxvideo", {"num_attention_heads": 3}, "cross_attention_dim", 48),
-    ("ltx2", {"num_attention_heads": 1, "use_prompt_embeddings": False}, "cross_attention_dim", 16)])
+    ("ltx2", {"num_attention_heads": 1, "use_prompt_embeddings": False}, "cross_attention_dim", 16),
+    ("consisid", {"num_attention_heads": 1, "is_train_face": True, "num_layers": 1}, "LFE_output_dim", 10),
+    ("consisid", {"num_attention_heads": 3, "is_train_face": True}, "LFE_output_dim", 32)])
 def test_fields_tied_to_drawn_counts_follow_them(family, flags, field, value):
     """Wan-Animate runs a face adapter at every block i % inject_face_latents_blocks == 0 but builds only
     num_layers // interval of them (an IndexError for the drawn 1 or 3 blocks with the zoo's 2); HunyuanDiT's
@@ -96,7 +126,8 @@ def test_fields_tied_to_drawn_counts_follow_them(family, flags, field, value):
     join the caption_projection_dim wide text to the heads x head_dim wide image tokens, PixArt / Latte / Allegro /
     LTX-Video / LTX-2 read their heads x head_dim wide caption projection as cross_attention_dim; LTX-2 without
     use_prompt_embeddings takes its text at that width (the pipeline's connector projects it): the fuzzer dropped
-    each such drawn head count (fuzz seed 2000)."""
+    each such drawn head count (fuzz seed 2000). ConsisID's facial extractor gives the perceiver cross-attention
+    its keys, int(heads x head_dim / 3 * 2) wide in the class (a LayerNorm shape error; fuzz seed 3000)."""
     assert fz.probe(family, flags, timeout=60) is None
     assert build(family, **flags).model.config[field] == value
 

@@ -29,7 +29,7 @@ def _bria_fibo_inputs(config, batch, sizes, gen):
     text = sizes["text"]
     layers = config["num_layers"] + config["num_single_layers"]
     mask = torch.cat([text_mask(batch, text), torch.ones(batch, h * w, dtype=torch.bool)], dim=1)
-    return {
+    out = {
         "hidden_states": cfg_rows(gen, batch, h * w, config["in_channels"]),
         "encoder_hidden_states": text_rows(gen, batch, text, config["joint_attention_dim"]),
         # BriaFiboPipeline: one text-encoder hidden state per block (the last ones of the encoder)
@@ -37,11 +37,13 @@ def _bria_fibo_inputs(config, batch, sizes, gen):
         "timestep": timestep_rows(gen, batch, 1000.0),
         "img_ids": grid_ids(1, h, w),
         "txt_ids": torch.zeros(text, 3),
-        "guidance": torch.full((batch,), 3.5),
         # the pipeline's key-padding mask over [text, image], (B, 1, 1, S) bool
         "joint_attention_kwargs": {"attention_mask": mask[:, None, None, :]},
         "return_dict": False,
     }
+    if config.get("guidance_embeds"):  # the class adds any guidance it gets, and has no embedder without the flag
+        out["guidance"] = torch.full((batch,), 3.5)
+    return out
 
 
 BRIA_FIBO = _family("bria_fibo", "BriaFiboTransformer2DModel",

@@ -190,8 +190,8 @@ def _consisid_face(config, batch, out, gen):
 
 _consisid_inputs = with_flag_inputs(_consisid_plain_inputs, {"is_train_face": _consisid_face})
 # The face modules at the zoo's widths (used only where is_train_face is on). The class derives the perceiver
-# cross-attention's key width as int(inner_dim * 2 / 3), 21 for 2 heads of 16, and the facial extractor's output
-# must match it (a draw of another head count is rejected, and retried without it). cross_attn_interval 1: the class
+# cross-attention's key width as int(inner_dim / 3 * 2), 21 for 2 heads of 16, and the facial extractor's output
+# must match it: _consisid_tied keeps it so for a drawn head count. cross_attn_interval 1: the class
 # builds num_layers // interval cross-attentions but runs one at every block i % interval == 0, so with ConsisID's 2
 # an odd block count (every drawn one: 1 or 3) indexes past the list (a diffusers bug; the real 42 blocks are even)
 _CONSISID_FACE = dict(cross_attn_interval=1, cross_attn_dim_head=HEAD_DIM, cross_attn_num_heads=HEADS,
@@ -200,13 +200,21 @@ _CONSISID_FACE = dict(cross_attn_interval=1, cross_attn_dim_head=HEAD_DIM, cross
                       LFE_num_scale=2)
 
 
+def _consisid_tied(config):
+    """The facial extractor's output width: the perceiver cross-attention's keys, which the class sizes from the
+    blocks' heads x head_dim (``cross_attn_kv_dim``; the checkpoint: int(3072 / 3 * 2) = 2048, its LFE_output_dim)."""
+    inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    return {"LFE_output_dim": int(inner / 3 * 2)}
+
+
 CONSISID = _family("consisid", "ConsisIDTransformer3DModel",
                    dict(num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
                         time_embed_dim=DIM, text_embed_dim=TEXT_DIM, num_layers=2, sample_width=8, sample_height=8,
                         sample_frames=5, patch_size=2, max_text_seq_length=8, use_rotary_positional_embeddings=True,
                         **_CONSISID_FACE),
                    _consisid_inputs, {"transformer_blocks": "num_layers"}, 2, video=True,
-                   pipeline_class="ConsisIDPipeline", after_build=fp32_tables)  # CogVideoX's patch embedder
+                   pipeline_class="ConsisIDPipeline", after_build=fp32_tables,  # CogVideoX's patch embedder
+                   tied_config=_consisid_tied)
 
 
 # -------------------------------------------------------------------------------------- kandinsky 5
@@ -225,11 +233,23 @@ def _kandinsky5_inputs(config, batch, sizes, gen):
     }
 
 
+def _kandinsky5_visual_cond(config, batch, out, gen):
+    """Kandinsky 5 I2V (``visual_cond``): the class's visual embedder takes 2 C + 1 channels, the latents then the
+    conditioning frames and their mask (``Kandinsky5I2VPipeline``)."""
+    lat = out["hidden_states"]
+    cond = torch.zeros_like(lat)
+    cond[:, :1] = cfg_rows(gen, batch, *lat.shape[2:])[:, None]
+    mask = torch.zeros(*lat.shape[:-1], 1)
+    mask[:, :1] = 1.0
+    return {"hidden_states": torch.cat([lat, cond, mask], dim=-1)}
+
+
 KANDINSKY5 = _family("kandinsky5", "Kandinsky5Transformer3DModel",
                      dict(in_visual_dim=4, in_text_dim=TEXT_DIM, in_text_dim2=TEXT_DIM, time_dim=DIM, out_visual_dim=4,
                           patch_size=(1, 2, 2), model_dim=DIM, ff_dim=64, num_text_blocks=2, num_visual_blocks=2,
                           axes_dims=ROPE_3AXES),
-                     _kandinsky5_inputs, {"visual_transformer_blocks": "num_visual_blocks"}, 1, video=True,
+                     with_flag_inputs(_kandinsky5_inputs, {"visual_cond": _kandinsky5_visual_cond}),
+                     {"visual_transformer_blocks": "num_visual_blocks"}, 1, video=True,
                      # heads of sum(axes_dims) channels
                      heads_of=lambda c: (c["model_dim"] // sum(c["axes_dims"]), sum(c["axes_dims"])),
                      pipeline_class="Kandinsky5T2VPipeline")

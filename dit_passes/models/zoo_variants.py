@@ -143,18 +143,6 @@ def _sana_guidance(base, config, batch, sizes, gen):
     return out
 
 
-def _kandinsky5_i2v(base, config, batch, sizes, gen):
-    """Kandinsky 5 I2V (``visual_cond``): latents, the conditioning frames and their mask on the channels."""
-    out = base(config, batch, sizes, gen)
-    lat = out["hidden_states"]
-    cond = torch.zeros_like(lat)
-    cond[:, :1] = cfg_rows(gen, batch, *lat.shape[2:])[:, None]
-    mask = torch.zeros(*lat.shape[:-1], 1)
-    mask[:, :1] = 1.0
-    out["hidden_states"] = torch.cat([lat, cond, mask], dim=-1)
-    return out
-
-
 def _skyreels_df(base, config, batch, sizes, gen):
     """SkyReels-V2 diffusion forcing: one timestep per latent frame (later frames noisier), fps injected. The
     pipeline calls the two CFG branches apart (batch 1): the class's fps injection does not take a larger batch."""
@@ -340,7 +328,7 @@ VARIANTS: tuple[Variant, ...] = (
             inputs=lambda base, c, b, s, g: _seq_concat_reference(base, c, b, s, g, id_axis0=10.0)),
     # Kandinsky 5
     Variant("kandinsky5", "i2v", "Kandinsky-5.0-I2V (visual_cond: 2 C + 1 input channels)",
-            dict(visual_cond=True), _kandinsky5_i2v),
+            dict(visual_cond=True)),  # the family's builder adds the conditioning channels where the flag is on
     # SkyReels-V2
     Variant("skyreels_v2", "df", "SkyReels-V2-DF (diffusion forcing: a timestep per frame, fps injected)",
             dict(inject_sample_info=True), _skyreels_df),
