@@ -112,7 +112,6 @@ import argparse
 import contextlib
 import gc
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -124,6 +123,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from h200_quant_linears import RANK, clear_svdq, linear_designs, svdq, w4a8_tile  # noqa: E402
 from h200_quant_report import markdown, save as save_report  # noqa: E402
+from cuda_timing import back_to_back_ms, graphed_ms, median_ms, sync  # noqa: E402
 from dit_passes.kernels.w4a8_lut_cutlass import CONFIGS as LUT_CONFIGS  # noqa: E402
 
 FULL = dict(img=4096, txt=512, m=4608, shapes=((3072, 3072), (3072, 12288), (12288, 3072), (15360, 3072)))
@@ -283,86 +283,6 @@ def row_specs():
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
 
-# ------------------------------------------------------------------------------------------------ timing
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_ms(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def back_to_back_ms(fn: Callable[[], Any], repeats: int, device: torch.device, batch: int):
-    """Median ms per call over ``batch`` calls enqueued back to back between two events: the GPU time with the CPU
-    running ahead (its per-call Python and launch overhead hidden, as in a step whose CPU runs ahead of the GPU);
-    None off the GPU or for ``batch`` 0."""
-    if device.type != "cuda" or batch <= 0:
-        return None
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(max(3, repeats // 2)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / batch)
-    return statistics.median(times)
-
-
-def graphed_ms(fn: Callable[[], Any], repeats: int, device: torch.device, batch: int):
-    """Median ms per call with ``batch`` calls captured in one CUDA graph and replayed: the linear as the graphed
-    step runs it (no host time, the gaps between its kernels kept); None off the GPU, for ``batch`` 0, or where the
-    design cannot be captured (the error is printed)."""
-    if device.type != "cuda" or batch <= 0:
-        return None
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(batch):
-                fn()
-    except Exception as e:  # noqa: BLE001 - a design that cannot be captured still gets its other times
-        log(f"graphed_ms: not captured: {type(e).__name__}: {str(e)[:200]}")
-        return None
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(max(3, repeats // 2)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / batch)
-    del graph
-    return statistics.median(times)
-
-
 def memory_bound(ms: float, b2b, nbytes: int, gpu=None) -> Dict[str, Any]:
     """A bandwidth-bound row: ms and GB/s, with calls back to back (a short kernel's time is mostly the op's
     Python / launch overhead when each call starts on an idle GPU) and by the kernels' own time (``gpu``)."""
@@ -460,17 +380,19 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                 fn = build[name](x, w, b)
                 if fn is None:
                     continue
+                # memory-bound designs report GB/s: the expansion (packed int4 + scales read, e4m3 written), the
+                # activation passes (bf16 x read, e4m3 written)
+                nbytes = (n * k // 2 + n * k if name.startswith("w4_expand") else
+                          m * k * x.element_size() + m * k if name in ("w4a8_act", "fp8_act", "fp8_act_rowquant",
+                                                                       "lrcat_act") else None)
                 ms = median_ms(fn, args.linear_repeats, device, warmup=3)
                 b2b = back_to_back_ms(fn, args.linear_repeats, device, args.linear_b2b)
-                graphed = graphed_ms(fn, args.linear_repeats, device, args.linear_b2b)
                 # kernel time alone: a short op's event times measure its host launch path (calls back to back too)
                 gpu = step_profile(fn, 5)["gpu_ms"] if device.type == "cuda" else None
-                if name.startswith("w4_expand"):  # memory-bound: packed int4 + scales read, e4m3 written
-                    res[name] = memory_bound(ms, b2b, n * k // 2 + n * k, gpu)
+                if nbytes is not None:
+                    res[name] = memory_bound(ms, b2b, nbytes, gpu)
                     continue
-                if name in ("w4a8_act", "fp8_act", "fp8_act_rowquant", "lrcat_act"):  # bf16 x read, e4m3 written
-                    res[name] = memory_bound(ms, b2b, m * k * x.element_size() + m * k, gpu)
-                    continue
+                graphed = graphed_ms(fn, args.linear_repeats, device, args.linear_b2b)
                 if name.startswith("w4a8_gemm"):  # the GEMM alone: its time, no error of its own to report
                     res[name] = {"ms": ms, "ms_b2b": b2b, "ms_graph": graphed, "tflops": 2 * m * n * k / (ms * 1e9),
                                  **w4a8_tile(name)}
@@ -486,19 +408,14 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
                 for d in res:
                     if d.startswith("svdq"):
                         res[d]["rel_err_w4a4_reference"] = r4
-            base = res.get("bf16_mm", {}).get("ms")
-            base_b2b = res.get("bf16_mm", {}).get("ms_b2b")
+            base = res.get("bf16_mm", {})
             for v in res.values():
                 if "tflops" in v:
-                    v["speedup_vs_bf16_mm"] = base / v["ms"] if base else None
-                    if base_b2b and v.get("ms_b2b"):
-                        v["speedup_b2b_vs_bf16_mm"] = base_b2b / v["ms_b2b"]
-                    base_graph = res.get("bf16_mm", {}).get("ms_graph")
-                    if base_graph and v.get("ms_graph"):
-                        v["speedup_graph_vs_bf16_mm"] = base_graph / v["ms_graph"]
-                    base_gpu = res.get("bf16_mm", {}).get("gpu_ms")
-                    if base_gpu and v.get("gpu_ms"):
-                        v["speedup_gpu_vs_bf16_mm"] = base_gpu / v["gpu_ms"]
+                    v["speedup_vs_bf16_mm"] = base["ms"] / v["ms"] if base.get("ms") else None
+                    for field, speedup in (("ms_b2b", "speedup_b2b_vs_bf16_mm"),
+                                           ("ms_graph", "speedup_graph_vs_bf16_mm"), ("gpu_ms", "speedup_gpu_vs_bf16_mm")):
+                        if base.get(field) and v.get(field):
+                            v[speedup] = base[field] / v[field]
         out[key] = res
         log("linear", key, {d: round(v["ms"], 4) for d, v in res.items()})
         clear_svdq()
