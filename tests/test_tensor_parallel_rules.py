@@ -163,6 +163,7 @@ REFUSALS = {
     "pad_under_norm": dict(mlp="gelu", hidden=63, mlp_norm=True),
     "group_norm": dict(q_norm="group"),
     "flex_reads_head": dict(attn="flex_head"),
+    "flex_heads1": dict(attn="flex", heads=1),  # flex attention cannot take zero-padded heads (AnyFlow-FAR, 1 head)
     "heads3_gqa": dict(heads=3, kv_heads=1),  # one kv head repeated to the 3 q heads: no padded kv heads to pair
 }
 
@@ -306,10 +307,12 @@ def test_gathered_value_keeps_its_traced_layout(rule_ranks):
         assert r["comm"].get("all_reduce", 0) == c["all_reduce"] == c["row_parallel"] == 2, (r["comm"], c)
 
 
-def test_flex_attention_reading_the_head_index_is_refused(rule_ranks):
+def test_flex_attention_refusals_name_the_cause(rule_ranks):
     for res in rule_ranks:
         msg = res["flex_reads_head"]
         assert "score_mod reads the head index" in msg and "tensor_parallel" in msg, msg
+        msg = res["flex_heads1"]  # the cause, not only the shard dim it leads to
+        assert "1 head(s) do not divide by tp=2" in msg and "cannot take zero-padded heads" in msg, msg
 
 
 def test_padded_heads_exact_with_the_collectives_of_divisible_heads(rule_ranks):

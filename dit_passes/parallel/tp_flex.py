@@ -48,9 +48,16 @@ def flex_attention(rules, n: fx.Node):
     score_buffers, mask_buffers = (tuple(n.args[7]) if len(n.args) > 7 else ()), \
         (tuple(n.args[8]) if len(n.args) > 8 else ())
     specs = [rules._s(a) for a in (q, k, v)]
-    if any(s is not None and s.dim != 1 for s in specs):
-        raise ShardingError(f"flex attention needs q, k, v sharded over heads (dim 1), got {specs}")
     heads = int(val(q).shape[1])
+    if any(s is not None and s.dim != 1 for s in specs):
+        # The usual cause: the heads do not divide over the ranks, so the projections' columns were split without
+        # regard to heads and the split landed inside one (flex attention cannot take zero-padded heads).
+        cause = (f"its {heads} head(s) do not divide by tp={rules.tp} and flex attention cannot take zero-padded "
+                 f"heads; tensor-parallel sizes that divide them: {[d for d in range(1, heads + 1) if heads % d == 0]}"
+                 if heads % rules.tp else
+                 "the projections feeding it are split along another dim")
+        raise ShardingError(f"flex attention needs q, k, v sharded over heads (dim 1), got dims "
+                            f"{[s.dim if s is not None else None for s in specs]}: {cause}")
     check_divisible([heads], rules.tp, "flex attention query heads")
     for fn, which in ((score_mod, "score_mod"), (block_mask[-1] if block_mask else None, "mask_mod")):
         if _reads_head(rules, fn, which):
