@@ -116,7 +116,11 @@ def test_the_i2v_variant_keeps_its_inputs_now_its_family_builds_them():
     ("ltxvideo", {"num_attention_heads": 3}, "cross_attention_dim", 48),
     ("ltx2", {"num_attention_heads": 1, "use_prompt_embeddings": False}, "cross_attention_dim", 16),
     ("consisid", {"num_attention_heads": 1, "is_train_face": True, "num_layers": 1}, "LFE_output_dim", 10),
-    ("consisid", {"num_attention_heads": 3, "is_train_face": True}, "LFE_output_dim", 32)])
+    ("consisid", {"num_attention_heads": 3, "is_train_face": True}, "LFE_output_dim", 32),
+    ("sana_wm_refiner", {"num_attention_heads": 3, "gated_attn": False}, "cross_attention_dim", 48),
+    ("sana_wm_refiner", {"num_attention_heads": 1, "num_layers": 1}, "cross_attention_dim", 16),
+    ("nucleusmoe", {"num_layers": 3, "num_attention_heads": 1}, "capacity_factors", [2.0, 2.0, 2.0]),
+    ("nucleusmoe", {"num_layers": 1}, "capacity_factors", [2.0])])
 def test_fields_tied_to_drawn_counts_follow_them(family, flags, field, value):
     """Wan-Animate runs a face adapter at every block i % inject_face_latents_blocks == 0 but builds only
     num_layers // interval of them (an IndexError for the drawn 1 or 3 blocks with the zoo's 2); HunyuanDiT's
@@ -127,7 +131,10 @@ def test_fields_tied_to_drawn_counts_follow_them(family, flags, field, value):
     LTX-Video / LTX-2 read their heads x head_dim wide caption projection as cross_attention_dim; LTX-2 without
     use_prompt_embeddings takes its text at that width (the pipeline's connector projects it): the fuzzer dropped
     each such drawn head count (fuzz seed 2000). ConsisID's facial extractor gives the perceiver cross-attention
-    its keys, int(heads x head_dim / 3 * 2) wide in the class (a LayerNorm shape error; fuzz seed 3000)."""
+    its keys, int(heads x head_dim / 3 * 2) wide in the class (a LayerNorm shape error; fuzz seed 3000). Fuzz seed
+    4000: the SANA-WM refiner reads its heads x head_dim wide caption projection as cross_attention_dim (a matmul
+    shape error, the head count dropped); NucleusMoE indexes its capacity_factors list by block (an IndexError for 3
+    blocks with the zoo's list of 2)."""
     assert fz.probe(family, flags, timeout=60) is None
     assert build(family, **flags).model.config[field] == value
 

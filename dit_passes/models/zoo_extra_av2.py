@@ -306,7 +306,8 @@ SANA_WM_REFINER = _family("sana_wm_refiner", "SanaWMLTX2RefinerTransformer3DMode
                                audio_num_attention_heads=HEADS, audio_attention_head_dim=HEAD_DIM,
                                audio_cross_attention_dim=DIM, num_layers=2, caption_channels=TEXT_DIM),
                           _sana_wm_refiner_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
-                          pipeline_class="SanaWMPipeline")
+                          pipeline_class="SanaWMPipeline",
+                          tied_config=inner_width("cross_attention_dim"))  # the caption projection: heads x head_dim
 
 
 EXTRA_AV2_FAMILIES = (COSMOS3, ANYFLOW_FAR, KANDINSKY6_SR, WAN_ANIMATE2, SANA_WM, SANA_WM_REFINER)

@@ -294,7 +294,10 @@ NUCLEUSMOE = _family("nucleusmoe", "NucleusMoEImageTransformer2DModel",
                           axes_dims_rope=ROPE_3AXES, dense_moe_strategy="leave_first_block_dense", num_experts=4,
                           moe_intermediate_dim=32, capacity_factors=[2.0, 2.0]),
                      _nucleusmoe_inputs, {"transformer_blocks": "num_layers"}, 2,
-                     pipeline_class="NucleusMoEImagePipeline")
+                     pipeline_class="NucleusMoEImagePipeline",
+                     # a list holds one capacity factor per block and the class indexes it by block, so a drawn
+                     # block count needs a list of that length (a scalar would hide the per-block form)
+                     tied_config=lambda c: {"capacity_factors": [2.0] * c["num_layers"]})
 
 
 # ------------------------------------------------------------------------------------- lumina-next
