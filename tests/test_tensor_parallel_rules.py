@@ -11,7 +11,7 @@ pattern a diffusers family has (the coverage matrix runs the families themselves
 * MLP hidden sizes that do not divide tp (Mochi, Z-Image): zero-padded, exact, reported;
 * head counts that do not divide tp (SD3.5-large, CogVideoX-2b, Sana): whole zero heads, exact, with the
   collectives of divisible heads; an RMSNorm or a LayerNorm over all heads (statistics of the real features), a
-  fused QKV, one broadcast kv head; GQA refused;
+  fused QKV, one broadcast kv head, a replicated KV cache joined to the padded keys (SANA-WM refiner); GQA refused;
 * a flex attention with a per-head block mask (Kandinsky 6 SR's NABLA): heads sharded, the mask's heads sliced;
 * a value all-gathered before an op without a rule, then viewed as only its traced layout allows (SANA-WM);
 * refusals: a weight two linears shard differently, padding a hidden that a norm reads, with the working sizes, a
@@ -34,7 +34,7 @@ class _Block(nn.Module):
     """One DiT block; the options switch on the patterns of the module docstring."""
 
     def __init__(self, kv_heads=None, q_norm=None, stacked=False, mlp="gelu", hidden=64, mlp_norm=False,
-                 skip=False, ff_groups=1, kv_repeat=True, attn="sdpa", flip_heads=False, heads=HEADS):
+                 skip=False, ff_groups=1, kv_repeat=True, attn="sdpa", flip_heads=False, heads=HEADS, kv_cache=False):
         super().__init__()
         self.heads, inner = heads, heads * HEAD_DIM  # heads that do not divide tp: zero-padded
         kv_heads = heads if kv_heads is None else kv_heads
@@ -42,6 +42,8 @@ class _Block(nn.Module):
         self.kv_heads, self.q_norm_kind, self.stacked, self.mlp_kind = kv_heads, q_norm, stacked, mlp
         self.kv_repeat = kv_repeat  # False: one kv head broadcast over the q heads by the attention (OmniGen)
         self.hidden, self.ff_groups = hidden, ff_groups
+        # keys / values of earlier tokens at the full head width, joined to this call's (SANA-WM refiner's cache)
+        self.register_buffer("cache", torch.randn(2, 1, heads, 2, HEAD_DIM) if kv_cache else None)
         self.skip = nn.Linear(2 * DIM, DIM) if skip else None  # reads [x, skip]: writes the residual stream
         self.norm1, self.norm2 = nn.LayerNorm(DIM, elementwise_affine=False), nn.LayerNorm(DIM)
         if stacked:
@@ -80,6 +82,8 @@ class _Block(nn.Module):
             k, v = (t.view(b, s, self.kv_heads, HEAD_DIM).transpose(1, 2) for t in (self.to_k(x), self.to_v(x)))
             if self.kv_heads != self.heads and self.kv_repeat:
                 k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+            if self.cache is not None:
+                k, v = (torch.cat([c.expand(b, -1, -1, -1), t], 2) for c, t in zip(self.cache, (k, v)))
         if self.attn_kind.startswith("flex"):
             o = _flex(q, k, v, head_bias=self.attn_kind == "flex_head")
         else:
@@ -152,6 +156,7 @@ CASES = {
     # an RMSNorm over all heads (Wan); the same structure with 4 heads; a fused QKV, then one kv head (broadcast)
     "heads3_rms": dict(heads=3, q_norm="rms"),
     "heads3_layer_norm": dict(heads=3, q_norm="layer"),  # its moments over each rank's real features only
+    "heads3_kv_cache": dict(heads=3, kv_cache=True),  # a replicated cache joined to padded keys / values
     "heads1_layer_norm": dict(heads=1, q_norm="layer"),  # rank 1 holds only padding (no real features)
     "heads4_rms": dict(q_norm="rms"),
     "heads3_stacked_kv1": dict(heads=3, stacked=True, second=dict(stacked=False, kv_heads=1, kv_repeat=False)),
@@ -180,7 +185,7 @@ def _run_case(options, world):
     x = torch.randn(2, 8, DIM)
     with torch.no_grad():
         ref = model(x)[0]
-    weights = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    weights = {n: p.numel() * p.element_size() for n, p in [*model.named_parameters(), *model.named_buffers()]}
     c = compile_dit(model, passes=[TensorParallel(size=world)])
     c.lower(hidden_states=x)  # capture + passes outside the debug mode, which then sees only the run
     with torch.no_grad(), CommDebugMode() as comm:
@@ -212,8 +217,17 @@ def _refusal(options, world):
     return "no error"
 
 
+def _case_or_refusal(options, world):
+    """A case's result; a refusal as its message, so one refused case fails its own test only."""
+    from dit_passes import PassError
+    try:
+        return _run_case(options, world)
+    except PassError as e:
+        return {"refused": str(e)}
+
+
 def _ranks(rank, world):
-    out = {name: _run_case(options, world) for name, options in {**CASES, **GATHERED}.items()}
+    out = {name: _case_or_refusal(options, world) for name, options in {**CASES, **GATHERED}.items()}
     out.update({name: _refusal(options, world) for name, options in REFUSALS.items()})
     return out
 
@@ -231,6 +245,7 @@ def _exact(rule_ranks, case):
 
 
 def _check_exact(r, name):
+    assert "refused" not in r, (name, r.get("refused"))
     c = r["counts"]
     assert r["err"] <= TOL, (name, r["err"])
     assert c["fallback_all_gather"] == 0 and c["all_gather"] == 0, (name, r["report"])
@@ -305,6 +320,13 @@ def test_gathered_value_keeps_its_traced_layout(rule_ranks):
         assert c["fallback_all_gather"] == 2 and "aten.flip.default" in r["report"], r["report"]
         assert r["comm"].get("all_gather_into_tensor", 0) == 2, r["comm"]
         assert r["comm"].get("all_reduce", 0) == c["all_reduce"] == c["row_parallel"] == 2, (r["comm"], c)
+
+
+def test_replicated_cache_joined_to_padded_heads(rule_ranks):
+    for r, c in _exact(rule_ranks, "heads3_kv_cache"):
+        # the cache's 3 heads sliced to the rank's and zero-padded like the projections' (k and v, per block)
+        assert (c["column_parallel"], c["row_parallel"], c["padded_heads"]) == (8, 4, 6), c
+        assert c["local_slices"] >= 4, c
 
 
 def test_flex_attention_refusals_name_the_cause(rule_ranks):

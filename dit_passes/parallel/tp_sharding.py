@@ -417,6 +417,8 @@ class TPRules(Propagation):
                 s = ShardSpec(dim, (int(a.meta["val"].shape[dim]),))
                 check_divisible(s.segments, self.tp, f"replicated input {a.name} of a cat along the shard")
                 a = self._local(a, dim, s, n)
+            elif s is None and ref.padded:  # a cat moves data: its zero heads stay zero, like the others' (KV cache)
+                a = tp_padded.local_operand(self, a, ref.dim, ref, n)
             elif s is None:
                 a = self._local(a, ref.dim, ref, n)
             elif s != ref and not along:
