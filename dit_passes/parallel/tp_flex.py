@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from .propagate import val
+from .tp_plan import divisors
 
 # the head index's position among the placeholders: score_mod(score, b, h, q_idx, kv_idx), mask_mod(b, h, q, kv)
 _HEAD_ARG = {"score_mod": 2, "mask_mod": 1}
@@ -53,7 +54,7 @@ def flex_attention(rules, n: fx.Node):
         # The usual cause: the heads do not divide over the ranks, so the projections' columns were split without
         # regard to heads and the split landed inside one (flex attention cannot take zero-padded heads).
         cause = (f"its {heads} head(s) do not divide by tp={rules.tp} and flex attention cannot take zero-padded "
-                 f"heads; tensor-parallel sizes that divide them: {[d for d in range(1, heads + 1) if heads % d == 0]}"
+                 f"heads; tensor-parallel sizes that divide them: {divisors(heads)}"
                  if heads % rules.tp else
                  "the projections feeding it are split along another dim")
         raise ShardingError(f"flex attention needs q, k, v sharded over heads (dim 1), got dims "
