@@ -120,7 +120,11 @@ def test_the_i2v_variant_keeps_its_inputs_now_its_family_builds_them():
     ("sana_wm_refiner", {"num_attention_heads": 3, "gated_attn": False}, "cross_attention_dim", 48),
     ("sana_wm_refiner", {"num_attention_heads": 1, "num_layers": 1}, "cross_attention_dim", 16),
     ("nucleusmoe", {"num_layers": 3, "num_attention_heads": 1}, "capacity_factors", [2.0, 2.0, 2.0]),
-    ("nucleusmoe", {"num_layers": 1}, "capacity_factors", [2.0])])
+    ("nucleusmoe", {"num_layers": 1}, "capacity_factors", [2.0]),
+    ("wan_vace", {"num_layers": 1, "num_attention_heads": 3}, "vace_layers", [0]),
+    ("wan_vace", {"num_layers": 3}, "vace_layers", [0, 1, 2]),
+    ("wan_vace[every_other]", {}, "vace_layers", [0, 2]),
+    ("wan_vace[every_other]", {"num_layers": 5}, "vace_layers", [0, 2, 4])])
 def test_fields_tied_to_drawn_counts_follow_them(family, flags, field, value):
     """Wan-Animate runs a face adapter at every block i % inject_face_latents_blocks == 0 but builds only
     num_layers // interval of them (an IndexError for the drawn 1 or 3 blocks with the zoo's 2); HunyuanDiT's
@@ -134,7 +138,8 @@ def test_fields_tied_to_drawn_counts_follow_them(family, flags, field, value):
     its keys, int(heads x head_dim / 3 * 2) wide in the class (a LayerNorm shape error; fuzz seed 3000). Fuzz seed
     4000: the SANA-WM refiner reads its heads x head_dim wide caption projection as cross_attention_dim (a matmul
     shape error, the head count dropped); NucleusMoE indexes its capacity_factors list by block (an IndexError for 3
-    blocks with the zoo's list of 2)."""
+    blocks with the zoo's list of 2). Fuzz seed 5000: Wan-VACE refuses vace_layers that name a block it does not
+    have (the zoo's [0, 1] for a drawn 1 block); the list follows the blocks at its spacing (every_other: 2)."""
     assert fz.probe(family, flags, timeout=60) is None
     assert build(family, **flags).model.config[field] == value
 

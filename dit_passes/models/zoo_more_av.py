@@ -139,8 +139,19 @@ def _wan_vace_inputs(config, batch, sizes, gen):
     return out
 
 
+def _vace_layers(config):
+    """The hinted blocks at the list's spacing, over the block count: the class refuses a list that names a block it
+    does not have (the zoo's [0, 1] for a drawn 1 block), and a list fixed for 2 blocks leaves a third unhinted. The
+    spacing is what a config chooses (the class's default every fifth of 40 blocks, the zoo every block, its
+    every_other variant every other), so the variant's [0, 2] over its 4 blocks is kept."""
+    layers = config["vace_layers"]
+    step = layers[1] - layers[0] if len(layers) > 1 else 1
+    return {"vace_layers": list(range(0, int(config["num_layers"]), step))}
+
+
 WAN_VACE = _family("wan_vace", "WanVACETransformer3DModel", dict(_WAN_LIKE, vace_layers=[0, 1], vace_in_channels=8),
-                   _wan_vace_inputs, {"blocks": "num_layers"}, 1, video=True, pipeline_class="WanVACEPipeline")
+                   _wan_vace_inputs, {"blocks": "num_layers"}, 1, video=True, pipeline_class="WanVACEPipeline",
+                   tied_config=_vace_layers)
 
 
 # ------------------------------------------------------------------------------------ hunyuanvideo 1.5
