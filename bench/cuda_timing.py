@@ -1,6 +1,6 @@
 """Timing of one callable on the GPU (or the CPU), for the bench scripts beside it: the median of single calls
 (:func:`median_ms`), of calls back to back (:func:`back_to_back_ms`) and of calls replayed from one CUDA graph
-(:func:`graphed_ms`)."""
+(:func:`graphed_ms`, captured by :func:`capture`)."""
 from __future__ import annotations
 
 import statistics
@@ -55,6 +55,22 @@ def back_to_back_ms(fn: Callable[[], Any], repeats: int, device: torch.device, b
     return statistics.median(times)
 
 
+def capture(fn: Callable[[], Any], batch: int, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """``batch`` calls of ``fn`` captured in one CUDA graph, after ``warmup`` calls on a side stream (warm-up off
+    the default stream, as torch.cuda.graphs asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(batch):
+            fn()
+    return graph
+
+
 def graphed_ms(fn: Callable[[], Any], repeats: int, device: torch.device, batch: int):
     """Median ms per call with ``batch`` calls captured in one CUDA graph and replayed: the linear as the graphed
     step runs it (no host time, the gaps between its kernels kept); None off the GPU, for ``batch`` 0, or where the
@@ -62,16 +78,7 @@ def graphed_ms(fn: Callable[[], Any], repeats: int, device: torch.device, batch:
     if device.type != "cuda" or batch <= 0:
         return None
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(batch):
-                fn()
+        graph = capture(fn, batch)
     except Exception as e:  # noqa: BLE001 - a design that cannot be captured still gets its other times
         print(f"graphed_ms: not captured: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None

@@ -13,23 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import capture  # noqa: E402
 
 
 def _time_ms(fn, repeats: int = 20) -> float:
     """GPU ms per call: ``repeats`` calls captured in one CUDA graph and replayed (the launches' host time, which
     a CUDA-graph replay of the step hides too, left out)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
+    graph = capture(fn, repeats, warmup=3)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
