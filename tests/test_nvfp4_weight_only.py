@@ -152,4 +152,6 @@ def test_tables_match_torchao_nvfp4_weight_only():
     with torch.no_grad():
         mine, ao_out = nvfp4_weight_only_linear_form(x, *q.tensors().values()), m(x)
     rows = torch.arange(128) != 2  # output feature 2 reads the subnormal block
-    torch.testing.assert_close(mine[:, rows], ao_out[:, rows], rtol=1e-5, atol=1e-6)
+    # the weights agree to 1 ulp (above); the outputs are fp32 sums of 256 products in two summation orders
+    # (which also depend on the threads the BLAS uses), so an output near zero differs by a few 1e-6
+    torch.testing.assert_close(mine[:, rows], ao_out[:, rows], rtol=1e-5, atol=1e-5)
