@@ -76,7 +76,8 @@ from .frontend import (CacheStats, DBCacheConfig, DBPruneConfig, DMDCalibratorCo
                        TaylorSeerCalibratorConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig,
                        SeaCacheConfig, TeaCacheConfig, PyramidAttentionBroadcastConfig, FasterCacheConfig,
                        disable_cache, enable_cache, layerwise_offload, load, quantize, refresh_context, steps_mask,
-                       strify, summary)
+                       strify, summary, load_configs, load_cache_config, load_parallelism_config,
+                       load_quantize_config, load_attn_backend_config, load_options)
 
 __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGradPass", "capture", "Pass",
            "PassContext", "PassResult", "PassManager", "PassError", "CaptureError", "NoRepeatedBlocksError",
@@ -86,4 +87,5 @@ __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGrad
            "FoCaCalibratorConfig", "DMDCalibratorConfig", "FirstBlockCacheConfig",
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
            "PyramidAttentionBroadcastConfig", "FasterCacheConfig",
-           "ParallelismConfig", "QuantizeConfig"]
+           "ParallelismConfig", "QuantizeConfig", "load_configs", "load_cache_config", "load_parallelism_config",
+           "load_quantize_config", "load_attn_backend_config", "load_options"]

@@ -8,6 +8,8 @@ from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagC
 from .api import FrontendState, disable_cache, enable_cache, load, quantize, refresh_context, steps_mask
 from .reports import CacheStats, strify, summary
 from .configs import SUPPORTED_QUANT_TYPES, ParallelismConfig, QuantizeConfig
+from .config_files import (load_attn_backend_config, load_cache_config, load_configs, load_options,
+                           load_parallelism_config, load_quantize_config)
 from .offload import layerwise_offload
 
 __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
@@ -15,4 +17,5 @@ __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strif
            "FoCaCalibratorConfig", "DMDCalibratorConfig", "FirstBlockCacheConfig",
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
            "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "ParallelismConfig",
-           "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "layerwise_offload"]
+           "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "layerwise_offload", "load_configs", "load_cache_config",
+           "load_parallelism_config", "load_quantize_config", "load_attn_backend_config", "load_options"]

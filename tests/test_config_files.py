@@ -1,0 +1,132 @@
+"""cache-dit's configuration files (``load_configs`` and the loaders of each section): the same configs as
+cache-dit 1.5.3's loaders on the same files, and a clear error, before any generation, where a file holds a key
+no config knows or a value of the wrong type (the reference skips unknown keys)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import dit_passes as dp
+
+FILE = """
+cache_config:
+  Fn_compute_blocks: 2
+  Bn_compute_blocks: 1
+  residual_diff_threshold: 0.12
+  max_warmup_steps: 3
+  max_continuous_cached_steps: 2
+  enable_taylorseer: true
+  taylorseer_order: 2
+  num_inference_steps: 10
+  steps_computation_mask: fast
+parallelism_config:
+  ulysses_size: 2
+  ring_rotate_method: allgather
+attention_backend: native
+quantize_config:
+  quant_type: float8_per_row
+  exclude_layers: [embed]
+  regional_quantize: false
+"""
+
+
+def _value(v):
+    return getattr(v, "value", v)  # the reference's enums (CacheType.DBCache) against our strings
+
+
+def _same_fields(ours, theirs, skip=("backend",)):
+    """Every field of ``ours`` that the reference's object has holds the same value (``backend``: the reference
+    resolves it to its own enum of installed backends)."""
+    assert type(ours).__name__ == type(theirs).__name__
+    diff = {f.name: (getattr(ours, f.name), getattr(theirs, f.name)) for f in dataclasses.fields(ours)
+            if f.name not in skip and hasattr(theirs, f.name)
+            and _value(getattr(ours, f.name)) != _value(getattr(theirs, f.name))}
+    assert not diff, diff
+
+
+def _reference():
+    cache_dit = pytest.importorskip("cache_dit")
+    pytest.importorskip("torchao")  # the reference's QuantizeConfig asserts its backend is installed
+    return cache_dit
+
+
+def test_every_section_as_cache_dit_loads_it(tmp_path):
+    cache_dit = _reference()
+    path = tmp_path / "config.yaml"
+    path.write_text(FILE)
+    ours, theirs = dp.load_configs(str(path)), cache_dit.load_configs(str(path))
+    assert set(ours) == set(theirs)
+    for key in ("cache_config", "calibrator_config", "parallelism_config", "quantize_config"):
+        _same_fields(ours[key], theirs[key])
+    assert ours["attention_backend"] == theirs["attention_backend"] == "native"
+    assert ours["cache_config"].steps_computation_mask == theirs["cache_config"].steps_computation_mask
+    assert dp.load_configs(str(path), return_dict=False) == tuple(ours.values())
+
+
+@pytest.mark.parametrize("section", [
+    {"max_warmup_steps": 4, "residual_diff_threshold": 0.2},  # the flat form: the file is the cache section
+    {"cache_type": "DBPrune", "Fn_compute_blocks": 1, "enable_dmd": True, "dmd_history": 4,
+     "non_prune_block_ids": [0]},
+    {"cache_type": "DBCache", "enable_foca": True, "calibrator_cache_type": "residual"},
+    {"Fn_compute_blocks": 1, "enable_taylorseer": False, "taylorseer_order": 3},  # a calibrator toggled off
+])
+def test_cache_sections_as_cache_dit_loads_them(section):
+    cache_dit = _reference()
+    ours, theirs = dp.load_cache_config(section), cache_dit.load_cache_config(section)
+    _same_fields(ours[0], theirs[0])
+    if theirs[1] is None:
+        assert ours[1] is None
+    else:
+        _same_fields(ours[1], theirs[1])
+
+
+def test_sections_absent():
+    assert dp.load_cache_config({"parallelism_config": {"tp_size": 2}}) == (None, None)
+    assert dp.load_parallelism_config({"cache_config": {}}) is None
+    assert dp.load_parallelism_config({"parallelism_config": {"tp": 2}}, check_only=True) is True
+    assert dp.load_quantize_config({}) is None and dp.load_attn_backend_config({}) is None
+
+
+def test_size_aliases_and_auto():
+    # cache-dit 1.5.3 passes the alias on to ParallelismConfig as well and fails there; here it names the field
+    assert dp.load_parallelism_config({"parallelism_config": {"tp": 2}}).tp_size == 2
+    # "auto" without a process group: a world of 1
+    cfg = dp.load_parallelism_config({"parallelism_config": {"ulysses_size": "auto"}})
+    assert cfg.ulysses_size == 1
+    with pytest.raises(ValueError, match="tp=2 and tp_size=4 disagree"):
+        dp.load_parallelism_config({"parallelism_config": {"tp": 2, "tp_size": 4}})
+    with pytest.raises(ValueError, match="only one of ulysses_size / ring_size / tp_size may be 'auto'"):
+        dp.load_parallelism_config({"parallelism_config": {"ulysses_size": "auto", "ring_size": "auto"}})
+
+
+@pytest.mark.parametrize("data, error, match", [
+    ({"cache_config": {"Fn_compute_block": 2}}, ValueError, r"cache_config: unknown key\(s\) \['Fn_compute_block'\]"),
+    ({"cache_config": {"Fn_compute_blocks": "two"}}, TypeError, "DBCacheConfig.Fn_compute_blocks must be an int"),
+    ({"cache_config": {"cache_type": "FBCache"}}, ValueError, "cache_config.cache_type='FBCache'"),
+    ({"cache_config": {"enable_taylorseer": True, "enable_dmd": True}}, ValueError, "mutually exclusive"),
+    ({"cache_config": {"taylorseer_order": 2}}, ValueError, "configure a calibrator the section does not enable"),
+    ({"cache_config": {"steps_computation_mask": "fast"}}, ValueError, "needs num_inference_steps"),
+    ({"parallelism_config": {"ulysses_sizes": 2}}, ValueError, r"parallelism_config: unknown key\(s\) \['ulysses_sizes'\]"),
+    ({"parallelism_config": {"tp_size": "two"}}, ValueError, "tp_size='two': use an int or 'auto'"),
+    ({"quantize_config": {"quant_typ": "float8_per_row"}}, ValueError, r"quantize_config: unknown key\(s\) \['quant_typ'\]"),
+    ({"quantize_config": {"quant_type": "int3"}}, ValueError, "quant_type='int3' is not supported"),
+    ({"cache_config": {}, "compile_config": {}}, ValueError, r"the configuration file: unknown key\(s\) \['compile_config'\]"),
+    ({"attention_backend": 3}, ValueError, "attention_backend must be a backend name"),
+])
+def test_bad_files_fail_naming_the_setting(data, error, match):
+    with pytest.raises(error, match=match):
+        dp.load_configs(data)
+
+
+def test_bad_file_and_reset(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="must hold a mapping of settings"):
+        dp.load_configs(str(path))
+    with pytest.raises(FileNotFoundError):
+        dp.load_configs(str(tmp_path / "missing.yaml"))
+    with pytest.raises(NotImplementedError, match="reset=True blanks a config for cache-dit's ParamsModifier"):
+        dp.load_cache_config({"cache_config": {}}, reset=True)
+    with pytest.deprecated_call():
+        assert dp.load_options({"Fn_compute_blocks": 1})["cache_config"].Fn_compute_blocks == 1
