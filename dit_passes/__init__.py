@@ -77,7 +77,15 @@ from .frontend import (CacheStats, DBCacheConfig, DBPruneConfig, DMDCalibratorCo
                        SeaCacheConfig, TeaCacheConfig, PyramidAttentionBroadcastConfig, FasterCacheConfig,
                        disable_cache, enable_cache, layerwise_offload, load, quantize, refresh_context, steps_mask,
                        strify, summary, load_configs, load_cache_config, load_parallelism_config,
-                       load_quantize_config, load_attn_backend_config, load_options)
+                       load_quantize_config, load_attn_backend_config, load_options, layerwise_cpu_offload,
+                       BasicCacheConfig, CacheType, CalibratorConfig, DBCache, DBPrune, NONE, block_range, cache_type,
+                       disable_print, init_logger, maybe_empty_cache)
+from .frontend import version_tuple as _version_tuple  # noqa: E402
+from .frontend import NOT_OFFERED as _NOT_OFFERED  # noqa: E402
+
+version_tuple = _version_tuple(__version__)  # cache-dit's: this package's version as numbers
+# cache-dit's names dit_passes does not offer: each raises at its first use, with the reason and what to use
+globals().update(_NOT_OFFERED)
 
 __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGradPass", "capture", "Pass",
            "PassContext", "PassResult", "PassManager", "PassError", "CaptureError", "NoRepeatedBlocksError",
@@ -88,4 +96,6 @@ __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGrad
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
            "PyramidAttentionBroadcastConfig", "FasterCacheConfig",
            "ParallelismConfig", "QuantizeConfig", "load_configs", "load_cache_config", "load_parallelism_config",
-           "load_quantize_config", "load_attn_backend_config", "load_options"]
+           "load_quantize_config", "load_attn_backend_config", "load_options", "layerwise_cpu_offload",
+           "BasicCacheConfig", "CacheType", "CalibratorConfig", "DBCache", "DBPrune", "NONE", "block_range",
+           "cache_type", "disable_print", "init_logger", "maybe_empty_cache", "version_tuple"]

@@ -10,7 +10,11 @@ from .reports import CacheStats, strify, summary
 from .configs import SUPPORTED_QUANT_TYPES, ParallelismConfig, QuantizeConfig
 from .config_files import (load_attn_backend_config, load_cache_config, load_configs, load_options,
                            load_parallelism_config, load_quantize_config)
-from .offload import layerwise_offload
+from .offload import layerwise_cpu_offload, layerwise_offload
+from .cache_types import BasicCacheConfig, CacheType, DBCache, DBPrune, NONE, block_range, cache_type
+from .process_utils import disable_print, init_logger, maybe_empty_cache, version_tuple
+from .not_offered import NOT_OFFERED
+from ..cache.config import CalibratorConfig
 
 __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
            "CacheStats", "FrontendState", "DBCacheConfig", "DBPruneConfig", "TaylorSeerCalibratorConfig",
@@ -18,4 +22,7 @@ __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strif
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
            "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "ParallelismConfig",
            "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "layerwise_offload", "load_configs", "load_cache_config",
-           "load_parallelism_config", "load_quantize_config", "load_attn_backend_config", "load_options"]
+           "load_parallelism_config", "load_quantize_config", "load_attn_backend_config", "load_options",
+           "layerwise_cpu_offload", "BasicCacheConfig", "CacheType", "DBCache", "DBPrune", "NONE", "block_range",
+           "cache_type", "disable_print", "init_logger", "maybe_empty_cache", "version_tuple", "NOT_OFFERED",
+           "CalibratorConfig"]

@@ -48,3 +48,11 @@ def layerwise_offload(pipe_or_module: Any, *, onload_device: Union[str, torch.de
 
 
 __all__ = ["layerwise_offload"]
+
+
+def layerwise_cpu_offload(pipe_or_module: Any, **kwargs: Any) -> Any:
+    """cache-dit's ``layerwise_cpu_offload``: :func:`layerwise_offload` with the weights kept in host memory."""
+    if "offload_device" in kwargs:
+        raise TypeError("layerwise_cpu_offload keeps the weights on the CPU: use layerwise_offload(..., "
+                        "offload_device=...) for another device")
+    return layerwise_offload(pipe_or_module, offload_device="cpu", **kwargs)
