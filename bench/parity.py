@@ -60,13 +60,15 @@ def reference_rows() -> List[str]:
         rows.append(name)
         if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and name.endswith("Config"):
             configs.append((name, obj))
-    by_class = dict(configs)
+    listed = {cls for _, cls in configs}
     for name, cls in configs:
-        bases = [b for b in cls.__mro__[1:] if b in by_class.values()]
-        # BasicCacheConfig's fields are listed under DBCacheConfig, the class users construct
+        # a class lists the fields its listed bases do not have; BasicCacheConfig's own are listed under
+        # DBCacheConfig, its named alias and the class users construct
         if name == "BasicCacheConfig":
             continue
-        inherited = tuple(f for b in bases if b.__name__ != "BasicCacheConfig" for f in _public_fields(b))
+        bases = [b for b in cls.__mro__[1:] if b in listed and not (name == "DBCacheConfig"
+                                                                      and b.__name__ == "BasicCacheConfig")]
+        inherited = tuple(f for b in bases for f in _public_fields(b))
         rows += [f"{name}.{f}" for f in _public_fields(cls, inherited)]
     for name in sorted(dir(diffusers.hooks)):
         cls = getattr(diffusers.hooks, name)

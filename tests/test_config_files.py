@@ -51,6 +51,8 @@ def _reference():
     return cache_dit
 
 
+@pytest.mark.parity("load_configs", "load_cache_config", "load_parallelism_config", "load_attn_backend_config",
+                    "load_quantize_config")
 def test_every_section_as_cache_dit_loads_it(tmp_path):
     cache_dit = _reference()
     path = tmp_path / "config.yaml"
@@ -119,6 +121,7 @@ def test_bad_files_fail_naming_the_setting(data, error, match):
         dp.load_configs(data)
 
 
+@pytest.mark.parity("load_options")
 def test_bad_file_and_reset(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")

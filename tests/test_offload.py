@@ -130,6 +130,7 @@ def test_options_and_errors():
         passes.LayerwiseOffload(transfer_buckets=-1)
 
 
+@pytest.mark.parity("layerwise_offload", "layerwise_cpu_offload")
 def test_front_end_layerwise_offload_composes_with_enable_cache():
     import dit_passes as cache_dit
     from dit_passes.testing.pipelines import flux_pipeline
@@ -158,3 +159,12 @@ def test_front_end_layerwise_offload_composes_with_enable_cache():
     assert cache_dit.summary(pipe, logging=False)[0].cached_steps == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="already offloaded"):
         cache_dit.layerwise_offload(pipe, onload_device="cpu")
+    # cache-dit's layerwise_cpu_offload: the same with the weights kept in host memory
+    pipe = flux_pipeline(build("flux").model)
+    cache_dit.enable_cache(pipe, cache_config=cfg)
+    cache_dit.layerwise_cpu_offload(pipe, onload_device="cpu")
+    assert torch.equal(run(pipe), ref)
+    offload = pipe.transformer.passes[-1]
+    assert offload.name == "layerwise_offload" and str(offload.offload_device) == "cpu"
+    with pytest.raises(TypeError, match="keeps the weights on the CPU"):
+        cache_dit.layerwise_cpu_offload(flux_pipeline(build("flux").model), offload_device="cuda")
