@@ -154,6 +154,11 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parity("DBCacheConfig", "DBCacheConfig.residual_diff_threshold", "DBCacheConfig.max_warmup_steps",
+                    "DBCacheConfig.warmup_interval", "DBCacheConfig.max_cached_steps",
+                    "DBCacheConfig.max_continuous_cached_steps",
+                    "DBCacheConfig.max_accumulated_residual_diff_threshold", "DBCacheConfig.steps_computation_mask",
+                    "DBCacheConfig.steps_computation_policy")
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_decisions_match_cache_dit(name):
     dtype = torch.bfloat16 if name == "bf16" else torch.float32
@@ -178,17 +183,22 @@ def test_decisions_match_cache_dit(name):
     dict(enable_separate_cfg=True, cfg_compute_first=True, cfg_diff_compute_separate=False, max_warmup_steps=2,
          residual_diff_threshold=0.25, max_cached_steps=4),
 ])
+@pytest.mark.parity("DBCacheConfig.enable_separate_cfg", "DBCacheConfig.cfg_compute_first",
+                    "DBCacheConfig.cfg_diff_compute_separate")
 def test_separate_cfg_matches_cache_dit(cfg):
     gens = run_side_by_side(cfg, n=12, calls_per_step=2)
     assert any(gens[0]) and not all(gens[0])
 
 
+@pytest.mark.parity("DBCacheConfig.force_refresh_step_hint", "DBCacheConfig.force_refresh_step_policy")
 @pytest.mark.parametrize("policy", ["once", "repeat"])
 def test_force_refresh_matches_cache_dit(policy):
     run_side_by_side(dict(max_warmup_steps=2, residual_diff_threshold=0.3, force_refresh_step_hint=6,
                           force_refresh_step_policy=policy), n=20)
 
 
+@pytest.mark.parity("TaylorSeerCalibratorConfig", "TaylorSeerCalibratorConfig.taylorseer_order",
+                    "CalibratorConfig.calibrator_cache_type", "CalibratorConfig.enable_encoder_calibrator")
 @pytest.mark.parametrize("order", [1, 2])
 @pytest.mark.parametrize("variant", ["residual", "hidden_states", "image_only"])
 def test_taylorseer_matches_cache_dit(order, variant):
@@ -240,6 +250,7 @@ def test_controlled_boundaries(cfg, vs, expect):
     assert float(new["acc_diff"]) == pytest.approx(ref_acc, rel=1e-12, abs=0)
 
 
+@pytest.mark.parity("DBCacheConfig.num_inference_steps")
 def test_num_inference_steps_and_explicit_reset():
     """Without timesteps: num_inference_steps restarts the state after N calls; so does new_generation()."""
     n = 14
@@ -374,6 +385,7 @@ def test_mask_lookup_on_device():
     assert got == [0 <= k < len(mask) and mask[k] == 1 for k in range(-1, 135)]
 
 
+@pytest.mark.parity("steps_mask")
 @pytest.mark.parametrize("total", [4, 6, 8, 9, 10, 12, 15, 16, 20, 27, 28, 29, 40, 50, 100])
 def test_steps_mask_presets_equal_cache_dit(total):
     for policy in ("slow", "medium", "fast", "ultra"):

@@ -80,6 +80,7 @@ def runs_of_cached(seq):
     return out
 
 
+@pytest.mark.parity("FoCaCalibratorConfig")
 @pytest.mark.parametrize("variant", ["residual", "hidden_states", "image_only"])
 def test_foca_matches_cache_dit(variant):
     kw = {"hidden_states": dict(calibrator_cache_type="hidden_states"),
@@ -90,6 +91,8 @@ def test_foca_matches_cache_dit(variant):
     assert max(runs_of_cached(gens[0])) >= 4, gens[0]
 
 
+@pytest.mark.parity("DMDCalibratorConfig", "DMDCalibratorConfig.dmd_history", "DMDCalibratorConfig.dmd_rank",
+                    "DMDCalibratorConfig.dmd_svd_precision")
 @pytest.mark.parametrize("variant", ["default", "history4_rank2", "low_image_only"])
 def test_dmd_matches_cache_dit(variant):
     kw = {"history4_rank2": dict(dmd_history=4, dmd_rank=2),

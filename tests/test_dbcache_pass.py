@@ -83,6 +83,7 @@ CASES = [("flux", n) for n in CONFIGS] + [("wan", "F1B1_interval2"), ("wan", "sc
                                            ("qwenimage", "F1B0"), ("qwenimage", "max_continuous")]
 
 
+@pytest.mark.parity("DBCacheConfig.Fn_compute_blocks", "DBCacheConfig.Bn_compute_blocks")
 @pytest.mark.reference
 @pytest.mark.parametrize("family, name", CASES)
 def test_step_loop_matches_cache_dit(family, name):

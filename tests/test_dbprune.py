@@ -81,6 +81,8 @@ def assert_same_as_reference(records, pruned_blocks, residual_diffs, threshold, 
                 assert p == (d < threshold or d == -1.0)
 
 
+@pytest.mark.parity("DBPruneConfig", "DBPruneConfig.enable_dynamic_prune_threshold",
+                    "DBPruneConfig.non_prune_block_ids")
 @pytest.mark.reference
 @pytest.mark.parametrize("family, name", CASES)
 def test_dbprune_matches_cache_dit(family, name):
@@ -144,6 +146,7 @@ CAL_CASES = {
 }
 
 
+@pytest.mark.parity("DBPruneConfig.force_reduce_calibrator_vram")
 @pytest.mark.reference
 @pytest.mark.parametrize("case", list(CAL_CASES))
 def test_dbprune_with_calibrator_matches_cache_dit(case):

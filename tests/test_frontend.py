@@ -63,6 +63,7 @@ def cache_dit():
 
 
 # ------------------------------------------------------------------------------- side by side with cache-dit
+@pytest.mark.parity("enable_cache", "summary", "strify")
 @pytest.mark.reference
 @pytest.mark.parametrize("calibrated", [False, True], ids=["dbcache", "taylorseer"])
 def test_enable_cache_matches_cache_dit(cache_dit, calibrated):
@@ -115,6 +116,7 @@ def test_steps_mask_equals_cache_dit_for_every_preset(cache_dit):
 
 
 # ------------------------------------------------------------------------------- enable / disable / refresh
+@pytest.mark.parity("refresh_context", "disable_cache")
 def test_refresh_context_then_disable_restores_the_original_and_its_outputs():
     tr = tiny_flux()
     pipe = tiny_pipe(tr)

@@ -87,7 +87,8 @@ def test_names_not_offered_refuse_at_first_use():
         dp.create_profiler_context()
 
 
-@pytest.mark.parity("CacheType", "DBCache", "DBPrune", "NONE", "cache_type", "block_range", "BasicCacheConfig")
+@pytest.mark.parity("CacheType", "DBCache", "DBPrune", "NONE", "cache_type", "block_range", "BasicCacheConfig",
+                    "DBCacheConfig.cache_type")
 def test_cache_type_names_as_cache_dit():
     cache_dit = pytest.importorskip("cache_dit")
     for hint in ("DB", "dual_block_cache", "DBPrune", "dbp", "NONE", "nc", None):
