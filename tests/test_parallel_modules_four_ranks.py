@@ -1,9 +1,9 @@
-"""Audits on 4 gloo ranks, in one spawn (process start-up on a 2-core machine dominates, so every case shares it).
+"""Parallel modules on 4 gloo ranks, in one spawn (process start-up on a 2-core machine dominates, so every case shares it).
 
-- issue 5: TE-P (T5) and CN-P (Flux ControlNet) at tp 4 (test_parallel_modules.py: tp 2), one all-reduce per
+- TE-P (T5) and CN-P (Flux ControlNet) at tp 4 (test_parallel_modules.py: tp 2), one all-reduce per
   row-parallel linear and ~1/4 of the linear bytes per rank; the video VAE (AutoencoderKLWan) decoding and
   encoding over all 4 ranks (test_vae_parallel.py: pairs).
-- issue 9, seed 002 "Hybrid TE-P + VAE-P + CN-P": ``ParallelismConfig(ulysses_size=4, tp_size=2,
+- seed 002 "Hybrid TE-P + VAE-P + CN-P": ``ParallelismConfig(ulysses_size=4, tp_size=2,
   extra_parallel_modules=[te, vae, cn])`` scaled to ulysses 2 x tp 2, without the ControlNet (the tiny zoo has no
   ControlNet pipeline): ``enable_cache`` with DBCache gives the single process's images and cached steps, the text
   encoder runs tensor-parallel, the pipeline's own decode runs split over the 4 ranks.

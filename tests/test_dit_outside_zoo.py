@@ -1,4 +1,4 @@
-"""Audit (issue 2, Deliver 7): a diffusers DiT outside the tiny zoo works without code changes.
+"""A diffusers DiT outside the tiny zoo works without code changes.
 AuraFlowTransformer2DModel (joint MMDiT blocks + single DiT blocks): passes=[] round trip exact and
 block discovery (two lists, two streams, one attention per block)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from dit_passes import compile_dit
 
 
-def test_audit_auraflow_round_trip_and_discovery():
+def test_auraflow_round_trip_and_discovery():
     import diffusers
     torch.manual_seed(0)
     m = diffusers.AuraFlowTransformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2,

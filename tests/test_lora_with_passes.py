@@ -1,4 +1,4 @@
-"""Audit (issue 9 Deliver 4): unfused LoRA with Ring (tests/test_lora.py covers Ulysses only), and fused LoRA with
+"""Unfused LoRA with Ring (tests/test_lora.py covers Ulysses only), and fused LoRA with
 the passes other than TP (DBCache, fp8, int8, SVDQuant W4A4, layerwise offload): after ``fuse_lora`` no adapter
 site is left in the graph and each pass gives what it gives on the fused weights."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Audit (issue 9, "Offload: the bytes resident on the onload device bounded as configured"), measured at run
+"""Offload: the bytes resident on the onload device stay within the configured bound, measured at run
 time rather than read from the graph: a dispatch mode records every tensor ``dit_passes::onload`` returns (weak
 references only) and, at each load, sums the bytes of the onloaded copies still alive. The peak must stay within
 the configured bound (sync: one block; async with 2 ahead: three blocks and more than one; byte cap; persistent)."""

@@ -1,4 +1,4 @@
-"""Audit (issue 3, Deliver 4): "a CFG batch of 2 in one call works too". DBCache on a batch of 2
+"""A CFG batch of 2 in one call works too: DBCache on a batch of 2
 (cond + uncond rows in one call), side by side with cache-dit 1.5.3: same cached steps, same diffs,
 outputs within 1e-4 relative (fp32); a batch-2 graph is really used (not two batch-1 calls)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dit_passes.models.zoo import build  # noqa: E402
 
 @pytest.mark.reference
 @pytest.mark.parametrize("family, name", [("flux", "F1B1_interval2")])
-def test_audit_cfg_batch_of_two_matches_cache_dit(family, name):
+def test_cfg_batch_of_two_matches_cache_dit(family, name):
     zm = build(family, **FAMILIES[family])
     kwargs = zm.make_inputs(batch=2)
     assert kwargs["hidden_states"].shape[0] == 2

@@ -1,9 +1,9 @@
-"""Audit (issue 9 "disable_cache restores the original exactly", with use_ray=True): an instance-level ``forward``
+"""``disable_cache`` restores the original exactly, with use_ray=True: an instance-level ``forward``
 that existed before ``enable_cache`` (here diffusers' own HookRegistry hook, which installs ``module.forward`` on
-the instance, as accelerate's offload hooks do) must still be there after ``disable_cache``. Today
-``disable_cache`` pops ``forward`` / ``to`` / ``cuda`` / ``cpu`` from the transformer's ``__dict__`` for every Ray
-engine (even the pipeline case, where ``_route_to_proxy`` did not run) and ``_route_to_proxy`` overwrites without
-saving. No Ray: ``RayLauncher.launch`` returns a stand-in engine. The front end restores exactly what it set."""
+the instance, as accelerate's offload hooks do) must still be there after ``disable_cache``: popping ``forward`` /
+``to`` / ``cuda`` / ``cpu`` from the transformer's ``__dict__`` for every Ray engine, or routing to the proxy without
+saving what was there, would lose it. No Ray: ``RayLauncher.launch`` returns a stand-in engine. The front end
+restores exactly what it set."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Audit (issue 4): context parallelism on the families test_context_parallel.py runs only on divisible
+"""Context parallelism on the families test_context_parallel.py runs only on divisible
 sequence lengths: HunyuanVideo (5-D latents, a text mask) with 25 image tokens + 7 text tokens, on 2 gloo
 ranks, for Ulysses and Ring (Flux and Wan run odd lengths, and USP with 3 heads, in test_context_parallel.py).
 
@@ -88,5 +88,5 @@ def _check(results, world):
 
 
 @pytest.mark.multiproc
-def test_audit_uneven_hunyuan_two_ranks():
+def test_uneven_hunyuan_two_ranks():
     _check(run_ranks(_two, 2, timeout=300), 2)
