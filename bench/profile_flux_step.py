@@ -7,7 +7,7 @@ Builds the bench's full-size FluxTransformer2DModel (random bf16 weights, 4096 +
 pointwise + reduction kernels; copies; the rest), with the top kernels by time, and set against the FLOP floor
 of the step's linears and attentions at the GEMM and attention rates measured in the same run.
 
-    python bench/profile_flux_step.py --steps 10 --out bench/results/h200_flux_step_profile.json   # bench/h200_profile.sh
+    python bench/profile_flux_step.py --steps 10 --out bench/results/flux_step_profile_h200.json   # bench/profile_flux_step.sh
 """
 from __future__ import annotations
 

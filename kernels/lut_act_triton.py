@@ -14,7 +14,7 @@ Here xd is read once. What made that impossible before is the per-token scale, k
 the graph computes amax beside xd (``w4_lut.token_amax``), which Inductor folds into the kernel that writes xd (a
 row reduction in the producer's pass), so the quantization needs no row in registers and the grid is tokens x K
 splits (enough programs to keep loads in flight; ``lrcat_act_triton.k_split``), h partial sums per split.
-Measured (stop 35, H200, ``bench/results/h200_quant_step_stop35_h200.md``): a tie, not the default. The down
+Measured (H200, ``bench/results/quant_step_h200.md``): a tie, not the default. The down
 projection's 4.9 ms went away, but this kernel moves ~15 GB a step at 2.6 TB/s (half the bandwidth; 7.1 ms with the
 branch kernel against the row kernel's 4.95) and the producers' reductions cost 2.2 ms more than their pointwise form.
 

@@ -14,7 +14,7 @@ program loads the two halves as two tiles.
 
 Why a kernel: Inductor writes this chain (reduction, then the pair swap of ``stack([-x1, x0], -1)``) as one
 reduction kernel per head row; on FLUX.1-dev's single blocks it ran at ~1.2 TB/s on an H100 (3.5 ms a step,
-``bench/results/h200_quant_step_stop30b_h100.json``). Here a program takes ``BLOCK_R`` rows at once, reads each
+``bench/results/quant_step_epilogues_h100.json``). Here a program takes ``BLOCK_R`` rows at once, reads each
 row once and writes it once, the pairs split in registers: ~2.4 TB/s (the step's q / k work 6.5 -> 3.1 ms). ``x``, ``out``, ``cos`` and ``sin`` are 4-D with any
 strides (``cos`` / ``sin`` broadcast to ``out``'s shape: stride 0 on the broadcast dims) and a unit last stride for
 ``x`` and ``out``; a concatenation along a leading dim is one call per part on a ``narrow`` of ``out``.
