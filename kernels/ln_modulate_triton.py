@@ -1,4 +1,4 @@
-"""AdaLN's LayerNorm and modulation in one read and one write, the gated residual before it optionally (issue 23).
+"""AdaLN's LayerNorm and modulation in one read and one write, the gated residual before it optionally.
 
 :func:`layer_norm_modulate_into` is the CUDA implementation of ``dit_passes::layer_norm_modulate`` (its
 specification: the ATen ops it replaces, ``dit_passes.passes.norm_modulate.layer_norm_modulate_reference``). Per

@@ -1,4 +1,4 @@
-"""q / k RMSNorm and interleaved rotary embedding in one read and one write (issue 23).
+"""q / k RMSNorm and interleaved rotary embedding in one read and one write.
 
 :func:`rms_norm_rope_into` is the CUDA implementation of ``dit_passes::rms_norm_rope`` (its specification: the
 ATen ops it replaces, ``dit_passes.passes.norm_rope.rms_norm_rope_reference``). Per row of ``D`` values (one head of

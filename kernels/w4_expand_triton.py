@@ -1,4 +1,4 @@
-"""SVDQuant's packed int4 weights expanded to e4m3 with the group scales folded, in one bandwidth-bound pass (issue 22).
+"""SVDQuant's packed int4 weights expanded to e4m3 with the group scales folded, in one bandwidth-bound pass.
 
 :func:`w4_to_e4m3` is the CUDA implementation of ``dit_passes::w4_to_e4m3`` (its specification:
 ``dit_passes.quant.graph_forms.w4_to_e4m3``). One program per ``BLOCK_N`` weight rows and ``BLOCK_K`` columns::
@@ -120,8 +120,8 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w16_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N,
 def _e4m3_pair(lo, hi):
     """Two fp32 planes (|v| <= 448) -> each pair's e4m3 bytes as one int16, lo in the lower byte, by one
     ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+; round to nearest even, as ``_soft_e4m3``) per pair: the integer
-    rounding of :func:`_e4m3_bits` costs some forty ALU operations a value, which bound the kernel (FLUX's step: 11.4 ms
-    at ~1.2 TB/s on an H100, stop 28); inline PTX also keeps Triton's fp8 type out (see :func:`_e4m3_bits`)."""
+    rounding of :func:`_e4m3_bits` costs some forty ALU operations a value, which bound the kernel (well below the
+    memory bandwidth on an H100); inline PTX also keeps Triton's fp8 type out (see :func:`_e4m3_bits`)."""
     return tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,f,f", [lo, hi], dtype=tl.int16,
                                      is_pure=True, pack=1)
 

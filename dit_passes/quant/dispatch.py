@@ -292,7 +292,8 @@ def capability(device: torch.device) -> tuple:
 
 def on_fp8_gpu(x: Optional[torch.Tensor]) -> bool:
     """Whether x (a real or fake tensor) lives on a GPU with fp8 tensor cores and the e4m3 cast (sm_89+): where the
-    ``auto`` settings below take our Triton kernels (measured faster on the H100 / H200 step, stops 27-29)."""
+    ``auto`` settings below take our Triton kernels (measured faster on the H100 step:
+    ``bench/results/fastest_stack_fp8_forms_h100.md``)."""
     return x is not None and x.device.type == "cuda" and tuple(capability(x.device)) >= (8, 9)
 
 
@@ -442,8 +443,8 @@ def lrcat_act_quant(x: torch.Tensor) -> str:
     """How the lrcat form writes its A operand for activations like ``x``: where :func:`fp8_act_quant` says
     ``"graph"``, the form's ATen ops; where it says ``"kernel"``, by ``DIT_PASSES_LRCAT_ACT``: ``mm`` (``auto``, the
     default: the smoothed activation written in x.dtype by its producer under Inductor, its down projection by
-    ``aten.mm`` and one row pass, ``dit_passes::lrcat_quantize_smoothed``; the faster on the H100 step, stop 30:
-    115.6 against 119.3 ms) or ``stats`` (``dit_passes::lrcat_quantize_rows``: the down projection and the row
+    ``aten.mm`` and one row pass, ``dit_passes::lrcat_quantize_smoothed``; the faster on the H100
+    step, ``bench/results/quant_step_lrcat_act_h100.json``) or ``stats`` (``dit_passes::lrcat_quantize_rows``: the down projection and the row
     statistics in one Triton kernel, the quantization in a second)."""
     s = os.environ.get(LRCAT_ACT_ENV, "auto").strip().lower() or "auto"
     if s not in LRCAT_ACT_SETTINGS:
@@ -474,8 +475,9 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes ``"lrcat_split"`` on
     Hopper (compute capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape and the
     lookup-table form (``lut_dispatch.svdq_lut``, kind ``svdq_lut``, which the pass stores instead where its library
-    runs: the fastest design measured, stop 34) does not apply (FLUX step, graphed: 109.2 ms against bf16's 131.1 on
-    an H100; digits DiT 46.2 dB); every other setting, device or shape gets the op."""
+    runs: the fastest design measured, ``bench/results/quant_step_h100.md``) does not apply (its step and fidelity:
+    ``bench/results/quant_step_lrcat_act_h100.json``, ``quant_fidelity_hopper.md``); every other setting, device or
+    shape gets the op."""
     setting = backend_setting()
     if setting == "fp8" or setting in LRCAT_FORMS or setting in W4A8_FORMS:
         return setting
