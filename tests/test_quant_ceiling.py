@@ -1,6 +1,6 @@
-"""``bench/quant_linear_ceiling.py``: the per-linear target's bound from a step report (what the
-fastest LUT GEMM leaves for the activation pre-pass). The arithmetic on a report small enough to check by hand, the choice of GEMM and bandwidth rows, and the error
-for a card it has no bandwidth for."""
+"""``bench/quant_linear_ceiling.py``: the per-linear target's bound from a step report (what the fastest LUT GEMM
+leaves for the activation pre-pass). The arithmetic on a report small enough to check by hand, the choice of GEMM and
+bandwidth rows, and the error for a card it has no bandwidth for."""
 from __future__ import annotations
 
 import importlib.util
