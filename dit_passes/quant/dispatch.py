@@ -332,7 +332,8 @@ def fp8_fast_accum() -> bool:
 def fp8_act_quant(granularity: str, x: Optional[torch.Tensor] = None) -> str:
     """How the fp8 graph form quantizes activations like ``x`` (module docstring): ``"graph"`` or ``"kernel"``
     (per-row only: a per-tensor scale stays in the graph form); ``auto`` (the default): the kernel on an sm_89+ GPU
-    (:func:`on_fp8_gpu`; 98.7 -> 93.9 ms on the fp8 step, H100), the graph form elsewhere."""
+    (:func:`on_fp8_gpu`; faster on the H100 fp8 step: bench/results/fastest_stack_fp8_forms_h100.md), the graph form
+    elsewhere."""
     s = os.environ.get(ACT_QUANT_ENV, "auto").strip().lower() or "auto"
     if s not in ACT_QUANT_SETTINGS:
         raise ValueError(f"{ACT_QUANT_ENV}={s!r}: expected one of {ACT_QUANT_SETTINGS}")
@@ -363,8 +364,8 @@ def weight_only_form(x: torch.Tensor, int4: bool = True) -> str:
     ``"kernel"`` (the int4 forms: the op ``dit_passes::w4a16_rows_linear``, one GEMV pass over the packed weight;
     the others take ``"rows"``) as ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks; else ``"linear"`` (the dequantized weight,
     then ``aten.linear``). ``auto`` (the default): ``"kernel"`` for the ``int4`` kinds on a GPU (FLUX's
-    modulation: 8.3 ms a step as the linear form, 2.2 ms as the kernel, H100), else ``"linear"`` (the rows form
-    holds an [rows, N, K] product where no compiler fuses it: not a default)."""
+    modulation: one read of the packed weight instead of a dequantized copy read again), else ``"linear"`` (the
+    rows form holds an [rows, N, K] product where no compiler fuses it: not a default)."""
     s = os.environ.get(WEIGHT_ONLY_ENV, "auto").strip().lower() or "auto"
     if s not in WEIGHT_ONLY_SETTINGS:
         raise ValueError(f"{WEIGHT_ONLY_ENV}={s!r}: expected one of {WEIGHT_ONLY_SETTINGS}")
@@ -389,8 +390,9 @@ def w4a16_rows_cuda(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor
 
 def w4_expand(x: Optional[torch.Tensor] = None) -> str:
     """How the SVDQuant fp8 graph forms expand their int4 weights to e4m3 for activations like ``x`` (module
-    docstring): ``"graph"`` or ``"kernel"``; ``auto`` (the default): the kernel on an sm_89+ GPU (Inductor's fusion
-    of the graph form: 109-491 GB/s, the kernel 2.0-2.15 TB/s), the graph form elsewhere."""
+    docstring): ``"graph"`` or ``"kernel"``; ``auto`` (the default): the kernel on an sm_89+ GPU (several times the
+    bandwidth of Inductor's fusion of the graph form: bench/results/w4_expand_kernel_h100.json), the graph form
+    elsewhere."""
     s = os.environ.get(W4_EXPAND_ENV, "auto").strip().lower() or "auto"
     if s not in W4_EXPAND_SETTINGS:
         raise ValueError(f"{W4_EXPAND_ENV}={s!r}: expected one of {W4_EXPAND_SETTINGS}")
