@@ -1,5 +1,5 @@
 #!/bin/bash
-# Our ctypes CUDA-graph IF nodes (dit_passes/infra/cuda_if_node.py, issue 23) on the GPU, one device call:
+# Our ctypes CUDA-graph IF nodes (dit_passes/infra/cuda_if_node.py) on the GPU, one device call:
 # (1) bench/if_node_selftest.py (every CUDA / NVRTC call traced with its return code: $OUT/if_node_selftest.log),
 # (2) tests/test_cuda_graph_step.py (the graphed DiT step on torch 2.11 through our IF nodes: $OUT/if_node_pytest.log).
 #   device tool: run(command="bash bench/cuda_if_node.sh", carry=[".whl"])   (.whl: diffusers for the zoo models)

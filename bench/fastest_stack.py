@@ -1,4 +1,4 @@
-"""Issue 23's table: the fastest FLUX.1-dev-size generation on one GPU, our stacks and their step profile.
+"""The fastest-stack table: the fastest FLUX.1-dev-size generation on one GPU, our stacks and their step profile.
 
 Rows (``dit_passes.bench``'s model: FLUX.1-dev config, random bf16 weights, 4096 + 512 tokens, its 28-step toy
 loop and forced schedule F8B0, 8 warm-up steps, then always cached: 20 of 28 steps cached):
@@ -26,7 +26,7 @@ computed step and a cached step. cache-dit + ``compile_repeated_blocks`` runs in
 hold both patched models' compiles cleanly) and ``--peers`` merges its JSON into this table.
 
 ``--generation-profile`` profiles one more generation of each bf16 row (:func:`generation_profile`). Measured so
-(stop 30, H100): a module built after another in the same process loses ~2.6 ms on each computed step where the GPU
+on an H100: a module built after another in the same process loses ~2.6 ms on each computed step where the GPU
 enters the conditional node's body (~0.2 ms for the first module): list the row to compare first, or run it alone.
 
     python bench/fastest_stack.py --out $OUT --peers $OUT/flux_peers.json     # bench/fastest_stack.sh
@@ -64,7 +64,7 @@ def generation_profile(module, inputs) -> Dict[str, Any]:
     time is the union of the kernel / copy intervals; idle is the rest of the span between the first and the last.
     Each of the largest idle gaps names the GPU work on either side and the host calls made while the GPU waited
     (a ``cudaGraphLaunch`` in the gap: the host was late; none: the wait is on the device, e.g. a conditional
-    node's body launch); device-to-host copies and host syncs counted (issue 23: none per step)."""
+    node's body launch); device-to-host copies and host syncs counted (the target: none per step)."""
     import collections
 
     from torch.profiler import ProfilerActivity, profile

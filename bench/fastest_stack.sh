@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 23 on one GPU, one device call: the CUDA-graph step's tests, cache-dit + compile_repeated_blocks (its own
+# The fastest stack on one GPU, one device call: the CUDA-graph step's tests, cache-dit + compile_repeated_blocks (its own
 # process), then our rows and the step profile (bench/fastest_stack.py), merged into $OUT/fastest_stack.{json,md}.
 #   device tool: run(command="bash bench/fastest_stack.sh", carry=[".whl"])   (.whl: ../shared/tools/device-wheels
 #   cache-dit==1.5.3 diffusers)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Attention kernel choice on one H200 in one device call (issue 10, P1): the SDPA backends at FLUX.1-dev's
+# Attention kernel choice on one H200 in one device call: the SDPA backends at FLUX.1-dev's
 # attention shape, then the FLUX.1-dev-size step with passes.AttentionBackend("cudnn") under regional compile
 # (never / always cache after 8 warm-up steps), the same rows without it, and the cached row with max-autotune.
 #   device tool: run(command="bash bench/flux_attention.sh", carry=[".whl"])   (.whl: ../shared/tools/device-wheels

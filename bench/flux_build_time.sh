@@ -1,12 +1,12 @@
 #!/bin/bash
-# Issue 23's first generation (<= 30 s: capture + passes + compile, cold Inductor cache) on one GPU, one device call:
+# The first generation's build time (target <= 30 s: capture + passes + compile, cold Inductor cache) on one GPU, one device call:
 #  1. the build's cProfile on CUDA (bench/profile_build.py: compile_dit of the full FLUX.1-dev with random bf16 weights,
 #     DBCache F8B0 + SplitConcatLinear + FuseLinearGelu, regional + reduce-overhead; no generation) -> profile_build/,
 #     and again without export's stack traces -> profile_build_no_stack_traces/;
 #  2. the graphed_regional_epilogue_always row (build_s, first_generation_s, 1 more generation), each in a fresh process
 #     with empty Inductor and Triton caches, without / with compile_dit's early start of Inductor's compile workers
 #     (DIT_PASSES_WARM_INDUCTOR_POOL=0 / 1), in the order 0 1 0 1 -> buildtime_warm<0|1>_<run>/bench_flux_full.json.
-# The summary line per run: warm, build_s, first_generation_s, their sum (issue 23's figure), generation_s.
+# The summary line per run: warm, build_s, first_generation_s, their sum (the figure the target bounds), generation_s.
 #   device tool: run(command="bash bench/flux_build_time.sh")   (~7 min on an H100)
 set -u
 source bench/device_env.sh

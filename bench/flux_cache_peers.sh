@@ -1,5 +1,5 @@
 #!/bin/bash
-# The FLUX.1-dev-size benchmark on one H200 in one device call (issue 10): regional compilation with DBCache,
+# The FLUX.1-dev-size benchmark on one H200 in one device call: regional compilation with DBCache,
 # then the peers (diffusers FirstBlockCache, cache-dit, offload, plain torch.compile) from the same run.
 #   device tool: run(command="bash bench/flux_cache_peers.sh", carry=[".whl"])   (.whl from ../shared/tools/device-wheels
 #   cache-dit==1.5.3 diffusers); results under $OUT/regional/bench_flux_full.json and $OUT/flux_peers.json

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The tests that skip without a GPU (all nineteen files, or GPU_TEST_FILES, or the node ids listed in the file
-# GPU_TEST_IDS), on the device, in one call (issue 22 item 4); log to $OUT/gpu_tests.log.
+# GPU_TEST_IDS), on the device, in one call; log to $OUT/gpu_tests.log.
 #   PYTHON=.venv/bin/python bash bench/gpu_tests.sh --list   (on a CPU machine: runs the files here and writes
 #   the node ids of the tests that skipped to bench/gpu_test_ids.txt; then GPU_TEST_IDS=bench/gpu_test_ids.txt runs
 #   exactly those on the device)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Peak GPU memory while preparing FLUX.1-dev from a checkpoint, on one H200 in one device call (issue 21, item 3):
+# Peak GPU memory while preparing FLUX.1-dev from a checkpoint, on one H200 in one device call:
 # bench/prep_peak_memory.py, about 4 minutes (writing the 24 GB random bf16 checkpoint included).
 #   device tool: run(command="bash bench/prep_peak_memory_full.sh")   (no wheels needed: the model is diffusers-free)
 #   results: $OUT/prep_peak_memory.json and .md; extra arguments go to the script (e.g. --rows svdq_w4_r32,tp2)

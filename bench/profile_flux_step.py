@@ -1,4 +1,4 @@
-"""Where a compiled FLUX.1-dev-size step spends its GPU time (issue 10, the profile behind P1).
+"""Where a compiled FLUX.1-dev-size step spends its GPU time.
 
 Builds the bench's full-size FluxTransformer2DModel (random bf16 weights, 4096 + 512 tokens), lowers it with
 ``compile_dit(passes=[DBCache(F8B0, W8, threshold 0 | forced)], torch_compile={"regional": True})`` and profiles

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The compiled FLUX.1-dev-size step's GPU time by kernel kind, and the SM clock / power while it runs (issue 10, P1).
+# The compiled FLUX.1-dev-size step's GPU time by kernel kind, and the SM clock / power while it runs.
 #   device tool: run(command="bash bench/profile_flux_step.sh", carry=[".whl"])   (.whl: ../shared/tools/device-wheels
 #   diffusers); results under $OUT/flux_step_profile.json and $OUT/flux_step_smi.csv
 set -u

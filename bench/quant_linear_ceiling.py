@@ -1,4 +1,4 @@
-"""The ceiling of issue 22's per-linear target (SVDQuant W4 linear >= 1.3x bf16 ``torch.mm`` end to end), from a
+"""The ceiling of the per-linear target (SVDQuant W4 linear >= 1.3x bf16 ``torch.mm`` end to end), from a
 measured ``quant_step.json``: what the fastest LUT GEMM we have leaves for the A operand's pre-pass, against the
 bytes any pre-pass must move.
 

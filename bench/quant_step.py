@@ -1,4 +1,4 @@
-"""The FLUX.1-dev-size step on one H200: compiled bf16 against the quantization passes, in one process (issue 22).
+"""The FLUX.1-dev-size step on one H200: compiled bf16 against the quantization passes, in one process.
 
 Run on the GPU machine from the repository root with dit_passes installed (diffusers is not needed: the model is
 ``dit_passes.models.flux_plain.FluxDiT``, FLUX.1-dev's configuration with random bf16 weights)::
@@ -24,7 +24,7 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
 
 * ``bf16``: no quantization; ``bf16_epilogue``: ``SplitConcatLinear`` and ``FuseLinearGelu`` (phase EPILOGUES: the
   single blocks' proj_out on its two parts in place, no concatenated copy; the MLPs' tanh-GELU in cuBLASLt's
-  epilogue), still bf16, issue 23's lossless step; ``bf16_epilogue_cdt``: the same with Inductor's
+  epilogue), still bf16, the lossless step; ``bf16_epilogue_cdt``: the same with Inductor's
   ``coordinate_descent_tuning`` (:data:`COMPILE_OPTIONS`);
 * ``fp8`` / ``fp8_fast_accum``: ``Fp8Linear(exclude=())`` on every block linear, the AdaLN modulation ones included
   (per-channel e4m3 weights, per-token e4m3 activations quantized in the graph, ``_scaled_mm``), with
@@ -66,12 +66,12 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
 * ``svdq_w4_lut_pointwise`` / ``svdq_w4_lut2_pointwise`` / ``svdq_w4_expand_pointwise`` (graphed only):
   ``svdq_w4_pointwise`` with each SVDQuant design named: the lookup-table form (``DIT_PASSES_W4A4_BACKEND=lut``,
   ``quant/w4_lut.py``: the int4 codes read by the CUTLASS mixed-input GEMM, the branch's three planes,
-  ``DIT_PASSES_LUT_PLANES=3``; ``lut2``: two, the default since stop 36; the LUT form is the Hopper default since
-  stop 34) and the expansion design (``lrcat_split``, the default before); a row of the LUT form records the tile configs its GEMM's "auto" chose (``lut_configs``);
+  ``DIT_PASSES_LUT_PLANES=3``; ``lut2``: two, the default; the LUT form is the Hopper default) and the expansion design
+  (``lrcat_split``, the default before it); a row of the LUT form records the tile configs its GEMM's "auto" chose (``lut_configs``);
   ``svdq_w4_lut_rows_pointwise`` / ``svdq_w4_lut_lowrank_pointwise``: the LUT form's A operand named
   (``DIT_PASSES_LUT_ACT``: h by a cuBLAS mm, then the row kernel, the default; or the op computing h inside,
-  ``kernels/lut_act_triton.py``; stop 35's run had lowrank as the default, so its ``svdq_w4_lut_pointwise`` and
-  ``lut2`` rows are lowrank);
+  ``kernels/lut_act_triton.py``; results made while lowrank was the default have lowrank
+  ``svdq_w4_lut_pointwise`` and ``lut2`` rows: each results file says);
 * ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 on the CUTLASS kernels
   (``DIT_PASSES_W4A4_BACKEND=cutlass``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
 
@@ -186,9 +186,9 @@ def row_specs():
     exact, fast = {dispatch.FAST_ACCUM_ENV: "0"}, {dispatch.FAST_ACCUM_ENV: "1"}
     w4a8, rowquant = {dispatch.BACKEND_ENV: "fp8"}, {dispatch.ACT_QUANT_ENV: "kernel"}
     expand = {dispatch.W4_EXPAND_ENV: "kernel"}
-    # the modulation linears on their one row: the int4 GEMV op (stop 28 measured the "rows" form: 4.2 ms a step)
+    # the modulation linears on their one row: the int4 GEMV op (the "rows" form is its own row below)
     mod_gemv = {dispatch.WEIGHT_ONLY_ENV: "kernel"}
-    two_kernels = {dispatch.LRCAT_ACT_ENV: "stats"}  # the _act rows' A operand (the default since stop 30: mm)
+    two_kernels = {dispatch.LRCAT_ACT_ENV: "stats"}  # the _act rows' A operand (the default: mm)
     specs = {
         "bf16": (lambda: [], {}),
         "bf16_epilogue": (lambda: [SplitConcatLinear(), FuseLinearGelu()], {}),
@@ -226,12 +226,12 @@ def row_specs():
         # in its producer) and one row pass (dit_passes::lrcat_quantize_smoothed) instead of the two kernels
         "svdq_w4_lrcat_split_mm": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
                                    {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant, **mod_gemv,
-                                    dispatch.LRCAT_ACT_ENV: "mm"}),  # the default since stop 30
-        # the same with the modulation linears' multiply-and-sum rows form (stop 28's measured row) instead of the GEMV
+                                    dispatch.LRCAT_ACT_ENV: "mm"}),  # the default
+        # the same with the modulation linears' multiply-and-sum rows form instead of the GEMV
         "svdq_w4_lrcat_split_act_modrows": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
                                             {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
                                              dispatch.WEIGHT_ONLY_ENV: "rows", **two_kernels}),
-        # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8; issue 21)
+        # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8)
         "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
                                        {**w4a8, **fast}),
         # the fused W4A8 Triton kernels (dit_passes::svdq_w4a8_linear), exact / folded group scales
@@ -257,10 +257,10 @@ def row_specs():
         specs[name] = (lambda rope=rope: [*specs[rope][0](), FuseNormModulate()], specs[rope][1])
     # the lookup-table form: the int4 codes read by the CUTLASS mixed-input GEMM through per-group e4m3 tables
     # (quant/w4_lut.py), no expanded weight; the branch as int4 digit planes in K (three; lut2: their two-plane prefix)
-    # (the planes named on both rows: the default changed from three to two in stop 36)
+    # (the planes named on both rows: the default is two)
     specs["svdq_w4_lut_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
                                                                      lut_dispatch.LUT_PLANES_ENV: "3"})
-    # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter (the default since stop 36)
+    # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter (the default)
     specs["svdq_w4_lut2_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
                                                                       lut_dispatch.LUT_PLANES_ENV: "2"})
     # the A operand named: h by cuBLAS's mm, then the row kernel (xd read twice; the default), or the lowrank op
@@ -268,7 +268,7 @@ def row_specs():
     for act in lut_dispatch.LUT_ACT_SETTINGS:
         specs[f"svdq_w4_lut_{act}_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
                                                                                 lut_dispatch.LUT_ACT_ENV: act})
-    # the expansion design (lrcat_split, the Hopper default until stop 34) named, now that auto stores the LUT form
+    # the expansion design (lrcat_split, the Hopper default before the LUT form) named, now that auto stores the LUT form
     specs["svdq_w4_expand_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lrcat_split"})
     # the expansion kernel converting an int32 word (eight values) a thread instead of a byte (bench/w4_expand_kernel.py)
     specs["svdq_w4_pointwise_words"] = (specs["svdq_w4_pointwise"][0], {w4_expand_triton.FORM_ENV: "words"})
@@ -372,7 +372,7 @@ def linear_rows(sizes, designs: List[str], args, device) -> Dict[str, Dict[str, 
         w = ((torch.rand(n, k, device=device, generator=g) * 2 - 1) * k ** -0.5).to(torch.bfloat16)
         b = ((torch.rand(n, device=device, generator=g) * 2 - 1) * k ** -0.5).to(torch.bfloat16)
         ref = x.float() @ w.float().t() + b.float()
-        ref_bf16 = torch.nn.functional.linear(x, w, b).float()  # issue 22 asks for the error against the bf16 linear
+        ref_bf16 = torch.nn.functional.linear(x, w, b).float()  # the error against the bf16 linear, the reference a user compares with
         key = f"{k}x{n}"
         res: Dict[str, Any] = {}
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The report of ``bench/quant_step.py``: the summary keys, issue 22's targets, the markdown table and the files
+"""The report of ``bench/quant_step.py``: the summary keys, the targets, the markdown table and the files
 (a module of its own to keep the script short; it imports nothing from the script)."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def summarize(r: Dict[str, Any]) -> None:
 
 
 def memory_ratios(rows: Dict[str, Any]) -> Dict[str, Any]:
-    """Issue 21's FLUX-size keys: each quantized row's resident weights and step peak against the bf16 row's
+    """The FLUX-size memory keys: each quantized row's resident weights and step peak against the bf16 row's
     (resident = every tensor the lowered graph holds plus what the original module still keeps)."""
     if "bf16" not in rows:
         return {}
@@ -49,7 +49,7 @@ def memory_ratios(rows: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def targets(r: Dict[str, Any]) -> List[str]:
-    """Issue 22's targets, each with what this run measured."""
+    """The targets, each with what this run measured."""
     out = []
     sp = r.get("speedup_vs_bf16", {})
     for key, design, goal in (("fp8", r.get("fp8_design"), 1.32), ("svdq_w4", r.get("svdq_w4_design"), 1.25)):
@@ -87,7 +87,7 @@ def markdown(r: Dict[str, Any], order: Sequence[str] = ()) -> str:
     for k in ("skipped", "errors"):
         if r.get(k):
             lines += ["", f"{k}: {r[k]}"]
-    lines += ["", "Against issue 22's targets:", ""] + [f"- {t}" for t in targets(r)]
+    lines += ["", "Against the targets:", ""] + [f"- {t}" for t in targets(r)]
     if r.get("linears"):
         designs = sorted({d for res in r["linears"].values() for d in res},
                          key=lambda d: (tuple(order) + (d,)).index(d))
