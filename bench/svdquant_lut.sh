@@ -1,7 +1,7 @@
 #!/bin/bash
 # SVDQuant's lookup-table design (quant/w4_lut.py, kernels/w4a8_lut_cutlass.cu, kernels/lut_act_triton.py)
 # in one device call: its GPU tests, then one run of bench/quant_step.py holding the step rows (bf16, fp8 and the
-# LUT designs, regional compile, graphed) and the per-linear table: the quant_step.{json,md}.
+# LUT designs, regional compile, graphed) and the per-linear table: quant_step.{json,md}.
 #   device tool: run(command="bash bench/svdquant_lut.sh", carry=[".whl", ".cutlass_cache"])
 #   .whl: ../shared/tools/device-wheels nvidia-cutlass==4.2.0.0 (the headers); .cutlass_cache: the library built on
 #   the CPU machine (same nvcc), so the device compiles nothing: DIT_PASSES_CUTLASS_CACHE=.cutlass_cache python -c
