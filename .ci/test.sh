@@ -6,22 +6,10 @@ bash .ci/setup.sh
 export TRITON_INTERPRET=1 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # -P: the repository root stays off sys.path (its kernels/ folder would shadow the PyPI package `kernels`).
 # tests/conftest.py marks the tests that run gloo ranks (`ranks`) and those that start Ray (`ray`).
-# The single-process tests on two xdist workers, niced by 10, beside the Ray tests at the normal priority; then the
-# rank tests alone (niced), one at a time in one pytest process (each keeps 2-4 rank processes busy; one process, so
-# the pooled ranks and the rank fixtures serve them all). Measured on this 2-core machine (fresh clones): alone the
-# single-process tests took 360 s (693 CPU-s), the rank tests 260 s (378 CPU-s, the cores partly idle while the
-# driver computes references), the Ray tests ~200 s (waiting on clusters and actors in part); this order 780 s; all
-# three side by side from the start 840 s (5 or more busy processes thrash each other); the single-process tests
-# alone, then ranks + Ray 940 s (the Ray tests' workers took the cores from the niced ranks); the rank tests started
-# when the Ray tests ended, beside the rest of the single-process ones, slower still.
-# Ray runs its workers (the actors that import torch, build and run the models) at nice 15 by default (its
-# worker_niceness, to favour its raylet): below the niced tests, which then took the cores from them (beside
-# everything the Ray tests once took 1054 s and a worker missed the launcher's 60 s start-up; beside 2 busy loops at
-# nice 10, 460 s). RAY_worker_niceness=0 keeps them at the Ray side's priority: beside the niced rank tests the
-# Ray tests took 174 s (161 s alone), and both sides ended at 334 s instead of 401 s one after the other; the 26
-# rank / Ray test files and 6 heavy single-process ones took 522 s this way, 574 s with the Ray tests after the rank
-# tests. A raylet must register within Ray's fixed 30 s, which it missed beside the rank tests at equal priority:
-# hence the nice.
+# Order (measured on a 2-core machine): the single-process tests on two xdist workers, niced by 10, beside the Ray
+# tests; then the rank tests alone, niced, in one pytest process (the pooled ranks and rank fixtures serve them all).
+# Ray's workers run at the Ray side's priority (RAY_worker_niceness=0, not Ray's default 15): below the niced tests
+# they lost the cores and a raylet missed Ray's fixed 30 s registration; all three groups at once thrash.
 # Captured graphs are shared by all the processes of this run (xdist workers, rank processes, Ray) through a
 # directory (dit_passes/infra/trace_store.py): one process captures a model, the others load it. A fixed hash seed
 # keeps the keys alike across processes (diffusers' configs hold lists built from sets).

@@ -6,7 +6,7 @@ the transformer hands them over ((B, S, H, D) memory viewed as (B, H, S, D)). Pe
 error relative to the fp32 math kernel. Also ``dit_passes::sdpa_backend`` (the AttentionBackend pass's op)
 with cuDNN first, to show the op adds nothing. Writes ``--out`` (JSON) and prints a markdown table.
 
-    python bench/attention_backends.py --out bench/results/h200_attention_backends.json
+    python bench/attention_backends.py --out bench/results/attention_backends_h200.json
 """
 from __future__ import annotations
 

@@ -6,10 +6,10 @@ Builds FluxTransformer2DModel with the FLUX.1-dev config on ``torch.device("meta
 inputs of a 1024x1024 generation (4096 image tokens, 512 text tokens), and times
 ``compile_dit(model, passes=[], example_inputs=...)``: torch.export capture + cleanup + block
 discovery; then the same with ``passes=[DBCache(F8B0), SplitConcatLinear(), FuseLinearGelu()]`` and
-``torch_compile={"regional": True}`` (issue 23's build: the host part of a first generation). Asserts the structure
-(19 double + 38 single blocks, 57 attention sites) and writes ``capture_flux_full.json`` and ``.md`` (wall and this
-process's CPU seconds; ``BEFORE``: the figures before the build-time work). Target: < 20 s. Where the time goes:
-``bench/profile_build.py``.
+``torch_compile={"regional": True}`` (the fastest preset's bf16 build: the host part of a first generation). Asserts
+the structure (19 double + 38 single blocks, 57 attention sites) and writes ``capture_flux_full.json`` and ``.md``
+(wall and this process's CPU seconds; what it measures only: earlier runs' figures stay in their results files).
+Target: < 20 s. Where the time goes: ``bench/profile_build.py``.
 """
 from __future__ import annotations
 
@@ -27,26 +27,6 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
                 guidance_embeds=True, axes_dims_rope=(16, 56, 56))
 IMAGE_TOKENS, TEXT_TOKENS = 4096, 512   # 1024x1024: (1024/8/2)^2 packed latent tokens; T5 max length
 TARGET_S = 20.0
-# The same two builds before the build-time work (branch buildtime's base d43e391, torch 2.13 CPU, 1 thread): the first
-# recorded run, and 6 runs interleaved with 6 of the branch at its build-time commits on the shared 2-core machine
-# (load 2-3 from other jobs: the spread is seconds, so the minimum is the better estimate), wall and CPU seconds
-BEFORE = {"first_run": {"compile_dit_total": 9.379, "dbcache_regional_total": 11.867},
-          "interleaved": {"runs": 6, "min": {"compile_dit_total": 9.965, "dbcache_regional_total": 12.93,
-                                             "cpu_compile_dit_total": 9.923, "cpu_dbcache_regional_total": 12.864,
-                                             "cleanup_and_discovery": 0.578},
-                          "median": {"compile_dit_total": 11.579, "dbcache_regional_total": 15.561,
-                                     "cpu_compile_dit_total": 11.468, "cpu_dbcache_regional_total": 14.107,
-                                     "cleanup_and_discovery": 0.616}},
-          "interleaved_after": {"min": {"compile_dit_total": 10.066, "dbcache_regional_total": 11.256,
-                                        "cpu_compile_dit_total": 10.06, "cpu_dbcache_regional_total": 11.151,
-                                        "cleanup_and_discovery": 0.4},
-                                "median": {"compile_dit_total": 11.032, "dbcache_regional_total": 12.573,
-                                           "cpu_compile_dit_total": 10.94, "cpu_dbcache_regional_total": 12.433,
-                                           "cleanup_and_discovery": 0.419}},
-          # what the work changed, with less noise: issue 23's build's time after the capture (structure, passes,
-          # verification), 3 times in one process on a reused capture (DIT_PASSES_REUSE_TRACES=1), 2 processes each,
-          # before and after alternating, load average ~5
-          "post_capture_min": {"before": 5.261, "after": 3.069, "load_average": 5.3}}
 COMMAND = ".venv/bin/python -P bench/capture_flux_full.py"
 
 
@@ -88,7 +68,7 @@ def run() -> dict:
     s = compiled.structure  # discovery on the cleaned graph (cleanup invalidated the first one)
     t_discover = time.perf_counter() - t0
 
-    # issue 23's build: capture + DBCache (F8B0) + the epilogue passes + regional compile's setup, the host part of
+    # the fastest preset's build: capture + DBCache (F8B0) + the epilogue passes + regional compile's setup, the host part of
     # a first generation of `dit-passes bench --preset fastest`'s bf16 row
     from dit_passes import bench as B
     from dit_passes import passes
@@ -120,7 +100,6 @@ def run() -> dict:
                     "dbcache_regional_total": round(t_dbcache, 3), "dbcache_regional_passes": per_pass},
         # this process's CPU time: on a shared machine, what other jobs' load changes least
         "cpu_seconds": {"compile_dit_total": round(c_compile, 3), "dbcache_regional_total": round(c_dbcache, 3)},
-        "before": BEFORE,
         "target_seconds": TARGET_S, "meets_target": t_compile < TARGET_S,
         "structure": {"block_lists": lists, "blocks": len(s.blocks), "streams": s.num_streams,
                       "attention_sites": len(s.attention), "linears": len(s.linears), "graph_nodes": nodes},
@@ -134,7 +113,7 @@ def write(result: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "capture_flux_full.json"), "w") as f:
         json.dump(result, f, indent=2)
-    sec, st, cpu, before = result["seconds"], result["structure"], result["cpu_seconds"], result["before"]
+    sec, st, cpu = result["seconds"], result["structure"], result["cpu_seconds"]
     md = [
         "# Capture of the full FLUX.1-dev transformer (meta device)", "",
         f"Command: `{result['command']}`", "",
@@ -148,30 +127,11 @@ def write(result: dict, out_dir: str) -> None:
         f"| re-discovery after cleanup (`compiled.structure`) | {sec['rediscovery_after_cleanup']} |",
         f"| building the meta model | {sec['build_model']} |",
         "| `compile_dit(model, passes=[DBCache(F8B0), SplitConcatLinear(), FuseLinearGelu()], "
-        "torch_compile={'regional': True})` total (issue 23's build) "
+        "torch_compile={'regional': True})` total (the fastest preset's build) "
         f"| **{sec['dbcache_regional_total']}** (CPU {cpu['dbcache_regional_total']}) |",
         *[f"| of which pass `{k}` | {v} |" for k, v in sec["dbcache_regional_passes"].items()], "",
         f"Target < {result['target_seconds']:.0f} s: {'met' if result['meets_target'] else 'NOT met'}.", "",
-        f"Before the build-time work (d43e391): first recorded run {before['first_run']['compile_dit_total']} s / "
-        f"{before['first_run']['dbcache_regional_total']} s (plain / issue 23's build).", "",
-        f"Interleaved on the shared machine ({before['interleaved']['runs']} runs each, before -> after the "
-        "build-time work; min / median):", "",
-        "| figure | before min | after min | before median | after median |", "|---|---|---|---|---|",
-        *[f"| {label} | {before['interleaved']['min'][k]} | {before['interleaved_after']['min'][k]} | "
-          f"{before['interleaved']['median'][k]} | {before['interleaved_after']['median'][k]} |"
-          for label, k in (("plain total, wall", "compile_dit_total"), ("plain total, CPU", "cpu_compile_dit_total"),
-                           ("cleanup + block discovery", "cleanup_and_discovery"),
-                           ("issue 23's build, wall", "dbcache_regional_total"),
-                           ("issue 23's build, CPU", "cpu_dbcache_regional_total"))], "",
-        f"Issue 23's build after the capture (structure, passes, verification; min of 3 in one process on a reused "
-        f"capture, 2 processes each, load ~{before['post_capture_min']['load_average']}): "
-        f"{before['post_capture_min']['before']} s before, {before['post_capture_min']['after']} s after. "
-        "`ep.module(check_guards=False)` alone: 1.5 -> 1.23 s CPU of the capture.", "",
-        "Where the time goes (`bench/profile_build.py`, cProfile; wall shares on this CPU): torch.export ~8 s "
-        "(tracing the forward under fake tensors ~5.5 s, of which recording every node's stack trace ~1.4 s; export's "
-        "own passes regenerate the 6000-node graph's code 4 times, ~1 s), `ep.module()` ~1.2 s (a graph deepcopy and "
-        "3 more code generations), our passes ~2 s (one code generation each, ~0.2 s, done once since the "
-        "build-time work; DBCache and RegionalCompile copy block nodes into subgraphs).", "",
+        "Where the time goes: `bench/profile_build.py` (cProfile of the same build).", "",
         f"Structure found: {st['block_lists']}, {st['blocks']} blocks, {st['streams']} streams, "
         f"{st['attention_sites']} attention sites, {st['linears']} linears, {st['graph_nodes']} graph nodes.", "",
         f"Host: torch {result['host']['torch']}, Python {result['host']['python']}, "

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The whole coverage matrix (issue 20) in one device call, on the machine's CPU cores (no GPU use): shards of
+# The whole coverage matrix in one device call, on the machine's CPU cores (no GPU use): shards of
 # families side by side (bench/coverage_shards.py), merged into $OUT/coverage/coverage.{json,md}.
 #   device tool: run(command="bash bench/device_coverage.sh", carry=[".whl"])   (.whl: diffusers and its wheels)
 set -u

@@ -1,4 +1,4 @@
-# Sourced by the bench/h200_*.sh device scripts (from the repository root). The one way bench scripts run on the
+# Sourced by the bench/*.sh device scripts (from the repository root). The one way bench scripts run on the
 # device (no internet): pip installs this checkout (`pip install --no-deps .`, offline, no build isolation) and the
 # wheels carried in .whl/ (../shared/tools/device-wheels) into one folder put on PYTHONPATH. Sets $repo and $out
 # ($OUT on the device), a cold Inductor cache (the first generation then counts the compile), and moves to /tmp:

@@ -1,4 +1,4 @@
-"""What the lrcat design's extra K columns cost the fp8 GEMM (issue 22): ``torch._scaled_mm`` (row-wise scales, bf16
+"""What the lrcat design's extra K columns cost the fp8 GEMM: ``torch._scaled_mm`` (row-wise scales, bf16
 bias, fast accumulation) at FLUX.1-dev's M = 4608 on the fused step's shapes, K grown by the branch's columns (rank 32:
 96 split; the fused linears' rank x members: 288 / 384) and by the same rounded up to a multiple of 128 (is it the
 columns or the alignment of K?). Kernel time by CUDA events over back-to-back calls; one GPU.

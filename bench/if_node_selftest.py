@@ -1,6 +1,6 @@
 """Self-test of our ctypes CUDA-graph IF nodes (dit_passes/infra/cuda_if_node.py) on a GPU, one stage at a time.
 
-Run by bench/h200_if_node.sh (``DIT_PASSES_CUDA_TRACE=1``: every CUDA / NVRTC call with its return code goes to
+Run by bench/cuda_if_node.sh (``DIT_PASSES_CUDA_TRACE=1``: every CUDA / NVRTC call with its return code goes to
 stderr). Every stage prints PASS or FAIL with its traceback and the next stage still runs; the exit code is the
 number of failed stages. Writes ``$OUT/if_node_selftest.json``.
 

@@ -1,4 +1,4 @@
-"""Peak memory while preparing a model built on the meta device from a checkpoint (issue 21, item 3).
+"""Peak memory while preparing a model built on the meta device from a checkpoint.
 
     python bench/prep_peak_memory.py [--size full|tiny] [--rows svdq_w4_r32,fp8,tp2,bf16] [--checkpoint DIR]
 
@@ -25,7 +25,7 @@ a storage leaves the sum when freed), i.e. what ``max_memory_allocated`` counts 
 the allocator's cache. (``tracemalloc`` does not see torch's allocator; the process's max RSS counts Python
 objects, page cache and allocator slack, all larger than a tiny model's weights.) Also per row: the compiled
 module's ``memory_report().total``, ``block_bytes`` (the largest block's bf16 bytes) and ``within_bound``:
-``peak_bytes <= final_bytes + block_bytes`` (issue 21: preparing never exceeds the final bytes + one bf16 block).
+``peak_bytes <= final_bytes + block_bytes`` (the bound: preparing never exceeds the final bytes + one bf16 block).
 Writes ``<out>.json`` and ``<out>.md`` (default ``bench/results/prep_peak_memory``).
 """
 from __future__ import annotations
@@ -261,7 +261,7 @@ def markdown(r: Dict[str, Any]) -> str:
              f"Model: {r['model']}. Checkpoint: {ck['bytes'] / unit:.3f} {uname} bf16 in {ck['files']} safetensors "
              f"files, {how} in {ck['seconds']} s ({ck['generate_seconds']} s making the random values; "
              f"{ck['write_gb_per_s']} GB/s writing). Measure: {r['measure']}.", "",
-             f"Bound (issue 21): peak <= final + one bf16 block (the largest, `{r['block']}`: "
+             f"Bound: peak <= final + one bf16 block (the largest, `{r['block']}`: "
              f"{r['block_bytes'] / unit:.3f} {uname}). `memory_report`: `compiled.memory_report().total`.", "",
              f"| row | rank | peak {uname} | final {uname} | memory_report {uname} | peak - final {uname} | "
              f"bound {uname} | within | read {uname} | lowering s |", "|---|---|---|---|---|---|---|---|---|---|"]

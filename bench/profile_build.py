@@ -1,4 +1,4 @@
-"""cProfile of issue 23's build: ``compile_dit`` of the full FLUX.1-dev transformer with DBCache (F8B0) and the
+"""cProfile of the fastest preset's build: ``compile_dit`` of the full FLUX.1-dev transformer with DBCache (F8B0) and the
 epilogue passes, where the host time of a first generation goes before Inductor starts.
 
     .venv/bin/python -P bench/profile_build.py [--out out/profile_build] [--no-stack-traces]    # CPU, meta device

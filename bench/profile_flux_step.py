@@ -1,4 +1,4 @@
-"""Where a compiled FLUX.1-dev-size step spends its GPU time (issue 10, the profile behind P1).
+"""Where a compiled FLUX.1-dev-size step spends its GPU time.
 
 Builds the bench's full-size FluxTransformer2DModel (random bf16 weights, 4096 + 512 tokens), lowers it with
 ``compile_dit(passes=[DBCache(F8B0, W8, threshold 0 | forced)], torch_compile={"regional": True})`` and profiles
@@ -7,7 +7,7 @@ Builds the bench's full-size FluxTransformer2DModel (random bf16 weights, 4096 +
 pointwise + reduction kernels; copies; the rest), with the top kernels by time, and set against the FLOP floor
 of the step's linears and attentions at the GEMM and attention rates measured in the same run.
 
-    python bench/profile_flux_step.py --steps 10 --out bench/results/h200_flux_step_profile.json   # bench/h200_profile.sh
+    python bench/profile_flux_step.py --steps 10 --out bench/results/flux_step_profile_h200.json   # bench/profile_flux_step.sh
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ config's rank; ``svdq`` (or ``--modulation`` alone) W4A4 like the rest; ``none``
 configs quantizes them. ``svdq_r32_ptq_fused`` / ``svdq_r32_dq_fused``: ``FuseSiblingLinears`` first (the step
 benchmark's fused rows; SVDQuant gives a fused linear rank x members: 96 / 128, capped at K = 64 here, so
 their branch holds the whole weight); ``svdq_r8_*``: rank 8 unfused and fused (24 / 32 < K: a comparison that still
-truncates). ``stack_dbcache`` / ``stack_dbcache_fp8``: issue 23's stacks (DBCache's forced schedule
+truncates). ``stack_dbcache`` / ``stack_dbcache_fp8``: the fastest preset's stacks (DBCache's forced schedule
 F8B0, 8 warm-up steps, then always cached; and the same with sibling linears fused and fp8 per row);
 ``stack_fastest`` / ``stack_fastest_fp8``: the bench preset's stacks, those plus the lossless fusions
 (SplitConcatLinear, FuseLinearGelu, FuseNormRope, FuseNormModulate; on the CPU their ops are the ATen ops they
@@ -94,7 +94,7 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
         "nvfp4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", precision="nvfp4", **svdq),
         "fp8_per_row": lambda: Fp8Linear("per_row", exclude=exclude),
         "int8_per_row": lambda: Int8Linear(exclude=exclude),
-        # issue 23's stacks (dit-passes bench --preset fastest): its forced schedule (F8B0, 8 warm-up steps, then
+        # the fastest preset's stacks (dit-passes bench --preset fastest): its forced schedule (F8B0, 8 warm-up steps, then
         # always cached) alone, and with the fp8 linears of the fp8 row (sibling linears fused first)
         "stack_dbcache": lambda: [DBCache(**schedules()["always"])],
         "stack_dbcache_fp8": lambda: [DBCache(**schedules()["always"]), FuseSiblingLinears(),

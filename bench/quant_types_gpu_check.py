@@ -1,4 +1,4 @@
-"""cache-dit's torchao quant types of issue 25 on a GPU: ``int8_weight_only``, ``float8_weight_only``,
+"""cache-dit's torchao quant types on a GPU: ``int8_weight_only``, ``float8_weight_only``,
 ``int8_per_tensor``, ``float8_per_block`` (and the earlier ``float8_per_row`` / ``int8_per_row`` for scale).
 
 For each type, a small FLUX transformer (hidden 1024, 2 + 2 blocks, bf16, on CUDA) quantized through

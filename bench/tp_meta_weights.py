@@ -7,7 +7,7 @@ in bf16 and runs ``compile_dit(model, passes=[TensorParallel(size, modulation=..
 capture and sharding run on shapes only. The weights the lowered graph holds on a rank (each tensor once) are
 what that rank keeps resident, and, built with ``weights=<checkpoint>``, exactly what it reads from the
 checkpoint (tests/test_weight_source.py checks the equality on tiny models). Ratio: those bytes over the model's
-(single-GPU) weight bytes, issue 21's ``tp2_rank_weight_ratio`` (target <= 0.55), for both modulation modes.
+(single-GPU) weight bytes, ``tp2_rank_weight_ratio`` (target <= 0.55), for both modulation modes.
 Writes ``tp_meta_weights.json`` and ``.md``.
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
         lines.append(f"| {mode} | {full / GIB:.2f} | {', '.join(f'{b / GIB:.2f}' for b in ranks)} | {ratio:.3f} | "
                      f"{collectives} | {max(r[mode]['seconds'] for r in per_rank):.1f} |")
     lines += ["", f"Host: torch {torch.__version__}, CPU, 1 torch thread per rank (a shared 2-core machine: the lowering "
-              "seconds are contended, not a timing result).", "", "Ratio: the largest rank's bytes over the single-GPU weight bytes (issue 21 target <= 0.55). With "
+              "seconds are contended, not a timing result).", "", "Ratio: the largest rank's bytes over the single-GPU weight bytes (target <= 0.55). With "
               "`modulation=\"column\"` (the default) the AdaLN modulation linears, about a quarter of FLUX's "
               "weights, are sharded too, each one's output all-gathered (one all-gather per modulation linear, "
               "small: at most B x 6 x 3072 values); `\"replicate\"` keeps them whole on every rank, no all-gather.",

@@ -2,7 +2,7 @@
 
 Triton's bundled ptxas reports what each configuration costs a thread (``dit_passes.kernels.sm90_compile``): a kernel
 at 200+ registers (or 100+ KB of shared memory) runs a few warps an SM, which a bandwidth-bound kernel cannot afford
-(stop 29: the lrcat statistics kernel's first config at R_PAD 128: 255 registers, 149 KB). Compiled as the launcher
+(e.g. a lrcat statistics kernel config at R_PAD 128: 255 registers, 149 KB). Compiled as the launcher
 specializes FLUX's shapes (aligned pointers, integers divisible by 16). Prints a table; ``--out`` also writes JSON.
 
     env -u TRITON_INTERPRET python -P bench/triton_sm90_resources.py --out bench/results/triton_sm90_resources.json

@@ -1,5 +1,5 @@
 """SVDQuant's int4 -> e4m3 weight expansion (``dit_passes::w4_lrcat_to_e4m3``, the Hopper default's B operand) on
-FLUX.1-dev's linear shapes, on one GPU: where the 8.0 ms a step of the expansion goes (stop 31's profile).
+FLUX.1-dev's linear shapes, on one GPU: where the expansion's time in a step goes.
 
 Times, as GPU time in a replayed CUDA graph (``bench/norm_rope_kernel.py``'s ``_time_ms``) over enough distinct weights
 that the int4 input is not in L2, each form of the kernel (``FORM``: a thread converts a packed byte or an int32 word)

@@ -161,12 +161,12 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
                 from .quant.dispatch import ACT_QUANT_ENV, FAST_ACCUM_ENV
                 settings[FAST_ACCUM_ENV] = "1"  # sm_90's fast fp8 accumulation
                 if torch_compile is graphed:
-                    # one read per activation in our row kernel: faster on the GPU (H100 step 95.2 vs 98.7 ms of
-                    # kernels) but ~300 more Python calls a step, which only a CUDA-graph replay hides (28 steps
-                    # 1.088 vs 1.123 s graphed; eager step 122 vs 103 ms: bench/results/h200_fastest_fp8.md)
+                    # one read per activation in our row kernel: less GPU time, but ~300 more Python calls a step,
+                    # which only a CUDA-graph replay hides (faster graphed, slower eager on an H100:
+                    # bench/results/fastest_stack_fp8_forms_h100.md)
                     settings[ACT_QUANT_ENV] = "kernel"
                 # q / k / v (and a single block's proj_mlp) as one linear: one activation quantization, one wider
-                # GEMM (H100: fp8 step 1.277x -> 1.294x bf16, bench/results/h200_quant_step_fused.md)
+                # GEMM (faster on the H100 fp8 step: bench/results/quant_step_fused_h100.md)
                 chosen += [passes.FuseSiblingLinears(), passes.Fp8Linear(exclude=())]
             if rope:  # lossless: one read and one write of q and k between their GEMM and attention
                 chosen += [passes.FuseNormRope()]

@@ -1,4 +1,4 @@
-"""Per-row (per-token) e4m3 quantization of an activation in one read and one write (issue 22).
+"""Per-row (per-token) e4m3 quantization of an activation in one read and one write.
 
 :func:`fp8_quantize_rows` is the CUDA implementation of ``dit_passes::fp8_quantize_rows`` (its specification:
 ``dit_passes.quant.fp8_int8.quantize_fp8_act`` per row). One program per row::

@@ -1,4 +1,4 @@
-"""AdaLN's LayerNorm and modulation in one read and one write, the gated residual before it optionally (issue 23).
+"""AdaLN's LayerNorm and modulation in one read and one write, the gated residual before it optionally.
 
 :func:`layer_norm_modulate_into` is the CUDA implementation of ``dit_passes::layer_norm_modulate`` (its
 specification: the ATen ops it replaces, ``dit_passes.passes.norm_modulate.layer_norm_modulate_reference``). Per
@@ -27,9 +27,8 @@ import triton.language as tl
 from .norm_rope_triton import _rounded
 from .w4a4_autotune import interpreting
 
-# rows per program (at least; narrower rows take more, up to 4096 values a program) and warps: on an H100 a FLUX
-# single block's input norm (4608 x 3072 bf16) in 20.2 us with 1 row / 4 warps (21.7 with 8 warps; Inductor 37.4),
-# the double block's residual + norm (4096 rows) in 36.1 us (Inductor 41.3): bench/results/ln_modulate_kernel_h100.json
+# rows per program (at least; narrower rows take more, up to 4096 values a program) and warps: the fastest choice on
+# an H100 at FLUX's single and double block shapes (bench/results/ln_modulate_kernel_h100.json)
 ROWS = 1
 WARPS = 4
 MAX_D = 16384        # widest row a program holds in registers

@@ -1,5 +1,5 @@
 """The lrcat design's A operand in two kernels: smoothing, per-token e4m3 quantization and the low-rank down
-projection of an activation (issue 22: "the low-rank down projection fused with the activation quantization").
+projection of an activation: the low-rank down projection fused with the activation quantization.
 
 :func:`lrcat_quantize_rows` is the CUDA implementation of ``dit_passes::lrcat_quantize_rows`` (its specification:
 ``dit_passes.quant.graph_forms.lrcat_activation``)::
@@ -18,15 +18,15 @@ Why a kernel: written as ATen ops (``DIT_PASSES_FP8_ACT_QUANT=graph``) the same 
 pointwise kernels over the smoothed activation, a bf16 copy of it for cuBLAS's [M, K] x [K, R] mm, the branch's
 scaling and an e4m3 concatenation: four to five passes over [M, K] where these are two reads and a write. Why two
 kernels over a grid of K splits: the first design, one program per 16 tokens doing both passes, gave FLUX's 4608
-tokens 288 programs, too few loads in flight: 650-710 GB/s on an H100 (27.7 ms of a 138.7 ms step, stop 28).
+tokens 288 programs, too few loads in flight (about a fifth of the H100's memory bandwidth).
 
 :func:`lrcat_quantize_smoothed` (``dit_passes::lrcat_quantize_smoothed``, ``DIT_PASSES_LRCAT_ACT=auto|mm``;
 specification ``graph_forms.lrcat_smoothed_activation``) takes the smoothed activation xd = x.dtype(x * smooth_inv),
 which Inductor writes in its producer, and h = xd @ lora_down.T from a GEMM (cuBLAS), and makes the same operand in
 one program per token (the row in registers, as ``fp8_rowquant_triton``'s one-pass kernel): sx and qx from xd's
 values, then the branch columns from h. x is read once by cuBLAS's skinny GEMM and once here, no partial sums: the
-default A operand since stop 30 (H100 step 115.6 ms against 119.3 with the two kernels, whose statistics kernel took
-10.1 ms of it; here the GEMM ~4.9 ms, this kernel 5.4). Bytes equal to its specification.
+default A operand, faster in the H100 step than the two kernels (``bench/results/quant_step_lrcat_act_h100.json``).
+Bytes equal to its specification.
 
 Numerics: qx and sx are the graph form's bytes (the same fp32 operations in the same order; a max is exact in any
 order). h is accumulated in fp32 and not rounded to x.dtype before the scaling (the graph form rounds it: the op's
@@ -68,10 +68,9 @@ def _stats_configs():
         return [triton.Config({"BLOCK_M": 16, "BK": BLOCK_K}, num_warps=4)]
     # BLOCK_M: every program re-reads its split's lora_down rows from L2 (M / BLOCK_M times per call: at the fused
     # linears' rank 96 / 128 and BLOCK_M 16, eight times x's own bytes); BK: the [BLOCK_M, BK] x and [BK, R] lora_down
-    # chunks of a pipeline stage. ptxas for sm_90 on the CPU (bench/triton_sm90_resources.py): stop 28's first config
-    # at R_PAD 128 takes 255 registers a thread and 149 KB of shared memory (one 4-warp program an SM; the step: 8.2
-    # ms of statistics on an H100, stop 29); BK 32 / 64 at 8 warps: 48-128 registers, 8-66 KB. The first config: the
-    # one stop 28 measured.
+    # chunks of a pipeline stage. ptxas for sm_90 on the CPU (bench/triton_sm90_resources.py): a config at R_PAD 128
+    # with the widest chunks takes 255 registers a thread and 149 KB of shared memory (one 4-warp program an SM);
+    # BK 32 / 64 at 8 warps: 48-128 registers, 8-66 KB. The first config: the one measured on the GPU.
     return [triton.Config({"BLOCK_M": bm, "BK": bk}, num_warps=w, num_stages=st)
             for bm, bk, w, st in ((16, 256, 4, 3), (32, 32, 8, 3), (32, 64, 8, 3), (64, 32, 8, 3), (64, 64, 8, 3),
                                   (128, 32, 8, 2))]

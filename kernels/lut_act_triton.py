@@ -9,14 +9,14 @@
         sx[m] = sx;  a[:, K:] = planes of sum_s h[s] (lrcat_act_triton._store_branch: [hi | hi / 16 (| lo) | 0])
 
 Why: the default form (``DIT_PASSES_LUT_ACT=rows``) reads the smoothed activation xd twice, once by cuBLAS's skinny
-[M, K] x [K, R] GEMM for h (split-K, 3.3 ms of the FLUX step on an H100, stop 34) and once by the row kernel (5.5 ms).
+[M, K] x [K, R] GEMM for h (split-K) and once by the row kernel.
 Here xd is read once. What made that impossible before is the per-token scale, known only after a whole row is read:
 the graph computes amax beside xd (``w4_lut.token_amax``), which Inductor folds into the kernel that writes xd (a
 row reduction in the producer's pass), so the quantization needs no row in registers and the grid is tokens x K
 splits (enough programs to keep loads in flight; ``lrcat_act_triton.k_split``), h partial sums per split.
-Measured (stop 35, H200, ``bench/results/h200_quant_step_stop35_h200.md``): a tie, not the default. The down
-projection's 4.9 ms went away, but this kernel moves ~15 GB a step at 2.6 TB/s (half the bandwidth; 7.1 ms with the
-branch kernel against the row kernel's 4.95) and the producers' reductions cost 2.2 ms more than their pointwise form.
+Measured (H200, ``bench/results/quant_step_h200.md``): a tie, not the default. The down projection's GEMM goes
+away, but this kernel reaches about half the memory bandwidth, and the producers' reductions cost more than their
+pointwise form.
 
 Numerics: qx and sx are the specification's bytes (the same fp32 operations; a max is exact in any order). h is the
 fp32 sum of exact products of xd's and lora_down's values (in xd's dtype) in chunk, then split order: the branch's

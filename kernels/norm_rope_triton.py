@@ -1,4 +1,4 @@
-"""q / k RMSNorm and interleaved rotary embedding in one read and one write (issue 23).
+"""q / k RMSNorm and interleaved rotary embedding in one read and one write.
 
 :func:`rms_norm_rope_into` is the CUDA implementation of ``dit_passes::rms_norm_rope`` (its specification: the
 ATen ops it replaces, ``dit_passes.passes.norm_rope.rms_norm_rope_reference``). Per row of ``D`` values (one head of
@@ -13,9 +13,10 @@ or with ``half_split`` the same with the pairs (j, j + D/2) in place of (2j, 2j 
 program loads the two halves as two tiles.
 
 Why a kernel: Inductor writes this chain (reduction, then the pair swap of ``stack([-x1, x0], -1)``) as one
-reduction kernel per head row; on FLUX.1-dev's single blocks it ran at ~1.2 TB/s on an H100 (3.5 ms a step,
-``bench/results/h200_quant_step_stop30b_h100.json``). Here a program takes ``BLOCK_R`` rows at once, reads each
-row once and writes it once, the pairs split in registers: ~2.4 TB/s (the step's q / k work 6.5 -> 3.1 ms). ``x``, ``out``, ``cos`` and ``sin`` are 4-D with any
+reduction kernel per head row, at about a third of an H100's memory bandwidth on FLUX.1-dev's single blocks
+(``bench/results/quant_step_epilogues_h100.json``). Here a program takes ``BLOCK_R`` rows at once, reads each
+row once and writes it once, the pairs split in registers: about twice the bandwidth
+(``bench/results/norm_rope_kernel_h100.json``). ``x``, ``out``, ``cos`` and ``sin`` are 4-D with any
 strides (``cos`` / ``sin`` broadcast to ``out``'s shape: stride 0 on the broadcast dims) and a unit last stride for
 ``x`` and ``out``; a concatenation along a leading dim is one call per part on a ``narrow`` of ``out``.
 """
@@ -27,9 +28,8 @@ import triton.language as tl
 
 from .w4a4_autotune import interpreting
 
-# head rows per program and warps: on an H100, FLUX's q of a single block (4608 x 24 x 128 bf16) in 23.0 us (2.46
-# TB/s, one read and one write) with 8 rows / 2 warps, 24.6 us with 16 / 4, Inductor's kernel 42.5 us
-# (bench/results/norm_rope_kernel_h100.json: GPU time in a replayed CUDA graph)
+# head rows per program and warps: the fastest choice on an H100 for FLUX's q of a single block (4608 x 24 x 128
+# bf16), against Inductor's kernel (bench/results/norm_rope_kernel_h100.json: GPU time in a replayed CUDA graph)
 ROWS = 8
 WARPS = 2
 MAX_D = 1024         # widest head a program holds in registers
@@ -47,7 +47,7 @@ def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, d1, d2, D, e
     crow, srow = (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None], (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None]
     if HALF_SPLIT:
         # pairs (j, j + D/2): the two halves as two tiles, each loaded and stored contiguously (a gather that
-        # interleaves them in registers ran at 0.4 TB/s)
+        # interleaves them in registers ran at a fraction of the bandwidth)
         j = tl.arange(0, HALF_D)
         valid = j < D // 2
         mask = (rows < n_rows)[:, None] & valid[None, :]

@@ -1,4 +1,4 @@
-"""SVDQuant's packed int4 weights expanded to e4m3 with the group scales folded, in one bandwidth-bound pass (issue 22).
+"""SVDQuant's packed int4 weights expanded to e4m3 with the group scales folded, in one bandwidth-bound pass.
 
 :func:`w4_to_e4m3` is the CUDA implementation of ``dit_passes::w4_to_e4m3`` (its specification:
 ``dit_passes.quant.graph_forms.w4_to_e4m3``). One program per ``BLOCK_N`` weight rows and ``BLOCK_K`` columns::
@@ -9,12 +9,13 @@
     w8 = e4m3(clamp(q * div_rn(ws[g], sw), -448, 448))  # round to nearest even
     store w8 (each byte's two values as one int16) and, the first chunk's programs, sw [N]
 
-Why a kernel: Inductor's fusion of the graph form (bench row ``w4_expand``) ran at 109-491 GB/s on an H100 for
-work that reads 1.5 bytes and writes one per weight: it re-reads the group scales for the row max and broadcasts
-the ratio through an index computation per element. Here a program reads its rows' scales once, splits the nibbles
-in registers (exact values by a bit trick, ``_nibble_planes``) and writes the pair of e4m3 bytes of every packed
-byte as one int16 (no interleave of the two planes back into k order: the first design's ``join`` + ``reshape``,
-with one program looping over all of K per row block, ran at 154-831 GB/s).
+Why a kernel: Inductor's fusion of the graph form (bench row ``w4_expand``) ran at a fraction of an H100's memory
+bandwidth (``bench/results/w4_expand_kernel_h100.json``) for work that reads 1.5 bytes and writes one per weight: it
+re-reads the group scales for the row max and broadcasts the ratio through an index computation per element. Here a
+program reads its rows' scales once, splits the nibbles in registers (exact values by a bit trick,
+``_nibble_planes``) and writes the pair of e4m3 bytes of every packed byte as one int16 (no interleave of the two
+planes back into k order: the first design's ``join`` + ``reshape``, with one program looping over all of K per row
+block, left most of the bandwidth unused).
 
 :func:`w4_lrcat_to_e4m3` (``dit_passes::w4_lrcat_to_e4m3``, the lrcat design's B operand, ``graph_forms.lrcat_weight``)
 is the same program with the low-rank factor in the row scale (``sw = max(8 * max_g ws, max_r |lora_up * c|) / 448``)
@@ -63,7 +64,7 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w16_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N,
                       GS: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
     # GS: the group size, an argument (compiled Triton reads no plain Python globals; the interpreter does).
     # Grid (K chunks, row blocks): every program streams one [BLOCK_N, BLOCK_K] tile, so FLUX's 3072-row weights give
-    # thousands of programs (one program per row block looping over K left most SMs idle: 154-831 GB/s).
+    # thousands of programs (one program per row block looping over K left most SMs idle).
     pid_k = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -120,8 +121,8 @@ def _w4_expand_kernel(qw_ptr, ws_ptr, w16_ptr, w8_ptr, sw_ptr, lu_ptr, c_ptr, N,
 def _e4m3_pair(lo, hi):
     """Two fp32 planes (|v| <= 448) -> each pair's e4m3 bytes as one int16, lo in the lower byte, by one
     ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+; round to nearest even, as ``_soft_e4m3``) per pair: the integer
-    rounding of :func:`_e4m3_bits` costs some forty ALU operations a value, which bound the kernel (FLUX's step: 11.4 ms
-    at ~1.2 TB/s on an H100, stop 28); inline PTX also keeps Triton's fp8 type out (see :func:`_e4m3_bits`)."""
+    rounding of :func:`_e4m3_bits` costs some forty ALU operations a value, which bound the kernel (well below the
+    memory bandwidth on an H100); inline PTX also keeps Triton's fp8 type out (see :func:`_e4m3_bits`)."""
     return tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,f,f", [lo, hi], dtype=tl.int16,
                                      is_pure=True, pack=1)
 

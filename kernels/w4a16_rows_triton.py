@@ -1,5 +1,5 @@
 """Weight-only int4 linear on a few rows of x (FLUX's AdaLN modulation linears: one conditioning row per sample), as
-one bandwidth-bound GEMV pass over the packed weight (issue 22).
+one bandwidth-bound GEMV pass over the packed weight.
 
 :func:`w4a16_rows_linear` is the CUDA implementation of ``dit_passes::w4a16_rows_linear`` (its specification:
 ``dit_passes.quant.weight_only_forms.w4a16_linear_form(..., rows=True)``, the multiply-and-sum). One program per
@@ -17,8 +17,8 @@ block's second read for a CFG pair comes from L2). ptxas for sm_90 (bench/triton
 8-byte weight load and ~10 scalar loads per thread and chunk, grouped one 16-byte weight load and 4.
 
 Why a kernel: Inductor's fusion of that form (``DIT_PASSES_WEIGHT_ONLY_FORM=rows``) read the 1.6 GB of FLUX's packed
-modulation weights at ~0.4 TB/s on an H200 (4.2 ms a step, stop 28); the linear form before it wrote a dequantized
-bf16 copy for cuBLAS's GEMV (8.3 ms on an H100). Here each packed byte is read once and x's few rows stay in cache.
+modulation weights at a tenth of an H200's memory bandwidth; the linear form before it wrote a dequantized bf16 copy
+for cuBLAS's GEMV, twice the bytes. Here each packed byte is read once and x's few rows stay in cache.
 
 Numerics: the specification's products; the sums in another order (fp32), so the output equals the reference up
 to fp32 summation order (then one rounding to x.dtype). Under ``TRITON_INTERPRET=1`` (CPU tests) the bf16
@@ -124,7 +124,7 @@ def _flat_rows(x_ptr, qw_ptr, ws_ptr, b_ptr, y_ptr, M, N, s_xm, s_qn, s_wsn, s_y
     m_mask = offs_m < M
     offs_b = tl.arange(0, BB)
     # the products summed elementwise per byte lane, reduced across lanes once after the loop: a reduction per chunk
-    # (cross-thread shuffles every BB bytes) kept the first version at ~0.6 TB/s on an H100 (2.9 ms a step, stop 29)
+    # (cross-thread shuffles every BB bytes) kept a first version at a fifth of an H100's memory bandwidth
     acc = tl.zeros([M_PAD, BLOCK_N, BB], dtype=tl.float32)
     for i in range(0, tl.cdiv(KB, BB)):  # KB (K / 2) is a compile-time constant: the interpreter's loops need one
         byte = i * BB + offs_b

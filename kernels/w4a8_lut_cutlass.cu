@@ -258,9 +258,9 @@ struct Config {
     }                                                                                                     \
   }
 
-// (tile rows of W x tile columns of tokens, cluster along W's rows, schedule). Stop 34 on an H100 (FLUX's shapes,
-// 4608 tokens): 128x256 cooperative 0.091-0.386 ms a linear, as fast as cuBLAS's fp8 GEMM on the expanded weight;
-// 128x128 18-40% slower, 64x128 ping-pong 2x, the unshuffled layout another 5-10%.
+// (tile rows of W x tile columns of tokens, cluster along W's rows, schedule). On an H100 at FLUX's shapes (4608
+// tokens) 128x256 cooperative is the fastest, as fast as cuBLAS's fp8 GEMM on the expanded weight; the smaller tiles
+// and ping-pong are slower (bench/results/lut_gemm_configs_h100.md).
 #if !defined(W4A8_LUT_CONFIG_INDEX) || W4A8_LUT_CONFIG_INDEX == 0
 W4A8_LUT_ENTRY(coop_128x256, 128, 256, 1, true)
 #endif

@@ -28,7 +28,7 @@ import torch
 from . import cutlass_build
 
 CONFIGS = ["coop_128x256", "coop_128x256_c2x1", "pingpong_64x256", "coop_128x128", "coop_256x128"]
-DEFAULT_CONFIG = "coop_128x256"  # the fastest on FLUX's image-stream shapes (stop 34, H100); "auto" times them all
+DEFAULT_CONFIG = "coop_128x256"  # fastest on FLUX's shapes: bench/results/lut_gemm_configs_h100.md; "auto" times all
 CONFIG_ENV = "DIT_PASSES_LUT_CONFIG"  # a config name, or "auto" (the default)
 TUNE_CALLS = 3
 GROUP_K = 64

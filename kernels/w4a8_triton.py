@@ -1,6 +1,6 @@
 """SVDQuant W4A8 on fp8 tensor cores (Hopper): the stored int4 weights turned into e4m3 inside the GEMM.
 
-Two kernels per linear, and no expanded weight buffer (issue 22: SVDQuant on sm_90, which has fp8 but no 4-bit
+Two kernels per linear, and no expanded weight buffer (SVDQuant on sm_90, which has fp8 but no 4-bit
 tensor cores). The arithmetic is ``dit_passes.quant.w4a8`` (the executable specification), step by step:
 
 1. :func:`w4a8_act_quant`, one program per ``BLOCK_M`` tokens, reading x twice in a row (the second pass finds

@@ -1,6 +1,6 @@
 """Residual caching on the embedded trained digits DiT (real denoising trajectories, 28 steps).
 
-Measured with ``dit-passes fidelity`` (2 seeds x 10 digits, README table): the static "fast" steps
+Measured with ``dit-passes fidelity`` (2 seeds x 10 digits, the table it prints): the static "fast" steps
 mask executes 44.3% of the block work at 36.4 dB mean PSNR (31.2 min); TaylorSeer order 1 on the same
 mask 41.7 dB. The floors here are set below those, on one seed and five digits.
 """

@@ -1,6 +1,6 @@
 """Capture of models whose token counts come from the inputs' values (masks): ``nonzero`` (also as a tuple),
 boolean-mask indexing, ``repeat_interleave`` with tensor repeats, ``bool()`` / ``int()`` of a traced tensor and
-tensor slice bounds (``x[:, :mask.sum()]``) are specialised on the call's values and guarded (issue 20)."""
+tensor slice bounds (``x[:, :mask.sum()]``) are specialised on the call's values and guarded."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Capture of a model with a submodule torch.export cannot trace (issue 20): HiDream-style mixture of experts that
+"""Capture of a model with a submodule torch.export cannot trace: HiDream-style mixture of experts that
 routes tokens on the host (``bincount().cpu().numpy()``). The failing submodule's class becomes opaque calls
 (``dit_passes::opaque_module``) run eagerly, the rest is exported; a patch grid kept in a tensor and used as
 reshape sizes is specialised on its values. Checked: the graph against eager (exact), the caller's model untouched,

@@ -1,4 +1,4 @@
-"""Context parallelism on the diffusers families whose ops needed their own sequence rules (issue 20), 2 gloo ranks.
+"""Context parallelism on the diffusers families whose ops needed their own sequence rules, 2 gloo ranks.
 
 One rank call runs every case: ERNIE-Image (sequence-first stream [tokens, batch, features]), PRX (image queries
 over text + image keys; a gathered value keeps its traced memory layout, which a later ``view`` relies on), Sana
@@ -156,7 +156,7 @@ def test_families_match_single_process_with_the_collectives_counted(rule_ranks):
     assert cases["sana"]["counts"]["all_reduce"] == 2
     # LongCat-Audio: its text ConvNeXt convs (and their sums over the tokens) run before the stack, whole on every rank
     # (no attention: not blocks), so nothing is gathered or reduced for them; the audio stream sharded where the stack
-    # starts (before stop 33 the convs were the stack's first blocks: 4 gathers, 1 all-reduce, 2 inputs sharded)
+    # starts (had the convs been taken as the stack's first blocks: 4 gathers, 1 all-reduce, 2 inputs sharded)
     longcat = cases["longcat_audio"]["counts"]
     assert longcat["nonlocal_gathers"] == 0 and longcat["all_reduce"] == 0, longcat
     assert longcat["inputs_sharded"] == 1 and longcat["attention_replaced"] == 4

@@ -1,4 +1,4 @@
-"""The step replayed as a CUDA graph (``torch_compile={"regional": True, "mode": "reduce-overhead"}``, issue 23):
+"""The step replayed as a CUDA graph (``torch_compile={"regional": True, "mode": "reduce-overhead"}``):
 the same outputs and cache decisions as the eager step, over cache contexts, a new generation and a shape change,
 and no host sync per step. The CPU tests check the warm-up mode (both arms of every cond run, the picked one is
 returned) and the refusal where no CUDA graph can be replayed."""

@@ -435,7 +435,7 @@ def test_backend_setting_and_table(tmp_path, monkeypatch):
         assert D.table_choice(1, 1, 1, str(tmp_path / "bad.json")) is None
     monkeypatch.setenv(D.TABLE_ENV, str(tmp_path / "missing.json"))
     assert D.table_choice(4608, 3072, 3072) is None
-    # unset, the table sits beside the built libraries (the GPU run of stop 36 found this path broken: only a machine
+    # unset, the table sits beside the built libraries (a GPU run once found this path broken: only a machine
     # where the CUTLASS linear runs asked for it)
     monkeypatch.delenv(D.TABLE_ENV)
     monkeypatch.setenv("DIT_PASSES_CUTLASS_CACHE", str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""Peak memory while preparing a model from a checkpoint (issue 21, item 3): ``bench/prep_peak_memory.py --size tiny``'s
+"""Peak memory while preparing a model from a checkpoint: ``bench/prep_peak_memory.py --size tiny``'s
 logic in this process. SVDQuant W4 r32 lowered from a checkpoint never holds more than its final bytes plus one bf16
 block, and what it keeps afterwards is what ``memory_report`` shows (plus the 8 KiB fingerprint per released weight,
 which once kept the whole bf16 weight of a CPU model alive: ``ownership.weight_sample`` returned a view of it)."""

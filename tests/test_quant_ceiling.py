@@ -1,6 +1,6 @@
-"""``bench/h200_quant_ceiling.py``: the per-linear target's bound from a step report (issue 22's closing note cites
-it). The arithmetic on a report small enough to check by hand, the choice of GEMM and bandwidth rows, and the error
-for a card it has no bandwidth for."""
+"""``bench/quant_linear_ceiling.py``: the per-linear target's bound from a step report (what the fastest LUT GEMM
+leaves for the activation pre-pass). The arithmetic on a report small enough to check by hand, the choice of GEMM and
+bandwidth rows, and the error for a card it has no bandwidth for."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "h200_quant_ceiling.py")
-_spec = importlib.util.spec_from_file_location("h200_quant_ceiling", _PATH)
+_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "quant_linear_ceiling.py")
+_spec = importlib.util.spec_from_file_location("quant_linear_ceiling", _PATH)
 ceil = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ceil)
 
@@ -38,9 +38,9 @@ def test_main_writes_both_files(tmp_path):
     src = tmp_path / "step.json"
     src.write_text(json.dumps(_report()))
     assert ceil.main([str(src), "--out", str(tmp_path)]) == 0
-    md = (tmp_path / "h200_quant_ceiling.md").read_text()
+    md = (tmp_path / "quant_linear_ceiling.md").read_text()
     assert "| 1000x64 | 13.0 | 8.0 (1.62x) |" in md
-    assert json.loads((tmp_path / "h200_quant_ceiling.json").read_text())["shapes"]["1000x64"]["k"] == 1000
+    assert json.loads((tmp_path / "quant_linear_ceiling.json").read_text())["shapes"]["1000x64"]["k"] == 1000
 
 
 def test_unknown_card_is_named():

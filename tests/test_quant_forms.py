@@ -493,7 +493,7 @@ def test_auto_settings_take_the_kernels_on_fp8_gpus(cap, kernels, monkeypatch):
     cpu = torch.zeros(1, 4, 256)
     want = "kernel" if kernels else "graph"
     assert [dispatch.fp8_act_quant("per_row", x), dispatch.w4_expand(x)] == [want, want]
-    # the lrcat A operand: aten.mm + the row kernel where the kernels run (measured faster, stop 30)
+    # the lrcat A operand: aten.mm + the row kernel where the kernels run (measured faster: bench/results/quant_step_lrcat_act_h100.json)
     assert dispatch.lrcat_act_quant(x) == ("mm" if kernels else "graph") and dispatch.lrcat_act_quant(cpu) == "graph"
     assert dispatch.fp8_act_quant("per_tensor", x) == "graph"  # a per-tensor scale stays in the graph form
     assert [dispatch.fp8_act_quant("per_row", cpu), dispatch.w4_expand(cpu), dispatch.w4_expand()] == ["graph"] * 3

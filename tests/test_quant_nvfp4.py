@@ -185,7 +185,7 @@ def test_pass_checkpoint_layout_load_and_fp8_form(flux, tmp_path, monkeypatch):
     zm, ref = flux
     kw = zm.make_inputs()
     # modulation W8A16 (not the default W4A16_LR): its NVFP4 checkpoint reloads bit for bit; with W4A16_LR the
-    # reloaded output differs by ~2e-7 (accumulation order; open, see the issue 21 report)
+    # reloaded output differs by ~2e-7 (accumulation order)
     compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, precision="nvfp4", modulation="w8a16",
                                                           serialize_to=str(tmp_path))])
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Issue 9: every code example of the seed documents (/work/shared/seeds/*.txt) run through
+"""Every code example of the seed documents (/work/shared/seeds/*.txt) run through
 ``import dit_passes as cache_dit`` on tiny models (loading replaced by the tiny builders, paths by tmp_path,
 ``"cuda"`` by ``"cpu"``, ``prompt=`` by prompt embeddings since the tiny pipelines have no tokenizer).
 

@@ -2,7 +2,7 @@
 
 The interpreter (TRITON_INTERPRET=1, the CPU tests' mode) runs a kernel as Python and reads any global; the compiler
 takes only ``tl.constexpr`` globals, modules and other jitted functions. A plain ``GROUP_BYTES = 32`` read inside a
-kernel passed every CPU test and failed every GPU compile (stop 29): this test reads each kernel's names instead.
+kernel passed every CPU test and failed every GPU compile: this test reads each kernel's names instead.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Our Triton kernels compile for sm_90 on a machine without a GPU (``dit_passes.kernels.sm90_compile``).
 
-The CPU tests run the kernels under TRITON_INTERPRET=1, which accepts code the compiler rejects (stop 29: a plain
+The CPU tests run the kernels under TRITON_INTERPRET=1, which accepts code the compiler rejects (e.g. a plain
 global read inside a kernel failed every GPU test of its op, one device call lost). A subprocess without the
 interpreter compiles each kernel the Hopper defaults run, at one representative configuration, to a cubin for sm_90
 (nothing runs), and reads ptxas's register count: no spills at those configurations.

@@ -1,4 +1,4 @@
-"""Each weight held once (issue 21): what a pass replaces leaves the user's module and every cache.
+"""Each weight held once: what a pass replaces leaves the user's module and every cache.
 
 Resident bytes are counted independently of the library (``dit_passes.testing.resident``: every storage reachable
 through Python references from the module, once) and compared with ``CompiledDiT.memory_report()``.

@@ -1,4 +1,4 @@
-"""A model built on the meta device plus a safetensors checkpoint (issue 21, item 3): ``compile_dit(weights=...)``.
+"""A model built on the meta device plus a safetensors checkpoint: ``compile_dit(weights=...)``.
 
 Single process: the meta build equals the CPU-built model and the model ends holding the graph's tensors. On 2
 gloo ranks (one spawn): tensor parallelism reads only each rank's slice of a sharded weight (the source's byte

@@ -16,7 +16,7 @@ in it: export's graph does not depend on them (data-dependent Python either fail
 guarded at run time, see capture's docstring). Global state export may read (a context manager that selects an
 attention backend) is not in the key: reuse is off unless asked for (:func:`default_templates`).
 
-Ownership: a template holds no tensor of the model it was captured from (issue 21: a cache keeps no weight).
+Ownership: a template holds no tensor of the model it was captured from (a cache keeps no weight).
 """
 from __future__ import annotations
 

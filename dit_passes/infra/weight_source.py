@@ -1,4 +1,4 @@
-"""Weights read from a checkpoint while lowering, for a model built on the meta device (issue 21, item 3).
+"""Weights read from a checkpoint while lowering, for a model built on the meta device.
 
 A FLUX-size transformer does not fit whole on each rank of a tensor-parallel group, nor twice on one GPU while it
 is quantized. So the model may be built without its weights (``with torch.device("meta"): model = cls(**config)``)

@@ -1,4 +1,4 @@
-"""The weights tensor parallelism shards, each held once (issue 21: DESIGN.md §14).
+"""The weights tensor parallelism shards, each held once (DESIGN.md §14).
 
 :func:`shard_along` cuts rank ``r``'s shard of a weight: along ``dim`` the full extent is a concatenation of
 segments (one for a q projection, three for a fused QKV, gate and value of a fused SwiGLU) and the shard is the

@@ -2,7 +2,7 @@
 
 ``F.scaled_dot_product_attention`` picks its kernel at run time from a fixed priority list; on an H200 with
 torch 2.11 that is FlashAttention-2 for bf16, while cuDNN's fused attention is faster at DiT shapes (24 heads,
-4608 tokens, head dim 128: bench/results/h200_flux_attention.md). The choice cannot be made from outside a
+4608 tokens, head dim 128: bench/results/flux_cache_peers_h200.md, attention_backends_h200.json). The choice cannot be made from outside a
 compiled graph (the ``sdpa_kernel`` context manager is not a graph node), so this pass puts it in the graph:
 each ``aten.scaled_dot_product_attention`` becomes ``dit_passes::sdpa_backend`` with the backends to try, in
 order. The op is opaque to Inductor, which would fall back to the aten kernel for attention anyway.

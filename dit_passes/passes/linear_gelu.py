@@ -5,8 +5,8 @@ reads it back and writes it again in a separate kernel. On FLUX.1-dev that outpu
 4608 x 12288 bf16 (113 MB) per block: ~0.07 ms of memory traffic at the H100's bandwidth, 57 times a step.
 cuBLASLt applies bias and tanh-GELU in the GEMM's epilogue (``torch._addmm_activation(bias, x, w.t(), use_gelu=True)``),
 so the hidden state is written once. Measured with ``SplitConcatLinear`` on an H100
-(bench/results/h200_quant_step_stop30b_h100.json): Inductor's kernels 12.6 -> 7.4 ms a step, the GEMMs with the
-GELU-bias epilogue 84.5 -> 86.8 ms, the step 131.26 -> 128.10 ms.
+(bench/results/quant_step_epilogues_h100.json): the GEMMs with the epilogue take a little longer, Inductor's kernels
+much less, the step less.
 
 The op ``dit_passes::linear_gelu(x, weight, bias)`` is ``gelu(linear(x, weight, bias), approximate="tanh")``:
 on CUDA with a floating dtype cuBLASLt's epilogue (GELU on the fp32 accumulator, rounded once: within bf16

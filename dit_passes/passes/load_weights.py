@@ -1,4 +1,4 @@
-"""LoadWeights: read the weights of a model built on the meta device from its checkpoint (issue 21, item 3).
+"""LoadWeights: read the weights of a model built on the meta device from its checkpoint.
 
 ``compile_dit(model, passes, weights=<safetensors>)`` adds this pass itself; it is not meant for ``passes=[...]``.
 

@@ -2,9 +2,9 @@
 
 Why: a DiT block normalises its residual stream and modulates it by the timestep, ``LN(h) * (1 + scale) +
 shift``, twice or more per block. Inductor writes that as a looped reduction over the 3072-wide row (its persistent
-reductions stop at 1024 columns), reading the row twice: on an H100 37.4 us for a FLUX single block's input
-(4608 x 3072 bf16) where ``dit_passes::layer_norm_modulate`` takes 20.2 us, and 41.3 against 36.1 us with the
-gated residual ``h = r + gate * y`` before it (``bench/results/ln_modulate_kernel_h100.json``). On CUDA the op is
+reductions stop at 1024 columns), reading the row twice; ``dit_passes::layer_norm_modulate`` reads it once, with
+the gated residual ``h = r + gate * y`` before it too (FLUX's shapes on an H100:
+``bench/results/ln_modulate_kernel_h100.json``). On CUDA the op is
 one Triton launch (``dit_passes.kernels.ln_modulate_triton``); elsewhere the ATen ops it replaces, so the CPU result
 is the original's bit for bit.
 

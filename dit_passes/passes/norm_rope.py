@@ -1,8 +1,8 @@
 """FuseNormRope: the q / k RMSNorm and the interleaved rotary embedding after it become one op.
 
 Why: Inductor writes ``rope(rms_norm(q))`` as a reduction kernel per head row whose second loop swaps the pairs of
-``stack([-x1, x0], -1)``; on FLUX.1-dev's single blocks that kernel ran at ~1.2 TB/s on an H100 (3.5 ms of a
-128 ms step, ``bench/results/h200_quant_step_stop30b_h100.json``), and the double blocks pay a norm kernel, a
+``stack([-x1, x0], -1)``; on FLUX.1-dev's single blocks that kernel reaches about a third of an H100's memory
+bandwidth (``bench/results/quant_step_epilogues_h100.json``), and the double blocks pay a norm kernel, a
 concatenation and a rope kernel. ``dit_passes::rms_norm_rope`` reads each head row once and writes it once, the
 parts of a concatenation straight into their place in the output (``dit_passes.kernels.norm_rope_triton`` on CUDA;
 elsewhere the ATen ops it replaces, so the CPU result is the original's bit for bit).

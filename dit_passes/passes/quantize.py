@@ -388,9 +388,8 @@ class SVDQuantW4A4(_QuantizeLinears):
     the int4 forms give it to a modulation linear whose K is not a multiple of 64); ``"w4a16"`` weight-only int4
     (W4A4's weights); ``"svdq"`` W4A4 like the other linears; ``None`` leaves them unquantized. The activations
     (the conditioning vector) stay in their dtype: quantizing them buys the GEMV no speed and costs the worst images
-    (digits DiT, rank 32 PTQ, mean / min PSNR: unquantized 45.1 / 38.9 dB, W4A16_LR 44.8 / 37.9, W8A16 45.0 / 39.7,
-    W4A16 41.2 / 33.8, W4A4 44.0 / 31.4; FLUX.1-dev transformer 0.285x its bf16 bytes with W4A16_LR, 0.345x with
-    W8A16; bench/results/quant_fidelity_w4a16lr_refined.md, flux_modulation_error.md). They are never calibrated.
+    (PSNR per form on the digits DiT: bench/results/quant_fidelity_w4a16lr_refined.md; FLUX.1-dev's bytes per form:
+    flux_modulation_error.md). They are never calibrated.
 
     A linear ``FuseSiblingLinears`` made out of m siblings (graph fact ``fused_linears``: q / k / v, + ``proj_mlp`` in
     FLUX's single blocks) gets rank ``rank`` x m (its low-rank kinds: W4A4, NVFP4, W4A16_LR): at least the accuracy

@@ -2,8 +2,8 @@
 
 Why: ``linear(cat([a, b], -1), w, bias)`` first copies a and b into one buffer the GEMM then reads. FLUX's
 single-stream block does this with its attention output and its MLP's hidden state, 4608 x 15360 bf16 (141 MB)
-per block, 38 times a step (the kernel that writes it, GELU fused in: 4.1 of 131 ms a step on an H100,
-bench/results/h200_quant_step_stop30b_h100.json; with ``FuseLinearGelu`` the step is 3.2 ms faster). Since
+per block, 38 times a step (with ``FuseLinearGelu``, the step without that copy on an H100:
+bench/results/quant_step_epilogues_h100.json). Since
 ``cat([a, b]) @ w.T == a @ w[:, :ka].T + b @ w[:, ka:].T``, each part can be read where it already is: the weight's
 column slices are views (same storage, leading dimension K), which cuBLAS reads without a copy (Inductor passes
 them to the GEMM as reinterpreted views, and feeds the first product to the second GEMM as its C operand).

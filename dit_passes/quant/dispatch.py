@@ -292,7 +292,8 @@ def capability(device: torch.device) -> tuple:
 
 def on_fp8_gpu(x: Optional[torch.Tensor]) -> bool:
     """Whether x (a real or fake tensor) lives on a GPU with fp8 tensor cores and the e4m3 cast (sm_89+): where the
-    ``auto`` settings below take our Triton kernels (measured faster on the H100 / H200 step, stops 27-29)."""
+    ``auto`` settings below take our Triton kernels (measured faster on the H100 step:
+    ``bench/results/fastest_stack_fp8_forms_h100.md``)."""
     return x is not None and x.device.type == "cuda" and tuple(capability(x.device)) >= (8, 9)
 
 
@@ -331,7 +332,8 @@ def fp8_fast_accum() -> bool:
 def fp8_act_quant(granularity: str, x: Optional[torch.Tensor] = None) -> str:
     """How the fp8 graph form quantizes activations like ``x`` (module docstring): ``"graph"`` or ``"kernel"``
     (per-row only: a per-tensor scale stays in the graph form); ``auto`` (the default): the kernel on an sm_89+ GPU
-    (:func:`on_fp8_gpu`; 98.7 -> 93.9 ms on the fp8 step, H100), the graph form elsewhere."""
+    (:func:`on_fp8_gpu`; faster on the H100 fp8 step: bench/results/fastest_stack_fp8_forms_h100.md), the graph form
+    elsewhere."""
     s = os.environ.get(ACT_QUANT_ENV, "auto").strip().lower() or "auto"
     if s not in ACT_QUANT_SETTINGS:
         raise ValueError(f"{ACT_QUANT_ENV}={s!r}: expected one of {ACT_QUANT_SETTINGS}")
@@ -362,8 +364,8 @@ def weight_only_form(x: torch.Tensor, int4: bool = True) -> str:
     ``"kernel"`` (the int4 forms: the op ``dit_passes::w4a16_rows_linear``, one GEMV pass over the packed weight;
     the others take ``"rows"``) as ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks; else ``"linear"`` (the dequantized weight,
     then ``aten.linear``). ``auto`` (the default): ``"kernel"`` for the ``int4`` kinds on a GPU (FLUX's
-    modulation: 8.3 ms a step as the linear form, 2.2 ms as the kernel, H100), else ``"linear"`` (the rows form
-    holds an [rows, N, K] product where no compiler fuses it: not a default)."""
+    modulation: one read of the packed weight instead of a dequantized copy read again), else ``"linear"`` (the
+    rows form holds an [rows, N, K] product where no compiler fuses it: not a default)."""
     s = os.environ.get(WEIGHT_ONLY_ENV, "auto").strip().lower() or "auto"
     if s not in WEIGHT_ONLY_SETTINGS:
         raise ValueError(f"{WEIGHT_ONLY_ENV}={s!r}: expected one of {WEIGHT_ONLY_SETTINGS}")
@@ -388,8 +390,9 @@ def w4a16_rows_cuda(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor
 
 def w4_expand(x: Optional[torch.Tensor] = None) -> str:
     """How the SVDQuant fp8 graph forms expand their int4 weights to e4m3 for activations like ``x`` (module
-    docstring): ``"graph"`` or ``"kernel"``; ``auto`` (the default): the kernel on an sm_89+ GPU (Inductor's fusion
-    of the graph form: 109-491 GB/s, the kernel 2.0-2.15 TB/s), the graph form elsewhere."""
+    docstring): ``"graph"`` or ``"kernel"``; ``auto`` (the default): the kernel on an sm_89+ GPU (several times the
+    bandwidth of Inductor's fusion of the graph form: bench/results/w4_expand_kernel_h100.json), the graph form
+    elsewhere."""
     s = os.environ.get(W4_EXPAND_ENV, "auto").strip().lower() or "auto"
     if s not in W4_EXPAND_SETTINGS:
         raise ValueError(f"{W4_EXPAND_ENV}={s!r}: expected one of {W4_EXPAND_SETTINGS}")
@@ -442,8 +445,8 @@ def lrcat_act_quant(x: torch.Tensor) -> str:
     """How the lrcat form writes its A operand for activations like ``x``: where :func:`fp8_act_quant` says
     ``"graph"``, the form's ATen ops; where it says ``"kernel"``, by ``DIT_PASSES_LRCAT_ACT``: ``mm`` (``auto``, the
     default: the smoothed activation written in x.dtype by its producer under Inductor, its down projection by
-    ``aten.mm`` and one row pass, ``dit_passes::lrcat_quantize_smoothed``; the faster on the H100 step, stop 30:
-    115.6 against 119.3 ms) or ``stats`` (``dit_passes::lrcat_quantize_rows``: the down projection and the row
+    ``aten.mm`` and one row pass, ``dit_passes::lrcat_quantize_smoothed``; the faster on the H100
+    step, ``bench/results/quant_step_lrcat_act_h100.json``) or ``stats`` (``dit_passes::lrcat_quantize_rows``: the down projection and the row
     statistics in one Triton kernel, the quantization in a second)."""
     s = os.environ.get(LRCAT_ACT_ENV, "auto").strip().lower() or "auto"
     if s not in LRCAT_ACT_SETTINGS:
@@ -474,8 +477,9 @@ def svdq_form(x: torch.Tensor, qweight: torch.Tensor) -> str:
     ``DIT_PASSES_W4A4_BACKEND=fp8`` asks for W4A8 on any device; ``auto`` (the default) takes ``"lrcat_split"`` on
     Hopper (compute capability 9.x: fp8 but no 4-bit tensor cores) wherever ``_scaled_mm`` takes the shape and the
     lookup-table form (``lut_dispatch.svdq_lut``, kind ``svdq_lut``, which the pass stores instead where its library
-    runs: the fastest design measured, stop 34) does not apply (FLUX step, graphed: 109.2 ms against bf16's 131.1 on
-    an H100; digits DiT 46.2 dB); every other setting, device or shape gets the op."""
+    runs: the fastest design measured, ``bench/results/quant_step_h100.md``) does not apply (its step and fidelity:
+    ``bench/results/quant_step_lrcat_act_h100.json``, ``quant_fidelity_hopper.md``); every other setting, device or
+    shape gets the op."""
     setting = backend_setting()
     if setting == "fp8" or setting in LRCAT_FORMS or setting in W4A8_FORMS:
         return setting

@@ -20,15 +20,14 @@ import torch
 
 from .dispatch import _import_kernel, backend_setting, capability, fp8_act_quant, lrcat_act_module
 
-# the LUT form is the Hopper default (auto) where its library builds: FLUX step 104.4 / 105.8 ms against bf16's
-# 131.1 / 131.8 (1.255x / 1.246x), lrcat_split 109.2 in the first call (stop 34, H100); 103.1 against 131.4 (1.274x,
-# stop 35, H200); digits DiT PTQ 45.5 dB (lrcat_split 46.2)
+# the LUT form is the Hopper default (auto) where its library builds: the fastest SVDQuant form of the FLUX step on
+# the H100 and the H200 at SVDQuant's fidelity (bench/results/quant_step_h100.md, quant_step_h200.md;
+# quant_fidelity_lut2.md against lrcat_split's quant_fidelity_hopper.md)
 LUT_DEFAULT = True
 LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
 # two planes (h in e4m3, the GEMM 64 columns shorter at rank 32): the faster in each run that had both, at SVDQuant's
-# fidelity (issue 22: "keep the fastest at SVDQuant-level fidelity"): FLUX step 104.54 ms against three planes' 105.71
-# (bf16 131.72, stop 36, H100, one process); 103.32 against 103.77 (lowrank A operand, stop 35, H200); digits DiT PTQ
-# 45.34 dB against 45.49 (true W4A4's numerics 45.1; quant_fidelity_lut2.md)
+# fidelity (the fastest form that keeps SVDQuant-level fidelity): bench/results/quant_step_h100.md (two against three
+# planes, one process), quant_step_h200.md; digits DiT PTQ in quant_fidelity_lut2.md
 LUT_PLANES_DEFAULT = 2
 PLANE_CHOICES = (2, 3)  # the stored operand has three planes; a GEMM over two reads its prefix
 LUT_ACT_ENV = "DIT_PASSES_LUT_ACT"
@@ -73,8 +72,8 @@ def lut_act(x: torch.Tensor) -> str:
     ``"graph"`` (ATen ops) where ``dispatch.fp8_act_quant`` keeps the graph form (off sm_89+ GPUs), else as
     ``DIT_PASSES_LUT_ACT`` asks: ``rows`` (the default), ``"kernel"``: h by a cuBLAS mm, then the row kernel (xd read
     twice); ``lowrank``: the op ``dit_passes::lut_quantize_lowrank`` (xd's amax in its producer, the down projection
-    inside the op, xd read once), measured no faster: FLUX step 103.8 ms against the default's 103.1 on an H200
-    (its quantization kernel at ~half the memory bandwidth, stop 35)."""
+    inside the op, xd read once), measured no faster (its quantization kernel at ~half the memory bandwidth):
+    ``bench/results/quant_step_h200.md``, ``quant_step_h100.md``."""
     s = os.environ.get(LUT_ACT_ENV, "").strip().lower() or LUT_ACT_SETTINGS[0]
     if s not in LUT_ACT_SETTINGS:
         raise ValueError(f"{LUT_ACT_ENV}={s!r}: expected one of {LUT_ACT_SETTINGS}")

@@ -1,6 +1,6 @@
 """SVDQuant W4 on Hopper through lookup tables: the stored int4 weights read by the GEMM itself, the group scales
-in per-(row, K-group) tables of e4m3 values, the low-rank branch folded into K as two int4 digit planes (issue 22:
-"the 4-bit weights expanded to e4m3 in the GEMM's producer with the group scales folded").
+in per-(row, K-group) tables of e4m3 values, the low-rank branch folded into K as two int4 digit planes: the
+4-bit weights become e4m3 in the GEMM's producer with the group scales folded, and no expanded copy is written.
 
 This module is the specification (ATen ops, any device) of ``kernels/w4a8_lut_cutlass.cu``'s GEMM and the load-time
 transform that makes its operands from SVDQuant's stored tensors (qweight int4 [N, K/2], wscale [N, K/64],

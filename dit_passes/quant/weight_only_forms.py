@@ -39,9 +39,9 @@ weight once where the linear writes a dequantized [N, K] copy for cuBLAS to read
 
     y = x.dtype(sum_k(float(x)[..., None, :] * float(x.dtype(w))) + float(bias))       # [..., N]
 
-(FLUX's W4A16 modulation linears, a quarter of its weights: 8.3 ms a step on an H100 as copy + GEMV, 4.2 ms on an
-H200 as this reduction, stop 28; :func:`w4a16_rows_op_form` writes the op ``dit_passes::w4a16_rows_linear``, one
-Triton GEMV pass, instead: 2.2 ms on an H100, stop 29, the GPU default.) In fp32 it equals the linear up to summation order; in bf16 it rounds once, as the
+(FLUX's W4A16 modulation linears hold a quarter of its weights and see one row each: a bandwidth-bound GEMV, where a
+dequantized copy doubles the bytes moved; :func:`w4a16_rows_op_form` writes the op ``dit_passes::w4a16_rows_linear``,
+one Triton GEMV pass over the packed weight, instead: the GPU default, the form that reads each packed byte once.) In fp32 it equals the linear up to summation order; in bf16 it rounds once, as the
 linear's fp32 accumulation does.
 """
 from __future__ import annotations

@@ -1,8 +1,0 @@
-#!/bin/bash
-# The quantization step benchmark on one H200 in one device call (issue 22): bench/h200_quant_step.py, ~4 minutes.
-#   device tool: run(command="bash bench/h200_quant_step.sh")   (no wheels needed: the model is diffusers-free)
-#   results: $OUT/h200_quant_step.json and .md; extra arguments go to the script (e.g. --rows bf16,fp8)
-set -u
-source bench/device_env.sh
-timeout ${QUANT_STEP_TIMEOUT:-540} python3 "$repo/bench/h200_quant_step.py" --out "$out" "$@"
-echo "h200_quant_step rc=$?"
