@@ -71,6 +71,7 @@ biases at the op's bias buffers), unless ``keep_original=True`` (DESIGN.md §14)
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -96,7 +97,7 @@ from ..quant.w8a16 import prepare_w8a16
 from ..patterns.quant_linear import QUANT_KINDS
 from .quantize_fused import fused_members, fused_note, low_rank_of
 from .quantize_graph import apply_by_kind, released_tables
-from .quantize_select import DEFAULT_EXCLUDE, ROLE_NAMES, check_patterns, inside_classes, select_linears  # noqa: F401
+from .quantize_select import DEFAULT_EXCLUDE, ROLE_NAMES, SKIP_REASONS, check_patterns, inside_classes, select_linears  # noqa: F401,E501
 
 W8A16, W4A16, W4A16_LR = "w8a16", "w4a16", "w4a16_lr"
 WEIGHT_ONLY = (W8A16, W4A16, W4A16_LR)
@@ -221,7 +222,9 @@ class _QuantizeLinears(Pass):
             raise PassError(f"{self.name} rewrites weights, which the {ctx.frontend!r} front end passes as graph "
                             "inputs: use compile_dit(model, passes=[...]) instead of the torch.compile backend")
         structure = get_structure(gm)
-        sites = select_linears(structure, self.include, self.exclude, self.filter_fn, self.regional, self.block_classes)
+        left: Dict[str, int] = {}  # linears the selection left, by reason (SKIP_REASONS)
+        sites = select_linears(structure, self.include, self.exclude, self.filter_fn, self.regional, self.block_classes,
+                               skipped=left)
         if self.block_classes is not None and not any(inside_classes(s, self.block_classes) for s in structure.linears):
             raise PassError(f"{self.name}: block_classes={list(self.block_classes)}: no linear of the graph lies inside "
                             f"a module of these classes (the block lists found: "
@@ -240,11 +243,15 @@ class _QuantizeLinears(Pass):
             notes.append(f"left {skipped} linear(s) in their original precision: " + "; ".join(
                 f"{len(ps)} with {why} (e.g. {', '.join(ps[:3])})" for why, ps in by_reason.items()))
             sites = [s for s in sites if s.module_path not in bad]
+        if skipped:
+            left["k"] = skipped
+        if not sites:
+            return self._nothing_quantized(len(structure.linears), left, notes)
         early = self.before_quantize(gm, ctx, sites, notes)  # a subclass may observe instead, or drop sites
         if early is not None:
             return early
         if not sites:
-            return PassResult(False, {"replaced": 0, "skipped_k": skipped}, "no eligible linear in the blocks; " + "; ".join(notes))
+            return self._nothing_quantized(len(structure.linears), left, notes)
         paths = list(dict.fromkeys(s.module_path for s in sites))
         self._fused = fused_members(gm, paths)
         kinds = {s.module_path: self.kind_of(s) for s in sites}
@@ -262,7 +269,9 @@ class _QuantizeLinears(Pass):
             tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
         kinds = self.stored_form(tables, kinds)
         counts = apply_by_kind(gm, sites, kinds, tables, ledger, self)
+        counts["considered"] = len(structure.linears)
         counts["skipped_k"] = skipped
+        counts.update({f"skipped_{r}": n for r, n in left.items() if r != "k"})
         if self._fused:
             counts["fused_linears"] = len(self._fused)
             notes.append(fused_note(self._fused, tables))
@@ -279,7 +288,22 @@ class _QuantizeLinears(Pass):
         per_kind = ", ".join(f"{k[len('kind_'):]} {v}" for k, v in counts.items() if k.startswith("kind_"))
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "
                   f"[{per_kind}] ({how}); {counts['bytes_before']} -> {counts['bytes_after']} bytes ({ratio:.2f}x)")
+        kept = _left_text({r: n for r, n in left.items() if r != "k"})  # the K reasons are in notes, with examples
+        if kept:
+            report += f"; of {counts['considered']} linear(s), left unquantized: {kept}"
         return PassResult(True, counts, "; ".join([report] + notes))
+
+    def _nothing_quantized(self, considered: int, left: Dict[str, int], notes: List[str]) -> PassResult:
+        """No linear to quantize: the graph is left as it is, and the caller is told why (a warning, the report and
+        the ``skipped_<reason>`` counts), since a quantization that changed nothing looks like one that worked."""
+        counts = {"replaced": 0, "considered": considered, "skipped_k": left.get("k", 0),
+                  **{f"skipped_{r}": n for r, n in left.items() if r != "k"}}
+        why = _left_text(left) if considered else "the graph has no linear"
+        report = (f"{self.quant_type()}: quantized no linear: of {considered} linear(s) considered, left "
+                  f"unquantized: {why}")
+        report = "; ".join([report] + notes)
+        warnings.warn(f"{self.name}: {report}; the model runs in its original precision", stacklevel=2)
+        return PassResult(False, counts, report)
 
     def _tables_from_source(self, ctx, gm, paths, kinds, weights, biases, block_lists, notes):
         """A model built on the meta device (``compile_dit(weights=...)``): each linear's weight and bias are read
@@ -505,6 +529,12 @@ class SVDQuantW4A4(_QuantizeLinears):
         q = prepare(weight, bias, act_absmax=absmax, rank=self.rank_of(path), alpha=self.alpha, smooth=smooth,
                     seed=self.seed, dtype=weight.dtype, svd=self.svd_precision, refine_iters=self.refine_iters)
         return q.tensors()
+
+
+def _left_text(left: Dict[str, int]) -> str:
+    """``"3 outside the repeated blocks, 2 excluded ..."`` for the counts by reason (``"k"``: the kind's K rule)."""
+    words = {**SKIP_REASONS, "k": "whose K the kind cannot take (which, below)"}
+    return ", ".join(f"{n} {words.get(r, r)}" for r, n in left.items() if n)
 
 
 # the torchao-style passes live beside (this file's size); re-exported here, where they have always been imported from
