@@ -145,7 +145,10 @@ class _QuantizeLinears(Pass):
     kind = ""
 
     def __init__(self, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, serialize_to=None, regional=True,
-                 block_classes=None):
+                 block_classes=None, verbose: bool = False):
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be a bool, got {verbose!r}")
+        self.verbose = verbose  # print, per linear, what it became or why it was left (cache-dit's verbose summary)
         self.include = check_patterns("include", include)
         self.regional = bool(regional)
         self.block_classes = check_patterns("block_classes", block_classes)
@@ -189,7 +192,8 @@ class _QuantizeLinears(Pass):
 
     def config_items(self) -> Dict[str, Any]:
         return {"quant_type": self.quant_type(), "include": self.include, "exclude": self.exclude,
-                "regional": self.regional, "block_classes": self.block_classes, "serialize_to": self.serialize_to}
+                "regional": self.regional, "block_classes": self.block_classes, "serialize_to": self.serialize_to,
+                **({"verbose": True} if self.verbose else {})}
 
     def calibrate(self, weights: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         return None
@@ -223,8 +227,9 @@ class _QuantizeLinears(Pass):
                             "inputs: use compile_dit(model, passes=[...]) instead of the torch.compile backend")
         structure = get_structure(gm)
         left: Dict[str, int] = {}  # linears the selection left, by reason (SKIP_REASONS)
+        why: Dict[str, str] = {}  # ... and each one's reason, for verbose
         sites = select_linears(structure, self.include, self.exclude, self.filter_fn, self.regional, self.block_classes,
-                               skipped=left)
+                               skipped=left, why=why)
         if self.block_classes is not None and not any(inside_classes(s, self.block_classes) for s in structure.linears):
             raise PassError(f"{self.name}: block_classes={list(self.block_classes)}: no linear of the graph lies inside "
                             f"a module of these classes (the block lists found: "
@@ -245,13 +250,14 @@ class _QuantizeLinears(Pass):
             sites = [s for s in sites if s.module_path not in bad]
         if skipped:
             left["k"] = skipped
+            why.update({p: f"k: {reason}" for p, (reason, _) in bad.items()})
         if not sites:
-            return self._nothing_quantized(len(structure.linears), left, notes)
+            return self._nothing_quantized(structure, left, notes, why)
         early = self.before_quantize(gm, ctx, sites, notes)  # a subclass may observe instead, or drop sites
         if early is not None:
             return early
         if not sites:
-            return self._nothing_quantized(len(structure.linears), left, notes)
+            return self._nothing_quantized(structure, left, notes, why)
         paths = list(dict.fromkeys(s.module_path for s in sites))
         self._fused = fused_members(gm, paths)
         kinds = {s.module_path: self.kind_of(s) for s in sites}
@@ -291,11 +297,27 @@ class _QuantizeLinears(Pass):
         kept = _left_text({r: n for r, n in left.items() if r != "k"})  # the K reasons are in notes, with examples
         if kept:
             report += f"; of {counts['considered']} linear(s), left unquantized: {kept}"
+        if self.verbose:
+            self._print_table(structure, {s.module_path: kinds[s.module_path] for s in sites}, why, report)
         return PassResult(True, counts, "; ".join([report] + notes))
 
-    def _nothing_quantized(self, considered: int, left: Dict[str, int], notes: List[str]) -> PassResult:
+    def _print_table(self, structure, done: Dict[str, str], why: Dict[str, str], headline: str) -> None:
+        """``verbose``: each linear of the graph, graph order, with the kind it became or why it was left."""
+        rows = []
+        for site in structure.linears:
+            p = site.module_path
+            if p in done:
+                rows.append((p, done[p]))
+            elif p in why:
+                key, _, detail = why[p].partition(": ")
+                rows.append((p, "left: " + (detail if key == "k" else SKIP_REASONS.get(key, key))))
+        width = max((len(p) for p, _ in rows), default=0)
+        print(f"[dit_passes] {self.name}: {headline}\n" + "\n".join(f"  {p:<{width}}  {what}" for p, what in rows))
+
+    def _nothing_quantized(self, structure, left: Dict[str, int], notes: List[str], why: Dict[str, str]) -> PassResult:
         """No linear to quantize: the graph is left as it is, and the caller is told why (a warning, the report and
         the ``skipped_<reason>`` counts), since a quantization that changed nothing looks like one that worked."""
+        considered = len(structure.linears)
         counts = {"replaced": 0, "considered": considered, "skipped_k": left.get("k", 0),
                   **{f"skipped_{r}": n for r, n in left.items() if r != "k"}}
         why = _left_text(left) if considered else "the graph has no linear"
@@ -303,6 +325,8 @@ class _QuantizeLinears(Pass):
                   f"unquantized: {why}")
         report = "; ".join([report] + notes)
         warnings.warn(f"{self.name}: {report}; the model runs in its original precision", stacklevel=2)
+        if self.verbose:
+            self._print_table(structure, {}, why, report)
         return PassResult(False, counts, report)
 
     def _tables_from_source(self, ctx, gm, paths, kinds, weights, biases, block_lists, notes):
@@ -429,8 +453,8 @@ class SVDQuantW4A4(_QuantizeLinears):
                  alpha: float = 0.5, serialize_to=None, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
                  smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W4A16_LR,
                  precision: str = "int4", regional: bool = True, block_classes=None, svd_precision: str = "low",
-                 refine_iters: int = 0):
-        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes)
+                 refine_iters: int = 0, verbose: bool = False):
+        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose)
         if svd_precision not in SVD_PRECISIONS:
             raise ValueError(f"svd_precision must be one of {SVD_PRECISIONS}, got {svd_precision!r}")
         if isinstance(refine_iters, bool) or not isinstance(refine_iters, int) or refine_iters < 0:

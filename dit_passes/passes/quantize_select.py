@@ -43,16 +43,19 @@ SKIP_REASONS = {"quantized_already": "quantized by an earlier pass", "outside_bl
 
 
 def select_linears(structure, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, regional=True,
-                   block_classes=None, skipped: Optional[Dict[str, int]] = None) -> List[Any]:
+                   block_classes=None, skipped: Optional[Dict[str, int]] = None,
+                   why: Optional[Dict[str, str]] = None) -> List[Any]:
     """The LinearSites that ``include`` / ``exclude`` / ``filter_fn`` accept, graph order: those of the discovered blocks
     (``regional``), of the modules whose class ``block_classes`` names, or every linear (``regional=False``).
     ``skipped``: a dict that receives, per :data:`SKIP_REASONS` key, how many linears were left for that reason
-    (the first reason that applies, in the order above)."""
+    (the first reason that applies, in the order above); ``why``: one that receives each left linear's path -> key."""
     out = []
 
     def skip(reason: str) -> None:
         if skipped is not None:
             skipped[reason] = skipped.get(reason, 0) + 1
+        if why is not None:
+            why[site.module_path] = reason
     for site in structure.linears:
         if site.node.meta.get("dit_quant"):  # quantized already
             skip("quantized_already")
