@@ -227,9 +227,9 @@ class _QuantizeLinears(Pass):
                             "inputs: use compile_dit(model, passes=[...]) instead of the torch.compile backend")
         structure = get_structure(gm)
         left: Dict[str, int] = {}  # linears the selection left, by reason (SKIP_REASONS)
-        why: Dict[str, str] = {}  # ... and each one's reason, for verbose
+        left_by_path: Dict[str, str] = {}  # ... and each one's reason, for verbose
         sites = select_linears(structure, self.include, self.exclude, self.filter_fn, self.regional, self.block_classes,
-                               skipped=left, why=why)
+                               skipped=left, why=left_by_path)
         if self.block_classes is not None and not any(inside_classes(s, self.block_classes) for s in structure.linears):
             raise PassError(f"{self.name}: block_classes={list(self.block_classes)}: no linear of the graph lies inside "
                             f"a module of these classes (the block lists found: "
@@ -250,14 +250,14 @@ class _QuantizeLinears(Pass):
             sites = [s for s in sites if s.module_path not in bad]
         if skipped:
             left["k"] = skipped
-            why.update({p: f"k: {reason}" for p, (reason, _) in bad.items()})
+            left_by_path.update({p: f"k: {reason}" for p, (reason, _) in bad.items()})
         if not sites:
-            return self._nothing_quantized(structure, left, notes, why)
+            return self._nothing_quantized(structure, left, notes, left_by_path)
         early = self.before_quantize(gm, ctx, sites, notes)  # a subclass may observe instead, or drop sites
         if early is not None:
             return early
         if not sites:
-            return self._nothing_quantized(structure, left, notes, why)
+            return self._nothing_quantized(structure, left, notes, left_by_path)
         paths = list(dict.fromkeys(s.module_path for s in sites))
         self._fused = fused_members(gm, paths)
         kinds = {s.module_path: self.kind_of(s) for s in sites}
@@ -298,7 +298,7 @@ class _QuantizeLinears(Pass):
         if kept:
             report += f"; of {counts['considered']} linear(s), left unquantized: {kept}"
         if self.verbose:
-            self._print_table(structure, {s.module_path: kinds[s.module_path] for s in sites}, why, report)
+            self._print_table(structure, {s.module_path: kinds[s.module_path] for s in sites}, left_by_path, report)
         return PassResult(True, counts, "; ".join([report] + notes))
 
     def _print_table(self, structure, done: Dict[str, str], why: Dict[str, str], headline: str) -> None:
@@ -320,9 +320,9 @@ class _QuantizeLinears(Pass):
         considered = len(structure.linears)
         counts = {"replaced": 0, "considered": considered, "skipped_k": left.get("k", 0),
                   **{f"skipped_{r}": n for r, n in left.items() if r != "k"}}
-        why = _left_text(left) if considered else "the graph has no linear"
+        reasons = _left_text(left) if considered else "the graph has no linear"
         report = (f"{self.quant_type()}: quantized no linear: of {considered} linear(s) considered, left "
-                  f"unquantized: {why}")
+                  f"unquantized: {reasons}")
         report = "; ".join([report] + notes)
         warnings.warn(f"{self.name}: {report}; the model runs in its original precision", stacklevel=2)
         if self.verbose:
