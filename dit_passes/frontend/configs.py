@@ -335,6 +335,10 @@ class QuantizeConfig:
             strategy = smooth_strategy(self.svdq_kwargs or {}, dynamic, self.quant_type)
             self.args["smooth"], self.smooth_strategy = SMOOTH[strategy], strategy
         self.svdq_options, self.few_shot = svdq_options(self.svdq_kwargs or {}, strategy)
+        if self.kind == "svdq" and self.args["precision"] == "nvfp4" and (self.svdq_kwargs or {}).get(
+                "runtime_kernel") == "v2":
+            raise ValueError(f"{self.quant_type}: svdq_kwargs['runtime_kernel']='v2' is refused, as cache-dit refuses "
+                             "it for SVDQ NVFP4 (its v1 kernel only); drop the key")
         if self.kind == "svdq":
             if dynamic and self.calibrate_fn is not None:
                 raise ValueError("calibrate_fn is not used by SVDQuant dynamic quantization (_dq): drop it")
