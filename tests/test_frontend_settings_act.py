@@ -76,6 +76,21 @@ def test_parallel_kwargs_set_the_fields_they_name_and_refuse_others():
         ParallelismConfig(ulysses_size=2, parallel_kwargs={"ulysses_fp8": True})
 
 
+def test_parallelism_backend_names_are_cache_dits():
+    cache_dit = pytest.importorskip("cache_dit")
+    from cache_dit.distributed.backend import ParallelismBackend
+    from dit_passes.frontend.configs import PARALLEL_BACKENDS
+    for name in PARALLEL_BACKENDS:  # each name we take is one the reference takes
+        ParallelismBackend.from_str(name)
+    del cache_dit
+    assert ParallelismConfig(ulysses_size=2, backend="Native_Diffuser").to_passes()
+    assert ParallelismConfig(tp_size=2, backend=ParallelismBackend.NATIVE_PYTORCH).to_passes()
+    with pytest.raises(ValueError, match="backend='nccl' is not a parallelism backend"):
+        ParallelismConfig(ulysses_size=2, backend="nccl")
+    with pytest.raises(ValueError, match="backend='native_pytorch' does not run Ulysses2: it needs backend='cache_dit'"):
+        ParallelismConfig(ulysses_size=2, backend="native_pytorch")
+
+
 def test_parallel_fields_without_effect_warn():
     _, msgs = caught(lambda: ParallelismConfig(ulysses_size=2, extra_parallel_kwargs={"boogu_double_stream_cp": False}))
     assert any("extra_parallel_kwargs ['boogu_double_stream_cp']: no key has an effect" in m for m in msgs)

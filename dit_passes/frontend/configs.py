@@ -93,6 +93,7 @@ class ParallelismConfig:
         self._flatten_parallel_kwargs()
         for name in ("ulysses_size", "ring_size", "tp_size", "ray_num_workers"):
             _size(name, getattr(self, name))
+        self._check_backend()
         if not isinstance(self.extra_parallel_kwargs, dict):
             raise TypeError(f"ParallelismConfig.extra_parallel_kwargs must be a dict, got "
                             f"{type(self.extra_parallel_kwargs).__name__}")
@@ -136,6 +137,22 @@ class ParallelismConfig:
         if self.ring_rotate_method not in (None, "p2p", "allgather"):
             raise ValueError(f"ParallelismConfig.ring_rotate_method={self.ring_rotate_method!r}: use 'p2p' "
                              "(ring exchanges) or 'allgather' (one all-gather of K / V per attention)")
+
+    def _check_backend(self) -> None:
+        """``backend`` as the reference checks it: one of its names (or its enum), and, where a size is > 1, the one
+        it would pick for these sizes (CP: cache_dit / native_diffuser, TP: native_pytorch, both: native_hybrid)."""
+        value = getattr(self.backend, "value", self.backend)
+        name = PARALLEL_BACKENDS.get(value.lower()) if isinstance(value, str) else None
+        if name is None or name == "none":
+            raise ValueError(f"ParallelismConfig.backend={self.backend!r} is not a parallelism backend; use one of "
+                             f"{sorted(k for k, v in PARALLEL_BACKENDS.items() if v != 'none')} ('auto' picks the one "
+                             "of the sizes)")
+        u, r, t = self.sizes()
+        cp, tp = u * r > 1, t > 1
+        need = "native_hybrid" if cp and tp else "cache_dit" if cp else "native_pytorch" if tp else None
+        if name != "auto" and need is not None and name != need:
+            raise ValueError(f"ParallelismConfig.backend={self.backend!r} does not run {self.strify()}: it needs "
+                             f"backend={need!r} (or 'auto'), as in cache-dit")
 
     def _flatten_parallel_kwargs(self) -> None:
         """The reference's deprecated ``parallel_kwargs``: each key naming a field sets it (over the field's own
@@ -202,6 +219,9 @@ class ParallelismConfig:
         return "_".join(parts)
 
 
+# cache-dit's ParallelismBackend names and values (case-insensitive) -> the canonical one (native_diffuser: cache_dit)
+PARALLEL_BACKENDS = {"auto": "auto", "cache_dit": "cache_dit", "native_diffuser": "cache_dit",
+                     "native_pytorch": "native_pytorch", "native_hybrid": "native_hybrid", "none": "none"}
 # the reference's parallel_kwargs keys that name the Ulysses / ring fields, and its deprecated spellings of three
 PARALLEL_KWARGS = ("ulysses_anything", "ulysses_float8", "ulysses_async", "ring_rotate_method", "ring_convert_to_fp32")
 PARALLEL_KWARGS_DEPRECATED = {"experimental_ulysses_anything": "ulysses_anything",
