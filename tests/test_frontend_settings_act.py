@@ -274,3 +274,27 @@ def test_quantization_that_quantizes_nothing_says_why():
     assert rec.result.changed and c["replaced"] > 0 and not any("quantized no linear" in m for m in msgs)
     assert c["considered"] == c["replaced"] + sum(v for k, v in c.items() if k.startswith("skipped_"))
     assert "left unquantized:" in rec.result.report and "outside the" in rec.result.report
+
+
+def _row_parallel_rank(rank, world):
+    """TP on ``world`` ranks then float8_per_row (per_tensor_fallback=True, the default): each quantized linear's
+    kind (False, the row-parallel linears left out, is the single-device test's filter alone)."""
+    import dit_passes as cache_dit
+    from dit_passes.models.zoo import build
+    zm = build("flux")
+    compiled = cache_dit.enable_cache(zm.model, parallelism_config=cache_dit.ParallelismConfig(tp_size=world),
+                                      quantize_config=cache_dit.QuantizeConfig())
+    with torch.no_grad():
+        compiled(**zm.make_inputs())
+    return {n.meta["dit_module_path"]: n.meta["dit_quant"] for n in compiled.graph.nodes if n.meta.get("dit_quant")}
+
+
+@pytest.mark.multiproc
+def test_per_tensor_fallback_on_tensor_parallel_ranks():
+    """The quantize passes after the TP pass find its row-parallel linears (by role) and give them fp8 per tensor."""
+    from dit_passes.testing import run_ranks
+    rows = ("attn.to_out", "to_add_out", "ff.net.2", "ff_context.net.2", "proj_out")
+    for rank, kinds in enumerate(run_ranks(_row_parallel_rank, 2, timeout=300)):
+        row = {p: k for p, k in kinds.items() if any(r in p for r in rows)}
+        assert row and set(row.values()) == {"fp8_per_tensor"}, rank
+        assert {k for p, k in kinds.items() if p not in row} == {"fp8_per_row"}, rank
