@@ -49,7 +49,12 @@ include/exclude entry that is a role name (``q``, ``mlp_up``, ...) matches that 
 module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0, and no kind quantizes K = 0 (an empty reduction):
 such linears stay in their original precision, counted (``skipped_k``) and listed with the reason in the report
 (``explain()``), or are refused when ``include`` named them (W8A16 takes any K > 0, and takes the modulation
-linears int4 cannot group).
+linears int4 cannot group). ``counts``: ``replaced`` (linear nodes quantized), ``considered`` (every linear of the
+graph) and, for the others, ``skipped_<reason>`` (``quantize_select.SKIP_REASONS``: outside the blocks, excluded,
+refused by ``filter_fn``, ...; ``skipped_k`` for the K rule): considered = replaced + the skipped ones. A pass that
+quantizes no linear leaves the graph as it is, returns changed=False with those reasons in its report, and warns
+(``warnings.warn``): such a model runs in its original precision, which looks like a quantization that worked.
+``verbose=True`` prints each linear with the kind it became or why it was left.
 
 Calibration (PTQ, ``calibrate_fn``): the pass runs ``calibrate_fn()`` once under a
 ``TorchFunctionMode`` that records the per-channel abs-max of the input of every ``F.linear`` call
