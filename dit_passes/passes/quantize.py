@@ -51,7 +51,8 @@ such linears stay in their original precision, counted (``skipped_k``) and liste
 (``explain()``), or are refused when ``include`` named them (W8A16 takes any K > 0, and takes the modulation
 linears int4 cannot group). ``counts``: ``replaced`` (linear nodes quantized), ``considered`` (every linear of the
 graph) and, for the others, ``skipped_<reason>`` (``quantize_select.SKIP_REASONS``: outside the blocks, excluded,
-refused by ``filter_fn``, ...; ``skipped_k`` for the K rule): considered = replaced + the skipped ones. A pass that
+refused by ``filter_fn``, ...; ``skipped_k`` for the K rule): considered = replaced + the skipped ones (few-shot's
+linears that never ran while observed are in the report's notes). A pass that
 quantizes no linear leaves the graph as it is, returns changed=False with those reasons in its report, and warns
 (``warnings.warn``): such a model runs in its original precision, which looks like a quantization that worked.
 ``verbose=True`` prints each linear with the kind it became or why it was left.
