@@ -125,18 +125,21 @@ def test_attention_backend_pins_the_sdpa_kernel_or_is_refused():
 
 @pytest.mark.ray
 def test_ray_auto_shutdown_leaves_ray_running():
-    """cache-dit's engine stops the Ray it started on shutdown unless ray_auto_shutdown=False."""
+    """cache-dit's engine stops the Ray it started on shutdown unless ray_auto_shutdown=False (the default, True,
+    stopping it: tests/test_ray_launcher_owned.py); the front end hands the field to the launcher."""
     ray = pytest.importorskip("ray")
+    from dit_passes.frontend import api
     from dit_passes.launch.ray_engine import RayEngine
-    from dit_passes.launch.ray_launcher import RayLauncher
     if ray.is_initialized():
         pytest.skip("a Ray of this process is already running")
-    for auto in (False, True):
-        engine = RayEngine(RayLauncher(world_size=1, auto_shutdown=auto), "transformer")
-        engine._init_ray()
+    launcher = api._ray_launcher(ParallelismConfig(use_ray=True, ray_auto_shutdown=False))
+    engine = RayEngine(launcher, "transformer")
+    engine._init_ray()
+    try:
         engine.shutdown()
-        assert ray.is_initialized() is (not auto)
-        ray.shutdown()  # the next engine starts its own
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()
 
 
 # ------------------------------------------------------------------------------- QuantizeConfig
