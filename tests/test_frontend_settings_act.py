@@ -87,7 +87,7 @@ def test_parallelism_backend_names_are_cache_dits():
     assert ParallelismConfig(tp_size=2, backend=ParallelismBackend.NATIVE_PYTORCH).to_passes()
     with pytest.raises(ValueError, match="backend='nccl' is not a parallelism backend"):
         ParallelismConfig(ulysses_size=2, backend="nccl")
-    with pytest.raises(ValueError, match="backend='native_pytorch' does not run Ulysses2: it needs backend='cache_dit'"):
+    with pytest.raises(ValueError, match="'native_pytorch' does not run Ulysses2: it needs backend='cache_dit'"):
         ParallelismConfig(ulysses_size=2, backend="native_pytorch")
 
 
@@ -209,7 +209,7 @@ def test_svdq_tuning_keys_and_unused_fields_warn():
 
 # ------------------------------------------------------------------------------- quantize / load / summary
 def test_quantize_and_load_take_cache_dits_signatures(tmp_path):
-    """cache_dit.quantize(module, quantize_config=None, **kwargs) and cache_dit.load(module, quantize_config_or_path)."""
+    """cache_dit.quantize(module, quantize_config=None, **kwargs), cache_dit.load(module, quantize_config_or_path)."""
     tr = tiny_flux(heads=4)  # inner dim 64: int4 groups of 64
     reference = call(quantize(tr, QuantizeConfig(quant_type="int8_per_row"), keep_original=True))
     assert torch.equal(call(quantize(tr, quantize_config=QuantizeConfig(quant_type="int8_per_row"),

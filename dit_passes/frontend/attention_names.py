@@ -39,10 +39,10 @@ def attention_pass(name: Any) -> Optional[AttentionBackend]:
     if key in PINNED:
         return AttentionBackend(PINNED[key], fallback=False)
     if key in OTHER_KERNELS:
-        raise NotImplementedError(f"ParallelismConfig.attention_backend={value!r} is another package's attention kernel, "
-                                  f"which dit_passes does not run (its output differs from SDPA's); use one of "
-                                  f"{list(SUPPORTED)} (PyTorch SDPA: its own choice, or one kernel pinned), or leave it "
-                                  "None")
+        raise NotImplementedError(f"ParallelismConfig.attention_backend={value!r} is another package's attention "
+                                  f"kernel, which dit_passes does not run (its output differs from SDPA's); use one "
+                                  f"of {list(SUPPORTED)} (PyTorch SDPA: its own choice, or one kernel pinned), or "
+                                  "leave it None")
     raise ValueError(f"ParallelismConfig.attention_backend={value!r} is not an attention backend of cache-dit or "
                      f"diffusers; use one of {list(SUPPORTED)} or leave it None")
 

@@ -46,10 +46,12 @@ class ParallelismConfig:
     ``attention_backend``: ``"native"`` (SDPA's choice) or a pinned SDPA kernel (``"_native_cudnn"``,
     ``"_native_flash"``, ``"_native_efficient"``, ``"_native_math"``, cache-dit's ``"_sdpa_cudnn"``) appends
     ``passes.AttentionBackend`` (:mod:`~dit_passes.frontend.attention_names`); other packages' kernels (flash-attn,
-    sage, ...) are refused. ``parallel_kwargs`` (deprecated there too) sets the fields it names, ``experimental_ulysses_*``
-    the ``ulysses_*`` ones, and refuses other keys; ``extra_parallel_kwargs`` warns (cache-dit 1.5.3 reads none of its
-    keys). ``ray_auto_shutdown=False`` leaves the Ray this front end started running after ``disable_cache`` (the
-    workers stop either way); ``ray_master_port`` warns (rank 0 picks a free port). CP together with TP builds both on one mesh
+    sage, ...) are refused. ``parallel_kwargs`` (deprecated there too) sets the fields it names,
+    ``experimental_ulysses_*`` the ``ulysses_*`` ones, and refuses other keys; ``extra_parallel_kwargs`` warns
+    (cache-dit 1.5.3 reads none of its keys). ``ray_auto_shutdown=False`` leaves the Ray this front end started
+    running after ``disable_cache`` (the workers stop either way); ``ray_master_port`` warns (rank 0 picks a free
+    port). ``backend``: cache-dit's names, refused where its sizes need another. CP together with TP builds both on
+    one mesh
     (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). ``extra_parallel_modules`` (text encoders: TE-P,
     a VAE: VAE-P, a ControlNet: CN-P) are parallelised where the transformer runs: this process, or with
     ``use_ray`` the workers (the pipeline gets a proxy of each); given as modules or as names (``"text_encoder"``:
@@ -98,10 +100,10 @@ class ParallelismConfig:
             raise TypeError(f"ParallelismConfig.extra_parallel_kwargs must be a dict, got "
                             f"{type(self.extra_parallel_kwargs).__name__}")
         if self.extra_parallel_kwargs:  # the reference hands them to its model-specific planners; 1.5.3's read none
-            warnings.warn(f"ParallelismConfig.extra_parallel_kwargs {sorted(self.extra_parallel_kwargs)}: no key has an "
-                          "effect (cache-dit 1.5.3 passes them to its model-specific context-parallel plans, none of "
-                          "which reads one; dit_passes derives the plan from the graph); for the Ulysses / ring options "
-                          f"use the ParallelismConfig fields {list(PARALLEL_KWARGS)}", stacklevel=3)
+            warnings.warn(f"ParallelismConfig.extra_parallel_kwargs {sorted(self.extra_parallel_kwargs)}: no key has "
+                          "an effect (cache-dit 1.5.3 passes them to its model-specific context-parallel plans, none "
+                          "of which reads one; dit_passes derives the plan from the graph); for the Ulysses / ring "
+                          f"options use the ParallelismConfig fields {list(PARALLEL_KWARGS)}", stacklevel=3)
         if self.cp_plan is not None:
             warnings.warn("ParallelismConfig.cp_plan is not used: dit_passes derives where the sequence is split and "
                           "gathered from the traced graph (passes.Ulysses / Ring), which gives the output of any exact "
@@ -342,9 +344,9 @@ class QuantizeConfig:
         if not isinstance(self.per_tensor_fallback, bool):
             raise TypeError(f"QuantizeConfig.per_tensor_fallback must be a bool, got {self.per_tensor_fallback!r}")
         if self.kind == "svdq" and self.per_tensor_fallback is not True:
-            raise ValueError(f"QuantizeConfig.per_tensor_fallback=False with {self.quant_type}: it chooses the fp8 form "
-                             "of tensor-parallel row-parallel linears, SVDQuant has none (cache-dit refuses it too); "
-                             "leave it True")
+            raise ValueError(f"QuantizeConfig.per_tensor_fallback=False with {self.quant_type}: it chooses the fp8 "
+                             "form of tensor-parallel row-parallel linears, SVDQuant has none (cache-dit refuses it "
+                             "too); leave it True")
         if self.filter_fn is not None and not callable(self.filter_fn):
             raise TypeError("QuantizeConfig.filter_fn must be callable(module, name) -> bool")
         if self.svdq_kwargs is not None and self.kind != "svdq":
@@ -556,8 +558,8 @@ def quant_backend(backend: Any, quant_type: str, kind: str) -> str:
         raise ValueError(f"QuantizeConfig.backend={backend!r} is not a quantization backend; use one of "
                          f"{sorted(QUANT_BACKENDS)} (cache-dit's names; 'auto' picks the one of the quant type)")
     if name == "torchao" and kind == "svdq":
-        raise ValueError(f"QuantizeConfig.backend={backend!r} runs torchao's types; {quant_type} is SVDQuant, cache-dit's "
-                         "own backend: use backend='auto' or 'cache_dit'")
+        raise ValueError(f"QuantizeConfig.backend={backend!r} runs torchao's types; {quant_type} is SVDQuant, "
+                         "cache-dit's own backend: use backend='auto' or 'cache_dit'")
     if name == "cache_dit" and kind != "svdq":
         raise ValueError(f"QuantizeConfig.backend={backend!r} runs SVDQuant (svdq_* types) only; {quant_type} is a "
                          "torchao type: use backend='auto' or 'torchao'")

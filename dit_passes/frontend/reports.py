@@ -117,7 +117,8 @@ def details_text(st: CacheStats, name: str) -> str:
         if getattr(st, prefix + "pruned_ratio") is not None:
             pruned, actual = getattr(st, prefix + "pruned_blocks"), getattr(st, prefix + "actual_blocks")
             lines += [f"{label}Pruned Blocks and Residual Diffs Details: {name}",
-                      f"{label}Pruned Blocks: {len(pruned)}, {pruned}", f"{label}Actual Blocks: {len(actual)}, {actual}"]
+                      f"{label}Pruned Blocks: {len(pruned)}, {pruned}",
+                      f"{label}Actual Blocks: {len(actual)}, {actual}"]
         else:
             steps = getattr(st, prefix + "cached_steps")
             lines += [f"{label}Cache Steps and Residual Diffs Details: {name}",

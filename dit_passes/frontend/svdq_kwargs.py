@@ -70,9 +70,9 @@ def svdq_options(kwargs: Dict[str, Any], strategy: Optional[str] = None) -> Tupl
         else:
             raise ValueError(f"QuantizeConfig.svdq_kwargs: unknown key {key!r}; cache-dit's keys: {KEYS}")
     if tuning:
-        warnings.warn(f"QuantizeConfig.svdq_kwargs {tuning} have no effect here: they place or schedule cache-dit's own "
-                      "calibration memory, GEMM kernels and compilation (the quantized weights are the same); the "
-                      "passes choose their kernels by device. Drop them", stacklevel=4)
+        warnings.warn(f"QuantizeConfig.svdq_kwargs {tuning} have no effect here: they place or schedule cache-dit's "
+                      "own calibration memory, GEMM kernels and compilation (the quantized weights are the same); "
+                      "the passes choose their kernels by device. Drop them", stacklevel=4)
     few = check_options(**few, what="svdq_kwargs['few_shot_{}']", warn=strategy == "few_shot")
     given = sorted(k for k in kwargs if k in FEW_SHOT)
     if given and strategy != "few_shot":

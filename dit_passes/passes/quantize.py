@@ -103,7 +103,8 @@ from ..quant.w8a16 import prepare_w8a16
 from ..patterns.quant_linear import QUANT_KINDS
 from .quantize_fused import fused_members, fused_note, low_rank_of
 from .quantize_graph import apply_by_kind, released_tables
-from .quantize_select import DEFAULT_EXCLUDE, ROLE_NAMES, SKIP_REASONS, check_patterns, inside_classes, select_linears  # noqa: F401,E501
+from .quantize_select import (DEFAULT_EXCLUDE, ROLE_NAMES, SKIP_REASONS, check_patterns,  # noqa: F401
+                              inside_classes, select_linears)
 
 W8A16, W4A16, W4A16_LR = "w8a16", "w4a16", "w4a16_lr"
 WEIGHT_ONLY = (W8A16, W4A16, W4A16_LR)
