@@ -150,13 +150,14 @@ def test_svd_precision_and_refine_iters_in_the_core():
     assert err[3] < err[0]  # the branch absorbed part of the residual's quantization error
 
 
-def test_svdq_kwargs_map_onto_the_pass_and_change_the_weights(caplog):
+def test_svdq_kwargs_map_onto_the_pass_and_change_the_weights():
     tr = tiny_flux()
     want = run(tr)
-    kw = {"calibrate_precision": "HIGH", "svd_refine_iters": 2, "streaming": False, "runtime_kernel": "v2"}
-    with caplog.at_level("INFO", logger="dit_passes"):
+    kw = {"calibrate_precision": "HIGH", "svd_refine_iters": 2, "streaming": False, "runtime_kernel": "v1"}
+    with pytest.warns(UserWarning, match="'runtime_kernel': 'v1'.*have no effect here"):
         cfg = QuantizeConfig(quant_type="svdq_nvfp4_r8_dq", svdq_kwargs=kw)
-    assert "'runtime_kernel'" in caplog.text and "changes nothing here" in caplog.text
+    with pytest.raises(ValueError, match=r"runtime_kernel'\]='v2' is refused, as cache-dit refuses it for SVDQ NVFP4"):
+        QuantizeConfig(quant_type="svdq_nvfp4_r8_dq", svdq_kwargs={"runtime_kernel": "v2"})
     p = cfg.to_pass(tr)
     assert (p.svd_precision, p.refine_iters, p.precision) == ("high", 2, "nvfp4")
     plain = run(quantize(tr, QuantizeConfig(quant_type="svdq_nvfp4_r8_dq"), keep_original=True))

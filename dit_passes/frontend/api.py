@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import logging
 import os
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -46,6 +47,7 @@ from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrat
 from .cache_configs import resolve_cache_config as _resolve_cache_config
 from . import components
 from .calibration import calibrate
+from .attention_names import attention_pass
 from .configs import ParallelismConfig, QuantizeConfig
 from .ray_workers import FactoryPlan, calibrate_on_workers, setup_factory_workers, without_calibrate_fns, \
     worker_extra
@@ -143,6 +145,11 @@ def _check_parallel_env(pc: ParallelismConfig) -> None:
         raise ValueError(f"{pc.strify()} spans {n} ranks but the process group has {dist.get_world_size()}")
 
 
+def _tp_size(pc: Optional[ParallelismConfig]) -> int:
+    """The tensor-parallel size the quantization passes run after (their row-parallel linears' form)."""
+    return pc.sizes()[2] if pc is not None else 1
+
+
 def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[CompiledDiT] = None,
           keep_original: bool = False) -> CompiledDiT:
     """The CompiledDiT for ``state`` (on top of wrapper ``base``'s passes when given). SVDQ PTQ calibrates now (the
@@ -156,7 +163,7 @@ def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[Compil
     if state.parallelism_config is not None:
         passes += state.parallelism_config.to_passes()
     if q is not None:
-        passes += q.to_passes(original, calibrated)
+        passes += q.to_passes(original, calibrated, tp_size=_tp_size(state.parallelism_config))
     if state.cache_config is not None:
         passes.append(cache_pass(state.cache_config, state.calibrator_config))
     state.passes = passes
@@ -194,6 +201,11 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
         raise ValueError("calibrator_config needs a residual cache: pass cache_config=DBCacheConfig(...) too")
     if pc is not None and pc.is_noop():
         logger.info("ParallelismConfig: every size is 1 / None: no parallelism applied (no-op)")
+        if attention_pass(pc.attention_backend) is not None:
+            warnings.warn(f"ParallelismConfig.attention_backend={pc.attention_backend!r} is applied with parallelism "
+                          "only (as in cache-dit, which refuses a config of sizes 1); every size is 1 here, so it is "
+                          "not applied: add passes.AttentionBackend(...) through compile_dit to pin the kernel",
+                          stacklevel=2)
         pc = None
     if pc is not None and pc.use_ray:
         return _enable_with_ray(pipe_or_module, FrontendState(cfg, cal, pc, quantize_config, []), keep_original)
@@ -234,9 +246,11 @@ def _ray_launcher(pc: ParallelismConfig):
         raise ValueError(f"ParallelismConfig.ray_num_workers={n} differs from the parallel sizes' product "
                          f"{pc.world_size()}")
     if pc.ray_master_port:
-        logger.info("ParallelismConfig.ray_master_port is ignored: rank 0 picks a free port on its node")
+        warnings.warn(f"ParallelismConfig.ray_master_port={pc.ray_master_port} is not used: rank 0 picks a free port "
+                      "on its node for the process group (the result is the same); drop it", stacklevel=4)
     return RayLauncher(world_size=n, runtime_env=pc.ray_runtime_env, ray_init_kwargs=dict(pc.ray_init_kwargs or {}),
-                       address=pc.ray_address, worker_options=dict(pc.ray_worker_options or {}))
+                       address=pc.ray_address, worker_options=dict(pc.ray_worker_options or {}),
+                       auto_shutdown=pc.ray_auto_shutdown)
 
 
 def _enable_with_ray(pipe_or_module: Any, state: FrontendState, keep_original: bool = False) -> Any:
@@ -366,7 +380,8 @@ def _worker_passes(pc: Optional[ParallelismConfig], q: Any, cfg: Optional[DBCach
     statistics: no quantize pass yet (added after calibration, :mod:`~dit_passes.frontend.ray_workers`)."""
     if isinstance(q, tuple):
         q = q[index] if index < len(q) else None
-    quant = [] if q is None or (q.is_ptq() and calibrated is None) else q.to_passes(module, calibrated)
+    quant = [] if q is None or (q.is_ptq() and calibrated is None) else q.to_passes(module, calibrated,
+                                                                                     tp_size=_tp_size(pc))
     passes = (pc.to_passes() if pc is not None else []) + quant + ([cache_pass(cfg, cal)] if cfg is not None else [])
     PassManager(passes)
     return passes
@@ -458,30 +473,61 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
 
 
 # ------------------------------------------------------------------------------------------ quantization
-def quantize(module: torch.nn.Module, quant_config: Optional[QuantizeConfig] = None,
-             keep_original: bool = False) -> CompiledDiT:
-    """The reference's ``cache_dit.quantize``: returns the quantized module, a CompiledDiT (assign it:
-    ``pipe.transformer = quantize(pipe.transformer, quant_config=...)``). For SVDQ PTQ ``calibrate_fn`` runs now,
-    with the pipeline still holding ``module``, and ``serialize_to`` is written before this returns. The quantized
-    linears' weights leave ``module`` (meta tensors) unless ``keep_original=True`` (a full copy of them kept)."""
-    quant_config = quant_config if quant_config is not None else QuantizeConfig()
-    if not isinstance(quant_config, QuantizeConfig):
-        raise TypeError(f"quant_config must be a QuantizeConfig, got {type(quant_config).__name__}")
+def quantize(module: torch.nn.Module, quantize_config: Optional[QuantizeConfig] = None, keep_original: bool = False,
+             quant_config: Optional[QuantizeConfig] = None, **fields: Any) -> CompiledDiT:
+    """The reference's ``cache_dit.quantize(module, quantize_config=None, **kwargs)``: returns the quantized module, a
+    CompiledDiT (assign it: ``pipe.transformer = quantize(pipe.transformer, QuantizeConfig(...))``). The config is
+    ``quantize_config`` (also accepted as ``quant_config=``), or, as the reference's legacy form, built from
+    QuantizeConfig fields given as keywords (``quantize(module, quant_type="float8_per_row")``, with a warning, as
+    the reference); fields beside a config are ignored with a warning (the reference's rule), unknown keywords
+    raise ``TypeError``; neither: the default ``QuantizeConfig()``. For SVDQ PTQ ``calibrate_fn`` runs now, with the
+    pipeline still holding ``module``, and ``serialize_to`` is written before this returns. The quantized linears'
+    weights leave ``module`` (meta tensors) unless ``keep_original=True`` (a full copy of them kept)."""
+    if quant_config is not None:
+        if quantize_config is not None and quantize_config is not quant_config:
+            raise TypeError("quantize: pass the config once, as quantize_config=... (quant_config= is its other name)")
+        quantize_config = quant_config
+    names = {f.name for f in dataclasses.fields(QuantizeConfig)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise TypeError(f"quantize: unknown keyword(s) {unknown}; pass quantize_config=QuantizeConfig(...) or "
+                        f"QuantizeConfig fields ({sorted(names)})")
+    if quantize_config is None:
+        if fields:
+            warnings.warn(f"quantize: QuantizeConfig fields as keywords ({sorted(fields)}) are the reference's "
+                          "deprecated form; pass quantize_config=QuantizeConfig(...)", DeprecationWarning, stacklevel=2)
+        quantize_config = QuantizeConfig(**fields)
+    elif fields:
+        warnings.warn(f"quantize: {sorted(fields)} are ignored since quantize_config is given (the reference's rule); "
+                      "set them in the QuantizeConfig", stacklevel=2)
+    if not isinstance(quantize_config, QuantizeConfig):
+        raise TypeError(f"quantize_config must be a QuantizeConfig, got {type(quantize_config).__name__}")
     if not isinstance(module, torch.nn.Module) or isinstance(module, CompiledDiT):
         raise TypeError(f"quantize needs the original transformer nn.Module, got {type(module).__name__}")
     _check_target(None, None, module, allow_extend=False)
-    return _wrap(module, FrontendState(None, None, None, quant_config, [], restore=module), keep_original=keep_original)
+    return _wrap(module, FrontendState(None, None, None, quantize_config, [], restore=module),
+                 keep_original=keep_original)
 
 
 def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, **kwargs: Any) -> CompiledDiT:
-    """The reference's ``cache_dit.load(transformer, path)``: a CompiledDiT with the saved quantized linears.
-    ``path``: the ``serialize_to`` directory or its ``<quant_type>.safetensors`` file. A wrapper from
+    """The reference's ``cache_dit.load(transformer, quantize_config_or_path)``: a CompiledDiT with the saved
+    quantized linears. ``path``: the ``serialize_to`` directory or its ``<quant_type>.safetensors`` file, or the
+    ``QuantizeConfig`` that wrote it (its ``serialize_to`` and ``quant_type``). A wrapper from
     ``quantize`` / ``enable_cache`` is unwrapped to its original module first (weights its passes released are
     fine where the checkpoint replaces them: their fingerprint sample was kept); ``passes=[...]`` run after the
     substitution, other keyword arguments go to ``compile_dit`` (``keep_original=True`` too). Raises
     :class:`~dit_passes.quant.serialize.QuantizedCheckpointError` for a missing, corrupted or mismatching
     checkpoint."""
     from .. import compile_dit
+    if isinstance(path, QuantizeConfig):  # the reference's load(module, quantize_config): its serialize_to
+        if path.serialize_to is None:
+            raise ValueError("load(module, QuantizeConfig(...)): the config has no serialize_to; set it to the "
+                             "directory (or <dir>/<quant_type>.safetensors) the checkpoint was written to")
+        if quant_type is not None and quant_type.lower() != path.quant_type:
+            raise ValueError(f"load: quant_type={quant_type!r} differs from the config's {path.quant_type!r}")
+        path, quant_type = path.serialize_dir(), path.quant_type
+    if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
+        raise TypeError(f"load: expected a QuantizeConfig or a checkpoint path, got {type(path).__name__}")
     path = os.fspath(path)
     if path.endswith(".safetensors"):
         quant_type = quant_type or os.path.basename(path)[:-len(".safetensors")]

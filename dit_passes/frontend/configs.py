@@ -3,7 +3,7 @@
 ``ParallelismConfig.to_passes()`` gives the context-parallel / tensor-parallel passes for the current process
 group; ``QuantizeConfig.to_passes(model)`` gives the quantization passes. What the reference accepts but these
 passes do not implement raises ``NotImplementedError`` naming the field (never a silent fallback); fields that
-only tune the reference's own kernels and have no meaning here are accepted and logged.
+only tune the reference's own kernels, and change nothing here, are accepted with a ``warnings.warn`` naming them.
 """
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import dataclasses
 import logging
 import os
 import re
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..passes.quantize import Fp8Linear, Int4WeightOnly, Int8Linear, NVFP4WeightOnly, SVDQuantW4A4
 from ..passes.quantize_few_shot import SVDQuantFewShot
+from .attention_names import attention_pass
 from .svdq_kwargs import SMOOTH, smooth_strategy, svdq_options
 
 logger = logging.getLogger("dit_passes")
@@ -39,8 +41,17 @@ class ParallelismConfig:
     ``worker_options`` (the actors' ``.options(...)``), ``ray_runtime_env`` / ``ray_init_kwargs`` as named.
     Uneven sequence lengths are always exact here, so ``ulysses_anything`` needs nothing; the ring exchange
     is point-to-point (``ring_rotate_method="p2p"``) or one all-gather of K / V (``"allgather"``: the same
-    result) and merges partial results in fp32 (``ring_convert_to_fp32=True``). ``cp_plan`` /
-    ``attention_backend`` are accepted and ignored (the plan is derived from the graph). CP together with TP builds both on one mesh
+    result) and merges partial results in fp32 (``ring_convert_to_fp32=False`` warns: cache-dit 1.5.3's fused merge
+    ignores it too). ``cp_plan`` warns (the plan is derived from the graph; any exact plan gives that output);
+    ``attention_backend``: ``"native"`` (SDPA's choice) or a pinned SDPA kernel (``"_native_cudnn"``,
+    ``"_native_flash"``, ``"_native_efficient"``, ``"_native_math"``, cache-dit's ``"_sdpa_cudnn"``) appends
+    ``passes.AttentionBackend`` (:mod:`~dit_passes.frontend.attention_names`); other packages' kernels (flash-attn,
+    sage, ...) are refused. ``parallel_kwargs`` (deprecated there too) sets the fields it names,
+    ``experimental_ulysses_*`` the ``ulysses_*`` ones, and refuses other keys; ``extra_parallel_kwargs`` warns
+    (cache-dit 1.5.3 reads none of its keys). ``ray_auto_shutdown=False`` leaves the Ray this front end started
+    running after ``disable_cache`` (the workers stop either way); ``ray_master_port`` warns (rank 0 picks a free
+    port). ``backend``: cache-dit's names, refused where its sizes need another. CP together with TP builds both on
+    one mesh
     (:func:`~dit_passes.passes.parallel_plan.parallel_passes`). ``extra_parallel_modules`` (text encoders: TE-P,
     a VAE: VAE-P, a ControlNet: CN-P) are parallelised where the transformer runs: this process, or with
     ``use_ray`` the workers (the pipeline gets a proxy of each); given as modules or as names (``"text_encoder"``:
@@ -81,8 +92,29 @@ class ParallelismConfig:
     parallel_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._flatten_parallel_kwargs()
         for name in ("ulysses_size", "ring_size", "tp_size", "ray_num_workers"):
             _size(name, getattr(self, name))
+        self._check_backend()
+        if not isinstance(self.extra_parallel_kwargs, dict):
+            raise TypeError(f"ParallelismConfig.extra_parallel_kwargs must be a dict, got "
+                            f"{type(self.extra_parallel_kwargs).__name__}")
+        if self.extra_parallel_kwargs:  # the reference hands them to its model-specific planners; 1.5.3's read none
+            warnings.warn(f"ParallelismConfig.extra_parallel_kwargs {sorted(self.extra_parallel_kwargs)}: no key has "
+                          "an effect (cache-dit 1.5.3 passes them to its model-specific context-parallel plans, none "
+                          "of which reads one; dit_passes derives the plan from the graph); for the Ulysses / ring "
+                          f"options use the ParallelismConfig fields {list(PARALLEL_KWARGS)}", stacklevel=3)
+        if self.cp_plan is not None:
+            warnings.warn("ParallelismConfig.cp_plan is not used: dit_passes derives where the sequence is split and "
+                          "gathered from the traced graph (passes.Ulysses / Ring), which gives the output of any exact "
+                          "plan; drop cp_plan", stacklevel=3)
+        if not isinstance(self.ray_auto_shutdown, bool):
+            raise TypeError(f"ParallelismConfig.ray_auto_shutdown must be a bool, got {self.ray_auto_shutdown!r}")
+        attention_pass(self.attention_backend)  # a name the reference takes but dit_passes has no kernel for: refused
+        if self.ring_convert_to_fp32 is False:
+            warnings.warn("ParallelismConfig.ring_convert_to_fp32=False has no effect: ring attention merges its "
+                          "partial results in fp32 here, as cache-dit 1.5.3 does whatever this flag says (its fused "
+                          "merge kernel); drop it", stacklevel=3)
         if not isinstance(self.use_ray, bool):
             raise TypeError(f"ParallelismConfig.use_ray must be a bool, got {self.use_ray!r}")
         if self.ray_transfer_fn is not None and not callable(self.ray_transfer_fn):
@@ -107,19 +139,58 @@ class ParallelismConfig:
         if self.ring_rotate_method not in (None, "p2p", "allgather"):
             raise ValueError(f"ParallelismConfig.ring_rotate_method={self.ring_rotate_method!r}: use 'p2p' "
                              "(ring exchanges) or 'allgather' (one all-gather of K / V per attention)")
-        for name in ("cp_plan", "attention_backend"):
-            if getattr(self, name) is not None:
-                logger.info("ParallelismConfig.%s is ignored: the sequence plan is derived from the graph", name)
-        if self.ring_convert_to_fp32 is False:
-            logger.info("ParallelismConfig.ring_convert_to_fp32=False is ignored: ring merges are always fp32")
+
+    def _check_backend(self) -> None:
+        """``backend`` as the reference checks it: one of its names (or its enum), and, where a size is > 1, the one
+        it would pick for these sizes (CP: cache_dit / native_diffuser, TP: native_pytorch, both: native_hybrid)."""
+        value = getattr(self.backend, "value", self.backend)
+        name = PARALLEL_BACKENDS.get(value.lower()) if isinstance(value, str) else None
+        if name is None or name == "none":
+            raise ValueError(f"ParallelismConfig.backend={self.backend!r} is not a parallelism backend; use one of "
+                             f"{sorted(k for k, v in PARALLEL_BACKENDS.items() if v != 'none')} ('auto' picks the one "
+                             "of the sizes)")
+        u, r, t = self.sizes()
+        cp, tp = u * r > 1, t > 1
+        need = "native_hybrid" if cp and tp else "cache_dit" if cp else "native_pytorch" if tp else None
+        if name != "auto" and need is not None and name != need:
+            raise ValueError(f"ParallelismConfig.backend={self.backend!r} does not run {self.strify()}: it needs "
+                             f"backend={need!r} (or 'auto'), as in cache-dit")
+
+    def _flatten_parallel_kwargs(self) -> None:
+        """The reference's deprecated ``parallel_kwargs``: each key naming a field sets it (over the field's own
+        value, as there), ``experimental_ulysses_*`` the ``ulysses_*`` fields; any other key is refused."""
+        kw = self.parallel_kwargs
+        if not kw:
+            return
+        if not isinstance(kw, dict):
+            raise TypeError(f"ParallelismConfig.parallel_kwargs must be a dict, got {type(kw).__name__}")
+        fields = [f.name for f in dataclasses.fields(self) if f.name != "parallel_kwargs"]
+        unknown = sorted(k for k in kw if k not in fields and k not in PARALLEL_KWARGS_DEPRECATED)
+        if unknown:
+            raise ValueError(f"ParallelismConfig.parallel_kwargs: unknown key(s) {unknown}; it takes ParallelismConfig "
+                             f"fields (e.g. {list(PARALLEL_KWARGS)}) and {list(PARALLEL_KWARGS_DEPRECATED)}; better, "
+                             "set the fields themselves")
+        for key, value in kw.items():
+            field = PARALLEL_KWARGS_DEPRECATED.get(key, key)
+            setattr(self, field, value)
+        warnings.warn(f"ParallelismConfig.parallel_kwargs is deprecated (as in cache-dit): {sorted(kw)} set the fields "
+                      f"{sorted({PARALLEL_KWARGS_DEPRECATED.get(k, k) for k in kw})}; set those fields instead",
+                      FutureWarning, stacklevel=4)
 
     def to_passes(self) -> list:
-        """The parallel passes for the current process group (empty when every size is 1). CP x TP builds the
-        subgroups of a (cp, tp) mesh: a collective, every rank must call it."""
+        """The parallel passes for the current process group (empty when every size is 1), then
+        :class:`~dit_passes.passes.AttentionBackend` for ``attention_backend`` when it names a pinned SDPA kernel.
+        CP x TP builds the subgroups of a (cp, tp) mesh: a collective, every rank must call it."""
         from ..passes.parallel_plan import parallel_passes
         self.check_supported()
-        return parallel_passes(*self.sizes(), ring_rotate_method=self.ring_rotate_method or "p2p",
-                               ulysses_float8=bool(self.ulysses_float8), ulysses_async=bool(self.ulysses_async))
+        passes = parallel_passes(*self.sizes(), ring_rotate_method=self.ring_rotate_method or "p2p",
+                                 ulysses_float8=bool(self.ulysses_float8), ulysses_async=bool(self.ulysses_async))
+        attention = attention_pass(self.attention_backend)
+        if attention is not None and self.sizes()[0] * self.sizes()[1] > 1:
+            warnings.warn(f"ParallelismConfig.attention_backend={self.attention_backend!r} pins the SDPA kernel of the "
+                          "attentions left as aten ops; the Ulysses / ring attentions keep SDPA's own choice (the same "
+                          "attention, rounding apart)", stacklevel=2)
+        return passes + ([attention] if attention is not None else [])
 
     def ray_transfer(self) -> Optional[str]:
         """RayLauncher's ``transfer=`` for ``ray_transfer_backend`` (None: its default)."""
@@ -148,6 +219,16 @@ class ParallelismConfig:
         if self.tp_size is not None:
             parts.append(f"TP{self.tp_size}")
         return "_".join(parts)
+
+
+# cache-dit's ParallelismBackend names and values (case-insensitive) -> the canonical one (native_diffuser: cache_dit)
+PARALLEL_BACKENDS = {"auto": "auto", "cache_dit": "cache_dit", "native_diffuser": "cache_dit",
+                     "native_pytorch": "native_pytorch", "native_hybrid": "native_hybrid", "none": "none"}
+# the reference's parallel_kwargs keys that name the Ulysses / ring fields, and its deprecated spellings of three
+PARALLEL_KWARGS = ("ulysses_anything", "ulysses_float8", "ulysses_async", "ring_rotate_method", "ring_convert_to_fp32")
+PARALLEL_KWARGS_DEPRECATED = {"experimental_ulysses_anything": "ulysses_anything",
+                              "experimental_ulysses_float8": "ulysses_float8",
+                              "experimental_ulysses_async": "ulysses_async"}
 
 
 # ----------------------------------------------------------------------------------------- quantize
@@ -217,8 +298,8 @@ class QuantizeConfig:
     ``serialize_to`` (a directory, or ``<dir>/<quant_type>.safetensors``). ``svdq_kwargs``: ``smooth_strategy``
     ("activation" for PTQ; "identity" (default), "weight", "weight_inv" or "few_shot" for ``_dq``),
     ``calibrate_precision`` and ``svd_refine_iters`` (``SVDQuantW4A4(svd_precision=, refine_iters=)``); the keys
-    that only tune the reference's calibration memory, kernels and compile scheduling are accepted and logged
-    (:mod:`~dit_passes.frontend.svdq_kwargs`). ``"few_shot"`` (:class:`~dit_passes.passes.quantize_few_shot.
+    that only tune the reference's calibration memory, kernels and compile scheduling are accepted with a warning
+    naming them (:mod:`~dit_passes.frontend.svdq_kwargs`). ``"few_shot"`` (:class:`~dit_passes.passes.quantize_few_shot.
     SVDQuantFewShot`): the transformer runs unquantized for the first ``few_shot_steps`` forwards (default 1; every
     call of the transformer counts, cumulatively over pipeline runs, as in the reference) while each selected
     linear's input abs-max is recorded; then each linear's smoothing comes from that span, relaxed channel by
@@ -232,6 +313,11 @@ class QuantizeConfig:
     it (:func:`~dit_passes.frontend.components.main_text_encoder`); other components than the transformer(s)
     quantize every linear but ``exclude_layers`` (float8 / int8 types; see :mod:`~dit_passes.frontend.components`),
     with ``use_ray`` where they run (the workers for an extra parallel module, else this process).
+    ``backend``: cache-dit's names ("auto", "torchao" / "ao", "cache_dit"; :func:`quant_backend`), refused where the
+    reference would not run the quant type on it. ``per_tensor_fallback``: with tensor parallelism and
+    ``float8_per_row``, the row-parallel linears take fp8 per tensor (True) or stay unquantized (False), as the
+    reference does (:meth:`row_parallel_form`); SVDQuant refuses False, as the reference. ``verbose=True``: each
+    quantize pass prints, per linear, the kind it became or why it was left (the pass's ``verbose``).
     """
 
     backend: Any = "auto"
@@ -252,6 +338,15 @@ class QuantizeConfig:
     def __post_init__(self) -> None:
         self.kind, self.args = parse_quant_type(self.quant_type)
         self.quant_type = self.quant_type.lower()
+        self.backend = quant_backend(self.backend, self.quant_type, self.kind)
+        if not isinstance(self.verbose, bool):
+            raise TypeError(f"QuantizeConfig.verbose must be a bool, got {self.verbose!r}")
+        if not isinstance(self.per_tensor_fallback, bool):
+            raise TypeError(f"QuantizeConfig.per_tensor_fallback must be a bool, got {self.per_tensor_fallback!r}")
+        if self.kind == "svdq" and self.per_tensor_fallback is not True:
+            raise ValueError(f"QuantizeConfig.per_tensor_fallback=False with {self.quant_type}: it chooses the fp8 "
+                             "form of tensor-parallel row-parallel linears, SVDQuant has none (cache-dit refuses it "
+                             "too); leave it True")
         if self.filter_fn is not None and not callable(self.filter_fn):
             raise TypeError("QuantizeConfig.filter_fn must be callable(module, name) -> bool")
         if self.svdq_kwargs is not None and self.kind != "svdq":
@@ -262,6 +357,10 @@ class QuantizeConfig:
             strategy = smooth_strategy(self.svdq_kwargs or {}, dynamic, self.quant_type)
             self.args["smooth"], self.smooth_strategy = SMOOTH[strategy], strategy
         self.svdq_options, self.few_shot = svdq_options(self.svdq_kwargs or {}, strategy)
+        if self.kind == "svdq" and self.args["precision"] == "nvfp4" and (self.svdq_kwargs or {}).get(
+                "runtime_kernel") == "v2":
+            raise ValueError(f"{self.quant_type}: svdq_kwargs['runtime_kernel']='v2' is refused, as cache-dit refuses "
+                             "it for SVDQ NVFP4 (its v1 kernel only); drop the key")
         if self.kind == "svdq":
             if dynamic and self.calibrate_fn is not None:
                 raise ValueError("calibrate_fn is not used by SVDQuant dynamic quantization (_dq): drop it")
@@ -276,7 +375,8 @@ class QuantizeConfig:
                                  f"as <dir>/{self.quant_type}.safetensors) or a file path <dir>/"
                                  f"{self.quant_type}.safetensors")
         if self.kind != "svdq" and self.calibrate_fn is not None:
-            logger.info("QuantizeConfig.calibrate_fn is only used by SVDQuant PTQ; ignored for %s", self.quant_type)
+            warnings.warn(f"QuantizeConfig.calibrate_fn is used by SVDQuant PTQ only (as in cache-dit); it has no "
+                          f"effect with quant_type={self.quant_type!r}: drop it", stacklevel=3)
 
     def is_ptq(self) -> bool:
         """SVDQuant post-training quantization: needs calibration (``calibrate``) before the pass is built."""
@@ -350,18 +450,41 @@ class QuantizeConfig:
         path = os.fspath(self.serialize_to)
         return os.path.dirname(path) if path.endswith(".safetensors") else path
 
-    def to_passes(self, model: Any = None, calibrated: Optional[Dict[str, Any]] = None) -> List[Any]:
+    def row_parallel_form(self, tp_size: int = 1) -> Optional[str]:
+        """What the reference does to the row-parallel linears of tensor parallelism (``tp_size > 1``) under
+        ``float8_per_row``: ``"per_tensor"`` (``per_tensor_fallback=True``: fp8 with one scale per tensor, its
+        fallback), ``"skip"`` (False: left unquantized); None where it does nothing (no TP, another quant type, or
+        ``regional_quantize=False``, where its fallback does not run)."""
+        if tp_size <= 1 or self.quant_type != "float8_per_row":
+            return None
+        if self.per_tensor_fallback:
+            return "per_tensor" if self.regional_quantize else None
+        return "skip"
+
+    def to_passes(self, model: Any = None, calibrated: Optional[Dict[str, Any]] = None, tp_size: int = 1) -> List[Any]:
         """The quantization passes: :meth:`to_pass` for the linears no ``precision_plan`` entry names, then one pass
         per quant type of the plan (the reference's order; each takes the linears whose path contains one of its
         layer names and no earlier plan type took). The reference runs the plan first; the partition is the same,
         and this order keeps the default pass's role analysis (the AdaLN ``modulation`` linears it excludes) on the
-        graph before any plan pass rewrote it."""
+        graph before any plan pass rewrote it. ``tp_size``: the tensor-parallel size the passes run after;
+        ``float8_per_row`` then treats the row-parallel linears (roles ``attn_out`` / ``mlp_down`` / ``proj`` in the
+        blocks) as :meth:`row_parallel_form` says."""
         self.check_supported()
         by_type: Dict[str, List[str]] = {}
         for name, qt in (self.precision_plan or {}).items():
             by_type.setdefault(qt.lower(), []).append(name)
         planned = tuple(n for names in by_type.values() for n in names)
-        out = [self.to_pass(model, calibrated, skip=_PlanFilter(planned, inverted=True) if planned else None)]
+        skip = _PlanFilter(planned, inverted=True) if planned else None
+        row_form = self.row_parallel_form(tp_size)
+        if row_form is not None:  # the row-parallel linears leave the per-row pass
+            not_row = _RoleFilter(ROW_PARALLEL_ROLES, inverted=True)
+            skip = not_row if skip is None else _Both(skip, not_row)
+        out = [self.to_pass(model, calibrated, skip=skip)]
+        if row_form == "per_tensor":
+            rows = _RoleFilter(ROW_PARALLEL_ROLES)
+            kind, args = parse_quant_type("float8_per_tensor")
+            common = self._common(model, rows if not planned else _Both(rows, _PlanFilter(planned, inverted=True)))
+            out.append(_basic_pass(kind, args, dict(common, serialize_to=None)))
         for qt in PLAN_QUANT_TYPES:
             if qt in by_type:
                 kind, args = parse_quant_type(qt)
@@ -382,7 +505,8 @@ class QuantizeConfig:
             filter_fn = _ModuleFilter(user_fn, model)
         if plan is not None:
             filter_fn = plan if filter_fn is None else _Both(plan, filter_fn)
-        return dict(exclude=exclude, filter_fn=filter_fn, serialize_to=self.serialize_dir(), **self.region(model))
+        return dict(exclude=exclude, filter_fn=filter_fn, serialize_to=self.serialize_dir(), verbose=self.verbose,
+                    **self.region(model))
 
     def to_pass(self, model: Any = None, calibrated: Optional[Dict[str, Any]] = None,
                 skip: Optional[Callable[[str, str], bool]] = None):
@@ -420,10 +544,46 @@ PLAN_QUANT_TYPES = ("float8_per_tensor", "float8_per_row", "float8_per_block", "
                     "nvfp4_weight_only", "int8_per_tensor", "int8_per_row", "int8_weight_only", "int4_weight_only")
 
 
+# cache-dit's QuantizeBackend names (case-insensitive) -> the canonical one kept in QuantizeConfig.backend
+QUANT_BACKENDS = {"auto": "auto", "ao": "torchao", "torchao": "torchao", "cache_dit": "cache_dit",
+                  "cache-dit": "cache_dit", "cachedit": "cache_dit"}
+
+
+def quant_backend(backend: Any, quant_type: str, kind: str) -> str:
+    """``backend`` checked as the reference checks it: one of its names (or its enum), and the one that runs
+    ``quant_type`` there (torchao: the torchao types; cache_dit: SVDQuant's); the passes of dit_passes run either."""
+    value = getattr(backend, "value", backend)
+    name = QUANT_BACKENDS.get(value.lower()) if isinstance(value, str) else None
+    if name is None:
+        raise ValueError(f"QuantizeConfig.backend={backend!r} is not a quantization backend; use one of "
+                         f"{sorted(QUANT_BACKENDS)} (cache-dit's names; 'auto' picks the one of the quant type)")
+    if name == "torchao" and kind == "svdq":
+        raise ValueError(f"QuantizeConfig.backend={backend!r} runs torchao's types; {quant_type} is SVDQuant, "
+                         "cache-dit's own backend: use backend='auto' or 'cache_dit'")
+    if name == "cache_dit" and kind != "svdq":
+        raise ValueError(f"QuantizeConfig.backend={backend!r} runs SVDQuant (svdq_* types) only; {quant_type} is a "
+                         "torchao type: use backend='auto' or 'torchao'")
+    return name
+
+
 def _basic_pass(kind: str, args: Dict[str, Any], common: Dict[str, Any]):
     passes = {"fp8": Fp8Linear, "int8": Int8Linear, "int4": Int4WeightOnly, "nvfp4": SVDQuantW4A4,
               "nvfp4_wo": NVFP4WeightOnly}
     return passes[kind](**args, **common)
+
+
+# the linears tensor parallelism makes row-parallel (analysis.structure: Structure.row_parallel_linears)
+ROW_PARALLEL_ROLES = ("attn_out", "mlp_down", "proj")
+
+
+class _RoleFilter:
+    """The linears of ``roles`` (``inverted``: the others)."""
+
+    def __init__(self, roles: Tuple[str, ...], inverted: bool = False):
+        self.roles, self.inverted = roles, inverted
+
+    def __call__(self, path: str, role: str) -> bool:
+        return (role in self.roles) != self.inverted
 
 
 class _PlanFilter:

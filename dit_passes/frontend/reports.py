@@ -82,7 +82,8 @@ def stats_from_summary(gens: List[Dict[str, Any]], state: Optional[FrontendState
 
 def summary(pipe_or_module: Any, details: bool = False, logging: bool = True, **kwargs: Any) -> List[CacheStats]:
     """One :class:`CacheStats` per accelerated transformer, ``[CacheStats()]`` when none is (as the reference).
-    Reads the device once (the cache records); ``logging`` logs the per-generation table."""
+    Reads the device once (the cache records); ``logging`` logs the per-generation table, and with ``details`` the
+    reference's detail lines too (:func:`details_text`: every cached step and residual diff)."""
     if pipe_or_module is None:
         return [CacheStats()]
     out = []
@@ -100,7 +101,30 @@ def summary(pipe_or_module: Any, details: bool = False, logging: bool = True, **
         if logging:
             table = module.cache_summary() if isinstance(module, CompiledDiT) and gens else ""
             logger.info("summary(%s): %s\n%s", _name(attr, module), strify(st) or "(no acceleration)", table)
+            if details and gens:
+                logger.info("%s", details_text(st, _name(attr, module)))
     return out or [CacheStats()]
+
+
+def details_text(st: CacheStats, name: str) -> str:
+    """``summary(details=True)``: the reference's detail lines, the cached (or pruned) steps and every residual
+    diff of the last generation, per branch (CFG: the ``cfg_`` fields)."""
+    lines = []
+    for prefix, label in (("", ""), ("cfg_", "CFG ")):
+        diffs = getattr(st, prefix + "residual_diffs")
+        if prefix and not diffs:
+            continue
+        if getattr(st, prefix + "pruned_ratio") is not None:
+            pruned, actual = getattr(st, prefix + "pruned_blocks"), getattr(st, prefix + "actual_blocks")
+            lines += [f"{label}Pruned Blocks and Residual Diffs Details: {name}",
+                      f"{label}Pruned Blocks: {len(pruned)}, {pruned}",
+                      f"{label}Actual Blocks: {len(actual)}, {actual}"]
+        else:
+            steps = getattr(st, prefix + "cached_steps")
+            lines += [f"{label}Cache Steps and Residual Diffs Details: {name}",
+                      f"{label}Cache Steps: {getattr(st, prefix + 'accumulated_cached_steps')}, {steps}"]
+        lines.append(f"{label}Residual Diffs: {len(diffs)}, {diffs}")
+    return "\n".join(lines)
 
 
 def strify(pipe_or_stats: Any) -> str:

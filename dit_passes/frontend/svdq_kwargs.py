@@ -1,15 +1,13 @@
 """cache-dit 1.5.3's ``QuantizeConfig.svdq_kwargs``, read for the SVDQuant passes: the smooth strategy, the keys that
 change the quantized weights (mapped onto the pass's arguments), the few-shot keys, and the keys that only tune the
-reference's own calibration memory and kernels (accepted and logged: they leave the result unchanged here)."""
+reference's own calibration memory and kernels (accepted with a warning: they leave the result unchanged here)."""
 from __future__ import annotations
 
-import logging
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 from ..quant.few_shot import DEFAULTS as FEW_SHOT_DEFAULTS, check_options
 from ..quant.svdquant import SVD_PRECISIONS
-
-logger = logging.getLogger("dit_passes")
 
 # the reference's SVDQ smooth strategies -> SVDQuantW4A4(smooth=...); "few_shot" -> passes.SVDQuantFewShot
 SMOOTH = {"activation": "act", "weight": "weight", "weight_inv": "weight_inv", "identity": "none",
@@ -50,6 +48,7 @@ def svdq_options(kwargs: Dict[str, Any], strategy: Optional[str] = None) -> Tupl
         raise TypeError(f"QuantizeConfig.svdq_kwargs must be a dict, got {type(kwargs).__name__}")
     out: Dict[str, Any] = {}
     few: Dict[str, Any] = dict(FEW_SHOT_DEFAULTS)
+    tuning: Dict[str, Any] = {}
     for key, value in kwargs.items():
         if key == "smooth_strategy":
             continue
@@ -67,15 +66,18 @@ def svdq_options(kwargs: Dict[str, Any], strategy: Optional[str] = None) -> Tupl
         elif key in TUNING_ONLY:
             if key == "few_shot_auto_compile" and not isinstance(value, bool):
                 raise TypeError(f"svdq_kwargs['few_shot_auto_compile'] must be a bool, got {value!r}")
-            logger.info("QuantizeConfig.svdq_kwargs[%r]=%r tunes the reference's own calibration / kernels / compile "
-                        "scheduling; it changes nothing here", key, value)
+            tuning[key] = value
         else:
             raise ValueError(f"QuantizeConfig.svdq_kwargs: unknown key {key!r}; cache-dit's keys: {KEYS}")
+    if tuning:
+        warnings.warn(f"QuantizeConfig.svdq_kwargs {tuning} have no effect here: they place or schedule cache-dit's "
+                      "own calibration memory, GEMM kernels and compilation (the quantized weights are the same); "
+                      "the passes choose their kernels by device. Drop them", stacklevel=4)
     few = check_options(**few, what="svdq_kwargs['few_shot_{}']", warn=strategy == "few_shot")
     given = sorted(k for k in kwargs if k in FEW_SHOT)
     if given and strategy != "few_shot":
-        logger.info("QuantizeConfig.svdq_kwargs %s are read only with smooth_strategy='few_shot' (here %r)", given,
-                    strategy)
+        warnings.warn(f"QuantizeConfig.svdq_kwargs {given} have no effect with smooth_strategy={strategy!r} (as in "
+                      "cache-dit, they are read only with smooth_strategy='few_shot')", stacklevel=4)
     return out, few
 
 

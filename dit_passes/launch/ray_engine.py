@@ -352,7 +352,7 @@ class RayEngine:
     # -- shutdown --------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the workers (killed: a broken engine's may hang), free the placement group, stop Ray if
-        this engine started it, delete temporary files. Idempotent; also runs at interpreter exit."""
+        this engine started it (unless the launcher's ``auto_shutdown`` is False), delete temporary files. Idempotent; also runs at interpreter exit."""
         if self._closed:
             return
         self._closed = True
@@ -372,8 +372,10 @@ class RayEngine:
             if self._pg is not None:
                 with contextlib.suppress(Exception):
                     ray.util.remove_placement_group(self._pg)
-            if self._owns_ray:
+            if self._owns_ray and self._launcher.auto_shutdown:
                 ray.shutdown()
+            elif self._owns_ray:  # left running (auto_shutdown=False): its session directory stays with it
+                self._ray_temp_dir = None
         self._actors, self._pg, self._proxies, self._module_proxies = [], None, {}, {}
         if self._snapshot_dir is not None:
             self._snapshot_dir.cleanup()

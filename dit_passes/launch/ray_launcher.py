@@ -53,12 +53,15 @@ class RayLauncher:
             actor's ``num_cpus`` / ``num_gpus`` / ``resources`` / ``memory``; a ``scheduling_strategy`` of yours
             replaces the placement group (none is made). A ``num_gpus`` given here decides GPU vs CPU workers
             unless ``use_gpus`` is set.
+        auto_shutdown: whether ``engine.shutdown()`` also stops the Ray this launcher started (or disconnects the
+            connection it opened); False leaves Ray running for later launches (the actors are stopped either way).
+            A Ray initialised before the launcher is never stopped.
     """
 
     def __init__(self, world_size: int = 2, num_cpus_per_worker: float = 1, runtime_env: Optional[dict] = None,
                  placement: str = "pack", ray_init_kwargs: Optional[dict] = None, timeout_s: float = 120.0,
                  use_gpus: Optional[bool] = None, address: Optional[str] = None,
-                 worker_options: Optional[dict] = None):
+                 worker_options: Optional[dict] = None, auto_shutdown: bool = True):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise RayLauncherError(f"world_size must be a positive int, got {world_size!r}")
         if not isinstance(num_cpus_per_worker, (int, float)) or num_cpus_per_worker <= 0:
@@ -72,6 +75,8 @@ class RayLauncher:
                                    f"{type(worker_options).__name__}")
         if address is not None and not isinstance(address, str):
             raise RayLauncherError(f"address must be a Ray cluster address string, got {address!r}")
+        if not isinstance(auto_shutdown, bool):
+            raise RayLauncherError(f"auto_shutdown must be a bool, got {auto_shutdown!r}")
         if not timeout_s or timeout_s <= 0:
             raise RayLauncherError(f"timeout_s must be positive seconds, got {timeout_s!r}")
         self.world_size = world_size
@@ -83,6 +88,7 @@ class RayLauncher:
         self.use_gpus = use_gpus
         self.address = address
         self.worker_options = dict(worker_options or {})
+        self.auto_shutdown = auto_shutdown
 
     def launch(self, pipe_or_factory: Any, passes: Union[Sequence[Any], Callable[[int, int], list]] = (), *,
                transfer: Optional[str] = None, compile: Union[bool, dict] = False, level: str = "pipeline",

@@ -49,7 +49,13 @@ include/exclude entry that is a role name (``q``, ``mlp_up``, ...) matches that 
 module paths containing it. int4 (W4A4, W4A16) needs K % 64 == 0, and no kind quantizes K = 0 (an empty reduction):
 such linears stay in their original precision, counted (``skipped_k``) and listed with the reason in the report
 (``explain()``), or are refused when ``include`` named them (W8A16 takes any K > 0, and takes the modulation
-linears int4 cannot group).
+linears int4 cannot group). ``counts``: ``replaced`` (linear nodes quantized), ``considered`` (every linear of the
+graph) and, for the others, ``skipped_<reason>`` (``quantize_select.SKIP_REASONS``: outside the blocks, excluded,
+refused by ``filter_fn``, ...; ``skipped_k`` for the K rule): considered = replaced + the skipped ones (few-shot's
+linears that never ran while observed are in the report's notes). A pass that
+quantizes no linear leaves the graph as it is, returns changed=False with those reasons in its report, and warns
+(``warnings.warn``): such a model runs in its original precision, which looks like a quantization that worked.
+``verbose=True`` prints each linear with the kind it became or why it was left.
 
 Calibration (PTQ, ``calibrate_fn``): the pass runs ``calibrate_fn()`` once under a
 ``TorchFunctionMode`` that records the per-channel abs-max of the input of every ``F.linear`` call
@@ -71,6 +77,7 @@ biases at the op's bias buffers), unless ``keep_original=True`` (DESIGN.md §14)
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -96,7 +103,8 @@ from ..quant.w8a16 import prepare_w8a16
 from ..patterns.quant_linear import QUANT_KINDS
 from .quantize_fused import fused_members, fused_note, low_rank_of
 from .quantize_graph import apply_by_kind, released_tables
-from .quantize_select import DEFAULT_EXCLUDE, ROLE_NAMES, check_patterns, inside_classes, select_linears  # noqa: F401
+from .quantize_select import (DEFAULT_EXCLUDE, ROLE_NAMES, SKIP_REASONS, check_patterns,  # noqa: F401
+                              inside_classes, select_linears)
 
 W8A16, W4A16, W4A16_LR = "w8a16", "w4a16", "w4a16_lr"
 WEIGHT_ONLY = (W8A16, W4A16, W4A16_LR)
@@ -144,7 +152,10 @@ class _QuantizeLinears(Pass):
     kind = ""
 
     def __init__(self, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, serialize_to=None, regional=True,
-                 block_classes=None):
+                 block_classes=None, verbose: bool = False):
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be a bool, got {verbose!r}")
+        self.verbose = verbose  # print, per linear, what it became or why it was left (cache-dit's verbose summary)
         self.include = check_patterns("include", include)
         self.regional = bool(regional)
         self.block_classes = check_patterns("block_classes", block_classes)
@@ -188,7 +199,8 @@ class _QuantizeLinears(Pass):
 
     def config_items(self) -> Dict[str, Any]:
         return {"quant_type": self.quant_type(), "include": self.include, "exclude": self.exclude,
-                "regional": self.regional, "block_classes": self.block_classes, "serialize_to": self.serialize_to}
+                "regional": self.regional, "block_classes": self.block_classes, "serialize_to": self.serialize_to,
+                **({"verbose": True} if self.verbose else {})}
 
     def calibrate(self, weights: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         return None
@@ -221,7 +233,10 @@ class _QuantizeLinears(Pass):
             raise PassError(f"{self.name} rewrites weights, which the {ctx.frontend!r} front end passes as graph "
                             "inputs: use compile_dit(model, passes=[...]) instead of the torch.compile backend")
         structure = get_structure(gm)
-        sites = select_linears(structure, self.include, self.exclude, self.filter_fn, self.regional, self.block_classes)
+        left: Dict[str, int] = {}  # linears the selection left, by reason (SKIP_REASONS)
+        left_by_path: Dict[str, str] = {}  # ... and each one's reason, for verbose
+        sites = select_linears(structure, self.include, self.exclude, self.filter_fn, self.regional, self.block_classes,
+                               skipped=left, why=left_by_path)
         if self.block_classes is not None and not any(inside_classes(s, self.block_classes) for s in structure.linears):
             raise PassError(f"{self.name}: block_classes={list(self.block_classes)}: no linear of the graph lies inside "
                             f"a module of these classes (the block lists found: "
@@ -240,11 +255,16 @@ class _QuantizeLinears(Pass):
             notes.append(f"left {skipped} linear(s) in their original precision: " + "; ".join(
                 f"{len(ps)} with {why} (e.g. {', '.join(ps[:3])})" for why, ps in by_reason.items()))
             sites = [s for s in sites if s.module_path not in bad]
+        if skipped:
+            left["k"] = skipped
+            left_by_path.update({p: f"k: {reason}" for p, (reason, _) in bad.items()})
+        if not sites:
+            return self._nothing_quantized(structure, left, notes, left_by_path)
         early = self.before_quantize(gm, ctx, sites, notes)  # a subclass may observe instead, or drop sites
         if early is not None:
             return early
         if not sites:
-            return PassResult(False, {"replaced": 0, "skipped_k": skipped}, "no eligible linear in the blocks; " + "; ".join(notes))
+            return self._nothing_quantized(structure, left, notes, left_by_path)
         paths = list(dict.fromkeys(s.module_path for s in sites))
         self._fused = fused_members(gm, paths)
         kinds = {s.module_path: self.kind_of(s) for s in sites}
@@ -262,7 +282,9 @@ class _QuantizeLinears(Pass):
             tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
         kinds = self.stored_form(tables, kinds)
         counts = apply_by_kind(gm, sites, kinds, tables, ledger, self)
+        counts["considered"] = len(structure.linears)
         counts["skipped_k"] = skipped
+        counts.update({f"skipped_{r}": n for r, n in left.items() if r != "k"})
         if self._fused:
             counts["fused_linears"] = len(self._fused)
             notes.append(fused_note(self._fused, tables))
@@ -279,7 +301,40 @@ class _QuantizeLinears(Pass):
         per_kind = ", ".join(f"{k[len('kind_'):]} {v}" for k, v in counts.items() if k.startswith("kind_"))
         report = (f"{self.quant_type()}: {counts['replaced']} linear node(s) over {len(paths)} module(s) "
                   f"[{per_kind}] ({how}); {counts['bytes_before']} -> {counts['bytes_after']} bytes ({ratio:.2f}x)")
+        kept = _left_text({r: n for r, n in left.items() if r != "k"})  # the K reasons are in notes, with examples
+        if kept:
+            report += f"; of {counts['considered']} linear(s), left unquantized: {kept}"
+        if self.verbose:
+            self._print_table(structure, {s.module_path: kinds[s.module_path] for s in sites}, left_by_path, report)
         return PassResult(True, counts, "; ".join([report] + notes))
+
+    def _print_table(self, structure, done: Dict[str, str], why: Dict[str, str], headline: str) -> None:
+        """``verbose``: each linear of the graph, graph order, with the kind it became or why it was left."""
+        rows = []
+        for site in structure.linears:
+            p = site.module_path
+            if p in done:
+                rows.append((p, done[p]))
+            elif p in why:
+                key, _, detail = why[p].partition(": ")
+                rows.append((p, "left: " + (detail if key == "k" else SKIP_REASONS.get(key, key))))
+        width = max((len(p) for p, _ in rows), default=0)
+        print(f"[dit_passes] {self.name}: {headline}\n" + "\n".join(f"  {p:<{width}}  {what}" for p, what in rows))
+
+    def _nothing_quantized(self, structure, left: Dict[str, int], notes: List[str], why: Dict[str, str]) -> PassResult:
+        """No linear to quantize: the graph is left as it is, and the caller is told why (a warning, the report and
+        the ``skipped_<reason>`` counts), since a quantization that changed nothing looks like one that worked."""
+        considered = len(structure.linears)
+        counts = {"replaced": 0, "considered": considered, "skipped_k": left.get("k", 0),
+                  **{f"skipped_{r}": n for r, n in left.items() if r != "k"}}
+        reasons = _left_text(left) if considered else "the graph has no linear"
+        report = (f"{self.quant_type()}: quantized no linear: of {considered} linear(s) considered, left "
+                  f"unquantized: {reasons}")
+        report = "; ".join([report] + notes)
+        warnings.warn(f"{self.name}: {report}; the model runs in its original precision", stacklevel=2)
+        if self.verbose:
+            self._print_table(structure, {}, why, report)
+        return PassResult(False, counts, report)
 
     def _tables_from_source(self, ctx, gm, paths, kinds, weights, biases, block_lists, notes):
         """A model built on the meta device (``compile_dit(weights=...)``): each linear's weight and bias are read
@@ -404,8 +459,8 @@ class SVDQuantW4A4(_QuantizeLinears):
                  alpha: float = 0.5, serialize_to=None, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
                  smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W4A16_LR,
                  precision: str = "int4", regional: bool = True, block_classes=None, svd_precision: str = "low",
-                 refine_iters: int = 0):
-        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes)
+                 refine_iters: int = 0, verbose: bool = False):
+        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose)
         if svd_precision not in SVD_PRECISIONS:
             raise ValueError(f"svd_precision must be one of {SVD_PRECISIONS}, got {svd_precision!r}")
         if isinstance(refine_iters, bool) or not isinstance(refine_iters, int) or refine_iters < 0:
@@ -504,6 +559,12 @@ class SVDQuantW4A4(_QuantizeLinears):
         q = prepare(weight, bias, act_absmax=absmax, rank=self.rank_of(path), alpha=self.alpha, smooth=smooth,
                     seed=self.seed, dtype=weight.dtype, svd=self.svd_precision, refine_iters=self.refine_iters)
         return q.tensors()
+
+
+def _left_text(left: Dict[str, int]) -> str:
+    """``"3 outside the repeated blocks, 2 excluded ..."`` for the counts by reason (``"k"``: the kind's K rule)."""
+    words = {**SKIP_REASONS, "k": "whose K the kind cannot take (which, below)"}
+    return ", ".join(f"{n} {words.get(r, r)}" for r, n in left.items() if n)
 
 
 # the torchao-style passes live beside (this file's size); re-exported here, where they have always been imported from

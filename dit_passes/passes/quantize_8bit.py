@@ -31,8 +31,8 @@ class Fp8Linear(_QuantizeLinears):
 
     def __init__(self, granularity: str = "per_row", include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
                  serialize_to=None, regional=True, block_classes=None, weight_only: bool = False,
-                 block: int = FP8_BLOCK):
-        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes)
+                 block: int = FP8_BLOCK, verbose: bool = False):
+        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose)
         grans = FP8_GRANULARITIES + ("per_block",)
         if granularity not in grans:
             raise ValueError(f"granularity must be one of {grans}, got {granularity!r}")
@@ -75,8 +75,8 @@ class Int8Linear(_QuantizeLinears):
     name = "int8_linear"
 
     def __init__(self, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, serialize_to=None, regional=True,
-                 block_classes=None, granularity: str = "per_row", weight_only: bool = False):
-        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes)
+                 block_classes=None, granularity: str = "per_row", weight_only: bool = False, verbose: bool = False):
+        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose)
         if granularity not in INT8_GRANULARITIES:
             raise ValueError(f"granularity must be one of {INT8_GRANULARITIES}, got {granularity!r}")
         if weight_only and granularity != "per_row":

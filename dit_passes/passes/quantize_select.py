@@ -2,7 +2,7 @@
 classes, or every linear), then ``include`` / ``exclude`` (role names or module-path substrings) and ``filter_fn``."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROLE_NAMES = ("q", "k", "v", "qkv", "attn_out", "mlp_up", "mlp_down", "proj", "modulation", "router", "other")
 # every block linear, the modulation ones too (SVDQuant: weight-only int8), but a mixture of experts' router: its
@@ -36,27 +36,46 @@ def inside_classes(site, classes: Sequence[str]) -> bool:
     return False
 
 
+# why select_linears left a linear: the reason's key (a pass's ``skipped_<key>`` count) and its words in a report
+SKIP_REASONS = {"quantized_already": "quantized by an earlier pass", "outside_blocks": "outside the repeated blocks",
+                "outside_block_classes": "outside the named block classes", "not_included": "not in include=",
+                "excluded": "excluded (exclude= / exclude_layers)", "filter_fn": "refused by filter_fn"}
+
+
 def select_linears(structure, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, regional=True,
-                   block_classes=None) -> List[Any]:
+                   block_classes=None, skipped: Optional[Dict[str, int]] = None,
+                   why: Optional[Dict[str, str]] = None) -> List[Any]:
     """The LinearSites that ``include`` / ``exclude`` / ``filter_fn`` accept, graph order: those of the discovered blocks
-    (``regional``), of the modules whose class ``block_classes`` names, or every linear (``regional=False``)."""
+    (``regional``), of the modules whose class ``block_classes`` names, or every linear (``regional=False``).
+    ``skipped``: a dict that receives, per :data:`SKIP_REASONS` key, how many linears were left for that reason
+    (the first reason that applies, in the order above); ``why``: one that receives each left linear's path -> key."""
     out = []
+
+    def skip(reason: str) -> None:
+        if skipped is not None:
+            skipped[reason] = skipped.get(reason, 0) + 1
+        if why is not None:
+            why[site.module_path] = reason
     for site in structure.linears:
         if site.node.meta.get("dit_quant"):  # quantized already
+            skip("quantized_already")
             continue
         if block_classes is not None:
             if not inside_classes(site, block_classes):
+                skip("outside_block_classes")
                 continue
         elif regional and site.block is None:  # outside the blocks
+            skip("outside_blocks")
             continue
         path, role = site.module_path, site.role
         if include is not None and not any(_matches(e, path, role) for e in include):
+            skip("not_included")
             continue
         if any(_matches(e, path, role) for e in exclude):
+            skip("excluded")
             continue
         if filter_fn is not None and not filter_fn(path, role):
+            skip("filter_fn")
             continue
         out.append(site)
     return out
-
-
