@@ -133,3 +133,47 @@ def test_bad_file_and_reset(tmp_path):
         dp.load_cache_config({"cache_config": {}}, reset=True)
     with pytest.deprecated_call():
         assert dp.load_options({"Fn_compute_blocks": 1})["cache_config"].Fn_compute_blocks == 1
+
+
+@pytest.mark.parity("set_attn_backend")
+def test_enable_cache_takes_every_section_and_pins_the_attention_kernel():
+    """``enable_cache(pipe, **load_configs(...))``, the reference's usage: the cache and the pinned SDPA kernel both
+    act (the kernel's op in the graph, the output as the unpinned one's within SDPA kernels' rounding);
+    ``set_attn_backend`` then swaps the pin on the accelerated transformer."""
+    import torch
+    from dit_passes.models.zoo import build
+    from dit_passes.testing.pipelines import flux_pipeline
+
+    def run(pipe):
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            return pipe(prompt_embeds=torch.randn(1, 7, 32, generator=g), pooled_prompt_embeds=torch.randn(1, 32, generator=g),
+                        height=16, width=16, num_inference_steps=6, guidance_scale=3.5, output_type="latent",
+                        generator=torch.Generator().manual_seed(3)).images
+
+    def pinned(pipe):
+        return [n.args[-1] for n in pipe.transformer.graph.nodes if "sdpa_backend" in str(n.target)]
+
+    cache = {"Fn_compute_blocks": 1, "residual_diff_threshold": 1.0, "max_warmup_steps": 2}
+    plain = flux_pipeline(build("flux").model)
+    dp.enable_cache(plain, **dp.load_configs({"cache_config": cache}))
+    ref = run(plain)
+    pipe = flux_pipeline(build("flux").model)
+    dp.enable_cache(pipe, **dp.load_configs({"cache_config": cache, "attention_backend": "_native_math"}))
+    out = run(pipe)
+    assert pinned(pipe) and set(pinned(pipe)) == {"math"}
+    assert dp.summary(pipe, logging=False)[0].cached_steps == dp.summary(plain, logging=False)[0].cached_steps != []
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    dp.set_attn_backend(pipe, "_native_efficient")
+    assert [p.name for p in pipe.transformer.passes] == ["dbcache", "attention_backend"] or \
+        [p.name for p in pipe.transformer.passes] == ["attention_backend", "dbcache"]
+    dp.set_attn_backend(pipe, "native")  # SDPA's own choice again: no pin
+    torch.testing.assert_close(run(pipe), ref, rtol=0, atol=0)
+    assert not pinned(pipe)
+    with pytest.raises(ValueError, match="is not accelerated by dit_passes"):
+        dp.set_attn_backend(flux_pipeline(build("flux").model), "_native_math")
+    with pytest.raises(NotImplementedError, match="another package's attention kernel"):
+        dp.enable_cache(flux_pipeline(build("flux").model), attention_backend="sage")
+    with pytest.raises(ValueError, match="disagree"):
+        dp.enable_cache(flux_pipeline(build("flux").model), attention_backend="_native_math",
+                        parallelism_config=dp.ParallelismConfig(tp_size=2, attention_backend="_native_cudnn"))

@@ -61,6 +61,7 @@ def caught(fn):
 
 
 # ------------------------------------------------------------------------------- ParallelismConfig
+@pytest.mark.parity("ParallelismConfig.parallel_kwargs")
 def test_parallel_kwargs_set_the_fields_they_name_and_refuse_others():
     """cache-dit's _maybe_flatten_deprecated_parallel_kwargs: a key naming a field sets it (over the field), the
     experimental_ulysses_* keys set ulysses_*; the passes then carry them."""
@@ -76,6 +77,7 @@ def test_parallel_kwargs_set_the_fields_they_name_and_refuse_others():
         ParallelismConfig(ulysses_size=2, parallel_kwargs={"ulysses_fp8": True})
 
 
+@pytest.mark.parity("ParallelismConfig.backend")
 def test_parallelism_backend_names_are_cache_dits():
     cache_dit = pytest.importorskip("cache_dit")
     from cache_dit.distributed.backend import ParallelismBackend
@@ -91,6 +93,8 @@ def test_parallelism_backend_names_are_cache_dits():
         ParallelismConfig(ulysses_size=2, backend="native_pytorch")
 
 
+@pytest.mark.parity("ParallelismConfig.extra_parallel_kwargs", "ParallelismConfig.cp_plan",
+                    "ParallelismConfig.ring_convert_to_fp32", status="partial")
 def test_parallel_fields_without_effect_warn():
     _, msgs = caught(lambda: ParallelismConfig(ulysses_size=2, extra_parallel_kwargs={"boogu_double_stream_cp": False}))
     assert any("extra_parallel_kwargs ['boogu_double_stream_cp']: no key has an effect" in m for m in msgs)
@@ -102,6 +106,7 @@ def test_parallel_fields_without_effect_warn():
         ParallelismConfig(use_ray=True, ray_auto_shutdown="no")
 
 
+@pytest.mark.parity("ParallelismConfig.attention_backend", status="partial")
 def test_attention_backend_pins_the_sdpa_kernel_or_is_refused():
     (tp, pin) = ParallelismConfig(tp_size=2, attention_backend="_native_math").to_passes()
     assert type(pin).__name__ == "AttentionBackend" and pin.backends == ["math"]  # no fallback: as diffusers' pin
@@ -123,6 +128,7 @@ def test_attention_backend_pins_the_sdpa_kernel_or_is_refused():
     assert any("attention_backend='_native_math' is applied with parallelism only" in m for m in msgs)
 
 
+@pytest.mark.parity("ParallelismConfig.ray_auto_shutdown")
 @pytest.mark.ray
 def test_ray_auto_shutdown_leaves_ray_running():
     """cache-dit's engine stops the Ray it started on shutdown unless ray_auto_shutdown=False (the default, True,
@@ -143,6 +149,7 @@ def test_ray_auto_shutdown_leaves_ray_running():
 
 
 # ------------------------------------------------------------------------------- QuantizeConfig
+@pytest.mark.parity("QuantizeConfig.backend")
 def test_quantize_backend_names_are_cache_dits():
     cache_dit = pytest.importorskip("cache_dit")
     from cache_dit.quantization.backend import QuantizeBackend
@@ -161,6 +168,7 @@ def test_quantize_backend_names_are_cache_dits():
         QuantizeConfig(backend="cache_dit")
 
 
+@pytest.mark.parity("QuantizeConfig.per_tensor_fallback", status="partial")
 def test_per_tensor_fallback_under_tensor_parallelism():
     """cache-dit, float8_per_row after TP: the row-parallel linears take fp8 per tensor (per_tensor_fallback=True)
     or stay unquantized (False). Checked on the quantized graph (the passes for tp_size=2, on one device)."""
@@ -183,6 +191,7 @@ def test_per_tensor_fallback_under_tensor_parallelism():
             assert row and set(row.values()) == {row_kind}
 
 
+@pytest.mark.parity("QuantizeConfig.verbose")
 def test_verbose_prints_each_linear(capsys):
     tr = tiny_flux()
     compiled = quantize(tr, QuantizeConfig(quant_type="int8_per_row", verbose=True), keep_original=True)
@@ -196,6 +205,7 @@ def test_verbose_prints_each_linear(capsys):
     assert capsys.readouterr().out == ""  # not verbose: nothing printed
 
 
+@pytest.mark.parity("QuantizeConfig.svdq_kwargs", status="partial")
 def test_svdq_tuning_keys_and_unused_fields_warn():
     _, msgs = caught(lambda: QuantizeConfig(quant_type="svdq_int4_r16_dq", svdq_kwargs={"streaming": True}))
     assert any("svdq_kwargs {'streaming': True} have no effect here" in m for m in msgs)
@@ -208,6 +218,7 @@ def test_svdq_tuning_keys_and_unused_fields_warn():
 
 
 # ------------------------------------------------------------------------------- quantize / load / summary
+@pytest.mark.parity("quantize", "load")
 def test_quantize_and_load_take_cache_dits_signatures(tmp_path):
     """cache_dit.quantize(module, quantize_config=None, **kwargs), cache_dit.load(module, quantize_config_or_path)."""
     tr = tiny_flux(heads=4)  # inner dim 64: int4 groups of 64

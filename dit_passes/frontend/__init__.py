@@ -5,7 +5,8 @@ from ..cache.config import (DBCacheConfig, DBPruneConfig, DMDCalibratorConfig, F
 from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
                                   PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
                                   TeaCacheConfig)
-from .api import FrontendState, disable_cache, enable_cache, load, quantize, refresh_context, steps_mask
+from .api import (FrontendState, disable_cache, enable_cache, load, quantize, refresh_context, set_attn_backend,
+                  steps_mask)
 from .reports import CacheStats, strify, summary
 from .configs import SUPPORTED_QUANT_TYPES, ParallelismConfig, QuantizeConfig
 from .config_files import (load_attn_backend_config, load_cache_config, load_configs, load_options,
@@ -25,4 +26,4 @@ __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strif
            "load_parallelism_config", "load_quantize_config", "load_attn_backend_config", "load_options",
            "layerwise_cpu_offload", "BasicCacheConfig", "CacheType", "DBCache", "DBPrune", "NONE", "block_range",
            "cache_type", "disable_print", "init_logger", "maybe_empty_cache", "version_tuple", "NOT_OFFERED",
-           "CalibratorConfig"]
+           "CalibratorConfig", "set_attn_backend"]

@@ -48,6 +48,7 @@ from .cache_configs import resolve_cache_config as _resolve_cache_config
 from . import components
 from .calibration import calibrate
 from .attention_names import attention_pass
+from ..passes.attention_backend import AttentionBackend
 from .configs import ParallelismConfig, QuantizeConfig
 from .ray_workers import FactoryPlan, calibrate_on_workers, setup_factory_workers, without_calibrate_fns, \
     worker_extra
@@ -71,6 +72,7 @@ class FrontendState:
     engine: Any = None  # the RayEngine when the transformer runs on Ray workers
     engine_index: int = 0  # which of the engine's transformers (1: Wan 2.2's transformer_2)
     routed: Dict[str, Any] = dataclasses.field(default_factory=dict)  # _route_to_proxy: instance entries it replaced
+    attention_backend: Optional[str] = None  # enable_cache(attention_backend=...) without parallelism: the kernel pinned
 
     def cache_options(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
@@ -164,6 +166,9 @@ def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[Compil
         passes += state.parallelism_config.to_passes()
     if q is not None:
         passes += q.to_passes(original, calibrated, tp_size=_tp_size(state.parallelism_config))
+    pin = attention_pass(state.attention_backend)
+    if pin is not None:
+        passes = [p for p in passes if not isinstance(p, AttentionBackend)] + [pin]
     if state.cache_config is not None:
         passes.append(cache_pass(state.cache_config, state.calibrator_config))
     state.passes = passes
@@ -180,13 +185,24 @@ def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[Compil
 def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfig] = None,
                  parallelism_config: Optional[ParallelismConfig] = None,
                  quantize_config: Optional[QuantizeConfig] = None,
-                 calibrator_config: Optional[CalibratorConfig] = None, keep_original: bool = False) -> Any:
+                 calibrator_config: Optional[CalibratorConfig] = None, keep_original: bool = False,
+                 attention_backend: Optional[str] = None) -> Any:
     """Accelerate a pipeline (returned, its transformer(s) replaced) or a transformer (its wrapper is returned:
     use that). ``cache_config=None``: the default ``DBCacheConfig()`` when no parallelism / quantize config is
     given, else no residual cache (the reference's rule). Weights that tensor parallelism or quantization replace
     leave the transformer (``disable_cache`` then refuses); ``keep_original=True`` keeps it whole, at the cost of a
-    full copy of those weights. See the module docstring."""
+    full copy of those weights. ``attention_backend``: a pinned SDPA kernel (``"_native_cudnn"``, ...,
+    :mod:`~dit_passes.frontend.attention_names`) for every attention, as cache-dit's argument (with parallelism it
+    is the config's ``attention_backend``; the two must agree). ``enable_cache(pipe, **load_configs(path))`` takes a
+    configuration file's every section. See the module docstring."""
     pc = parallelism_config
+    attention_pass(attention_backend)  # a name no kernel here runs: refused before anything is built
+    if attention_backend is not None and pc is not None and not pc.is_noop():
+        if pc.attention_backend not in (None, attention_backend):
+            raise ValueError(f"enable_cache(attention_backend={attention_backend!r}) and ParallelismConfig."
+                             f"attention_backend={pc.attention_backend!r} disagree: give one")
+        pc = dataclasses.replace(pc, attention_backend=attention_backend)
+        attention_backend = None
     if pc is not None and not isinstance(pc, ParallelismConfig):
         raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(pc).__name__}")
     if quantize_config is not None and not isinstance(quantize_config, QuantizeConfig):
@@ -219,7 +235,8 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     bases = [_check_target(o, a, m, allow_extend=quantize_config is None) for o, a, m in targets]
     wrapped = []
     for (owner, attr, module), base in zip(targets, bases):
-        state = FrontendState(cfg, cal, pc, quantized.get(attr or "transformer"), [], restore=module)
+        state = FrontendState(cfg, cal, pc, quantized.get(attr or "transformer"), [], restore=module,
+                              attention_backend=attention_backend)
         original = module.original if base is not None else module
         wrapped.append((owner, attr, _wrap(original, state, module if base is not None else None, keep_original)))
     for owner, attr, compiled in wrapped:  # assigned only once every transformer succeeded
@@ -235,6 +252,28 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
                                                          keep_original=keep_original, then=quant_passes)
         logger.info("enable_cache(%s): passes %s", _name(attr, compiled), [p.name for p in _state_of(compiled).passes])
     return pipe_or_module if targets[0][0] is not None else wrapped[0][2]
+
+
+def set_attn_backend(pipe_or_module: Any, attention_backend: Optional[str] = None) -> None:
+    """cache-dit's ``set_attn_backend``: pin the SDPA kernel of every attention of an accelerated transformer (a
+    wrapper of ``enable_cache`` / ``quantize`` / ``compile_dit``, or a pipeline holding them); ``"native"`` removes a
+    pin, ``None`` does nothing (as there). The graphs are lowered again at the next call. A transformer not yet
+    accelerated is refused: ``enable_cache(pipe, attention_backend=...)`` pins it as it is accelerated."""
+    if attention_backend is None:
+        return
+    pin = attention_pass(attention_backend)
+    targets = _targets(pipe_or_module)
+    for _, attr, module in targets:  # refuse before anything changes
+        if not isinstance(module, CompiledDiT):
+            raise ValueError(f"set_attn_backend: {_name(attr, module)} is not accelerated by dit_passes (a "
+                             f"{type(module).__name__}): use enable_cache(pipe, attention_backend="
+                             f"{attention_backend!r}) or compile_dit(..., passes=[passes.AttentionBackend(...)])")
+    for _, _, module in targets:
+        passes = [p for p in module.passes if not isinstance(p, AttentionBackend)] + ([pin] if pin else [])
+        module.set_passes(passes)
+        state = _state_of(module)
+        if state is not None:
+            state.passes, state.attention_backend = passes, attention_backend
 
 
 def _ray_launcher(pc: ParallelismConfig):
