@@ -79,7 +79,8 @@ from .frontend import (CacheStats, DBCacheConfig, DBPruneConfig, DMDCalibratorCo
                        strify, summary, load_configs, load_cache_config, load_parallelism_config,
                        load_quantize_config, load_attn_backend_config, load_options, layerwise_cpu_offload,
                        BasicCacheConfig, CacheType, CalibratorConfig, DBCache, DBPrune, NONE, block_range, cache_type,
-                       disable_print, init_logger, maybe_empty_cache, set_attn_backend)
+                       disable_print, init_logger, maybe_empty_cache, set_attn_backend, ParallelismBackend,
+                       QuantizeBackend)
 from .frontend import version_tuple as _version_tuple  # noqa: E402
 from .frontend import NOT_OFFERED as _NOT_OFFERED  # noqa: E402
 
@@ -98,4 +99,5 @@ __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGrad
            "ParallelismConfig", "QuantizeConfig", "load_configs", "load_cache_config", "load_parallelism_config",
            "load_quantize_config", "load_attn_backend_config", "load_options", "layerwise_cpu_offload",
            "BasicCacheConfig", "CacheType", "CalibratorConfig", "DBCache", "DBPrune", "NONE", "block_range",
-           "cache_type", "disable_print", "init_logger", "maybe_empty_cache", "version_tuple", "set_attn_backend"]
+           "cache_type", "disable_print", "init_logger", "maybe_empty_cache", "version_tuple", "set_attn_backend",
+           "ParallelismBackend", "QuantizeBackend"]

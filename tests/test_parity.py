@@ -125,3 +125,21 @@ def test_claims_are_literal():
                     and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "mark":
                 for arg in [*node.args, *(k.value for k in node.keywords)]:
                     ast.literal_eval(arg)  # raises on a non-literal
+
+
+@pytest.mark.parity("ParallelismBackend", "QuantizeBackend")
+def test_backend_enums_as_cache_dit():
+    cache_dit = pytest.importorskip("cache_dit")
+    for ours, theirs in ((dp.ParallelismBackend, cache_dit.ParallelismBackend),
+                         (dp.QuantizeBackend, cache_dit.QuantizeBackend)):
+        assert {m.name: m.value for m in ours} == {m.name: m.value for m in theirs}
+    for name in ("auto", "native_pytorch", "NATIVE_DIFFUSER", "cache_dit"):
+        assert dp.ParallelismBackend.from_str(name).value == cache_dit.ParallelismBackend.from_str(name).value
+    assert dp.QuantizeBackend.from_str("ao") is dp.QuantizeBackend.TORCHAO
+    # the configs take the members as they take the names
+    assert dp.ParallelismConfig(tp_size=2, backend=dp.ParallelismBackend.NATIVE_PYTORCH).to_passes()
+    with pytest.raises(ValueError, match="does not run Ulysses2"):
+        dp.ParallelismConfig(ulysses_size=2, backend=dp.ParallelismBackend.NATIVE_PYTORCH)
+    assert dp.QuantizeConfig(quant_type="svdq_int4_r16_dq", backend=dp.QuantizeBackend.CACHE_DIT).to_pass()
+    with pytest.raises(ValueError, match="runs SVDQuant"):
+        dp.QuantizeConfig(quant_type="float8_per_row", backend=dp.QuantizeBackend.CACHE_DIT)

@@ -15,6 +15,7 @@ from .offload import layerwise_cpu_offload, layerwise_offload
 from .cache_types import BasicCacheConfig, CacheType, DBCache, DBPrune, NONE, block_range, cache_type
 from .process_utils import disable_print, init_logger, maybe_empty_cache, version_tuple
 from .not_offered import NOT_OFFERED
+from .backends import ParallelismBackend, QuantizeBackend
 from ..cache.config import CalibratorConfig
 
 __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strify", "steps_mask", "quantize", "load",
@@ -26,4 +27,5 @@ __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strif
            "load_parallelism_config", "load_quantize_config", "load_attn_backend_config", "load_options",
            "layerwise_cpu_offload", "BasicCacheConfig", "CacheType", "DBCache", "DBPrune", "NONE", "block_range",
            "cache_type", "disable_print", "init_logger", "maybe_empty_cache", "version_tuple", "NOT_OFFERED",
-           "CalibratorConfig", "set_attn_backend"]
+           "CalibratorConfig", "set_attn_backend", "ParallelismBackend",
+           "QuantizeBackend"]
