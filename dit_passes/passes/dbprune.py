@@ -95,6 +95,7 @@ class DBPrune(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         from ..cache.prune import Begin, BlockCommit, BlockDecide, BlockHit, Finish, PruneStore, STEP_KEYS, \
             block_state_keys, build_prune_program
+        from ..cache.branches import split_for
         from ..cache.state import SCALARS
 
         s = get_structure(gm)
@@ -180,7 +181,8 @@ class DBPrune(Pass):
         state_out.update(zip(("block_pruned", "block_diffs"), rec))
         last = dict(zip(SCALARS, scalars))
         finish_state_io(gm, ctx, self.name, lambda: PruneStore(self.config), program, device,
-                        [state_out[x] for x in program.names], last["use_cache"], last["diff"])
+                        [state_out[x] for x in program.names], last["use_cache"], last["diff"],
+                        split=split_for(self.config))
         facts_of(gm).structure_at_cut = s
         counts = {"blocks_prunable": len(blocks), "cond": len(blocks), "state_tensors": len(state_in),
                   "nodes_in_branches": moved}
