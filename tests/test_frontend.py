@@ -91,14 +91,14 @@ def test_enable_cache_matches_cache_dit(cache_dit, calibrated):
     for k, v in ref_stats.residual_diffs.items():
         assert st.residual_diffs[k] == pytest.approx(v, rel=1e-4)
     assert rel_err(ours, ref) <= 1e-4, f"latents differ: {rel_err(ours, ref):.3g}"
-    # the tag: the reference's (enable_separate_cfg resolved to False for Flux: _CFG0), then _S<cached steps>
+    # the tag: the reference's (enable_separate_cfg resolved to False for Flux: _CFG0; ours from the calls), then _S<cached steps>
     ref_tag = cache_dit.strify(ref_pipe).split("_S")[0]
     assert ref_tag == "DBCache_F1B1_W2I1M0MC0_R0.3_CFG0_" + ("T1O1" if calibrated else "T0O0")
     assert strify(pipe) == f"{ref_tag}_S{len(st.cached_steps)}"
     # a migrating user's cache-dit config objects are accepted as they are
     other = tiny_pipe(tiny_flux())
     enable_cache(other, cache_config=cache_dit.DBCacheConfig(**CFG))
-    assert other.transformer.runtime.state["frontend"].cache_config == DBCacheConfig(**CFG, enable_separate_cfg=False)
+    assert other.transformer.runtime.state["frontend"].cache_config == DBCacheConfig(**CFG)  # None: resolved from the calls
 
 
 @pytest.mark.reference

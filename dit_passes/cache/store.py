@@ -14,11 +14,12 @@ Nothing here reads a device value during a step: decisions and diffs go to a dev
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .branches import RoutedProgram, slot_name
+from .branches import ROUTE_OVER, RoutedProgram, slot_name
 from .program import PARTNER_KEYS, CacheProgram
 from .stats import CacheStats
 
@@ -179,9 +180,22 @@ class CacheStore:
 
     def summary(self) -> List[Dict[str, Any]]:
         """Per generation: cached steps, residual diffs and their percentiles, per context (one sync)."""
+        self._warn_overflow()
         return self.stats.summary()
 
+    def _warn_overflow(self) -> None:
+        """A step with more calls at one timestep and latents than the branches kept shares the last branch's
+        state from its third call on: said here, where the records are read anyway."""
+        for (gid, ctx), state in self._slots.items():
+            program = self._programs[gid][0]
+            if isinstance(program, RoutedProgram) and bool(state[program.router_names.index(ROUTE_OVER)]):
+                warnings.warn(f"cache context {ctx!r}: a step called the transformer more than "
+                              f"{program.split.branches} times at one timestep with the same latents; the calls after "
+                              f"the {program.split.branches}th shared the last branch's cache state. Name each "
+                              f"branch with transformer.cache_context(name) to give each its own", stacklevel=3)
+
     def summary_string(self) -> str:
+        self._warn_overflow()
         return self.stats.summary_string()
 
     def last_generation(self) -> Dict[str, Any]:
