@@ -40,12 +40,12 @@ def cfg_loop(model, kwargs, negative, steps=STEPS, gens=1, branches=("cond", "un
             step = {}
             for b in branches:
                 kw = dict(kwargs, hidden_states=lat.clone(), timestep=t.clone(),
-                          encoder_hidden_states=kwargs["encoder_hidden_states"] if b == "cond" else negative)
+                          encoder_hidden_states=kwargs["encoder_hidden_states"] if b == "cond" else negative * len(b))
                 with torch.no_grad():
                     step[b] = model(**kw)[0]
                 outs[b].append(step[b])
                 calls.append((b, kw))
-            guided = step["cond"] + 3.0 * (step["cond"] - step["uncond"]) if len(branches) == 2 else step["cond"]
+            guided = step["cond"] + 3.0 * (step["cond"] - step["uncond"]) if "uncond" in step else step["cond"]
             lat = lat - 0.08 * guided.reshape(lat.shape)
     return outs, calls
 
@@ -134,6 +134,30 @@ def test_cfg_diff_shared_and_single_call_pipeline_under_none():
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert per_context(single.runtime.state["dbcache"]).keys() == {"default"}
     assert per_context(single.runtime.state["dbcache"]) == per_context(plain.runtime.state["dbcache"])
+
+
+def test_repeated_timestep_with_new_latents_is_a_new_step_and_a_third_branch_warns():
+    """A Heun-type sampler evaluates twice at one timestep with other latents: one state, as with False. Three calls
+    at one timestep and latents (more branches than kept) share the last state, which the summary says."""
+    model, kwargs, negative = wan()
+    outs = {}
+    for sep in (None, False):
+        compiled = compile_dit(model, passes=[passes.DBCache(**CFG, enable_separate_cfg=sep)])
+        lat, got = kwargs["hidden_states"].clone(), []
+        for i in range(STEPS):
+            t = torch.full_like(kwargs["timestep"], 1000.0 * (1 - (i // 2) / STEPS))  # each timestep twice
+            with torch.no_grad():
+                got.append(compiled(**dict(kwargs, hidden_states=lat, timestep=t))[0])
+            lat = lat - 0.08 * got[-1].reshape(lat.shape)
+        outs[sep] = got, per_context(compiled.runtime.state["dbcache"])
+    assert outs[None][1].keys() == {"default"} and outs[None][1] == outs[False][1]
+    for x, y in zip(outs[None][0], outs[False][0]):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+    three = compile_dit(model, passes=[passes.DBCache(**CFG)])
+    cfg_loop(three, kwargs, negative, steps=2, branches=("cond", "uncond", "uncond2"))
+    with pytest.warns(UserWarning, match="more than 2 times at one timestep"):
+        three.runtime.state["dbcache"].summary()
 
 
 def test_separate_cfg_true_on_a_single_call_pipeline_fails_naming_the_setting():
