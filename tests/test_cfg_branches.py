@@ -67,6 +67,7 @@ def test_unnamed_branches_each_keep_a_state_equal_to_running_alone():
     outs, calls = cfg_loop(ours, kwargs, negative, gens=2)
     gens = ours.runtime.state["dbcache"].summary()
     assert len(gens) == 2, "the second loop must start a new generation of both branches"
+    assert "state kept per CFG branch (2)" in ours.explain(print_output=False)
     for b, name in (("cond", "default"), ("uncond", "cfg")):
         alone = compile_dit(model, passes=[passes.DBCache(**CFG, enable_separate_cfg=False)])
         ref, _ = cfg_loop(alone, kwargs, negative, replay=[c for c in calls if c[0] == b])
@@ -178,6 +179,7 @@ def test_dbprune_branches_under_none_equal_running_alone():
     outs, calls = cfg_loop(ours, kwargs, negative, steps=6)
     summ = ours.runtime.state["dbprune"].summary()[-1]
     assert summ["pruned_steps"] and summ["cfg_pruned_steps"]
+    assert "state kept per CFG branch (2)" in ours.explain(print_output=False)
     for b, name in (("cond", "default"), ("uncond", "cfg")):
         alone = compile_dit(model, passes=[passes.DBPrune(**cfg, enable_separate_cfg=False)])
         ref, _ = cfg_loop(alone, kwargs, negative, replay=[c for c in calls if c[0] == b])

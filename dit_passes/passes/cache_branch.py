@@ -468,7 +468,19 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
               # enable_separate_cfg=None: the state kept per CFG branch, told apart in the graph (0: one state)
               "cfg_branches": split.branches if split is not None and timestep is not None else 0}
     return PassResult(True, counts, f"blocks {fn}..{n - bn - 1} of {n} moved into a torch.cond branch "
-                                    f"({len(seg.nodes)} nodes); {k} stream residual(s) cached; tag {tag}")
+                                    f"({len(seg.nodes)} nodes); {k} stream residual(s) cached; tag {tag}"
+                                    + cfg_split_note(split, timestep is not None))
+
+
+def cfg_split_note(split, has_timestep: bool) -> str:
+    """What the report says about ``enable_separate_cfg=None`` (``split`` given)."""
+    if split is None:
+        return ""
+    if not has_timestep:
+        return ("; enable_separate_cfg=None: the graph has no timestep input to tell CFG branches apart, so every "
+                "call shares one state (name each branch with cache_context(name), or set True)")
+    return (f"; enable_separate_cfg=None: state kept per CFG branch ({split.branches}), a call at the previous "
+            f"call's timestep and latents being the next branch of that step")
 
 
 def image_stream_index(name: str, seg: MiddleSegment) -> Dict[str, int]:
