@@ -271,5 +271,4 @@ def test_enable_cache_dbprune_matches_cache_dit():
     # a migrating user's cache-dit DBPruneConfig is taken as it is
     other = tiny_pipe(tiny_flux())
     dit_passes.enable_cache(other, cache_config=cache_dit.DBPruneConfig(**cfg))
-    assert other.transformer.runtime.state["frontend"].cache_config == dit_passes.DBPruneConfig(
-        **cfg, enable_separate_cfg=False)
+    assert other.transformer.runtime.state["frontend"].cache_config == dit_passes.DBPruneConfig(**cfg)  # None kept

@@ -92,14 +92,14 @@ def test_enable_cache_matches_cache_dit(cache_dit, calibrated):
     for k, v in ref_stats.residual_diffs.items():
         assert st.residual_diffs[k] == pytest.approx(v, rel=1e-4)
     assert rel_err(ours, ref) <= 1e-4, f"latents differ: {rel_err(ours, ref):.3g}"
-    # the tag: the reference's (enable_separate_cfg resolved to False for Flux: _CFG0), then _S<cached steps>
+    # the tag: the reference's (enable_separate_cfg resolved to False for Flux: _CFG0; ours from the calls), then _S<cached steps>
     ref_tag = cache_dit.strify(ref_pipe).split("_S")[0]
     assert ref_tag == "DBCache_F1B1_W2I1M0MC0_R0.3_CFG0_" + ("T1O1" if calibrated else "T0O0")
     assert strify(pipe) == f"{ref_tag}_S{len(st.cached_steps)}"
     # a migrating user's cache-dit config objects are accepted as they are
     other = tiny_pipe(tiny_flux())
     enable_cache(other, cache_config=cache_dit.DBCacheConfig(**CFG))
-    assert other.transformer.runtime.state["frontend"].cache_config == DBCacheConfig(**CFG, enable_separate_cfg=False)
+    assert other.transformer.runtime.state["frontend"].cache_config == DBCacheConfig(**CFG)  # None: resolved from the calls
 
 
 @pytest.mark.reference
@@ -178,7 +178,8 @@ def test_parallelism_all_sizes_one_is_a_logged_noop(caplog):
     assert any("no parallelism applied" in r.getMessage() for r in caplog.records)
     state = pipe.transformer.runtime.state["frontend"]
     assert [p.name for p in state.passes] == ["dbcache"] and state.parallelism_config is None
-    assert strify(pipe) == "DBCache_F1B1_W2I1M0MC0_R0.3_CFG0_T0O0"
+    # before any call the CFG split is not known yet (the reference's table says _CFG0 for Flux; ours after a run)
+    assert strify(pipe) == "DBCache_F1B1_W2I1M0MC0_R0.3_T0O0"
     # sizes > 1 map onto the passes; they need a process group of that size
     assert [type(p).__name__ for p in ParallelismConfig(ulysses_size=2, ring_size=2).to_passes()] == ["USP"]
     assert [type(p).__name__ for p in ParallelismConfig(ring_size=2).to_passes()] == ["Ring"]
@@ -231,7 +232,7 @@ def test_quantize_config_float8_per_row_puts_fp8_linears_in_the_graph():
     # cache + fp8 together, in the order the PassManager needs (built here, lowered at the first call)
     enable_cache(pipe, cache_config=DBCacheConfig(**CFG), quantize_config=QuantizeConfig(quant_type="float8_per_tensor"))
     assert [p.name for p in pipe.transformer.runtime.state["frontend"].passes] == ["fp8_linear", "dbcache"]
-    assert strify(pipe) == "DBCache_F1B1_W2I1M0MC0_R0.3_CFG0_T0O0_float8_per_tensor"
+    assert strify(pipe) == "DBCache_F1B1_W2I1M0MC0_R0.3_T0O0_float8_per_tensor"
 
 
 def test_quant_types_map_onto_the_passes():

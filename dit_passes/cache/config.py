@@ -46,8 +46,13 @@ class DBCacheConfig:
     ``residual_diff_threshold``: cache when the relative L1 diff of the Fn residual is below it; ``<= 0``
     never caches, ``>= 1`` always caches once a residual is stored. ``max_cached_steps`` /
     ``max_continuous_cached_steps``: ``-1`` means unlimited. ``steps_computation_mask``: one 0/1 per step,
-    1 = must compute. ``enable_separate_cfg=None`` means "not separate" at this layer (the reference resolves
-    ``None`` from its per-pipeline adapter table; our caller resolves it before building the cache).
+    1 = must compute. ``enable_separate_cfg``: ``True`` keeps the reference's call parity (odd calls are the CFG
+    branch; refused at the second call where the first two ran at different timesteps), ``False`` one state for
+    every call, ``None`` (the default; the reference resolves it from a per-pipeline table) tells the branches apart
+    from the calls: a call at the previous call's timestep with the same latents is the next branch of that step,
+    with its own state (:mod:`dit_passes.cache.branches`). Under ``None`` each branch counts its own steps, so
+    ``force_refresh_step_hint`` and DBPrune's dynamic threshold act per branch, where the reference (True from its
+    table) counts the hint in calls and reads the other branch's diffs.
     """
 
     cache_type: Any = "DBCache"

@@ -150,9 +150,9 @@ def decide(state: State, fn_residual: torch.Tensor, timestep, config: DBCacheCon
     """
     if timestep_direction not in _DIRECTIONS:
         raise ValueError(f"decide: timestep_direction={timestep_direction!r} must be one of {_DIRECTIONS}")
-    if partner is not None and not (config.enable_separate_cfg and not config.cfg_diff_compute_separate):
-        raise ValueError("decide: partner= is only meaningful with enable_separate_cfg=True and "
-                         "cfg_diff_compute_separate=False")
+    if partner is not None and not (config.enable_separate_cfg is not False and not config.cfg_diff_compute_separate):
+        raise ValueError("decide: partner= is only meaningful with enable_separate_cfg=True (or None: branches "
+                         "told apart in the graph) and cfg_diff_compute_separate=False")
     missing = [k for k in tuple(SCALARS) + ("R_prev",) if k not in state]
     if missing:
         raise KeyError(f"decide: state lacks {missing}; build it with CacheState.ensure(...).as_tensors()")

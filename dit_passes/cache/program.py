@@ -182,7 +182,8 @@ class DBCacheProgram(CacheProgram):
 
     @property
     def uses_partner(self) -> bool:
-        return bool(self.config.enable_separate_cfg) and not self.config.cfg_diff_compute_separate
+        # None: the branches may be told apart in the graph (cache.branches), which then feeds the partner
+        return self.config.enable_separate_cfg is not False and not self.config.cfg_diff_compute_separate
 
     def decide_call(self, fn_residual, timestep, flat):
         names = self.names

@@ -312,9 +312,9 @@ class PruneStore(CacheStore):
     def outputs(self, graph_id: int, context: str, values: Sequence[torch.Tensor]) -> None:
         super().outputs(graph_id, context, values)
         program = self._programs[graph_id][0]
-        names = program.names
-        row = torch.cat([values[names.index("block_pruned")].to(torch.float64), values[names.index("block_diffs")]])
-        self._blocks[self._calls % len(self._blocks)] = (program.total_blocks, row)
+        rec = self.view(graph_id, values, ("block_pruned", "block_diffs"))  # the branch this call ran
+        row = torch.cat([rec["block_pruned"].to(torch.float64), rec["block_diffs"]])
+        self._blocks[self._calls % len(self._blocks)] = (getattr(program, "inner", program).total_blocks, row)
         self._calls += 1
 
     def summary(self) -> List[Dict[str, Any]]:

@@ -153,8 +153,9 @@ class CacheContexts:
     ``cache_context("cond")``) is used as is. Without one, and with ``enable_separate_cfg=True``, the
     reference's call-parity rule applies: counting calls from 0 in the generation, with
     ``cfg_compute_first=False`` the odd calls are the CFG branch ("cfg") and the even ones "non_cfg"; with
-    ``cfg_compute_first=True`` the other way round. Otherwise the context is "default". The parity counter
-    is a host-side call count (no device value), reset by :meth:`new_generation`.
+    ``cfg_compute_first=True`` the other way round. Otherwise the context is "default" (with ``None`` too: the
+    graph passes tell the branches apart on the device, :mod:`dit_passes.cache.branches`; this host-side holder does
+    not). The parity counter is a host-side call count (no device value), reset by :meth:`new_generation`.
     """
 
     CFG, NON_CFG, DEFAULT = "cfg", "non_cfg", "default"

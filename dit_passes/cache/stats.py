@@ -1,8 +1,8 @@
 """Per-call cache records in a device ring buffer; read to the host only when a summary is asked for.
 
 ``record`` copies five device scalars of a call (generation id, step, decision, diff, whether a diff was
-recorded) into one row of a preallocated device buffer: a device-to-device copy, no sync. The row index
-and the context name are host-side call counts. ``summary()`` makes the one sync and returns, per
+recorded), and the CFG branch the graph picked where it picks one, into one row of a preallocated device buffer: a
+device-to-device copy, no sync. The row index and the context name (or the names of its branches) are host-side. ``summary()`` makes the one sync and returns, per
 generation, what cache-dit's ``summary`` reports: cached steps, residual diffs by step with the
 reference's percentile set (P00, P25, P50, P75, P95, min, max), and the ``cfg_`` variants for the CFG
 branch (context "cfg" or "uncond").
@@ -30,7 +30,7 @@ def diff_statistics(values: List[float]) -> Dict[str, float]:
 class CacheStats:
     """Ring buffer of the last ``capacity`` calls' records on ``device``."""
 
-    _COLS = ("gen", "step", "cached", "diff", "recorded")
+    _COLS = ("gen", "step", "cached", "diff", "recorded", "branch")
 
     def __init__(self, capacity: int = 4096, device: Optional[torch.device] = None):
         if not isinstance(capacity, int) or capacity < 1:
@@ -38,18 +38,22 @@ class CacheStats:
         self.capacity = capacity
         self.device = device
         self._rows: Optional[torch.Tensor] = None
-        self._contexts: List[Optional[str]] = [None] * capacity
+        self._contexts: List[Any] = [None] * capacity  # a context name, or its branches' names
         self._count = 0
 
-    def record(self, context: str, state: Dict[str, torch.Tensor], use_cache: Optional[torch.Tensor] = None) -> None:
-        """Append one call: ``state`` is the state returned by ``decide`` (or after ``update_after_branch``)."""
+    def record(self, context: Any, state: Dict[str, torch.Tensor], use_cache: Optional[torch.Tensor] = None,
+               branch: Optional[torch.Tensor] = None) -> None:
+        """Append one call: ``state`` is the state returned by ``decide`` (or after ``update_after_branch``).
+        ``branch``: the branch the graph picked (a device scalar); ``context`` is then the tuple of the branches'
+        names, resolved when the records are read."""
         step = state["step"]
         if self._rows is None:
             self._rows = torch.full((self.capacity, len(self._COLS)), float("nan"), dtype=torch.float64,
                                     device=self.device if self.device is not None else step.device)
         cached = state["use_cache"] if use_cache is None else use_cache
         # one stack: it promotes the int64 / bool / float64 scalars to the row's float64
-        row = torch.stack([state["gen"], step, cached, state["diff"].to(torch.float64), state["diff_step"] == step])
+        row = torch.stack([state["gen"], step, cached, state["diff"].to(torch.float64), state["diff_step"] == step,
+                           (branch if branch is not None else step.new_zeros(())).to(step.dtype)])
         pos = self._count % self.capacity
         self._rows[pos].copy_(row, non_blocking=True)
         self._contexts[pos] = context
@@ -74,8 +78,9 @@ class CacheStats:
         rows = self._rows.cpu().tolist()
         out = []
         for p in order:
-            gen, step, cached, diff, recorded = rows[p]
-            out.append({"context": self._contexts[p], "generation": int(gen), "step": int(step),
+            gen, step, cached, diff, recorded, branch = rows[p]
+            ctx = self._contexts[p]
+            out.append({"context": ctx if isinstance(ctx, str) else ctx[int(branch)], "generation": int(gen), "step": int(step),
                         "cached": bool(cached), "diff": float(diff) if recorded else None})
         return out
 

@@ -13,9 +13,13 @@ is not changed in place. The cache starts a new generation when
 the timestep rises again, and also after ``DBCacheConfig.num_inference_steps`` calls when set (the reference's
 transformer-only mode). No class is patched; the applied configs live in ``compiled.runtime.state["frontend"]``.
 
-Differences from the reference: all parallel sizes 1 is a logged no-op; ``enable_separate_cfg=None`` resolves to
-False, as pipelines running CFG as two calls name them ``cache_context("cond" / "uncond")`` and each named context
-has its own cache state (the reference shares one state there); a second ``enable_cache`` raises (a wrapper from
+``enable_separate_cfg=None`` (the default) is resolved from the calls, not from a per-pipeline table: a call whose
+timestep and latents equal the previous call's is the next CFG branch of the same step, and each branch keeps its
+own cache state and counts steps (``dit_passes.cache.branches``); a named ``cache_context`` ("cond" / "uncond") is a
+branch of its own. ``True`` keeps the reference's call parity (refused at the second call where the first two calls
+ran at different timesteps: a pipeline calling once per step); ``False`` one state for every call.
+
+Differences from the reference: all parallel sizes 1 is a logged no-op; a second ``enable_cache`` raises (a wrapper from
 ``quantize`` / ``load`` is extended instead); ``use_ray=True`` runs the transformer(s) on Ray workers
 (``pipe.transformer`` / ``pipe.transformer_2`` become proxies of one engine, ``pipe(...)`` works unchanged; a bare
 transformer is also routed to the workers in place, as the reference's transformer wrapper does; ``refresh_context``

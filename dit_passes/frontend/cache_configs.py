@@ -54,8 +54,7 @@ def resolve_cache_config(cache_config: Any, others_given: bool) -> Any:
     cfg = convert(cache_config, DBPruneConfig if prune else DBCacheConfig, "Fn_compute_blocks")
     if not isinstance(cfg.cache_type, str):  # cache-dit's CacheType enum
         cfg = dataclasses.replace(cfg, cache_type=str(getattr(cfg.cache_type, "value", cfg.cache_type)))
-    if cfg.enable_separate_cfg is None:
-        cfg = dataclasses.replace(cfg, enable_separate_cfg=False)  # see frontend.api's module docstring
+    # enable_separate_cfg=None stays None: the cache passes tell the CFG branches apart from the calls
     return cfg
 
 

@@ -9,6 +9,7 @@ import logging
 from typing import Any, Dict, List, Optional
 
 from ..cache.prune import PRUNE_FIELDS
+from ..cache.stats import CFG_CONTEXTS
 from ..compiled import CompiledDiT
 from .api import FrontendState, _name, _state_of, _targets
 from .cache_configs import cache_tag
@@ -64,6 +65,11 @@ def stats_from_summary(gens: List[Dict[str, Any]], state: Optional[FrontendState
     st = CacheStats(generations=list(gens))
     if state is not None:
         st.cache_options = state.cache_options()
+        cfg = st.cache_options.get("cache_config")
+        if gens and getattr(cfg, "enable_separate_cfg", False) is None:
+            # as the reference's tag, which shows what its pipeline table resolved None to: what the calls showed
+            seen = any(n in CFG_CONTEXTS or n.endswith("/cfg") for g in gens for n in g.get("contexts", {}))
+            st.cache_options = dict(st.cache_options, cache_config=dataclasses.replace(cfg, enable_separate_cfg=seen))
         st.parallelism_config, st.quantize_config = state.parallelism_config, state.quantize_config
     if gens:
         g = gens[-1]

@@ -282,11 +282,65 @@ def _getitems(g: fx.Graph, node: fx.Node, vals, names: Sequence[str]) -> List[fx
     return out
 
 
+def route_branches(gm: fx.GraphModule, name: str, program, split, state_out: Sequence[fx.Node],
+                   device: torch.device):
+    """Keep ``program``'s state once per CFG branch, the branch picked by each call in the graph
+    (:mod:`dit_passes.cache.branches`)::
+
+        route = self.<name>_route(timestep, hidden_states, route_on, *router, *slots)  # branch, router', working
+        ... the program's own nodes, reading the working state (was: the cache_<state> inputs) ...
+        slots' = self.<name>_merge(branch, *state_out, *slots)
+
+    Returns ``(routed program, new state_out)``, or ``(program, state_out)`` unchanged where the graph has no
+    ``timestep`` input (nothing tells the steps apart: one state)."""
+    from ..cache.branches import RoutedProgram
+
+    g = gm.graph
+    phs = {p.target: p for p in g.nodes if p.op == "placeholder"}
+    timestep, hidden = phs.get("timestep"), phs.get("hidden_states")
+    if timestep is None:
+        return program, list(state_out)
+    if hidden is not None and not isinstance(hidden.meta.get("val"), torch.Tensor):
+        hidden = None
+    routed = RoutedProgram.build(program, split, None if hidden is None else hidden.meta["val"])
+    old = [phs[f"cache_{spec.name}"] for spec in program.input_spec]
+    mode = detect_fake_mode([p.meta["val"] for p in old])
+    new_in = add_state_inputs(gm, routed, device, mode)
+    route_mod, merge_mod = routed.route, routed.merge
+    gm.add_submodule(f"{name}_route", route_mod)
+    gm.add_submodule(f"{name}_merge", merge_mod)
+    with g.inserting_before(new_in[-1].next):  # after every placeholder (add_state_inputs appends them last)
+        args = (timestep, *([hidden] if hidden is not None else []), new_in[-1], *new_in[:-1])
+        node = g.call_module(f"{name}_route", args)
+        vals = _fake_call(route_mod, args, mode)
+        node.meta["val"] = vals
+        inner_names = [s.name for s in program.state_spec]
+        extra = [s.name for s in program.input_spec[len(inner_names):]]
+        items = _getitems(g, node, vals, ["cfg_branch"] + [f"next_{r}" for r in routed.router_names]
+                          + [f"branch_{n}" for n in inner_names + extra])
+    branch, router_out = items[0], items[1:1 + len(routed.router_names)]
+    for ph, new in zip(old, items[1 + len(routed.router_names):]):
+        ph.replace_all_uses_with(new)
+        g.erase_node(ph)
+    slots_in = new_in[len(routed.router_names):-1]
+    with g.inserting_before(g.output_node()):
+        args = (branch, *state_out, *slots_in)
+        node = g.call_module(f"{name}_merge", args)
+        vals = _fake_call(merge_mod, args, mode)
+        node.meta["val"] = vals
+        merged = _getitems(g, node, vals, [f"next_{s.name}" for s in routed.state_spec[len(routed.router_names):]])
+    return routed, list(router_out) + merged
+
+
 def finish_state_io(gm: fx.GraphModule, ctx: PassContext, name: str, make_store: Callable[[], object], program,
                     device: torch.device, state_out: Sequence[fx.Node], use_cache: fx.Node, diff: fx.Node,
-                    cut=None) -> None:
+                    cut=None, split=None) -> None:
     """Return ``(*user outputs, *state_out, use_cache, diff)``, register the program with the pass's store
-    (``ctx.runtime.state[name]``, also its report) and the state I/O with ``facts.state_io``; dead code goes."""
+    (``ctx.runtime.state[name]``, also its report) and the state I/O with ``facts.state_io``; dead code goes.
+    ``split`` (a :class:`~dit_passes.cache.branches.BranchSplit`): keep the state per CFG branch, told apart in
+    the graph (:func:`route_branches`)."""
+    if split is not None:
+        program, state_out = route_branches(gm, name, program, split, state_out, device)
     g = gm.graph
     out_node = g.output_node()
     user_outs = list(out_node.args[0])
@@ -311,15 +365,16 @@ def finish_state_io(gm: fx.GraphModule, ctx: PassContext, name: str, make_store:
 def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: int, bn: int, tag: str,
                         make_program: Callable[..., object], make_store: Callable[[], object],
                         check_segment: Callable[[MiddleSegment], Optional[dict]] = lambda seg: None,
-                        decide_input: Optional[Callable[[fx.GraphModule, MiddleSegment], fx.Node]] = None
-                        ) -> PassResult:
+                        decide_input: Optional[Callable[[fx.GraphModule, MiddleSegment], fx.Node]] = None,
+                        split=None) -> PassResult:
     """Rewrite ``gm`` as the module docstring shows. ``make_program(image_residual=, stream_residuals=,
     has_timestep=, group=)`` builds the graph's :class:`CacheProgram`; ``make_store()`` the store kept in
     ``ctx.runtime.state[name]`` (created once per runtime); ``check_segment`` may refuse a cut its rule
     cannot serve (raising :class:`PassError`) and returns extra keywords for ``make_program`` (or None).
     ``tag``: the config's tag, for the report line. ``decide_input(gm, seg)``: the node the decision reads
     instead of the Fn residual (called with the graph inserting before the cached range; SeaCache: an input,
-    TeaCache: a copy of block 0's modulated input); ``make_program`` then gets its value as ``image_residual``."""
+    TeaCache: a copy of block 0's modulated input); ``make_program`` then gets its value as ``image_residual``.
+    ``split``: keep the state per CFG branch (:func:`route_branches`)."""
     s = get_structure(gm)
     n = len(s.blocks)
     if fn + bn >= n:
@@ -400,7 +455,7 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
         g.erase_node(node)
     cut = CacheCut(fn, bn, n, len(seg.nodes), k)
     finish_state_io(gm, ctx, name, make_store, program, seg.image_at_cut.meta["val"].device, state_out,
-                    use_cache, diff, cut)
+                    use_cache, diff, cut, split=split if timestep is not None else None)
     facts = facts_of(gm)
     facts.structure_at_cut = s
     facts.cache_cut = cut
@@ -409,9 +464,23 @@ def insert_cache_branch(gm: fx.GraphModule, ctx: PassContext, *, name: str, fn: 
               # leaving streams that are the join of entering ones (a hand-over inside the range), and
               # those with no entering stream of their shape, cached whole
               "streams_joined": sum(p > 1 for p in bases), "streams_cached_whole": sum(p == 0 for p in bases),
-              "offload_loads_moved": relocated}
+              "offload_loads_moved": relocated,
+              # enable_separate_cfg=None: the state kept per CFG branch, told apart in the graph (0: one state)
+              "cfg_branches": split.branches if split is not None and timestep is not None else 0}
     return PassResult(True, counts, f"blocks {fn}..{n - bn - 1} of {n} moved into a torch.cond branch "
-                                    f"({len(seg.nodes)} nodes); {k} stream residual(s) cached; tag {tag}")
+                                    f"({len(seg.nodes)} nodes); {k} stream residual(s) cached; tag {tag}"
+                                    + cfg_split_note(split, timestep is not None))
+
+
+def cfg_split_note(split, has_timestep: bool) -> str:
+    """What the report says about ``enable_separate_cfg=None`` (``split`` given)."""
+    if split is None:
+        return ""
+    if not has_timestep:
+        return ("; enable_separate_cfg=None: the graph has no timestep input to tell CFG branches apart, so every "
+                "call shares one state (name each branch with cache_context(name), or set True)")
+    return (f"; enable_separate_cfg=None: state kept per CFG branch ({split.branches}), a call at the previous "
+            f"call's timestep and latents being the next branch of that step")
 
 
 def image_stream_index(name: str, seg: MiddleSegment) -> Dict[str, int]:

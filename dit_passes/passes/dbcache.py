@@ -38,6 +38,8 @@ block-range caches); this pass supplies the cut (Fn, Bn) and cache-dit's rule (`
 The state tensors travel as extra graph inputs and outputs (not buffers mutated inside the branch):
 ``torch.cond`` branches must be pure, and the caller-visible :class:`~dit_passes.cache.store.CacheStore`
 (``compiled.runtime.state["dbcache"]``, also its report: ``compiled.report("dbcache")``) holds them per cache context (cond / uncond / CFG parity).
+With ``enable_separate_cfg=None`` the state is kept per CFG branch, the branch told apart in the graph from each
+call's timestep and latents (:mod:`dit_passes.cache.branches`, ``passes.cache_branch.route_branches``).
 """
 from __future__ import annotations
 
@@ -71,10 +73,11 @@ class DBCache(Pass):
         return {"tag": self.config.strify() + ("" if self.calibrator is None else f"_{self.calibrator.strify()}")}
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        from ..cache.branches import split_for
         from ..cache.program import build_program
         from ..cache.store import CacheStore
 
         return insert_cache_branch(
             gm, ctx, name=self.name, fn=self.config.Fn_compute_blocks, bn=self.config.Bn_compute_blocks,
             tag=self.config.strify(), make_program=functools.partial(build_program, self.config, self.calibrator),
-            make_store=lambda: CacheStore(self.config, self.calibrator))
+            make_store=lambda: CacheStore(self.config, self.calibrator), split=split_for(self.config))

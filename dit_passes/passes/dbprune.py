@@ -49,8 +49,8 @@ from ..analysis.blocks import get_structure
 from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
-from .cache_branch import (_branch, _compute_arm_vals, _fake_call, _getitems, add_state_inputs, dealias_live_in,
-                           finish_state_io)
+from .cache_branch import (_branch, _compute_arm_vals, _fake_call, _getitems, add_state_inputs, cfg_split_note,
+                           dealias_live_in, finish_state_io)
 from .segments import cut_middle
 
 
@@ -95,6 +95,7 @@ class DBPrune(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         from ..cache.prune import Begin, BlockCommit, BlockDecide, BlockHit, Finish, PruneStore, STEP_KEYS, \
             block_state_keys, build_prune_program
+        from ..cache.branches import split_for
         from ..cache.state import SCALARS
 
         s = get_structure(gm)
@@ -179,13 +180,16 @@ class DBPrune(Pass):
         state_out.update(zip(SCALARS, scalars[:len(SCALARS)]))
         state_out.update(zip(("block_pruned", "block_diffs"), rec))
         last = dict(zip(SCALARS, scalars))
+        split = split_for(self.config)
         finish_state_io(gm, ctx, self.name, lambda: PruneStore(self.config), program, device,
-                        [state_out[x] for x in program.names], last["use_cache"], last["diff"])
+                        [state_out[x] for x in program.names], last["use_cache"], last["diff"],
+                        split=split)
         facts_of(gm).structure_at_cut = s
         counts = {"blocks_prunable": len(blocks), "cond": len(blocks), "state_tensors": len(state_in),
-                  "nodes_in_branches": moved}
+                  "nodes_in_branches": moved,
+                  "cfg_branches": split.branches if split is not None and timestep is not None else 0}
         return PassResult(True, counts, f"blocks {blocks} of {n} each in its own torch.cond branch; tag "
-                                        f"{self.config.strify()}")
+                                        f"{self.config.strify()}" + cfg_split_note(split, timestep is not None))
 
 
 def _image_stream(seg, calibrator) -> int:
