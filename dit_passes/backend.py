@@ -100,18 +100,26 @@ class DitBackend:
         self.runtime = Runtime()
         self.graphs: List[fx.GraphModule] = []
         self.last_manager: Optional[PassManager] = None
+        # (Dynamo's frame, the call's tensor shapes) -> the graph id the passes' state is kept under: a recompile of
+        # one frame (a static graph, then one with symbolic sizes) called at shapes seen before continues that
+        # lowering's state, as compile_dit's one graph per signature does
+        self._graph_ids: Dict[Any, int] = {}
 
     # -- Dynamo's entry point --------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable:
-        return DynamoGraph(self, gm)
+        from torch._guards import CompileContext
+        compile_id = CompileContext.current_compile_id()
+        return DynamoGraph(self, gm, None if compile_id is None else compile_id.frame_id)
 
-    def lower(self, gm: fx.GraphModule, args: Sequence[Any], names: Sequence[Optional[str]]) -> "LoweredStep":
-        """Dynamo's graph at the concrete shapes of ``args`` (its inputs' ``names``, None where the model names none):
-        ATen, our passes, then the compiler (at its first run, when the state inputs exist)."""
+    def lower(self, gm: fx.GraphModule, args: Sequence[Any], names: Sequence[Optional[str]],
+              frame: Optional[int] = None) -> "LoweredStep":
+        """Dynamo's graph of ``frame`` at the concrete shapes of ``args`` (its inputs' ``names``, None where the model
+        names none): ATen, our passes, then the compiler (at its first run, when the state inputs exist)."""
         aten_gm = lower_to_aten(gm, list(args), names)
         annotate_module_paths(aten_gm)
-        graph_id = len(self.graphs)
-        dump = None if self.dump_dir is None else f"{self.dump_dir}/g{graph_id}"
+        signature = (frame, tuple(_shape_key([a for a in args if isinstance(a, torch.Tensor)])))
+        graph_id = self._graph_ids.setdefault(signature, len(self._graph_ids))
+        dump = None if self.dump_dir is None else f"{self.dump_dir}/g{len(self.graphs)}"
         manager = PassManager([Cleanup(), *self.passes], dump_dir=dump)
         named = {n: a for n, a in zip(names, args) if n is not None}
         ctx = PassContext(example_inputs={"args": list(args), **named}, runtime=self.runtime, graph_id=graph_id,
@@ -191,9 +199,10 @@ class DynamoGraph:
     """What the backend returns to Dynamo for one of its graphs: the graph lowered (and rewritten) once per concrete
     input shapes, each lowering run with the passes' state."""
 
-    def __init__(self, owner: DitBackend, gm: fx.GraphModule):
+    def __init__(self, owner: DitBackend, gm: fx.GraphModule, frame: Optional[int] = None):
         self.owner = owner
         self.gm = gm
+        self.frame = frame
         self.static = _static(gm)
         inputs = gm.graph.find_nodes(op="placeholder")
         # read now: Dynamo drops its inputs' sources (meta "grapharg") once the backend returns
@@ -210,7 +219,7 @@ class DynamoGraph:
         key = None if self.static else _shape_key(args)
         step = self.lowered.get(key)
         if step is None:
-            step = self.lowered[key] = self.owner.lower(self.gm, args, self.names)
+            step = self.lowered[key] = self.owner.lower(self.gm, args, self.names, self.frame)
         outs = step.run(list(args), self.owner.runtime)
         self.owner.runtime.calls += 1
         return outs
@@ -228,16 +237,16 @@ class LoweredStep:
         self.inference_only = facts.inference_only
         self.num_user_outputs = facts.num_user_outputs
         self.runner: Optional[Callable] = GraphRunner(gm) if compiler == "eager" else None
-        self.boxed = False
 
     def _compile(self, args: List[Any]) -> None:
+        """Both compilers go through AOTAutograd's ``aot_module_simplified``, which, given a GraphModule, returns a
+        function of the unpacked arguments (its ``_boxed_call`` attribute is copied from the inner function)."""
         if self.compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
             self.runner = compile_fx(self.gm, args)
         else:
             from torch._dynamo.backends.debugging import aot_eager
             self.runner = aot_eager(self.gm, args)
-        self.boxed = bool(getattr(self.runner, "_boxed_call", False))
 
     def run(self, args: List[Any], runtime: Runtime) -> List[Any]:
         for io in self.state_io:
@@ -247,7 +256,7 @@ class LoweredStep:
         with grad:
             if self.runner is None:
                 self._compile(args)
-            outs = self.runner(args) if self.boxed else self.runner(*args)
+            outs = self.runner(*args)
         outs = list(outs)
         if not self.state_io:
             return outs
