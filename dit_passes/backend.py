@@ -43,7 +43,7 @@ import torch.fx as fx
 from .capture import annotate_module_paths
 from .infra.facts import facts_of
 from .infra.graph_runner import GraphRunner
-from .infra.pass_base import Pass, PassContext
+from .infra.pass_base import Pass, PassContext, PassError
 from .infra.pass_manager import PassManager
 from .infra.phases import Phase
 from .infra.runtime import Runtime
@@ -124,7 +124,12 @@ class DitBackend:
         named = {n: a for n, a in zip(names, args) if n is not None}
         ctx = PassContext(example_inputs={"args": list(args), **named}, runtime=self.runtime, graph_id=graph_id,
                           frontend="dynamo")
-        manager.run(aten_gm, ctx)
+        try:
+            manager.run(aten_gm, ctx)
+        except PassError as e:
+            raise PassError(f"{e} [dit_passes.backend runs the passes on each graph Dynamo hands it, and a graph break "
+                            f"hands them a part of the model: torch.compile(..., fullgraph=True) names the break; "
+                            f"dit_passes.compile_dit captures the whole model with torch.export]") from e
         self.last_manager = manager
         self.graphs.append(aten_gm)
         return LoweredStep(aten_gm, self.compiler)
