@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from dit_passes.cli import available_passes, main
+from dit_passes.testing import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,13 +32,98 @@ def test_inspect_graph_variant_and_no_passes(capsys):
     assert "## graph" in out and "torch.ops.aten.scaled_dot_product_attention.default" in out
 
 
+def _one_line_error(capsys, argv, *expected):
+    """``main(argv)`` exits 2 with one line on stderr holding each of ``expected``, no traceback."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dit-passes: ") and "Traceback" not in captured.err, captured.err
+    for part in expected:
+        assert part in err[0], (part, err[0])
+    return err[0]
+
+
 def test_inspect_bad_arguments(capsys):
-    assert main(["inspect", "not_a_model"]) == 2
-    assert "unknown model 'not_a_model'; zoo families: flux" in capsys.readouterr().err
-    assert main(["inspect", "flux", "--variant", "huge"]) == 2
-    assert "has no variant 'huge'" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match=r"unknown pass\(es\) \['nope'\]; available: .*cleanup"):
-        main(["inspect", "flux", "--passes", "cleanup,nope"])
+    _one_line_error(capsys, ["inspect", "not_a_model"], "unknown model 'not_a_model'; zoo families: flux")
+    _one_line_error(capsys, ["inspect", "flux", "--variant", "huge"], "has no variant 'huge'")
+    _one_line_error(capsys, ["inspect", "flux", "--passes", "cleanup,nope"],
+                    "unknown pass 'nope'; known passes: ", "cleanup", "dbcache", "tensor_parallel", "ulysses")
+
+
+def test_user_mistakes_are_one_line_naming_the_fix(capsys):
+    # each is refused before anything is captured: the whole test takes well under a second
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "ulysses"],
+                    "missing 1 required positional argument: 'size'", "ulysses takes (size, float8=False")
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "ulysses(sise=2)"], "unexpected keyword argument 'sise'")
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "dbcache(residual_diff_threshold=__import__('os'))"],
+                    "is not a literal")
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "dbcache(Fn_compute_blocks="],
+                    "cannot read the pass list")
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "dbcache(Fn_compute_blocks=3)"],
+                    "leaves no block to cache: wan has 2", '--passes "dbcache(Fn_compute_blocks=1)"')
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "dbcache(max_warmup_steps='x')"],
+                    "dbcache(max_warmup_steps='x'):", "Fn_compute_blocks=8")  # the config's own refusal + fields
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "cleanup(1)"], "cleanup(1):")
+    _one_line_error(capsys, ["inspect", "wan", "--rank", "1"], "no parallel pass", "drop --rank")
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "ulysses(size=2)", "--rank", "2"], "pick one of 0..1")
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "cleanup", "--no-cleanup"], "drop one of them")
+
+
+def test_a_pass_refusing_the_model_is_one_line_and_debug_shows_the_traceback(capsys):
+    import torch.distributed as dist
+
+    from dit_passes.infra.pass_base import PassError
+
+    # refused inside the fake world of 2 ranks (dbprune's default cut adapted first): the world is gone afterwards
+    argv = ["inspect", "wan", "--passes", "ulysses(size=2),dbprune"]
+    line = _one_line_error(capsys, argv, "dbprune: pruning under context / tensor parallelism is not implemented")
+    assert not dist.is_initialized()
+    with pytest.raises(PassError) as info:
+        main(argv + ["--debug"])
+    assert " ".join(str(info.value).split()) in line
+    assert not dist.is_initialized()
+
+
+def _graph_printed(capsys, argv):
+    assert main(argv + ["--graph"]) == 0
+    out = capsys.readouterr().out
+    return out[out.index("## graph\n") + len("## graph\n"):]
+
+
+def _same_up_to_group_names(code):
+    # a group's name is a counter of the groups its process made ('0', '1', ...): a pooled rank has made more
+    return re.sub(r"'\d+'", "'<group>'", code)
+
+
+PARALLEL_PIPELINES = ("ulysses(size=2),dbcache(Fn_compute_blocks=1)", "tensor_parallel(size=2)")
+
+
+def _real_rank_graphs(rank, world):
+    from dit_passes import compile_dit
+    from dit_passes.models.zoo import build
+    from dit_passes.pass_spec import parse_pass_specs
+
+    out = {}
+    for text in PARALLEL_PIPELINES:
+        zm = build("flux", seed=0)
+        c = compile_dit(zm.model, passes=[s.build() for s in parse_pass_specs(text)],
+                        example_inputs=zm.make_inputs(batch=1, variant="default"))
+        out[text] = c.code
+    return out
+
+
+def test_fake_rank_graph_is_the_real_ranks_graph(capsys):
+    """The graph ``inspect --rank R`` prints from one process is, node for node and shape for shape, the graph
+    rank R of a real 2-rank gloo launch lowers (collectives included); only the groups' names may differ."""
+    real = run_ranks(_real_rank_graphs, 2, timeout=400)
+    for text in PARALLEL_PIPELINES:
+        collectives = ("ulysses_attention", "gather_sequence") if "ulysses" in text else ("all_reduce",)
+        # rank 1: its slices start past rank 0's, so an offset taken from the wrong rank shows
+        printed = _graph_printed(capsys, ["inspect", "flux", "--passes", text, "--rank", "1"])
+        assert all(op in printed for op in collectives), text
+        assert _same_up_to_group_names(printed).strip() == _same_up_to_group_names(real[1][text]).strip(), text
+    ulysses = PARALLEL_PIPELINES[0]
+    assert real[0][ulysses] != real[1][ulysses]  # the ranks' graphs differ: comparing with rank 1's means something
 
 
 def test_pass_registry_names():
