@@ -126,6 +126,68 @@ def test_fake_rank_graph_is_the_real_ranks_graph(capsys):
     assert real[0][ulysses] != real[1][ulysses]  # the ranks' graphs differ: comparing with rank 1's means something
 
 
+# what each documented example must show besides running (exit status 0)
+EXAMPLE_SHOWS = {
+    "dit-passes inspect flux": ["4 blocks, 2 residual stream(s)", "== cleanup()"],
+    "dit-passes inspect wan --passes dbcache --graph": [
+        "note: dbcache: the default Fn_compute_blocks=8 leaves no block of wan's 2 to cache; using "
+        "dbcache(Fn_compute_blocks=1)", "DBCache_F1B0_", "torch.ops.higher_order.cond"],
+    'dit-passes inspect wan --passes "cleanup,dbcache(Fn_compute_blocks=1,residual_diff_threshold=0.12)"': [
+        "DBCache_F1B0_W8I1M0MC0_R0.12"],
+    'dit-passes inspect flux --passes "ulysses(size=2)" --rank 1 --graph': [
+        "rank 1 of 2, lowered under a fake process group", "ulysses_attention", "gather_sequence"],
+    'dit-passes inspect flux --passes "ring(size=2),tensor_parallel(size=2),dbcache(Fn_compute_blocks=1)"': [
+        "rank 0 of 4", "== tensor_parallel(size=2", "== ring(size=2", "DBCache_F1B0_"],
+}
+
+
+def test_help_shows_every_tested_example(capsys):
+    from dit_passes.cli import INSPECT_EXAMPLES
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    helped = capsys.readouterr().out
+    assert [cmd for cmd, _ in INSPECT_EXAMPLES] == list(EXAMPLE_SHOWS)
+    assert all(cmd in helped for cmd in EXAMPLE_SHOWS)
+
+
+@pytest.mark.parametrize("command", list(EXAMPLE_SHOWS))
+def test_documented_example_runs(command, capsys):
+    import shlex
+
+    argv = shlex.split(command)
+    assert argv[0] == "dit-passes"
+    assert main(argv[1:]) == 0
+    out = capsys.readouterr().out
+    for part in EXAMPLE_SHOWS[command]:
+        assert part in out, (command, part)
+
+
+def test_pass_text_names_arguments_and_refusals():
+    from dit_passes import passes
+    from dit_passes.pass_spec import PassSpecError, parse_pass_specs
+
+    specs = parse_pass_specs(" Ulysses(2, float8=True), TENSOR_PARALLEL(size=2),PyramidAttentionBroadcast,"
+                             "dbcache(Fn_compute_blocks=1, steps_computation_mask=[1, 0, 1], "
+                             "max_accumulated_residual_diff_threshold=None),SVDQuantFewShot,svdquant_w4a4")
+    assert [s.cls for s in specs] == [passes.Ulysses, passes.TensorParallel, passes.PyramidAttentionBroadcast,
+                                      passes.DBCache, passes.SVDQuantFewShot, passes.SVDQuantW4A4]
+    assert [str(s) for s in specs[:3]] == ["ulysses(2, float8=True)", "tensor_parallel(size=2)", "pab"]
+    built = [s.build() for s in specs[:4]]
+    assert (built[0].ulysses_size, built[0].ulysses_float8, built[1].size) == (2, True, 2)
+    assert built[3].config.Fn_compute_blocks == 1 and built[3].config.steps_computation_mask == [1, 0, 1]
+    assert parse_pass_specs("") == [] and parse_pass_specs("  ") == []
+    # nothing in the text is evaluated: a call, a name or an operator inside an argument is refused as text
+    for text, message in [("dbcache(Fn_compute_blocks=exit())", "is not a literal"),
+                          ("dbcache(Fn_compute_blocks=os.sep)", "is not a literal"),
+                          ("passes.DBCache()", "is not a pass"),
+                          ("dbcache(**{'Fn_compute_blocks': 1})", "* and ** are not arguments"),
+                          ("ulysses(size=2, group=None)", "group cannot be given as text"),
+                          ("ulysses(size=2", "cannot read the pass list"),
+                          ("dbcach", "unknown pass 'dbcach'; known passes: ")]:
+        with pytest.raises(PassSpecError, match=re.escape(message)):
+            parse_pass_specs(text)
+
+
 def test_pass_registry_names():
     reg = available_passes()
     assert "cleanup" in reg and all(cls.name == name for name, cls in reg.items())
