@@ -79,6 +79,8 @@ def pass_arguments(cls: type) -> str:
         if dataclasses.is_dataclass(config):
             shown += [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
                       if f.name != "cache_type"]
+        else:  # its config has no defaults that build: name where its fields are told
+            shown.append(f"the fields of its config: help(dit_passes.passes.{cls.__name__})")
     return ", ".join(shown)
 
 
