@@ -69,8 +69,9 @@ def available_passes() -> Dict[str, type]:
 
 def _fit_cut(spec, built, model: str, n_blocks: int) -> Tuple[object, Optional[str]]:
     """``spec`` with a cut that leaves a block of ``n_blocks`` to cache, and the note saying so (None if unchanged).
-    Only a default is changed: the largest Fn (then Bn) not above it that fits; a cut the user gave that does not
-    fit is refused with the one that would."""
+    The cut that fits keeps Bn if it leaves a block to compute first, else lowers it, and takes the largest Fn up to
+    the current one that leaves a block to cache. Only defaults change: where that cut changes a value the user
+    gave, it is refused, the cut that fits named in the message."""
     config = getattr(built, "config", None)
     if not all(isinstance(getattr(config, f, None), int) for f in _CUT_FIELDS):
         return spec, None
@@ -84,7 +85,7 @@ def _fit_cut(spec, built, model: str, n_blocks: int) -> Tuple[object, Optional[s
     fitted = {"Fn_compute_blocks": max(1, min(fn, n_blocks - 1 - fit_bn)), "Bn_compute_blocks": fit_bn}
     changed = {k: v for k, v in fitted.items() if getattr(config, k) != v}
     new = spec.with_kwargs(**changed)
-    if set(spec.kwargs) & set(_CUT_FIELDS):
+    if set(spec.kwargs) & set(changed):  # the cut that fits changes a value the user gave
         raise UsageError(f"{spec}: Fn_compute_blocks + Bn_compute_blocks = {fn} + {bn} leaves no block to cache: "
                          f"{model} has {n_blocks}; use e.g. --passes \"{new}\"")
     defaults = ", ".join(f"{k}={getattr(config, k)}" for k in changed)

@@ -61,12 +61,24 @@ def test_user_mistakes_are_one_line_naming_the_fix(capsys):
                     "cannot read the pass list")
     _one_line_error(capsys, ["inspect", "wan", "--passes", "dbcache(Fn_compute_blocks=3)"],
                     "leaves no block to cache: wan has 2", '--passes "dbcache(Fn_compute_blocks=1)"')
+    _one_line_error(capsys, ["inspect", "wan", "--passes", "dbcache(Bn_compute_blocks=1)"],
+                    "= 8 + 1 leaves no block to cache: wan has 2",
+                    '--passes "dbcache(Bn_compute_blocks=0, Fn_compute_blocks=1)"')
     _one_line_error(capsys, ["inspect", "wan", "--passes", "dbcache(max_warmup_steps='x')"],
                     "dbcache(max_warmup_steps='x'):", "Fn_compute_blocks=8")  # the config's own refusal + fields
     _one_line_error(capsys, ["inspect", "wan", "--passes", "cleanup(1)"], "cleanup(1):")
     _one_line_error(capsys, ["inspect", "wan", "--rank", "1"], "no parallel pass", "drop --rank")
     _one_line_error(capsys, ["inspect", "wan", "--passes", "ulysses(size=2)", "--rank", "2"], "pick one of 0..1")
     _one_line_error(capsys, ["inspect", "wan", "--passes", "cleanup", "--no-cleanup"], "drop one of them")
+
+
+def test_a_default_cut_adapts_around_the_one_given(capsys):
+    # Bn=1 given on zoo Flux's 4 blocks: the default Fn=8 becomes 2 (blocks 0-1 computed, 2 cached, 3 computed)
+    assert main(["inspect", "flux", "--passes", "dbcache(Bn_compute_blocks=1)"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: dbcache: the default Fn_compute_blocks=8 leaves no block of flux's 4 to cache; using "
+            "dbcache(Bn_compute_blocks=1, Fn_compute_blocks=2)") in out
+    assert "DBCache_F2B1_" in out
 
 
 def test_a_pass_refusing_the_model_is_one_line_and_debug_shows_the_traceback(capsys):
