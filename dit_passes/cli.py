@@ -55,15 +55,13 @@ class UsageError(Exception):
 
 
 def available_passes() -> Dict[str, type]:
-    """Pass name (``Pass.name``) -> class, for every pass exported by :mod:`dit_passes.passes`."""
-    from . import passes as passes_mod
-    from .infra.pass_base import Pass
+    """Pass name (``Pass.name``) -> class, for every pass exported by :mod:`dit_passes.passes`; a name two classes
+    share goes to the one exported first (the other is reached by its class name, :mod:`dit_passes.pass_spec`)."""
+    from .pass_spec import pass_registry
 
     out: Dict[str, type] = {}
-    for attr in getattr(passes_mod, "__all__", dir(passes_mod)):
-        obj = getattr(passes_mod, attr, None)
-        if isinstance(obj, type) and issubclass(obj, Pass) and obj is not Pass:
-            out[obj.name] = obj
+    for cls in pass_registry().values():
+        out.setdefault(cls.name, cls)
     return out
 
 
