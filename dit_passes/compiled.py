@@ -498,10 +498,18 @@ class CompiledDiT(torch.nn.Module):
         self._call_lock = threading.Lock()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # traced by an outer torch.compile: the guard is the caller's frame's
+        # _one_caller spelled out: no generator on the per-call path
+        me = threading.get_ident()
+        if self._caller == me or torch.compiler.is_compiling():  # re-entered; traced by an outer torch.compile
             return self._forward(args, kwargs)
-        with self._one_caller():
+        if not self._call_lock.acquire(blocking=False):
+            raise RuntimeError(_ONE_CALLER)
+        self._caller = me
+        try:
             return self._forward(args, kwargs)
+        finally:
+            self._caller = None
+            self._call_lock.release()
 
     def _forward(self, args: Any, kwargs: Any) -> Any:
         kwargs = bind_call(self.original, args, kwargs)

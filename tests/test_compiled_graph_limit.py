@@ -6,8 +6,10 @@ for the residual cache the same pass list on a module without a limit, fed the s
 """
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -104,6 +106,10 @@ def test_evicted_cache_state_goes_and_a_relowered_signature_matches():
             store = bounded.runtime.state["dbcache"]
             live = sorted(int(n[1:]) for n in bounded.graphs.keys())
             assert sorted(store._programs) == live and {g for g, _ in store._slots} <= set(live)
+            if seed == 0:
+                first_graph = weakref.ref(bounded.graphs["g0"])
+    gc.collect()
+    assert first_graph() is None, "the evicted graph is still referenced"
     assert (bounded.graph_stats.lowered, bounded.graph_stats.evicted) == (4, 2)
     assert unbounded.graph_stats.evicted == 0 and len(unbounded.graphs) == 3
     cached = sum(len(c["cached_steps"]) for g in bounded.cache_summary(as_dict=True) for c in g["contexts"].values())
