@@ -140,13 +140,15 @@ def _tp_in_memory_rank(rank, world):
     model = zm.model
     del zm
     weights = tensors_bytes(list(model.parameters()) + list(model.buffers()))
+    olds = {name: weakref.ref(p) for name, p in model.named_parameters()}
     before = _alive_cpu_bytes()  # the inputs, the model and whatever the process held already
     c = compile_dit(model, passes=[TensorParallel(size=world)])
     with torch.no_grad():
         c(**kw)
     del model  # the caller drops its model: what stays is the compiled module's
     after = _alive_cpu_bytes()
-    return {"weights": weights, "kept": after - (before - weights), "resident": resident_bytes(c)}
+    return {"weights": weights, "kept": after - (before - weights), "resident": resident_bytes(c),
+            "released": len(c.released), "full_left": sorted(t for t in c.released if olds[t]() is not None)}
 
 
 def test_tp2_in_memory_model_dropped_leaves_only_the_shards():
@@ -160,6 +162,7 @@ def test_tp2_in_memory_model_dropped_leaves_only_the_shards():
               f"{r['resident'] / r['weights']:.3f}x")
         assert ratio <= 0.6, r
         assert r["kept"] - r["resident"] <= 0.01 * r["weights"], r  # beyond the module: samples only
+        assert r["released"] > 0 and r["full_left"] == [], r  # no replaced full-shape Parameter survives
 
 
 # ------------------------------------------------------------------------------- quantization (int8)
