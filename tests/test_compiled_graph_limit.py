@@ -161,3 +161,26 @@ def test_second_thread_gets_a_clear_error_and_the_first_its_output():
     with torch.no_grad():
         again = c(**kw)[0]  # the lock is free again
     assert torch.equal(again, ref) and c.runtime.calls == 2 and c.graph_stats.lowered == 1
+
+
+def test_evicted_graph_takes_its_compiled_templates_along():
+    """RegionalCompile's templates are shared by a module's graphs and keyed by block shapes: a template no kept
+    graph calls goes with the graph evicted, so the compiled code stays bounded too."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dit_passes.models.zoo import build
+
+    zm = build("flux")
+    kw, kw2 = zm.make_inputs(), zm.make_inputs(variant="alt_resolution")
+    with torch.no_grad():
+        ref, ref2 = zm.model(**kw)[0], zm.model(**kw2)[0]
+    cnt = CompileCounterWithBackend("eager")
+    c = compile_dit(zm.model, passes=[passes.RegionalCompile(backend=cnt)], max_graphs=1)
+    with torch.no_grad():
+        assert torch.equal(c(**kw)[0], ref)
+        table = c.runtime.state["regional_compile"]
+        first = set(table)
+        assert len(first) == 2 and cnt.frame_count == 2
+        assert torch.equal(c(**kw2)[0], ref2)  # evicts the first graph: its two templates go
+        assert set(table).isdisjoint(first) and len(table) == 2 and all(u == {1} for u in table.users.values())
+    assert sorted(v[0] for v in table.values()) == [2, 3] and cnt.frame_count == 4  # ids are not reused
