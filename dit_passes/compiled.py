@@ -17,8 +17,9 @@ lowered again, as at its first call. ``compiled.graph_stats`` counts lowerings a
 shows them), and a warning says when new signatures keep evicting (:class:`GraphStats`).
 
 One caller at a time: the runtime holds per-call state (the cache context, the residual cache's pending slot),
-so a second thread entering ``forward`` while a call runs gets a RuntimeError naming the fix (one module per
-thread, or a lock around whole generations) instead of a mixed cache state.
+so a second thread entering ``forward`` (or ``lower``, ``cache_context``, ``new_generation``) while a call or a
+``cache_context`` block of another thread runs gets a RuntimeError naming the fix (one module per thread, or a
+lock around whole generations) instead of a mixed cache state.
 """
 from __future__ import annotations
 
@@ -276,14 +277,16 @@ class CompiledDiT(torch.nn.Module):
         """Select a named cache context (diffusers pipelines use "cond" / "uncond"). ``where``: the fields diffusers'
         ``CacheContext`` takes (``step_index``, ``sigma``, ``num_inference_steps``: WanPipeline passes them) are
         accepted and unused: the cache passes count steps and generations themselves."""
-        prev, self.runtime.context = self.runtime.context, name
-        try:
-            yield
-        finally:
-            self.runtime.context = prev
+        with self._one_caller():  # the block is this thread's: another thread's call would read its context
+            prev, self.runtime.context = self.runtime.context, name
+            try:
+                yield
+            finally:
+                self.runtime.context = prev
 
     def new_generation(self) -> None:
-        self.runtime.new_generation()
+        with self._one_caller():  # resetting the state under another thread's call would mix two generations
+            self.runtime.new_generation()
 
     @property
     def passes(self) -> List[Pass]:

@@ -154,6 +154,12 @@ def test_second_thread_gets_a_clear_error_and_the_first_its_output():
         assert "its own module" in str(err.value) and "lock" in str(err.value)
         with pytest.raises(RuntimeError, match="running a call in another thread"):
             c.lower(**kw)
+        with pytest.raises(RuntimeError, match="running a call in another thread"):
+            with c.cache_context("uncond"):
+                pass
+        with pytest.raises(RuntimeError, match="running a call in another thread"):
+            c.new_generation()
+        assert c.runtime.context == "default"  # the refused block did not switch the running call's context
     finally:
         blocker.release.set()
         t.join(60)
@@ -161,6 +167,8 @@ def test_second_thread_gets_a_clear_error_and_the_first_its_output():
     with torch.no_grad():
         again = c(**kw)[0]  # the lock is free again
     assert torch.equal(again, ref) and c.runtime.calls == 2 and c.graph_stats.lowered == 1
+    with c.cache_context("uncond"), torch.no_grad():  # the same thread re-enters from its own cache_context block
+        assert torch.equal(c(**kw)[0], ref) and c.runtime.context == "uncond"
 
 
 def test_evicted_graph_takes_its_compiled_templates_along():
