@@ -298,9 +298,10 @@ class CompiledDiT(torch.nn.Module):
         ``runtime.state`` (process groups, quantized weights) stays; state tied to the old graphs (the
         residual cache's buffers) is dropped."""
         PassManager(list(passes))  # validate now
-        self._passes = list(passes)
-        self._forget_graphs()
-        self.runtime.drop_lowering_state()
+        with self._one_caller():  # not under another thread's call
+            self._passes = list(passes)
+            self._forget_graphs()
+            self.runtime.drop_lowering_state()
 
     def _forget_graphs(self) -> None:
         """Every signature is lowered again at its next call; ``runtime.state`` is left to the caller."""
@@ -322,8 +323,10 @@ class CompiledDiT(torch.nn.Module):
 
     @max_graphs.setter
     def max_graphs(self, value: Optional[int]) -> None:
-        self.graph_stats.limit = _check_max_graphs(value)
-        self._evict_beyond_limit(keep=None)
+        limit = _check_max_graphs(value)
+        with self._one_caller():  # not under another thread's call
+            self.graph_stats.limit = limit
+            self._evict_beyond_limit(keep=None)
 
     def _evict_beyond_limit(self, keep: Optional[LoweredGraph]) -> int:
         """Evict the least recently called graphs (never ``keep``, the one just lowered) down to the limit, with
