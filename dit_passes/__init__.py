@@ -25,7 +25,7 @@ import torch
 
 from .backend import InductorPostGradPass, backend
 from .capture import CaptureError, capture
-from .compiled import CompiledDiT, Runtime
+from .compiled import DEFAULT_MAX_GRAPHS, CompiledDiT, Runtime
 from .infra.pass_base import Pass, PassContext, PassError, PassResult
 from .infra.pass_manager import PassManager
 from .infra.weight_source import SafetensorsWeights
@@ -39,7 +39,8 @@ __version__ = "0.1.0"
 def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_inputs: Optional[Dict[str, Any]] = None,
                 dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None,
                 cleanup: bool = True, torch_compile: Optional[Dict[str, Any]] = None,
-                keep_original: bool = False, weights: Any = None, device: Any = None) -> CompiledDiT:
+                keep_original: bool = False, weights: Any = None, device: Any = None,
+                max_graphs: Optional[int] = DEFAULT_MAX_GRAPHS) -> CompiledDiT:
     """Wrap ``model`` in a :class:`CompiledDiT` that runs ``passes`` on its captured graph.
 
     With ``example_inputs`` (the keyword arguments of one call) capture happens now; otherwise at the first
@@ -62,9 +63,15 @@ def compile_dit(model: torch.nn.Module, passes: Sequence[Pass] = (), *, example_
     (whose ``bytes_read`` counts what was read). Each weight still on the meta device is read while lowering onto
     ``device`` (default: the inputs' device), once: tensor parallelism reads only its rank's slice, the rest is read
     whole and shared by the graph and ``model``. Without ``weights``, meta weights and real inputs are refused.
+
+    ``max_graphs``: the most lowered graphs (one per input signature: resolution, batch, text length, constant
+    arguments) the module keeps, the least recently called evicted beyond it (``compiled.graph_stats``; a
+    RuntimeWarning when new signatures keep evicting); default :data:`~dit_passes.compiled.DEFAULT_MAX_GRAPHS`
+    (8), None for no limit. Settable later as ``compiled.max_graphs``.
     """
     compiled = CompiledDiT(model, passes, cleanup=cleanup, dump_dir=dump_dir, block_lists=block_lists,
-                           torch_compile=torch_compile, keep_original=keep_original, weights=weights, device=device)
+                           torch_compile=torch_compile, keep_original=keep_original, weights=weights, device=device,
+                           max_graphs=max_graphs)
     if example_inputs is not None:
         compiled.lower(**example_inputs)
     return compiled

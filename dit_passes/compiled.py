@@ -9,13 +9,27 @@ Per-request state lives in ``compiled.runtime`` (a :class:`Runtime`, one per ins
 cache context (``with compiled.cache_context("uncond"):`` as diffusers pipelines do), and whatever
 state passes register (DBCache's cache state, collective counters). Two CompiledDiT instances never
 share state.
+
+Bounded graphs: at most ``max_graphs`` lowered graphs are kept (default :data:`DEFAULT_MAX_GRAPHS`); a new
+signature beyond that evicts the least recently called one, with the state passes keep for it
+(``Runtime.forget_graph``: the residual cache's buffers of that graph). An evicted signature called again is
+lowered again, as at its first call. ``compiled.graph_stats`` counts lowerings and evictions (``explain()``
+shows them), and a warning says when new signatures keep evicting (:class:`GraphStats`).
+
+One caller at a time: the runtime holds per-call state (the cache context, the residual cache's pending slot),
+so a second thread entering ``forward`` (or ``lower``, ``cache_context``, ``new_generation``) while a call or a
+``cache_context`` block of another thread runs gets a RuntimeError naming the fix (one module per thread, or a
+lock around whole generations) instead of a mixed cache state.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+import threading
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -104,6 +118,53 @@ class LoweredGraph:
         return list(outs[:n_user])
 
 
+# Lowered graphs a module keeps by default. A served pipeline lowers one graph per input signature: per resolution,
+# CFG batch 1 or 2, text length; 8 holds e.g. 4 resolutions with and without a CFG batch. A graph shares the
+# module's weights, so what it costs is its code, its compiled kernels and, with mode="reduce-overhead", its CUDA
+# graph's static activations; a signature evicted and called again costs a new lowering (a capture and the passes:
+# seconds), which a warning reports when it keeps happening.
+DEFAULT_MAX_GRAPHS = 8
+
+
+@dataclasses.dataclass
+class GraphStats:
+    """What the module's graph limit did (``compiled.graph_stats``): ``lowered`` graphs in all, ``evicted`` of them
+    (least recently called first), ``graphs`` kept now of at most ``limit`` (None: no limit).
+
+    The warning rule: new signatures keep evicting when more than ``limit`` of the last ``2 * limit`` lowerings
+    each evicted a graph. A single new resolution evicts once and stays quiet; a stream of signatures more
+    numerous than the limit (each lowering past the first ``limit`` evicts) trips it after ``limit + 1``
+    evictions, so the cost (a lowering per call where the graphs would have been reused) is reported while it is
+    still small. Warned once per module; ``warned`` says whether it was."""
+
+    limit: Optional[int]
+    graphs: int = 0
+    lowered: int = 0
+    evicted: int = 0
+    warned: bool = False
+    recent: "collections.deque[bool]" = dataclasses.field(default_factory=collections.deque, repr=False)
+
+    def summary(self) -> str:
+        limit = "no limit" if self.limit is None else f"limit {self.limit}"
+        return f"{self.graphs} graph(s) kept ({limit}); {self.lowered} lowered, {self.evicted} evicted"
+
+
+def _check_max_graphs(max_graphs: Optional[int]) -> Optional[int]:
+    if max_graphs is None:
+        return None
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+        raise ValueError(f"max_graphs must be a positive int (the lowered graphs a module keeps) or None for no "
+                         f"limit, got {max_graphs!r}")
+    return max_graphs
+
+
+# what a second thread entering one compiled module is told to do
+_ONE_CALLER = ("this CompiledDiT is running a call in another thread; its runtime holds per-call state (the cache "
+               "context, the residual cache's state), so two threads cannot share it. Give each thread its own "
+               "module (compile_dit / enable_cache on its own model or pipeline), or serialise whole generations "
+               "with a lock around pipe(...)")
+
+
 def _output_class():
     try:
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -116,7 +177,7 @@ class CompiledDiT(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, passes: Sequence[Pass] = (), *, cleanup: bool = True,
                  dump_dir: Optional[str] = None, block_lists: Optional[List[str]] = None,
                  torch_compile: Optional[Dict[str, Any]] = None, keep_original: bool = False, weights: Any = None,
-                 device: Union[str, torch.device, None] = None):
+                 device: Union[str, torch.device, None] = None, max_graphs: Optional[int] = DEFAULT_MAX_GRAPHS):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_dit expects an nn.Module (a diffusers transformer), got {type(model).__name__}")
@@ -157,9 +218,16 @@ class CompiledDiT(torch.nn.Module):
                                  "whole graph on top of it: drop one (or use torch_compile={'regional': True, ...})")
         self._torch_compile = torch_compile
         self._pool_warmed = False  # Inductor's compile workers started at the first CUDA lowering (_warm_inductor_pool)
-        self._by_key: Dict[Any, LoweredGraph] = {}
+        # signature -> graph, least recently called first; with each graph its id (its name in self.graphs,
+        # ctx.graph_id of its passes), never reused while the graphs live: an evicted graph's id is not taken again
+        self._by_key: "collections.OrderedDict[Any, LoweredGraph]" = collections.OrderedDict()
+        self._ids: Dict[int, Tuple[int, Any]] = {}  # id(LoweredGraph) -> (graph id, its signature's base key)
+        self._next_id = 0
+        self.graph_stats = GraphStats(_check_max_graphs(max_graphs))
         self._value_leaves: Dict[Any, List[int]] = {}  # signature -> leaves whose values key the graph
         self._last: Optional[LoweredGraph] = None
+        self._call_lock = threading.Lock()  # one caller at a time (the module docstring)
+        self._caller: Optional[int] = None
         PassManager(self._passes)  # validate the pass list (types, ordering) now, not at the first call
 
     # -- the original's identity ---------------------------------------------------------------
@@ -209,14 +277,16 @@ class CompiledDiT(torch.nn.Module):
         """Select a named cache context (diffusers pipelines use "cond" / "uncond"). ``where``: the fields diffusers'
         ``CacheContext`` takes (``step_index``, ``sigma``, ``num_inference_steps``: WanPipeline passes them) are
         accepted and unused: the cache passes count steps and generations themselves."""
-        prev, self.runtime.context = self.runtime.context, name
-        try:
-            yield
-        finally:
-            self.runtime.context = prev
+        with self._one_caller():  # the block is this thread's: another thread's call would read its context
+            prev, self.runtime.context = self.runtime.context, name
+            try:
+                yield
+            finally:
+                self.runtime.context = prev
 
     def new_generation(self) -> None:
-        self.runtime.new_generation()
+        with self._one_caller():  # resetting the state under another thread's call would mix two generations
+            self.runtime.new_generation()
 
     @property
     def passes(self) -> List[Pass]:
@@ -228,17 +298,72 @@ class CompiledDiT(torch.nn.Module):
         ``runtime.state`` (process groups, quantized weights) stays; state tied to the old graphs (the
         residual cache's buffers) is dropped."""
         PassManager(list(passes))  # validate now
-        self._passes = list(passes)
-        self._forget_graphs()
-        self.runtime.drop_lowering_state()
+        with self._one_caller():  # not under another thread's call
+            self._passes = list(passes)
+            self._forget_graphs()
+            self.runtime.drop_lowering_state()
 
     def _forget_graphs(self) -> None:
         """Every signature is lowered again at its next call; ``runtime.state`` is left to the caller."""
         self._by_key.clear()
+        self._ids.clear()
+        self._next_id = 0
         self._value_leaves.clear()
         self._last = None
+        self.graph_stats.graphs = 0
         for name in list(self.graphs.keys()):
             del self.graphs[name]
+
+    # -- the graph limit -----------------------------------------------------------------------
+    @property
+    def max_graphs(self) -> Optional[int]:
+        """The most lowered graphs this module keeps (None: no limit); settable, e.g. on the module
+        ``enable_cache`` put in the pipeline: ``pipe.transformer.max_graphs = 16``."""
+        return self.graph_stats.limit
+
+    @max_graphs.setter
+    def max_graphs(self, value: Optional[int]) -> None:
+        limit = _check_max_graphs(value)
+        with self._one_caller():  # not under another thread's call
+            self.graph_stats.limit = limit
+            self._evict_beyond_limit(keep=None)
+
+    def _evict_beyond_limit(self, keep: Optional[LoweredGraph]) -> int:
+        """Evict the least recently called graphs (never ``keep``, the one just lowered) down to the limit, with
+        the state passes keep for them; returns how many."""
+        limit, evicted = self.graph_stats.limit, 0
+        while limit is not None and len(self._by_key) > limit:
+            key = next(k for k, g in self._by_key.items() if g is not keep)
+            lowered = self._by_key.pop(key)
+            gid, base = self._ids.pop(id(lowered))
+            del self.graphs[f"g{gid}"]
+            self.runtime.forget_graph(gid)
+            if self._last is lowered:
+                self._last = None
+            if base in self._value_leaves and all(b != base for _, b in self._ids.values()):
+                del self._value_leaves[base]  # no graph of that signature left: its value leaves go too
+            evicted += 1
+        self.graph_stats.evicted += evicted
+        self.graph_stats.graphs = len(self._by_key)
+        return evicted
+
+    def _record_lowering(self, lowered: LoweredGraph) -> None:
+        stats = self.graph_stats
+        stats.lowered += 1
+        evicted = self._evict_beyond_limit(keep=lowered)
+        if stats.limit is None:
+            return
+        stats.recent.append(evicted > 0)
+        while len(stats.recent) > 2 * stats.limit:
+            stats.recent.popleft()
+        if not stats.warned and sum(stats.recent) > stats.limit:
+            stats.warned = True
+            warnings.warn(f"CompiledDiT({type(self.original).__name__}): new input signatures keep evicting lowered "
+                          f"graphs: {sum(stats.recent)} of the last {len(stats.recent)} lowerings evicted one "
+                          f"(max_graphs={stats.limit}; {stats.summary()}). Each evicted signature called again is "
+                          f"captured and lowered again; raise max_graphs (compile_dit(..., max_graphs=N), or "
+                          f"module.max_graphs = N) to hold every resolution / batch / text length served, or send "
+                          f"fewer distinct shapes", RuntimeWarning, stacklevel=4)
 
     # -- what the passes report ----------------------------------------------------------------
     def report(self, name: str) -> Any:
@@ -272,6 +397,10 @@ class CompiledDiT(torch.nn.Module):
     # -- lowering ------------------------------------------------------------------------------
     def lower(self, *args: Any, **kwargs: Any) -> LoweredGraph:
         """Capture + run the passes for this call's signature (done lazily by ``forward``)."""
+        with self._one_caller():
+            return self._lower(args, kwargs)
+
+    def _lower(self, args: Any, kwargs: Any) -> LoweredGraph:
         kwargs = bind_call(self.original, args, kwargs)
         kwargs.pop("return_dict", None)
         base = signature_key(kwargs)
@@ -279,6 +408,7 @@ class CompiledDiT(torch.nn.Module):
         value_leaves = self._value_leaves.get(base)
         key = base if value_leaves is None else (base, value_key(kwargs, value_leaves))
         if key in self._by_key:
+            self._by_key.move_to_end(key)  # the most recently called: evicted last
             return self._by_key[key]
         ledger = self.runtime.weights
         tensors = [x for x in pytree.tree_leaves(kwargs) if isinstance(x, torch.Tensor)]
@@ -308,10 +438,11 @@ class CompiledDiT(torch.nn.Module):
             gm = captured.gm
             if self._block_lists:
                 facts_of(gm).block_lists = self._block_lists
-            dump = None if self._dump_dir is None else f"{self._dump_dir}/g{len(self._by_key)}"
+            graph_id = self._next_id
+            dump = None if self._dump_dir is None else f"{self._dump_dir}/g{graph_id}"
             manager = PassManager(passes, dump_dir=dump)
             facts_of(gm).structure_summary = get_structure(gm).summary()  # also: not-a-DiT fails here
-            ctx = PassContext(example_inputs=kwargs, runtime=self.runtime, graph_id=len(self._by_key))
+            ctx = PassContext(example_inputs=kwargs, runtime=self.runtime, graph_id=graph_id)
             manager.run(gm, ctx)
             ledger.check_graph(gm, ", ".join(p.name for p in passes))
         if not self.keep_original:
@@ -324,8 +455,11 @@ class CompiledDiT(torch.nn.Module):
         lowered = LoweredGraph(gm, captured, manager, runner)
         if self._cuda_graphs and not eager_only:
             lowered.runner = self._cuda_graph_step(lowered, capture_mode)
-        self.graphs[f"g{len(self._by_key)}"] = gm
+        self._next_id = graph_id + 1
+        self.graphs[f"g{graph_id}"] = gm
         self._by_key[key] = lowered
+        self._ids[id(lowered)] = (graph_id, base)
+        self._record_lowering(lowered)
         return lowered
 
     def _compiles_with_inductor(self) -> bool:
@@ -343,10 +477,50 @@ class CompiledDiT(torch.nn.Module):
             self._graph_pool = torch.cuda.graph_pool_handle()
         return CudaGraphStep(lowered.eager, pool=self._graph_pool, capture_mode=capture_mode)
 
+    @contextlib.contextmanager
+    def _one_caller(self) -> Iterator[None]:
+        """Refuse a second thread while a call runs (the module docstring); the same thread may re-enter."""
+        me = threading.get_ident()
+        if self._caller == me:
+            yield
+            return
+        if not self._call_lock.acquire(blocking=False):
+            raise RuntimeError(_ONE_CALLER)
+        self._caller = me
+        try:
+            yield
+        finally:
+            self._caller = None
+            self._call_lock.release()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)  # a lock does not pickle or deep-copy: a copy gets its own
+        state.pop("_call_lock", None)
+        state["_caller"] = None
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._call_lock = threading.Lock()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # _one_caller spelled out: no generator on the per-call path
+        me = threading.get_ident()
+        if self._caller == me or torch.compiler.is_compiling():  # re-entered; traced by an outer torch.compile
+            return self._forward(args, kwargs)
+        if not self._call_lock.acquire(blocking=False):
+            raise RuntimeError(_ONE_CALLER)
+        self._caller = me
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            self._caller = None
+            self._call_lock.release()
+
+    def _forward(self, args: Any, kwargs: Any) -> Any:
         kwargs = bind_call(self.original, args, kwargs)
         return_dict = kwargs.pop("return_dict", True)
-        lowered = self.lower(**kwargs)
+        lowered = self._lower((), kwargs)
         self._last = lowered
         cap = lowered.captured
         leaves, _ = pytree.tree_flatten(kwargs)
@@ -406,7 +580,7 @@ class CompiledDiT(torch.nn.Module):
     def explain(self, print_output: bool = True) -> str:
         cur = self._current()
         text = (f"captured {type(self.original).__name__} in {cur.captured.seconds:.2f} s; "
-                f"{len(self._by_key)} signature(s) lowered\n"
+                f"{self.graph_stats.summary()}\n"
                 + facts_of(cur.gm).structure_summary + "\n" + cur.manager.explain())
         if print_output:
             print(text)

@@ -161,8 +161,9 @@ def test_bare_transformer_and_two_transformers():
     # Wan 2.2 style: transformer and transformer_2 each get their own wrapper and cache state
     a, b = tiny_flux(seed=1), tiny_flux(seed=2)
     two = types.SimpleNamespace(transformer=a, transformer_2=b)
-    enable_cache(two, cache_config=DBCacheConfig(**CFG))
+    enable_cache(two, cache_config=DBCacheConfig(**CFG), max_graphs=3)
     assert two.transformer.original is a and two.transformer_2.original is b
+    assert two.transformer.max_graphs == two.transformer_2.max_graphs == 3 and compiled.max_graphs == 8
     assert two.transformer.runtime is not two.transformer_2.runtime
     dbc = [two.transformer.runtime.state["frontend"].passes[-1], two.transformer_2.runtime.state["frontend"].passes[-1]]
     assert dbc[0] is not dbc[1] and dbc[0].name == "dbcache"
@@ -302,6 +303,11 @@ def test_bad_inputs_fail_clearly():
         enable_cache(types.SimpleNamespace(transformer=None, unet=torch.nn.Linear(4, 4)))
     with pytest.raises(ValueError, match="can only be None"):
         enable_cache(None)
+    with pytest.raises(ValueError, match=r"max_graphs=3.*use_ray=True.*default limit \(8 graphs\)"):
+        enable_cache(tiny_pipe(tiny_flux()), parallelism_config=ParallelismConfig(ulysses_size=2, use_ray=True),
+                     max_graphs=3)
+    with pytest.raises(ValueError, match="max_graphs must be a positive int"):
+        enable_cache(tiny_pipe(tiny_flux()), cache_config=DBCacheConfig(**CFG), max_graphs=-1)
     with pytest.raises(TypeError, match="DBCacheConfig"):
         enable_cache(tiny_pipe(tiny_flux()), cache_config={"Fn_compute_blocks": 1})
     pipe = tiny_pipe(tiny_flux())

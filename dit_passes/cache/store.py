@@ -47,6 +47,17 @@ class CacheStore:
         self._programs[graph_id] = (program, device)
         self._cuts[graph_id] = cut
 
+    def forget_graph(self, graph_id: int) -> None:
+        """The module evicted graph ``graph_id`` (Runtime.forget_graph): its program and state go; lowered again,
+        its signature starts from the initial state, as at its first call."""
+        self._programs.pop(graph_id, None)
+        self._cuts.pop(graph_id, None)
+        self._parity.pop(graph_id, None)
+        for key in [k for k in self._slots if k[0] == graph_id]:
+            del self._slots[key]
+        if self._pending is not None and self._pending[0] == graph_id:
+            self._pending = None
+
     def _context(self, graph_id: int, context: str) -> str:
         program = self._programs[graph_id][0]
         if context != "default" or not program.separate_cfg:

@@ -44,7 +44,7 @@ import torch
 from ..cache.config import CalibratorConfig, DBCacheConfig, DBPruneConfig, FoCaCalibratorConfig, \
     TaylorSeerCalibratorConfig
 from ..cache.steps_mask import steps_mask
-from ..compiled import CompiledDiT
+from ..compiled import DEFAULT_MAX_GRAPHS, CompiledDiT
 from ..infra.pass_manager import PassManager
 from ..passes.load_quantized import LoadQuantized
 from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator
@@ -157,7 +157,7 @@ def _tp_size(pc: Optional[ParallelismConfig]) -> int:
 
 
 def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[CompiledDiT] = None,
-          keep_original: bool = False) -> CompiledDiT:
+          keep_original: bool = False, max_graphs: Optional[int] = DEFAULT_MAX_GRAPHS) -> CompiledDiT:
     """The CompiledDiT for ``state`` (on top of wrapper ``base``'s passes when given). SVDQ PTQ calibrates now (the
     pipeline still holds ``original``) and lowers with the first calibration call's inputs, so ``serialize_to`` is
     written before this returns."""
@@ -176,7 +176,8 @@ def _wrap(original: torch.nn.Module, state: FrontendState, base: Optional[Compil
     if state.cache_config is not None:
         passes.append(cache_pass(state.cache_config, state.calibrator_config))
     state.passes = passes
-    compiled = CompiledDiT(original, passes, keep_original=keep_original)  # validates the pass list and its order
+    # validates the pass list and its order
+    compiled = CompiledDiT(original, passes, keep_original=keep_original, max_graphs=max_graphs)
     if base is not None:  # the weights base's passes released: their replacements are in its ledger
         compiled.runtime.weights = base.runtime.weights
     compiled.runtime.state[FRONTEND] = state
@@ -190,7 +191,7 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
                  parallelism_config: Optional[ParallelismConfig] = None,
                  quantize_config: Optional[QuantizeConfig] = None,
                  calibrator_config: Optional[CalibratorConfig] = None, keep_original: bool = False,
-                 attention_backend: Optional[str] = None) -> Any:
+                 attention_backend: Optional[str] = None, max_graphs: Optional[int] = DEFAULT_MAX_GRAPHS) -> Any:
     """Accelerate a pipeline (returned, its transformer(s) replaced) or a transformer (its wrapper is returned:
     use that). ``cache_config=None``: the default ``DBCacheConfig()`` when no parallelism / quantize config is
     given, else no residual cache (the reference's rule). Weights that tensor parallelism or quantization replace
@@ -198,8 +199,15 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     full copy of those weights. ``attention_backend``: a pinned SDPA kernel (``"_native_cudnn"``, ...,
     :mod:`~dit_passes.frontend.attention_names`) for every attention, as cache-dit's argument (with parallelism it
     is the config's ``attention_backend``; the two must agree). ``enable_cache(pipe, **load_configs(path))`` takes a
-    configuration file's every section. See the module docstring."""
+    configuration file's every section. ``max_graphs``: the most lowered graphs (one per resolution / batch / text
+    length) each transformer's wrapper keeps, least recently called evicted (``compile_dit``'s; also settable later
+    as ``pipe.transformer.max_graphs``); not with ``use_ray=True`` (the workers keep the default). See the module
+    docstring."""
     pc = parallelism_config
+    if pc is not None and not isinstance(pc, ParallelismConfig):
+        raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(pc).__name__}")
+    if quantize_config is not None and not isinstance(quantize_config, QuantizeConfig):
+        raise TypeError(f"quantize_config must be a QuantizeConfig, got {type(quantize_config).__name__}")
     attention_pass(attention_backend)  # a name no kernel here runs: refused before anything is built
     if attention_backend is not None and pc is not None and not pc.is_noop():
         if pc.attention_backend not in (None, attention_backend):
@@ -207,10 +215,6 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
                              f"attention_backend={pc.attention_backend!r} disagree: give one")
         pc = dataclasses.replace(pc, attention_backend=attention_backend)
         attention_backend = None
-    if pc is not None and not isinstance(pc, ParallelismConfig):
-        raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(pc).__name__}")
-    if quantize_config is not None and not isinstance(quantize_config, QuantizeConfig):
-        raise TypeError(f"quantize_config must be a QuantizeConfig, got {type(quantize_config).__name__}")
     if pipe_or_module is None and (pc is None or not pc.use_ray or pc.ray_transfer_fn is None):
         raise ValueError("pipe_or_module can only be None with ParallelismConfig(use_ray=True, ray_transfer_fn=...)")
     if pc is not None and not pc.use_ray and pc.ray_transfer_fn is not None:
@@ -227,6 +231,10 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
                           "not applied: add passes.AttentionBackend(...) through compile_dit to pin the kernel",
                           stacklevel=2)
         pc = None
+    if pc is not None and pc.use_ray and max_graphs != DEFAULT_MAX_GRAPHS:
+        raise ValueError(f"enable_cache(max_graphs={max_graphs!r}) with ParallelismConfig(use_ray=True): the Ray "
+                         f"workers build their modules with the default limit ({DEFAULT_MAX_GRAPHS} graphs); drop "
+                         f"max_graphs, or run the ranks yourself (torchrun) to set it")
     if pc is not None and pc.use_ray:
         return _enable_with_ray(pipe_or_module, FrontendState(cfg, cal, pc, quantize_config, []), keep_original)
     if pc is not None:
@@ -242,7 +250,8 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
         state = FrontendState(cfg, cal, pc, quantized.get(attr or "transformer"), [], restore=module,
                               attention_backend=attention_backend)
         original = module.original if base is not None else module
-        wrapped.append((owner, attr, _wrap(original, state, module if base is not None else None, keep_original)))
+        wrapped.append((owner, attr, _wrap(original, state, module if base is not None else None, keep_original,
+                                           max_graphs)))
     for owner, attr, compiled in wrapped:  # assigned only once every transformer succeeded
         if owner is not None:
             setattr(owner, attr, compiled)

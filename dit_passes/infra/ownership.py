@@ -30,15 +30,22 @@ STAND_IN = "_dit_passes_stand_in"   # attribute of a stand-in tensor: the target
 RELEASED = "_dit_passes_released"   # attribute of the meta tensor left in the model: (target, note)
 SAMPLE = "_dit_passes_sample"       # and its values' fixed sample (weight_sample), so a checkpoint can still be checked
 _SAMPLES = 4096
+# A sample holds at most one value in this many of its weight: kept on every released weight, a fixed 4096 values
+# would hold as much as the small weights themselves (a (32, 32) linear keeps 2 KiB of its 4 KiB), so a model of
+# small weights would keep half of what the passes released. Weights of 1M values or more (every linear of a
+# production DiT's blocks) take the full 4096 values.
+_SAMPLE_FRACTION = 256
 
 
 def weight_sample(w: torch.Tensor) -> torch.Tensor:
     """A fixed strided sample of ``w``'s values in bf16 bits (int16, CPU): what checkpoint fingerprints hash.
-    Kept on a released weight's meta tensor (8 KiB), so loading a checkpoint into the released model checks it."""
+    Kept on a released weight's meta tensor (at most 8 KiB, and at most 1/256 of the weight's values, so at most
+    1/256 of its bytes), so loading a checkpoint into the released model checks it."""
     flat = w.detach().reshape(-1)
-    step = max(1, flat.numel() // _SAMPLES)
+    n = max(1, min(_SAMPLES, flat.numel() // _SAMPLE_FRACTION))
+    step = max(1, flat.numel() // n)
     # clone: for a bf16 weight on the CPU, to() and cpu() return views, which would keep the whole weight alive
-    return flat[::step][:_SAMPLES].to(torch.bfloat16).cpu().clone().view(torch.int16)
+    return flat[::step][:n].to(torch.bfloat16).cpu().clone().view(torch.int16)
 
 
 @dataclasses.dataclass(eq=False)

@@ -39,6 +39,15 @@ class Runtime:
                 again = True
         return again
 
+    def forget_graph(self, graph_id: int) -> None:
+        """A lowered graph was evicted (the module's graph limit): every state entry with a ``forget_graph(graph_id)``
+        method drops what it keeps for that graph (the residual cache's buffers). Graph ids are not reused while
+        the module's graphs live, so nothing kept for another graph is touched."""
+        for st in list(self.state.values()):
+            forget = getattr(st, "forget_graph", None)
+            if forget is not None:
+                forget(graph_id)
+
     def register_report(self, name: str, report: Any) -> None:
         self.reports[name] = report
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, Collection, Dict, List, Tuple
+from typing import Any, Collection, Dict, List, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -250,6 +250,28 @@ def _attr(root: torch.nn.Module, target: str) -> Any:
     return obj
 
 
+class TemplateTable(dict):
+    """``{signature: (template id, compiled template)}`` shared by the graphs of one CompiledDiT
+    (``runtime.state["regional_compile"]``), with the graphs using each: when the module evicts a graph
+    (``Runtime.forget_graph``), the templates no remaining graph calls go with their compiled code, so a server
+    seeing many resolutions keeps only the templates of the graphs it keeps. Ids are never reused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users: Dict[Tuple[Any, ...], Set[int]] = {}
+        self.next_id = 0
+
+    def add(self, sig: Tuple[Any, ...], compiled: Any) -> None:
+        self[sig] = (self.next_id, compiled)
+        self.next_id += 1
+
+    def forget_graph(self, graph_id: int) -> None:
+        for sig in [s for s, users in self.users.items() if graph_id in users]:
+            self.users[sig].discard(graph_id)
+            if not self.users[sig]:
+                del self.users[sig], self[sig]
+
+
 class CompiledRegion(torch.nn.Module):
     """One outlined block: calls the compiled template shared by every block of the same program."""
 
@@ -314,7 +336,9 @@ class RegionalCompile(Pass):
         lists = set(structure.candidates) | {bl.name for bl in structure.block_lists}
         # Templates are shared by every graph of one CompiledDiT (another signature with equal blocks reuses
         # them); the key holds the torch.compile arguments, so another configuration compiles its own.
-        table: Dict[Tuple[Any, ...], Tuple[int, Any]] = ctx.runtime.state.setdefault(self.name, {})
+        table = ctx.runtime.state.get(self.name)
+        if not isinstance(table, TemplateTable):
+            table = ctx.runtime.state[self.name] = TemplateTable()
         used: Dict[int, bool] = {}  # template id -> compiled for this graph (False: reused)
         counts = {"regions": 0, "templates": 0, "templates_reused": 0, "graphs": 0, "cats_folded": 0}
         for owner in self._graph_modules(gm):
@@ -323,7 +347,7 @@ class RegionalCompile(Pass):
             for path, nodes in _regions(owner.graph, lists):
                 if len(nodes) < self.min_nodes:
                     continue
-                self._outline(owner, path, nodes, table, used, counts)
+                self._outline(owner, path, nodes, table, used, counts, ctx.graph_id)
             owner.graph.lint()
             ctx.recompile_at_end(owner)  # run by a pass manager, the top graph is recompiled once after the pass
         counts["templates"] = len(used)
@@ -350,15 +374,16 @@ class RegionalCompile(Pass):
         return out
 
     def _outline(self, owner: fx.GraphModule, path: str, nodes: List[fx.Node],
-                 table: Dict[Tuple[Any, ...], Tuple[int, Any]], used: Dict[int, bool], counts: Dict[str, int]) -> None:
+                 table: TemplateTable, used: Dict[int, bool], counts: Dict[str, int], graph_id: int) -> None:
         t = _Template(nodes)
         if not t.outputs or not all(isinstance(o.meta.get("val"), torch.Tensor) for o in t.outputs):
             counts["skipped"] = counts.get("skipped", 0) + 1  # a non-tensor crosses the boundary: stays eager
             return
         sig = (repr(sorted(self.compile_kwargs.items(), key=str)), t.signature(owner))
         if sig not in table:
-            table[sig] = (len(table), torch.compile(t.gm, **self.compile_kwargs))
+            table.add(sig, torch.compile(t.gm, **self.compile_kwargs))
             used[table[sig][0]] = True
+        table.users.setdefault(sig, set()).add(graph_id)
         tid, compiled = table[sig]
         used.setdefault(tid, False)
         name = "region_" + path.replace(".", "_")
