@@ -173,3 +173,40 @@ def test_frontend_and_refusals():
     with pytest.raises(PassError, match="no attention module"):
         compile_dit(zm.model, example_inputs=zm.make_inputs(),
                     passes=[passes.PyramidAttentionBroadcast(spatial_attention_block_identifiers=("nothing",))])
+
+
+@pytest.mark.parity("enable_cache", "diffusers.PyramidAttentionBroadcastConfig.current_timestep_callback",
+                    "diffusers.FasterCacheConfig.current_timestep_callback")
+@pytest.mark.parametrize("kind", ["pab", "faster"])
+def test_pipeline_timestep_units_match_diffusers(kind):
+    """A FluxPipeline passes t / 1000 to its transformer while the ranges are in the scheduler's units: diffusers'
+    hooks read ``pipe.current_timestep`` through the callback; ``enable_cache(pipe, ...)`` takes the same units from
+    the pipeline (the scale read at the first call), so the same steps reuse and the latents agree."""
+    from test_frontend import rel_err, run, tiny_flux  # noqa: E402 - the tests folder is on sys.path
+    from dit_passes.testing.pipelines import flux_pipeline
+    import dit_passes as cache_dit
+
+    fields = (dict(spatial_attention_block_skip_range=2) if kind == "pab" else
+              dict(spatial_attention_block_skip_range=2, is_guidance_distilled=True,
+                   spatial_attention_timestep_skip_range=(-1, 900)))
+    make = hooks.PyramidAttentionBroadcastConfig if kind == "pab" else hooks.FasterCacheConfig
+    tr = tiny_flux()
+    plain = run(flux_pipeline(copy.deepcopy(tr)))
+    ref_pipe = flux_pipeline(copy.deepcopy(tr))
+    cfg = make(**fields, current_timestep_callback=lambda: ref_pipe.current_timestep)
+    (hooks.apply_pyramid_attention_broadcast if kind == "pab" else hooks.apply_faster_cache)(ref_pipe.transformer, cfg)
+    ref = run(ref_pipe)
+    assert rel_err(ref, plain) > 1e-4, "diffusers' hooks reused nothing: the comparison would not exercise it"
+
+    pipe = flux_pipeline(tr)
+    cache_dit.enable_cache(pipe, cache_config=make(**fields))  # no callback: the pipeline's own timestep
+    assert rel_err(run(pipe), ref) <= 1e-4
+    assert cache_dit.summary(pipe, logging=False)[0].cached_steps
+    cache_dit.disable_cache(pipe)
+    if kind == "faster":
+        return
+    own = flux_pipeline(copy.deepcopy(tr))  # the user's callback, as diffusers' docs write it
+    cache_dit.enable_cache(own, cache_config=make(**fields, current_timestep_callback=lambda: own.current_timestep))
+    assert rel_err(run(own), ref) <= 1e-4
+    with pytest.raises(ValueError, match="not both"):
+        cache_dit.PyramidAttentionBroadcastConfig(current_timestep_callback=lambda: 1.0, timestep_scale=1000)

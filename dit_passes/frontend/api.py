@@ -42,7 +42,7 @@ from ..cache.steps_mask import steps_mask
 from ..compiled import CompiledDiT
 from ..infra.pass_manager import PassManager
 from ..passes.load_quantized import LoadQuantized
-from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator
+from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator, with_pipeline_timestep
 from .cache_configs import resolve_cache_config as _resolve_cache_config
 from . import components
 from .calibration import calibrate
@@ -200,6 +200,7 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     if pc is not None:
         _check_parallel_env(pc)
     targets = _targets(pipe_or_module)
+    cfg = with_pipeline_timestep(cfg, targets[0][0])  # PAB / FasterCache: ranges in the pipeline's timestep units
     extra_parallel = pc.extra_parallel_modules if pc is not None and pc.extra_parallel_modules else []
     if extra_parallel and targets[0][0] is None:
         raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
@@ -428,7 +429,7 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
     (e.g. ``num_inference_steps=50``) the cache is rebuilt; its graphs are lowered again at the next call."""
     if cache_config is not None and cache_fields:
         raise TypeError("pass either cache_config=DBCacheConfig(...) or cache fields, not both")
-    for _, attr, module in _targets(pipe_or_module):
+    for owner, attr, module in _targets(pipe_or_module):
         state = _state_of(module)
         if state is None or state.cache_config is None:
             raise RuntimeError(f"refresh_context: {_name(attr, module)} has no residual cache from enable_cache")
@@ -438,7 +439,7 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
                             f"{type(state.cache_config).__name__} fields ({sorted(names)})")
         new = state.cache_config
         if cache_config is not None:
-            new = _resolve_cache_config(cache_config, False)
+            new = with_pipeline_timestep(_resolve_cache_config(cache_config, False), owner)
         elif cache_fields:
             new = dataclasses.replace(state.cache_config, **cache_fields)
         cal = state.calibrator_config if calibrator_config is None else \

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from typing import Any, Optional
 
 from ..cache.config import (CalibratorConfig, DBCacheConfig, DBPruneConfig, DMDCalibratorConfig, FoCaCalibratorConfig,
                             TaylorSeerCalibratorConfig, full_tag)
 from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
                                   PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
-                                  TeaCacheConfig, from_peer)
+                                  TeaCacheConfig, TEXT_KV_REFUSAL, TextKVCacheConfig, from_peer)
 from ..passes import (DBCache, DBPrune, FasterCache, FirstBlockCache, MagCache, PyramidAttentionBroadcast, SeaCache,
                       TaylorSeerCache, TeaCache)
 
@@ -47,6 +48,8 @@ def resolve_cache_config(cache_config: Any, others_given: bool) -> Any:
             return None
         cache_config = DBCacheConfig()
     peer = from_peer(cache_config)
+    if isinstance(peer, TextKVCacheConfig):
+        raise ValueError(f"cache_config={type(cache_config).__name__}(): {TEXT_KV_REFUSAL}")
     if peer is not None:
         return peer
     kind = getattr(cache_config, "cache_type", "DBCache")
@@ -56,6 +59,38 @@ def resolve_cache_config(cache_config: Any, others_given: bool) -> Any:
         cfg = dataclasses.replace(cfg, cache_type=str(getattr(cfg.cache_type, "value", cfg.cache_type)))
     if cfg.enable_separate_cfg is None:
         cfg = dataclasses.replace(cfg, enable_separate_cfg=False)  # see frontend.api's module docstring
+    return cfg
+
+
+class PipelineTimestep:
+    """``current_timestep_callback`` read from a pipeline: its ``current_timestep`` (the scheduler's timestep of the
+    step running, which diffusers' pipelines set before calling the transformer). Holds the pipeline weakly (the
+    pipeline holds the config through its transformer's wrapper)."""
+
+    def __init__(self, pipe: Any):
+        self._pipe = weakref.ref(pipe)
+
+    def __call__(self) -> Any:
+        pipe = self._pipe()
+        return None if pipe is None else pipe.current_timestep
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PipelineTimestep) and other._pipe() is self._pipe()
+
+    __hash__ = None  # mutable referent: not a dict key
+
+    def __repr__(self) -> str:
+        return "pipe.current_timestep"
+
+
+def with_pipeline_timestep(cfg: Any, pipe: Any) -> Any:
+    """``cfg`` with the pipeline's timestep as ``current_timestep_callback`` where it is an attention-reuse config
+    (PAB / FasterCache: ranges in the pipeline's timestep units) that gives neither the callback nor a
+    ``timestep_scale``, and the pipeline says its timestep (diffusers' ``current_timestep`` property)."""
+    if (isinstance(cfg, (PyramidAttentionBroadcastConfig, FasterCacheConfig)) and pipe is not None
+            and cfg.current_timestep_callback is None and cfg.timestep_scale == 1.0
+            and hasattr(type(pipe), "current_timestep")):
+        return dataclasses.replace(cfg, current_timestep_callback=PipelineTimestep(pipe))
     return cfg
 
 
@@ -97,4 +132,4 @@ def cache_tag(cfg: Any, calibrator: Optional[Any] = None, pruned_ratio: Optional
     return tag
 
 
-__all__ = ["convert", "resolve_cache_config", "resolve_calibrator", "cache_pass", "cache_tag", "CACHE_PASSES"]
+__all__ = ["convert", "resolve_cache_config", "PipelineTimestep", "with_pipeline_timestep", "resolve_calibrator", "cache_pass", "cache_tag", "CACHE_PASSES"]
