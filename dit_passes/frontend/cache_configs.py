@@ -97,6 +97,11 @@ def with_pipeline_timestep(cfg: Any, pipe: Any) -> Any:
 _CALIBRATORS = {c.CALIBRATOR_TYPE: c for c in (TaylorSeerCalibratorConfig, FoCaCalibratorConfig, DMDCalibratorConfig)}
 
 
+_FIELD_OF_KWARG = {"taylorseer": {"n_derivatives": "taylorseer_order"},
+                   "dmd": {"history": "dmd_history", "rank": "dmd_rank", "ridge": "dmd_ridge",
+                           "svd_precision": "dmd_svd_precision"}}
+
+
 def resolve_calibrator(calibrator: Any) -> Optional[CalibratorConfig]:
     """Our calibrator config for ``calibrator`` (ours, or cache-dit's of the same ``calibrator_type``: converted
     field by field), or None."""
@@ -105,7 +110,16 @@ def resolve_calibrator(calibrator: Any) -> Optional[CalibratorConfig]:
     kind = getattr(calibrator, "calibrator_type", None)
     if kind not in _CALIBRATORS:
         raise ValueError(f"calibrator_config: calibrator_type={kind!r} is not one of {sorted(_CALIBRATORS)}")
-    return convert(calibrator, _CALIBRATORS[kind], "calibrator_type")
+    cls = _CALIBRATORS[kind]
+    if isinstance(calibrator, cls):
+        return copy.deepcopy(calibrator)
+    # cache-dit's base CalibratorConfig has none of the subclass's fields: its calibrator_kwargs reach the
+    # calibrator's constructor as they are, so a key a subclass's field sets becomes that field
+    kwargs = dict(getattr(calibrator, "calibrator_kwargs", None) or {})
+    from_kwargs = {f: kwargs.pop(k) for k, f in _FIELD_OF_KWARG.get(kind, {}).items()
+                   if k in kwargs and not hasattr(calibrator, f)}
+    cfg = convert(calibrator, cls, "calibrator_type")
+    return dataclasses.replace(cfg, calibrator_kwargs=kwargs, **from_kwargs) if from_kwargs else cfg
 
 
 def cache_pass(cfg: Any, calibrator: Optional[Any] = None):
