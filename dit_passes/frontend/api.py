@@ -234,10 +234,17 @@ def _ray_launcher(pc: ParallelismConfig):
     if pc.world_size() > 1 and n != pc.world_size():
         raise ValueError(f"ParallelismConfig.ray_num_workers={n} differs from the parallel sizes' product "
                          f"{pc.world_size()}")
-    if pc.ray_master_port:
-        logger.info("ParallelismConfig.ray_master_port is ignored: rank 0 picks a free port on its node")
+    if pc.ray_use_flashpack:
+        raise ValueError("ParallelismConfig.ray_use_flashpack=True: cache-dit's snapshot format switch; dit_passes "
+                         "sends the modules through Ray's object store or a safetensors snapshot (ray_transfer_backend="
+                         "'object_store' / 'snapshot'), not flashpack: leave it False")
+    if pc.ray_transfer_custom_obj is not True:
+        raise ValueError(f"ParallelismConfig.ray_transfer_custom_obj={pc.ray_transfer_custom_obj!r}: cache-dit's switch "
+                         f"for the custom-class map of its from_pretrained snapshots; dit_passes' transfers rebuild "
+                         f"each module by its own class (no map to turn off): leave it True")
     return RayLauncher(world_size=n, runtime_env=pc.ray_runtime_env, ray_init_kwargs=dict(pc.ray_init_kwargs or {}),
-                       address=pc.ray_address, worker_options=dict(pc.ray_worker_options or {}))
+                       address=pc.ray_address, worker_options=dict(pc.ray_worker_options or {}),
+                       master_port=pc.ray_master_port or 0)
 
 
 def _enable_with_ray(pipe_or_module: Any, state: FrontendState, keep_original: bool = False) -> Any:
