@@ -259,6 +259,7 @@ def test_quant_types_map_onto_the_passes():
     assert not p.filter_fn("transformer_blocks.0.attn.to_q", "q")
 
 
+@pytest.mark.parity("QuantizeConfig.calibrate_fn", "QuantizeConfig.serialize_to")
 def test_quantize_ptq_calibrates_now_then_load_matches(tmp_path):
     """The seed's flow: quantize(pipe.transformer, svdq PTQ with calibrate_fn + serialize_to), then load()."""
     tr = tiny_flux(heads=4)  # inner dim 64: W4A4 needs K % 64 == 0
