@@ -245,9 +245,9 @@ class FasterCacheConfig:
     False``; a batched CFG call, unconditional half first): on steps inside ``unconditional_batch_timestep_skip_
     range`` that are not multiples of ``unconditional_batch_skip_range`` the output's unconditional half is the
     conditional half plus the stored low / high frequency deltas (scaled by ``alpha_*`` inside their ranges),
-    else the deltas are measured. Callbacks are not taken (a Python call per step): ``attention_weight`` (ours)
-    replaces ``attention_weight_callback``; ``timestep_scale`` (ours) and ``current_timestep_callback`` as for
-    PyramidAttentionBroadcastConfig."""
+    else the deltas are measured. The weight callbacks are refused (a Python call per step): ``attention_weight``
+    (ours) replaces ``attention_weight_callback``; ``timestep_scale`` (ours) and ``current_timestep_callback`` (read
+    once per lowering) as for PyramidAttentionBroadcastConfig."""
 
     spatial_attention_block_skip_range: int = 2
     temporal_attention_block_skip_range: Optional[int] = None

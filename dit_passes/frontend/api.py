@@ -178,7 +178,9 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     use that). ``cache_config=None``: the default ``DBCacheConfig()`` when no parallelism / quantize config is
     given, else no residual cache (the reference's rule). Weights that tensor parallelism or quantization replace
     leave the transformer (``disable_cache`` then refuses); ``keep_original=True`` keeps it whole, at the cost of a
-    full copy of those weights. See the module docstring."""
+    full copy of those weights. A PyramidAttentionBroadcast / FasterCache config on a pipeline without
+    ``current_timestep_callback`` or ``timestep_scale`` gets the pipeline's ``current_timestep`` as its callback
+    (its ranges are in the scheduler's units, as diffusers'). See the module docstring."""
     pc = parallelism_config
     if pc is not None and not isinstance(pc, ParallelismConfig):
         raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(pc).__name__}")
