@@ -316,6 +316,7 @@ def test_bad_inputs_fail_clearly():
 
 
 # ------------------------------------------------------------------------------- Ray
+@pytest.mark.parity("ParallelismConfig.use_ray", "ParallelismConfig.ray_num_workers")
 @pytest.mark.ray
 def test_use_ray_runs_the_transformer_on_a_worker():
     """ParallelismConfig(use_ray=True): RayLauncher starts the worker, the cache runs there, pipe(...) unchanged."""

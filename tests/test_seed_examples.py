@@ -492,7 +492,7 @@ def test_ray_use_compile_reaches_the_launcher(monkeypatch):
 
 
 @pytest.mark.parity("ParallelismConfig.ray_transfer_backend", "ParallelismConfig.ray_master_port",
-                    "ParallelismConfig.ray_init_kwargs", "ParallelismConfig.ray_num_workers")
+                    "ParallelismConfig.ray_init_kwargs")
 def test_ray_settings_reach_the_launcher(monkeypatch):
     """``ray_transfer_backend`` picks the launcher's transfer (each transfer against the single process:
     tests/test_ray_launcher.py::test_factory_and_snapshot_paths), ``ray_master_port`` / ``ray_init_kwargs`` /
