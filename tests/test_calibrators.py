@@ -80,11 +80,12 @@ def runs_of_cached(seq):
     return out
 
 
-@pytest.mark.parity("FoCaCalibratorConfig")
-@pytest.mark.parametrize("variant", ["residual", "hidden_states", "image_only"])
+@pytest.mark.parity("FoCaCalibratorConfig", "CalibratorConfig.enable_calibrator")
+@pytest.mark.parametrize("variant", ["residual", "hidden_states", "image_only", "encoder_only"])
 def test_foca_matches_cache_dit(variant):
     kw = {"hidden_states": dict(calibrator_cache_type="hidden_states"),
-          "image_only": dict(enable_encoder_calibrator=False)}.get(variant, {})
+          "image_only": dict(enable_encoder_calibrator=False),
+          "encoder_only": dict(enable_calibrator=False)}.get(variant, {})
     # runs of up to 5 cached steps: the Heun step (elapsed <= 3) and the damped one beyond it
     cfg = dict(max_warmup_steps=4, residual_diff_threshold=0.6, max_continuous_cached_steps=5)
     gens = side_by_side(cfg, cache_dit.FoCaCalibratorConfig(**kw), FoCaCalibratorConfig(**kw))
@@ -92,11 +93,13 @@ def test_foca_matches_cache_dit(variant):
 
 
 @pytest.mark.parity("DMDCalibratorConfig", "DMDCalibratorConfig.dmd_history", "DMDCalibratorConfig.dmd_rank",
-                    "DMDCalibratorConfig.dmd_svd_precision")
+                    "DMDCalibratorConfig.dmd_svd_precision", "DMDCalibratorConfig.dmd_ridge")
 @pytest.mark.parametrize("variant", ["default", "history4_rank2", "low_image_only"])
 def test_dmd_matches_cache_dit(variant):
-    kw = {"history4_rank2": dict(dmd_history=4, dmd_rank=2),
-          "low_image_only": dict(dmd_history=5, dmd_svd_precision="low", enable_encoder_calibrator=False)
+    # calibrator_kwargs under a field's key: the field wins, as the reference's to_kwargs
+    kw = {"history4_rank2": dict(dmd_history=4, dmd_rank=2, calibrator_kwargs={"history": 9, "n_derivatives": 1}),
+          "low_image_only": dict(dmd_history=5, dmd_svd_precision="low", enable_encoder_calibrator=False,
+                                 dmd_ridge=1e-2)
           }.get(variant, {})
     # warm-up 5 computed steps (a uniform tail of 5: the DMD forecast), then computed steps at uneven spacings (tails of
     # 2-3: the Taylor fallback) and evenly spaced again (the forecast on a longer spacing)
@@ -105,6 +108,33 @@ def test_dmd_matches_cache_dit(variant):
     gens = side_by_side(cfg, cache_dit.DMDCalibratorConfig(**kw), DMDCalibratorConfig(**kw),
                         gens=2 if variant == "history4_rank2" else 1)
     assert max(runs_of_cached(gens[0])) >= 2, gens[0]
+
+
+@pytest.mark.parity("CalibratorConfig", "CalibratorConfig.calibrator_kwargs", status="partial")
+def test_base_calibrator_config_and_kwargs():
+    """cache-dit's base ``CalibratorConfig`` (its calibrator_type picks the calibrator) converts to ours and decides
+    and predicts as the reference's; ``calibrator_kwargs`` keys act as there or are refused, naming the key (partial:
+    our own base class is abstract, and keys whose effect differs are refused)."""
+    from dit_passes.cache.config import CalibratorConfig, TaylorSeerCalibratorConfig
+    from dit_passes.frontend.cache_configs import resolve_calibrator
+    theirs = cache_dit.CalibratorConfig(enable_calibrator=True, enable_encoder_calibrator=True,
+                                        calibrator_kwargs={"max_warmup_steps": 1, "n_derivatives": 3})
+    ours = resolve_calibrator(theirs)
+    # the base class's to_kwargs hands n_derivatives to the calibrator as it is: the order
+    assert isinstance(ours, TaylorSeerCalibratorConfig) and ours.taylorseer_order == 3
+    cfg = dict(max_warmup_steps=3, residual_diff_threshold=0.6, max_continuous_cached_steps=3)
+    assert any(side_by_side(cfg, theirs, ours, gens=1)[0])
+    with pytest.raises(ValueError, match="calibrator_type='magic' is not one of"):
+        resolve_calibrator(cache_dit.CalibratorConfig(calibrator_type="magic"))
+    with pytest.raises(ValueError, match="use a subclass|one class per calibrator"):
+        CalibratorConfig()
+    with pytest.raises(ValueError, match=r"calibrator_kwargs\['n_derivatives'\]=2: only 1 is taken \(the forecast's "
+                                         r"fallback"):
+        DMDCalibratorConfig(calibrator_kwargs={"n_derivatives": 2})
+    with pytest.raises(ValueError, match=r"calibrator_kwargs\['skip_interval_steps'\]=3: only 1 is taken \(it feeds"):
+        TaylorSeerCalibratorConfig(calibrator_kwargs={"skip_interval_steps": 3})
+    with pytest.raises(ValueError, match=r"calibrator_kwargs\['alpha'\]: not a setting of this calibrator"):
+        FoCaCalibratorConfig(calibrator_kwargs={"alpha": 0.5})
 
 
 def test_dmd_forecast_is_exact_on_exponential_modes():
@@ -166,6 +196,7 @@ def test_foca_dbcache_pass_matches_cache_dit():
     assert (plain - ref).abs().max() > 100 * (ours - ref).abs().max(), "FoCa made no difference: nothing tested"
 
 
+@pytest.mark.parity("CalibratorConfig.calibrator_type")
 @pytest.mark.reference
 def test_dmd_dbcache_pass_and_enable_cache_match_cache_dit():
     """DMD as the graph pass (through ``enable_cache`` on the transformer, cache-dit's config class converted): the

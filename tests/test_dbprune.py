@@ -30,6 +30,10 @@ CONFIGS = {
     # the dynamic threshold raises a block's threshold from the diffs recorded before it in the step
     "dynamic": dict(Fn_compute_blocks=1, residual_diff_threshold=0.1, max_warmup_steps=2,
                     enable_dynamic_prune_threshold=True),
+    # the dynamic threshold's relax ratio and its cap (binding: below the default cap of 2x the threshold)
+    "dynamic_relaxed": dict(Fn_compute_blocks=1, residual_diff_threshold=0.1, max_warmup_steps=2,
+                            enable_dynamic_prune_threshold=True, dynamic_prune_threshold_relax_ratio=1.5,
+                            max_dynamic_prune_threshold=0.13),
     # Bn, a kept block in the middle, both step caps (the continuous cap counts earlier steps only)
     "caps": dict(Fn_compute_blocks=1, Bn_compute_blocks=1, non_prune_block_ids=[2], residual_diff_threshold=0.2,
                  max_warmup_steps=1, max_cached_steps=5, max_continuous_cached_steps=2),
@@ -40,7 +44,7 @@ CONFIGS = {
                         steps_computation_mask=ref_steps_mask(total_steps=STEPS, mask_policy="fast")),
 }
 FAMILIES = {"flux": {}, "wan": dict(num_layers=5), "qwenimage": dict(num_layers=4)}
-CASES = [("flux", "dynamic"), ("wan", "caps"), ("wan", "mask_always"), ("qwenimage", "dynamic"),
+CASES = [("flux", "dynamic"), ("wan", "caps"), ("wan", "mask_always"), ("qwenimage", "dynamic_relaxed"),
          ("qwenimage", "mask_static")]
 
 
@@ -82,7 +86,8 @@ def assert_same_as_reference(records, pruned_blocks, residual_diffs, threshold, 
 
 
 @pytest.mark.parity("DBPruneConfig", "DBPruneConfig.enable_dynamic_prune_threshold",
-                    "DBPruneConfig.non_prune_block_ids")
+                    "DBPruneConfig.non_prune_block_ids", "DBPruneConfig.max_dynamic_prune_threshold",
+                    "DBPruneConfig.dynamic_prune_threshold_relax_ratio")
 @pytest.mark.reference
 @pytest.mark.parametrize("family, name", CASES)
 def test_dbprune_matches_cache_dit(family, name):
@@ -93,6 +98,9 @@ def test_dbprune_matches_cache_dit(family, name):
     ours, records, store = ours_run(zm.model, kwargs, cfg)
     records = records["default"]
     assert sum(ref_stats.pruned_blocks) >= 2, f"{name}: the reference pruned too little to test anything"
+    if name == "dynamic_relaxed":  # the ratio and the cap change the decisions: the test tells them apart
+        _, other = reference_run(zm.model, kwargs, dict(CONFIGS["dynamic"], enable_separate_cfg=False))
+        assert other.pruned_blocks != ref_stats.pruned_blocks
     static = None if cfg.get("enable_dynamic_prune_threshold") else cfg.get("residual_diff_threshold", 0.08)
     assert_same_as_reference(records, ref_stats.pruned_blocks, dict(ref_stats.residual_diffs), static,
                              ref_stats.pruned_steps)

@@ -261,6 +261,7 @@ def test_quant_types_map_onto_the_passes():
     assert not p.filter_fn("transformer_blocks.0.attn.to_q", "q")
 
 
+@pytest.mark.parity("QuantizeConfig.calibrate_fn", "QuantizeConfig.serialize_to")
 def test_quantize_ptq_calibrates_now_then_load_matches(tmp_path):
     """The seed's flow: quantize(pipe.transformer, svdq PTQ with calibrate_fn + serialize_to), then load()."""
     tr = tiny_flux(heads=4)  # inner dim 64: W4A4 needs K % 64 == 0
@@ -322,6 +323,7 @@ def test_bad_inputs_fail_clearly():
 
 
 # ------------------------------------------------------------------------------- Ray
+@pytest.mark.parity("ParallelismConfig.use_ray", "ParallelismConfig.ray_num_workers")
 @pytest.mark.ray
 def test_use_ray_runs_the_transformer_on_a_worker():
     """ParallelismConfig(use_ray=True): RayLauncher starts the worker, the cache runs there, pipe(...) unchanged."""

@@ -68,6 +68,8 @@ def _case(world, kind):
                          and pipe.vae is original_vae)}
 
 
+@pytest.mark.parity("ParallelismConfig", "ParallelismConfig.ulysses_size", "ParallelismConfig.tp_size",
+                    "ParallelismConfig.extra_parallel_modules")
 @pytest.mark.multiproc
 def test_enable_cache_parallel_with_text_encoder_parallelism():
     results = run_ranks(_rank_fn, 2, timeout=300)

@@ -70,6 +70,7 @@ def test_list_quantizes_the_transformer_and_the_main_text_encoder(ids):
     assert torch.equal(_encode(pipe.text_encoder_2, ids), want)
 
 
+@pytest.mark.parity("QuantizeConfig.components_to_quantize")
 def test_dict_gives_each_component_its_own_fields(ids):
     pipe = _pipeline()
     t5, clip = pipe.text_encoder_2, pipe.text_encoder

@@ -67,6 +67,7 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+@pytest.mark.parity("QuantizeConfig.regional_quantize", "QuantizeConfig.exclude_layers")
 def test_regional_quantize_false_takes_every_linear():
     tr = tiny_flux()
     want = run(tr)
@@ -86,6 +87,7 @@ def test_regional_quantize_false_takes_every_linear():
     assert set(quantized(default)) == linears(tr) and "proj_out" in quantized(default)
 
 
+@pytest.mark.parity("QuantizeConfig.repeated_blocks")
 def test_repeated_blocks_module_attribute_wins_then_config_then_everything():
     tr = tiny_flux()
     cfg = dict(quant_type="int8_per_row", repeated_blocks=["FluxSingleTransformerBlock"])
@@ -108,6 +110,7 @@ def test_repeated_blocks_module_attribute_wins_then_config_then_everything():
         QuantizeConfig(repeated_blocks="FluxTransformerBlock").to_pass()
 
 
+@pytest.mark.parity("QuantizeConfig.precision_plan")
 def test_precision_plan_per_layer_types_then_the_default():
     tr = tiny_flux()
     want = run(tr)
@@ -127,6 +130,23 @@ def test_precision_plan_per_layer_types_then_the_default():
     assert 0 < rel(got, want) < 0.1
     with pytest.raises(NotImplementedError, match="precision_plan quant types.*svdq_int4_r32"):
         QuantizeConfig(precision_plan={"to_q": "svdq_int4_r32"}).to_passes()
+
+
+@pytest.mark.parity("QuantizeConfig.filter_fn")
+def test_filter_fn_picks_the_linears_it_names():
+    """cache-dit's ``filter_fn(module, name)``: exactly the linears it returns True for (exclude_layers not applied,
+    as the reference: the filter replaces it), the output within int8's bound of the eager model's."""
+    tr = tiny_flux()
+    want = run(tr)
+
+    def wide_ff(module, name):
+        return ".ff" in name and module.out_features > 64
+
+    c = quantize(tr, QuantizeConfig(quant_type="int8_per_row", filter_fn=wide_ff), keep_original=True)
+    got = run(c)
+    expected = {p for p, m in tr.named_modules() if isinstance(m, torch.nn.Linear) and wide_ff(m, p)}
+    assert expected and set(quantized(c)) == expected
+    assert 0 < rel(got, want) < 0.05
 
 
 def test_svd_precision_and_refine_iters_in_the_core():

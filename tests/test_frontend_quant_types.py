@@ -70,6 +70,7 @@ def block_linears(model):
             and not p.endswith(".linear")}
 
 
+@pytest.mark.parity("QuantizeConfig", "QuantizeConfig.quant_type")
 @pytest.mark.parametrize("quant_type", list(TYPES))
 def test_quant_type_through_enable_cache(quant_type):
     kind, low_bit, bound = TYPES[quant_type]
@@ -169,6 +170,7 @@ def test_weight_inv_smoothing_matches_cache_dit_and_runs():
 
 
 
+@pytest.mark.parity("QuantizeConfig.serialize_to")
 def test_serialize_then_load_gives_the_same_numbers(tmp_path):
     """``serialize_to`` writes the low-bit tables of each type; ``load`` on a fresh model reads them back: the same
     kinds, bit-identical outputs."""

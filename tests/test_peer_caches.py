@@ -100,6 +100,7 @@ def _fbc_threshold(model, kwargs):
     return statistics.median(diffs)
 
 
+@pytest.mark.parity("diffusers.FirstBlockCacheConfig", "diffusers.FirstBlockCacheConfig.threshold")
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_first_block_cache_matches_diffusers(family):
     zm = build(family, **FAMILIES[family])
@@ -137,6 +138,7 @@ def _calibrate_reference(model, kwargs):
     return out, ast.literal_eval(text[text.index("[1.0"):].splitlines()[0])
 
 
+@pytest.mark.parity("diffusers.MagCacheConfig.calibrate", "diffusers.MagCacheConfig.num_inference_steps")
 def test_mag_cache_calibration_matches_diffusers():
     zm = build("flux")
     kwargs = zm.make_inputs()
@@ -150,6 +152,9 @@ def test_mag_cache_calibration_matches_diffusers():
     assert compiled.report("mag_cache").last_generation()["step_cached"] == [False] * STEPS
 
 
+@pytest.mark.parity("diffusers.MagCacheConfig", "diffusers.MagCacheConfig.threshold",
+                    "diffusers.MagCacheConfig.num_inference_steps", "diffusers.MagCacheConfig.mag_ratios",
+                    "diffusers.MagCacheConfig.max_skip_steps")
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_mag_cache_matches_diffusers(family):
     zm = build(family, **FAMILIES[family])
@@ -168,6 +173,8 @@ def test_mag_cache_matches_diffusers(family):
     assert "mag_cache_decide" in compiled.code and "fn_residual" not in compiled.code
 
 
+@pytest.mark.parity("diffusers.MagCacheConfig.max_skip_steps", "diffusers.MagCacheConfig.retention_ratio",
+                    "diffusers.MagCacheConfig.mag_ratios")
 def test_mag_cache_skip_cap_and_list_ratios():
     """``max_skip_steps`` bounds the run of skipped steps; ratios given as a shorter list are resampled."""
     zm = build("flux")
@@ -188,6 +195,12 @@ TAYLORSEER_CONFIGS = {"o1_fp32": dict(cache_interval=3, disable_cache_before_ste
                                                disable_cache_after_step=7)}
 
 
+@pytest.mark.parity("diffusers.TaylorSeerCacheConfig", "diffusers.TaylorSeerCacheConfig.cache_interval",
+                    "diffusers.TaylorSeerCacheConfig.disable_cache_before_step",
+                    "diffusers.TaylorSeerCacheConfig.disable_cache_after_step",
+                    "diffusers.TaylorSeerCacheConfig.max_order",
+                    "diffusers.TaylorSeerCacheConfig.taylor_factors_dtype",
+                    "diffusers.TaylorSeerCacheConfig.cache_identifiers")
 @pytest.mark.parametrize("family,config", [("flux", "o1_fp32"), ("flux", "o2_bf16_cooldown"), ("wan", "o1_fp32"),
                                            ("qwenimage", "o2_bf16_cooldown")])
 def test_taylorseer_matches_diffusers(family, config):
@@ -209,10 +222,15 @@ def test_taylorseer_matches_diffusers(family, config):
     assert conds == len(hooked) > 1
 
 
+@pytest.mark.parity("diffusers.TaylorSeerCacheConfig.skip_predict_identifiers",
+                    "diffusers.TaylorSeerCacheConfig.use_lite_mode", status="refused")
 def test_taylorseer_refusals():
     zm = build("flux")
-    with pytest.raises(PassError, match="use_lite_mode"):
+    with pytest.raises(PassError, match="use_lite_mode .* not implemented; use cache_identifiers"):
         compile_dit(zm.model, passes=[passes.TaylorSeerCache(use_lite_mode=True)], example_inputs=zm.make_inputs())
+    with pytest.raises(PassError, match="skip_predict_identifiers .* not implemented; use cache_identifiers"):
+        compile_dit(zm.model, passes=[passes.TaylorSeerCache(skip_predict_identifiers=[r"single_transformer_blocks"])],
+                    example_inputs=zm.make_inputs())
     with pytest.raises(PassError, match="no module path matches"):
         compile_dit(zm.model, passes=[passes.TaylorSeerCache(cache_identifiers=[r"nothing\.here"])],
                     example_inputs=zm.make_inputs())

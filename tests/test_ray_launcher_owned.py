@@ -140,6 +140,9 @@ def _encoded(encoder, ids) -> torch.Tensor:
         return encoder(input_ids=ids).last_hidden_state
 
 
+@pytest.mark.parity("ParallelismConfig.use_ray", "ParallelismConfig.ray_address", "ParallelismConfig.ray_worker_options",
+                    "ParallelismConfig.ray_init_kwargs", "ParallelismConfig.ray_master_port",
+                    "ParallelismConfig.extra_parallel_modules")
 def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_path):
     """``ParallelismConfig(ulysses_size=2, use_ray=True, ray_address=<a cluster started by ray start in another
     process>, ray_worker_options={"num_cpus": 0.5}, extra_parallel_modules=[pipe.text_encoder_2, pipe.vae])`` with
@@ -176,6 +179,9 @@ def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_pa
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    with socket.socket() as sock:  # the process group's store (ray_master_port)
+        sock.bind(("127.0.0.1", 0))
+        master_port = sock.getsockname()[1]
     starting = None
     try:
         starting = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
@@ -197,6 +203,7 @@ def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_pa
         te_ref, clip_ref = _encoded(t5, ids), _encoded(clip, ids)
         cache_dit.enable_cache(pipe, parallelism_config=cache_dit.ParallelismConfig(
             ulysses_size=2, use_ray=True, ray_address=f"127.0.0.1:{port}", ray_worker_options={"num_cpus": 0.5},
+            ray_init_kwargs={"include_dashboard": False, "namespace": "dp_parity"}, ray_master_port=master_port,
             extra_parallel_modules=[pipe.text_encoder_2, pipe.vae]),
             quantize_config=_ptq(pipe, user_module, tmp_path / "ray", ff_down), keep_original=True)
         try:
@@ -208,11 +215,13 @@ def test_ray_address_and_worker_options_through_enable_cache(monkeypatch, tmp_pa
             engine = pipe.transformer._engine
             seen = engine.run_on_workers(lambda w: (
                 ray.get_runtime_context().get_assigned_resources().get("CPU"),
-                ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]))
+                ray.get_runtime_context().gcs_address.rsplit(":", 1)[1], ray.get_runtime_context().namespace,
+                getattr(getattr(w, "_store", None), "port", None)))
             reports = engine.run_on_workers(worker_report)
         finally:
             cache_dit.disable_cache(pipe)
-        assert seen == [(0.5, str(port))] * 2, seen
+        # rank 0 hosts the store on ray_master_port; ray.init got ray_init_kwargs (the job's namespace)
+        assert seen == [(0.5, str(port), "dp_parity", master_port), (0.5, str(port), "dp_parity", None)], seen
         torch.testing.assert_close(images, reference, rtol=0, atol=1e-5)
         assert clip_passes == ["fp8_linear"] and torch.equal(clip_out, clip_single)
         assert not torch.equal(clip_out, clip_ref)

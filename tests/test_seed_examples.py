@@ -378,6 +378,7 @@ def test_ray_pipeline_wrapper_tp2_fused_lora(ray_cluster, tmp_path):
     assert (tmp_path / "ray_wrapper.png").stat().st_size > 0
 
 
+@pytest.mark.parity("ParallelismConfig.ray_runtime_env", "ParallelismConfig.use_ray", "ParallelismConfig.ulysses_size")
 @pytest.mark.ray
 def test_ray_transformer_wrapper_runtime_env(ray_cluster, tmp_path):
     """Seed 000 "Transformer Wrapper" + "Ray Runtime Env": ``cache_dit.enable_cache(pipe.transformer,
@@ -429,6 +430,7 @@ def make_init_fn(path):
     return _init_fn
 
 
+@pytest.mark.parity("ParallelismConfig.ray_transfer_fn", "ParallelismConfig.tp_size")
 @pytest.mark.ray
 @pytest.mark.filterwarnings("ignore:`torch_dtype` is deprecated:FutureWarning")  # the seed's from_pretrained call
 def test_ray_transfer_fn_engine_cache_quant(ray_cluster, tmp_path):
@@ -464,6 +466,7 @@ def test_ray_transfer_fn_engine_cache_quant(ray_cluster, tmp_path):
     assert rel(image, ref) < 0.02, rel(image, ref)
 
 
+@pytest.mark.parity("ParallelismConfig.ray_use_compile")
 def test_ray_use_compile_reaches_the_launcher(monkeypatch):
     """Seed 000 "Torch Compile": ``enable_cache(pipe, parallelism_config=ParallelismConfig(tp_size=2, use_ray=True,
     ray_use_compile=True))`` asks the launcher to compile in the workers (launch stubbed: Inductor on CPU workers
@@ -486,3 +489,49 @@ def test_ray_use_compile_reaches_the_launcher(monkeypatch):
                                                                                     ray_use_compile=True))
     assert seen["compile"] is True and seen["world_size"] == 2 and seen["level"] == "transformer"
     assert pipe.transformer is transformer  # nothing applied by the failed launch
+
+
+@pytest.mark.parity("ParallelismConfig.ray_transfer_backend", "ParallelismConfig.ray_master_port",
+                    "ParallelismConfig.ray_init_kwargs")
+def test_ray_settings_reach_the_launcher(monkeypatch):
+    """``ray_transfer_backend`` picks the launcher's transfer (each transfer against the single process:
+    tests/test_ray_launcher.py::test_factory_and_snapshot_paths), ``ray_master_port`` / ``ray_init_kwargs`` /
+    ``ray_num_workers`` reach the launcher (a cluster run: tests/test_ray_launcher_owned.py); launch stubbed."""
+    from dit_passes.launch.ray_launcher import RayLauncher
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def launch(self, obj, passes=(), **kwargs):
+        seen.update(kwargs, launcher=self)
+        raise Stop
+
+    monkeypatch.setattr(RayLauncher, "launch", launch)
+    pipe = flux_pipeline(build("flux").model)
+    for backend, transfer in (("auto", None), ("snapshot", "snapshot"), ("object_store", "object_store")):
+        with pytest.raises(Stop):
+            cache_dit.enable_cache(pipe, parallelism_config=cache_dit.ParallelismConfig(
+                ulysses_size=2, use_ray=True, ray_transfer_backend=backend, ray_master_port=29517,
+                ray_init_kwargs={"namespace": "x"}, ray_num_workers=2))
+        assert seen["transfer"] == transfer
+        assert (seen["launcher"].master_port, seen["launcher"].ray_init_kwargs, seen["launcher"].world_size) == (
+            29517, {"namespace": "x"}, 2)
+    with pytest.raises(ValueError, match="ray_transfer_backend='pickle': use 'auto', 'object_store' or 'snapshot'"):
+        cache_dit.enable_cache(pipe, parallelism_config=cache_dit.ParallelismConfig(
+            ulysses_size=2, use_ray=True, ray_transfer_backend="pickle"))
+    with pytest.raises(ValueError, match="ray_num_workers=3 differs from the parallel sizes' product 2"):
+        cache_dit.enable_cache(pipe, parallelism_config=cache_dit.ParallelismConfig(
+            ulysses_size=2, use_ray=True, ray_num_workers=3))
+
+
+@pytest.mark.parity("ParallelismConfig.ray_use_flashpack", "ParallelismConfig.ray_transfer_custom_obj",
+                    status="refused")
+def test_ray_snapshot_switches_refused():
+    pipe = flux_pipeline(build("flux").model)
+    with pytest.raises(ValueError, match="ray_use_flashpack=True: .*leave it False"):
+        cache_dit.enable_cache(pipe, parallelism_config=cache_dit.ParallelismConfig(
+            ulysses_size=2, use_ray=True, ray_use_flashpack=True))
+    with pytest.raises(ValueError, match="ray_transfer_custom_obj=False: .*leave it True"):
+        cache_dit.enable_cache(pipe, parallelism_config=cache_dit.ParallelismConfig(
+            ulysses_size=2, use_ray=True, ray_transfer_custom_obj=False))

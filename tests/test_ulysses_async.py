@@ -20,7 +20,9 @@ CASES = {  # joint attention; a padded-prompt mask (batch 2); cross-attention (l
     "flux": dict(family="flux"),
     "qwenimage": dict(family="qwenimage"),
     "wan": dict(family="wan"),
-    "flux_odd_heads3": dict(family="flux", batch=1, variant="odd_tokens", overrides={"num_attention_heads": 3}),
+    # odd tokens, 3 heads over 2 ranks: cache-dit's ulysses_anything case (exact here with or without it)
+    "flux_odd_heads3": dict(family="flux", batch=1, variant="odd_tokens", overrides={"num_attention_heads": 3},
+                            anything=True),
     "flux_fp8": dict(family="flux", kind="ulysses_fp8"),
 }
 USP_CASES = {  # 4 ranks, ring of 2 Ulysses pairs: joint attention; a mask, 3 heads (padded), fp8, the all-gather ring
@@ -86,16 +88,17 @@ def _graph_order(gm):
     return checks
 
 
-def _configs(kind, world):
+def _configs(kind, world, anything=False):
     """(synchronous, async) ParallelismConfig kwargs of a kind: ulysses[_fp8] over the world, usp[_fp8][_allgather]
     a ring of 2 Ulysses groups."""
     usp = kind.startswith("usp")
     sizes = dict(ulysses_size=world // 2 if usp else world, ring_size=2 if usp else None,
-                 ulysses_float8="fp8" in kind, ring_rotate_method="allgather" if "allgather" in kind else "p2p")
+                 ulysses_float8="fp8" in kind, ring_rotate_method="allgather" if "allgather" in kind else "p2p",
+                 ulysses_anything=anything)
     return sizes, dict(sizes, ulysses_async=True)
 
 
-def _case(world, family, kind="ulysses", batch=2, variant="default", overrides=None):
+def _case(world, family, kind="ulysses", batch=2, variant="default", overrides=None, anything=False):
     from dit_passes import ParallelismConfig, compile_dit
     from dit_passes.models.zoo import build
     from dit_passes.passes.context_parallel import describe_collectives
@@ -105,7 +108,7 @@ def _case(world, family, kind="ulysses", batch=2, variant="default", overrides=N
     out, runtime, counts, nodes, items = {}, {}, {}, {}, {}
     with torch.no_grad():
         reference = zm.model(**inputs)[0]
-        for mode, config in zip(("sync", "async"), _configs(kind, world)):
+        for mode, config in zip(("sync", "async"), _configs(kind, world, anything)):
             passes = ParallelismConfig(**config).to_passes()
             compiled = compile_dit(zm.model, passes=passes)
             compiled.lower(**inputs)
@@ -144,6 +147,9 @@ def _received_op(kind):
     return f"{'usp' if usp else 'ulysses'}{'_fp8' if fp8 else ''}{'_allgather' if gathered else ''}_received_attention"
 
 
+@pytest.mark.parity("ParallelismConfig", "ParallelismConfig.ulysses_size", "ParallelismConfig.ring_size",
+                    "ParallelismConfig.ulysses_async", "ParallelismConfig.ulysses_float8",
+                    "ParallelismConfig.ring_rotate_method", "ParallelismConfig.ulysses_anything")
 def test_async_ulysses_equals_sync_and_single_process(async_results):
     for rank, cases in enumerate(async_results):
         for name, r in cases.items():

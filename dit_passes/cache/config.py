@@ -258,9 +258,10 @@ class CalibratorConfig:
     """The fields every cache-dit calibrator config has (``calibrators/__init__.py``'s ``CalibratorConfig``); use
     a subclass. ``enable_calibrator`` applies to the image stream (stream 0), ``enable_encoder_calibrator`` to the
     other streams. ``calibrator_cache_type``: ``"residual"`` predicts the middle blocks' residual (added to the
-    Fn output on a cached step), ``"hidden_states"`` predicts their output directly. ``calibrator_kwargs`` only
-    feed the reference calibrator's own ``step()`` schedule, which DBCache does not use; they are kept for
-    round-tripping and have no effect."""
+    Fn output on a cached step), ``"hidden_states"`` predicts their output directly. ``calibrator_kwargs``: the
+    reference passes them to its calibrator's constructor, under the keys its fields set (so a field wins); a key
+    is taken where it acts as there (:attr:`CALIBRATOR_KWARGS`: set by a field, or with the value that is ours)
+    and refused otherwise, naming it."""
 
     enable_calibrator: bool = False
     enable_encoder_calibrator: bool = False
@@ -269,9 +270,23 @@ class CalibratorConfig:
     calibrator_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     CALIBRATOR_TYPE: ClassVar[str] = ""  # the calibrator_type a subclass takes
+    # calibrator_kwargs keys taken: key -> None (a field sets it, as the reference's to_kwargs) or (the one value
+    # taken, why)
+    CALIBRATOR_KWARGS: ClassVar[Dict[str, Any]] = {}
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def _check_calibrator_kwargs(self) -> None:
+        name = type(self).__name__
+        for key, value in self.calibrator_kwargs.items():
+            if key not in self.CALIBRATOR_KWARGS:
+                raise ValueError(f"{name}.calibrator_kwargs[{key!r}]: not a setting of this calibrator here (taken: "
+                                 f"{sorted(self.CALIBRATOR_KWARGS) or 'none'}); set its fields instead")
+            fixed = self.CALIBRATOR_KWARGS[key]
+            if fixed is not None and value != fixed[0]:
+                raise ValueError(f"{name}.calibrator_kwargs[{key!r}]={value!r}: only {fixed[0]!r} is taken "
+                                 f"({fixed[1]}); drop the key")
 
     def validate(self) -> None:
         name = type(self).__name__
@@ -286,6 +301,7 @@ class CalibratorConfig:
                 raise TypeError(f"{name}.{field} must be a bool")
         if not isinstance(self.calibrator_kwargs, dict):
             raise TypeError(f"{name}.calibrator_kwargs must be a dict")
+        self._check_calibrator_kwargs()
 
     def stream_enabled(self, stream: int) -> bool:
         """Whether stream ``stream`` (0 = image, >= 1 = encoder) is predicted by the calibrator."""
@@ -306,6 +322,11 @@ class TaylorSeerCalibratorConfig(CalibratorConfig):
     taylorseer_order: int = 1
 
     CALIBRATOR_TYPE: ClassVar[str] = "taylorseer"
+    CALIBRATOR_KWARGS: ClassVar[Dict[str, Any]] = {
+        "n_derivatives": None,  # taylorseer_order sets it
+        **{k: (1, "it feeds cache-dit's calibrator's own should_compute() schedule, which its DBCache never calls; "
+                  "DBCacheConfig.max_warmup_steps / max_cached_steps / steps_computation_mask pick the computed "
+                  "steps") for k in ("max_warmup_steps", "skip_interval_steps")}}
 
     def validate(self) -> None:
         super().validate()
@@ -351,6 +372,9 @@ class DMDCalibratorConfig(CalibratorConfig):
     dmd_svd_precision: str = "medium"
 
     CALIBRATOR_TYPE: ClassVar[str] = "dmd"
+    CALIBRATOR_KWARGS: ClassVar[Dict[str, Any]] = {  # the fields set history / rank / ridge / svd_precision
+        "history": None, "rank": None, "ridge": None, "svd_precision": None,
+        "n_derivatives": (1, "the forecast's fallback before enough snapshots is the first-order Taylor step here")}
 
     def validate(self) -> None:
         super().validate()

@@ -14,7 +14,7 @@ in it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -160,6 +160,7 @@ _TIMESTEP_NOTE = ("the timestep ranges compare the pipeline's timestep (what dif
                   "returns) = the transformer's timestep input x timestep_scale")
 
 
+
 def _check_range(cls: str, name: str, v: Any) -> Tuple[float, float]:
     if not (isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_number(x) for x in v)):
         raise ValueError(f"{cls}.{name}={v!r}: use a (low, high) pair of numbers")
@@ -176,6 +177,13 @@ def _check_common(cfg: Any, cls: str) -> None:
     if not _is_number(cfg.timestep_scale) or cfg.timestep_scale <= 0:
         raise ValueError(f"{cls}.timestep_scale={cfg.timestep_scale!r}: use a number > 0 ({_TIMESTEP_NOTE}; "
                          f"FluxPipeline passes t / 1000: use 1000)")
+    callback = cfg.current_timestep_callback
+    if callback is not None and not callable(callback):
+        raise TypeError(f"{cls}.current_timestep_callback must be a function of no arguments returning the "
+                        f"pipeline's timestep, got {callback!r}")
+    if callback is not None and cfg.timestep_scale != 1.0:
+        raise ValueError(f"{cls}: give current_timestep_callback or timestep_scale={cfg.timestep_scale!r}, not both "
+                         f"(the callback's value sets the scale)")
 
 
 @dataclasses.dataclass
@@ -185,8 +193,12 @@ class PyramidAttentionBroadcastConfig:
     ``<kind>_attention_block_skip_range``-th (counted from the generation's first call) while the timestep lies
     strictly inside ``<kind>_attention_timestep_skip_range``. With no skip range given, spatial uses 2 (as
     diffusers). Cross attention is recognised in the graph (keys not computed from the queries' input).
-    ``timestep_scale`` (ours): the pipeline's timestep = the transformer's ``timestep`` input x the scale;
-    diffusers' ``current_timestep_callback`` is not used (the graph reads its own timestep input)."""
+    ``timestep_scale`` (ours): the pipeline's timestep = the transformer's ``timestep`` input x the scale, or
+    ``current_timestep_callback`` (diffusers': the pipeline's timestep, e.g. ``lambda: pipe.current_timestep``)
+    sets it: called once per lowering, at the first call (inside the pipeline's call), its value over the
+    transformer's timestep input is the scale, so the graph keeps comparing its own timestep input (x that scale)
+    with the ranges, with no host call per step. ``enable_cache(pipe, ...)`` gives the pipeline's
+    ``current_timestep`` when neither field is set."""
 
     spatial_attention_block_skip_range: Optional[int] = None
     temporal_attention_block_skip_range: Optional[int] = None
@@ -197,6 +209,7 @@ class PyramidAttentionBroadcastConfig:
     spatial_attention_block_identifiers: Tuple[str, ...] = PAB_SPATIAL_IDENTIFIERS
     temporal_attention_block_identifiers: Tuple[str, ...] = PAB_TEMPORAL_IDENTIFIERS
     cross_attention_block_identifiers: Tuple[str, ...] = PAB_CROSS_IDENTIFIERS
+    current_timestep_callback: Optional[Callable[[], Any]] = None
     timestep_scale: float = 1.0
 
     KINDS = ("spatial", "temporal", "cross")
@@ -232,8 +245,9 @@ class FasterCacheConfig:
     False``; a batched CFG call, unconditional half first): on steps inside ``unconditional_batch_timestep_skip_
     range`` that are not multiples of ``unconditional_batch_skip_range`` the output's unconditional half is the
     conditional half plus the stored low / high frequency deltas (scaled by ``alpha_*`` inside their ranges),
-    else the deltas are measured. Callbacks are not taken (a Python call per step): ``attention_weight`` (ours)
-    replaces ``attention_weight_callback``; ``timestep_scale`` (ours) as for PyramidAttentionBroadcastConfig."""
+    else the deltas are measured. The weight callbacks are refused (a Python call per step): ``attention_weight``
+    (ours) replaces ``attention_weight_callback``; ``timestep_scale`` (ours) and ``current_timestep_callback`` (read
+    once per lowering) as for PyramidAttentionBroadcastConfig."""
 
     spatial_attention_block_skip_range: int = 2
     temporal_attention_block_skip_range: Optional[int] = None
@@ -252,6 +266,7 @@ class FasterCacheConfig:
     high_frequency_weight_callback: Any = None
     tensor_format: str = "BCFHW"
     is_guidance_distilled: bool = False
+    current_timestep_callback: Optional[Callable[[], Any]] = None
     attention_weight: float = 0.5
     timestep_scale: float = 1.0
 
@@ -291,8 +306,22 @@ class FasterCacheConfig:
         return f"FasterCache_S{spatial}_T{temporal}_{cfg}"
 
 
+@dataclasses.dataclass
+class TextKVCacheConfig:
+    """diffusers' text K/V cache (``diffusers.hooks.TextKVCacheConfig``, no fields): NucleusMoE-Image's blocks
+    compute their text keys / values once per prompt and hand them to the attention processor through
+    ``attention_kwargs``. Not offered: ``enable_cache`` refuses it (:data:`TEXT_KV_REFUSAL`)."""
+
+
+TEXT_KV_REFUSAL = ("TextKVCacheConfig is not offered by dit_passes: diffusers' text K/V cache is a hook of "
+                   "NucleusMoE-Image's blocks that feeds precomputed keys / values to its attention processor, not a "
+                   "rewrite of the traced graph; apply it with diffusers itself "
+                   "(pipe.transformer.enable_cache(diffusers.hooks.TextKVCacheConfig())) without dit_passes' "
+                   "enable_cache, or pick one of dit_passes' cache configs (DBCacheConfig, FirstBlockCacheConfig, ...)")
+
+
 PEER_CONFIGS = (FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig, SeaCacheConfig, TeaCacheConfig,
-                PyramidAttentionBroadcastConfig, FasterCacheConfig)
+                PyramidAttentionBroadcastConfig, FasterCacheConfig, TextKVCacheConfig)
 
 
 def from_peer(cfg: Any) -> Any:
@@ -307,4 +336,5 @@ def from_peer(cfg: Any) -> Any:
 
 
 __all__ = ["FirstBlockCacheConfig", "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
-           "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "resample_nearest", "from_peer", "PEER_CONFIGS"]
+           "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "TextKVCacheConfig", "TEXT_KV_REFUSAL",
+           "resample_nearest", "from_peer", "PEER_CONFIGS"]

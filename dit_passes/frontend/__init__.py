@@ -4,7 +4,7 @@ from ..cache.config import (DBCacheConfig, DBPruneConfig, DMDCalibratorConfig, F
                             TaylorSeerCalibratorConfig)
 from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
                                   PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
-                                  TeaCacheConfig)
+                                  TeaCacheConfig, TextKVCacheConfig)
 from .api import (FrontendState, disable_cache, enable_cache, load, quantize, refresh_context, set_attn_backend,
                   steps_mask)
 from .reports import CacheStats, strify, summary
@@ -22,7 +22,7 @@ __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strif
            "CacheStats", "FrontendState", "DBCacheConfig", "DBPruneConfig", "TaylorSeerCalibratorConfig",
            "FoCaCalibratorConfig", "DMDCalibratorConfig", "FirstBlockCacheConfig",
            "MagCacheConfig", "TaylorSeerCacheConfig", "SeaCacheConfig", "TeaCacheConfig",
-           "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "ParallelismConfig",
+           "PyramidAttentionBroadcastConfig", "FasterCacheConfig", "TextKVCacheConfig", "ParallelismConfig",
            "QuantizeConfig", "SUPPORTED_QUANT_TYPES", "layerwise_offload", "load_configs", "load_cache_config",
            "load_parallelism_config", "load_quantize_config", "load_attn_backend_config", "load_options",
            "layerwise_cpu_offload", "BasicCacheConfig", "CacheType", "DBCache", "DBPrune", "NONE", "block_range",

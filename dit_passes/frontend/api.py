@@ -47,7 +47,7 @@ from ..cache.steps_mask import steps_mask
 from ..compiled import DEFAULT_MAX_GRAPHS, CompiledDiT
 from ..infra.pass_manager import PassManager
 from ..passes.load_quantized import LoadQuantized
-from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator
+from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator, with_pipeline_timestep
 from .cache_configs import resolve_cache_config as _resolve_cache_config
 from . import components
 from .calibration import calibrate
@@ -202,7 +202,9 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     configuration file's every section. ``max_graphs``: the most lowered graphs (one per resolution / batch / text
     length) each transformer's wrapper keeps, least recently called evicted (``compile_dit``'s; also settable later
     as ``pipe.transformer.max_graphs``); not with ``use_ray=True`` (the workers keep the default). See the module
-    docstring."""
+    docstring. A PyramidAttentionBroadcast / FasterCache config on a pipeline without ``current_timestep_callback``
+    or ``timestep_scale`` gets the pipeline's ``current_timestep`` as its callback (its ranges are in the
+    scheduler's units, as diffusers')."""
     pc = parallelism_config
     if pc is not None and not isinstance(pc, ParallelismConfig):
         raise TypeError(f"parallelism_config must be a ParallelismConfig, got {type(pc).__name__}")
@@ -240,6 +242,7 @@ def enable_cache(pipe_or_module: Any = None, cache_config: Optional[DBCacheConfi
     if pc is not None:
         _check_parallel_env(pc)
     targets = _targets(pipe_or_module)
+    cfg = with_pipeline_timestep(cfg, targets[0][0])  # PAB / FasterCache: ranges in the pipeline's timestep units
     extra_parallel = pc.extra_parallel_modules if pc is not None and pc.extra_parallel_modules else []
     if extra_parallel and targets[0][0] is None:
         raise ValueError("ParallelismConfig.extra_parallel_modules needs the pipeline: enable_cache(pipe, ...)")
@@ -297,11 +300,17 @@ def _ray_launcher(pc: ParallelismConfig):
     if pc.world_size() > 1 and n != pc.world_size():
         raise ValueError(f"ParallelismConfig.ray_num_workers={n} differs from the parallel sizes' product "
                          f"{pc.world_size()}")
-    if pc.ray_master_port:
-        warnings.warn(f"ParallelismConfig.ray_master_port={pc.ray_master_port} is not used: rank 0 picks a free port "
-                      "on its node for the process group (the result is the same); drop it", stacklevel=4)
+    if pc.ray_use_flashpack:
+        raise ValueError("ParallelismConfig.ray_use_flashpack=True: cache-dit's snapshot format switch; dit_passes "
+                         "sends the modules through Ray's object store or a safetensors snapshot (ray_transfer_backend="
+                         "'object_store' / 'snapshot'), not flashpack: leave it False")
+    if pc.ray_transfer_custom_obj is not True:
+        raise ValueError(f"ParallelismConfig.ray_transfer_custom_obj={pc.ray_transfer_custom_obj!r}: cache-dit's switch "
+                         f"for the custom-class map of its from_pretrained snapshots; dit_passes' transfers rebuild "
+                         f"each module by its own class (no map to turn off): leave it True")
     return RayLauncher(world_size=n, runtime_env=pc.ray_runtime_env, ray_init_kwargs=dict(pc.ray_init_kwargs or {}),
                        address=pc.ray_address, worker_options=dict(pc.ray_worker_options or {}),
+                       master_port=pc.ray_master_port or 0,
                        auto_shutdown=pc.ray_auto_shutdown)
 
 
@@ -495,7 +504,7 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
     (e.g. ``num_inference_steps=50``) the cache is rebuilt; its graphs are lowered again at the next call."""
     if cache_config is not None and cache_fields:
         raise TypeError("pass either cache_config=DBCacheConfig(...) or cache fields, not both")
-    for _, attr, module in _targets(pipe_or_module):
+    for owner, attr, module in _targets(pipe_or_module):
         state = _state_of(module)
         if state is None or state.cache_config is None:
             raise RuntimeError(f"refresh_context: {_name(attr, module)} has no residual cache from enable_cache")
@@ -505,7 +514,7 @@ def refresh_context(pipe_or_module: Any, cache_config: Optional[DBCacheConfig] =
                             f"{type(state.cache_config).__name__} fields ({sorted(names)})")
         new = state.cache_config
         if cache_config is not None:
-            new = _resolve_cache_config(cache_config, False)
+            new = with_pipeline_timestep(_resolve_cache_config(cache_config, False), owner)
         elif cache_fields:
             new = dataclasses.replace(state.cache_config, **cache_fields)
         cal = state.calibrator_config if calibrator_config is None else \

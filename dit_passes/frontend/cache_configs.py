@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from typing import Any, Optional
 
 from ..cache.config import (CalibratorConfig, DBCacheConfig, DBPruneConfig, DMDCalibratorConfig, FoCaCalibratorConfig,
                             TaylorSeerCalibratorConfig, full_tag)
 from ..cache.peer_configs import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
                                   PyramidAttentionBroadcastConfig, SeaCacheConfig, TaylorSeerCacheConfig,
-                                  TeaCacheConfig, from_peer)
+                                  TeaCacheConfig, TEXT_KV_REFUSAL, TextKVCacheConfig, from_peer)
 from ..passes import (DBCache, DBPrune, FasterCache, FirstBlockCache, MagCache, PyramidAttentionBroadcast, SeaCache,
                       TaylorSeerCache, TeaCache)
 
@@ -47,6 +48,8 @@ def resolve_cache_config(cache_config: Any, others_given: bool) -> Any:
             return None
         cache_config = DBCacheConfig()
     peer = from_peer(cache_config)
+    if isinstance(peer, TextKVCacheConfig):
+        raise ValueError(f"cache_config={type(cache_config).__name__}(): {TEXT_KV_REFUSAL}")
     if peer is not None:
         return peer
     kind = getattr(cache_config, "cache_type", "DBCache")
@@ -58,7 +61,44 @@ def resolve_cache_config(cache_config: Any, others_given: bool) -> Any:
     return cfg
 
 
+class PipelineTimestep:
+    """``current_timestep_callback`` read from a pipeline: its ``current_timestep`` (the scheduler's timestep of the
+    step running, which diffusers' pipelines set before calling the transformer). Holds the pipeline weakly (the
+    pipeline holds the config through its transformer's wrapper)."""
+
+    def __init__(self, pipe: Any):
+        self._pipe = weakref.ref(pipe)
+
+    def __call__(self) -> Any:
+        pipe = self._pipe()
+        return None if pipe is None else pipe.current_timestep
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PipelineTimestep) and other._pipe() is self._pipe()
+
+    __hash__ = None  # mutable referent: not a dict key
+
+    def __repr__(self) -> str:
+        return "pipe.current_timestep"
+
+
+def with_pipeline_timestep(cfg: Any, pipe: Any) -> Any:
+    """``cfg`` with the pipeline's timestep as ``current_timestep_callback`` where it is an attention-reuse config
+    (PAB / FasterCache: ranges in the pipeline's timestep units) that gives neither the callback nor a
+    ``timestep_scale``, and the pipeline says its timestep (diffusers' ``current_timestep`` property)."""
+    if (isinstance(cfg, (PyramidAttentionBroadcastConfig, FasterCacheConfig)) and pipe is not None
+            and cfg.current_timestep_callback is None and cfg.timestep_scale == 1.0
+            and hasattr(type(pipe), "current_timestep")):
+        return dataclasses.replace(cfg, current_timestep_callback=PipelineTimestep(pipe))
+    return cfg
+
+
 _CALIBRATORS = {c.CALIBRATOR_TYPE: c for c in (TaylorSeerCalibratorConfig, FoCaCalibratorConfig, DMDCalibratorConfig)}
+
+
+_FIELD_OF_KWARG = {"taylorseer": {"n_derivatives": "taylorseer_order"},
+                   "dmd": {"history": "dmd_history", "rank": "dmd_rank", "ridge": "dmd_ridge",
+                           "svd_precision": "dmd_svd_precision"}}
 
 
 def resolve_calibrator(calibrator: Any) -> Optional[CalibratorConfig]:
@@ -69,7 +109,16 @@ def resolve_calibrator(calibrator: Any) -> Optional[CalibratorConfig]:
     kind = getattr(calibrator, "calibrator_type", None)
     if kind not in _CALIBRATORS:
         raise ValueError(f"calibrator_config: calibrator_type={kind!r} is not one of {sorted(_CALIBRATORS)}")
-    return convert(calibrator, _CALIBRATORS[kind], "calibrator_type")
+    cls = _CALIBRATORS[kind]
+    if isinstance(calibrator, cls):
+        return copy.deepcopy(calibrator)
+    # cache-dit's base CalibratorConfig has none of the subclass's fields: its calibrator_kwargs reach the
+    # calibrator's constructor as they are, so a key a subclass's field sets becomes that field
+    kwargs = dict(getattr(calibrator, "calibrator_kwargs", None) or {})
+    from_kwargs = {f: kwargs.pop(k) for k, f in _FIELD_OF_KWARG.get(kind, {}).items()
+                   if k in kwargs and not hasattr(calibrator, f)}
+    cfg = convert(calibrator, cls, "calibrator_type")
+    return dataclasses.replace(cfg, calibrator_kwargs=kwargs, **from_kwargs) if from_kwargs else cfg
 
 
 def cache_pass(cfg: Any, calibrator: Optional[Any] = None):
@@ -96,4 +145,4 @@ def cache_tag(cfg: Any, calibrator: Optional[Any] = None, pruned_ratio: Optional
     return tag
 
 
-__all__ = ["convert", "resolve_cache_config", "resolve_calibrator", "cache_pass", "cache_tag", "CACHE_PASSES"]
+__all__ = ["convert", "resolve_cache_config", "PipelineTimestep", "with_pipeline_timestep", "resolve_calibrator", "cache_pass", "cache_tag", "CACHE_PASSES"]

@@ -181,7 +181,7 @@ class RayEngine:
         t2 = time.perf_counter()
         self.backend = "nccl" if self.use_gpus else "gloo"
         ip = infos[0]["ip"]
-        (port,) = self._gather([self._actors[0].open_rendezvous.remote(ip, self.timeout_s)],
+        (port,) = self._gather([self._actors[0].open_rendezvous.remote(ip, self.timeout_s, launcher.master_port)],
                                f"opening the rendezvous on rank 0 ({ip})")
         self._gather([a.init_process_group.remote(ip, port, self.backend, self.timeout_s)
                       for a in self._actors], f"process group init at {ip}:{port}")

@@ -56,12 +56,14 @@ class RayLauncher:
         auto_shutdown: whether ``engine.shutdown()`` also stops the Ray this launcher started (or disconnects the
             connection it opened); False leaves Ray running for later launches (the actors are stopped either way).
             A Ray initialised before the launcher is never stopped.
+        master_port: the TCP port rank 0 hosts the process group's store on (torch.distributed's rendezvous);
+            0: a port the OS picks while binding it (no race with another process taking it in between).
     """
 
     def __init__(self, world_size: int = 2, num_cpus_per_worker: float = 1, runtime_env: Optional[dict] = None,
                  placement: str = "pack", ray_init_kwargs: Optional[dict] = None, timeout_s: float = 120.0,
                  use_gpus: Optional[bool] = None, address: Optional[str] = None,
-                 worker_options: Optional[dict] = None, auto_shutdown: bool = True):
+                 worker_options: Optional[dict] = None, auto_shutdown: bool = True, master_port: int = 0):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise RayLauncherError(f"world_size must be a positive int, got {world_size!r}")
         if not isinstance(num_cpus_per_worker, (int, float)) or num_cpus_per_worker <= 0:
@@ -77,6 +79,9 @@ class RayLauncher:
             raise RayLauncherError(f"address must be a Ray cluster address string, got {address!r}")
         if not isinstance(auto_shutdown, bool):
             raise RayLauncherError(f"auto_shutdown must be a bool, got {auto_shutdown!r}")
+        if isinstance(master_port, bool) or not isinstance(master_port, int) or not 0 <= master_port < 65536:
+            raise RayLauncherError(f"master_port must be an int in 0 .. 65535 (0: one the OS picks), got "
+                                   f"{master_port!r}")
         if not timeout_s or timeout_s <= 0:
             raise RayLauncherError(f"timeout_s must be positive seconds, got {timeout_s!r}")
         self.world_size = world_size
@@ -89,6 +94,7 @@ class RayLauncher:
         self.address = address
         self.worker_options = dict(worker_options or {})
         self.auto_shutdown = auto_shutdown
+        self.master_port = master_port
 
     def launch(self, pipe_or_factory: Any, passes: Union[Sequence[Any], Callable[[int, int], list]] = (), *,
                transfer: Optional[str] = None, compile: Union[bool, dict] = False, level: str = "pipeline",

@@ -95,11 +95,11 @@ class RankWorker:
         return {"ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "gpu_ids": ray.get_gpu_ids(),
                 "torch_threads": torch.get_num_threads()}
 
-    def open_rendezvous(self, ip: str, timeout_s: float) -> int:
-        """Rank 0: host the process group's store on a port the OS picks while binding it (a port found free
-        and bound later can be taken in between: EADDRINUSE on a busy machine). Returns the port."""
+    def open_rendezvous(self, ip: str, timeout_s: float, port: int = 0) -> int:
+        """Rank 0: host the process group's store on ``port``, or (0) on a port the OS picks while binding it (a
+        port found free and bound later can be taken in between: EADDRINUSE on a busy machine). Returns the port."""
         import torch.distributed as dist
-        self._store = dist.TCPStore(ip, 0, self.world_size, is_master=True, wait_for_workers=False,
+        self._store = dist.TCPStore(ip, port, self.world_size, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         return int(self._store.port)
 

@@ -26,6 +26,7 @@ After::
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import warnings
@@ -128,7 +129,8 @@ class AttentionReusePass(PeerCachePass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         from ..cache.attention_reuse import (AttentionReuseDecide, AttentionReuseStore, FasterSiteUpdate,
                                              FrequencyGuidance, SiteKind, build_attention_program)
-        cfg, name, g = self.config, self.name, gm.graph
+        name, g = self.name, gm.graph
+        cfg = self._pipeline_units(ctx)
         by_kind = classify(gm, cfg, self.kinds, name, self.prefilter)
         if not by_kind:
             raise PassError(f"{name}: no attention module matches the config's identifiers / kinds "
@@ -138,7 +140,6 @@ class AttentionReusePass(PeerCachePass):
         if timestep is None:
             raise PassError(f"{name}: the graph has no 'timestep' input; the rule compares the timestep with its "
                             f"ranges")
-        self._check_timestep_scale(ctx)
         sites = module_sites(gm, [p for v in by_kind.values() for p in v], name, "")
         kind_of = {p: i for i, v in enumerate(by_kind.values()) for p in v}
         plans = [(path, nodes, *site_io(nodes, name, path)) for path, nodes in sites.items()]
@@ -211,8 +212,33 @@ class AttentionReusePass(PeerCachePass):
         finish_state_io(gm, ctx, name, lambda: AttentionReuseStore(cfg), program, device, state_out, use_cache, diff)
         counts = {"sites": len(plans), "cond": len(plans), "state_tensors": len(state_in),
                   **{f"sites_{k.name}": k.sites for k in kinds}, "cfg_guidance": int(cfg_half)}
+        units = (f"; timestep_scale {cfg.timestep_scale:.6g} from current_timestep_callback"
+                 if self.config.current_timestep_callback is not None else "")
         return PassResult(True, counts, f"{len(plans)} attention modules ({plans[0][0]} ...) behind torch.cond; "
-                                        f"tag {cfg.strify()}")
+                                        f"tag {cfg.strify()}{units}")
+
+    def _pipeline_units(self, ctx: PassContext) -> Any:
+        """The config the graph compares with: with ``current_timestep_callback``, ``timestep_scale`` = its value
+        (the pipeline's timestep) over the first call's timestep input, read once here, so the decision stays a
+        graph computation on the transformer's own timestep input (a pipeline passes its timestep times a
+        constant: Flux's t / 1000). Without one, the warning of :meth:`_check_timestep_scale`."""
+        callback = self.config.current_timestep_callback
+        if callback is None:
+            self._check_timestep_scale(ctx)
+            return self.config
+        t = ctx.example_inputs.get("timestep")
+        value = callback()
+        if value is None or not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_meta:
+            raise PassError(f"{self.name}: current_timestep_callback returned {value!r} with the transformer's "
+                            f"timestep input {type(t).__name__} at the first call; call the transformer inside the "
+                            f"pipeline's call (pipe.current_timestep is set there), or give timestep_scale= (the "
+                            f"pipeline's timestep over the transformer's timestep input) instead of the callback")
+        first = float(t.detach().reshape(-1)[0])
+        value = float(value.detach().reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
+        if first == 0.0 or value == 0.0:
+            raise PassError(f"{self.name}: current_timestep_callback gave {value:.6g} for the transformer's timestep "
+                            f"{first:.6g}: no scale between them; give timestep_scale= instead of the callback")
+        return dataclasses.replace(self.config, current_timestep_callback=None, timestep_scale=value / first)
 
     def _check_timestep_scale(self, ctx: PassContext) -> None:
         """Warn (once per lowering: one host read of the example input) when the first call's timestep is <= 1 while
@@ -225,7 +251,8 @@ class AttentionReusePass(PeerCachePass):
         if 0.0 < first <= 1.0:
             warnings.warn(f"{self.name}: the transformer's timestep is {first:.3g} (<= 1) while the timestep ranges "
                           f"are in the pipeline's units (0 .. 1000); if the pipeline passes t / 1000 (FluxPipeline, "
-                          f"QwenImagePipeline) pass timestep_scale=1000", stacklevel=2)
+                          f"QwenImagePipeline) pass timestep_scale=1000 or current_timestep_callback=lambda: "
+                          f"pipe.current_timestep", stacklevel=2)
 
     def _check_cfg_batch(self, out0: fx.Node, plans) -> Tuple[int, ...]:
         """FasterCache's CFG part needs a batched CFG call: an even batch on the output and on every site's outputs,
