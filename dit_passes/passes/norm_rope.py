@@ -131,7 +131,7 @@ def rms_norm_rope(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]],
     multiple of it): the output is ``[..., heads, rope_dim]`` and each head is rotated."""
     kernel = _kernel() if xs[0].is_cuda else None
     if rope_dim:
-        if kernel is None or len(xs) != 1 or not kernel.is_supported_grouped(xs[0], rope_dim):
+        if kernel is None or len(xs) != 1 or not kernel.is_supported_grouped(xs[0], rope_dim, half_split):
             return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim, decomposed, half_split, rope_dim)
         out = xs[0].new_empty(_cat_shape(xs, cat_dim, rope_dim))
         return kernel.rms_norm_rope_grouped_into(xs[0], weights[0], eps[0], cos.expand(out.shape),
