@@ -337,8 +337,8 @@ def test_triton_kernel_matches_the_reference(dtype, d, weight, decomposed, half)
 
 def test_kernel_refuses_what_it_cannot_take():
     from dit_passes.kernels import norm_rope_triton as k
-    from dit_passes.passes.norm_rope import MAX_D
-    assert k.MAX_D == MAX_D  # the pass leaves rows the kernel would not take
+    from dit_passes.passes.norm_rope import MAX_D, MAX_GROUPED
+    assert k.MAX_D == MAX_D and k.MAX_GROUPED == MAX_GROUPED  # the pass leaves rows the kernel would not take
     x = torch.randn(2, 3, 4, 7)
     with pytest.raises(ValueError, match="even last dim"):
         k.rms_norm_rope_into(x, None, 1e-6, x, x, torch.empty_like(x))
@@ -357,3 +357,91 @@ def test_cuda_op_matches_the_reference(dtype, decomposed, half):
     _no_less_accurate(out, ref, exact, dtype)
     compiled = torch.compile(lambda *a: NORM_ROPE(*a), fullgraph=True)
     assert torch.equal(compiled(xs, ws, eps, cos, sin, dim, decomposed, half), out)
+
+
+# ------------------------------------------------------------------- the other rotary forms (passes.rope_forms)
+@pytest.mark.parametrize("family,form,dtype", [("qwenimage", "form_complex", torch.float32),
+                                               ("qwenimage", "form_complex", torch.bfloat16),
+                                               ("wan", "form_scatter", torch.float32)])
+def test_complex_and_scatter_forms_fused(family, form, dtype):
+    """Qwen-Image ropes q / k as complex products (``view_as_complex(y) * freqs``), Wan writes its pairs back
+    through strided slices of an ``empty_like`` after a norm over all heads: every self-attention's q and k fused
+    (Qwen: text and image parts of each, 4 per block; Wan: 2 per block, ``rope_dim`` the head size), the output
+    the eager model's."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, dtype)
+    plain = compile_dit(model, passes=[], example_inputs=kw)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        ref, out = model(**kw), c(**kw)
+    ref, out = ref[0] if isinstance(ref, tuple) else ref.sample, out[0] if isinstance(out, tuple) else out.sample
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    blocks = len(getattr(model, "transformer_blocks", getattr(model, "blocks", ())))
+    per_block = 4 if family == "qwenimage" else 2
+    counts = _counts(c._current().manager.records)
+    assert counts == {"fused": per_block * blocks, "parts": per_block * blocks, form: per_block * blocks}
+    ops = _nodes(c.graph, NORM_ROPE)
+    assert len(ops) == counts["fused"]
+    if family == "wan":  # the norm spans all heads: the op's rope_dim is the head size
+        assert all(n.args[-1] == model.config.attention_head_dim for n in ops)
+        assert len(_nodes(plain.graph, aten.slice_scatter.default)) == 2 * len(ops)
+        assert not _nodes(c.graph, aten.slice_scatter.default)
+    else:
+        assert not _nodes(c.graph, aten.view_as_complex.default)
+
+
+class _OtherRopes(nn.Module):
+    """The complex and the scatter rotations after an RMSNorm (taken), over all heads (taken, rope_dim), and the
+    forms the pass must leave: complex128 freqs (fp64 math), a scatter whose odd slot reads another cos."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+        self.w_all = nn.Parameter(torch.randn(24))
+
+    @staticmethod
+    def complex_rope(y, freqs):
+        z = torch.view_as_complex(y.float().reshape(*y.shape[:-1], -1, 2))
+        return torch.view_as_real(z * freqs).flatten(3).type_as(y)
+
+    @staticmethod
+    def scatter_rope(y, c, s, c_odd=None):
+        x1, x2 = y.unflatten(-1, (-1, 2)).unbind(-1)
+        out = torch.empty_like(y)
+        out[..., 0::2] = x1 * c - x2 * s
+        out[..., 1::2] = x1 * s + x2 * (c if c_odd is None else c_odd)
+        return out.type_as(y)
+
+    def forward(self, q, cos, sin):
+        freqs = torch.polar(torch.ones_like(cos[..., 0::2]), cos[..., 0::2])      # [1, S, 1, D/2] complex64
+        c, s = cos[..., 0::2], sin[..., 1::2]
+        n = lambda: torch.rms_norm(q, [8], self.w, 1e-6)                          # noqa: E731
+        a = self.complex_rope(n(), freqs)                                          # taken
+        b = self.scatter_rope(n(), c, s)                                           # taken
+        wide = torch.rms_norm(q.flatten(2), [24], self.w_all, 1e-6).unflatten(-1, (3, 8))
+        d = self.scatter_rope(wide, c, s)                                          # taken: rope_dim 8
+        e = self.complex_rope(n(), freqs.to(torch.complex128))                     # fp64 math: left
+        f = self.scatter_rope(n(), c, s, c_odd=c * 2)                              # not a rotation: not a rope
+        return a.sum() + b.sum() + d.sum() + e.sum() + f.sum()
+
+
+def test_other_forms_taken_and_left():
+    assert _through_backend(_OtherRopes()) == {"fused": 3, "parts": 3, "form_complex": 1, "form_scatter": 2,
+                                               "skipped_compute_dtype": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight", [True, False])
+def test_grouped_kernel_matches_the_reference(dtype, weight):
+    """The grouped kernel (a norm over all heads of a token, the rope of each head: Wan) under the interpreter
+    against the op's reference: bf16 bit for bit, fp32 within the reduction order's rounding."""
+    from dit_passes.kernels import norm_rope_triton as K
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3 * 12, generator=g).to(dtype)
+    w = torch.randn(36, generator=g).to(dtype) if weight else None
+    cos, sin = torch.randn(1, 5, 1, 12, generator=g), torch.randn(1, 5, 1, 12, generator=g)
+    ref = rms_norm_rope_reference([x], [w], [1e-6], cos, sin, 1, rope_dim=12)
+    out = K.rms_norm_rope_grouped_into(x, w, 1e-6, cos, sin, x.new_empty(2, 5, 3, 12))
+    assert out.dtype == ref.dtype and torch.allclose(out.float(), ref.float(), rtol=1e-5, atol=1e-5)
+    assert not K.is_supported_grouped(x, 12, half_split=True) and not K.is_supported_grouped(x, 10)

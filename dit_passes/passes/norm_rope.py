@@ -204,6 +204,8 @@ class FuseNormRope(Pass):
         report = (f"{fused} rotary embeddings with their {parts} RMSNorms as one op each ({shown})" if fused
                   else "no RMSNorm followed by a rotary embedding of a form it knows") + left_text
         # the forms rope_forms recognises, counted apart (the real ones are the ``fused`` rest)
+        if not fused:  # said, not only recorded: a pass asked for that found nothing is worth knowing
+            warnings.warn(f"{self.name} rewrote nothing: {report}", stacklevel=2)
         counts = {"fused": fused, "parts": parts,
                   **{f"form_{k}": v for k, v in sorted(forms.items()) if k not in ("pairs", "half")}, **left}
         return PassResult(fused > 0, counts, report)
