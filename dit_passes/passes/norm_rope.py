@@ -171,6 +171,7 @@ class FuseNormRope(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         g = gm.graph
         fused, parts, skipped, forms, gone = 0, 0, {}, {}, set()
+        _inline_rope_regions(gm)
         for n in list(g.nodes):
             if n in gone:  # erased by an earlier match
                 continue
@@ -209,6 +210,51 @@ class FuseNormRope(Pass):
         counts = {"fused": fused, "parts": parts,
                   **{f"form_{k}": v for k, v in sorted(forms.items()) if k not in ("pairs", "half")}, **left}
         return PassResult(fused > 0, counts, report)
+
+
+# what autocast leaves as it is (it changes only the matmul / convolution / reduction-type ops of its lists)
+_AUTOCAST_NEUTRAL = {aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten._assert_tensor_metadata.default,
+                     aten.view_as_complex.default, aten.view_as_real.default, aten.mul.Tensor, aten.add.Tensor,
+                     aten.sub.Tensor, aten.neg.default, aten.unsqueeze.default, aten.flatten.using_ints,
+                     aten.unbind.int, aten.stack.default, aten.cat.default, aten.slice.Tensor, operator.getitem,
+                     *_VIEWS}
+
+
+def _inline_rope_regions(gm: fx.GraphModule) -> int:
+    """Inline each autocast-disabled region (``wrap_with_autocast(.., enabled=False, body, *args)[0]``) whose body
+    is a rotary embedding of a form this pass knows and only autocast-neutral ops (Z-Image ropes under
+    ``autocast(enabled=False)``): its ops compute the same under any autocast state, so they can stand in the
+    graph itself, where the norm before them is. Returns how many were inlined; other regions stay."""
+    g, inlined = gm.graph, 0
+    for hop in list(g.nodes):
+        if not (_call(hop, torch.ops.higher_order.wrap_with_autocast) and len(hop.args) > 5 and hop.args[2] is False
+                and hop.args[4].op == "get_attr" and len(hop.users) == 1):
+            continue
+        (get,) = hop.users
+        body = getattr(gm, hop.args[4].target, None)
+        if not (_call(get, operator.getitem) and get.args[1] == 0 and isinstance(body, fx.GraphModule)):
+            continue
+        nodes = list(body.graph.nodes)
+        holders, out = [n for n in nodes if n.op == "placeholder"], nodes[-1]
+        inner = [n for n in nodes if n.op == "call_function"]
+        outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+        if len(holders) != len(hop.args) - 5 or len(outs) != 1 or len(inner) != len(nodes) - len(holders) - 1 \
+                or any(n.target not in _AUTOCAST_NEUTRAL for n in inner):
+            continue
+        end = _uncast(outs[0])[0]
+        if not isinstance(end, fx.Node) or (complex_rotation(end) or scatter_rotation(end)
+                                            or _real_rotation(end)) is None:
+            continue
+        env = dict(zip(holders, hop.args[5:]))
+        with g.inserting_before(hop):
+            for n in inner:  # the body's metadata asserts are not copied (Cleanup drops the graph's own)
+                if n.target is not aten._assert_tensor_metadata.default:
+                    env[n] = g.node_copy(n, lambda a: env[a])
+        get.replace_all_uses_with(env[outs[0]])
+        g.erase_node(get)
+        g.erase_node(hop)
+        inlined += 1
+    return inlined
 
 
 def _tables(g: fx.Graph, form: str, cos: fx.Node, sin: Optional[fx.Node]) -> Tuple[fx.Node, fx.Node]:

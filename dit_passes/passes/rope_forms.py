@@ -119,7 +119,10 @@ def complex_rotation(end) -> Optional[Rotation]:
             stop = end.args[2] if len(end.args) > 2 else -1
             if start % (rank + 1) != rank - 1 or stop % (rank + 1) != rank:
                 continue
-        if cast is not None and len(y32.users) != 1:
+        # the upcast read by the rotation, or by the cast back that names it for its dtype (``type_as(out,
+        # x.float())``: Z-Image in fp32, where ``float()`` is x itself)
+        if cast is not None and any(u is not view and not (call_to(u, aten.type_as.default) and u.args[1] is y32)
+                                    for u in y32.users):
             continue
         nodes = {end, vr, prod, z, view} | ({y32} if cast is not None else set())
         fp32 = dtype_of(prod) == torch.complex64 and dtype_of(y32) == torch.float32
