@@ -362,12 +362,13 @@ def test_cuda_op_matches_the_reference(dtype, decomposed, half):
 # ------------------------------------------------------------------- the other rotary forms (passes.rope_forms)
 @pytest.mark.parametrize("family,form,dtype", [("qwenimage", "form_complex", torch.float32),
                                                ("qwenimage", "form_complex", torch.bfloat16),
-                                               ("wan", "form_scatter", torch.float32)])
+                                               ("wan", "form_scatter", torch.float32),
+                                               ("zimage", "form_complex", torch.float32)])
 def test_complex_and_scatter_forms_fused(family, form, dtype):
-    """Qwen-Image ropes q / k as complex products (``view_as_complex(y) * freqs``), Wan writes its pairs back
-    through strided slices of an ``empty_like`` after a norm over all heads: every self-attention's q and k fused
-    (Qwen: text and image parts of each, 4 per block; Wan: 2 per block, ``rope_dim`` the head size), the output
-    the eager model's."""
+    """Qwen-Image ropes q / k as complex products (``view_as_complex(y) * freqs``), Z-Image too inside an
+    autocast-disabled region, Wan writes its pairs back through strided slices of an ``empty_like`` after a norm
+    over all heads: every self-attention's q and k fused (Qwen: text and image parts of each, 4 per block; Wan,
+    Z-Image: 2 per block; Wan's ``rope_dim`` the head size), the output the eager model's."""
     zm = build(family, redraw_zeros=True)
     model, kw = _to(zm, dtype)
     plain = compile_dit(model, passes=[], example_inputs=kw)
@@ -375,8 +376,11 @@ def test_complex_and_scatter_forms_fused(family, form, dtype):
     with torch.no_grad():
         ref, out = model(**kw), c(**kw)
     ref, out = ref[0] if isinstance(ref, tuple) else ref.sample, out[0] if isinstance(out, tuple) else out.sample
+    ref, out = (ref[0], out[0]) if isinstance(ref, list) else (ref, out)  # Z-Image: a list of samples
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     blocks = len(getattr(model, "transformer_blocks", getattr(model, "blocks", ())))
+    if family == "zimage":  # its ropes run under autocast(enabled=False): inlined; refiners and main layers
+        blocks = len(model.layers) + len(model.noise_refiner) + len(model.context_refiner)
     per_block = 4 if family == "qwenimage" else 2
     counts = _counts(c._current().manager.records)
     assert counts == {"fused": per_block * blocks, "parts": per_block * blocks, form: per_block * blocks}
@@ -391,8 +395,9 @@ def test_complex_and_scatter_forms_fused(family, form, dtype):
 
 
 class _OtherRopes(nn.Module):
-    """The complex and the scatter rotations after an RMSNorm (taken), over all heads (taken, rope_dim), and the
-    forms the pass must leave: complex128 freqs (fp64 math), a scatter whose odd slot reads another cos."""
+    """The complex and the scatter rotations after an RMSNorm (taken), over all heads (taken, rope_dim), in an
+    autocast-disabled region (taken), and the forms the pass must leave: complex128 freqs (fp64 math), a scatter
+    whose odd slot reads another cos."""
 
     def __init__(self):
         super().__init__()
@@ -422,7 +427,9 @@ class _OtherRopes(nn.Module):
         d = self.scatter_rope(wide, c, s)                                          # taken: rope_dim 8
         e = self.complex_rope(n(), freqs.to(torch.complex128))                     # fp64 math: left
         f = self.scatter_rope(n(), c, s, c_odd=c * 2)                              # not a rotation: not a rope
-        return a, b, d, e, f
+        with torch.autocast("cuda", enabled=False):  # a region of its own in the graph (Z-Image): inlined, taken
+            h = self.complex_rope(n(), freqs)
+        return a, b, d, e, f, h
 
 
 def test_other_forms_taken_and_left():
@@ -441,8 +448,9 @@ def test_other_forms_taken_and_left():
     with torch.no_grad():
         for out, ref in zip(gm(q, cos, sin), m(q, cos, sin)):
             assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
-    assert len(_nodes(gm.graph, NORM_ROPE)) == 3
-    assert _counts(manager.records) == {"fused": 3, "parts": 3, "form_complex": 1, "form_scatter": 2,
+    assert len(_nodes(gm.graph, NORM_ROPE)) == 4
+    assert not _nodes(gm.graph, torch.ops.higher_order.wrap_with_autocast)
+    assert _counts(manager.records) == {"fused": 4, "parts": 4, "form_complex": 2, "form_scatter": 2,
                                                "skipped_compute_dtype": 1}
 
 
