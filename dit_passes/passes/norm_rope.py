@@ -1,4 +1,4 @@
-"""FuseNormRope: the q / k RMSNorm and the interleaved rotary embedding after it become one op.
+"""FuseNormRope: the q / k RMSNorm and the rotary embedding after it become one op.
 
 Why: Inductor writes ``rope(rms_norm(q))`` as a reduction kernel per head row whose second loop swaps the pairs of
 ``stack([-x1, x0], -1)``; on FLUX.1-dev's single blocks that kernel ran at ~1.2 TB/s on an H100 (3.5 ms of a
@@ -23,10 +23,18 @@ which the graph has as ATen ops (``x * rsqrt(mean(x.float() ** 2) + eps)``, the 
 ``decomposed=True`` and its reference repeats those ops (all parts of one op of one form). The rotation may also be
 the half-split one, ``rot = cat([-x2, x1], -1)`` with x1, x2 the halves of y's last dim (``unbind(reshape(y, [...,
 2, D/2]), -2)``, ``chunk(y, 2, -1)`` or ``y[..., :D/2]`` / ``y[..., D/2:]``: ``_rotated_halves``; ACE-Step, Cosmos):
-the op gets ``half_split=True`` (its kernel pairs j with j + D/2). A rope of one of these forms the pass leaves is
-counted with its reason (below); other rotary forms (complex ``view_as_complex``, ``x[..., 0::2]`` slices written
-back by ``slice_scatter``, a 2 x 2 rotation matrix) are not recognised and not counted. Nothing outside the match
-changes; no weight moves.
+the op gets ``half_split=True`` (its kernel pairs j with j + D/2). Two more rotary forms are the op's rotation with
+per-pair tables (:mod:`~dit_passes.passes.rope_forms` gives each form and its proof): the complex product
+``view_as_real(view_as_complex(y) * freqs)`` (Qwen-Image, Z-Image) and the pairs written back through strided
+slices, ``out[..., 0::2] = x1 * c - x2 * s; out[..., 1::2] = x1 * s + x2 * c`` (Wan); the pass widens their tables
+(``repeat_interleave``) for the op and counts them as ``form_complex`` / ``form_scatter``. A norm over all heads of a
+token viewed as ``[..., H, D]`` before the rope (Wan's ``rms_norm_across_heads``) gives the op ``rope_dim=D``
+(its grouped kernel). A rope inside an autocast-disabled region (``wrap_with_autocast(.., False, body, ..)``:
+Z-Image) whose ops are all ones autocast leaves alone is inlined first (the same values under any autocast state).
+A rope of one of these forms the pass leaves is counted with its reason (below); other forms (a 2 x 2 rotation
+matrix, the scatter's in-place ``copy_`` of a graph not functionalised) are not recognised and not counted.
+Nothing outside the match changes (but an inlined region's ops); no weight moves. A run that fuses nothing warns,
+naming what it looked for and what it left.
 
 Before (a FLUX single-stream block, bf16)::
 
@@ -44,12 +52,15 @@ After::
     rms_norm_rope = dit_passes.rms_norm_rope.default([unflatten_15], [attn_norm_q_weight], [1e-06],
                                                      unsqueeze_58, unsqueeze_60, 1)
 
-``counts``: ``fused`` (rotary embeddings rewritten), ``parts`` (norms folded into them) and ``skipped_<reason>``
+``counts``: ``fused`` (rotary embeddings rewritten), ``parts`` (norms folded into them), ``form_complex`` /
+``form_scatter`` (of ``fused``, those of the other forms) and ``skipped_<reason>``
 (``no_norm``: the rope's input is not a norm or a concatenation of norms (a LayerNorm, a slice of a norm: the rope
 of the image part of a single-stream block's tokens, or no norm at all); ``shared_norm``: a norm's output is
-read outside the match; ``compute_dtype``: the rope does not compute in fp32; ``dtype``: the output's dtype is not
-the input's; ``shape``: cos / sin do not broadcast to the input, an odd head size, or rows wider than the kernel
-takes, ``MAX_D``: LTX-Video's norm and rope span all heads, 2048 wide, where the op would run its reference).
+read outside the match; ``compute_dtype``: the rope does not compute in fp32 (rope tables cast to bf16 with the
+model: Wan after ``.to(bfloat16)``, where ``from_pretrained`` keeps its rope in fp32; complex128 freqs); ``dtype``:
+the output's dtype is not the input's; ``shape``: cos / sin do not broadcast to the input, an odd head size, or rows
+wider than the kernel takes, ``MAX_D``: LTX-Video's norm and rope span all heads, 2048 wide, where the op would run
+its reference; a norm over all heads wider than ``MAX_GROUPED`` or of rank above 3).
 """
 from __future__ import annotations
 
