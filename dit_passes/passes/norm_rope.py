@@ -239,7 +239,7 @@ def _inline_rope_regions(gm: fx.GraphModule) -> int:
     g, inlined = gm.graph, 0
     for hop in list(g.nodes):
         if not (_call(hop, torch.ops.higher_order.wrap_with_autocast) and len(hop.args) > 5 and hop.args[2] is False
-                and hop.args[4].op == "get_attr" and len(hop.users) == 1):
+                and isinstance(hop.args[4], fx.Node) and hop.args[4].op == "get_attr" and len(hop.users) == 1):
             continue
         (get,) = hop.users
         body = getattr(gm, hop.args[4].target, None)

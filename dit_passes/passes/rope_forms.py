@@ -6,7 +6,7 @@ The op (``dit_passes::rms_norm_rope``) rotates each interleaved pair ``(a, b) = 
     out[2j]   = a * cos[2j]   + (-b) * sin[2j]
     out[2j+1] = b * cos[2j+1] +   a  * sin[2j+1]          (in fp32, rounded once to y's dtype)
 
-**complex** (Qwen-Image, Z-Image, Lumina: diffusers' ``use_real=False``)::
+**complex** (Qwen-Image, Z-Image: diffusers' ``use_real=False``)::
 
     z   = view_as_complex(reshape(y or to(y, f32), [..., D/2, 2]))
     out = flatten(view_as_real(z * freqs), -2)            (then a cast back to y's dtype; a view / reshape for flatten)
