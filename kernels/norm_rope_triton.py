@@ -33,6 +33,7 @@ from .w4a4_autotune import interpreting
 ROWS = 8
 WARPS = 2
 MAX_D = 1024         # widest head a program holds in registers
+MAX_GROUPED = 16384  # widest norm over all heads (Wan's 5120): looped over its heads, the row read twice
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -78,6 +79,43 @@ def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, d1, d2, D, e
         if HAS_W:
             y = y * tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
         y = _rounded(y, out_ptr, SOFT_BF16).to(tl.float32)  # the norm's output is a tensor of x's dtype in the graph
+        cos = tl.load(cos_ptr + crow + c * sc3, mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + srow + c * ss3, mask=mask, other=0.0)
+        ye, yo = tl.split(tl.reshape(y, [BLOCK_R, HALF_D, 2]))
+        ce, co = tl.split(tl.reshape(cos.to(tl.float32), [BLOCK_R, HALF_D, 2]))
+        se, so = tl.split(tl.reshape(sin.to(tl.float32), [BLOCK_R, HALF_D, 2]))
+        out = tl.reshape(tl.join(ye * ce - yo * se, yo * co + ye * so), [BLOCK_R, 2 * HALF_D])
+        tl.store(out_ptr + orow + c, _rounded(out, out_ptr, SOFT_BF16), mask=mask)
+
+
+@triton.jit
+def _rms_norm_rope_grouped(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, d1, D, eps,
+                           sx0, sx1, so0, so1, so2, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
+                           H: tl.constexpr, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, HALF_D: tl.constexpr,
+                           SOFT_BF16: tl.constexpr):
+    # a norm over the H * D values of a token (x: [B, S, H * D]), then the interleaved rope of each of its H
+    # heads (out, cos, sin: [B, S, H, D]): a first loop over the heads sums the squares, a second normalises,
+    # rounds the norm's output to x's dtype and rotates each head (its second read mostly from L2)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    i0, i1 = rows // d1, rows % d1
+    xrow = (i0 * sx0 + i1 * sx1)[:, None]
+    cols = tl.arange(0, 2 * HALF_D)
+    valid = cols < D
+    mask = (rows < n_rows)[:, None] & valid[None, :]
+    c = cols[None, :].to(tl.int64)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for h in range(0, H):
+        xf = tl.load(x_ptr + xrow + h * D + c, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(xf * xf, axis=1)
+    rstd = tl.math.rsqrt(acc / (H * D) + eps)
+    for h in range(0, H):
+        xf = tl.load(x_ptr + xrow + h * D + c, mask=mask, other=0.0).to(tl.float32)
+        y = xf * rstd[:, None]
+        if HAS_W:
+            y = y * tl.load(w_ptr + h * D + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
+        y = _rounded(y, out_ptr, SOFT_BF16).to(tl.float32)
+        orow = (i0 * so0 + i1 * so1 + h * so2)[:, None]
+        crow, srow = (i0 * sc0 + i1 * sc1 + h * sc2)[:, None], (i0 * ss0 + i1 * ss1 + h * ss2)[:, None]
         cos = tl.load(cos_ptr + crow + c * sc3, mask=mask, other=0.0)
         sin = tl.load(sin_ptr + srow + c * ss3, mask=mask, other=0.0)
         ye, yo = tl.split(tl.reshape(y, [BLOCK_R, HALF_D, 2]))
@@ -138,4 +176,45 @@ def rms_norm_rope_into(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, s
     return out
 
 
-__all__ = ["rms_norm_rope_into", "is_supported", "ROWS", "WARPS", "MAX_D"]
+def is_supported_grouped(x: torch.Tensor, rope_dim: int, half_split: bool = False) -> bool:
+    """Whether :func:`rms_norm_rope_grouped_into` takes ``x``: a float tensor of rank 2 or 3 whose last dim, at
+    most MAX_GROUPED, holds heads of an even ``rope_dim`` <= MAX_D, the interleaved rope, on a GPU (or any device
+    under the interpreter)."""
+    ok = x.dtype in _DTYPES and 2 <= x.dim() <= 3 and 0 < x.shape[-1] <= MAX_GROUPED and not half_split
+    ok = ok and 0 < rope_dim <= MAX_D and rope_dim % 2 == 0 and x.shape[-1] % rope_dim == 0
+    return ok and (x.device.type == "cuda" or interpreting())
+
+
+def rms_norm_rope_grouped_into(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                               out: torch.Tensor, half_split: bool = False, rows: int = ROWS,
+                               num_warps: int = WARPS) -> torch.Tensor:
+    """RMSNorm of each token's whole row of ``x`` ([..., H * D]) and the interleaved rope of its heads, into
+    ``out`` ([..., H, D]; ``cos`` / ``sin`` broadcast to it). Returns ``out``."""
+    d = out.shape[-1]
+    if not is_supported_grouped(x, d, half_split) or tuple(out.shape) != tuple(x.shape[:-1]) + (x.shape[-1] // d, d) \
+            or out.stride(-1) != 1:
+        raise ValueError(f"rms_norm_rope (grouped): x must be a float tensor of rank 2 or 3, its last dim at most "
+                         f"{MAX_GROUPED} a multiple of an even head size <= {MAX_D}, interleaved pairs, on a GPU, and "
+                         f"out [..., heads, head size] with a unit last stride; got x {x.dtype} {tuple(x.shape)} on "
+                         f"{x.device}, out {tuple(out.shape)}, half_split={half_split}. Use the op's reference.")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    x3, o4 = x, out
+    while x3.dim() < 3:
+        x3, o4 = x3.unsqueeze(0), o4.unsqueeze(0)
+    c4, s4 = cos.expand(out.shape), sin.expand(out.shape)
+    while c4.dim() < 4:
+        c4, s4 = c4.unsqueeze(0), s4.unsqueeze(0)
+    n_rows = x3.shape[0] * x3.shape[1]
+    if n_rows == 0:
+        return out
+    w = weight if weight is not None else x
+    _rms_norm_rope_grouped[(triton.cdiv(n_rows, rows),)](
+        x3, w, c4, s4, o4, n_rows, x3.shape[1], d, float(eps),
+        *x3.stride()[:2], *o4.stride()[:3], *c4.stride(), *s4.stride(),
+        H=o4.shape[2], HAS_W=weight is not None, BLOCK_R=rows, HALF_D=triton.next_power_of_2(d) // 2,
+        SOFT_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=num_warps)
+    return out
+
+
+__all__ = ["rms_norm_rope_into", "rms_norm_rope_grouped_into", "is_supported", "is_supported_grouped", "ROWS",
+           "WARPS", "MAX_D", "MAX_GROUPED"]

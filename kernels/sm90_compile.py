@@ -68,6 +68,10 @@ KERNELS = [
     ("norm_rope_triton", "_rms_norm_rope",
      dict(x_ptr="*bf16", w_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*bf16", eps="fp32"),
      dict(HAS_W=True, BLOCK_R=8, HALF_D=64, SOFT_BF16=False, HALF_SPLIT=True), 2),
+    # the norm over all heads of Wan 2.1 14B (40 heads of 128)
+    ("norm_rope_triton", "_rms_norm_rope_grouped",
+     dict(x_ptr="*bf16", w_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*bf16", eps="fp32"),
+     dict(H=40, HAS_W=True, BLOCK_R=8, HALF_D=64, SOFT_BF16=False), 2),
 ]
 
 

@@ -272,3 +272,20 @@ def test_with_tensor_parallel_on_two_ranks():
     for r in run_ranks(_tp_epilogues, 2, timeout=300):
         assert r["err"] <= TOL, r
         assert r["split"] >= r["singles"] and r["fused"] > 0, r
+
+
+def test_epilogue_passes_say_when_they_rewrote_nothing():
+    """A module without a tanh-GELU linear or a linear over a concatenation: both passes warn, naming what they
+    looked for."""
+    import warnings as _w
+
+    import dit_passes
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    be = dit_passes.backend(passes=[passes.SplitConcatLinear(), passes.FuseLinearGelu()], compiler="eager")
+    with _w.catch_warnings(record=True) as caught:
+        _w.simplefilter("always")
+        torch.compile(m, backend=be, fullgraph=True)(torch.randn(2, 4))
+    said = [str(w.message) for w in caught]
+    assert any("split_concat_linear rewrote nothing: no linear over a concatenation" in s for s in said), said
+    assert any("fuse_linear_gelu rewrote nothing: no linear followed by tanh-GELU" in s for s in said), said

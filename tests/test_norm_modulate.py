@@ -216,3 +216,23 @@ def test_cuda_op_matches_the_reference(dtype, residual):
     compiled = torch.compile(lambda *t: op(*t), fullgraph=True)
     got, want = compiled(*args), op(*args)
     assert all(torch.equal(x, v) for x, v in zip(got if residual else [got], want if residual else [want]))
+
+
+def test_wan_fp32_cast_read_elsewhere_stays():
+    """Wan casts its residual stream with ``type_as`` before the norm (a no-op in fp32) and reads that cast again
+    as the next residual: the cast stays and the op reads it, so every modulated norm of Wan is fused (norm1 and
+    norm3 of each block, norm_out), the output equal to eager's."""
+    zm = build("wan", redraw_zeros=True)
+    model, kw = zm.model, zm.make_inputs(batch=1, seed=1)
+    c = compile_dit(model, passes=[passes.FuseNormModulate()], example_inputs=kw)
+    with torch.no_grad():
+        assert torch.equal(c(**kw)[0], model(**kw)[0])
+    counts = _counts(c._current().manager.records)
+    assert counts["fused"] == 2 * len(model.blocks) + 1 and not any(k.startswith("skipped") for k in counts), counts
+
+
+def test_nothing_rewritten_is_said():
+    """A model without AdaLN's LayerNorm + modulation (Z-Image modulates an RMSNorm): the pass warns, naming why."""
+    zm = build("zimage", redraw_zeros=True)
+    with pytest.warns(UserWarning, match="fuse_norm_modulate rewrote nothing: no LayerNorm followed by a modulation"):
+        compile_dit(zm.model, passes=[passes.FuseNormModulate()], example_inputs=zm.make_inputs(batch=1, seed=1))

@@ -55,7 +55,7 @@ def test_flux_every_q_and_k_fused_and_the_output_equal(dtype):
     assert len(two) == 2 * doubles and {n.args[5] for n in two} == {1}
 
 
-# a model whose rope form the pass does not know (qwenimage: complex), one without a rope (sd3); one it rewrites in
+# a model whose ropes the pass takes in their complex form (qwenimage), one without a rope (sd3); one it rewrites in
 # part is test_decomposed_rms_norm_fused's hunyuanvideo; every class: the coverage matrix's norm_rope column
 @pytest.mark.parametrize("family", ["qwenimage", "sd3"])
 def test_other_families_equal_the_original(family):
@@ -337,8 +337,8 @@ def test_triton_kernel_matches_the_reference(dtype, d, weight, decomposed, half)
 
 def test_kernel_refuses_what_it_cannot_take():
     from dit_passes.kernels import norm_rope_triton as k
-    from dit_passes.passes.norm_rope import MAX_D
-    assert k.MAX_D == MAX_D  # the pass leaves rows the kernel would not take
+    from dit_passes.passes.norm_rope import MAX_D, MAX_GROUPED
+    assert k.MAX_D == MAX_D and k.MAX_GROUPED == MAX_GROUPED  # the pass leaves rows the kernel would not take
     x = torch.randn(2, 3, 4, 7)
     with pytest.raises(ValueError, match="even last dim"):
         k.rms_norm_rope_into(x, None, 1e-6, x, x, torch.empty_like(x))
@@ -357,3 +357,115 @@ def test_cuda_op_matches_the_reference(dtype, decomposed, half):
     _no_less_accurate(out, ref, exact, dtype)
     compiled = torch.compile(lambda *a: NORM_ROPE(*a), fullgraph=True)
     assert torch.equal(compiled(xs, ws, eps, cos, sin, dim, decomposed, half), out)
+
+
+# ------------------------------------------------------------------- the other rotary forms (passes.rope_forms)
+@pytest.mark.parametrize("family,form,dtype", [("qwenimage", "form_complex", torch.float32),
+                                               ("qwenimage", "form_complex", torch.bfloat16),
+                                               ("wan", "form_scatter", torch.float32),
+                                               ("zimage", "form_complex", torch.float32)])
+def test_complex_and_scatter_forms_fused(family, form, dtype):
+    """Qwen-Image ropes q / k as complex products (``view_as_complex(y) * freqs``), Z-Image too inside an
+    autocast-disabled region, Wan writes its pairs back through strided slices of an ``empty_like`` after a norm
+    over all heads: every self-attention's q and k fused (Qwen: text and image parts of each, 4 per block; Wan,
+    Z-Image: 2 per block; Wan's ``rope_dim`` the head size), the output the eager model's."""
+    zm = build(family, redraw_zeros=True)
+    model, kw = _to(zm, dtype)
+    plain = compile_dit(model, passes=[], example_inputs=kw)
+    c = compile_dit(model, passes=[passes.FuseNormRope()], example_inputs=kw)
+    with torch.no_grad():
+        ref, out = model(**kw), c(**kw)
+    ref, out = ref[0] if isinstance(ref, tuple) else ref.sample, out[0] if isinstance(out, tuple) else out.sample
+    ref, out = (ref[0], out[0]) if isinstance(ref, list) else (ref, out)  # Z-Image: a list of samples
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    blocks = len(getattr(model, "transformer_blocks", getattr(model, "blocks", ())))
+    if family == "zimage":  # its ropes run under autocast(enabled=False): inlined; refiners and main layers
+        blocks = len(model.layers) + len(model.noise_refiner) + len(model.context_refiner)
+    per_block = 4 if family == "qwenimage" else 2
+    counts = _counts(c._current().manager.records)
+    assert counts == {"fused": per_block * blocks, "parts": per_block * blocks, form: per_block * blocks}
+    ops = _nodes(c.graph, NORM_ROPE)
+    assert len(ops) == counts["fused"]
+    if family == "wan":  # the norm spans all heads: the op's rope_dim is the head size
+        assert all(n.args[-1] == model.config.attention_head_dim for n in ops)
+        assert len(_nodes(plain.graph, aten.slice_scatter.default)) == 2 * len(ops)
+        assert not _nodes(c.graph, aten.slice_scatter.default)
+    else:
+        assert not _nodes(c.graph, aten.view_as_complex.default)
+
+
+class _OtherRopes(nn.Module):
+    """The complex and the scatter rotations after an RMSNorm (taken), over all heads (taken, rope_dim), in an
+    autocast-disabled region (taken), and the forms the pass must leave: complex128 freqs (fp64 math), a scatter
+    whose odd slot reads another cos."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+        self.w_all = nn.Parameter(torch.randn(24))
+
+    @staticmethod
+    def complex_rope(y, freqs):
+        z = torch.view_as_complex(y.float().reshape(*y.shape[:-1], -1, 2))
+        return torch.view_as_real(z * freqs).flatten(3).type_as(y)
+
+    @staticmethod
+    def scatter_rope(y, c, s, c_odd=None):
+        x1, x2 = y.unflatten(-1, (-1, 2)).unbind(-1)
+        out = torch.empty_like(y)
+        out[..., 0::2] = x1 * c - x2 * s
+        out[..., 1::2] = x1 * s + x2 * (c if c_odd is None else c_odd)
+        return out.type_as(y)
+
+    def forward(self, q, cos, sin):
+        freqs = torch.polar(torch.ones_like(cos[..., 0::2]), cos[..., 0::2])      # [1, S, 1, D/2] complex64
+        c, s = cos[..., 0::2], sin[..., 1::2]
+        n = lambda: torch.rms_norm(q, [8], self.w, 1e-6)                          # noqa: E731
+        a = self.complex_rope(n(), freqs)                                          # taken
+        b = self.scatter_rope(n(), c, s)                                           # taken
+        wide = torch.rms_norm(q.flatten(2), [24], self.w_all, 1e-6).unflatten(-1, (3, 8))
+        d = self.scatter_rope(wide, c, s)                                          # taken: rope_dim 8
+        e = self.complex_rope(n(), freqs.to(torch.complex128))                     # fp64 math: left
+        f = self.scatter_rope(n(), c, s, c_odd=c * 2)                              # not a rotation: not a rope
+        with torch.autocast("cuda", enabled=False):  # a region of its own in the graph (Z-Image): inlined, taken
+            h = self.complex_rope(n(), freqs)
+        return a, b, d, e, f, h
+
+
+def test_other_forms_taken_and_left():
+    """Through torch.export's functionalised graph (the one compile_dit lowers: the scatter's writes are
+    ``slice_scatter``s; Dynamo's backend keeps them as in-place ``copy_``, a form the pass does not read)."""
+    from dit_passes.infra.pass_base import PassContext
+    from dit_passes.infra.pass_manager import PassManager
+    from dit_passes.passes.cleanup import Cleanup
+
+    m, g = _OtherRopes(), torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 3, 8, generator=g)
+    cos, sin = torch.randn(1, 6, 1, 8, generator=g), torch.randn(1, 6, 1, 8, generator=g)
+    gm = torch.export.export(m, (q, cos, sin)).run_decompositions({}).module()
+    manager = PassManager([Cleanup(), passes.FuseNormRope()])
+    manager.run(gm, PassContext(example_inputs={"args": [q, cos, sin]}))
+    with torch.no_grad():
+        for out, ref in zip(gm(q, cos, sin), m(q, cos, sin)):
+            assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    assert len(_nodes(gm.graph, NORM_ROPE)) == 4
+    assert not _nodes(gm.graph, torch.ops.higher_order.wrap_with_autocast)
+    assert _counts(manager.records) == {"fused": 4, "parts": 4, "form_complex": 2, "form_scatter": 2,
+                                               "skipped_compute_dtype": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight", [True, False])
+def test_grouped_kernel_matches_the_reference(dtype, weight):
+    """The grouped kernel (a norm over all heads of a token, the rope of each head: Wan) under the interpreter
+    against the op's reference: bf16 bit for bit, fp32 within the reduction order's rounding."""
+    from dit_passes.kernels import norm_rope_triton as K
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3 * 12, generator=g).to(dtype)
+    w = torch.randn(36, generator=g).to(dtype) if weight else None
+    cos, sin = torch.randn(1, 5, 1, 12, generator=g), torch.randn(1, 5, 1, 12, generator=g)
+    ref = rms_norm_rope_reference([x], [w], [1e-6], cos, sin, 1, rope_dim=12)
+    out = K.rms_norm_rope_grouped_into(x, w, 1e-6, cos, sin, x.new_empty(2, 5, 3, 12))
+    assert out.dtype == ref.dtype and torch.allclose(out.float(), ref.float(), rtol=1e-5, atol=1e-5)
+    assert not K.is_supported_grouped(x, 12, half_split=True) and not K.is_supported_grouped(x, 10)

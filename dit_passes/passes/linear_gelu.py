@@ -34,6 +34,7 @@ After::
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -92,6 +93,8 @@ class FuseLinearGelu(Pass):
         left, left_text = skipped_summary(skipped, "left")
         report = (f"{fused} linear + tanh-GELU pairs as one GEMM with the GELU epilogue" if fused
                   else "no linear followed by tanh-GELU") + left_text
+        if not fused:  # said, not only recorded: a pass asked for that found nothing is worth knowing
+            warnings.warn(f"{self.name} rewrote nothing: {report}", stacklevel=2)
         return PassResult(fused > 0, {"fused": fused, **left}, report)
 
 

@@ -17,7 +17,8 @@ compile the blocks). Matches, with every intermediate read only inside the match
 where ``m`` and ``a`` broadcast to ``x``'s shape (``1 + scale`` and ``shift``, computed as they were), with
 optional casts: of ``x`` before the norm (an fp32 LayerNorm of a bf16 stream: Wan's ``FP32LayerNorm``), of ``n``
 after it, and of ``out``. When ``x = r + gate * y`` (or ``r + y``) of one dtype, in the same block, and every
-other reader of ``x`` comes after ``out``, the residual joins the op, which returns ``(x, out)``.
+other reader of ``x`` comes after ``out``, the residual joins the op, which returns ``(x, out)``. A cast of ``x``
+read elsewhere too (Wan's ``type_as`` of the residual stream, a no-op in fp32) stays: the op reads the cast.
 
 Before (a FLUX double-stream block's second norm, bf16)::
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from typing import Any, Optional, Tuple
 
 import torch
@@ -177,6 +179,8 @@ class FuseNormModulate(Pass):
         left, left_text = skipped_summary(skipped, "left to Inductor")
         report = (f"{fused} LayerNorm + modulation as one op ({residual} with the residual before them)" if fused
                   else "no LayerNorm followed by a modulation") + left_text
+        if not fused:  # said, not only recorded: a pass asked for that found nothing is worth knowing
+            warnings.warn(f"{self.name} rewrote nothing: {report}", stacklevel=2)
         return PassResult(fused > 0, {"fused": fused, "with_residual": residual, **left}, report)
 
     @staticmethod
@@ -277,6 +281,8 @@ def _match(last: fx.Node, order):
     norm_out, norm_dtype = _uncast(n)
     x_cast, w, b, eps, ln_nodes = _layer_norm(norm_out)
     x, in_dtype = _uncast(x_cast)
+    if x_cast is not x and any(u is not norm_out and u not in ln_nodes for u in x_cast.users):
+        x, in_dtype = x_cast, None  # the cast read elsewhere too (Wan's no-op type_as in fp32): it stays, the op reads it
     nodes |= ln_nodes | ({n} if n is not norm_out else set()) | ({x_cast} if x_cast is not x else set())
     product = next(iter(u for u in nodes if u is not last and _call(u, aten.mul.Tensor)), None)
     end, out_dtype = last, None

@@ -1,4 +1,4 @@
-"""FuseNormRope: the q / k RMSNorm and the interleaved rotary embedding after it become one op.
+"""FuseNormRope: the q / k RMSNorm and the rotary embedding after it become one op.
 
 Why: Inductor writes ``rope(rms_norm(q))`` as a reduction kernel per head row whose second loop swaps the pairs of
 ``stack([-x1, x0], -1)``; on FLUX.1-dev's single blocks that kernel reaches about a third of an H100's memory
@@ -23,10 +23,18 @@ which the graph has as ATen ops (``x * rsqrt(mean(x.float() ** 2) + eps)``, the 
 ``decomposed=True`` and its reference repeats those ops (all parts of one op of one form). The rotation may also be
 the half-split one, ``rot = cat([-x2, x1], -1)`` with x1, x2 the halves of y's last dim (``unbind(reshape(y, [...,
 2, D/2]), -2)``, ``chunk(y, 2, -1)`` or ``y[..., :D/2]`` / ``y[..., D/2:]``: ``_rotated_halves``; ACE-Step, Cosmos):
-the op gets ``half_split=True`` (its kernel pairs j with j + D/2). A rope of one of these forms the pass leaves is
-counted with its reason (below); other rotary forms (complex ``view_as_complex``, ``x[..., 0::2]`` slices written
-back by ``slice_scatter``, a 2 x 2 rotation matrix) are not recognised and not counted. Nothing outside the match
-changes; no weight moves.
+the op gets ``half_split=True`` (its kernel pairs j with j + D/2). Two more rotary forms are the op's rotation with
+per-pair tables (:mod:`~dit_passes.passes.rope_forms` gives each form and its proof): the complex product
+``view_as_real(view_as_complex(y) * freqs)`` (Qwen-Image, Z-Image) and the pairs written back through strided
+slices, ``out[..., 0::2] = x1 * c - x2 * s; out[..., 1::2] = x1 * s + x2 * c`` (Wan); the pass widens their tables
+(``repeat_interleave``) for the op and counts them as ``form_complex`` / ``form_scatter``. A norm over all heads of a
+token viewed as ``[..., H, D]`` before the rope (Wan's ``rms_norm_across_heads``) gives the op ``rope_dim=D``
+(its grouped kernel). A rope inside an autocast-disabled region (``wrap_with_autocast(.., False, body, ..)``:
+Z-Image) whose ops are all ones autocast leaves alone is inlined first (the same values under any autocast state).
+A rope of one of these forms the pass leaves is counted with its reason (below); other forms (a 2 x 2 rotation
+matrix, the scatter's in-place ``copy_`` of a graph not functionalised) are not recognised and not counted.
+Nothing outside the match changes (but an inlined region's ops); no weight moves. A run that fuses nothing warns,
+naming what it looked for and what it left.
 
 Before (a FLUX single-stream block, bf16)::
 
@@ -44,12 +52,15 @@ After::
     rms_norm_rope = dit_passes.rms_norm_rope.default([unflatten_15], [attn_norm_q_weight], [1e-06],
                                                      unsqueeze_58, unsqueeze_60, 1)
 
-``counts``: ``fused`` (rotary embeddings rewritten), ``parts`` (norms folded into them) and ``skipped_<reason>``
+``counts``: ``fused`` (rotary embeddings rewritten), ``parts`` (norms folded into them), ``form_complex`` /
+``form_scatter`` (of ``fused``, those of the other forms) and ``skipped_<reason>``
 (``no_norm``: the rope's input is not a norm or a concatenation of norms (a LayerNorm, a slice of a norm: the rope
 of the image part of a single-stream block's tokens, or no norm at all); ``shared_norm``: a norm's output is
-read outside the match; ``compute_dtype``: the rope does not compute in fp32; ``dtype``: the output's dtype is not
-the input's; ``shape``: cos / sin do not broadcast to the input, an odd head size, or rows wider than the kernel
-takes, ``MAX_D``: LTX-Video's norm and rope span all heads, 2048 wide, where the op would run its reference).
+read outside the match; ``compute_dtype``: the rope does not compute in fp32 (rope tables cast to bf16 with the
+model: Wan after ``.to(bfloat16)``, where ``from_pretrained`` keeps its rope in fp32; complex128 freqs); ``dtype``:
+the output's dtype is not the input's; ``shape``: cos / sin do not broadcast to the input, an odd head size, or rows
+wider than the kernel takes, ``MAX_D``: LTX-Video's norm and rope span all heads, 2048 wide, where the op would run
+its reference; a norm over all heads wider than ``MAX_GROUPED`` or of rank above 3).
 """
 from __future__ import annotations
 
@@ -63,14 +74,16 @@ from typing import List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from ..infra.graph_utils import copy_meta
+from ..infra.graph_utils import copy_meta, set_val
 from ..infra.pass_base import Pass, PassContext, PassResult, skipped_summary
 from ..infra.phases import Phase
+from .rope_forms import Rotation, complex_rotation, scatter_rotation
 
 aten = torch.ops.aten
 # row-major reshapes: which one the graph has, its value depends only on the shape it makes (checked by the matcher)
 _VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.unflatten.int)
 MAX_D = 1024  # the widest row dit_passes.kernels.norm_rope_triton takes (its MAX_D; a test checks they agree)
+MAX_GROUPED = 16384  # the widest norm over all heads its grouped kernel takes (its MAX_GROUPED; likewise)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -87,10 +100,12 @@ def _rms_norm(x: torch.Tensor, w: Optional[torch.Tensor], eps: float, decomposed
 
 def rms_norm_rope_reference(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
                             cos: torch.Tensor, sin: torch.Tensor, cat_dim: int,
-                            decomposed: bool = False, half_split: bool = False) -> torch.Tensor:
+                            decomposed: bool = False, half_split: bool = False, rope_dim: int = 0) -> torch.Tensor:
     """The ATen ops the op replaces, in the captured graph's order (module docstring)."""
     ys = [_rms_norm(x, w, e, decomposed) for x, w, e in zip(xs, weights, eps)]
     y = torch.cat(ys, cat_dim) if len(ys) > 1 else ys[0]
+    if rope_dim:  # the norm spans all heads (Wan): the rope runs on its heads, the view the graph had
+        y = y.unflatten(-1, (-1, rope_dim))
     if half_split:  # pairs (j, j + D/2): x1, x2 = halves, rot = cat([-x2, x1]) (the values of any of its forms)
         x1, x2 = y.chunk(2, -1)
         rot = torch.cat([-x2, x1], -1)
@@ -118,15 +133,23 @@ def _kernel():
 @torch.library.custom_op("dit_passes::rms_norm_rope", mutates_args=())
 def rms_norm_rope(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]], eps: List[float],
                   cos: torch.Tensor, sin: torch.Tensor, cat_dim: int, decomposed: bool = False,
-                  half_split: bool = False) -> torch.Tensor:
+                  half_split: bool = False, rope_dim: int = 0) -> torch.Tensor:
     """``rope(cat([rms_norm(x_i, w_i, eps_i)], cat_dim), cos, sin)``; on CUDA one Triton launch per part.
     ``decomposed``: the norm is diffusers' RMSNorm written out in ATen ops (the reference repeats them; the kernel
     computes both forms alike, in fp32, rounding once where the decomposed bf16 form rounds before its weight).
-    ``half_split``: the rotation pairs element j with j + D/2 (``cat([-x2, x1], -1)``), not 2j with 2j + 1."""
+    ``half_split``: the rotation pairs element j with j + D/2 (``cat([-x2, x1], -1)``), not 2j with 2j + 1.
+    ``rope_dim``: 0, or the head size when the norm spans all heads of a token (one input, its last dim a
+    multiple of it): the output is ``[..., heads, rope_dim]`` and each head is rotated."""
     kernel = _kernel() if xs[0].is_cuda else None
+    if rope_dim:
+        if kernel is None or len(xs) != 1 or not kernel.is_supported_grouped(xs[0], rope_dim, half_split):
+            return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim, decomposed, half_split, rope_dim)
+        out = xs[0].new_empty(_cat_shape(xs, cat_dim, rope_dim))
+        return kernel.rms_norm_rope_grouped_into(xs[0], weights[0], eps[0], cos.expand(out.shape),
+                                                 sin.expand(out.shape), out, half_split=half_split)
     if kernel is None or not all(kernel.is_supported(x) for x in xs):
-        return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim, decomposed, half_split)
-    out = xs[0].new_empty(_cat_shape(xs, cat_dim))
+        return rms_norm_rope_reference(xs, weights, eps, cos, sin, cat_dim, decomposed, half_split, rope_dim)
+    out = xs[0].new_empty(_cat_shape(xs, cat_dim, rope_dim))
     cos, sin, start = cos.expand(out.shape), sin.expand(out.shape), 0
     for x, w, e in zip(xs, weights, eps):
         n = x.shape[cat_dim]
@@ -137,13 +160,15 @@ def rms_norm_rope(xs: List[torch.Tensor], weights: List[Optional[torch.Tensor]],
 
 
 @rms_norm_rope.register_fake
-def _(xs, weights, eps, cos, sin, cat_dim, decomposed=False, half_split=False):
-    return xs[0].new_empty(_cat_shape(xs, cat_dim))
+def _(xs, weights, eps, cos, sin, cat_dim, decomposed=False, half_split=False, rope_dim=0):
+    return xs[0].new_empty(_cat_shape(xs, cat_dim, rope_dim))
 
 
-def _cat_shape(xs, cat_dim: int) -> List[int]:
+def _cat_shape(xs, cat_dim: int, rope_dim: int = 0) -> List[int]:
     shape = list(xs[0].shape)
     shape[cat_dim] = sum(x.shape[cat_dim] for x in xs)
+    if rope_dim:
+        shape[-1:] = [shape[-1] // rope_dim, rope_dim]
     return shape
 
 
@@ -156,31 +181,103 @@ class FuseNormRope(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         g = gm.graph
-        fused, parts, skipped = 0, 0, {}
+        fused, parts, skipped, forms, gone = 0, 0, {}, {}, set()
+        _inline_rope_regions(gm)
         for n in list(g.nodes):
+            if n in gone:  # erased by an earlier match
+                continue
             match = _match(n)
             if match is None:
                 continue
             if isinstance(match, str):
                 skipped[match] = skipped.get(match, 0) + 1
                 continue
-            last, norms, cat_dim, cos, sin, inside, half = match
+            last, norms, cat_dim, cos, sin, inside, half, form, rope_dim = match
             decomposed = norms[0].decomposed
-            args = ([k.x for k in norms], [k.weight for k in norms], [k.eps for k in norms], cos, sin, cat_dim)
-            args += (decomposed, True) if half else (True,) if decomposed else ()  # defaults left out
             with g.inserting_before(last):
+                cos, sin = _tables(g, form, cos, sin)
+                tail = [decomposed, half, rope_dim]
+                while tail and not tail[-1]:  # defaults left out
+                    tail.pop()
+                args = ([k.x for k in norms], [k.weight for k in norms], [k.eps for k in norms], cos, sin, cat_dim,
+                        *tail)
                 new = g.call_function(torch.ops.dit_passes.rms_norm_rope.default, args)
             new.meta.update(last.meta)  # the rope's value: same shape and dtype
             copy_meta(new, norms[0].out)  # the norm's module path (an attention's norm_q / norm_k)
             last.replace_all_uses_with(new)
+            gone |= inside | {last, *(n for k in norms for n in k.nodes)}
             _erase(g, inside | {last, *(n for k in norms for n in k.nodes)})
             fused, parts = fused + 1, parts + len(norms)
+            forms[form] = forms.get(form, 0) + 1
         g.lint()
         ctx.recompile_at_end(gm)
         left, left_text = skipped_summary(skipped, "left to Inductor")
-        report = (f"{fused} rotary embeddings with their {parts} RMSNorms as one op each" if fused
-                  else "no RMSNorm + interleaved rotary embedding") + left_text
-        return PassResult(fused > 0, {"fused": fused, "parts": parts, **left}, report)
+        shown = ", ".join(f"{k} {v}" for k, v in sorted(forms.items()))
+        report = (f"{fused} rotary embeddings with their {parts} RMSNorms as one op each ({shown})" if fused
+                  else "no RMSNorm followed by a rotary embedding of a form it knows") + left_text
+        # the forms rope_forms recognises, counted apart (the real ones are the ``fused`` rest)
+        if not fused:  # said, not only recorded: a pass asked for that found nothing is worth knowing
+            warnings.warn(f"{self.name} rewrote nothing: {report}", stacklevel=2)
+        counts = {"fused": fused, "parts": parts,
+                  **{f"form_{k}": v for k, v in sorted(forms.items()) if k not in ("pairs", "half")}, **left}
+        return PassResult(fused > 0, counts, report)
+
+
+# what autocast leaves as it is (it changes only the matmul / convolution / reduction-type ops of its lists)
+_AUTOCAST_NEUTRAL = {aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten._assert_tensor_metadata.default,
+                     aten.view_as_complex.default, aten.view_as_real.default, aten.mul.Tensor, aten.add.Tensor,
+                     aten.sub.Tensor, aten.neg.default, aten.unsqueeze.default, aten.flatten.using_ints,
+                     aten.unbind.int, aten.stack.default, aten.cat.default, aten.slice.Tensor, operator.getitem,
+                     *_VIEWS}
+
+
+def _inline_rope_regions(gm: fx.GraphModule) -> int:
+    """Inline each autocast-disabled region (``wrap_with_autocast(.., enabled=False, body, *args)[0]``) whose body
+    is a rotary embedding of a form this pass knows and only autocast-neutral ops (Z-Image ropes under
+    ``autocast(enabled=False)``): its ops compute the same under any autocast state, so they can stand in the
+    graph itself, where the norm before them is. Returns how many were inlined; other regions stay."""
+    g, inlined = gm.graph, 0
+    for hop in list(g.nodes):
+        if not (_call(hop, torch.ops.higher_order.wrap_with_autocast) and len(hop.args) > 5 and hop.args[2] is False
+                and isinstance(hop.args[4], fx.Node) and hop.args[4].op == "get_attr" and len(hop.users) == 1):
+            continue
+        (get,) = hop.users
+        body = getattr(gm, hop.args[4].target, None)
+        if not (_call(get, operator.getitem) and get.args[1] == 0 and isinstance(body, fx.GraphModule)):
+            continue
+        nodes = list(body.graph.nodes)
+        holders, out = [n for n in nodes if n.op == "placeholder"], nodes[-1]
+        inner = [n for n in nodes if n.op == "call_function"]
+        outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+        if len(holders) != len(hop.args) - 5 or len(outs) != 1 or len(inner) != len(nodes) - len(holders) - 1 \
+                or any(n.target not in _AUTOCAST_NEUTRAL for n in inner):
+            continue
+        end = _uncast(outs[0])[0]
+        if not isinstance(end, fx.Node) or (complex_rotation(end) or scatter_rotation(end)
+                                            or _real_rotation(end)) is None:
+            continue
+        env = dict(zip(holders, hop.args[5:]))
+        with g.inserting_before(hop):
+            for n in inner:  # the body's metadata asserts are not copied (Cleanup drops the graph's own)
+                if n.target is not aten._assert_tensor_metadata.default:
+                    env[n] = g.node_copy(n, lambda a: env[a])
+        get.replace_all_uses_with(env[outs[0]])
+        g.erase_node(get)
+        g.erase_node(hop)
+        inlined += 1
+    return inlined
+
+
+def _tables(g: fx.Graph, form: str, cos: fx.Node, sin: Optional[fx.Node]) -> Tuple[fx.Node, fx.Node]:
+    """The op's per-element cos / sin tables: the real form's as they are; the other forms' per-pair tables (the
+    complex freqs' real and imaginary parts) each value repeated for the two members of its pair
+    (:mod:`~dit_passes.passes.rope_forms`)."""
+    if form in ("pairs", "half"):
+        return cos, sin
+    if form == "complex":
+        parts = set_val(g.call_function(aten.view_as_real.default, (cos,)))
+        cos, sin = (set_val(g.call_function(aten.select.int, (parts, -1, i))) for i in (0, 1))
+    return tuple(set_val(g.call_function(aten.repeat_interleave.self_int, (t, 2, -1))) for t in (cos, sin))
 
 
 # ------------------------------------------------------------------------------------------------ matching
@@ -295,9 +392,9 @@ def _split_product(m) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
     return m.args[0], m.args[1]
 
 
-def _match(add: fx.Node):
-    """None when ``add`` is not a rotary embedding; a skip reason (str) when it is one this pass leaves; else
-    (node to replace, [_Norm], cat_dim, cos, sin, the matched nodes, half_split)."""
+def _real_rotation(add: fx.Node) -> Optional[Rotation]:
+    """``y * cos + rotate(y) * sin`` (either order of each product and of the sum) with rotate one of
+    :func:`_rotated`'s forms; the casts to fp32 of both products' value sides alike."""
     if not (_call(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs):
         return None
     found = None
@@ -318,31 +415,44 @@ def _match(add: fx.Node):
                 if rot_y is y and cast_y == cast_r:
                     # the nodes that read y, directly or through the rotation (its cast of y included)
                     reads_y = {add, m_y, m_r, y_side, r_side, *rot[1]} | ({rot[0]} if rot[0] is not y else set())
-                    found = (y, cos, sin, half, reads_y)
-    if found is None:
+                    found = Rotation(y, add, frozenset(reads_y), cos, sin, "half" if half else "pairs",
+                                     _dtype(add) == torch.float32)
+    return found
+
+
+def _match(end: fx.Node):
+    """None when ``end`` does not end a rotary embedding; a skip reason (str) when it ends one this pass leaves;
+    else (node to replace, [_Norm], cat_dim, cos, sin, the matched nodes, half_split, form, rope_dim)."""
+    rot = _real_rotation(end) or complex_rotation(end) or scatter_rotation(end)
+    if rot is None:
         return None
-    y, cos, sin, half, reads_y = found
+    y = rot.y
     yshape, ydtype = _shape(y), _dtype(y)
-    if _dtype(add) != torch.float32:
+    if not rot.fp32:
         return "compute_dtype"
-    last, users = add, list(add.users)
+    last, users = rot.end, list(rot.end.users)
     cast, to = _uncast(users[0]) if len(users) == 1 else (None, None)
-    if cast is add and to == ydtype:  # the cast back to y's dtype (in an fp32 model a no-op ``type_as`` may stay)
+    if cast is rot.end and to == ydtype:  # the cast back to y's dtype (in an fp32 model a no-op ``type_as`` may stay)
         last = users[0]
-    elif ydtype != torch.float32:
+    elif _dtype(rot.end) != ydtype:
         return "dtype"
-    if any(s is None or torch.broadcast_shapes(s, yshape) != yshape for s in (_shape(cos), _shape(sin))) \
+    tables = (rot.cos, rot.sin) if rot.form in ("pairs", "half") else ()
+    if any(s is None or torch.broadcast_shapes(s, yshape) != yshape for s in map(_shape, tables)) \
             or yshape[-1] % 2 or yshape[-1] > MAX_D or len(yshape) > 4:
         return "shape"
-    norms, cat_dim = _norms_of(y)
+    norms, cat_dim, rope_dim = _norms_of(y)
     if norms is None:
         return "no_norm"
-    inside = reads_y | {last}
-    if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.out.users) != 1 for k in norms)):
+    if rope_dim and (len(_shape(norms[0].x)) > 3 or _shape(norms[0].x)[-1] > MAX_GROUPED):
+        return "shape"
+    inside = set(rot.nodes) | {last}
+    if any(u not in inside for u in y.users) or (len(norms) > 1 and any(len(k.out.users) != 1 for k in norms)) \
+            or any(u not in inside for v in rot.nodes if v is not rot.end for u in v.users) \
+            or (rope_dim and len(norms[0].out.users) != 1):
         return "shared_norm"
     if any(_dtype(k.out) != _dtype(k.x) or _dtype(k.out) != ydtype for k in norms):
         return "dtype"
-    return last, norms, cat_dim, cos, sin, inside | {y}, half
+    return last, norms, cat_dim, rot.cos, rot.sin, inside | {y}, rot.form == "half", rot.form, rope_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,15 +466,21 @@ class _Norm:
 
 
 def _norms_of(y: fx.Node):
-    """([_Norm], cat_dim) when y is one RMSNorm over the last dim or a concatenation of them (all of one form)
-    along a leading dim; (None, 0) otherwise."""
+    """([_Norm], cat_dim, rope_dim) when y is one RMSNorm over the last dim or a concatenation of them (all of one
+    form) along a leading dim (rope_dim 0), or a view of one RMSNorm's row as heads (rope_dim: the head size);
+    (None, 0, 0) otherwise."""
+    ys, rope_dim = _shape(y), 0
+    if _call(y, *_VIEWS) and ys and _shape(y.args[0]) and len(ys) >= 2:
+        src = _shape(y.args[0])  # a norm over all heads, then the head split: [..., H * D] -> [..., H, D] (Wan)
+        if src[:-1] == ys[:-2] and src[-1] == ys[-2] * ys[-1] and ys[-2] > 1:
+            y, rope_dim = y.args[0], ys[-1]
     parts, cat_dim = [y], 0
-    if _call(y, aten.cat.default):
+    if rope_dim == 0 and _call(y, aten.cat.default):
         parts = list(y.args[0])
         dims = len(_shape(y) or ())
         cat_dim = (y.args[1] if len(y.args) > 1 else 0) % max(dims, 1)
         if cat_dim == dims - 1:
-            return None, 0
+            return None, 0, 0
     norms = []
     for k in parts:
         if _call(k, aten.rms_norm.default) and len(k.args[1]) == 1 and not k.kwargs:
@@ -372,8 +488,8 @@ def _norms_of(y: fx.Node):
         else:
             norms.append(_decomposed_rms_norm(k))
     if any(k is None for k in norms) or len({k.decomposed for k in norms}) != 1:
-        return None, 0
-    return norms, cat_dim
+        return None, 0, 0
+    return norms, cat_dim, rope_dim
 
 
 def _decomposed_rms_norm(out) -> Optional[_Norm]:

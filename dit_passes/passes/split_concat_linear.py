@@ -54,6 +54,7 @@ linear changes the last dim; ``symbolic_view``: one has a symbolic size).
 """
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -128,6 +129,8 @@ class SplitConcatLinear(Pass):
         left, left_text = skipped_summary(skipped, "left")
         report = (f"{split} linears over a concatenation as {parts} GEMMs on its parts" if split
                   else "no linear over a concatenation") + left_text
+        if not split:  # said, not only recorded: a pass asked for that found nothing is worth knowing
+            warnings.warn(f"{self.name} rewrote nothing: {report}", stacklevel=2)
         return PassResult(split > 0, {"split": split, "parts": parts, **left}, report)
 
 
