@@ -209,3 +209,23 @@ def test_families_at_their_second_size_match_eager():
         except Exception as e:  # noqa: BLE001 - every family is reported, then the test fails
             failed[family] = f"{type(e).__name__}: {str(e)[:300]}"
     assert not failed, f"at {SECOND!r} (sample seed {seed}): {failed}"
+
+
+def test_coverage_runs_its_cells_at_the_second_size():
+    """``dit-passes coverage --inputs alt_resolution`` (the whole set: every family at its second size): each cell
+    calls with that input set, and a matrix of other inputs does not merge into one of it."""
+    from dit_passes import coverage
+
+    seen = []
+
+    def shapes(zm, inputs, reference):
+        seen.append(tuple(inputs["hidden_states"].shape))
+        return "seen"
+
+    cell = coverage.run_cell("dit", shapes, 60, inputs=SECOND)
+    assert cell.status == coverage.EXACT, cell
+    assert seen == [tuple(zoo.inputs_for("dit", SECOND)["hidden_states"].shape)]
+    assert seen[0] != tuple(zoo.inputs_for("dit")["hidden_states"].shape)
+    before = {"columns": ["capture"], "batch": 1, "tolerance": coverage.TOLERANCE}  # a matrix from before --inputs
+    with pytest.raises(ValueError, match=r"inputs \(\['default'\] vs \['alt_resolution'\]\)"):
+        coverage.merge_rows(before, dict(before, inputs=SECOND))
