@@ -45,6 +45,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .capture_caches import trace_time_caches_dropped
+from .capture_tensor_data import TensorDataTraced
 from .capture_values import ScalarRecorder, ScalarReplay
 from .infra.trace_templates import TraceTemplates
 from .infra.facts import StateIO, facts_of
@@ -219,9 +220,10 @@ def _export_noise_quiet():
 def _export_static(wrapper: "_CallWithConstants", tensors: tuple, why: str):
     """``torch.export`` of ``wrapper``, refused (CaptureError) if the graph still holds a data-dependent size.
     The model's function caches that the trace fills are emptied after it (:mod:`.capture_caches`: they would hold
-    fake tensors, which break the next eager run, the value-specialised retry's included)."""
+    fake tensors, which break the next eager run, the value-specialised retry's included). ``x.data`` reads as ``x.detach()``
+    (:mod:`.capture_tensor_data`: export does not record ``.data``, and fails on the fake constant it leaves)."""
     with torch.inference_mode(False), torch.no_grad(), trace_time_caches_dropped(wrapper._model), \
-            _export_noise_quiet():
+            _export_noise_quiet(), TensorDataTraced():
         ep = torch.export.export(wrapper, tensors, strict=False)
     dynamic = _data_dependent_shape(ep.graph_module)
     if dynamic is not None:

@@ -10,7 +10,8 @@ which sit outside the modules, nor an attribute a lazy forward adds (``if not ha
 self._table = ...``) or sets (``self.freqs_cis = None`` in ``__init__``, a list of tables after the first call:
 Bria-FIBO 2's ``RopeEmbedder``, a plain object a module holds): capture deletes such an added attribute, or puts
 back the value a declared one had, when it holds a FakeTensor (the next call initialises it again, as a fresh
-module's first call would).
+module's first call would). Buffers, parameters and submodules fare the same (a forward that registers a table built
+at the input's size over its sample-size buffer left a FakeTensor there, and the eager model then computed on it).
 
 Capture cannot remove one entry of an ``lru_cache`` (no API for it), so a cache that missed during an export
 is emptied whole (``cache_clear``). That is safe: a cache is transparent by contract (the function's value is
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import sys
 import types
 from typing import Any, Dict, Iterator, List
@@ -84,30 +86,44 @@ def function_caches(model: torch.nn.Module) -> List[Any]:
 
 def _holds_fake(value: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
+    if isinstance(value, torch.nn.Module):  # a submodule a forward builds lazily: its weights
+        return any(isinstance(t, FakeTensor) for t in itertools.chain(value.parameters(), value.buffers()))
     return any(isinstance(leaf, FakeTensor) for leaf in pytree.tree_leaves(value))
 
 
 @contextlib.contextmanager
 def trace_time_caches_dropped(model: torch.nn.Module) -> Iterator[None]:
     """Around a trace of ``model``: on exit (success or failure), empty the caches that missed during it and
-    delete the module attributes it added that hold fake tensors."""
+    delete the module attributes it added that hold fake tensors (or put back their values before it)."""
     caches = function_caches(model)
     misses = [c.cache_info().misses for c in caches]
-    attributes = [(holder, dict(vars(holder))) for holder in _state_holders(model)]  # shallow: the values before
+    tables = [(table, dict(table)) for table in _attribute_tables(model)]  # shallow: the values before
     try:
         yield
     finally:
         for cache, before in zip(caches, misses):
             if cache.cache_info().misses != before:
                 cache.cache_clear()
-        for holder, before in attributes:
-            for name, value in list(vars(holder).items()):
+        for table, before in tables:
+            for name, value in list(table.items()):
                 if not _holds_fake(value) or (name in before and before[name] is value):
                     continue
                 if name not in before:
-                    del holder.__dict__[name]
+                    del table[name]
                 elif not _holds_fake(before[name]):  # declared, then set while traced (``self.freqs_cis = None``,
-                    holder.__dict__[name] = before[name]  # a list of fake tables after): its value before
+                    table[name] = before[name]  # a list of fake tables after): its value before
+
+
+def _attribute_tables(model: torch.nn.Module) -> List[Dict[str, Any]]:
+    """Where a forward can store a value by name: each state holder's ``__dict__`` and, for a module, the
+    registries ``__setattr__`` and ``register_buffer`` write into instead (a forward that builds its positional
+    table at the input's size and registers it as a buffer over the sample-size one)."""
+    tables = []
+    for holder in _state_holders(model):
+        tables.append(vars(holder))
+        if isinstance(holder, torch.nn.Module):
+            tables += [holder._buffers, holder._parameters, holder._modules]
+    return tables
 
 
 def _state_holders(model: torch.nn.Module) -> List[Any]:

@@ -4,6 +4,7 @@
     dit-passes coverage --families flux,wan --no-parallel     # a reduced form
     dit-passes coverage --columns capture,dbcache
     dit-passes coverage --variants only                       # only the real-checkpoint variants (flux[schnell])
+    dit-passes coverage --columns capture --inputs alt_resolution   # every family at its second size
     dit-passes coverage --families wan --update out/coverage/coverage.json --out out/coverage   # re-run cells
     dit-passes coverage --columns fuse,fp8 --no-parallel --update out/coverage/coverage.json --out out/coverage
                                                               # ... or add a column to an earlier matrix
@@ -64,7 +65,10 @@ def select_rows(names: Optional[Sequence[str]], variants: str = "all"):
 
 
 def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: float = 120.0, batch: int = 1,
-                 progress: Optional[Callable[[str], None]] = None) -> dict:
+                 progress: Optional[Callable[[str], None]] = None, inputs: str = "default") -> dict:
+    """The matrix of ``rows`` x ``columns``; ``inputs``: the zoo input set every cell calls with (``"default"``, or
+    ``"alt_resolution"``: each family at its second size, where classes with a sample size rebuild their positional
+    tables in forward)."""
     import diffusers
 
     from .models.zoo import ALL_FAMILIES
@@ -72,11 +76,11 @@ def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: f
     par_cols = [c for c in columns if c in PARALLEL_COLUMNS] if parallel else []
     families = [f for r in rows for f in r.families]
     start = time.perf_counter()
-    cells = run_local(families, local_cols, timeout, batch, progress)
+    cells = run_local(families, local_cols, timeout, batch, progress, inputs=inputs)
     if par_cols and families:
         if progress:
             progress(f"parallel columns {par_cols} on {WORLD} gloo ranks, {len(families)} families ...")
-        for family, row in run_parallel(families, par_cols, timeout, batch).items():
+        for family, row in run_parallel(families, par_cols, timeout, batch, inputs=inputs).items():
             cells[family].update(row)
     matrix = []
     for r in rows:
@@ -91,7 +95,7 @@ def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: f
     from .models.diffusers_zoo import EXCLUDED, transformer_classes
     return {
         "diffusers": diffusers.__version__, "torch": torch.__version__, "world": WORLD if par_cols else 1,
-        "batch": batch, "tolerance": TOLERANCE, "svdquant_bound": SVDQUANT_BOUND,
+        "batch": batch, "inputs": inputs, "tolerance": TOLERANCE, "svdquant_bound": SVDQUANT_BOUND,
         "fp8_ratio": FP8_RATIO, "fp8_bound": FP8_BOUND, "columns": shown,
         "seconds": round(time.perf_counter() - start, 1),
         "rows": matrix,
@@ -108,19 +112,20 @@ def merge_rows(base: dict, update: dict) -> dict:
     """``base`` (an earlier matrix) with ``update``'s cells in place of the same (class, family, column) cells:
     re-running a few families or columns after a fix keeps the rest of a 35-minute matrix. A column ``base``
     lacks is added (after ``base``'s; each row has the cells the update ran, the others none). The settings the
-    update's cells depend on must be the same: batch and tolerance; the rank count where both ran a parallel
+    update's cells depend on must be the same: batch, input set and tolerance; the rank count where both ran a parallel
     column, SVDQuant's / fp8's bounds where both ran that column (a base without it takes the update's). The
     result lists both commands, their seconds and the diffusers / torch versions each ran with ("2.11.0, then
     2.13.0")."""
     def parallel(m):
         return bool(set(m["columns"]) & set(PARALLEL_COLUMNS))
-    keys = ["batch", "tolerance"] + (["world"] if parallel(base) and parallel(update) else []) + \
+    keys = ["batch", "inputs", "tolerance"] + (["world"] if parallel(base) and parallel(update) else []) + \
         [k for c in _BOUNDS for k in _BOUNDS[c] if c in update["columns"] and c in base["columns"]]
-    differ = [k for k in keys if base.get(k) != update.get(k)]
+    settings = [{"inputs": "default", **m} for m in (base, update)]  # a matrix from before --inputs: the default
+    differ = [k for k in keys if settings[0].get(k) != settings[1].get(k)]
     if differ:
         raise ValueError(f"cannot merge coverage matrices with different {', '.join(differ)} "
-                         f"({[base.get(k) for k in differ]} vs {[update.get(k) for k in differ]}): re-run with the "
-                         "earlier run's settings, or without --update")
+                         f"({[settings[0].get(k) for k in differ]} vs {[settings[1].get(k) for k in differ]}): "
+                         "re-run with the earlier run's settings, or without --update")
     columns = list(base["columns"]) + [c for c in update["columns"] if c not in base["columns"]]
     fresh = {(r["class"], r["family"]): r for r in update["rows"]}
     rows = []
@@ -179,7 +184,8 @@ def to_markdown(result: dict, command: str = "") -> str:
     lines += [f"exact: fp32 max relative error <= {result['tolerance']:g} vs eager (DBCache / TaylorSeer: the "
               f"cached call equals the computed one on identical inputs; SVDQuant W4A4 reference path: finite and "
               f"<= {result['svdquant_bound']:g}{fp8}); parallel columns on {result['world']} gloo ranks, "
-              f"batch {result['batch']}. refused: the library refused before running; error: a defect.", "",
+              f"batch {result['batch']}, the zoo's `{result.get('inputs', 'default')}` inputs. refused: the library "
+              f"refused before running; error: a defect.", "",
               "| column | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for status in (EXACT, REFUSED, ERROR, NO_CONFIG):
         lines.append(f"| {status} | " + " | ".join(str(result["summary"][c][status]) for c in cols) + " |")
@@ -247,6 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-parallel", action="store_true", help="skip the parallel columns (no ranks spawned)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per cell (default 120)")
     parser.add_argument("--batch", type=int, default=1, help="batch of the example call (2: a CFG pair)")
+    parser.add_argument("--inputs", default="default", choices=("default", "alt_resolution"),
+                        help="the zoo's input set: default, or alt_resolution (each family at a second size)")
     parser.add_argument("--out", default="", help="directory for coverage.md / coverage.json")
     parser.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     parser.add_argument("--update", default="", help="an earlier coverage.json: run only --families / --columns "
@@ -260,7 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     with _quiet():
         result = build_matrix(rows, columns, parallel=not args.no_parallel, timeout=args.timeout, batch=args.batch,
-                              progress=progress)
+                              progress=progress, inputs=args.inputs)
     command = "dit-passes coverage " + " ".join(sys.argv[1:] if argv is None else argv)
     result["command"] = command.strip()
     if args.update:

@@ -273,18 +273,19 @@ def _parallel_checks(group) -> Dict[str, Callable]:
 
 
 def run_cell(family: str, check: Callable, timeout: float, batch: int = 1,
-             overrides: Optional[Dict[str, object]] = None) -> Cell:
+             overrides: Optional[Dict[str, object]] = None, inputs: str = "default") -> Cell:
     """Build ``family`` fresh (a pass may keep state on the module; zero parameters redrawn, see the module
-    docstring; ``overrides``: config fields replaced), run eager, then ``check``."""
+    docstring; ``overrides``: config fields replaced), run eager, then ``check``; ``inputs``: the zoo's input set
+    (``"alt_resolution"``: the family's second size)."""
     from .models.zoo import build
     start = time.perf_counter()
     try:
         with _deadline(timeout):
             zm = build(family, redraw_zeros=True, **(overrides or {}))
-            inputs = zm.make_inputs(batch=batch, seed=1)
+            call = zm.make_inputs(batch=batch, variant=inputs, seed=1)
             with torch.no_grad():
-                reference = zm.model(**inputs)
-            detail = check(zm, inputs, reference)
+                reference = zm.model(**call)
+            detail = check(zm, call, reference)
         return Cell(EXACT, detail, time.perf_counter() - start)
     except _Refused as e:
         return Cell(REFUSED, str(e), time.perf_counter() - start)
@@ -324,21 +325,22 @@ def _row(key: str, drawn: Drawn) -> Tuple[str, Dict[str, object]]:
 
 
 def run_local(families: Sequence[str], columns: Sequence[str], timeout: float, batch: int = 1,
-              progress: Optional[Callable[[str], None]] = None, drawn: Drawn = None) -> Dict[str, Dict[str, Cell]]:
+              progress: Optional[Callable[[str], None]] = None, drawn: Drawn = None,
+              inputs: str = "default") -> Dict[str, Dict[str, Cell]]:
     checks = _local_checks()
     out: Dict[str, Dict[str, Cell]] = {}
     for key in families:
         family, overrides = _row(key, drawn)
         out[key] = {}
         for column in columns:
-            out[key][column] = cell = run_cell(family, checks[column], timeout, batch, overrides)
+            out[key][column] = cell = run_cell(family, checks[column], timeout, batch, overrides, inputs)
             if progress:
                 progress(f"{key:>16} {column:<11} {cell.seconds:6.1f} s  {cell.text()[:150]}")
     return out
 
 
 def parallel_worker(rank: int, world: int, families: Sequence[str], columns: Sequence[str], timeout: float,
-                    batch: int, drawn: Drawn = None) -> Dict[str, Dict[str, dict]]:
+                    batch: int, drawn: Drawn = None, inputs: str = "default") -> Dict[str, Dict[str, dict]]:
     """One rank of the parallel columns (run by ``run_ranks``): every cell on a fresh group with the cell's
     timeout, the ranks re-synchronised on the world group between cells."""
     import torch.distributed as dist
@@ -350,7 +352,7 @@ def parallel_worker(rank: int, world: int, families: Sequence[str], columns: Seq
             for column in columns:
                 dist.barrier()
                 group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout))
-                cell = run_cell(family, _parallel_checks(group)[column], timeout, batch, overrides)
+                cell = run_cell(family, _parallel_checks(group)[column], timeout, batch, overrides, inputs)
                 out[key][column] = dataclasses.asdict(cell)
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(group)
@@ -376,9 +378,9 @@ def _merge_ranks(per_rank: List[Dict[str, Dict[str, dict]]]) -> Dict[str, Dict[s
 
 
 def run_parallel(families: Sequence[str], columns: Sequence[str], timeout: float,
-                 batch: int = 1, drawn: Drawn = None) -> Dict[str, Dict[str, Cell]]:
+                 batch: int = 1, drawn: Drawn = None, inputs: str = "default") -> Dict[str, Dict[str, Cell]]:
     from .testing import run_ranks
     budget = 120.0 + timeout * len(families) * len(columns)
-    per_rank = run_ranks(parallel_worker, WORLD, list(families), list(columns), timeout, batch, drawn,
+    per_rank = run_ranks(parallel_worker, WORLD, list(families), list(columns), timeout, batch, drawn, inputs,
                          timeout=budget)
     return _merge_ranks(per_rank)

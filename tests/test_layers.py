@@ -1,6 +1,7 @@
 """The layer rule, checked on the source: lower layers import nothing from the upper ones.
 
-Lower: infra, analysis, capture (and its capture_values / capture_opaque / capture_caches), cache, parallel, quant,
+Lower: infra, analysis, capture (and its capture_values / capture_opaque / capture_caches / capture_tensor_data), cache,
+parallel, quant,
 and the top-level kernels/ and patterns/ folders (installed as dit_passes.kernels / dit_passes.patterns). A lower
 layer imports only lower layers: not
 passes, compiled, frontend, launch, cli, backend, demo, fidelity, bench, nor the package root
@@ -13,9 +14,9 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # capture: capture.py with its parts capture_values.py (value specialisation), capture_opaque.py (opaque modules) and
-# capture_caches.py (the state a trace leaves in the model)
-LOWER = {"infra", "analysis", "capture", "capture_values", "capture_opaque", "capture_caches", "cache", "parallel",
-         "quant", "kernels", "patterns"}
+# capture_caches.py (the state a trace leaves in the model), capture_tensor_data.py (``Tensor.data`` while traced)
+LOWER = {"infra", "analysis", "capture", "capture_values", "capture_opaque", "capture_caches", "capture_tensor_data",
+         "cache", "parallel", "quant", "kernels", "patterns"}
 
 
 def _unit_of(path: pathlib.Path) -> tuple:

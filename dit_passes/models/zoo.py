@@ -51,7 +51,7 @@ from dit_passes.models.zoo_variants import VARIANTS, variant_spec
 from dit_passes.models.zoo_video import VIDEO_FAMILIES
 
 __all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ALL_VARIANTS", "VARIANTS_HERE", "ZooModel", "build",
-           "config_for", "class_name_of", "family_spec", "model_class", "redraw_zero_parameters"]
+           "config_for", "class_name_of", "family_spec", "inputs_for", "model_class", "redraw_zero_parameters"]
 
 _CURATED = IMAGE_FAMILIES + VIDEO_FAMILIES
 MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES + EXTRA_IMAGE_FAMILIES + EXTRA_AV_FAMILIES
@@ -150,6 +150,15 @@ def _make_inputs(spec: FamilySpec, config: dict, batch: int = 1, variant: str = 
         raise ValueError(f"{spec.name} has no input variant {variant!r}; variants: {tuple(spec.sizes_by_variant)}")
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     return spec.inputs(MappingProxyType(config), batch, spec.sizes_by_variant[variant], gen)
+
+
+def inputs_for(family: str, variant: str = "default", batch: int = 1, seed: int = 0, **overrides: Any) -> dict:
+    """What ``build(family, **overrides).make_inputs(batch, variant, seed)`` returns, without building the model
+    (the inputs depend on the config only). Every family has a ``"default"`` input set and an ``"alt_resolution"``
+    one at a second size (another image grid or frame count, which classes with a ``sample_size`` in their config
+    call with a positional table built in forward); ``ZooModel.variants`` lists a family's others."""
+    spec = _spec(family)
+    return _make_inputs(spec, _checked_config(spec, overrides), batch, variant, seed)
 
 
 def _construct(cls: type, config: dict) -> torch.nn.Module:
