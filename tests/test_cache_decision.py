@@ -508,3 +508,25 @@ def test_stats_summary_percentiles_and_ring():
     assert ours.stats.dropped == 4 and len(recs) == 8
     assert [r["step"] for r in recs] == [4, 5, 0, 1, 2, 3, 4, 5]
     assert [r["generation"] for r in recs] == [0, 0, 1, 1, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("cfg, reason", [
+    (dict(max_cached_steps=0, residual_diff_threshold=1.0, max_warmup_steps=1), "max_cached_steps=0"),
+    (dict(max_warmup_steps=12, residual_diff_threshold=1.0, num_inference_steps=12), "covers all 12 steps"),
+    (dict(max_warmup_steps=2, residual_diff_threshold=0.0), "never below it"),
+    (dict(max_warmup_steps=2, residual_diff_threshold=0.5, steps_computation_mask=[1] * 12), "computes every step"),
+    (dict(max_warmup_steps=20, residual_diff_threshold=1.0, steps_computation_mask=[1] * 4 + [0] * 8,
+          num_inference_steps=12), None),  # the warm-up is cut to the mask's leading 1s: steps 4.. may cache
+    (dict(max_warmup_steps=12, warmup_interval=2, residual_diff_threshold=1.0, num_inference_steps=12), None),
+    (dict(max_warmup_steps=2, residual_diff_threshold=0.0, steps_computation_mask=[1, 1] + [0] * 10,
+          steps_computation_policy="static"), None),  # static zeros are cached whatever the threshold
+])
+def test_never_caches_agrees_with_cache_dit(cfg, reason):
+    """``DBCacheConfig.never_caches`` (what the cache passes warn about) against cache-dit's own decisions over a
+    12-step generation: a config it names caches nothing there; one it does not name caches some step."""
+    got = DBCacheConfig(**cfg).never_caches()
+    assert (got is None) if reason is None else (got is not None and reason in got), got
+    ref = Reference(cfg)
+    ref.new_generation()
+    hits = [ref.call(c)[0] for c in make_calls(12, 4, drift=0.0, jitter=0.0)]
+    assert any(hits) == (reason is None), hits

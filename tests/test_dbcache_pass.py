@@ -249,3 +249,18 @@ def test_bad_input():
         passes.DBCache(DBCacheConfig(), Fn_compute_blocks=2)
     with pytest.raises(ValueError, match="steps_computation_mask has 5 entries but num_inference_steps=8"):
         passes.DBCache(steps_computation_mask=[1] * 5, num_inference_steps=8)
+
+
+def test_a_config_that_caches_nothing_says_so():
+    import warnings
+    zm = build("flux")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = compile_dit(zm.model, passes=[passes.DBCache(Fn_compute_blocks=1, max_cached_steps=0)],
+                               example_inputs=zm.make_inputs())
+    assert any("dbcache: no step can be cached: max_cached_steps=0" in str(w.message) for w in caught)
+    assert "no step can be cached" in compiled.explain(print_output=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compile_dit(zm.model, passes=[passes.DBCache(Fn_compute_blocks=1)], example_inputs=zm.make_inputs())
+    assert not any("no step can be cached" in str(w.message) for w in caught)

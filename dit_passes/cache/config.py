@@ -156,6 +156,23 @@ class DBCacheConfig:
                              f"one of {_REFRESH_POLICIES}")
         return self
 
+    def never_caches(self) -> Optional[str]:
+        """Why no step can ever be cached under this config (None: some can): the settings that rule out every step
+        whatever the residuals do. A cache pass says so rather than run a branch that never skips."""
+        mask = self.steps_computation_mask
+        if self.max_cached_steps == 0:
+            return "max_cached_steps=0 caches no step"
+        if mask is not None and all(m == 1 for m in mask):
+            return "steps_computation_mask computes every step (no 0 in it)"
+        n = self.num_inference_steps if mask is None else len(mask)
+        if n is not None and self.warmup_interval == 1 and self.warmup_limit() >= n:
+            return f"the warm-up ({self.warmup_limit()} steps) covers all {n} steps"
+        static_zeros = mask is not None and self.steps_computation_policy == "static"
+        if self.residual_diff_threshold <= 0 and not static_zeros:
+            return (f"residual_diff_threshold={self.residual_diff_threshold}: a residual diff is never below it "
+                    "(cache-dit caches a step when the diff is below the threshold)")
+        return None
+
     # -- derived values used by the decision layer ------------------------------------------------
     def warmup_limit(self) -> int:
         """Upper end of the warm-up range: with a mask, cut to the mask's leading run of 1s (reference rule)."""
@@ -234,6 +251,14 @@ class DBPruneConfig(DBCacheConfig):
                              "enable_dynamic_prune_threshold=False and cfg_diff_compute_separate=True (the "
                              "reference's CFG branch reads the other branch's diffs there)")
         return self
+
+    def never_caches(self) -> Optional[str]:
+        """As DBCacheConfig's, but the dynamic threshold raises a block's threshold from the diffs before it, so a
+        threshold of 0 may still prune with it."""
+        reason = super().never_caches()
+        if reason is not None and reason.startswith("residual_diff_threshold") and self.enable_dynamic_prune_threshold:
+            return None
+        return reason
 
     def prunable(self, num_blocks: int) -> List[int]:
         """The blocks that may be pruned: all but the first Fn, the last Bn and ``non_prune_block_ids``."""

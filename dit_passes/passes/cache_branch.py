@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -520,3 +521,14 @@ class PeerCachePass(Pass):
 
     def config_items(self) -> Dict[str, Any]:
         return {"tag": self.config.strify()}
+
+
+def said_if_never_cached(name: str, config: Any, result: PassResult) -> PassResult:
+    """``result`` with a warning (and its reason in the report) where ``config`` can cache no step at all
+    (``DBCacheConfig.never_caches``): the branch is in the graph but the step never skips, which the user should
+    hear of rather than measure."""
+    reason = config.never_caches()
+    if reason is None:
+        return result
+    warnings.warn(f"{name}: no step can be cached: {reason}", stacklevel=3)
+    return dataclasses.replace(result, report=f"{result.report}; no step can be cached: {reason}")

@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from ..infra.pass_base import Pass, PassContext, PassResult
 from ..infra.phases import Phase
-from .cache_branch import insert_cache_branch
+from .cache_branch import insert_cache_branch, said_if_never_cached
 
 
 class DBCache(Pass):
@@ -77,7 +77,8 @@ class DBCache(Pass):
         from ..cache.program import build_program
         from ..cache.store import CacheStore
 
-        return insert_cache_branch(
+        result = insert_cache_branch(
             gm, ctx, name=self.name, fn=self.config.Fn_compute_blocks, bn=self.config.Bn_compute_blocks,
             tag=self.config.strify(), make_program=functools.partial(build_program, self.config, self.calibrator),
             make_store=lambda: CacheStore(self.config, self.calibrator), split=split_for(self.config))
+        return said_if_never_cached(self.name, self.config, result)

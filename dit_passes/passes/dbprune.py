@@ -50,7 +50,7 @@ from ..infra.facts import facts_of
 from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from .cache_branch import (_branch, _compute_arm_vals, _fake_call, _getitems, add_state_inputs, cfg_split_note,
-                           dealias_live_in, finish_state_io)
+                           dealias_live_in, finish_state_io, said_if_never_cached)
 from .segments import cut_middle
 
 
@@ -188,8 +188,9 @@ class DBPrune(Pass):
         counts = {"blocks_prunable": len(blocks), "cond": len(blocks), "state_tensors": len(state_in),
                   "nodes_in_branches": moved,
                   "cfg_branches": split.branches if split is not None and timestep is not None else 0}
-        return PassResult(True, counts, f"blocks {blocks} of {n} each in its own torch.cond branch; tag "
-                                        f"{self.config.strify()}" + cfg_split_note(split, timestep is not None))
+        return said_if_never_cached(self.name, self.config, PassResult(
+            True, counts, f"blocks {blocks} of {n} each in its own torch.cond branch; tag {self.config.strify()}"
+            + cfg_split_note(split, timestep is not None)))
 
 
 def _image_stream(seg, calibrator) -> int:
