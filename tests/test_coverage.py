@@ -331,8 +331,11 @@ def test_dbcache_cuts_across_a_dual_to_single_hand_over():
     from dit_passes import compile_dit, passes
     zm = zoo.build("flux2")
     kw = zm.make_inputs()
+    # one state for both calls: under the default (None) two calls with the same timestep and latents are the CFG
+    # branches of one step, each computed once
     compiled = compile_dit(zm.model, passes=[passes.DBCache(Fn_compute_blocks=1, residual_diff_threshold=1.0,
-                                                            max_warmup_steps=1)])
+                                                            max_warmup_steps=1,
+                                                            enable_separate_cfg=False)])
     with torch.no_grad():
         ref = zm.model(**kw)[0]
         computed, cached = compiled(**kw)[0], compiled(**kw)[0]
