@@ -181,7 +181,8 @@ def summarize(matrix: List[dict], columns: Sequence[str]) -> Dict[str, Dict[str,
 # the count a cell of each column shows beside its status: (key of ``changed``, key of the total or None)
 _HEADLINE = {"svdquant": ("replaced", "considered"), "fp8": ("replaced", "considered"), "fuse": ("fused_groups", None),
              "attention": ("attention_rewritten", None), "norm_rope": ("fused", None), "norm_modulate": ("fused", None),
-             "regional": ("regions", None), "dbcache": ("blocks_in_branch", None), "taylorseer": ("blocks_in_branch", None)}
+             "regional": ("regions", None), "dbcache": ("blocks_in_branch", None),
+             "taylorseer": ("blocks_in_branch", None)}
 
 
 def headline(column: str, cell: dict) -> str:
@@ -222,8 +223,8 @@ def to_markdown(result: dict, command: str = "") -> str:
     lines += [f"exact: fp32 max relative error <= {result['tolerance']:g} vs eager (DBCache / TaylorSeer: the "
               f"cached call equals the computed one on identical inputs; SVDQuant W4A4 reference path: finite and "
               f"<= {result['svdquant_bound']:g}{fp8}); parallel columns on {result['world']} gloo ranks, "
-              f"batch {result['batch']}; the quantization columns at widths where their groups fit (more heads of the same "
-              "width). In parentheses what the pass changed, its own counts: linears quantized / considered, sites "
+              f"batch {result['batch']}; the quantization columns at widths where their groups fit (more heads of "
+              "the same width). In parentheses what the pass changed, its own counts: linears quantized / considered, sites "
               "fused, blocks in the cache's branch and calls cached, regions compiled (epilogues: split+gelu). "
               "nothing to do: the pass changed nothing (its reason below); refused: the library refused before "
               "running; error: a defect (a quantization that quantized nothing, a cache that cached nothing).", "",
