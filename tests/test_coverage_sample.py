@@ -14,8 +14,11 @@ import torch
 
 from dit_passes import coverage
 
-SAMPLE = 2          # families per run: all local columns on 2 families take about a minute on 2 shared CPU cores
+SAMPLE = 2          # families per run: all local columns on 2 families take 1-2 minutes on 2 shared CPU cores
 FIXED_SEED = 0      # outside a git checkout
+# rows whose eleven local cells take over 100 s on 2 cores (bench/results/coverage.json's seconds): two of them
+# would overrun CI's 3 minutes; the full matrix (``dit-passes coverage``) runs them
+SLOW = ("anyflow_far", "bria_fibo2", "framepack", "hunyuanvideo15", "ltx2", "sana_wm", "wan_animate2")
 
 
 def sample_seed() -> int:
@@ -24,8 +27,9 @@ def sample_seed() -> int:
 
 
 def sample_families(seed: int, k: int = SAMPLE) -> list:
-    """``k`` families of this diffusers' zoo rows (not the real-checkpoint variants), drawn by ``seed``."""
-    pool = sorted(f for r in coverage.select_rows(None, variants="none") for f in r.families)
+    """``k`` families of this diffusers' zoo rows (not the real-checkpoint variants nor :data:`SLOW`), drawn by
+    ``seed``."""
+    pool = sorted(f for r in coverage.select_rows(None, variants="none") for f in r.families if f not in SLOW)
     return sorted(random.Random(seed).sample(pool, k))
 
 
