@@ -182,12 +182,14 @@ def summarize(matrix: List[dict], columns: Sequence[str]) -> Dict[str, Dict[str,
 _HEADLINE = {"svdquant": ("replaced", "considered"), "fp8": ("replaced", "considered"), "fuse": ("fused_groups", None),
              "attention": ("attention_rewritten", None), "norm_rope": ("fused", None), "norm_modulate": ("fused", None),
              "regional": ("regions", None), "dbcache": ("blocks_in_branch", None),
-             "taylorseer": ("blocks_in_branch", None)}
+             "taylorseer": ("blocks_in_branch", None), "ulysses": ("all_to_all", None), "usp": ("all_to_all", None),
+             "ring": ("ring_exchange", None), "tp": ("all_reduce", None)}
 
 
 def headline(column: str, cell: dict) -> str:
     """What the cell's pass changed, in a few characters: ``18/22`` linears quantized of those considered, ``3``
-    sites fused, ``blocks 1, cached 1`` for a cache; empty where the cell has no counts (an older matrix)."""
+    sites fused or collectives inserted, ``blocks 1, cached 1`` for a cache; empty where the cell has no counts
+    (an older matrix)."""
     changed = cell.get("changed") or {}
     if column in ("epilogues",) and changed:
         return f"{changed.get('split', 0)}+{changed.get('fused', 0)}"
@@ -225,7 +227,8 @@ def to_markdown(result: dict, command: str = "") -> str:
               f"<= {result['svdquant_bound']:g}{fp8}); parallel columns on {result['world']} gloo ranks, "
               f"batch {result['batch']}; the quantization columns at widths where their groups fit (more heads of "
               "the same width). In parentheses what the pass changed, its own counts: linears quantized / considered, sites "
-              "fused, blocks in the cache's branch and calls cached, regions compiled (epilogues: split+gelu). "
+              "fused, blocks in the cache's branch and calls cached, regions compiled (epilogues: split+gelu), "
+              "collectives inserted (ulysses / usp: all_to_all, ring: ring exchanges, tp: all_reduce). "
               "nothing to do: the pass changed nothing (its reason below); refused: the library refused before "
               "running; error: a defect (a quantization that quantized nothing, a cache that cached nothing).", "",
               "| column | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
