@@ -1,10 +1,11 @@
 """The cells of ``dit-passes coverage`` (:mod:`dit_passes.coverage`): what each column checks and how one cell runs,
 in this process or on gloo ranks. Each cell is
 
-* ``exact``: the column's passes changed the graph and the rewritten module matches (fp32 max relative error <= :data:`TOLERANCE`; the cache columns:
-  the first call equals eager and the cached call equals the computed one on identical inputs; SVDQuant's
-  reference path: finite and within :data:`SVDQUANT_BOUND`, the error of 4-bit weights and activations; fp8's
-  reference path: within :data:`FP8_RATIO` x the model's error with the same linears' weights alone in e4m3);
+* ``exact``: the column's passes changed the graph and the rewritten module matches (fp32 max relative error <=
+  :data:`TOLERANCE`; the cache columns: the first call equals eager and the cached call equals the computed one
+  on identical inputs; SVDQuant's reference path: finite and within :data:`SVDQUANT_BOUND`, the error of 4-bit
+  weights and activations; fp8's reference path: within :data:`FP8_RATIO` x the model's error with the same
+  linears' weights alone in e4m3);
 * ``nothing to do: <reason>``: the passes changed nothing (their own report says why: no pattern of theirs in the
   graph) and the output still matches; a quantization column that quantized no linear, or a cache that moved no
   block into its branch, is an error instead;
@@ -244,7 +245,8 @@ def _check_quant(make: Callable[[], object], bound: Union[float, Callable], desc
     quantized no linear."""
     check = _check_plain(lambda: [make()], bound, describe, must_change=True)
     p = make()
-    check.k_multiple = max(p.k_multiple(k) for k in {p.kind, getattr(p, "modulation", p.kind)})
+    kinds = {p.kind, getattr(p, "modulation", None)} - {None}  # SVDQuant's modulation linears: their own kind
+    check.k_multiple = max(p.k_multiple(k) for k in kinds)
     return check
 
 

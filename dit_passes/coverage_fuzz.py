@@ -125,7 +125,8 @@ def run_fuzz(families: Sequence[str], draws: int, columns: Sequence[str], seed: 
     import diffusers
 
     from .coverage import source_commit
-    return {"commit": source_commit(), "diffusers": diffusers.__version__, "torch": torch.__version__, "columns": shown, "draws": draws,
+    return {"commit": source_commit(), "diffusers": diffusers.__version__, "torch": torch.__version__,
+            "columns": shown, "draws": draws,
             "seed": seed, "seconds": round(time.perf_counter() - start, 1), "valid": len(drawn),
             "invalid": sum(1 for r in rows if r["invalid"]), "summary": summary, "rows": rows}
 
