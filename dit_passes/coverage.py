@@ -228,7 +228,8 @@ def to_markdown(result: dict, command: str = "") -> str:
               f"batch {result['batch']}; the quantization columns at widths where their groups fit (more heads of "
               "the same width). In parentheses what the pass changed, its own counts: linears quantized / "
               "considered, sites fused, blocks in the cache's branch and calls cached, regions compiled "
-              "(epilogues: split+gelu), collectives inserted (ulysses / usp: all_to_all, ring: ring exchanges, tp: all_reduce). "
+              "(epilogues: split+gelu), collectives inserted (ulysses / usp: all_to_all, ring: ring exchanges, "
+              "tp: all_reduce). "
               "nothing to do: the pass changed nothing (its reason below); refused: the library refused before "
               "running; error: a defect (a quantization that quantized nothing, a cache that cached nothing).", "",
               "| column | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
