@@ -222,8 +222,10 @@ def to_markdown(result: dict, command: str = "") -> str:
         lines += [f"Made by `{commands[0]}` ({result['seconds']} s).", ""]
     fp8 = (f"; fp8 e4m3 reference path: <= {result['fp8_ratio']:g} x the error of the same linears with e4m3 "
            f"weights alone, itself <= {result['fp8_bound']:g}" if "fp8" in cols else "")
-    lines += [f"exact: fp32 max relative error <= {result['tolerance']:g} vs eager (DBCache / TaylorSeer: the "
-              f"cached call equals the computed one on identical inputs; SVDQuant W4A4 reference path: finite and "
+    lines += [f"exact: fp32 max relative error <= {result['tolerance']:g} vs eager (DBCache / TaylorSeer: a "
+              f"10-step loop whose latents move with the output caches several steps; its computed steps equal "
+              f"eager, and every step equals cache-dit's own cache where cache-dit runs the class; SVDQuant W4A4 "
+              f"reference path: finite and "
               f"<= {result['svdquant_bound']:g}{fp8}); parallel columns on {result['world']} gloo ranks, "
               f"batch {result['batch']}; the quantization columns at widths where their groups fit (more heads of "
               "the same width). In parentheses what the pass changed, its own counts: linears quantized / "

@@ -446,8 +446,8 @@ def test_cells_record_status_counts_and_versions(local_matrix):
     assert "| nothing to do |" in md and "dit / norm_rope: nothing to do: " in md
     for family in CHEAP:
         cells = rows[family]["cells"]
-        # the cache columns: one call cached after the computed ones, at least one block in the branch
-        assert cells["dbcache"]["cached_steps"] == cells["taylorseer"]["cached_steps"] == 1, family
+        # the cache columns: several steps of the loop cached, at least one block in the branch
+        assert cells["dbcache"]["cached_steps"] >= 2 and cells["taylorseer"]["cached_steps"] >= 2, family
         assert cells["dbcache"]["changed"]["blocks_in_branch"] >= 1, family
         # the fp8 cell's counts are its detail's (checked against the graph above)
         assert f"linears {cells['fp8']['changed']['replaced']}" in cells["fp8"]["detail"], family
@@ -505,3 +505,41 @@ def test_group_widths_keep_the_head_width():
         wide_heads, wide_head_dim = spec.heads_and_head_dim(config)
         assert (wide_heads * wide_head_dim) % 64 == 0 and wide_head_dim == head_dim, (family, widths)
         assert bool(widths) == ((heads * head_dim) % 64 != 0), (family, widths)
+
+
+def test_cache_columns_compare_the_cached_steps():
+    """The cache columns' loop moves the latents, so a cached step's output is not the last computed one: the
+    comparison with cache-dit over the loop sees the cached steps (a cache that kept the first block's count at 2
+    instead of 1 caches the same steps and differs from it there), and TaylorSeer's forecast is exercised (its
+    cached steps differ from DBCache's)."""
+    from dit_passes import compile_dit, passes
+    from dit_passes.cache.config import TaylorSeerCalibratorConfig
+    from dit_passes.coverage_cells import LOOP_STEPS, _cache_dit_run, _denoise, _moving_key
+    pytest.importorskip("cache_dit")
+    torch.set_num_threads(1)
+    loop = dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=1.0, max_warmup_steps=2,
+                max_continuous_cached_steps=2, enable_separate_cfg=False)
+    cell = coverage.run_cell("flux", coverage._local_checks()["dbcache"], 120)
+    assert cell.status == "exact" and "vs cache-dit" in cell.detail and cell.cached_steps >= 2, cell
+
+    def ours(cfg, calibrator=None):
+        zm = zoo.build("flux", redraw_zeros=True)
+        inputs = zm.make_inputs(seed=1)
+        cal = None if calibrator is None else TaylorSeerCalibratorConfig(**calibrator)
+        compiled = compile_dit(zm.model, passes=[passes.DBCache(calibrator=cal, **cfg)])
+        key = _moving_key(inputs, zm.model(**inputs))
+        outs, _ = _denoise(compiled, inputs, key)
+        cached = compiled.report("dbcache").last_generation()["step_cached"]
+        return outs, [i for i, c in enumerate(cached) if c], zm, inputs, key
+
+    plain, cached, zm, inputs, key = ours(loop)
+    assert len(cached) >= 2 and "hidden_states" == key
+    other, other_cached = _cache_dit_run(zm.model, inputs, key, dict(loop, Fn_compute_blocks=2), None)
+    assert other_cached == cached
+    assert max(coverage._max_rel(plain[i], other[i]) for i in cached) > 1e-3
+    assert all(coverage._max_rel(plain[i], other[i]) <= coverage.TOLERANCE
+               for i in range(min(cached)))  # the steps before the first cached one agree: the cache is what differs
+    assert LOOP_STEPS == len(plain)
+    taylor, taylor_cached, *_ = ours(loop, dict(taylorseer_order=1))
+    assert taylor_cached == cached
+    assert max(coverage._max_rel(taylor[i], plain[i]) for i in cached) > 1e-3
