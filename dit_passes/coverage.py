@@ -28,8 +28,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import coverage_cells as _cells
-from .coverage_cells import (COLUMNS, ERROR, EXACT, FP8_BOUND, FP8_RATIO, LOCAL_COLUMNS, NO_CONFIG, PARALLEL_COLUMNS,
-                             REFUSED, SVDQUANT_BOUND, TOLERANCE, WORLD, Cell, _quiet, run_cell, run_local, run_parallel)
+from .coverage_cells import (CACHE_COLUMNS, COLUMNS, ERROR, EXACT, FP8_BOUND, FP8_RATIO, LOCAL_COLUMNS, NO_CONFIG,
+                             NOTHING, PARALLEL_COLUMNS, QUANT_COLUMNS, REFUSED, STATUSES, SVDQUANT_BOUND, TOLERANCE,
+                             WORLD, Cell, _quiet, run_cell, run_local, run_parallel)
 
 # Re-exported: tests/test_coverage.py and tests/test_zoo_variants.py read these from dit_passes.coverage.
 CellTimeout, parallel_worker = _cells.CellTimeout, _cells.parallel_worker
@@ -94,6 +95,7 @@ def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: f
     shown = local_cols + par_cols
     from .models.diffusers_zoo import EXCLUDED, transformer_classes
     return {
+        "commit": source_commit(), "command": "",
         "diffusers": diffusers.__version__, "torch": torch.__version__, "world": WORLD if par_cols else 1,
         "batch": batch, "inputs": inputs, "tolerance": TOLERANCE, "svdquant_bound": SVDQUANT_BOUND,
         "fp8_ratio": FP8_RATIO, "fp8_bound": FP8_BOUND, "columns": shown,
@@ -103,6 +105,21 @@ def build_matrix(rows, columns: Sequence[str], parallel: bool = True, timeout: f
         "excluded": {name: EXCLUDED[name] for name in transformer_classes() if name in EXCLUDED},
         "zoo_families": list(ALL_FAMILIES),
     }
+
+
+def source_commit() -> str:
+    """The git commit of the dit_passes source this process imports (``+dirty`` where its tree has uncommitted
+    changes), or ``"unknown"`` outside a git checkout: a matrix says which code made it."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "") if sha else "unknown"
 
 
 _BOUNDS = {"svdquant": ("svdquant_bound",), "fp8": ("fp8_ratio", "fp8_bound")}  # a column's settings
@@ -146,9 +163,10 @@ def merge_rows(base: dict, update: dict) -> dict:
     merged["seconds"] = round(base["seconds"] + update["seconds"], 1)
     merged["commands"] = list(base.get("commands") or [base.get("command", "")]) + [update.get("command", "")]
     merged["command"] = merged["commands"][0]
-    for k in ("diffusers", "torch"):  # the versions each run's cells came from, in order
-        seen = [v for v in str(base.get(k, "")).split(", then ") if v]
-        merged[k] = ", then ".join(seen + [update[k]] * (update[k] not in seen))
+    for k in ("commit", "diffusers", "torch"):  # the commit and versions each run's cells came from, in order
+        seen = [v for v in str(base.get(k, "") or "unknown").split(", then ") if v]
+        new = str(update.get(k, "") or "unknown")
+        merged[k] = ", then ".join(seen + [new] * (new not in seen))
     if parallel(update):
         merged["world"] = update["world"]
     return merged
@@ -157,7 +175,7 @@ def merge_rows(base: dict, update: dict) -> dict:
 def summarize(matrix: List[dict], columns: Sequence[str]) -> Dict[str, Dict[str, int]]:
     out = {}
     for c in columns:
-        counts = {EXACT: 0, REFUSED: 0, ERROR: 0, NO_CONFIG: 0}
+        counts = {status: 0 for status in STATUSES}
         for row in matrix:
             if c in row["cells"]:
                 counts[row["cells"][c]["status"]] += 1
@@ -165,14 +183,42 @@ def summarize(matrix: List[dict], columns: Sequence[str]) -> Dict[str, Dict[str,
     return out
 
 
-def _cell_md(cell: dict, ref: Optional[int]) -> str:
-    mark = {EXACT: "exact", REFUSED: "refused", ERROR: "**error**", NO_CONFIG: "no config"}[cell["status"]]
+# the count a cell of each column shows beside its status: (key of ``changed``, key of the total or None)
+_HEADLINE = {"svdquant": ("replaced", "considered"), "fp8": ("replaced", "considered"), "fuse": ("fused_groups", None),
+             "attention": ("attention_rewritten", None), "norm_rope": ("fused", None), "norm_modulate": ("fused", None),
+             "regional": ("regions", None), "dbcache": ("blocks_in_branch", None),
+             "taylorseer": ("blocks_in_branch", None), "ulysses": ("all_to_all", None), "usp": ("all_to_all", None),
+             "ring": ("ring_exchange", None), "tp": ("all_reduce", None)}
+
+
+def headline(column: str, cell: dict) -> str:
+    """What the cell's pass changed, in a few characters: ``18/22`` linears quantized of those considered, ``3``
+    sites fused or collectives inserted, ``blocks 1, cached 1`` for a cache; empty where the cell has no counts
+    (an older matrix)."""
+    changed = cell.get("changed") or {}
+    if column in ("epilogues",) and changed:
+        return f"{changed.get('split', 0)}+{changed.get('fused', 0)}"
+    key, total = _HEADLINE.get(column, (None, None))
+    if key is None or key not in changed:
+        return ""
+    text = f"{changed[key]}/{changed[total]}" if total and total in changed else str(changed[key])
+    if cell.get("cached_steps") is not None:
+        text = f"blocks {text}, cached {cell['cached_steps']}"
+    return text
+
+
+def _cell_md(cell: dict, ref: Optional[int], column: str = "") -> str:
+    mark = {EXACT: "exact", NOTHING: "nothing to do", REFUSED: "refused", ERROR: "**error**",
+            NO_CONFIG: "no config"}[cell["status"]]
+    count = headline(column, cell) if cell["status"] == EXACT else ""
+    mark = f"{mark} ({count})" if count else mark
     return mark if ref is None else f"{mark} [{ref}]"
 
 
 def to_markdown(result: dict, command: str = "") -> str:
     cols = result["columns"]
-    lines = [f"# DiT coverage: diffusers {result['diffusers']}, torch {result['torch']}", ""]
+    lines = [f"# DiT coverage: diffusers {result['diffusers']}, torch {result['torch']}, commit "
+             f"{result.get('commit') or 'unknown'}", ""]
     commands = result.get("commands") or ([command] if command else [])
     if len(commands) > 1:
         lines += [f"Made by `{commands[0]}`, then the rows of " + ", ".join(f"`{c}`" for c in commands[1:]) +
@@ -181,14 +227,21 @@ def to_markdown(result: dict, command: str = "") -> str:
         lines += [f"Made by `{commands[0]}` ({result['seconds']} s).", ""]
     fp8 = (f"; fp8 e4m3 reference path: <= {result['fp8_ratio']:g} x the error of the same linears with e4m3 "
            f"weights alone, itself <= {result['fp8_bound']:g}" if "fp8" in cols else "")
-    lines += [f"exact: fp32 max relative error <= {result['tolerance']:g} vs eager (DBCache / TaylorSeer: the "
-              f"cached call equals the computed one on identical inputs; SVDQuant W4A4 reference path: finite and "
+    lines += [f"exact: fp32 max relative error <= {result['tolerance']:g} vs eager (DBCache / TaylorSeer: a "
+              f"10-step loop whose latents move with the output caches several steps; its computed steps equal "
+              f"eager, and every step equals cache-dit's own cache where cache-dit runs the class; SVDQuant W4A4 "
+              f"reference path: finite and "
               f"<= {result['svdquant_bound']:g}{fp8}); parallel columns on {result['world']} gloo ranks, "
-              f"batch {result['batch']}, the zoo's `{result.get('inputs', 'default')}` inputs. refused: the library "
-              f"refused before running; error: a defect.", "",
+              f"batch {result['batch']}; the quantization columns at widths where their groups fit (more heads of "
+              "the same width). In parentheses what the pass changed, its own counts: linears quantized / "
+              "considered, sites fused, blocks in the cache's branch and calls cached, regions compiled "
+              "(epilogues: split+gelu), collectives inserted (ulysses / usp: all_to_all, ring: ring exchanges, "
+              "tp: all_reduce). "
+              "nothing to do: the pass changed nothing (its reason below); refused: the library refused before "
+              "running; error: a defect (a quantization that quantized nothing, a cache that cached nothing).", "",
               "| column | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for status in (EXACT, REFUSED, ERROR, NO_CONFIG):
-        lines.append(f"| {status} | " + " | ".join(str(result["summary"][c][status]) for c in cols) + " |")
+    for status in STATUSES:
+        lines.append(f"| {status} | " + " | ".join(str(result["summary"][c].get(status, 0)) for c in cols) + " |")
     lines += ["", "| class | family | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     notes: List[str] = []
     for row in result["rows"]:
@@ -199,10 +252,10 @@ def to_markdown(result: dict, command: str = "") -> str:
                 texts.append("")
                 continue
             ref = None
-            if cell["status"] in (REFUSED, ERROR):
+            if cell["status"] in (NOTHING, REFUSED, ERROR):
                 notes.append(f"{row['family']} / {c}: {cell['status']}: {cell['detail']}")
                 ref = len(notes)
-            texts.append(_cell_md(cell, ref))
+            texts.append(_cell_md(cell, ref, c))
         lines.append(f"| {row['class']} | {row['family'] or '-'} | " + " | ".join(texts) + " |")
     if notes:
         lines += ["", "## Reasons", ""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)]
@@ -214,7 +267,7 @@ def to_markdown(result: dict, command: str = "") -> str:
 
 def to_text(result: dict) -> str:
     cols = result["columns"]
-    short = {EXACT: "exact", REFUSED: "refused", ERROR: "ERROR", NO_CONFIG: "-"}
+    short = {EXACT: "exact", NOTHING: "nothing", REFUSED: "refused", ERROR: "ERROR", NO_CONFIG: "-"}
     width = max([len("family")] + [len(r["family"] or r["class"]) for r in result["rows"]])
     lines = [f"{'family':<{width}}  " + "  ".join(f"{c:<10}" for c in cols)]
     for row in result["rows"]:
@@ -224,8 +277,8 @@ def to_text(result: dict) -> str:
     lines.append("")
     for c in cols:
         s = result["summary"][c]
-        lines.append(f"{c:<11} exact {s[EXACT]:3d}  refused {s[REFUSED]:3d}  error {s[ERROR]:3d}  "
-                     f"no config {s[NO_CONFIG]:3d}")
+        lines.append(f"{c:<11} exact {s[EXACT]:3d}  nothing to do {s.get(NOTHING, 0):3d}  refused {s[REFUSED]:3d}  "
+                     f"error {s[ERROR]:3d}  no config {s[NO_CONFIG]:3d}")
     return "\n".join(lines)
 
 
@@ -288,5 +341,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-__all__ = ["COLUMNS", "LOCAL_COLUMNS", "PARALLEL_COLUMNS", "Cell", "build_matrix", "cli_selection", "main", "merge_rows",
+__all__ = ["CACHE_COLUMNS", "COLUMNS", "LOCAL_COLUMNS", "NOTHING", "PARALLEL_COLUMNS", "QUANT_COLUMNS", "Cell",
+           "build_matrix", "headline", "source_commit", "cli_selection", "main", "merge_rows",
            "run_cell", "select_rows", "summarize", "to_markdown", "to_text"]

@@ -1,10 +1,15 @@
 """The cells of ``dit-passes coverage`` (:mod:`dit_passes.coverage`): what each column checks and how one cell runs,
 in this process or on gloo ranks. Each cell is
 
-* ``exact``: the rewritten module matches (fp32 max relative error <= :data:`TOLERANCE`; the cache columns:
-  the first call equals eager and the cached call equals the computed one on identical inputs; SVDQuant's
-  reference path: finite and within :data:`SVDQUANT_BOUND`, the error of 4-bit weights and activations; fp8's
-  reference path: within :data:`FP8_RATIO` x the model's error with the same linears' weights alone in e4m3);
+* ``exact``: the column's passes changed the graph and the rewritten module matches (fp32 max relative error <=
+  :data:`TOLERANCE`; the cache columns: a :data:`LOOP_STEPS`-step loop whose latents move with the output caches
+  some steps, its computed steps equal eager on their inputs, and where cache-dit 1.5.3 runs the class every step
+  equals cache-dit's own cache, the cached ones included; SVDQuant's reference path: finite and within
+  :data:`SVDQUANT_BOUND`, the error of 4-bit weights and activations; fp8's reference path: within
+  :data:`FP8_RATIO` x the model's error with the same linears' weights alone in e4m3);
+* ``nothing to do: <reason>``: the passes changed nothing (their own report says why: no pattern of theirs in the
+  graph) and the output still matches; a quantization column that quantized no linear, or a cache that moved no
+  block into its branch, is an error instead;
 * ``refused: <reason>``: the library refused before running (a ``PassError``, a capture or block-discovery
   error, a sharding / mesh error: what a user reads; not ``PassCrashed``, a pass's own crash while rewriting);
 * ``error: <type: msg>``: anything else (a crash while running, a wrong result, a timeout): a defect.
@@ -17,6 +22,12 @@ experts' router; ``linears`` quantized), ``attention`` (AttentionBackend("cudnn"
 ``attention`` pinned), ``norm_rope`` (FuseNormRope, the op's reference on the CPU: ``ropes`` fused),
 ``norm_modulate`` (FuseNormModulate, likewise: ``norms`` fused), and on gloo ranks ``ulysses``, ``ring``, ``usp``,
 ``tp``.
+
+Every cell keeps, beside its status, ``error`` (the max relative error measured) and ``changed``: the column's
+passes' own counts from their records of the lowered graph (``replaced`` / ``considered`` / ``skipped_<reason>``
+linears, ``fused`` sites, ``blocks_in_branch``, ``all_to_all`` ...); the cache columns also ``cached_steps``. The
+quantization columns build each family wider (``zoo.group_widths``: more heads of the same width) so every block
+linear's K is a multiple of the kind's group (64 for int4): at the zoo's width of 32 an int4 kind quantizes none.
 
 The models are the zoo's tiny configs with every all-zero floating parameter redrawn (seeded, the same on
 every rank: ``zoo.build(..., redraw_zeros=True)``): diffusers zero-initialises gates, modulation and output
@@ -39,7 +50,8 @@ import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["COLUMNS", "LOCAL_COLUMNS", "PARALLEL_COLUMNS", "TOLERANCE", "SVDQUANT_BOUND", "FP8_RATIO", "FP8_BOUND",
-           "WORLD", "EXACT", "REFUSED", "ERROR", "NO_CONFIG", "Cell", "CellTimeout", "run_cell", "run_local",
+           "WORLD", "EXACT", "NOTHING", "REFUSED", "ERROR", "NO_CONFIG", "STATUSES", "QUANT_COLUMNS",
+           "CACHE_COLUMNS", "Cell", "CellTimeout", "Outcome", "run_cell", "run_local",
            "run_parallel", "parallel_worker"]
 
 LOCAL_COLUMNS = ("capture", "dbcache", "taylorseer", "regional", "svdquant", "epilogues", "fuse", "fp8", "attention",
@@ -61,17 +73,37 @@ FP8_RATIO = 3.5
 FP8_BOUND = 0.1
 WORLD = 2
 
-EXACT, REFUSED, ERROR, NO_CONFIG = "exact", "refused", "error", "no config"
+EXACT, NOTHING, REFUSED, ERROR, NO_CONFIG = "exact", "nothing to do", "refused", "error", "no config"
+STATUSES = (EXACT, NOTHING, REFUSED, ERROR, NO_CONFIG)
+# columns whose pass must change something on every family: a quantization that quantized no linear is an error
+QUANT_COLUMNS = ("svdquant", "fp8")
+CACHE_COLUMNS = ("dbcache", "taylorseer")
 
 
 @dataclasses.dataclass
 class Cell:
-    status: str                 # exact / refused / error / no config
-    detail: str = ""            # the reason (refused / error), or the measured error (exact)
+    status: str                 # exact / nothing to do / refused / error / no config
+    detail: str = ""            # the reason (nothing to do / refused / error), or the measured error (exact)
     seconds: float = 0.0
+    error: Optional[float] = None   # max relative error vs the column's reference, where it was measured
+    # what the column's passes did, their own counts summed (linears replaced / skipped_<reason>, sites fused,
+    # blocks_in_branch, all_to_all ...); empty where nothing was lowered
+    changed: Dict[str, int] = dataclasses.field(default_factory=dict)
+    cached_steps: Optional[int] = None  # the cache columns: calls served from the cache
 
     def text(self) -> str:
         return self.status if not self.detail or self.status == EXACT else f"{self.status}: {self.detail}"
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a column's check returns: the text of an exact cell, the numbers beside it, and ``nothing``, the pass's
+    own reason where it changed nothing (the cell is then ``nothing to do``, not ``exact``)."""
+    detail: str
+    error: Optional[float] = None
+    changed: Dict[str, int] = dataclasses.field(default_factory=dict)
+    nothing: Optional[str] = None
+    cached_steps: Optional[int] = None
 
 
 class CellTimeout(BaseException):
@@ -169,18 +201,53 @@ def _within(rel: float, bound: float, what: str) -> None:
 
 
 # --------------------------------------------------------------------------------------- the columns
+def _what_changed(compiled, passes: Callable[[], list]) -> Tuple[Dict[str, int], Optional[str]]:
+    """The column's passes' own counts, summed over their records of the lowered graph (the passes ``passes()``
+    names; not the Cleanup every compile runs), and None where one of them changed the graph, else their reports
+    (why each did nothing); no pass at all changed nothing and is no "nothing to do"."""
+    names = {p.name for p in passes()}
+    if not names:  # the capture column: no pass, the captured graph is what it checks
+        return {}, None
+    records = [r for r in compiled._current().manager.records if r.name in names]
+    changed: Dict[str, int] = {}
+    for r in records:
+        for key, value in r.result.counts.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                changed[key] = changed.get(key, 0) + value
+    if any(r.result.changed for r in records):
+        return changed, None
+    why = "; ".join(" ".join(str(r.result.report).split()) for r in records if r.result.report)
+    return changed, why or f"no record of {sorted(names)} in the lowered graph"
+
+
 def _check_plain(passes: Callable[[], list], bound: Union[float, Callable] = TOLERANCE,
-                 describe: Optional[Callable] = None):
+                 describe: Optional[Callable] = None, must_change: bool = False):
     """The output vs eager within ``bound`` (a number, or ``bound(zm, inputs, reference) -> (bound, note)`` run
-    before the passes touch the model); ``describe(compiled)`` adds to the detail (what the passes did)."""
-    def check(zm, inputs, reference) -> str:
+    before the passes touch the model); ``describe(compiled)`` adds to the detail (what the passes did). A pass
+    that changed nothing makes the cell ``nothing to do`` (its reason), or an error where ``must_change``."""
+    def check(zm, inputs, reference) -> Outcome:
         limit, note = bound(zm, inputs, reference) if callable(bound) else (bound, "")
         compiled = _compile(zm.model, passes, inputs)
         with torch.no_grad():
             out = compiled(**inputs)
         rel = _max_rel(out, reference)
+        changed, nothing = _what_changed(compiled, passes)
+        if nothing is not None and must_change:
+            raise AssertionError(f"the pass changed nothing: {nothing}")
         _within(rel, limit, "output vs eager")
-        return f"rel {rel:.1e}" + (f" ({note})" if note else "") + (f", {describe(compiled)}" if describe else "")
+        detail = f"rel {rel:.1e}" + (f" ({note})" if note else "") + (f", {describe(compiled)}" if describe else "")
+        return Outcome(detail, rel, changed, nothing)
+    return check
+
+
+def _check_quant(make: Callable[[], object], bound: Union[float, Callable], describe: Optional[Callable] = None):
+    """:func:`_check_plain` for a quantize pass: run at the widths its kinds' groups fit (``check.k_multiple``,
+    the group K must be a multiple of: :func:`run_cell` builds the family at those widths), an error where it
+    quantized no linear."""
+    check = _check_plain(lambda: [make()], bound, describe, must_change=True)
+    p = make()
+    kinds = {p.kind, getattr(p, "modulation", None)} - {None}  # SVDQuant's modulation linears: their own kind
+    check.k_multiple = max(p.k_multiple(k) for k in kinds)
     return check
 
 
@@ -209,45 +276,134 @@ def _pass_counts(shown: Dict[str, tuple]) -> Callable:
     return describe
 
 
-def _check_cache(passes: Callable[[], list], computed_calls: int):
-    """``computed_calls`` warm-up calls, then one that must be cached and equal the last computed one."""
-    def check(zm, inputs, reference) -> str:
-        compiled = _compile(zm.model, passes, inputs)
+LOOP_STEPS = 10  # the cache columns' denoising loop
+LOOP_STEP_SIZE = 0.05  # latents <- latents - LOOP_STEP_SIZE * output after each step
+
+
+def _moving_key(inputs: dict, out) -> Optional[str]:
+    """The input the loop moves with the output: ``hidden_states`` where it has the output's size, else the first
+    tensor input that has (None: no input has, the loop's inputs stay fixed but for the timestep)."""
+    first = _leaves(out)[0]
+    keys = ["hidden_states"] + [k for k in inputs if k != "hidden_states"]
+    return next((k for k in keys if isinstance(inputs.get(k), torch.Tensor) and inputs[k].is_floating_point()
+                 and inputs[k].numel() == first.numel()), None)
+
+
+def _denoise(model, inputs: dict, key: Optional[str], steps: int = LOOP_STEPS):
+    """A short Euler-like loop: the timestep falls to half its value, the input ``key`` moves with the output.
+    Returns the outputs and each step's inputs."""
+    outs, seen, kw = [], [], dict(inputs)
+    t0 = inputs.get("timestep")
+    for i in range(steps):
+        if isinstance(t0, torch.Tensor):
+            kw["timestep"] = (t0.double() * (1 - 0.5 * i / steps)).to(t0.dtype)
+        seen.append(dict(kw))
         with torch.no_grad():
-            outs = [compiled(**inputs) for _ in range(computed_calls + 1)]
-        cached = list(compiled.report("dbcache").last_generation()["step_cached"])
-        expected = [False] * computed_calls + [True]
-        if cached != expected:
-            raise AssertionError(f"cache decisions {cached}, expected {expected}")
-        rel0 = _max_rel(outs[0], reference)
-        _within(rel0, TOLERANCE, "computed call vs eager")
-        rel = _max_rel(outs[-1], outs[-2])
-        _within(rel, TOLERANCE, "cached call vs computed call")
-        return f"rel {max(rel0, rel):.1e}"
+            out = model(**kw)
+        outs.append(out)
+        if key is not None:
+            kw[key] = kw[key] - LOOP_STEP_SIZE * _leaves(out)[0].reshape(kw[key].shape).to(kw[key].dtype)
+    return outs, seen
+
+
+def _cache_dit_run(model, inputs: dict, key: Optional[str], config: dict, calibrator: Optional[dict]):
+    """cache-dit 1.5.3's own DBCache on a copy of ``model`` over the same loop: (outputs, cached step indices), or
+    (None, why) where cache-dit is not installed or does not take this class."""
+    import copy
+    import logging
+    try:
+        import cache_dit
+    except ImportError:
+        return None, "cache-dit not installed"
+    logging.getLogger("cache_dit").setLevel(logging.ERROR)  # after the import, which sets its own level
+    ref = copy.deepcopy(model)
+    extra = {} if calibrator is None else dict(calibrator_config=cache_dit.TaylorSeerCalibratorConfig(**calibrator))
+    try:
+        cache_dit.enable_cache(ref, cache_config=cache_dit.DBCacheConfig(num_inference_steps=LOOP_STEPS, **config),
+                               **extra)
+        outs, _ = _denoise(ref, inputs, key)
+        return outs, list(cache_dit.summary(ref)[0].cached_steps)
+    except Exception as e:  # noqa: BLE001 - a class cache-dit's adapters do not take: no reference, said so
+        return None, f"cache-dit does not run it ({_short(e, 120)})"
+
+
+def _check_cache(config: dict, calibrator: Optional[dict] = None):
+    """DBCache with ``config`` (and TaylorSeer's ``calibrator``) over a :data:`LOOP_STEPS`-step loop whose inputs
+    move with the output: some steps must be cached; every computed step equals eager on that step's inputs; and
+    where cache-dit 1.5.3 runs the class, the loop equals cache-dit's own (the same cached steps, every output
+    within :data:`TOLERANCE`), cached steps included."""
+    from .cache.config import TaylorSeerCalibratorConfig
+    from .passes import DBCache
+
+    def passes():
+        cal = None if calibrator is None else TaylorSeerCalibratorConfig(**calibrator)
+        return [DBCache(calibrator=cal, **config)]
+
+    def check(zm, inputs, reference) -> Outcome:
+        import copy
+        eager = copy.deepcopy(zm.model)  # before the passes touch the model
+        compiled = _compile(zm.model, passes, inputs)
+        key = _moving_key(inputs, reference)
+        outs, seen = _denoise(compiled, inputs, key)
+        changed, nothing = _what_changed(compiled, passes)
+        if nothing is not None:
+            raise AssertionError(f"the cache moved no block into its branch: {nothing}")
+        cached = [bool(c) for c in compiled.report("dbcache").last_generation()["step_cached"]]
+        if len(cached) != LOOP_STEPS or not any(cached):
+            raise AssertionError(f"cache decisions {cached} over {LOOP_STEPS} steps: no step cached")
+        worst = 0.0
+        for i, c in enumerate(cached):
+            if not c:
+                with torch.no_grad():
+                    rel = _max_rel(outs[i], eager(**seen[i]))
+                _within(rel, TOLERANCE, f"computed step {i} vs eager on its inputs")
+                worst = max(worst, rel)
+        ref_outs, ref_cached = _cache_dit_run(eager, inputs, key, config, calibrator)
+        if ref_outs is not None:  # cache-dit is a reference only where its computed steps are the model's
+            first = min(ref_cached) if ref_cached else LOOP_STEPS
+            with torch.no_grad():
+                off = max(_max_rel(ref_outs[i], eager(**seen[i])) for i in range(first))
+            if not off <= TOLERANCE:
+                ref_outs, ref_cached = None, f"cache-dit's own computed steps differ from eager by {off:.2g}"
+        if ref_outs is None:
+            note = f"no reference for the cached steps: {ref_cached}"
+        else:
+            ours = [i for i, c in enumerate(cached) if c]
+            if ours != ref_cached:
+                raise AssertionError(f"cached steps {ours}, cache-dit's {ref_cached}")
+            for i in range(LOOP_STEPS):
+                rel = _max_rel(outs[i], ref_outs[i])
+                _within(rel, TOLERANCE, f"step {i} vs cache-dit")
+                worst = max(worst, rel)
+            note = "vs cache-dit"
+        moved = f"{key} moving" if key else "inputs fixed but the timestep"
+        return Outcome(f"rel {worst:.1e}, {sum(cached)} of {LOOP_STEPS} steps cached ({moved}; {note})", worst,
+                       changed, cached_steps=sum(cached))
     return check
 
 
 def _local_checks() -> Dict[str, Callable]:
-    from .cache.config import TaylorSeerCalibratorConfig
-    from .passes import (AttentionBackend, DBCache, Fp8Linear, FuseLinearGelu, FuseNormModulate, FuseNormRope,
+    from .passes import (AttentionBackend, Fp8Linear, FuseLinearGelu, FuseNormModulate, FuseNormRope,
                          FuseSiblingLinears, RegionalCompile, SplitConcatLinear, SVDQuantW4A4)
 
-    # always cache once a residual is stored: threshold 1, unlimited cached steps
-    always = dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=1.0, enable_separate_cfg=False)
+    # a schedule that caches several steps of the loop: after 2 computed ones, up to 2 cached in a row while the
+    # first block's residual changes by less than its own size
+    loop = dict(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=1.0, max_warmup_steps=2,
+                max_continuous_cached_steps=2, enable_separate_cfg=False)
     return {
         "capture": _check_plain(lambda: []),
-        "dbcache": _check_cache(lambda: [DBCache(max_warmup_steps=1, **always)], 1),
-        "taylorseer": _check_cache(lambda: [DBCache(max_warmup_steps=2, calibrator=TaylorSeerCalibratorConfig(
-            taylorseer_order=1), **always)], 2),
+        "dbcache": _check_cache(loop),
+        "taylorseer": _check_cache(loop, dict(taylorseer_order=1)),
         "regional": _check_plain(lambda: [RegionalCompile(backend="aot_eager")]),
-        "svdquant": _check_plain(lambda: [SVDQuantW4A4(rank=4, dynamic=True)], SVDQUANT_BOUND),
+        "svdquant": _check_quant(lambda: SVDQuantW4A4(rank=4, dynamic=True), SVDQUANT_BOUND, describe=_pass_counts(
+            {SVDQuantW4A4.name: ("replaced", "linears")})),
         # the EPILOGUES phase; the detail counts the linears each rewrote (0: nothing of the pattern there)
         "epilogues": _check_plain(lambda: [SplitConcatLinear(), FuseLinearGelu()], describe=_pass_counts(
             {SplitConcatLinear.name: ("split", "split"), FuseLinearGelu.name: ("fused", "gelu")})),
         # the siblings' outputs are slices of one wider matmul: exact up to the summation order
         "fuse": _check_plain(lambda: [FuseSiblingLinears()], describe=_pass_counts(
             {FuseSiblingLinears.name: ("fused_groups", "groups")})),
-        "fp8": _check_plain(lambda: [Fp8Linear()], _fp8_bound, describe=_pass_counts(
+        "fp8": _check_quant(lambda: Fp8Linear(), _fp8_bound, describe=_pass_counts(
             {Fp8Linear.name: ("replaced", "linears")})),
         # on the CPU the pinned kernel falls back to the math one, which eager runs too
         "attention": _check_plain(lambda: [AttentionBackend("cudnn")], describe=_pass_counts(
@@ -275,18 +431,29 @@ def _parallel_checks(group) -> Dict[str, Callable]:
 def run_cell(family: str, check: Callable, timeout: float, batch: int = 1,
              overrides: Optional[Dict[str, object]] = None, inputs: str = "default") -> Cell:
     """Build ``family`` fresh (a pass may keep state on the module; zero parameters redrawn, see the module
-    docstring; ``overrides``: config fields replaced), run eager, then ``check``; ``inputs``: the zoo's input set
+    docstring; ``overrides``: config fields replaced; a quantization column's check names the multiple its groups
+    need, ``check.k_multiple``, and the family is built that wide: ``zoo.group_widths``), run eager, then ``check``
+    (an :class:`Outcome`, or the detail text of an exact cell); ``inputs``: the zoo's input set
     (``"alt_resolution"``: the family's second size)."""
-    from .models.zoo import build
+    from .models.zoo import build, group_widths
     start = time.perf_counter()
     try:
         with _deadline(timeout):
-            zm = build(family, redraw_zeros=True, **(overrides or {}))
+            overrides = dict(overrides or {})
+            multiple = getattr(check, "k_multiple", 1)
+            if multiple > 1:
+                overrides.update(group_widths(family, multiple, overrides))
+            zm = build(family, redraw_zeros=True, **overrides)
             call = zm.make_inputs(batch=batch, variant=inputs, seed=1)
             with torch.no_grad():
                 reference = zm.model(**call)
-            detail = check(zm, call, reference)
-        return Cell(EXACT, detail, time.perf_counter() - start)
+            out = check(zm, call, reference)
+        if not isinstance(out, Outcome):
+            out = Outcome(out or "")
+        seconds = time.perf_counter() - start
+        if out.nothing is not None:
+            return Cell(NOTHING, out.nothing, seconds, out.error, out.changed, out.cached_steps)
+        return Cell(EXACT, out.detail, seconds, out.error, out.changed, out.cached_steps)
     except _Refused as e:
         return Cell(REFUSED, str(e), time.perf_counter() - start)
     except CellTimeout as e:
@@ -360,20 +527,24 @@ def parallel_worker(rank: int, world: int, families: Sequence[str], columns: Seq
 
 
 def _merge_ranks(per_rank: List[Dict[str, Dict[str, dict]]]) -> Dict[str, Dict[str, Cell]]:
-    """One cell from the ranks' cells: an error on any rank wins, then a refusal, else exact (worst error)."""
+    """One cell from the ranks' cells: an error on any rank wins, then a refusal, then nothing to do on any rank,
+    else exact (rank 0's detail and counts, the worst error)."""
     out: Dict[str, Dict[str, Cell]] = {}
     for family, row in per_rank[0].items():
         out[family] = {}
         for column in row:
             cells = [Cell(**r[family][column]) for r in per_rank]
-            for status in (ERROR, REFUSED):
+            for status in (ERROR, REFUSED, NOTHING):
                 bad = [(i, c) for i, c in enumerate(cells) if c.status == status]
                 if bad:
                     rank, c = bad[0]
-                    out[family][column] = Cell(status, f"rank {rank}: {c.detail}", max(x.seconds for x in cells))
+                    out[family][column] = dataclasses.replace(c, detail=f"rank {rank}: {c.detail}",
+                                                              seconds=max(x.seconds for x in cells))
                     break
             else:
-                out[family][column] = Cell(EXACT, cells[0].detail, max(x.seconds for x in cells))
+                errors = [x.error for x in cells if x.error is not None]
+                out[family][column] = dataclasses.replace(cells[0], seconds=max(x.seconds for x in cells),
+                                                          error=max(errors) if errors else None)
     return out
 
 

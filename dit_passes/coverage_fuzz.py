@@ -32,8 +32,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .coverage_cells import (COLUMNS, ERROR, EXACT, LOCAL_COLUMNS, PARALLEL_COLUMNS, REFUSED, Cell, _leaves, _quiet,
-                             run_cell, run_local, run_parallel)
+from .coverage_cells import (COLUMNS, ERROR, EXACT, LOCAL_COLUMNS, NOTHING, PARALLEL_COLUMNS, REFUSED, Cell, _leaves,
+                             _quiet, run_cell, run_local, run_parallel)
 
 MAIN_BLOCKS = (1, 3)        # the zoo's block lists hold 2
 AUX_BLOCKS = (0, 1, 3)      # a list outside the main stack (refiners, a token refiner) may be empty
@@ -121,20 +121,24 @@ def run_fuzz(families: Sequence[str], draws: int, columns: Sequence[str], seed: 
         r["cells"] = {c: dataclasses.asdict(x) for c, x in cells.get(row_key(r["family"], r["seed"]), {}).items()}
     shown = local + par
     summary = {c: {st: sum(1 for r in rows if r["cells"].get(c, {}).get("status") == st)
-                   for st in (EXACT, REFUSED, ERROR)} for c in shown}
+                   for st in (EXACT, NOTHING, REFUSED, ERROR)} for c in shown}
     import diffusers
-    return {"diffusers": diffusers.__version__, "torch": torch.__version__, "columns": shown, "draws": draws,
+
+    from .coverage import source_commit
+    return {"commit": source_commit(), "diffusers": diffusers.__version__, "torch": torch.__version__,
+            "columns": shown, "draws": draws,
             "seed": seed, "seconds": round(time.perf_counter() - start, 1), "valid": len(drawn),
             "invalid": sum(1 for r in rows if r["invalid"]), "summary": summary, "rows": rows}
 
 
 def to_markdown(result: dict, command: str) -> str:
     cols = result["columns"]
-    lines = [f"# Fuzzed configs: diffusers {result['diffusers']}, torch {result['torch']}", "",
+    lines = [f"# Fuzzed configs: diffusers {result['diffusers']}, torch {result['torch']}, commit "
+             f"{result.get('commit', 'unknown')}", "",
              f"Made by `{command}` ({result['seconds']:.0f} s): {result['valid']} valid draws, {result['invalid']} "
              "the classes themselves reject (listed last).", "",
              "| | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for st in (EXACT, REFUSED, ERROR):
+    for st in (EXACT, NOTHING, REFUSED, ERROR):
         lines.append(f"| {st} | " + " | ".join(str(result["summary"][c][st]) for c in cols) + " |")
     lines += ["", "## Cells not exact", ""]
     for r in result["rows"]:

@@ -44,7 +44,7 @@ def test_fuzz_runs_cells_on_valid_draws_and_drops_a_rejected_head_count(tmp_path
     rows = {r["family"]: r for r in result["rows"]}
     assert rows["flux"]["overrides"] == fz.draw_overrides("flux", 0) and rows["flux"]["invalid"] is None
     assert "num_attention_heads" not in rows["sd3"]["overrides"] and rows["sd3"]["invalid"] is None
-    assert result["valid"] == 2 and result["summary"] == {c: {"exact": 2, "refused": 0, "error": 0}
+    assert result["valid"] == 2 and result["summary"] == {c: {"exact": 2, "nothing to do": 0, "refused": 0, "error": 0}
                                                           for c in ("capture", "fp8")}
     assert "| exact | 2 | 2 |" in (tmp_path / "fuzz.md").read_text()
     assert fz.main(["--columns", "nope"]) == 2 and "unknown column" in capsys.readouterr().err

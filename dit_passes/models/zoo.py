@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import math
 from types import MappingProxyType
 from typing import Any, Callable
 
@@ -51,7 +52,8 @@ from dit_passes.models.zoo_variants import VARIANTS, variant_spec
 from dit_passes.models.zoo_video import VIDEO_FAMILIES
 
 __all__ = ["FAMILIES", "ALL_FAMILIES", "MORE_FAMILIES_HERE", "ALL_VARIANTS", "VARIANTS_HERE", "ZooModel", "build",
-           "config_for", "class_name_of", "family_spec", "inputs_for", "model_class", "redraw_zero_parameters"]
+           "config_for", "class_name_of", "family_spec", "group_widths", "inputs_for", "model_class",
+           "redraw_zero_parameters"]
 
 _CURATED = IMAGE_FAMILIES + VIDEO_FAMILIES
 MORE_FAMILIES = MORE_IMAGE_FAMILIES + MORE_AV_FAMILIES + EXTRA_IMAGE_FAMILIES + EXTRA_AV_FAMILIES
@@ -117,6 +119,26 @@ def model_class(family: str) -> type:
 def config_for(family: str) -> dict:
     """The tiny config of ``family`` (keyword arguments of its diffusers model class); a fresh copy."""
     return copy.deepcopy(dict(_spec(family).config))
+
+
+def group_widths(family: str, multiple: int, overrides: dict | None = None) -> dict:
+    """Config fields that build ``family`` (with ``overrides``) wider, keeping its structure, so its block linears'
+    widths are multiples of ``multiple`` (a quantization kind's group: int4 takes K in groups of 64 and the zoo's
+    widths are 32): the head count times the least factor that makes heads x head_dim a multiple (the head width,
+    and with it the rope's axes, kept), the hidden width where the class has its own field for it, and the family's
+    ``width_keys`` by the same factor. ``{}`` where the width is a multiple already."""
+    spec = _spec(family)
+    config = config_for(family)
+    config.update(overrides or {})
+    if spec.tied_config is not None:
+        config.update({k: v for k, v in spec.tied_config(config).items() if k not in (overrides or {})})
+    heads, head_dim = spec.heads_and_head_dim(config)
+    factor = int(multiple) // math.gcd(heads * head_dim, int(multiple))
+    if factor == 1:
+        return {}
+    keys = ([spec.heads_key] if spec.heads_key in config else []) + \
+        ([spec.hidden_key] if spec.hidden_key is not None else []) + list(spec.width_keys)
+    return {k: config[k] * factor for k in dict.fromkeys(keys)}
 
 
 def _checked_config(spec: FamilySpec, overrides: dict) -> dict:

@@ -60,6 +60,10 @@ class FamilySpec:
     # config -> the fields the class needs to agree with fields a caller may change (HiDream's llama_layers: one per
     # block); ``build`` applies it after the overrides, to every field the overrides do not name
     tied_config: Callable[[Mapping[str, Any]], dict] | None = None
+    # config fields that are widths of the block linears besides heads x head_dim (a cross-attention's or a second
+    # stream's width, a modulation embedding): ``zoo.group_widths`` scales them with the heads, so a wider build
+    # keeps every block linear's K a multiple of a quantization group
+    width_keys: tuple[str, ...] = ()
 
     def heads_and_head_dim(self, config: Mapping[str, Any]) -> tuple[int, int]:
         if self.heads_of is not None:

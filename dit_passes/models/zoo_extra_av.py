@@ -40,7 +40,8 @@ ACE_STEP = _family("ace_step", "AceStepTransformer1DModel",
                         num_key_value_heads=1, head_dim=HEAD_DIM, in_channels=24, audio_acoustic_hidden_dim=8,
                         patch_size=2, sliding_window=2, encoder_hidden_size=TEXT_DIM),
                    _ace_step_inputs, {"layers": "num_hidden_layers"}, 1, sizes_by_variant=_AUDIO_SIZES,
-                   head_dim_key="head_dim", pipeline_class="AceStepPipeline")
+                   head_dim_key="head_dim", pipeline_class="AceStepPipeline",
+                   width_keys=("hidden_size", "intermediate_size", "encoder_hidden_size", "num_key_value_heads"))
 
 
 # ------------------------------------------------------------------------------- minimax music 3 (1-D)
@@ -111,7 +112,8 @@ MINIMAX_H3 = _family("minimax_h3", "MiniMaxH3Transformer3DModel",
                           text_dim=TEXT_DIM, freq_dim=32, time_embed_hidden_dim=DIM, time_embed_dim=16,
                           rope_freq_dim=2),
                      _minimax_h3_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
-                     aux_list_keys={"token_refiner.refiner_blocks": "num_refiner_layers"})
+                     aux_list_keys={"token_refiner.refiner_blocks": "num_refiner_layers"},
+                     width_keys=("hidden_size", "ffn_dim", "text_dim"))
 
 
 # ------------------------------------------------------------------------- kandinsky 6 (video + audio)
@@ -164,7 +166,8 @@ KANDINSKY6 = _family("kandinsky6", "Kandinsky6Transformer3DModel",
                      aux_list_keys={"video_text_transformer_blocks": "num_text_blocks",
                                     "audio_text_transformer_blocks": "num_text_blocks"},
                      heads_of=lambda c: (c["model_dim"] // sum(c["axes_dims"]), sum(c["axes_dims"])),
-                     pipeline_class="Kandinsky6TI2VAPipeline")
+                     pipeline_class="Kandinsky6TI2VAPipeline",
+                     width_keys=("model_dim", "ff_dim"))
 
 
 # -------------------------------------------------------------------------------- ltx 2 (video + audio)
@@ -208,7 +211,8 @@ LTX2 = _family("ltx2", "LTX2VideoTransformer3DModel",
                     audio_cross_attention_dim=DIM, audio_gated_attn=True, audio_cross_attn_mod=True, num_layers=2,
                     caption_channels=TEXT_DIM, rope_type="split", use_prompt_adaln_single=True),
                _ltx2_inputs, {"transformer_blocks": "num_layers"}, 2, video=True, pipeline_class="LTX2Pipeline",
-               tied_config=inner_width("cross_attention_dim"))  # the video caption projection: heads x head_dim
+               tied_config=inner_width("cross_attention_dim"),  # the video caption projection: heads x head_dim
+               width_keys=("audio_num_attention_heads", "audio_cross_attention_dim"))
 
 
 

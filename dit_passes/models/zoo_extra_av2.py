@@ -95,7 +95,8 @@ COSMOS3 = _family("cosmos3", "Cosmos3OmniTransformer",
                        sound_gen=True, vocab_size=64, rope_axes_dim=(4, 2, 2), base_fps=24, enable_fps_modulation=True,
                        unified_3d_mrope_temporal_modality_margin=15000),
                   _cosmos3_inputs, {"layers": "num_hidden_layers"}, 2, video=True, head_dim_key="head_dim",
-                  pipeline_class="Cosmos3OmniPipeline")
+                  pipeline_class="Cosmos3OmniPipeline",
+                  width_keys=("hidden_size", "intermediate_size", "num_key_value_heads"))
 
 
 # ------------------------------------------------------------------------------ anyflow FAR (causal chunks)
@@ -156,7 +157,8 @@ KANDINSKY6_SR = _family("kandinsky6_sr", "Kandinsky6SRTransformer3DModel",
                         sizes_by_variant={"default": {"grid": (2, 8, 8), "text": 0},
                                           "alt_resolution": {"grid": (1, 8, 16), "text": 0}},
                         heads_of=lambda c: (c["model_dim"] // sum(c["axes_dims"]), sum(c["axes_dims"])),
-                        pipeline_class="Kandinsky6SRPipeline")
+                        pipeline_class="Kandinsky6SRPipeline",
+                        width_keys=("model_dim", "ff_dim"))
 
 
 # ---------------------------------------------------------------------- wan animate 2 (in-context, flex)
@@ -307,7 +309,8 @@ SANA_WM_REFINER = _family("sana_wm_refiner", "SanaWMLTX2RefinerTransformer3DMode
                                audio_cross_attention_dim=DIM, num_layers=2, caption_channels=TEXT_DIM),
                           _sana_wm_refiner_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
                           pipeline_class="SanaWMPipeline",
-                          tied_config=inner_width("cross_attention_dim"))  # the caption projection: heads x head_dim
+                          tied_config=inner_width("cross_attention_dim"),  # the caption projection: heads x head_dim
+                          width_keys=("audio_num_attention_heads", "audio_cross_attention_dim"))
 
 
 EXTRA_AV2_FAMILIES = (COSMOS3, ANYFLOW_FAR, KANDINSKY6_SR, WAN_ANIMATE2, SANA_WM, SANA_WM_REFINER)

@@ -81,7 +81,8 @@ BRIA_FIBO2 = _family("bria_fibo2", "BriaFibo2Transformer2DModel",
                           gist_max_text_len=8, axes_dims=ROPE_3AXES, axes_lens=(16, 16, 16)),
                      _bria_fibo2_inputs, {"layers": "n_layers"}, 1,
                      aux_list_keys={"noise_refiner": "n_refiner_layers", "perceiver.layers": "perceiver_num_layers"},
-                     heads_key="n_heads", head_dim_key=None, hidden_key="dim", pipeline_class="BriaFibo2Pipeline")
+                     heads_key="n_heads", head_dim_key=None, hidden_key="dim", pipeline_class="BriaFibo2Pipeline",
+                     width_keys=("cap_feat_dim",))
 
 
 # ------------------------------------------------------------------------------------------- dreamlite
@@ -112,7 +113,8 @@ DREAMLITE = _family("dreamlite", "DreamLiteTransformer2DModel",
                          norm_num_groups=8, cross_attention_dim=TEXT_DIM, qk_norm="rms_norm", num_kv_heads=1,
                          ff_mult=6),
                     _dreamlite_inputs, {"transformer_blocks": "num_layers"}, 1, after_build=_dreamlite_processors,
-                    pipeline_class="DreamLitePipeline")
+                    pipeline_class="DreamLitePipeline",
+                    width_keys=("cross_attention_dim", "num_kv_heads"))
 
 
 # ------------------------------------------------------------------------------------------- glm image
@@ -182,7 +184,8 @@ def _ideogram4_inputs(config, batch, sizes, gen):
 IDEOGRAM4 = _family("ideogram4", "Ideogram4Transformer2DModel",
                     dict(in_channels=16, num_layers=2, attention_head_dim=HEAD_DIM, num_attention_heads=HEADS,
                          intermediate_size=64, adaln_dim=DIM, llm_features_dim=TEXT_DIM, mrope_section=(4, 2, 2)),
-                    _ideogram4_inputs, {"layers": "num_layers"}, 1, pipeline_class="Ideogram4Pipeline")
+                    _ideogram4_inputs, {"layers": "num_layers"}, 1, pipeline_class="Ideogram4Pipeline",
+                    width_keys=("adaln_dim", "intermediate_size"))
 
 
 # ---------------------------------------------------------------------------------------------- krea 2
@@ -210,7 +213,9 @@ KREA2 = _family("krea2", "Krea2Transformer2DModel",
                 _krea2_inputs, {"transformer_blocks": "num_layers"}, 1,
                 aux_list_keys={"text_fusion.layerwise_blocks": "num_layerwise_text_blocks",
                                "text_fusion.refiner_blocks": "num_refiner_text_blocks"},
-                pipeline_class="Krea2Pipeline")
+                pipeline_class="Krea2Pipeline",
+                width_keys=("num_key_value_heads", "intermediate_size", "text_hidden_dim", "text_num_attention_heads",
+                            "text_num_key_value_heads", "text_intermediate_size"))
 
 
 # -------------------------------------------------------------------------------------------- omnigen

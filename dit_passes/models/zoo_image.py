@@ -246,6 +246,7 @@ CHROMA = FamilySpec(
     aux_list_keys={"distilled_guidance_layer.layers": "approximator_layers",
                    "distilled_guidance_layer.norms": "approximator_layers"},
     pipeline_class="ChromaPipeline",
+    width_keys=("approximator_hidden_dim",),
 )
 
 
@@ -386,6 +387,7 @@ ZIMAGE = FamilySpec(
     hidden_key="dim",
     warm_up=True,  # RopeEmbedder (a plain object) computes freqs_cis lazily on the first forward
     pipeline_class="ZImagePipeline",
+    width_keys=("n_kv_heads",),
 )
 
 

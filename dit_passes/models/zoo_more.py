@@ -175,7 +175,8 @@ HUNYUANDIT = _family("hunyuandit", "HunyuanDiT2DModel",
                           use_style_cond_and_image_meta_size=True),
                      _hunyuandit_inputs, {"blocks": "num_layers"}, 1, pipeline_class="HunyuanDiTPipeline",
                      # the patch / time embedders are hidden_size wide, the blocks heads x head_dim: one width
-                     tied_config=lambda c: {"hidden_size": c["num_attention_heads"] * c["attention_head_dim"]})
+                     tied_config=lambda c: {"hidden_size": c["num_attention_heads"] * c["attention_head_dim"]},
+                     width_keys=("cross_attention_dim",))
 
 
 # --------------------------------------------------------------------------------------- cogview 3/4
@@ -297,7 +298,8 @@ NUCLEUSMOE = _family("nucleusmoe", "NucleusMoEImageTransformer2DModel",
                      pipeline_class="NucleusMoEImagePipeline",
                      # a list holds one capacity factor per block and the class indexes it by block, so a drawn
                      # block count needs a list of that length (a scalar would hide the per-block form)
-                     tied_config=lambda c: {"capacity_factors": [2.0] * c["num_layers"]})
+                     tied_config=lambda c: {"capacity_factors": [2.0] * c["num_layers"]},
+                     width_keys=("joint_attention_dim", "moe_intermediate_dim", "num_key_value_heads"))
 
 
 # ------------------------------------------------------------------------------------- lumina-next
@@ -322,7 +324,8 @@ LUMINA_NEXT = _family("lumina_next", "LuminaNextDiT2DModel",
                            num_attention_heads=HEADS, num_kv_heads=1, multiple_of=16, learn_sigma=True, qk_norm=True,
                            cross_attention_dim=TEXT_DIM),
                       _lumina_next_inputs, {"layers": "num_layers"}, 1, head_dim_key=None, hidden_key="hidden_size",
-                      pipeline_class="LuminaPipeline")
+                      pipeline_class="LuminaPipeline",
+                      width_keys=("cross_attention_dim", "num_kv_heads", "multiple_of"))
 
 
 # --------------------------------------------------------------------------------------- hidream (MoE)

@@ -72,7 +72,8 @@ MOCHI = _family("mochi", "MochiTransformer3DModel",
                 dict(patch_size=2, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, num_layers=2,
                      pooled_projection_dim=TEXT_DIM, in_channels=4, text_embed_dim=TEXT_DIM, time_embed_dim=DIM,
                      max_sequence_length=8),
-                _mochi_inputs, {"transformer_blocks": "num_layers"}, 2, video=True, pipeline_class="MochiPipeline")
+                _mochi_inputs, {"transformer_blocks": "num_layers"}, 2, video=True, pipeline_class="MochiPipeline",
+                width_keys=("pooled_projection_dim",))
 
 
 # ------------------------------------------------------------------------------------- stable audio
@@ -99,7 +100,8 @@ STABLE_AUDIO = _family("stable_audio", "StableAudioDiTModel",
                        _stable_audio_inputs, {"transformer_blocks": "num_layers"}, 1,
                        sizes_by_variant={"default": {"grid": (16,), "text": 8},
                                          "alt_resolution": {"grid": (24,), "text": 8}},
-                       pipeline_class="StableAudioPipeline")
+                       pipeline_class="StableAudioPipeline",
+                       width_keys=("cross_attention_dim", "num_key_value_attention_heads"))
 
 
 # ---------------------------------------------------------------------------------------- sana video
@@ -127,7 +129,8 @@ COSMOS = _family("cosmos", "CosmosTransformer3DModel",
                       patch_size=(1, 2, 2), rope_scale=(1.0, 1.0, 1.0), encoder_hidden_states_channels=TEXT_DIM,
                       crossattn_proj_in_channels=TEXT_DIM, concat_padding_mask=False),
                  _cosmos_inputs, {"transformer_blocks": "num_layers"}, 1, video=True,
-                 pipeline_class="CosmosTextToWorldPipeline")
+                 pipeline_class="CosmosTextToWorldPipeline",
+                 width_keys=("text_embed_dim", "adaln_lora_dim"))
 
 
 # --------------------------------------------------------------------------------- wan vace (control)
@@ -263,7 +266,8 @@ KANDINSKY5 = _family("kandinsky5", "Kandinsky5Transformer3DModel",
                      {"visual_transformer_blocks": "num_visual_blocks"}, 1, video=True,
                      # heads of sum(axes_dims) channels
                      heads_of=lambda c: (c["model_dim"] // sum(c["axes_dims"]), sum(c["axes_dims"])),
-                     pipeline_class="Kandinsky5T2VPipeline")
+                     pipeline_class="Kandinsky5T2VPipeline",
+                     width_keys=("model_dim", "ff_dim"))
 
 
 # ----------------------------------------------------------------- helios / anyflow (wan-like video)
