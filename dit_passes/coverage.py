@@ -232,7 +232,7 @@ def to_markdown(result: dict, command: str = "") -> str:
               f"eager, and every step equals cache-dit's own cache where cache-dit runs the class; SVDQuant W4A4 "
               f"reference path: finite and "
               f"<= {result['svdquant_bound']:g}{fp8}); parallel columns on {result['world']} gloo ranks, "
-              f"batch {result['batch']}; the quantization columns at widths where their groups fit (more heads of "
+              f"batch {result['batch']}, the zoo's `{result.get('inputs', 'default')}` inputs; the quantization columns at widths where their groups fit (more heads of "
               "the same width). In parentheses what the pass changed, its own counts: linears quantized / "
               "considered, sites fused, blocks in the cache's branch and calls cached, regions compiled "
               "(epilogues: split+gelu), collectives inserted (ulysses / usp: all_to_all, ring: ring exchanges, "
