@@ -155,16 +155,11 @@ class DitBackend:
 
     def cache_report(self) -> Any:
         """The residual-cache pass's report (the one with a per-generation ``summary``), or None."""
-        stores = [r for r in self.runtime.reports.values() if callable(getattr(r, "summary_string", None))]
-        return stores[0] if stores else None
+        return self.runtime.cache_report()
 
     def cache_summary(self, as_dict: bool = False):
         """Per generation: cached steps, residual diffs and their percentiles."""
-        store = self.cache_report()
-        if store is None:
-            raise RuntimeError("this backend has no residual cache report: add passes.DBCache(...) (or "
-                               "FirstBlockCache / MagCache) to passes=[...] and run the compiled model once")
-        return store.summary() if as_dict else store.summary_string()
+        return self.runtime.cache_summary(as_dict, owner="this backend")
 
     @property
     def structure(self):

@@ -373,16 +373,11 @@ class CompiledDiT(torch.nn.Module):
     def cache_report(self) -> Any:
         """The report of the residual-cache pass (DBCache, FirstBlockCache, MagCache: the one report with a
         per-generation ``summary``), or None."""
-        stores = [r for r in self.runtime.reports.values() if callable(getattr(r, "summary_string", None))]
-        return stores[0] if stores else None
+        return self.runtime.cache_report()
 
     def cache_summary(self, as_dict: bool = False):
         """Per generation: cached steps, residual diffs and their percentiles (one device sync)."""
-        store = self.cache_report()
-        if store is None:
-            raise RuntimeError("this CompiledDiT has no residual cache: add passes.DBCache(...) (or FirstBlockCache / "
-                               "MagCache) to passes=[...] (and call it once) before asking for a cache summary")
-        return store.summary() if as_dict else store.summary_string()
+        return self.runtime.cache_summary(as_dict, owner="this CompiledDiT")
 
     def fidelity_stats(self) -> Dict[str, Any]:
         """What the passes' reports say about the last generation's work (for :mod:`dit_passes.fidelity`):

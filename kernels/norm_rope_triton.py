@@ -81,10 +81,7 @@ def _rms_norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, d1, d2, D, e
         y = _rounded(y, out_ptr, SOFT_BF16).to(tl.float32)  # the norm's output is a tensor of x's dtype in the graph
         cos = tl.load(cos_ptr + crow + c * sc3, mask=mask, other=0.0)
         sin = tl.load(sin_ptr + srow + c * ss3, mask=mask, other=0.0)
-        ye, yo = tl.split(tl.reshape(y, [BLOCK_R, HALF_D, 2]))
-        ce, co = tl.split(tl.reshape(cos.to(tl.float32), [BLOCK_R, HALF_D, 2]))
-        se, so = tl.split(tl.reshape(sin.to(tl.float32), [BLOCK_R, HALF_D, 2]))
-        out = tl.reshape(tl.join(ye * ce - yo * se, yo * co + ye * so), [BLOCK_R, 2 * HALF_D])
+        out = _rotate_pairs(y, cos, sin, BLOCK_R, HALF_D)
         tl.store(out_ptr + orow + c, _rounded(out, out_ptr, SOFT_BF16), mask=mask)
 
 
@@ -118,11 +115,17 @@ def _rms_norm_rope_grouped(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, d1, 
         crow, srow = (i0 * sc0 + i1 * sc1 + h * sc2)[:, None], (i0 * ss0 + i1 * ss1 + h * ss2)[:, None]
         cos = tl.load(cos_ptr + crow + c * sc3, mask=mask, other=0.0)
         sin = tl.load(sin_ptr + srow + c * ss3, mask=mask, other=0.0)
-        ye, yo = tl.split(tl.reshape(y, [BLOCK_R, HALF_D, 2]))
-        ce, co = tl.split(tl.reshape(cos.to(tl.float32), [BLOCK_R, HALF_D, 2]))
-        se, so = tl.split(tl.reshape(sin.to(tl.float32), [BLOCK_R, HALF_D, 2]))
-        out = tl.reshape(tl.join(ye * ce - yo * se, yo * co + ye * so), [BLOCK_R, 2 * HALF_D])
+        out = _rotate_pairs(y, cos, sin, BLOCK_R, HALF_D)
         tl.store(out_ptr + orow + c, _rounded(out, out_ptr, SOFT_BF16), mask=mask)
+
+
+@triton.jit
+def _rotate_pairs(y, cos, sin, BLOCK_R: tl.constexpr, HALF_D: tl.constexpr):
+    # the interleaved rope of y's rows (fp32): each pair (2j, 2j + 1) rotated by its slots' cos / sin
+    ye, yo = tl.split(tl.reshape(y, [BLOCK_R, HALF_D, 2]))
+    ce, co = tl.split(tl.reshape(cos.to(tl.float32), [BLOCK_R, HALF_D, 2]))
+    se, so = tl.split(tl.reshape(sin.to(tl.float32), [BLOCK_R, HALF_D, 2]))
+    return tl.reshape(tl.join(ye * ce - yo * se, yo * co + ye * so), [BLOCK_R, 2 * HALF_D])
 
 
 @triton.jit

@@ -58,6 +58,20 @@ class Runtime:
                            f"when it first lowers a graph: add the pass to passes=[...] and call the module once")
         return self.reports[name]
 
+    def cache_report(self) -> Any:
+        """The residual-cache pass's report (DBCache, FirstBlockCache, MagCache: the one report with a per-generation
+        ``summary``), or None."""
+        stores = [r for r in self.reports.values() if callable(getattr(r, "summary_string", None))]
+        return stores[0] if stores else None
+
+    def cache_summary(self, as_dict: bool = False, owner: str = "this module"):
+        """Per generation: cached steps, residual diffs and their percentiles (one device sync)."""
+        store = self.cache_report()
+        if store is None:
+            raise RuntimeError(f"{owner} has no residual cache: add passes.DBCache(...) (or FirstBlockCache / "
+                               "MagCache) to passes=[...] (and call it once) before asking for a cache summary")
+        return store.summary() if as_dict else store.summary_string()
+
     def drop_lowering_state(self) -> None:
         """Before the graphs are lowered again with other passes: drop the state (and report) of every
         entry whose object sets ``drop_on_relower = True`` (cache buffers tied to the old graphs); keep the
