@@ -3,10 +3,11 @@
     python -P bench/calibrator_parity.py                       # the grid, table to stdout
     python -P bench/calibrator_parity.py --out bench/results   # also writes calibrator_parity.md
 
-A tiny FluxPipeline (3 double + 3 single blocks, 16x16 latents, fp32 CPU) runs ``steps`` denoising steps twice from
-the same weights: cache-dit's ``enable_cache`` on a deep copy, ``dit_passes.enable_cache`` on the original, each
-with the same cache config and calibrator. A row reports the maximum relative difference of the latents
-(``max|ours - ref| / max|ref|``), the two cached-step lists' lengths and whether they are equal, and cache-dit's own
+A tiny FluxPipeline (the tests' transformer: 3 double + 3 single blocks, or the zoo's: 2 + 2; 16x16 latents, fp32
+CPU) runs ``steps`` denoising steps twice from the same weights: cache-dit's ``enable_cache`` on a deep copy,
+``dit_passes.enable_cache`` on the original, each with the same cache config and calibrator; the zoo's QwenImage
+transformer (no tiny pipeline of its family) runs the same way in a plain step loop. A row reports the maximum
+relative difference of the final latents (QwenImage: of every step's output) (``max|ours - ref| / max|ref|``), the two cached-step lists' lengths and whether they are equal, and cache-dit's own
 cached-vs-uncached difference for scale. A row fails when the difference exceeds 1e-4 or the cached steps differ.
 """
 from __future__ import annotations
@@ -184,8 +185,10 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         cmd = "python -P bench/calibrator_parity.py " + " ".join(argv if argv is not None else sys.argv[1:])
         doc = (f"# Calibrator parity: ours vs cache-dit 1.5.3\n\nWritten by `{cmd.strip()}` "
-               f"(tiny FluxPipeline, fp32 CPU, torch {torch.__version__}; {time.time() - t0:.0f} s).\n"
-               f"Difference: max|ours - cache-dit| / max|cache-dit| of the final latents; a row is ok within "
+               f"(models {args.models}: see the script's docstring; fp32 CPU, torch {torch.__version__}; "
+               f"{time.time() - t0:.0f} s).\n"
+               f"Difference: max|ours - cache-dit| / max|cache-dit| of the final latents (qwenimage: of the step "
+               f"loop's outputs); a row is ok within "
                f"{TOL:g} and with the same cached (DBPrune: cached or pruned) steps.\n\n{text}\n")
         (args.out / "calibrator_parity.md").write_text(doc)
     return 0 if all(r["ok"] for r in rows) else 1
