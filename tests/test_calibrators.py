@@ -218,6 +218,42 @@ def test_dmd_dbcache_pass_and_enable_cache_match_cache_dit():
             details=True) == theirs.strify(details=True)
 
 
+@pytest.mark.parity("DMDCalibratorConfig")
+@pytest.mark.reference
+def test_dmd_short_warmup_pipeline_matches_cache_dit():
+    """DMD after a warm-up of 3 on a FluxPipeline (Fn=2, Bn=0, threshold 0.4, 12 steps): the first cached steps follow
+    the computed steps 0-2, where the Taylor fallback applies. cache-dit's calibrator counts one step behind the
+    context, so step 2 forms no difference there and the first cached steps reuse step 2's value; a difference formed
+    at step 2 extrapolates instead (further from cache-dit than cache-dit is from the uncached run)."""
+    import dit_passes
+    from dit_passes.testing.pipelines import flux_pipeline
+
+    def generate(pipe):
+        g = torch.Generator().manual_seed(0)
+        c = pipe.transformer.config
+        with torch.inference_mode():
+            return pipe(prompt_embeds=torch.randn(1, 7, c.joint_attention_dim, generator=g),
+                        pooled_prompt_embeds=torch.randn(1, c.pooled_projection_dim, generator=g), height=16,
+                        width=16, num_inference_steps=12, guidance_scale=3.5, output_type="latent",
+                        generator=torch.Generator().manual_seed(3)).images
+
+    cfg = dict(Fn_compute_blocks=2, Bn_compute_blocks=0, residual_diff_threshold=0.4, max_warmup_steps=3)
+    model = build("flux").model
+    ref_pipe = flux_pipeline(copy.deepcopy(model))
+    cache_dit.enable_cache(ref_pipe, cache_config=cache_dit.DBCacheConfig(**cfg),
+                           calibrator_config=cache_dit.DMDCalibratorConfig())
+    ref = generate(ref_pipe)
+    ref_cached = cache_dit.summary(ref_pipe, logging=False)[0].cached_steps
+    pipe = flux_pipeline(model)
+    dit_passes.enable_cache(pipe, cache_config=dit_passes.DBCacheConfig(**cfg),
+                            calibrator_config=dit_passes.DMDCalibratorConfig())
+    ours = generate(pipe)
+    cached = dit_passes.summary(pipe, logging=False)[0].cached_steps
+    assert cached == ref_cached and cached[0] == 3, (cached, ref_cached)  # cached right after the warm-up
+    err = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-4, err
+
+
 def test_the_prediction_runs_on_cached_steps_only():
     """The calibrator's prediction is formed in the cached arm of the ``torch.cond``: DMD's SVDs run on the cached
     steps and on none of the computed ones (before the branch, every call paid for them)."""

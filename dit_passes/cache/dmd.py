@@ -6,8 +6,11 @@ their steps, ``n_valid`` how many of the last slots are filled; the warm-up Tayl
 newest value and its difference) and ``prev0`` (the value before it), flags ``cur1_valid`` / ``prev0_valid``.
 
 A computed step at ``c`` (``w = c -`` the previous computed step) appends ``Y`` and moves the ladder as the reference
-does: ``cur1 = (Y - prev0) / w`` when ``prev0`` is defined, ``c > 1`` and ``w > 0`` (``prev0``: the value two computed
-steps back, the reference's order of its shift), then ``prev0 = cur0``, ``cur0 = Y``. A cached step forecasts: the
+does: ``cur1 = (Y - prev0) / w`` when ``prev0`` is defined, ``c >= 3`` and ``w > 0`` (``prev0``: the value two computed
+steps back, the reference's order of its shift), then ``prev0 = cur0``, ``cur0 = Y``. Steps are the cache context's: the
+reference's counter runs one behind (its state is created at the first computed step with the counter at -1, as
+TaylorSeer's: ``taylorseer.FIRST_DIFFERENCE_STEP``), so its "``current_step > 1``" is ``c >= 3`` here; spacings and
+horizons are differences of steps and do not depend on the frame. A cached step forecasts: the
 longest run of equally spaced snapshots ending at the newest (spacing ``s``, length ``L``); with ``L >= 4``, per batch
 item, the economy SVD of the first ``L - 1`` snapshots, its rank ``r`` (``dmd_rank``, or the singular values above
 ``1e-4`` of the largest), the propagator ``Ã = U_r^H X' V_r S_r^-1`` (ridge added to ``S_r``), its eigenpairs
@@ -25,6 +28,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from .taylorseer import FIRST_DIFFERENCE_STEP
 
 TENSORS = ("snap", "steps", "cur0", "cur1", "prev0")
 FLAGS = ("n_valid", "cur1_valid", "prev0_valid")
@@ -61,7 +66,8 @@ def dmd_after_call(state: Dict[str, torch.Tensor], stream: int, use_cache: torch
     value = value.to(f["cur0"].dtype)
     history = f["steps"].shape[0]
     window = step - last_compute_step
-    has_diff = (f["prev0_valid"] > 0) & (step > 1) & (window > 0)
+    # context step >= 3: the reference's calibrator step > 1 (its counter runs one behind; module docstring)
+    has_diff = (f["prev0_valid"] > 0) & (step >= FIRST_DIFFERENCE_STEP) & (window > 0)
     cur1 = torch.where(has_diff, (value - f["prev0"]) / window.clamp(min=1), torch.zeros_like(value))
     new = {
         "snap": torch.where(compute, torch.cat([f["snap"][1:], value.unsqueeze(0)]), f["snap"]),
