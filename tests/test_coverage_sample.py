@@ -35,9 +35,9 @@ SLOW = ("anyflow_far", "bria_fibo2", "framepack", "hunyuanvideo15", "ltx2", "san
 # discovery takes vace_blocks as the stack (the tiny zoo's two VACE blocks outweigh its two main ones), cache-dit
 # caches ``blocks`` with each VACE hint added inside the block (its WanVACEPatchFunctor), so the cached residual
 # holds the previous step's hint. Which lists form ranges is per class in cache-dit's adapters (LongCat, FLUX.1
-# have the same block contract): matching it needs a per-class list of cache ranges in the zoo and one cache branch per range.
-# Listed, not hidden: such a cell must still be that error (a fix makes this test say so), and the full matrix
-# shows them
+# have the same block contract): matching it needs a per-class list of cache ranges in the zoo and one cache
+# branch per range. Listed, not hidden: such a cell must still be that error (a fix makes this test say so), and
+# the full matrix shows them
 DIFFER_FROM_CACHE_DIT = {"auraflow", "bria_fibo", "chroma", "flux2", "hidream", "hunyuanimage", "hunyuanvideo",
                          "kandinsky5", "longcat_image", "ovis_image", "wan_vace"}
 
