@@ -72,7 +72,7 @@ def test_backend_rejects_bad_arguments():
         dit_passes.backend(passes=[object()])
     with pytest.raises(RuntimeError, match="compiled no graph yet"):
         dit_passes.backend(compiler="eager").structure
-    with pytest.raises(RuntimeError, match="no residual cache report"):
+    with pytest.raises(RuntimeError, match="this backend has no residual cache"):
         dit_passes.backend(compiler="eager").cache_summary()
 
 
