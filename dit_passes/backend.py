@@ -139,11 +139,8 @@ class DitBackend:
     def cache_context(self, name: str, **where: Any) -> Iterator[None]:
         """Select a named cache context for the calls inside (diffusers pipelines use "cond" / "uncond"); ``where``
         (diffusers' ``CacheContext`` fields) is accepted and unused, as on ``CompiledDiT``."""
-        prev, self.runtime.context = self.runtime.context, name
-        try:
+        with self.runtime.in_context(name):
             yield
-        finally:
-            self.runtime.context = prev
 
     def new_generation(self) -> None:
         """A new generation starts at the next call (serving: call between requests)."""

@@ -277,12 +277,9 @@ class CompiledDiT(torch.nn.Module):
         """Select a named cache context (diffusers pipelines use "cond" / "uncond"). ``where``: the fields diffusers'
         ``CacheContext`` takes (``step_index``, ``sigma``, ``num_inference_steps``: WanPipeline passes them) are
         accepted and unused: the cache passes count steps and generations themselves."""
-        with self._one_caller():  # the block is this thread's: another thread's call would read its context
-            prev, self.runtime.context = self.runtime.context, name
-            try:
-                yield
-            finally:
-                self.runtime.context = prev
+        # the block is this thread's: another thread's call would read its context
+        with self._one_caller(), self.runtime.in_context(name):
+            yield
 
     def new_generation(self) -> None:
         with self._one_caller():  # resetting the state under another thread's call would mix two generations

@@ -9,6 +9,15 @@ import enum
 from .configs import PARALLEL_BACKENDS, QUANT_BACKENDS
 
 
+
+def _member(cls: type, names: dict, name: str) -> enum.Enum:
+    """The member of ``cls`` whose value is the canonical name ``names`` gives ``name`` (case-insensitive)."""
+    canonical = names.get(str(name).lower())
+    for member in cls:
+        if canonical is not None and member.value.lower() == canonical:
+            return member
+    raise ValueError(f"{cls.__name__} {name!r}: use one of {sorted(names)}")
+
 class ParallelismBackend(enum.Enum):
     AUTO = "Auto"
     CACHE_DIT = "CACHE_DIT"
@@ -19,11 +28,7 @@ class ParallelismBackend(enum.Enum):
 
     @classmethod
     def from_str(cls, name: str) -> "ParallelismBackend":
-        canonical = PARALLEL_BACKENDS.get(str(name).lower())  # native_diffuser is cache_dit there too
-        for member in cls:
-            if canonical is not None and member.value.lower() == canonical:
-                return member
-        raise ValueError(f"ParallelismBackend {name!r}: use one of {sorted(PARALLEL_BACKENDS)}")
+        return _member(cls, PARALLEL_BACKENDS, name)  # native_diffuser is cache_dit there too
 
 
 class QuantizeBackend(enum.Enum):
@@ -34,8 +39,4 @@ class QuantizeBackend(enum.Enum):
 
     @classmethod
     def from_str(cls, name: str) -> "QuantizeBackend":
-        canonical = QUANT_BACKENDS.get(str(name).lower())
-        for member in cls:
-            if canonical is not None and member.value.lower() == canonical:
-                return member
-        raise ValueError(f"QuantizeBackend {name!r}: use one of {sorted(QUANT_BACKENDS)}")
+        return _member(cls, QUANT_BACKENDS, name)

@@ -9,7 +9,8 @@ compiled modules never share a Runtime, and nothing lives on a class.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+import contextlib
+from typing import Any, Dict, Iterator
 
 
 class Runtime:
@@ -20,6 +21,15 @@ class Runtime:
         self.calls = 0
         from .ownership import WeightLedger  # here: ownership's PassError module imports this one
         self.weights = WeightLedger()    # what the passes replaced in the user's model (infra/ownership.py)
+
+    @contextlib.contextmanager
+    def in_context(self, name: str) -> Iterator[None]:
+        """The calls inside run under cache context ``name`` (each named context keeps its own cache state)."""
+        prev, self.context = self.context, name
+        try:
+            yield
+        finally:
+            self.context = prev
 
     def new_generation(self) -> None:
         """Tell every stateful pass that a new generation starts (serving: call between requests)."""
