@@ -19,9 +19,8 @@ cache after 8 warm-up steps" (threshold >= 1). Rows:
   ``graphed_regional_{epilogue,fp8}_pointwise_always``: the two ``_rope`` rows plus ``FuseNormModulate`` (AdaLN's
   LayerNorm + modulation, and the gated residual before it, as one op);
   ``graphed_regional_fp8_always``: the same plus ``FuseSiblingLinears`` and ``Fp8Linear`` on every block linear
-  (fast accumulation, set by ``DIT_PASSES_FP8_FAST_ACCUM=1`` when unset; activations quantized by our row kernel,
-  ``DIT_PASSES_FP8_ACT_QUANT=kernel`` when unset); it releases the bf16 block weights, so
-  it runs last;
+  (``Fp8Linear(fast_accum=True, act_quant="kernel")``: fast accumulation, activations quantized by our row
+  kernel); it releases the bf16 block weights, so it runs last;
   ``compiled_regional_fp8_always``: the fp8 stack with the step eager (where no CUDA-graph IF nodes exist);
 * ``--preset fastest``: ``compiled_regional_always,graphed_regional_epilogue_pointwise_always,
   graphed_regional_fp8_pointwise_always``;
@@ -35,7 +34,6 @@ Results go to ``--out`` as JSON (written after every row, so a partial run keeps
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -128,18 +126,6 @@ def schedules() -> Dict[str, Dict[str, Any]]:
             "always": dict(Fn_compute_blocks=8, max_warmup_steps=WARMUP, residual_diff_threshold=1.5)}
 
 
-@contextlib.contextmanager
-def _env_defaults(values: Dict[str, str]):
-    """``values`` in the environment where the user set none, for the ``with`` body only."""
-    added = [k for k in values if k not in os.environ]
-    os.environ.update({k: values[k] for k in added})
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-
-
 def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
                   attention: Optional[str] = None) -> Dict[str, Callable[[], Any]]:
     from . import compile_dit, passes
@@ -156,26 +142,20 @@ def row_factories(model, inputs, compile_kwargs: Dict[str, Any],
                 [passes.AttentionBackend(attention)] if attention else [])
             if epilogue:  # still bf16: the concatenated copy before proj_out and the GELU kernels gone
                 chosen += [passes.SplitConcatLinear(), passes.FuseLinearGelu()]
-            settings = {}
             if fp8:
-                from .quant.dispatch import ACT_QUANT_ENV, FAST_ACCUM_ENV
-                settings[FAST_ACCUM_ENV] = "1"  # sm_90's fast fp8 accumulation
-                if torch_compile is graphed:
-                    # one read per activation in our row kernel: less GPU time, but ~300 more Python calls a step,
-                    # which only a CUDA-graph replay hides (faster graphed, slower eager on an H100:
-                    # bench/results/fastest_stack_fp8_forms_h100.md)
-                    settings[ACT_QUANT_ENV] = "kernel"
+                # one read per activation in our row kernel: less GPU time, but ~300 more Python calls a step,
+                # which only a CUDA-graph replay hides (faster graphed, slower eager on an H100:
+                # bench/results/fastest_stack_fp8_forms_h100.md); sm_90's fast fp8 accumulation in both
+                act_quant = "kernel" if torch_compile is graphed else "auto"
                 # q / k / v (and a single block's proj_mlp) as one linear: one activation quantization, one wider
                 # GEMM (faster on the H100 fp8 step: bench/results/quant_step_fused_h100.md)
-                chosen += [passes.FuseSiblingLinears(), passes.Fp8Linear(exclude=())]
+                chosen += [passes.FuseSiblingLinears(),
+                           passes.Fp8Linear(exclude=(), fast_accum=True, act_quant=act_quant)]
             if rope:  # lossless: one read and one write of q and k between their GEMM and attention
                 chosen += [passes.FuseNormRope()]
             if modulate:  # lossless: AdaLN's norm + modulation (+ the gated residual) read and written once
                 chosen += [passes.FuseNormModulate()]
-            # the settings are read while the graph is written (lowered now: example_inputs), so they hold for this
-            # build only and a setting the user made wins
-            with _env_defaults(settings):
-                return compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=torch_compile)
+            return compile_dit(model, passes=chosen, example_inputs=ex, torch_compile=torch_compile)
         return build
 
     return {"eager": lambda: model, "graph": make(None), "dbcache_never": make("never"),

@@ -409,12 +409,13 @@ def _log_capture(model: torch.nn.Module, call_key: Tuple, cpu_seconds: float) ->
     import hashlib
     import os
 
-    path = os.environ.get("DIT_PASSES_CAPTURE_LOG")
+    from .infra import env
+    path = env.capture_log()
     if not path:
         return
     from .infra.trace_templates import module_fingerprint
     key = hashlib.sha256(repr((module_fingerprint(model), call_key)).encode()).hexdigest()[:16]
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    test = env.current_test()
     with open(path, "a") as f:
         f.write(f"{os.getpid()}\t{key}\t{cpu_seconds:.2f}\t{type(model).__name__}\t{test}\n")
 

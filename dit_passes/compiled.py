@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import threading
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -56,10 +55,7 @@ def _warm_inductor_pool() -> None:
     """Start Inductor's compile-worker pool now: torch's ``maybe_warm_pool`` (``AsyncCompile.warm_pool`` where it is
     missing), which the Inductor backend itself calls only at its first compile, after the capture and the passes
     (18 s for FLUX.1-dev on the GPU host). Kernels Inductor compiles before the pool is ready are compiled one by one
-    in this process. Off with ``DIT_PASSES_WARM_INDUCTOR_POOL=0``; torch's own switches (``TORCH_WARM_POOL=0``, one
-    compile thread, no Triton) still apply."""
-    if os.environ.get("DIT_PASSES_WARM_INDUCTOR_POOL", "1") == "0":
-        return
+    in this process. torch's own switches turn it off (``TORCH_WARM_POOL=0``, one compile thread, no Triton)."""
     try:
         from torch._inductor import async_compile
     except ImportError:  # a torch without Inductor: nothing to warm

@@ -44,7 +44,7 @@ import torch
 from . import compile_dit, passes
 from .cache.config import TaylorSeerCalibratorConfig
 from .fidelity import Sampler, _jsonable, digits_sampler, run_fidelity
-from .infra.trace_templates import ENV_FLAG
+from .infra import env
 
 PLOT_NAME, JSON_NAME, TABLE_NAME = "fidelity_sweep.png", "fidelity_sweep.json", "fidelity_sweep.md"
 BLOCK_X, MODULE_X = "executed_block_fraction", "executed_module_fraction"
@@ -376,7 +376,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     # every config compiles the same transformer at the same call: export it once, bind the rest (trace_templates)
-    os.environ.setdefault(ENV_FLAG, "1")
+    env.set_default(env.REUSE_TRACES, "1")
     thresholds = None
     if args.quick:
         args.steps, args.seeds, args.labels = QUICK["steps"], QUICK["seeds"], QUICK["labels"]

@@ -8,9 +8,9 @@ patches put first on the include path. It is cached under ``$DIT_PASSES_CUTLASS_
 CUTLASS and nvcc versions, with ``build.json``, ``build.log`` (ptxas registers / spills) and ``command.txt``. A
 machine without nvcc reuses a library built elsewhere from the same source, headers and flags.
 
-Environment: ``DIT_PASSES_CUTLASS_CACHE``, ``DIT_PASSES_CUTLASS_INCLUDE`` (a directory holding ``cutlass/`` and
-``cute/`` instead of the pip package), ``CUDA_HOME`` / ``CUDA_PATH`` (nvcc), ``DIT_PASSES_CUTLASS_JOBS`` (parallel
-nvcc), ``DIT_PASSES_CUTLASS_NVCC_FLAGS`` (extra flags).
+Environment (read through ``dit_passes.infra.env``): ``DIT_PASSES_CUTLASS_CACHE``, ``DIT_PASSES_CUTLASS_INCLUDE`` (a
+directory holding ``cutlass/`` and ``cute/`` instead of the pip package), ``CUDA_HOME`` / ``CUDA_PATH`` (nvcc). The
+number of parallel nvcc jobs is :func:`build`'s ``jobs`` argument.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from dit_passes.infra import env
 
 PIP_HINT = "pip install nvidia-cutlass==4.2.0.0"
 NVCC_FLAGS = ["-std=c++17", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
@@ -72,8 +74,8 @@ def find_cutlass_include() -> str:
     ``$CUTLASS_PATH/include``, or the ``nvidia-cutlass`` wheel's ``<site>/cutlass_library/source/include``
     (``importlib.util.find_spec``, so ``pip install --target DIR`` + ``PYTHONPATH=DIR`` works, or the
     distribution's file list)."""
-    env, cp = os.environ.get("DIT_PASSES_CUTLASS_INCLUDE"), os.environ.get("CUTLASS_PATH")
-    tried = ([env] if env else []) + ([os.path.join(cp, "include")] if cp else [])
+    given, cp = env.cutlass_include(), env.cutlass_path()
+    tried = ([given] if given else []) + ([os.path.join(cp, "include")] if cp else [])
     try:
         spec = importlib.util.find_spec("cutlass_library")
     except (ImportError, ValueError):
@@ -110,7 +112,7 @@ def cutlass_version(include_dir: Optional[str] = None) -> str:
 
 def find_nvcc() -> str:
     """``$CUDA_HOME/bin/nvcc``, ``$CUDA_PATH/bin/nvcc``, ``nvcc`` on PATH, ``/usr/local/cuda/bin/nvcc``."""
-    cands = [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    cands = [os.path.join(home, "bin", "nvcc") for home in env.cuda_homes()]
     which = shutil.which("nvcc")
     cands += ([which] if which else []) + list(_NVCC_FALLBACKS)
     for c in cands:
@@ -126,10 +128,10 @@ def _nvcc_version(nvcc: str) -> str:
 
 
 def cache_root() -> str:
-    env = os.environ.get("DIT_PASSES_CUTLASS_CACHE")
-    if env:
-        return os.path.abspath(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    given = env.cutlass_cache()
+    if given:
+        return os.path.abspath(given)
+    base = env.xdg_cache_home() or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "dit_passes", "cutlass")
 
 
@@ -153,14 +155,13 @@ def patched_header(include_dir: str, header: str, patches: Tuple[Patch, ...]) ->
 
 # ------------------------------------------------------------------------------------------------ build
 def _manifest(lib: CutlassLibrary, include_dir: str, nvcc: Optional[str]):
-    extra = os.environ.get("DIT_PASSES_CUTLASS_NVCC_FLAGS", "").split()
     headers = {h: patched_header(include_dir, h, p) for h, p in lib.patches}
     man = {"layout": lib.layout, "source_sha256": hashlib.sha256(open(lib.source_path, "rb").read()).hexdigest(),
            "header_sha256": hashlib.sha256("".join(headers.values()).encode()).hexdigest(),
-           "flags": NVCC_FLAGS + extra, "configs": list(lib.configs), "cutlass_version": cutlass_version(include_dir),
+           "flags": NVCC_FLAGS, "configs": list(lib.configs), "cutlass_version": cutlass_version(include_dir),
            "nvcc_version": _nvcc_version(nvcc) if nvcc else None}
     key = hashlib.sha256(json.dumps([man[k] for k in _KEY_FIELDS]).encode()).hexdigest()[:20]
-    return key, man, headers, extra
+    return key, man, headers
 
 
 def _find_built(lib: CutlassLibrary, key: str, man: dict) -> Optional[str]:
@@ -200,7 +201,7 @@ def build(lib: CutlassLibrary, verbose: bool = False, force: bool = False, jobs:
     """Compile ``lib`` (cached; module docstring) and return the path of its shared library."""
     include_dir = find_cutlass_include()
     nvcc = _nvcc_or_none()
-    key, man, headers, extra = _manifest(lib, include_dir, nvcc)
+    key, man, headers = _manifest(lib, include_dir, nvcc)
     hit = None if force else _find_built(lib, key, man)
     if hit:
         return hit
@@ -222,14 +223,14 @@ def build(lib: CutlassLibrary, verbose: bool = False, force: bool = False, jobs:
                 f.write(text)
         tag = f"tmp{os.getpid()}"
         objs = [os.path.join(out_dir, f"{name}.{tag}.o") for name in lib.configs]
-        cmds = [[nvcc, *NVCC_FLAGS, *extra, f"-D{lib.config_macro}={i}", "-I" + patched, "-I" + include_dir,
+        cmds = [[nvcc, *NVCC_FLAGS, f"-D{lib.config_macro}={i}", "-I" + patched, "-I" + include_dir,
                  "-c", "-o", obj, lib.source_path] for i, obj in enumerate(objs)]
         tmp = so_path + "." + tag
         link = [nvcc, "-shared", "-arch=sm_90a", "-o", tmp, *objs]
         with open(os.path.join(out_dir, "command.txt"), "w") as f:
             f.write("\n".join(" ".join(c) for c in cmds + [link]) + "\n")
         if jobs is None:
-            jobs = int(os.environ.get("DIT_PASSES_CUTLASS_JOBS", "0")) or min(len(cmds), os.cpu_count() or 1)
+            jobs = min(len(cmds), os.cpu_count() or 1)
         if verbose:
             print(f"[{lib.name}] compiling {len(cmds)} configs, {jobs} at a time, into {out_dir}",
                   file=sys.stderr, flush=True)

@@ -20,6 +20,8 @@ from typing import Dict, Optional, Tuple
 
 import triton
 
+from dit_passes.infra import env
+
 # (module, kernel, pointer dtypes (the other arguments: i32 or the constexpr given), constexprs, num_warps): the
 # kernels the Hopper defaults run, each at one representative configuration (FLUX-sized where a size is a constexpr)
 KERNELS = [
@@ -77,7 +79,7 @@ KERNELS = [
 
 def jit_function(module: str, name: str) -> "triton.runtime.jit.JITFunction":
     """The JITFunction of ``dit_passes.kernels.<module>.<name>`` (under its autotune / heuristics wrappers)."""
-    if os.environ.get("TRITON_INTERPRET"):
+    if env.triton_interpret():
         raise RuntimeError("compile for sm_90 in a process without TRITON_INTERPRET (it makes interpreted kernels)")
     fn = getattr(importlib.import_module(f"dit_passes.kernels.{module}"), name)
     while not isinstance(fn, triton.runtime.jit.JITFunction):

@@ -30,7 +30,6 @@ columns use the hardware cast on the GPU.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -44,7 +43,6 @@ from .w4a8_triton import E4M3_MAX, _nibble_planes, _soft_e4m3
 GROUP = 64
 MAX_BLOCK_K = 1024  # output columns per program (a power of two dividing K)
 FORM = "words"  # what a thread converts: an int32 word (eight values) or a packed byte (two); bench/w4_expand_kernel.py
-FORM_ENV = "DIT_PASSES_W4_EXPAND_FORM"  # "bytes" / "words": FORM for a process (bench rows compare the two)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -222,7 +220,7 @@ def _expand(qweight: torch.Tensor, wscale: torch.Tensor, lora_up: Optional[torch
     def grid(meta):
         return (k // bk, triton.cdiv(n, meta["BLOCK_N"]))
 
-    words = (form or os.environ.get(FORM_ENV) or FORM) == "words" and qw.stride(0) % 4 == 0 and qw.data_ptr() % 4 == 0
+    words = (form or FORM) == "words" and qw.stride(0) % 4 == 0 and qw.data_ptr() % 4 == 0
     if words:  # the same bytes: int32 words of 8 int4 values in, int64 words of 8 e4m3 out (K + r_out % 16 == 0)
         src, dst = qw.view(torch.int32), out.view(torch.int64)
     else:  # bytes in, two e4m3 per int16 out (K + r_out is even)

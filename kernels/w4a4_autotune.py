@@ -16,15 +16,16 @@ only run the slow interpreter many times.
 """
 from __future__ import annotations
 
-import os
 from typing import List
 
 import triton
 
+from dit_passes.infra import env
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env.triton_interpret()
 
 
 def gemm_configs() -> List[triton.Config]:

@@ -23,10 +23,9 @@ Public API: :func:`is_available` (never raises), :func:`build`, :func:`built_lib
 :func:`w4a4_gemm_fp8`, :func:`group_major`, :func:`find_cutlass_include`, :func:`find_nvcc`,
 :func:`resource_usage`. ``w4a4_cutlass_linear.py`` builds the whole SVDQuant linear on top.
 
-Environment: ``DIT_PASSES_CUTLASS_CACHE`` (build cache directory), ``DIT_PASSES_CUTLASS_INCLUDE``
-(a directory holding ``cutlass/`` and ``cute/``, instead of the pip package), ``CUDA_HOME``/``CUDA_PATH``
-(nvcc), ``DIT_PASSES_CUTLASS_JOBS`` (parallel nvcc), ``DIT_PASSES_CUTLASS_NVCC_FLAGS`` (extra flags),
-``DIT_PASSES_CUTLASS_CONFIG`` (forces the config of "auto").
+The build's environment is ``cutlass_build.py``'s. Which config runs a shape is the caller's ``config`` argument
+(``dit_passes.quant.dispatch.cutlass_config``: a forced config, the timing table's, or "auto":
+:func:`set_auto_config` entries, else a rule on the tile count).
 """
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ import torch
 from . import cutlass_build
 from .cutlass_build import CutlassUnavailable, PIP_HINT, cutlass_version, find_cutlass_include, find_nvcc  # noqa: F401
 
-SOURCE = os.environ.get("DIT_PASSES_CUTLASS_SOURCE") or os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "w4a4_cutlass.cu")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w4a4_cutlass.cu")
 CONFIGS = ["coop_128x128", "pingpong_64x128", "coop_128x128_c2x1"]
 GROUP_K = 64
 ABI_VERSION = 2
@@ -204,12 +202,12 @@ def set_auto_config(M: int, N: int, K: int, name: str) -> None:
     _AUTO[(int(M), int(N), int(K))] = name
 
 
+def has_auto_config(M: int, N: int, K: int) -> bool:
+    """Whether :func:`set_auto_config` named the config of "auto" for this (M, N, K)."""
+    return (int(M), int(N), int(K)) in _AUTO
+
+
 def _auto_config(M: int, N: int, K: int, device: torch.device) -> str:
-    forced = os.environ.get("DIT_PASSES_CUTLASS_CONFIG")
-    if forced:
-        if forced not in CONFIGS:
-            raise ValueError(f"DIT_PASSES_CUTLASS_CONFIG={forced!r} is not one of {CONFIGS}")
-        return forced
     if (M, N, K) in _AUTO:
         return _AUTO[(M, N, K)]
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -8,7 +8,7 @@ One call of :func:`w4a4_linear` (x bf16 [..., K], the arguments of ``int4.w4a4_l
    instead of packed nibbles; ascale fp32 [M, K/64] with strides (1, M), the layout the GEMM reads;
 2. :func:`weight_e4m3` -- the packed int4 weight [N, K/2] (stored: 0.28x bf16 bytes) unpacked to e4m3
    [N, K] and wscale bf16 [N, K/64] to fp32 group-major, one memory-bound Triton pass per call, or once
-   per weight with ``DIT_PASSES_W4A4_CUTLASS_WEIGHT_CACHE=1`` (keeps 1 byte/weight more, and a
+   per weight with ``cache_weights=True`` (keeps 1 byte/weight more, and a
    reference to the packed weight, for the process lifetime; :func:`clear_weight_cache`);
 3. :func:`lowrank_up_bias` -- ``c = bf16(lora_act @ lora_up.T + bias)`` [M, N] (tf32 dot), one pass;
 4. ``w4a4_cutlass.w4a4_gemm_fp8(a, ascale, w, wscale, c)`` -- the epilogue adds c (so c is rounded to
@@ -21,7 +21,6 @@ Only bf16 activations, K % 64 == 0, N % 16 == 0 on a compute-capability-9 GPU ta
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -35,7 +34,6 @@ from .w4a4_autotune import interpreting
 _round_to_bf16_rne = T._round_to_bf16_rne  # Triton resolves jit helpers through this module's globals
 _int4_to_e4m3_bits = T._int4_to_e4m3_bits
 GROUP = 64
-WEIGHT_CACHE_ENV = "DIT_PASSES_W4A4_CUTLASS_WEIGHT_CACHE"
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -129,12 +127,10 @@ def clear_weight_cache() -> None:
     _WEIGHT_CACHE.clear()
 
 
-def weight_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, cache: Optional[bool] = None):
-    """:func:`unpack_weight_e4m3`, memoised per weight when ``cache`` (default: ``$DIT_PASSES_W4A4_CUTLASS_
-    WEIGHT_CACHE`` = 1). A hit needs the same storage, shape and version counters; the entry holds the
-    packed weight, so its address cannot be reused by another tensor while cached."""
-    if cache is None:
-        cache = os.environ.get(WEIGHT_CACHE_ENV, "0") not in ("", "0")
+def weight_e4m3(qweight: torch.Tensor, wscale: torch.Tensor, cache: bool = False):
+    """:func:`unpack_weight_e4m3`, memoised per weight when ``cache`` (the caller's choice: 1 byte per weight more
+    held). A hit needs the same storage, shape and version counters; the entry holds the packed weight, so its
+    address cannot be reused by another tensor while cached."""
     if not cache:
         return unpack_weight_e4m3(qweight, wscale)
     key = (qweight.data_ptr(), tuple(qweight.shape), qweight.stride(), wscale.data_ptr(), str(qweight.device))
@@ -179,7 +175,7 @@ def w4a4_gemm_fp8_reference(a8, ascale, w8, wscale, c=None) -> torch.Tensor:
 
 def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
                 lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                config: str = "auto", cache_weights: Optional[bool] = None,
+                config: str = "auto", cache_weights: bool = False,
                 gemm: Optional[Callable] = None) -> torch.Tensor:
     """The SVDQuant W4A4 linear through the CUTLASS GEMM: x bf16 [..., K] -> bf16 [..., N] (arguments of
     ``int4.w4a4_linear_reference``). ``config``: a tile config of ``w4a4_cutlass.CONFIGS`` or "auto" (its

@@ -19,7 +19,6 @@ Built by ``cutlass_build`` (nvcc, the ``nvidia-cutlass`` headers; cached, reused
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 from typing import Dict, Optional
 
@@ -29,7 +28,6 @@ from . import cutlass_build
 
 CONFIGS = ["coop_128x256", "coop_128x256_c2x1", "pingpong_64x256", "coop_128x128", "coop_256x128"]
 DEFAULT_CONFIG = "coop_128x256"  # fastest on FLUX's shapes: bench/results/lut_gemm_configs_h100.md; "auto" times all
-CONFIG_ENV = "DIT_PASSES_LUT_CONFIG"  # a config name, or "auto" (the default)
 TUNE_CALLS = 3
 GROUP_K = 64
 ABI_VERSION = 1
@@ -101,11 +99,10 @@ def shuffle_offsets(n: int, k: int) -> torch.Tensor:
 
 def lut_gemm(codes: torch.Tensor, tables: torch.Tensor, x8: torch.Tensor, sw: torch.Tensor, sx: torch.Tensor,
              bias: Optional[torch.Tensor], config: Optional[str] = None) -> torch.Tensor:
-    """The GEMM (module docstring) with tile config ``config`` (default ``$DIT_PASSES_LUT_CONFIG``, else "auto": the
-    first call of a shape times every config, :data:`TUNE_CALLS` calls each, and keeps the fastest; a call while a
+    """The GEMM (module docstring) with tile config ``config`` (a name, or "auto", the default: the first call of a shape times every config, :data:`TUNE_CALLS` calls each, and keeps the fastest; a call while a
     CUDA graph is being captured takes :data:`DEFAULT_CONFIG` for a shape not timed yet). Every config sums K in the
     same order: the output does not depend on the choice."""
-    config = config or os.environ.get(CONFIG_ENV) or "auto"
+    config = config or "auto"
     if config != "auto" and config not in CONFIGS:
         raise ValueError(f"unknown config {config!r}; choose 'auto' or one of {CONFIGS}")
     (m, k), n = x8.shape, codes.shape[0]

@@ -24,14 +24,15 @@ e.g. for ``fp8_per_row`` on an H200::
         qx = aten._to_copy(aten.clamp(xf / sx, -448, 448), dtype=float8_e4m3fn)
         y = aten.view(aten._scaled_mm(qx, aten.t(qw), sx, aten.view(ws, [1, N]), b2, None, bfloat16, False), [B, S, N])
 
-SVDQuant's kind can also be written as ``torch.ops.dit_passes.svdq_w4a8_linear.default(x, ..., b2, fold)`` (the
-fused W4A8 kernels; ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``, ``dispatch.svdq_form``), or as the fp8
-form with the low-rank branch in the GEMM's K (``DIT_PASSES_W4A4_BACKEND=lrcat``,
-``graph_forms.svdq_lrcat_linear_form``).
+Which form each linear takes is the pass's ``forms.QuantForms`` (its arguments, e.g. ``SVDQuantW4A4(form=...)``),
+resolved per linear by ``dispatch.py``. SVDQuant's kind can also be written as
+``torch.ops.dit_passes.svdq_w4a8_linear.default(x, ..., b2, fold)`` (the fused W4A8 kernels; ``form="w4a8"`` /
+``"w4a8_fold"``, ``dispatch.svdq_form``), or as the fp8 form with the low-rank branch in the GEMM's K
+(``form="lrcat"``, ``graph_forms.svdq_lrcat_linear_form``).
 
 A kind without an op (``w8a16`` / ``fp8_weight_only`` / ``w4a16`` / ``w4a16_lr`` / ``nvfp4_weight_only``,
 weight-only int8 / fp8 / int4 / int4 + low-rank / NVFP4) is its graph form, shape-generic (on a few rows of x,
-where ``DIT_PASSES_WEIGHT_ONLY_FORM`` asks, as a multiply-and-sum instead of ``aten.linear``,
+where ``weight_only_form`` asks, as a multiply-and-sum instead of ``aten.linear``,
 ``weight_only_forms.dequantized_linear``, or for int4 as the op ``dit_passes::w4a16_rows_linear``): the int8 or e4m3
 values scaled per row (``weight_only_forms.w8a16_linear_form``), the int4 values unpacked and scaled per group
 (``weight_only_forms.w4a16_linear_form``) or the e2m1 values unpacked and scaled per block of 16 and by the global scale
@@ -57,6 +58,7 @@ import dit_passes.quant.custom_ops  # noqa: F401  (registers torch.ops.dit_passe
 import dit_passes.quant.lut_ops  # noqa: F401  (registers the LUT form's ops)
 from dit_passes.infra.graph_utils import set_val
 from dit_passes.quant import dispatch, lut_dispatch
+from dit_passes.quant.forms import DEFAULT_FORMS, QuantForms
 from dit_passes.quant.graph_forms import (LinearShape, fp8_linear_form, lrcat_cols, svdq_fp8_linear_form,
                                           svdq_lrcat_linear_form, svdq_nvfp4_fp8_linear_form)
 from dit_passes.quant.nvfp4_weight_only import nvfp4_weight_only_linear_form
@@ -75,6 +77,20 @@ def linear_pattern_no_bias(x, weight):
 
 def svdq_w4a4_replacement(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
     return torch.ops.dit_passes.svdq_w4a4_linear.default(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def svdq_w4a4_backend_replacement(backend: str) -> Callable:
+    """The W4A4 op on the CUDA kernel ``backend`` names (``dispatch.OP_BACKENDS``), as a replacement."""
+    def svdq_w4a4_on(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
+        return torch.ops.dit_passes.svdq_w4a4_linear.default(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias,
+                                                             backend)
+    return svdq_w4a4_on
+
+
+def _svdq_op(forms: QuantForms) -> Callable:
+    backend = dispatch.op_backend(forms.form)
+    return svdq_w4a4_replacement if backend == "auto" else svdq_w4a4_backend_replacement(backend)
 
 
 def svdq_nvfp4_replacement(x, qweight, wscale, wglobal, lora_down, lora_up, smooth_inv, bias):
@@ -156,9 +172,9 @@ def w4a16_op_replacement(kind: str, shape: LinearShape) -> Callable:
 
 
 def _weight_only_inline(kind: str) -> Callable:
-    def choose(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
+    def choose(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor], forms: QuantForms) -> Optional[Callable]:
         int4 = kind in ("w4a16", "w4a16_lr")
-        form = dispatch.weight_only_form(x_val, int4)
+        form = dispatch.weight_only_form(x_val, int4, forms.weight_only_form)
         if form == "linear":
             return None
         if form == "kernel" and int4:
@@ -180,12 +196,13 @@ def fp8_form_replacement(granularity: str, gemm: str, fast_accum: bool, shape: L
 
 
 def _fp8_inline(granularity: str) -> Callable:
-    def choose(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Callable:
+    def choose(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor], forms: QuantForms) -> Callable:
         n, k = tensors["qweight"].shape
         gemm = dispatch.fp8_gemm_backend(x_val, n, k, granularity)
         shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"])
-        return fp8_form_replacement(granularity, gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape,
-                                    dispatch.fp8_act_quant(granularity, x_val))
+        fast = gemm == "scaled_mm" and dispatch.fp8_fast_accum(forms.fast_accum, x_val)
+        return fp8_form_replacement(granularity, gemm, fast, shape,
+                                    dispatch.fp8_act_quant(granularity, x_val, forms.act_quant))
     return choose
 
 
@@ -225,23 +242,24 @@ def svdq_w4a8_fold_replacement(x, qweight, wscale, lora_down, lora_up, smooth_in
 _W4A8_REPLACEMENTS = {"w4a8": svdq_w4a8_replacement, "w4a8_fold": svdq_w4a8_fold_replacement}
 
 
-def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
+def _svdq_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor], forms: QuantForms) -> Optional[Callable]:
     qweight = tensors["qweight"]
-    form = dispatch.svdq_form(x_val, qweight)
+    form = dispatch.svdq_form(x_val, qweight, forms.form)
     if form in _W4A8_REPLACEMENTS:  # the fused W4A8 kernels' op (exact or folded group scales)
         return _W4A8_REPLACEMENTS[form]
     if form != "fp8" and form not in dispatch.LRCAT_FORMS:
-        return None
+        return None  # the op (QuantKind.op_for)
     n, k, r = qweight.shape[0], 2 * qweight.shape[1], tensors["lora_down"].shape[0]
     split = form == "lrcat_split"
     # lrcat's GEMM runs over K + the branch's columns
     gemm = dispatch.fp8_gemm_backend(x_val, n, k + (lrcat_cols(r, split) if form != "fp8" else 0), "per_row")
     shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=r)
-    fast = gemm == "scaled_mm" and dispatch.fp8_fast_accum()
+    fast = gemm == "scaled_mm" and dispatch.fp8_fast_accum(forms.fast_accum, x_val)
+    expand = dispatch.w4_expand(x_val, forms.w4_expand)
     if form == "fp8":
-        return svdq_fp8_form_replacement(gemm, fast, shape, dispatch.w4_expand(x_val))
-    return svdq_lrcat_form_replacement(gemm, fast, shape, dispatch.w4_expand(x_val), split,
-                                       dispatch.lrcat_act_quant(x_val))
+        return svdq_fp8_form_replacement(gemm, fast, shape, expand)
+    return svdq_lrcat_form_replacement(gemm, fast, shape, expand, split,
+                                       dispatch.lrcat_act_quant(x_val, forms.act_quant, forms.lrcat_act))
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,18 +271,34 @@ def svdq_nvfp4_fp8_form_replacement(gemm: str, fast_accum: bool, shape: LinearSh
     return svdq_nvfp4_fp8_form
 
 
-def _nvfp4_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Optional[Callable]:
+def _nvfp4_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor], forms: QuantForms) -> Optional[Callable]:
     qweight = tensors["qweight"]
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    if dispatch.nvfp4_form(x_val, n, k) != "fp8":
+    if dispatch.nvfp4_form(x_val, n, k, forms.form) != "fp8":
         return None
     gemm = dispatch.fp8_gemm_backend(x_val, n, 4 * k, "per_row")
     shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["wscale"], rank=tensors["lora_down"].shape[0])
-    return svdq_nvfp4_fp8_form_replacement(gemm, gemm == "scaled_mm" and dispatch.fp8_fast_accum(), shape)
+    fast = gemm == "scaled_mm" and dispatch.fp8_fast_accum(forms.fast_accum, x_val)
+    return svdq_nvfp4_fp8_form_replacement(gemm, fast, shape)
 
 
 def svdq_lut_replacement(x, codes, tables, sw, c, lora_down, smooth_inv, bias):
     return torch.ops.dit_passes.svdq_lut_linear.default(x, codes, tables, sw, c, lora_down, smooth_inv, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def svdq_lut_settings_replacement(act_quant: str, lut_act: str, planes: int) -> Callable:
+    """The LUT op with the pass's settings (``dit_passes::svdq_lut_linear``'s last arguments), as a replacement."""
+    def svdq_lut_with(x, codes, tables, sw, c, lora_down, smooth_inv, bias):
+        return torch.ops.dit_passes.svdq_lut_linear.default(x, codes, tables, sw, c, lora_down, smooth_inv, bias,
+                                                            act_quant, lut_act, planes)
+    return svdq_lut_with
+
+
+def _lut_op(forms: QuantForms) -> Callable:
+    if (forms.act_quant, forms.lut_act, forms.lut_planes) == ("auto", "auto", None):
+        return svdq_lut_replacement
+    return svdq_lut_settings_replacement(forms.act_quant, forms.lut_act, forms.lut_planes or 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,32 +310,38 @@ def svdq_lut_form_replacement(shape: LinearShape, act: str, planes: int) -> Call
     return svdq_lut_form
 
 
-def _lut_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> Callable:
+def _lut_inline(x_val: torch.Tensor, tensors: Dict[str, torch.Tensor], forms: QuantForms) -> Callable:
     n, k, r = tensors["codes"].shape[0], tensors["smooth_inv"].shape[0], tensors["lora_down"].shape[0]
     shape = LinearShape.of(x_val, n, k, tensors.get("bias"), tensors["sw"], rank=r)
-    return svdq_lut_form_replacement(shape, lut_dispatch.lut_act(x_val), lut_dispatch.lut_planes())
+    return svdq_lut_form_replacement(shape, lut_dispatch.lut_act(x_val, forms.act_quant, forms.lut_act),
+                                     lut_dispatch.lut_planes(forms.lut_planes))
 
 
 @dataclass(frozen=True)
 class QuantKind:
     """One quantized linear: its replacement function, the op it calls (None: the replacement is a graph form of
     plain ATen ops) and the names of its tensor arguments after x (the keys of the prepared weight's
-    ``tensors()``; ``bias`` may be absent). ``inline``, when set: ``(x's fake value, tensors) -> replacement or
-    None``, the graph form to write instead of the op (None: the op)."""
+    ``tensors()``; ``bias`` may be absent). ``inline``, when set: ``(x's fake value, tensors, forms) -> replacement
+    or None``, the graph form to write instead of the op (None: the op). ``op_for``, when set: ``forms -> the op's
+    replacement`` where the pass's settings are arguments of the op (default: ``replacement``)."""
 
     replacement: Callable
     op: Optional[torch._ops.OpOverload]
     tensor_args: Tuple[str, ...]
-    inline: Optional[Callable[[torch.Tensor, Dict[str, torch.Tensor]], Optional[Callable]]] = None
+    inline: Optional[Callable[[torch.Tensor, Dict[str, torch.Tensor], QuantForms], Optional[Callable]]] = None
+    op_for: Optional[Callable[[QuantForms], Callable]] = None
+
+    def op_replacement(self, forms: QuantForms) -> Callable:
+        return self.replacement if self.op_for is None else self.op_for(forms)
 
 
 _8BIT_ARGS = ("qweight", "wscale", "bias")
 QUANT_KINDS: Dict[str, QuantKind] = {
     "svdq_w4a4": QuantKind(svdq_w4a4_replacement, torch.ops.dit_passes.svdq_w4a4_linear.default,
-                           ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias"), _svdq_inline),
+                           ("qweight", "wscale", "lora_down", "lora_up", "smooth_inv", "bias"), _svdq_inline, _svdq_op),
     # SVDQuant stored for the lookup-table GEMM (w4_lut.to_lut_table; SVDQuantW4A4 on Hopper, lut_dispatch.svdq_lut)
     "svdq_lut": QuantKind(svdq_lut_replacement, torch.ops.dit_passes.svdq_lut_linear.default,
-                          ("codes", "tables", "sw", "c", "lora_down", "smooth_inv", "bias"), _lut_inline),
+                          ("codes", "tables", "sw", "c", "lora_down", "smooth_inv", "bias"), _lut_inline, _lut_op),
     "svdq_nvfp4": QuantKind(svdq_nvfp4_replacement, torch.ops.dit_passes.svdq_nvfp4_linear.default,
                             ("qweight", "wscale", "wglobal", "lora_down", "lora_up", "smooth_inv", "bias"),
                             _nvfp4_inline),
@@ -339,8 +379,10 @@ def traced(fn: Callable) -> fx.GraphModule:
 Targets = Dict[fx.Node, Tuple[str, Dict[str, torch.Tensor]]]
 
 
-def replace_linears(gm: fx.GraphModule, kind: str, targets: Targets) -> List[ReplacedPatterns]:
-    """Replace every ``aten.linear`` node of ``targets`` by the quantized op ``kind`` (module docstring).
+def replace_linears(gm: fx.GraphModule, kind: str, targets: Targets, forms: QuantForms = DEFAULT_FORMS
+                    ) -> List[ReplacedPatterns]:
+    """Replace every ``aten.linear`` node of ``targets`` by the quantized op ``kind`` (module docstring), in the
+    forms ``forms`` asks (the pass's settings).
 
     The tensors become buffers ``<prefix>.<name>`` of ``gm``; the original weights stay attributes (remove
     them and dead ``get_attr`` nodes afterwards to free memory). Returns the rewriter's matches, one per
@@ -363,7 +405,7 @@ def replace_linears(gm: fx.GraphModule, kind: str, targets: Targets) -> List[Rep
         def build(match, original_graph, pattern_graph) -> fx.Graph:
             node = match.returning_nodes[0]
             prefix, tensors = targets[node]
-            replacement = traced(replacement_for(spec, node, tensors))
+            replacement = traced(replacement_for(spec, node, tensors, forms))
             return _replacement_graph(gm, replacement, pattern_graph, prefix, tensors, spec)
 
         matches = replace_pattern_with_filters(gm, traced(pattern), match_filters=[selected],
@@ -406,20 +448,21 @@ def _share_equal_nodes(graph: fx.Graph, inserted: set) -> int:
     return removed
 
 
-def replacement_for(spec: QuantKind, node: fx.Node, tensors: Dict[str, torch.Tensor]) -> Callable:
+def replacement_for(spec: QuantKind, node: fx.Node, tensors: Dict[str, torch.Tensor],
+                    forms: QuantForms = DEFAULT_FORMS) -> Callable:
     """The replacement of the linear ``node``: the kind's graph form where it has one and x's fake value is known,
-    else the op's."""
+    else the op's (both as ``forms`` asks)."""
     x_val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
     if spec.inline is None or not isinstance(x_val, torch.Tensor):
-        return spec.replacement
-    return spec.inline(x_val, tensors) or spec.replacement
+        return spec.op_replacement(forms)
+    return spec.inline(x_val, tensors, forms) or spec.op_replacement(forms)
 
 
 def replace_linear_node(gm: fx.GraphModule, node: fx.Node, kind: str, tensors: Dict[str, torch.Tensor],
-                        attr_prefix: str) -> fx.Node:
+                        attr_prefix: str, forms: QuantForms = DEFAULT_FORMS) -> fx.Node:
     """:func:`replace_linears` for one node; returns the node that takes its place (the op, or the last node of
     the graph form)."""
-    (match,) = replace_linears(gm, kind, {node: (attr_prefix, tensors)})
+    (match,) = replace_linears(gm, kind, {node: (attr_prefix, tensors)}, forms)
     return [n for n in match.replacements if n.op == "call_function"][-1]
 
 

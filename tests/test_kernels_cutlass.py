@@ -405,11 +405,10 @@ def test_weight_cache_opt_in(monkeypatch):
     ws = torch.ones(16, 1, dtype=torch.bfloat16, device=DEV)
     L.clear_weight_cache()
     assert L.weight_e4m3(qw, ws)[0] is not L.weight_e4m3(qw, ws)[0]  # default: unpacked per call
-    monkeypatch.setenv(L.WEIGHT_CACHE_ENV, "1")
-    w1, _ = L.weight_e4m3(qw, ws)
-    assert L.weight_e4m3(qw, ws)[0] is w1
+    w1, _ = L.weight_e4m3(qw, ws, cache=True)
+    assert L.weight_e4m3(qw, ws, cache=True)[0] is w1
     qw.add_(1)  # an in-place update invalidates the entry
-    w2, _ = L.weight_e4m3(qw, ws)
+    w2, _ = L.weight_e4m3(qw, ws, cache=True)
     assert w2 is not w1 and torch.equal(w2.cpu().float(), Q.unpack_int4(qw.cpu()).float() if Q else w2.cpu().float())
     L.clear_weight_cache()
 

@@ -47,6 +47,7 @@ from ..cache.steps_mask import steps_mask
 from ..compiled import DEFAULT_MAX_GRAPHS, CompiledDiT
 from ..infra.pass_manager import PassManager
 from ..passes.load_quantized import LoadQuantized
+from ..quant.forms import DEFAULT_FORMS, QuantForms
 from .cache_configs import CACHE_PASSES, cache_pass, cache_tag, resolve_calibrator, with_pipeline_timestep
 from .cache_configs import resolve_cache_config as _resolve_cache_config
 from . import components
@@ -570,12 +571,15 @@ def quantize(module: torch.nn.Module, quantize_config: Optional[QuantizeConfig] 
                  keep_original=keep_original)
 
 
-def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, **kwargs: Any) -> CompiledDiT:
+def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, *,
+         forms: Optional[QuantForms] = None, **kwargs: Any) -> CompiledDiT:
     """The reference's ``cache_dit.load(transformer, quantize_config_or_path)``: a CompiledDiT with the saved
     quantized linears. ``path``: the ``serialize_to`` directory or its ``<quant_type>.safetensors`` file, or the
     ``QuantizeConfig`` that wrote it (its ``serialize_to`` and ``quant_type``). A wrapper from
     ``quantize`` / ``enable_cache`` is unwrapped to its original module first (weights its passes released are
-    fine where the checkpoint replaces them: their fingerprint sample was kept); ``passes=[...]`` run after the
+    fine where the checkpoint replaces them: their fingerprint sample was kept); ``forms``: how the loaded linears are
+    written (``dit_passes.quant.forms.QuantForms``, the quantize passes' form settings; default: per device);
+    ``passes=[...]`` run after the
     substitution, other keyword arguments go to ``compile_dit`` (``keep_original=True`` too). Raises
     :class:`~dit_passes.quant.serialize.QuantizedCheckpointError` for a missing, corrupted or mismatching
     checkpoint."""
@@ -595,7 +599,7 @@ def load(module: torch.nn.Module, path: Any, quant_type: Optional[str] = None, *
         path = os.path.dirname(path) or "."
     original = module.original if isinstance(module, CompiledDiT) else module
     extra = list(kwargs.pop("passes", ()))
-    loader = LoadQuantized.from_checkpoint(original, path, quant_type)
+    loader = LoadQuantized.from_checkpoint(original, path, quant_type, forms or DEFAULT_FORMS)
     compiled = compile_dit(original, passes=[loader, *extra], **kwargs)
     compiled.runtime.state[FRONTEND] = FrontendState(None, None, None, None, [loader, *extra], restore=original)
     return compiled

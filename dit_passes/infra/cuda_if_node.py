@@ -54,6 +54,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from . import env
+
 
 class CudaIfNodeError(RuntimeError):
     """A CUDA / NVRTC call failed or a library is missing; the message names the call and its error code."""
@@ -101,7 +103,7 @@ def _check_layout() -> None:
                               f"(256, 16, 24, 8, 12, 16): this platform's ABI differs, IF nodes unavailable")
 
 
-TRACE = os.environ.get("DIT_PASSES_CUDA_TRACE", "") not in ("", "0")
+TRACE = env.cuda_trace()
 
 
 def _trace(msg: str) -> None:

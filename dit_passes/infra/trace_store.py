@@ -34,7 +34,8 @@ from typing import Any, Dict, Hashable, Iterator, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-ENV_DIR = "DIT_PASSES_TRACE_DIR"
+from .env import TRACE_DIR as ENV_DIR
+
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 _LOCK_WAIT_S = 900.0  # a holder that neither finishes nor dies: capture without it rather than hang
 

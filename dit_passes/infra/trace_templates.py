@@ -24,7 +24,6 @@ import collections
 import contextlib
 import copy
 import functools
-import os
 import types
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
@@ -32,10 +31,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .trace_store import (ENV_DIR, TraceStore, Unshareable, graph_from_state, graph_state, module_from_state,
+from . import env
+from .trace_store import (TraceStore, Unshareable, graph_from_state, graph_state, module_from_state,
                           module_state, new_fake_mode, shared_name)
 
-ENV_FLAG = "DIT_PASSES_REUSE_TRACES"
+ENV_FLAG = env.REUSE_TRACES
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
 
 
@@ -88,7 +88,7 @@ def module_fingerprint(model: torch.nn.Module) -> Hashable:
                      tuple(_tensor_key(n, p) for n, p in m._parameters.items()),
                      tuple(_tensor_key(n, b) for n, b in m._buffers.items()),
                      tuple(sorted(m._non_persistent_buffers_set))))
-    return (tuple(rows), str(torch.get_default_dtype()), os.environ.get("DIFFUSERS_ATTN_BACKEND"))
+    return (tuple(rows), str(torch.get_default_dtype()), env.diffusers_attention_backend())
 
 
 class _Template:
@@ -315,9 +315,9 @@ _DEFAULT: Dict[Optional[str], TraceTemplates] = {}  # by store directory
 def default_templates() -> Optional[TraceTemplates]:
     """The process's templates when ``DIT_PASSES_REUSE_TRACES=1`` (the test suite sets it), else None; shared with
     other processes through ``DIT_PASSES_TRACE_DIR`` when that is set too (``.ci/test.sh`` sets it for its run)."""
-    if os.environ.get(ENV_FLAG) != "1":
+    if not env.reuse_traces():
         return None
-    directory = os.environ.get(ENV_DIR) or None
+    directory = env.trace_dir()
     templates = _DEFAULT.get(directory)
     if templates is None:
         templates = _DEFAULT[directory] = TraceTemplates(shared=TraceStore(directory) if directory else None)

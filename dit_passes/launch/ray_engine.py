@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import shutil
 import tempfile
 import time
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..infra import env
 from . import transfer as _transfer
 from .workers import RankWorker
 from .wrappers import RayModuleProxy, RayTransformerProxy
@@ -135,15 +135,8 @@ class RayEngine:
         kwargs.update(launcher.ray_init_kwargs)
         # Ray 2.60 turns on token authentication (a token file under $HOME) unless told otherwise; the
         # cluster started here is private to this driver. Set for the processes ray.init spawns only.
-        previous = os.environ.get("RAY_AUTH_MODE")
-        os.environ["RAY_AUTH_MODE"] = "disabled"
-        try:
+        with env.scoped("RAY_AUTH_MODE", "disabled"):
             ray.init(**kwargs)
-        finally:
-            if previous is None:
-                os.environ.pop("RAY_AUTH_MODE", None)
-            else:
-                os.environ["RAY_AUTH_MODE"] = previous
         self._owns_ray = True
 
     def _start(self, obj: Any, transfer: str, passes: Any, compile_opts: Any, copy_weights: bool) -> None:

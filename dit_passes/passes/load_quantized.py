@@ -34,6 +34,7 @@ from ..infra.phases import Phase
 from ..quant.loading import read_checkpoint
 from ..quant.serialize import QuantizedCheckpointError
 from ..quant.signature import graph_block_lists, place_tables, quant_signature, tensor_at
+from ..quant.forms import DEFAULT_FORMS, QuantForms
 from ..quant.w4_lut import lut_storage
 from .quantize import QUANT_KINDS
 from .quantize_fused import fused_members
@@ -52,7 +53,11 @@ class LoadQuantized(Pass):
     reads = ("structure", "fused_linears")
     invalidates = ("structure",)
 
-    def __init__(self, tensors: Dict[str, torch.Tensor], config: Dict[str, Any], source: str = ""):
+    def __init__(self, tensors: Dict[str, torch.Tensor], config: Dict[str, Any], source: str = "",
+                 forms: QuantForms = DEFAULT_FORMS):
+        if not isinstance(forms, QuantForms):
+            raise TypeError(f"forms must be a dit_passes.quant.forms.QuantForms, got {type(forms).__name__}")
+        self.forms = forms  # how the loaded linears are written (the quantize passes' form settings)
         kind, kind_of = config.get("kind"), config.get("kind_of") or {}
         self.kind, self.config, self.source = kind, dict(config), source
         self.tables: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -83,14 +88,15 @@ class LoadQuantized(Pass):
         self.loads_weights = tuple(f"{p}.weight" for p in self.tables)
 
     @classmethod
-    def from_checkpoint(cls, model: torch.nn.Module, path, quant_type: Optional[str] = None) -> "LoadQuantized":
+    def from_checkpoint(cls, model: torch.nn.Module, path, quant_type: Optional[str] = None,
+                        forms: QuantForms = DEFAULT_FORMS) -> "LoadQuantized":
         """The pass for the checkpoint in directory ``path``, verified against ``model`` (see
         ``dit_passes.quant.loading.read_checkpoint`` for what is checked and raised)."""
         tensors, config, source = read_checkpoint(model, path, quant_type)
-        return cls(tensors, config, source=source)
+        return cls(tensors, config, source=source, forms=forms)
 
     def config_items(self) -> Dict[str, Any]:
-        return {"quant_type": self.config.get("quant_type"), "source": self.source}
+        return {"quant_type": self.config.get("quant_type"), "source": self.source, **self.forms.items()}
 
     def _on(self, weight: torch.Tensor) -> Dict[str, Dict[str, torch.Tensor]]:
         # One copy per (device, dtype), shared by every signature's graph.
@@ -123,8 +129,9 @@ class LoadQuantized(Pass):
                 raise PassError(f"{self.source}: the model's weights changed since dit_passes.load checked them")
         weight = tensor_at(gm, sites[0].weight)  # device and dtype the stored tensors follow
         placed = self._on(weight)
-        kinds = lut_storage(placed, self.kinds)  # SVDQuant's tables in the LUT form where the device runs it
-        counts = apply_by_kind(gm, sites, kinds, placed, ledger, self)
+        # SVDQuant's tables in the LUT form where the device runs it (or form="lut" asks)
+        kinds = lut_storage(placed, self.kinds, self.forms.form)
+        counts = apply_by_kind(gm, sites, kinds, placed, ledger, self, self.forms)
         ratio = counts["bytes_after"] / max(counts["bytes_before"], 1)
         return PassResult(True, counts, f"{self.config.get('quant_type')} loaded from {self.source}: "
                                         f"{counts['replaced']} linear node(s); {counts['bytes_before']} -> "

@@ -77,6 +77,7 @@ biases at the op's bias buffers), unless ``keep_original=True`` (DESIGN.md §14)
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
@@ -91,6 +92,7 @@ from ..infra.pass_base import Pass, PassContext, PassError, PassResult
 from ..infra.phases import Phase
 from ..infra.weight_source import read_whole, source_name
 from ..quant.calibrate import ActAbsMaxObserver
+from ..quant.forms import DEFAULT_FORMS, QuantForms
 from ..quant.int4 import GROUP_SIZE
 from ..quant.nvfp4 import BLOCK as NVFP4_BLOCK, prepare_svdquant_nvfp4
 from ..quant.serialize import save_quantized
@@ -108,6 +110,7 @@ from .quantize_select import (DEFAULT_EXCLUDE, ROLE_NAMES, SKIP_REASONS, check_p
 
 W8A16, W4A16, W4A16_LR = "w8a16", "w4a16", "w4a16_lr"
 WEIGHT_ONLY = (W8A16, W4A16, W4A16_LR)
+WEIGHT_ONLY_KINDS = (*WEIGHT_ONLY, "fp8_weight_only", "nvfp4_weight_only")  # the kinds weight_only_form acts on
 MODULATION_FORMS = (W8A16, W4A16, W4A16_LR, "svdq", None)
 # SVDQuant's 4-bit format (cache-dit's ``precision``) -> the quantized kind its linears get
 PRECISIONS = {"int4": "svdq_w4a4", "nvfp4": "svdq_nvfp4"}
@@ -152,7 +155,10 @@ class _QuantizeLinears(Pass):
     kind = ""
 
     def __init__(self, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, serialize_to=None, regional=True,
-                 block_classes=None, verbose: bool = False):
+                 block_classes=None, verbose: bool = False, weight_only_form: str = "auto"):
+        # how the linears are written (forms.QuantForms; a subclass sets the fields it takes): in describe(), so in
+        # every key a lowered graph or a prepared table is cached under
+        self.forms: QuantForms = QuantForms(weight_only_form=weight_only_form)
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose must be a bool, got {verbose!r}")
         self.verbose = verbose  # print, per linear, what it became or why it was left (cache-dit's verbose summary)
@@ -200,7 +206,20 @@ class _QuantizeLinears(Pass):
     def config_items(self) -> Dict[str, Any]:
         return {"quant_type": self.quant_type(), "include": self.include, "exclude": self.exclude,
                 "regional": self.regional, "block_classes": self.block_classes, "serialize_to": self.serialize_to,
-                **({"verbose": True} if self.verbose else {})}
+                **({"verbose": True} if self.verbose else {}), **self.forms.items()}
+
+    def writes_weight_only(self) -> bool:
+        """Whether some linear may get a weight-only kind (where ``weight_only_form`` acts)."""
+        return self.kind in WEIGHT_ONLY_KINDS
+
+    def check_forms(self, unused: Dict[str, str]) -> None:
+        """Refuse a form setting this pass would not act on (``unused``: field -> why), rather than drop it."""
+        if self.forms.weight_only_form != "auto" and not self.writes_weight_only():
+            unused = {**unused, "weight_only_form": "it writes no weight-only linear"}
+        bad = {k: why for k, why in unused.items() if getattr(self.forms, k) != getattr(DEFAULT_FORMS, k)}
+        if bad:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(
+                f"{k}={getattr(self.forms, k)!r} has no effect here ({why})" for k, why in bad.items()))
 
     def calibrate(self, weights: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         return None
@@ -281,14 +300,14 @@ class _QuantizeLinears(Pass):
             signature = quant_signature(gm, paths, graph_block_lists(structure), self._fused)
             tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
         kinds = self.stored_form(tables, kinds)
-        counts = apply_by_kind(gm, sites, kinds, tables, ledger, self)
+        counts = apply_by_kind(gm, sites, kinds, tables, ledger, self, self.forms)
         counts["considered"] = len(structure.linears)
         counts["skipped_k"] = skipped
         counts.update({f"skipped_{r}": n for r, n in left.items() if r != "k"})
         if self._fused:
             counts["fused_linears"] = len(self._fused)
             notes.append(fused_note(self._fused, tables))
-        # the kernels dispatch chose over ATen ops (DIT_PASSES_FP8_ACT_QUANT=kernel, DIT_PASSES_W4_EXPAND=kernel)
+        # the kernels dispatch chose over ATen ops (act_quant="kernel", w4_expand="kernel": the defaults on sm_89+)
         for op, key, what in ((torch.ops.dit_passes.fp8_quantize_rows.default, "act_quant_ops",
                                "activation quantization(s) as dit_passes::fp8_quantize_rows"),
                               (torch.ops.dit_passes.w4_to_e4m3.default, "w4_expand_ops",
@@ -421,10 +440,24 @@ class SVDQuantW4A4(_QuantizeLinears):
     (a directory) is required and receives ``svdq_int4_r<rank>.safetensors`` + ``.json``. DQ
     (``dynamic=True``): no calibration, smoothing from the weights only (``smooth="weight"``) unless
     ``smooth`` says otherwise; ``serialize_to`` optional (``svdq_int4_r<rank>_dq``). The linears call
-    ``dit_passes.svdq_w4a4_linear`` (true W4A4), or on Hopper (and anywhere with ``DIT_PASSES_W4A4_BACKEND=fp8``)
-    are written as W4A8 on fp8 tensor cores (``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors);
-    ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold`` writes ``dit_passes.svdq_w4a8_linear`` instead (the fused W4A8
-    Triton kernels: no expanded weight buffer; ``quant/w4a8.py``).
+    ``dit_passes.svdq_w4a4_linear`` (true W4A4), or are written in another form as ``form`` asks.
+
+    How the linears are written (``quant/forms.py``; each default, ``"auto"`` / ``None``, chosen per device by
+    ``quant/dispatch.device_default``; a setting away from its default is in ``describe()``):
+
+    * ``form``: ``"auto"`` (Hopper: ``"lut"`` where its library builds, else ``"lrcat_split"``; elsewhere ``"op"``),
+      ``"op"`` (true W4A4, the reference numerics; ``"triton"`` / ``"cutlass"``: on that CUDA kernel), ``"fp8"``
+      (W4A8 on fp8 tensor cores, ``quant/graph_forms.svdq_fp8_linear_form``: the same stored tensors), ``"lrcat"`` /
+      ``"lrcat_split"`` (the low-rank branch in the fp8 GEMM's K), ``"w4a8"`` / ``"w4a8_fold"``
+      (``dit_passes.svdq_w4a8_linear``: the fused W4A8 Triton kernels, no expanded weight buffer; ``quant/w4a8.py``),
+      ``"lut"`` (the lookup-table GEMM's storage, ``quant/w4_lut.py``); ``precision="nvfp4"`` takes ``"auto"``,
+      ``"op"`` or ``"fp8"``;
+    * ``fast_accum`` (the fp8 GEMMs' ``use_fast_accum``), ``act_quant`` (``"graph"`` / ``"kernel"``: the per-token
+      activation quantization as ATen ops or as dit_passes' row op), ``w4_expand`` (the int4 -> e4m3 weight
+      expansion of the fp8 / lrcat forms, likewise), ``lrcat_act`` (``"mm"`` / ``"stats"``: the lrcat form's A
+      operand), ``lut_planes`` (2 or 3: the LUT form's branch columns), ``lut_act`` (``"rows"`` / ``"lowrank"``: its A
+      operand), ``weight_only_form`` (the modulation linears on a few rows: ``"linear"`` / ``"rows"`` /
+      ``"kernel"``).
 
     ``svd_precision`` (``"low"``: seeded randomized SVD, ``"medium"``: full SVD in fp32, ``"high"``: in fp64) and
     ``refine_iters`` (rounds refitting the low-rank branch to what the residual's quantization leaves): cache-dit's
@@ -459,8 +492,13 @@ class SVDQuantW4A4(_QuantizeLinears):
                  alpha: float = 0.5, serialize_to=None, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
                  smooth: Optional[str] = None, seed: int = 0, modulation: Optional[str] = W4A16_LR,
                  precision: str = "int4", regional: bool = True, block_classes=None, svd_precision: str = "low",
-                 refine_iters: int = 0, verbose: bool = False):
-        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose)
+                 refine_iters: int = 0, verbose: bool = False, form: str = "auto", fast_accum: Optional[bool] = None,
+                 act_quant: str = "auto", w4_expand: str = "auto", lrcat_act: str = "auto",
+                 lut_planes: Optional[int] = None, lut_act: str = "auto", weight_only_form: str = "auto"):
+        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose, weight_only_form)
+        self.forms = dataclasses.replace(self.forms, form=form, fast_accum=fast_accum, act_quant=act_quant,
+                                         w4_expand=w4_expand, lrcat_act=lrcat_act, lut_planes=lut_planes,
+                                         lut_act=lut_act)
         if svd_precision not in SVD_PRECISIONS:
             raise ValueError(f"svd_precision must be one of {SVD_PRECISIONS}, got {svd_precision!r}")
         if isinstance(refine_iters, bool) or not isinstance(refine_iters, int) or refine_iters < 0:
@@ -501,6 +539,32 @@ class SVDQuantW4A4(_QuantizeLinears):
                              "the statistics would go unused: pass dynamic=True instead")
         self.rank, self.calibrate_fn, self.dynamic = rank, calibrate_fn, bool(dynamic)
         self.alpha, self.smooth, self.seed = float(alpha), smooth, int(seed)
+        self.check_forms(self._unused_forms())
+
+    def writes_weight_only(self) -> bool:
+        return self.modulation in WEIGHT_ONLY
+
+    def _unused_forms(self) -> Dict[str, str]:
+        """The form settings this configuration would not act on, with why."""
+        f = self.forms.form
+        if self.precision == "nvfp4":
+            out = {k: "precision='nvfp4' has no LUT / lrcat / int4-expansion form"
+                   for k in ("w4_expand", "lrcat_act", "lut_planes", "lut_act")}
+            if f not in ("auto", "op", "fp8"):
+                out["form"] = "precision='nvfp4' is written as 'op' or 'fp8' ('auto': fp8 where _scaled_mm runs)"
+            return out
+        out = {}
+        if f not in ("auto", "lut"):
+            out.update({k: f"form={f!r} is not the LUT form" for k in ("lut_planes", "lut_act")})
+        if f not in ("auto", "lrcat", "lrcat_split"):
+            out["lrcat_act"] = f"form={f!r} is not an lrcat form"
+        if f not in ("auto", "fp8", "lrcat", "lrcat_split"):
+            out["w4_expand"] = f"form={f!r} expands no int4 weight to e4m3"
+        if f in ("op", "triton", "cutlass", "w4a8", "w4a8_fold"):
+            out.update({k: f"form={f!r} runs no fp8 graph form" for k in ("fast_accum", "act_quant")})
+        if f == "lut":
+            out["fast_accum"] = "the LUT GEMM is not _scaled_mm"
+        return out
 
     def quant_type(self) -> str:
         return f"svdq_{self.precision}_r{self.rank}" + ("_dq" if self.dynamic else "")
@@ -537,10 +601,10 @@ class SVDQuantW4A4(_QuantizeLinears):
         return stats
 
     def stored_form(self, tables, kinds):
-        """On a Hopper GPU where the LUT GEMM runs (or anywhere with ``DIT_PASSES_W4A4_BACKEND=lut``), W4A4 tables
+        """On a Hopper GPU where the LUT GEMM runs (``form="auto"``) or anywhere with ``form="lut"``, W4A4 tables
         become the lookup-table form where N is a multiple of 16 (``quant/w4_lut.lut_storage``: codes, tables, sw,
         c; qweight, wscale and lora_up are not kept), kind ``svdq_lut``."""
-        return lut_storage(tables, kinds)
+        return lut_storage(tables, kinds, self.forms.form)
 
     def rank_of(self, path: str) -> int:
         """The low-rank branch's rank for the linear at ``path``: ``rank`` per member of a fused linear."""

@@ -4,6 +4,7 @@
 write). cache-dit's torchao types map onto them and their options (``frontend/configs.py``)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Optional
 
 from ..quant.fp8_block import BLOCK as FP8_BLOCK, prepare_fp8_block
@@ -25,14 +26,22 @@ class Fp8Linear(_QuantizeLinears):
     weight, the activations per token and ``block`` input features (``quant/fp8_block.py``), through
     ``dit_passes.fp8_block_linear``; linears whose N or K is not a multiple of ``block`` stay unquantized (listed).
     ``weight_only=True`` (cache-dit's ``float8_weight_only``): e4m3 weights per output row, dequantized into the
-    linear at run time, the activations left in their dtype (``weight_only_forms.w8a16_linear_form``)."""
+    linear at run time, the activations left in their dtype (``weight_only_forms.w8a16_linear_form``).
+
+    How the linears are written (``quant/forms.py``; the defaults chosen per device by
+    ``quant/dispatch.device_default``): ``fast_accum`` (``_scaled_mm``'s ``use_fast_accum``; None: on), ``act_quant``
+    (per-row activations as ATen ops, ``"graph"``, or as the op ``dit_passes::fp8_quantize_rows``, ``"kernel"``;
+    ``"auto"``: the kernel on sm_89+ GPUs), ``weight_only_form`` (``weight_only=True`` on a few rows of x:
+    ``"linear"`` / ``"rows"``)."""
 
     name = "fp8_linear"
 
     def __init__(self, granularity: str = "per_row", include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None,
                  serialize_to=None, regional=True, block_classes=None, weight_only: bool = False,
-                 block: int = FP8_BLOCK, verbose: bool = False):
-        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose)
+                 block: int = FP8_BLOCK, verbose: bool = False, fast_accum: Optional[bool] = None,
+                 act_quant: str = "auto", weight_only_form: str = "auto"):
+        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose, weight_only_form)
+        self.forms = dataclasses.replace(self.forms, fast_accum=fast_accum, act_quant=act_quant)
         grans = FP8_GRANULARITIES + ("per_block",)
         if granularity not in grans:
             raise ValueError(f"granularity must be one of {grans}, got {granularity!r}")
@@ -43,6 +52,11 @@ class Fp8Linear(_QuantizeLinears):
             raise ValueError(f"block must be a positive int (the tile side, cache-dit's 128), got {block!r}")
         self.granularity, self.weight_only, self.block = granularity, bool(weight_only), block
         self.kind = "fp8_weight_only" if weight_only else f"fp8_{granularity}"
+        fp8_graph = self.kind in ("fp8_per_row", "fp8_per_tensor")  # the kinds written as the fp8 graph form
+        self.check_forms({} if fp8_graph else {
+            k: f"{self.kind} runs no fp8 graph form" for k in ("fast_accum", "act_quant")})
+        if self.kind == "fp8_per_tensor":
+            self.check_forms({"act_quant": "a per-tensor scale stays in the graph form"})
 
     def quant_type(self) -> str:
         return "fp8_e4m3_weight_only" if self.weight_only else f"fp8_e4m3_{self.granularity}"
@@ -75,8 +89,9 @@ class Int8Linear(_QuantizeLinears):
     name = "int8_linear"
 
     def __init__(self, include=None, exclude=DEFAULT_EXCLUDE, filter_fn=None, serialize_to=None, regional=True,
-                 block_classes=None, granularity: str = "per_row", weight_only: bool = False, verbose: bool = False):
-        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose)
+                 block_classes=None, granularity: str = "per_row", weight_only: bool = False, verbose: bool = False,
+                 weight_only_form: str = "auto"):
+        super().__init__(include, exclude, filter_fn, serialize_to, regional, block_classes, verbose, weight_only_form)
         if granularity not in INT8_GRANULARITIES:
             raise ValueError(f"granularity must be one of {INT8_GRANULARITIES}, got {granularity!r}")
         if weight_only and granularity != "per_row":
@@ -84,6 +99,7 @@ class Int8Linear(_QuantizeLinears):
                              f"granularity={granularity!r} sets the activations' scales, which it leaves unquantized")
         self.granularity, self.weight_only = granularity, bool(weight_only)
         self.kind = W8A16 if weight_only else f"int8_{granularity}"
+        self.check_forms({})
 
     def quant_type(self) -> str:
         return "int8_weight_only" if self.weight_only else f"int8_{self.granularity}"

@@ -11,15 +11,16 @@ import torch.fx as fx
 from ..infra.ownership import WeightLedger, refusal
 from ..infra.pass_base import Pass, PassError
 from ..patterns.quant_linear import replace_linears
+from ..quant.forms import QuantForms
 from ..quant.signature import tensor_at
 
 __all__ = ["apply_by_kind", "apply_quantized", "released_tables"]
 
 
 def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, Dict[str, torch.Tensor]],
-                    kind: str, ledger: WeightLedger, owner: Pass) -> Dict[str, int]:
+                    kind: str, ledger: WeightLedger, owner: Pass, forms: QuantForms) -> Dict[str, int]:
     """Replace every site whose module path has a table by the ``kind`` op (the fx patterns of
-    ``dit_passes.patterns.quant_linear``); drop the replaced weights from ``gm``, recorded in ``ledger`` as
+    ``dit_passes.patterns.quant_linear``) in the forms ``forms`` asks (``owner``'s settings); drop the replaced weights from ``gm``, recorded in ``ledger`` as
     replaced by ``owner`` (the compiled module then releases them in the user's model). Returns counts per
     role and bytes before / after."""
     counts: Dict[str, int] = {}
@@ -43,7 +44,7 @@ def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, 
                 ledger.drop(gm, site.bias, by=owner, how=how, replacement=table["bias"])
         targets[site.node] = (site.module_path, table)
     roles = {site.node: site.role for site in sites}
-    for match in replace_linears(gm, kind, targets):
+    for match in replace_linears(gm, kind, targets, forms):
         role = roles[match.nodes_map[match.anchor]]
         counts[f"replaced_{role}"] = counts.get(f"replaced_{role}", 0) + 1
     gm.graph.eliminate_dead_code()
@@ -61,12 +62,14 @@ def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, 
 
 
 def apply_by_kind(gm: fx.GraphModule, sites: Sequence[Any], kinds: Dict[str, str],
-                  tables: Dict[str, Dict[str, torch.Tensor]], ledger: WeightLedger, owner: Pass) -> Dict[str, int]:
+                  tables: Dict[str, Dict[str, torch.Tensor]], ledger: WeightLedger, owner: Pass,
+                  forms: QuantForms) -> Dict[str, int]:
     """:func:`apply_quantized` once per kind (``kinds``: module path -> kind), the counts summed; ``kind_<kind>``
     counts the linear nodes of each."""
     total: Dict[str, int] = {}
     for kind in dict.fromkeys(kinds[s.module_path] for s in sites):
-        counts = apply_quantized(gm, [s for s in sites if kinds[s.module_path] == kind], tables, kind, ledger, owner)
+        counts = apply_quantized(gm, [s for s in sites if kinds[s.module_path] == kind], tables, kind, ledger, owner,
+                                 forms)
         for k, v in counts.items():
             total[k] = total.get(k, 0) + v
         total[f"kind_{kind}"] = counts["replaced"]

@@ -101,21 +101,25 @@ def _branch_problems(k: int, n: int, lora_down, lora_up, smooth_inv, bias) -> li
 
 @torch.library.custom_op("dit_passes::svdq_w4a4_linear", mutates_args=())
 def svdq_w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, lora_down: torch.Tensor,
-                     lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """SVDQuant W4A4 linear, reference implementation (any device)."""
+                     lora_up: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
+                     backend: str = "auto") -> torch.Tensor:
+    """SVDQuant W4A4 linear, reference implementation (any device). ``backend``: the CUDA kernel
+    (``dispatch.OP_BACKENDS``: ``SVDQuantW4A4(form="triton" | "cutlass")``; ``auto``: the timing table's)."""
     _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
+    dispatch.check_op_backend(backend)
     return w4a4_linear_reference(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
 
 
 @svdq_w4a4_linear.register_kernel("cuda")
-def _svdq_w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
+def _svdq_w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, backend="auto"):
     _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
-    return dispatch.w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
+    return dispatch.w4a4_linear_cuda(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, backend)
 
 
 @svdq_w4a4_linear.register_fake
-def _svdq_w4a4_linear_fake(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias):
+def _svdq_w4a4_linear_fake(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias, backend="auto"):
     _check_w4a4_shapes(x, qweight, wscale, lora_down, lora_up, smooth_inv, bias)
+    dispatch.check_op_backend(backend)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 

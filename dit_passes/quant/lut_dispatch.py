@@ -1,37 +1,27 @@
 """Which implementation runs SVDQuant's lookup-table form (``w4_lut.py``, ``lut_ops.py``), beside ``dispatch.py``
-(whose ``DIT_PASSES_W4A4_BACKEND`` it reads through :func:`dispatch.backend_setting`):
+(whose :func:`dispatch.device_default` gives the per-device defaults of the settings read here):
 
-* :func:`svdq_lut`: whether the W4A4 tables are stored in the LUT form for a model on a device (``auto``: a Hopper
-  GPU where the CUTLASS library builds, :func:`lut_ready`; ``lut``: any device);
-* :func:`lut_planes`: the branch's columns in K (``DIT_PASSES_LUT_PLANES``, 2 by default);
-* :func:`lut_act`: how the A operand is written (``DIT_PASSES_LUT_ACT``: the row kernel after a cuBLAS mm, or the
-  op that computes the down projection itself);
+* :func:`svdq_lut`: whether the W4A4 tables are stored in the LUT form for a model on a device (``form="auto"``: a
+  Hopper GPU where the CUTLASS library builds, :func:`lut_ready`; ``form="lut"``: any device);
+* :func:`lut_planes`: the branch's columns in K (``lut_planes``, 2 by default);
+* :func:`lut_act`: how the A operand is written (``lut_act``: the row kernel after a cuBLAS mm, or the op that
+  computes the down projection itself);
 * :func:`lut_gemm_kernel` / :func:`lut_lowrank_kernel` / :func:`lut_act_kernel`: the kernel modules of the ops on
   CUDA, or None (the reference).
 """
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 from typing import Optional
 
 import torch
 
-from .dispatch import _import_kernel, backend_setting, capability, fp8_act_quant, lrcat_act_module
+from .dispatch import (_import_kernel, capability, device_capability, device_default, fp8_act_quant,
+                       lrcat_act_module)
+from .forms import LUT_ACT_SETTINGS, LUT_PLANE_CHOICES, SVDQ_FORMS
 
-# the LUT form is the Hopper default (auto) where its library builds: the fastest SVDQuant form of the FLUX step on
-# the H100 and the H200 at SVDQuant's fidelity (bench/results/quant_step_h100.md, quant_step_h200.md;
-# quant_fidelity_lut2.md against lrcat_split's quant_fidelity_hopper.md)
-LUT_DEFAULT = True
-LUT_PLANES_ENV = "DIT_PASSES_LUT_PLANES"
-# two planes (h in e4m3, the GEMM 64 columns shorter at rank 32): the faster in each run that had both, at SVDQuant's
-# fidelity (the fastest form that keeps SVDQuant-level fidelity): bench/results/quant_step_h100.md (two against three
-# planes, one process), quant_step_h200.md; digits DiT PTQ in quant_fidelity_lut2.md
-LUT_PLANES_DEFAULT = 2
-PLANE_CHOICES = (2, 3)  # the stored operand has three planes; a GEMM over two reads its prefix
-LUT_ACT_ENV = "DIT_PASSES_LUT_ACT"
-LUT_ACT_SETTINGS = ("rows", "lowrank")
+PLANE_CHOICES = LUT_PLANE_CHOICES  # the stored operand has three planes; a GEMM over two reads its prefix
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,35 +39,38 @@ def lut_ready(device: torch.device) -> bool:
     return module is not None and module.is_available()
 
 
-def svdq_lut(device: torch.device) -> bool:
+def svdq_lut(device: torch.device, setting: str = "auto") -> bool:
     """Whether SVDQuant's linears are stored and written in the lookup-table form (``w4_lut.py``) for a model on
-    ``device``: ``DIT_PASSES_W4A4_BACKEND=lut`` on any device (the reference GEMM off Hopper; tests); ``auto`` on
-    a Hopper GPU where the LUT GEMM runs (:func:`lut_ready`)."""
-    setting = backend_setting()
-    return setting == "lut" or (setting == "auto" and LUT_DEFAULT and lut_ready(device))
+    ``device`` with ``form`` = ``setting``: ``"lut"`` on any device (the reference GEMM off Hopper; tests); ``auto``
+    where :func:`dispatch.device_default` takes it and the LUT GEMM runs (:func:`lut_ready`)."""
+    if setting not in SVDQ_FORMS:
+        raise ValueError(f"form must be one of {SVDQ_FORMS}, got {setting!r}")
+    if setting != "auto":
+        return setting == "lut"
+    cap = None if device.type != "cuda" else tuple(capability(device))
+    return device_default("form", cap) == "lut" and lut_ready(device)
 
 
-def lut_planes() -> int:
-    """The LUT form's branch columns in K (``DIT_PASSES_LUT_PLANES``): 3 ([hi | hi16 | lo]: ~8 bits of h, lrcat_split's
-    fidelity) or 2 ([hi | hi16]: h in e4m3, the GEMM 64-128 columns shorter; the default where measured faster at
-    SVDQuant's fidelity, LUT_PLANES_DEFAULT)."""
-    s = os.environ.get(LUT_PLANES_ENV, "").strip() or str(LUT_PLANES_DEFAULT)
-    if s not in tuple(map(str, PLANE_CHOICES)):
-        raise ValueError(f"{LUT_PLANES_ENV}={s!r}: expected one of {PLANE_CHOICES}")
-    return int(s)
+def lut_planes(setting: Optional[int] = None) -> int:
+    """The LUT form's branch columns in K (``lut_planes``): 3 ([hi | hi16 | lo]: ~8 bits of h, lrcat_split's
+    fidelity) or 2 ([hi | hi16]: h in e4m3, the GEMM 64-128 columns shorter); None: :func:`dispatch.device_default`."""
+    if setting is None:
+        return device_default("lut_planes", None)
+    if setting not in PLANE_CHOICES:
+        raise ValueError(f"lut_planes must be one of {PLANE_CHOICES}, got {setting!r}")
+    return int(setting)
 
 
-def lut_act(x: torch.Tensor) -> str:
+def lut_act(x: torch.Tensor, act_quant: str = "auto", setting: str = "auto") -> str:
     """How the LUT form writes the A operand of activations like ``x`` (``w4_lut.lut_activation``'s ``act``):
-    ``"graph"`` (ATen ops) where ``dispatch.fp8_act_quant`` keeps the graph form (off sm_89+ GPUs), else as
-    ``DIT_PASSES_LUT_ACT`` asks: ``rows`` (the default), ``"kernel"``: h by a cuBLAS mm, then the row kernel (xd read
-    twice); ``lowrank``: the op ``dit_passes::lut_quantize_lowrank`` (xd's amax in its producer, the down projection
-    inside the op, xd read once), measured no faster (its quantization kernel at ~half the memory bandwidth):
-    ``bench/results/quant_step_h200.md``, ``quant_step_h100.md``."""
-    s = os.environ.get(LUT_ACT_ENV, "").strip().lower() or LUT_ACT_SETTINGS[0]
-    if s not in LUT_ACT_SETTINGS:
-        raise ValueError(f"{LUT_ACT_ENV}={s!r}: expected one of {LUT_ACT_SETTINGS}")
-    act = fp8_act_quant("per_row", x)
+    ``"graph"`` (ATen ops) where ``dispatch.fp8_act_quant`` keeps the graph form (``act_quant``), else as ``lut_act``
+    (``setting``) asks: ``rows`` -> ``"kernel"``: h by a cuBLAS mm, then the row kernel (xd read twice); ``lowrank``:
+    the op ``dit_passes::lut_quantize_lowrank`` (xd's amax in its producer, the down projection inside the op, xd
+    read once); ``auto``: :func:`dispatch.device_default`."""
+    if setting not in LUT_ACT_SETTINGS:
+        raise ValueError(f"lut_act must be one of {LUT_ACT_SETTINGS}, got {setting!r}")
+    s = device_default("lut_act", device_capability(x)) if setting == "auto" else setting
+    act = fp8_act_quant("per_row", x, act_quant)
     return "lowrank" if act == "kernel" and s == "lowrank" else act
 
 

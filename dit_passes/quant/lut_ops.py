@@ -155,16 +155,20 @@ def _w4a8_lut_gemm_fake(codes, tables, a, sw, sx, bias, out_dtype):
 
 @torch.library.custom_op("dit_passes::svdq_lut_linear", mutates_args=())
 def svdq_lut_linear(x: torch.Tensor, codes: torch.Tensor, tables: torch.Tensor, sw: torch.Tensor, c: torch.Tensor,
-                    lora_down: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+                    lora_down: torch.Tensor, smooth_inv: torch.Tensor, bias: Optional[torch.Tensor],
+                    act_quant: str = "auto", lut_act: str = "auto", planes: int = 0) -> torch.Tensor:
     """The whole LUT linear x [..., K] -> [..., N] as one op (what the ``svdq_lut`` kind writes where x's shape is
-    not known when the graph is written; otherwise its graph form, ``w4_lut.svdq_lut_linear_form``), any device."""
+    not known when the graph is written; otherwise its graph form, ``w4_lut.svdq_lut_linear_form``), any device;
+    ``act_quant`` / ``lut_act`` / ``planes`` (0: the default): the pass's settings (``forms.QuantForms``)."""
     shape = LinearShape.of(x, codes.shape[0], x.shape[-1], bias, sw, rank=lora_down.shape[0])
     return svdq_lut_linear_form(x, codes, tables, sw, c, lora_down, smooth_inv, bias, shape,
-                                lut_dispatch.lut_act(x), lut_dispatch.lut_planes()).clone()
+                                lut_dispatch.lut_act(x, act_quant, lut_act),
+                                lut_dispatch.lut_planes(planes or None)).clone()
 
 
 @svdq_lut_linear.register_fake
-def _svdq_lut_linear_fake(x, codes, tables, sw, c, lora_down, smooth_inv, bias):
+def _svdq_lut_linear_fake(x, codes, tables, sw, c, lora_down, smooth_inv, bias, act_quant="auto", lut_act="auto",
+                          planes=0):
     if x.shape[-1] != smooth_inv.shape[0]:
         raise ValueError(f"dit_passes::svdq_lut_linear: x's last dim {x.shape[-1]} != smooth_inv's "
                          f"{smooth_inv.shape[0]}")

@@ -270,13 +270,14 @@ def weight_prefix(codes: torch.Tensor, tables: torch.Tensor, n: int, k: int) -> 
     return aten.view.default(flat, [n, k // 2]), aten.slice.Tensor(tables, 0, 0, k // GROUP_SIZE)
 
 
-def lut_storage(tables: Dict[str, Dict[str, torch.Tensor]], kinds: Dict[str, str]) -> Dict[str, str]:
+def lut_storage(tables: Dict[str, Dict[str, torch.Tensor]], kinds: Dict[str, str], form: str = "auto"
+                ) -> Dict[str, str]:
     """The kinds the graph writes for these prepared ``tables`` (module path -> tensors) on their device: where
-    ``lut_dispatch.svdq_lut`` asks for the LUT form, each W4A4 table of a linear it takes (:func:`lut_supported`) is
+    ``lut_dispatch.svdq_lut`` (for SVDQuant's ``form``) asks for the LUT form, each W4A4 table of a linear it takes (:func:`lut_supported`) is
     replaced in ``tables`` by :func:`to_lut_table` (in place: the holder of the dict keeps one form) and its kind
     becomes ``svdq_lut``; a table converted before keeps that kind; other kinds are left alone."""
     first = next((t for table in tables.values() for t in table.values() if t is not None), None)
-    lut = first is not None and lut_dispatch.svdq_lut(first.device)
+    lut = first is not None and lut_dispatch.svdq_lut(first.device, form)
     out = dict(kinds)
     for p, table in tables.items():
         if lut and out.get(p) == "svdq_w4a4" and "codes" not in table and lut_supported(table["qweight"].shape[0]):

@@ -8,7 +8,7 @@ The processes are a pool, reused by the next call of the same world size and bac
 process importing torch, diffusers and the library, then its first capture) costs seconds of CPU, and a test
 suite makes dozens of such calls. Each call runs as in a fresh process as far as a test can tell: the driver's
 current environment variables are applied first, torch's default generator is re-seeded with a fresh
-process's seed and the rank runs one thread. ``fresh=True`` (or ``DIT_PASSES_FRESH_RANKS=1``) spawns new
+process's seed and the rank runs one thread. ``fresh=True`` spawns new
 processes for the call and ends them after it.
 
 Guarantees:
@@ -46,6 +46,8 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 import torch.multiprocessing as mp
 
+from ..infra import env
+
 __all__ = ["RankFailedError", "RankTimeoutError", "run_ranks"]
 
 # How long the driver blocks on the result queue between liveness checks (seconds).
@@ -57,7 +59,6 @@ _FRESH_PROCESS_SEED = 67280421310721
 # A pool's process-group timeout: a hang is caught by the driver's deadline (each call's ``timeout``), which
 # kills the pool; this only has to outlast the longest call.
 _POOL_PG_TIMEOUT_S = 3600.0
-FRESH_ENV = "DIT_PASSES_FRESH_RANKS"
 
 
 class RankFailedError(RuntimeError):
@@ -94,10 +95,8 @@ def _to_bytes(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _apply_env(env: Dict[str, str]) -> None:
-    for key in [k for k in os.environ if k not in env]:
-        del os.environ[key]
-    os.environ.update(env)
+def _apply_env(values: Dict[str, str]) -> None:
+    env.replace_all(values)
 
 
 def _worker(rank, world_size, port, backend, pg_timeout, tasks, result_queue, driver_pid):
@@ -128,8 +127,8 @@ def _worker(rank, world_size, port, backend, pg_timeout, tasks, result_queue, dr
                 return
             if task is None:
                 return
-            job, fn, args, env = task  # (unpickling fn imported its module: any import-time settings ran)
-            _apply_env(env)
+            job, fn, args, values = task  # (unpickling fn imported its module: any import-time settings ran)
+            _apply_env(values)
             torch.manual_seed(_FRESH_PROCESS_SEED)
             torch.set_num_threads(1)  # after the import, as a fresh rank sets it: one thread per rank
             cpu = time.process_time()
@@ -197,9 +196,9 @@ class _RankPool:
             q.cancel_join_thread()  # a killed reader leaves items unread: do not wait for them
 
     def run(self, job: int, fn: Callable, args: tuple, timeout: float) -> list[Any]:
-        env = dict(os.environ)
+        values = env.snapshot()
         for q in self.tasks:
-            q.put((job, fn, args, env))
+            q.put((job, fn, args, values))
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(results) < self.world_size:
@@ -285,7 +284,6 @@ def run_ranks(
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
     _check_module_level(fn)
-    fresh = fresh or os.environ.get(FRESH_ENV) == "1"
     key = (world_size, backend)
     pool = None if fresh else _pools.get(key)
     if pool is not None and not pool.alive():

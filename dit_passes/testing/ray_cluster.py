@@ -14,6 +14,8 @@ import tempfile
 import time
 from typing import Iterator, List
 
+from ..infra import env
+
 
 def session_processes(session_root: str) -> List[str]:
     """Processes whose command line names ``session_root`` (raylet, gcs, workers, ...), this one excepted."""
@@ -44,23 +46,19 @@ def local_ray_cluster(pythonpath: str, prefix: str = "rayt", init_in_temp_dir: b
     cwd on the workers' path; from the repository root, with a runtime_env of the caller's, that is its root)."""
     import ray
     temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    old_auth, old_cwd = os.environ.get("RAY_AUTH_MODE"), os.getcwd()
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    try:
-        if init_in_temp_dir:
-            os.chdir(temp_dir)
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    finally:
-        os.chdir(old_cwd)
-    try:
-        yield temp_dir
-    finally:
-        ray.shutdown()
-        if old_auth is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = old_auth
-        left = wait_gone(temp_dir, wait_s)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not left, f"Ray processes left behind: {left}"
+    old_cwd = os.getcwd()
+    with env.scoped("RAY_AUTH_MODE", "disabled"):
+        try:
+            if init_in_temp_dir:
+                os.chdir(temp_dir)
+            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+        finally:
+            os.chdir(old_cwd)
+        try:
+            yield temp_dir
+        finally:
+            ray.shutdown()
+            left = wait_gone(temp_dir, wait_s)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            assert not left, f"Ray processes left behind: {left}"
