@@ -107,16 +107,16 @@ def test_form_with_the_op_equals_the_aten_form(lead):
     assert torch.equal(fn(x), want)
 
 
-def test_setting_writes_the_op_into_the_fp8_graph(monkeypatch):
-    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "nope")
-    with pytest.raises(ValueError, match="DIT_PASSES_FP8_ACT_QUANT"):
-        dispatch.fp8_act_quant("per_row")
-    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
-    assert dispatch.fp8_act_quant("per_tensor") == "graph"
+def test_setting_writes_the_op_into_the_fp8_graph():
+    with pytest.raises(ValueError, match="act_quant must be one of"):
+        dispatch.fp8_act_quant("per_row", None, "nope")
+    with pytest.raises(ValueError, match="act_quant must be one of"):
+        Fp8Linear(act_quant="nope")
+    assert dispatch.fp8_act_quant("per_tensor", None, "kernel") == "graph"
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
-    with_op = compile_dit(zm.model, passes=[Fp8Linear(exclude=())], example_inputs=kw, keep_original=True)
-    monkeypatch.delenv(dispatch.ACT_QUANT_ENV)
+    with_op = compile_dit(zm.model, passes=[Fp8Linear(exclude=(), act_quant="kernel")], example_inputs=kw,
+                          keep_original=True)
     aten_form = compile_dit(zm.model, passes=[Fp8Linear(exclude=())], example_inputs=kw, keep_original=True)
     ops = [n for n in with_op.graph_module.graph.nodes if n.target is OP]
     # one per distinct linear input (q / k / v share theirs), no e4m3 cast left outside the op
@@ -139,7 +139,7 @@ def test_cuda_kernel_equals_reference_on_flux_shapes(m, k):
 
 
 @pytest.mark.skipif(not CUDA_FP8, reason="needs an sm_89+ GPU (the kernel and torch._scaled_mm)")
-def test_cuda_rowquant_under_regional_compile(monkeypatch):
+def test_cuda_rowquant_under_regional_compile():
     """bf16 tiny Flux on the GPU, Fp8Linear with the op: Inductor's regional compile keeps it (fullgraph, its fake
     implementation) and gives the ATen form's output up to bf16 rounding and fusion order."""
     from dit_passes import passes
@@ -150,10 +150,10 @@ def test_cuda_rowquant_under_regional_compile(monkeypatch):
     kw = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() and not k.endswith("_ids") else v
           for k, v in kw.items()}
     graph_form = compile_dit(model, passes=[Fp8Linear(exclude=())], example_inputs=kw, keep_original=True)
-    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
-    eager = compile_dit(model, passes=[Fp8Linear(exclude=())], example_inputs=kw, keep_original=True)
-    regional = compile_dit(model, passes=[Fp8Linear(exclude=()), passes.RegionalCompile()], example_inputs=kw,
-                           keep_original=True)
+    eager = compile_dit(model, passes=[Fp8Linear(exclude=(), act_quant="kernel")], example_inputs=kw,
+                        keep_original=True)
+    regional = compile_dit(model, passes=[Fp8Linear(exclude=(), act_quant="kernel"), passes.RegionalCompile()],
+                           example_inputs=kw, keep_original=True)
     with torch.no_grad():
         ref, out_eager, out = graph_form(**kw)[0], eager(**kw)[0], regional(**kw)[0]
     assert sum(n.target is OP for n in eager.graph_module.graph.nodes) == 26

@@ -400,7 +400,7 @@ def test_linear_pipeline_matches_reference(bias):
         L.w4a4_linear(args[0].float(), *args[1:], gemm=L.w4a4_gemm_fp8_reference)
 
 
-def test_weight_cache_opt_in(monkeypatch):
+def test_weight_cache_opt_in():
     qw = torch.randint(0, 256, (16, 32), dtype=torch.uint8, device=DEV)
     ws = torch.ones(16, 1, dtype=torch.bfloat16, device=DEV)
     L.clear_weight_cache()
@@ -415,39 +415,37 @@ def test_weight_cache_opt_in(monkeypatch):
 
 # ------------------------------------------------------------------------------------- backend choice
 def test_backend_setting_and_table(tmp_path, monkeypatch):
-    monkeypatch.delenv(D.BACKEND_ENV, raising=False)
-    assert D.backend_setting() == "auto"
-    monkeypatch.setenv(D.BACKEND_ENV, " Triton ")
-    assert D.backend_setting() == "triton"
-    monkeypatch.setenv(D.BACKEND_ENV, "cublas")
-    with pytest.raises(ValueError, match="DIT_PASSES_W4A4_BACKEND"):
-        D.backend_setting()
+    from dit_passes.infra import env
+    # the op's backend argument: SVDQuantW4A4(form=...)'s kernel name, else the timing table's ("auto")
+    assert [D.op_backend(f) for f in ("auto", "op", "triton", "cutlass", "lut")] == [
+        "auto", "auto", "triton", "cutlass", "auto"]
+    with pytest.raises(ValueError, match="backend must be one of"):
+        D.check_op_backend("cublas")
     path = D.write_table([{"M": 4608, "N": 3072, "K": 3072, "backend": "cutlass", "config": "pingpong_64x128"},
                           {"M": 256, "N": 3072, "K": 3072, "backend": "triton"},
                           {"M": 4608, "N": 12288, "K": 3072, "backend": "bogus"}], str(tmp_path / "t.json"), device="x")
-    monkeypatch.setenv(D.TABLE_ENV, path)
+    monkeypatch.setenv(env.W4A4_TABLE, path)
     assert D.table_choice(4096, 3072, 3072) == "cutlass" and D.table_choice(300, 3072, 3072) == "triton"
     assert D.table_entry(8192, 3072, 3072) == (4608, "cutlass", "pingpong_64x128")
     assert D.table_choice(4608, 12288, 3072) is None and D.table_choice(4608, 64, 64) is None
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring"):
         assert D.table_choice(1, 1, 1, str(tmp_path / "bad.json")) is None
-    monkeypatch.setenv(D.TABLE_ENV, str(tmp_path / "missing.json"))
+    monkeypatch.setenv(env.W4A4_TABLE, str(tmp_path / "missing.json"))
     assert D.table_choice(4608, 3072, 3072) is None
     # unset, the table sits beside the built libraries (a GPU run once found this path broken: only a machine
     # where the CUTLASS linear runs asked for it)
-    monkeypatch.delenv(D.TABLE_ENV)
+    monkeypatch.delenv(env.W4A4_TABLE)
     monkeypatch.setenv("DIT_PASSES_CUTLASS_CACHE", str(tmp_path / "cache"))
     assert D.table_path() == str(tmp_path / "cache" / "w4a4_backend_table.json")
     assert D.table_choice(4608, 3072, 3072) is None
 
 
-def test_cpu_never_takes_the_cutlass_path(monkeypatch):
+def test_cpu_never_takes_the_cutlass_path():
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     qw = torch.zeros(16, 64, dtype=torch.uint8)
     for setting in ("auto", "cutlass", "triton"):
-        monkeypatch.setenv(D.BACKEND_ENV, setting)
-        assert D.use_cutlass(x, qw) is False
+        assert D.use_cutlass(x, qw, setting) is False
     assert not D.cutlass_supported(x, qw)
 
 
@@ -460,14 +458,13 @@ def test_ops_module_discovery():
 # ------------------------------------------------------------------------------------- GPU: the linear
 @pytest.mark.skipif(not HOPPER or not _cutlass_found(), reason="needs an sm_90 GPU, nvcc and nvidia-cutlass")
 @needs_ref
-def test_cutlass_linear_matches_reference_and_dispatch(monkeypatch):
+def test_cutlass_linear_matches_reference_and_dispatch():
     args = _linear_args(300, 256, 128, 16)
     ref = Q.w4a4_linear_reference(*args)
     out = L.w4a4_linear(*args)
     emu = L.w4a4_linear(*args, gemm=L.w4a4_gemm_fp8_reference)
     assert (out.float() - emu.float()).abs().max().item() <= 2 ** -7 * emu.float().abs().max().item()
     assert (out.float() - ref.float()).norm().item() <= 4e-3 * ref.float().norm().item()
-    monkeypatch.setenv(D.BACKEND_ENV, "cutlass")
     D.reset()
-    assert D.use_cutlass(args[0], args[1])
-    assert torch.equal(torch.ops.dit_passes.svdq_w4a4_linear(*args), out)
+    assert D.use_cutlass(args[0], args[1], "cutlass")
+    assert torch.equal(torch.ops.dit_passes.svdq_w4a4_linear(*args, "cutlass"), out)

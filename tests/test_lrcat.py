@@ -166,23 +166,21 @@ def test_op_opcheck_compile_and_errors():
 
 
 @pytest.mark.parametrize("backend", ["lrcat", "lrcat_split"])
-def test_backend_lrcat_writes_the_form(monkeypatch, backend):
+def test_backend_lrcat_writes_the_form(backend):
     """The pass writes one GEMM per W4A8 linear with the branch in it: no mm + addmm pair of the unfused branch, and
     its output is close to the svdq fp8 form's (the same stored tensors; the modulation linears weight-only int8 in
     both)."""
-    monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
-    compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")],
+    compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16", form=backend)],
                            example_inputs=kw, keep_original=True)
     gm = compiled.graph_module
     w4 = sum(n.meta.get("dit_quant") == "svdq_w4a4" for n in gm.graph.nodes)
     targets = [n.target for n in gm.graph.nodes]
     assert w4 > 0 and targets.count(torch.ops.aten.addmm.default) == 0
     assert targets.count(torch.ops.aten.cat.default) >= 2 * w4  # the A and B operands of each
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "fp8")
-    fp8 = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")], example_inputs=kw,
-                      keep_original=True)
+    fp8 = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16", form="fp8")],
+                      example_inputs=kw, keep_original=True)
     assert [n.target for n in fp8.graph_module.graph.nodes].count(torch.ops.aten.addmm.default) == w4
     with torch.no_grad():
         out, ref = compiled(**kw)[0], fp8(**kw)[0]

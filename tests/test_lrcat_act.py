@@ -147,18 +147,16 @@ def test_form_with_the_op_beside_the_aten_form(split):
         svdq_lrcat_linear_form(x, *args, act_quant="triton")
 
 
-def test_setting_writes_the_op_into_the_lrcat_graph(monkeypatch):
-    """``DIT_PASSES_FP8_ACT_QUANT=kernel`` and ``DIT_PASSES_LRCAT_ACT=stats`` with the lrcat_split backend: one op
-    per W4A8 linear, the output equal to the ATen activation path's (an fp32 model: h is fp32 in both)."""
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "lrcat_split")
-    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
-    monkeypatch.setenv(dispatch.LRCAT_ACT_ENV, "stats")
+def test_setting_writes_the_op_into_the_lrcat_graph():
+    """``act_quant="kernel"`` and ``lrcat_act="stats"`` with ``form="lrcat_split"``: one op per W4A8 linear, the
+    output equal to the ATen activation path's (an fp32 model: h is fp32 in both)."""
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
-    passes = [SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")]
+    passes = [SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16", form="lrcat_split", act_quant="kernel",
+                           lrcat_act="stats")]
     with_op = compile_dit(zm.model, passes=passes, example_inputs=kw, keep_original=True)
-    monkeypatch.delenv(dispatch.ACT_QUANT_ENV)
-    aten_form = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")],
+    aten_form = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16",
+                                                           form="lrcat_split", lrcat_act="stats")],
                             example_inputs=kw, keep_original=True)
     nodes = list(with_op.graph_module.graph.nodes)
     w4 = sum(n.meta.get("dit_quant") == "svdq_w4a4" for n in nodes)

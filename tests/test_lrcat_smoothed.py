@@ -85,17 +85,16 @@ def test_op_opcheck_compile_and_errors():
     assert not K.smoothed_supported(torch.zeros(2, K.SINGLE_MAX + 64, device=DEV))  # the reference takes it
 
 
-def test_setting_writes_the_op_into_the_lrcat_graph(monkeypatch):
-    """``DIT_PASSES_LRCAT_ACT`` unset (``auto``: ``mm``), with the A-operand kernels asked for: one op per W4A8
-    linear, the output close to the two-kernel op's (``stats``); a bad value is an error naming the setting."""
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "lrcat_split")
-    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
+def test_setting_writes_the_op_into_the_lrcat_graph():
+    """``lrcat_act`` left at ``auto`` (``mm``), with the A-operand kernels asked for: one op per W4A8 linear, the
+    output close to the two-kernel op's (``stats``); a bad value is an error naming the setting."""
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
-    make = lambda: [SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")]  # noqa: E731
-    monkeypatch.setenv(dispatch.LRCAT_ACT_ENV, "stats")
-    two_kernels = compile_dit(zm.model, passes=make(), example_inputs=kw, keep_original=True)
-    monkeypatch.delenv(dispatch.LRCAT_ACT_ENV)
+
+    def make(lrcat_act="auto"):
+        return [SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16", form="lrcat_split", act_quant="kernel",
+                             lrcat_act=lrcat_act)]
+    two_kernels = compile_dit(zm.model, passes=make("stats"), example_inputs=kw, keep_original=True)
     mm = compile_dit(zm.model, passes=make(), example_inputs=kw, keep_original=True)
     nodes = list(mm.graph_module.graph.nodes)
     w4 = sum(n.meta.get("dit_quant") == "svdq_w4a4" for n in nodes)
@@ -104,9 +103,10 @@ def test_setting_writes_the_op_into_the_lrcat_graph(monkeypatch):
     with torch.no_grad():
         out, ref, base = mm(**kw)[0], two_kernels(**kw)[0], zm.model(**kw)[0]
     assert relative_error(out, ref) < 0.2 * relative_error(ref, base)
-    monkeypatch.setenv(dispatch.LRCAT_ACT_ENV, "fused")
-    with pytest.raises(ValueError, match="DIT_PASSES_LRCAT_ACT='fused'"):
-        dispatch.lrcat_act_quant(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="lrcat_act must be one of"):
+        dispatch.lrcat_act_quant(torch.zeros(2, 64), "auto", "fused")
+    with pytest.raises(ValueError, match="lrcat_act must be one of"):
+        SVDQuantW4A4(rank=8, dynamic=True, form="lrcat_split", lrcat_act="fused")
 
 
 @pytest.mark.skipif(not CUDA_FP8, reason="needs an sm_89+ GPU (the hardware e4m3 cast)")

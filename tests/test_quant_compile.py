@@ -25,15 +25,15 @@ from dit_passes.quant.fp8_block import prepare_fp8_block
 torch.set_num_threads(1)
 
 FLUX64 = dict(attention_head_dim=32, num_attention_heads=2, axes_dims_rope=(8, 12, 12))
-METHODS = {  # name -> (pass, dispatch settings while the graph is written)
-    "int8": (lambda: Int8Linear(), {}),
-    "fp8_per_row": (lambda: Fp8Linear("per_row"), {}),
-    "fp8_per_tensor": (lambda: Fp8Linear("per_tensor"), {}),
-    "svdq_w4a4": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {}),  # the custom op (reference W4A4 on CPU)
-    "svdq_w4a8_fp8": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {dispatch.BACKEND_ENV: "fp8"}),  # graph form
+METHODS = {  # name -> the pass (its form an argument)
+    "int8": lambda: Int8Linear(),
+    "fp8_per_row": lambda: Fp8Linear("per_row"),
+    "fp8_per_tensor": lambda: Fp8Linear("per_tensor"),
+    "svdq_w4a4": lambda: SVDQuantW4A4(rank=8, dynamic=True),  # the custom op (reference W4A4 on CPU)
+    "svdq_w4a8_fp8": lambda: SVDQuantW4A4(rank=8, dynamic=True, form="fp8"),  # graph form
     # the fused W4A8 kernels' op (its reference on CPU)
-    "svdq_w4a8_fused": (lambda: SVDQuantW4A4(rank=8, dynamic=True), {dispatch.BACKEND_ENV: "w4a8"}),
-    "svdq_w4a16_mod": (lambda: SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16"), {}),
+    "svdq_w4a8_fused": lambda: SVDQuantW4A4(rank=8, dynamic=True, form="w4a8"),
+    "svdq_w4a16_mod": lambda: SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16"),
     # modulation="w4a16_lr" is the default: "svdq_w4a4" above is that configuration (its modulation linears' W4A16_LR
     # form in the compiled graphs / templates), so it has no case of its own (it was one, the same pass twice)
 }
@@ -70,14 +70,11 @@ def _run(module, kw):
 
 
 def _lowered(zm, kw, method, passes_after=(), **compile_kw):
-    """compile_dit(...) of ``method`` lowered now, under its dispatch settings (read when the graph is written)."""
-    make, env = METHODS[method]
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        # keep_original: every case quantizes the same model again
-        return compile_dit(zm.model, passes=[make(), *passes_after], example_inputs=kw, keep_original=True,
-                           **compile_kw)
+    """compile_dit(...) of ``method`` lowered now."""
+    make = METHODS[method]
+    # keep_original: every case quantizes the same model again
+    return compile_dit(zm.model, passes=[make(), *passes_after], example_inputs=kw, keep_original=True,
+                       **compile_kw)
 
 
 def _replaced(compiled) -> int:

@@ -81,18 +81,14 @@ def test_fp8_scaled_mm_form_matches_reference(granularity, dtype):
                           _form(x, f, None, granularity, "reference")) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_fp8_dispatch_and_settings(monkeypatch):
+def test_fp8_dispatch_and_settings():
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     assert dispatch.fp8_gemm_backend(x, 32, 64, "per_row") == "reference"  # CPU: the dequantized matmul
-    monkeypatch.delenv(dispatch.FAST_ACCUM_ENV, raising=False)
     assert dispatch.fp8_fast_accum() is True  # the inference default
-    monkeypatch.setenv(dispatch.FAST_ACCUM_ENV, "0")
-    assert dispatch.fp8_fast_accum() is False
-    monkeypatch.setenv(dispatch.FAST_ACCUM_ENV, "1")
-    assert dispatch.fp8_fast_accum() is True
-    monkeypatch.setenv(dispatch.FAST_ACCUM_ENV, "fast")
-    with pytest.raises(ValueError, match="expected 0 or 1"):
-        dispatch.fp8_fast_accum()
+    assert dispatch.fp8_fast_accum(False) is False
+    assert dispatch.fp8_fast_accum(True) is True
+    with pytest.raises(ValueError, match="fast_accum must be None, True or False"):
+        dispatch.fp8_fast_accum("fast")
 
 
 def _linear_hooked(model, kw, fn):
@@ -131,7 +127,7 @@ def test_fp8_pass_writes_the_form_for_every_block_linear():
 
 @pytest.mark.skipif(not CUDA_FP8, reason="needs an sm_89+ GPU (torch._scaled_mm)")
 @pytest.mark.parametrize("method", ["fp8", "svdq_w4a8_fp8", "svdq_default"])
-def test_cuda_forms_use_scaled_mm_and_compile(method, monkeypatch):
+def test_cuda_forms_use_scaled_mm_and_compile(method):
     """bf16 tiny Flux on the GPU: every quantized linear's GEMM is ``aten._scaled_mm``; Inductor's regional compile
     gives the eager graph's output (up to bf16 rounding and fusion order). ``svdq_default``: no setting, what
     ``auto`` gives (on Hopper the lookup-table form where its library runs, whose GEMM is ``dit_passes::w4a8_lut_gemm``,
@@ -144,11 +140,10 @@ def test_cuda_forms_use_scaled_mm_and_compile(method, monkeypatch):
     if method == "fp8":
         make, replaced = (lambda: Fp8Linear(exclude=())), 40
     else:
-        if method == "svdq_w4a8_fp8":
-            monkeypatch.setenv(dispatch.BACKEND_ENV, "fp8")
-        elif torch.cuda.get_device_capability()[0] != 9:
+        form = "fp8" if method == "svdq_w4a8_fp8" else "auto"
+        if form == "auto" and torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("auto writes fp8 SVDQuant forms on Hopper only (elsewhere the W4A4 op)")
-        make, replaced = (lambda: SVDQuantW4A4(rank=8, dynamic=True)), 34
+        make, replaced = (lambda: SVDQuantW4A4(rank=8, dynamic=True, form=form)), 34
     eager = compile_dit(model, passes=[make()], example_inputs=kw, keep_original=True)
     with torch.no_grad():
         ref = eager(**kw)[0]
@@ -229,13 +224,12 @@ def test_svdq_fp8_scaled_mm_form_matches_reference():
     assert relative_error(_svdq_form(x, q, "scaled_mm"), _svdq_form(x, q, "reference")) < 1e-2
 
 
-def test_svdq_pass_writes_the_fp8_form_when_asked(monkeypatch):
+def test_svdq_pass_writes_the_fp8_form_when_asked():
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "fp8")
     # the modulation linears W8A16 (not the default W4A16_LR, whose form is the same on every backend) to keep them
     # apart from the W4A8 linears by kind
-    compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")],
+    compiled = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16", form="fp8")],
                            keep_original=True)
     with torch.no_grad():
         out = compiled(**kw)[0]
@@ -262,8 +256,8 @@ def test_svdq_pass_writes_the_fp8_form_when_asked(monkeypatch):
     with torch.no_grad():
         want = twin(**kw)[0]
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "auto")  # the default: the op (true W4A4)
-    assert dispatch.svdq_form(kw["hidden_states"], torch.zeros(2, 2, dtype=torch.uint8)) == "op"
+    # the default (auto): the op (true W4A4)
+    assert dispatch.svdq_form(kw["hidden_states"], torch.zeros(2, 2, dtype=torch.uint8), "auto") == "op"
 
 
 # ------------------------------------------------------------------------------ W4A16 (weight-only int4, modulation)
@@ -469,14 +463,13 @@ def test_weight_only_form_traces_under_export_and_aot_eager(kind):
 def test_svdq_form_hopper_default(cap, setting, k, form, monkeypatch):
     from torch._subclasses import FakeTensorMode
 
-    monkeypatch.setenv(dispatch.BACKEND_ENV, setting)
     monkeypatch.setattr(dispatch, "capability", lambda device: cap)
     with FakeTensorMode():  # a CUDA tensor's metadata, no GPU needed
         x = torch.empty(1, 4, k, device="cuda", dtype=torch.bfloat16)  # [B, S, K]: tokens
         qweight = torch.empty(64, k // 2, device="cuda", dtype=torch.uint8)
-    assert dispatch.svdq_form(x, qweight) == form
+    assert dispatch.svdq_form(x, qweight, setting) == form
     cpu_q = torch.zeros(64, k // 2, dtype=torch.uint8)
-    assert dispatch.svdq_form(torch.zeros(1, 4, k), cpu_q) == ("fp8" if setting == "fp8" else "op")  # the CPU
+    assert dispatch.svdq_form(torch.zeros(1, 4, k), cpu_q, setting) == ("fp8" if setting == "fp8" else "op")  # the CPU
 
 
 @pytest.mark.parametrize("cap,kernels", [((9, 0), True), ((8, 9), True), ((8, 0), False)])
@@ -485,8 +478,6 @@ def test_auto_settings_take_the_kernels_on_fp8_gpus(cap, kernels, monkeypatch):
     older GPUs and the CPU; a setting naming one wins everywhere."""
     from torch._subclasses import FakeTensorMode
 
-    for env in (dispatch.ACT_QUANT_ENV, dispatch.W4_EXPAND_ENV, dispatch.LRCAT_ACT_ENV):
-        monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(dispatch, "capability", lambda device: cap)
     with FakeTensorMode():
         x = torch.empty(1, 4, 256, device="cuda", dtype=torch.bfloat16)
@@ -497,6 +488,4 @@ def test_auto_settings_take_the_kernels_on_fp8_gpus(cap, kernels, monkeypatch):
     assert dispatch.lrcat_act_quant(x) == ("mm" if kernels else "graph") and dispatch.lrcat_act_quant(cpu) == "graph"
     assert dispatch.fp8_act_quant("per_tensor", x) == "graph"  # a per-tensor scale stays in the graph form
     assert [dispatch.fp8_act_quant("per_row", cpu), dispatch.w4_expand(cpu), dispatch.w4_expand()] == ["graph"] * 3
-    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "graph")
-    monkeypatch.setenv(dispatch.W4_EXPAND_ENV, "kernel")
-    assert [dispatch.fp8_act_quant("per_row", x), dispatch.w4_expand(cpu)] == ["graph", "kernel"]
+    assert [dispatch.fp8_act_quant("per_row", x, "graph"), dispatch.w4_expand(cpu, "kernel")] == ["graph", "kernel"]

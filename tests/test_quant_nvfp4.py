@@ -181,7 +181,7 @@ def flux():
     return zm, ref
 
 
-def test_pass_checkpoint_layout_load_and_fp8_form(flux, tmp_path, monkeypatch):
+def test_pass_checkpoint_layout_load_and_fp8_form(flux, tmp_path):
     zm, ref = flux
     kw = zm.make_inputs()
     # modulation W8A16 (not the default W4A16_LR): its NVFP4 checkpoint reloads bit for bit; with W4A16_LR the
@@ -206,8 +206,8 @@ def test_pass_checkpoint_layout_load_and_fp8_form(flux, tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(loaded(**kw)[0], out)
     # the Hopper form, asked for on CPU (its reference GEMM): the same numbers up to accumulation order
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "fp8")
-    fp8 = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, precision="nvfp4", modulation="w8a16")])
+    fp8 = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, precision="nvfp4", modulation="w8a16",
+                                                     form="fp8")])
     with torch.no_grad():
         got = fp8(**kw)[0]
     assert "svdq_nvfp4_linear" not in fp8.graph_module.code and "float8_e4m3fn" in fp8.graph_module.code

@@ -111,18 +111,16 @@ def test_svdq_form_with_the_op_equals_the_aten_form(lead):
         svdq_fp8_linear_form(x, *args, expand="cuda")
 
 
-def test_setting_writes_the_op_into_the_svdq_graph(monkeypatch):
-    monkeypatch.setenv(dispatch.W4_EXPAND_ENV, "nope")
-    with pytest.raises(ValueError, match="DIT_PASSES_W4_EXPAND"):
-        dispatch.w4_expand()
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "fp8")
-    monkeypatch.setenv(dispatch.W4_EXPAND_ENV, "kernel")
+def test_setting_writes_the_op_into_the_svdq_graph():
+    with pytest.raises(ValueError, match="w4_expand must be one of"):
+        dispatch.w4_expand(None, "nope")
+    with pytest.raises(ValueError, match="w4_expand must be one of"):
+        SVDQuantW4A4(rank=8, dynamic=True, form="fp8", w4_expand="nope")
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
-    with_op = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True)], example_inputs=kw,
-                          keep_original=True)
-    monkeypatch.delenv(dispatch.W4_EXPAND_ENV)
-    aten_form = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True)], example_inputs=kw,
+    with_op = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, form="fp8", w4_expand="kernel")],
+                          example_inputs=kw, keep_original=True)
+    aten_form = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, form="fp8")], example_inputs=kw,
                             keep_original=True)
     w4a8 = sum(n.meta.get("dit_quant") == "svdq_w4a4" for n in with_op.graph_module.graph.nodes)
     ops = [n for n in with_op.graph_module.graph.nodes if n.target is OP]

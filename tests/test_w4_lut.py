@@ -74,7 +74,7 @@ def test_shuffle_is_a_permutation_and_round_trips():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lut_linear_error_beside_lrcat(dtype, monkeypatch):
+def test_lut_linear_error_beside_lrcat(dtype):
     """Against the exact linear the LUT form's error is lrcat_split's (both keep ~8 bits of the branch's operands; the
     int4 weights dominate the error): within 5%, below lrcat's (its branch e4m3 x e4m3); with two planes between the
     two; the whole-linear op equals its graph form over the planes asked for (two by default)."""
@@ -94,10 +94,9 @@ def test_lut_linear_error_beside_lrcat(dtype, monkeypatch):
     two = w4_lut.svdq_lut_linear_form(x, lw.codes, lw.tables, lw.sw, lw.c, q.lora_down, q.smooth_inv, q.bias, lshape,
                                       "graph", 2)
     assert e_split < relative_error(two, ref) < e_lrcat
-    for planes, form in (("", two), ("3", out), ("2", two)):
-        monkeypatch.setenv(lut_dispatch.LUT_PLANES_ENV, planes)
+    for planes, form in ((0, two), (3, out), (2, two)):  # 0: the default
         op = torch.ops.dit_passes.svdq_lut_linear.default(x, lw.codes, lw.tables, lw.sw, lw.c, q.lora_down,
-                                                           q.smooth_inv, q.bias)
+                                                           q.smooth_inv, q.bias, "auto", "auto", planes)
         assert torch.equal(op, form), planes
 
 
@@ -166,19 +165,17 @@ def test_lowrank_kernel_on_random_values_and_against_the_rows_form():
     assert kept[0] < 0.5 * kept[1] < 2e-3, kept
 
 
-def test_lut_act_setting(monkeypatch):
-    """``DIT_PASSES_LUT_ACT`` picks the A operand's op where the kernels run (``fp8_act_quant``'s ``kernel``); the
-    graph form stays the graph form; a bad value is named."""
+def test_lut_act_setting():
+    """``lut_act`` picks the A operand's op where the kernels run (``fp8_act_quant``'s ``kernel``); the graph form
+    stays the graph form; a bad value is named."""
     x = torch.zeros(2, 64)
-    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "kernel")
-    assert lut_dispatch.lut_act(x) == "kernel"
-    monkeypatch.setenv(lut_dispatch.LUT_ACT_ENV, "lowrank")
-    assert lut_dispatch.lut_act(x) == "lowrank"
-    monkeypatch.setenv(dispatch.ACT_QUANT_ENV, "graph")
-    assert lut_dispatch.lut_act(x) == "graph"
-    monkeypatch.setenv(lut_dispatch.LUT_ACT_ENV, "fused")
-    with pytest.raises(ValueError, match="DIT_PASSES_LUT_ACT='fused'"):
-        lut_dispatch.lut_act(x)
+    assert lut_dispatch.lut_act(x, "kernel") == "kernel"
+    assert lut_dispatch.lut_act(x, "kernel", "lowrank") == "lowrank"
+    assert lut_dispatch.lut_act(x, "graph", "lowrank") == "graph"
+    with pytest.raises(ValueError, match="lut_act must be one of"):
+        lut_dispatch.lut_act(x, "graph", "fused")
+    with pytest.raises(ValueError, match="lut_act must be one of"):
+        SVDQuantW4A4(rank=8, dynamic=True, form="lut", lut_act="fused")
 
 
 def test_lowrank_op_checks():
@@ -223,15 +220,14 @@ def test_ops_opcheck_compile_and_errors():
         torch.ops.dit_passes.lut_quantize_smoothed(xd, h, lw.c, 4)
 
 
-def test_backend_lut_writes_the_form_and_drops_the_int4_tables(monkeypatch):
-    """``DIT_PASSES_W4A4_BACKEND=lut``: every W4A4 linear of a FLUX graph becomes the LUT form (the GEMM op, no
+def test_backend_lut_writes_the_form_and_drops_the_int4_tables():
+    """``SVDQuantW4A4(form="lut")``: every W4A4 linear of a FLUX graph becomes the LUT form (the GEMM op, no
     ``_scaled_mm`` / addmm), its buffers are codes / tables / sw / c (no qweight, wscale or lora_up kept), and the
     output is close to the lrcat_split form's on the same stored tensors."""
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
-    passes = lambda: [SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16")]  # noqa: E731
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "lut")
-    lut = compile_dit(zm.model, passes=passes(), example_inputs=kw, keep_original=True)
+    passes = lambda form: [SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16", form=form)]  # noqa: E731
+    lut = compile_dit(zm.model, passes=passes("lut"), example_inputs=kw, keep_original=True)
     gm = lut.graph_module
     nodes = [n for n in gm.graph.nodes if n.meta.get("dit_quant") == "svdq_lut"]
     gemms = [n for n in gm.graph.nodes if n.target is torch.ops.dit_passes.w4a8_lut_gemm.default]
@@ -243,8 +239,7 @@ def test_backend_lut_writes_the_form_and_drops_the_int4_tables(monkeypatch):
     for p in prefixes:
         assert {f"{p}.{t}" for t in ("tables", "sw", "c", "lora_down", "smooth_inv")} <= buffers
         assert not {f"{p}.{t}" for t in ("qweight", "wscale", "lora_up")} & buffers
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "lrcat_split")
-    split = compile_dit(zm.model, passes=passes(), example_inputs=kw, keep_original=True)
+    split = compile_dit(zm.model, passes=passes("lrcat_split"), example_inputs=kw, keep_original=True)
     with torch.no_grad():
         out, ref, exact = lut(**kw)[0], split(**kw)[0], zm.model(**kw)[0]
     assert 0 < relative_error(out, ref) < 0.02
@@ -308,29 +303,29 @@ def test_library_header_patch(tmp_path):
         B.patched_header(str(inc), header, patches)
 
 
-def test_stored_form_converts_what_the_layout_takes(monkeypatch):
+def test_stored_form_converts_what_the_layout_takes():
     """With the LUT form asked for, a W4A4 table becomes the LUT kind (its int4 tables dropped) where N is a multiple of
     16; a linear of 24 outputs keeps W4A4's tables and kind; other kinds are left alone."""
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "lut")
     _, _, _, q32 = _case(n=32, k=64, rank=8)
     _, _, _, q24 = _case(n=24, k=64, rank=8)
     tables = {"a": q32.tensors(), "b": q24.tensors(), "c": {"qweight": torch.zeros(16, 8), "wscale": torch.ones(16)}}
-    kinds = SVDQuantW4A4(rank=8, dynamic=True).stored_form(tables, {"a": "svdq_w4a4", "b": "svdq_w4a4", "c": "w8a16"})
+    kinds = SVDQuantW4A4(rank=8, dynamic=True, form="lut").stored_form(tables, {"a": "svdq_w4a4", "b": "svdq_w4a4", "c": "w8a16"})
     assert kinds == {"a": "svdq_lut", "b": "svdq_w4a4", "c": "w8a16"}
     assert "codes" in tables["a"] and "qweight" not in tables["a"] and "qweight" in tables["b"]
 
 
-def test_load_writes_the_lut_form(tmp_path, monkeypatch):
+def test_load_writes_the_lut_form(tmp_path):
     """A saved SVDQuant checkpoint (the canonical int4 tables) loaded where the LUT form is asked for is written as
     that form, equal to quantizing in place with it."""
     import dit_passes
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
-    monkeypatch.setenv(dispatch.BACKEND_ENV, "lut")
+    from dit_passes.quant.forms import QuantForms
     made = compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w8a16",
-                                                      serialize_to=str(tmp_path))], example_inputs=kw,
+                                                      serialize_to=str(tmp_path), form="lut")], example_inputs=kw,
                        keep_original=True)
-    loaded = dit_passes.load(zm.model, str(tmp_path), example_inputs=kw, keep_original=True)
+    loaded = dit_passes.load(zm.model, str(tmp_path), example_inputs=kw, keep_original=True,
+                             forms=QuantForms(form="lut"))
     kinds = [n.meta.get("dit_quant") for n in loaded.graph_module.graph.nodes if n.meta.get("dit_quant")]
     assert kinds.count("svdq_lut") > 0 and "svdq_w4a4" not in kinds
     with torch.no_grad():

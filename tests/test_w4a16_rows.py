@@ -70,13 +70,13 @@ def test_op_opcheck_compile_and_errors():
         K.w4a16_rows_linear(torch.zeros(5, 128, dtype=torch.bfloat16, device=DEV), qw.to(DEV), ws.to(DEV), None)
 
 
-def test_kernel_setting_writes_the_op_for_the_modulation_linears(monkeypatch):
+def test_kernel_setting_writes_the_op_for_the_modulation_linears():
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
 
     def lowered(setting):
-        monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, setting)
-        return compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16_lr")],
+        return compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16_lr",
+                                                          weight_only_form=setting)],
                            example_inputs=kw, keep_original=True)
 
     kernel, linear = lowered("kernel"), lowered("linear")

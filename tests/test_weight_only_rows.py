@@ -52,33 +52,32 @@ def test_rows_form_equals_the_linear_form(kind, with_bias, lead):
     assert got16.dtype == torch.bfloat16 and relative_error(got16, want16) < 1e-2
 
 
-def test_weight_only_form_setting(monkeypatch):
+def test_weight_only_form_setting():
     with FakeTensorMode():  # a CUDA tensor's metadata, no GPU needed
         one, cfg, tokens = (torch.empty(*s, 64, device="cuda") for s in ((1,), (2, 1), (1, 5)))
     cpu = torch.empty(1, 64)
     # the default: the int4 GEMV op on a GPU's few rows; the linear form on the CPU and for the other kinds
     assert [dispatch.weight_only_form(t) for t in (one, cfg, tokens, cpu)] == ["kernel", "kernel", "linear", "linear"]
     assert {dispatch.weight_only_form(t, int4=False) for t in (one, cfg, tokens, cpu)} == {"linear"}
-    monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "rows")
-    assert [dispatch.weight_only_form(t) for t in (one, cfg, tokens, cpu)] == ["rows", "rows", "linear", "rows"]
-    monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "kernel")
-    assert [dispatch.weight_only_form(t) for t in (one, tokens)] == ["kernel", "linear"]
-    monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "linear")
-    assert dispatch.weight_only_form(one) == "linear"
-    monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, "sum")
-    with pytest.raises(ValueError, match="DIT_PASSES_WEIGHT_ONLY_FORM='sum': expected one of"):
-        dispatch.weight_only_form(one)
+    assert [dispatch.weight_only_form(t, True, "rows") for t in (one, cfg, tokens, cpu)] == [
+        "rows", "rows", "linear", "rows"]
+    assert [dispatch.weight_only_form(t, True, "kernel") for t in (one, tokens)] == ["kernel", "linear"]
+    assert dispatch.weight_only_form(one, True, "linear") == "linear"
+    with pytest.raises(ValueError, match="weight_only_form must be one of"):
+        dispatch.weight_only_form(one, True, "sum")
+    with pytest.raises(ValueError, match="weight_only_form must be one of"):
+        SVDQuantW4A4(rank=8, dynamic=True, weight_only_form="sum")
 
 
-def test_svdquant_pass_writes_the_rows_form_for_the_modulation_linears(monkeypatch):
+def test_svdquant_pass_writes_the_rows_form_for_the_modulation_linears():
     """FLUX's AdaLN linears (W4A16 + low-rank branch, one row per sample): the rows form where the setting asks,
     the linear form otherwise, the same output (fp32), also compiled."""
     zm = build("flux", **FLUX64)
     kw = zm.make_inputs()
 
     def lowered(setting, **compile_kw):
-        monkeypatch.setenv(dispatch.WEIGHT_ONLY_ENV, setting)
-        return compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16_lr")],
+        return compile_dit(zm.model, passes=[SVDQuantW4A4(rank=8, dynamic=True, modulation="w4a16_lr",
+                                                          weight_only_form=setting)],
                            example_inputs=kw, keep_original=True, **compile_kw)
 
     rows, linear = lowered("rows"), lowered("linear")
