@@ -239,8 +239,8 @@ def main() -> int:
     stage("backend table", table)
 
     def dispatch():
-        os.environ[D.BACKEND_ENV] = "auto"
-        os.environ[D.TABLE_ENV] = os.path.join(out_dir, "w4a4_backend_table.json")
+        from dit_passes.infra import env
+        os.environ[env.W4A4_TABLE] = os.path.join(out_dir, "w4a4_backend_table.json")
         D.reset()
         s = make_set(int4, M_TOKENS, 3072, 3072, 99)
         args = (s["x"], s["qw"], s["wscale"], s["ld"], s["lu"], s["si"], s["bias"])

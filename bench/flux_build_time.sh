@@ -4,8 +4,10 @@
 #     DBCache F8B0 + SplitConcatLinear + FuseLinearGelu, regional + reduce-overhead; no generation) -> profile_build/,
 #     and again without export's stack traces -> profile_build_no_stack_traces/;
 #  2. the graphed_regional_epilogue_always row (build_s, first_generation_s, 1 more generation), each in a fresh process
-#     with empty Inductor and Triton caches, without / with compile_dit's early start of Inductor's compile workers
-#     (DIT_PASSES_WARM_INDUCTOR_POOL=0 / 1), in the order 0 1 0 1 -> buildtime_warm<0|1>_<run>/bench_flux_full.json.
+#     with empty Inductor and Triton caches, without / with Inductor's compile-worker pool started early (torch's
+#     TORCH_WARM_POOL=0 / 1: compile_dit starts it at the first CUDA lowering through torch's maybe_warm_pool, which
+#     honours that switch; 0 also keeps Inductor from starting it itself, so warm=0 now measures no pool warm-up at
+#     all), in the order 0 1 0 1 -> buildtime_warm<0|1>_<run>/bench_flux_full.json.
 # The summary line per run: warm, build_s, first_generation_s, their sum (the figure the target bounds), generation_s.
 #   device tool: run(command="bash bench/flux_build_time.sh")   (~7 min on an H100)
 set -u
@@ -18,7 +20,7 @@ timeout ${PROFILE_TIMEOUT:-150} python3 "$repo/bench/profile_build.py" --device 
 echo "profile (no stack traces) rc=$?"
 for run in 1 2; do
   for warm in 0 1; do
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) DIT_PASSES_WARM_INDUCTOR_POOL=$warm \
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) TORCH_WARM_POOL=$warm \
       timeout ${ROW_TIMEOUT:-150} python3 -m dit_passes.bench --size full --rows graphed_regional_epilogue_always \
       --repeats 1 --out "$out/buildtime_warm${warm}_$run" > "$out/buildtime_warm${warm}_$run.log" 2>&1
     echo "warm=$warm run=$run rc=$?"

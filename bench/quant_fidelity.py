@@ -47,10 +47,24 @@ NUMERICS = {"auto": "W4A4 (true 4-bit activations, the reference)",
             "lrcat_split": "W4A8 lrcat_split (as lrcat, the branch's operands as e4m3 hi / lo pairs: 3R columns)",
             "lut": "W4A8 lut (Hopper design: int4 weights read through per-group e4m3 tables inside the GEMM, e4m3 "
                    "activations per token, the branch in K as int4 digit planes of lora_up against the e4m3 hi / lo "
-                   "of h; DIT_PASSES_LUT_PLANES=2: against h in e4m3)"}
+                   "of h; lut_planes=2: against h in e4m3)"}
 
 
-def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w8a16"):
+def svdq_forms(form: str, act_quant: str, precision: str = "int4") -> dict:
+    """SVDQuantW4A4's form arguments for ``--w4a4-backend`` / ``--act-quant`` (only those the configuration writes:
+    the pass refuses one it would not act on)."""
+    if precision == "nvfp4":  # written as the op or the fp8 split GEMM
+        return {"form": form if form in ("auto", "op", "fp8") else "op"}
+    out = {"form": form}
+    if form in ("auto", "fp8", "lrcat", "lrcat_split", "lut"):
+        out["act_quant"] = "kernel" if act_quant == "mm" else act_quant
+    if form in ("auto", "lrcat", "lrcat_split"):
+        out["lrcat_act"] = "mm" if act_quant == "mm" else "stats"
+    return out
+
+
+def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = "w8a16", form: str = "auto",
+                 act_quant: str = "graph"):
     from dit_passes import compile_dit
     from dit_passes.models.digits import sample
     from dit_passes.bench import schedules
@@ -59,7 +73,9 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
     from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
 
     exclude = ("modulation",) if modulation == "none" else ()
-    svdq = dict(modulation=None if modulation == "none" else modulation)
+    mod = dict(modulation=None if modulation == "none" else modulation)
+    svdq, nvfp4 = {**mod, **svdq_forms(form, act_quant)}, {**mod, **svdq_forms(form, act_quant, "nvfp4")}
+    fp8 = {"act_quant": "kernel" if act_quant == "mm" else act_quant}
 
     def calibrate():
         # Runs inside the first call of the quantized module, i.e. in the middle of a pipeline run: it
@@ -73,7 +89,8 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
 
     def ptq(rank, precision="int4", tag=""):  # tag: its own serialization folder (another graph, other tables)
         return lambda: SVDQuantW4A4(rank=rank, calibrate_fn=calibrate, precision=precision,
-                                    serialize_to=os.path.join(workdir, f"{precision}_r{rank}{tag}"), **svdq)
+                                    serialize_to=os.path.join(workdir, f"{precision}_r{rank}{tag}"),
+                                    **(nvfp4 if precision == "nvfp4" else svdq))
 
     makers = {
         "svdq_r16_ptq": ptq(16),
@@ -90,20 +107,20 @@ def make_configs(pipe, steps: int, workdir: str, built: dict, modulation: str = 
         "svdq_r8_dq_fused": lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=8, dynamic=True, **svdq)],
         "w4a4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", **svdq),
         "svdq_nvfp4_r32_ptq": ptq(32, "nvfp4"),
-        "svdq_nvfp4_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, precision="nvfp4", **svdq),
-        "nvfp4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", precision="nvfp4", **svdq),
-        "fp8_per_row": lambda: Fp8Linear("per_row", exclude=exclude),
+        "svdq_nvfp4_r32_dq": lambda: SVDQuantW4A4(rank=32, dynamic=True, precision="nvfp4", **nvfp4),
+        "nvfp4_plain_r0": lambda: SVDQuantW4A4(rank=0, dynamic=True, smooth="none", precision="nvfp4", **nvfp4),
+        "fp8_per_row": lambda: Fp8Linear("per_row", exclude=exclude, **fp8),
         "int8_per_row": lambda: Int8Linear(exclude=exclude),
         # the fastest preset's stacks (dit-passes bench --preset fastest): its forced schedule (F8B0, 8 warm-up steps, then
         # always cached) alone, and with the fp8 linears of the fp8 row (sibling linears fused first)
         "stack_dbcache": lambda: [DBCache(**schedules()["always"])],
         "stack_dbcache_fp8": lambda: [DBCache(**schedules()["always"]), FuseSiblingLinears(),
-                                      Fp8Linear("per_row", exclude=exclude)],
+                                      Fp8Linear("per_row", exclude=exclude, **fp8)],
         # the preset's full stacks: plus the lossless fusions (epilogues, q / k RMSNorm + RoPE as one op)
         "stack_fastest": lambda: [DBCache(**schedules()["always"]), SplitConcatLinear(), FuseLinearGelu(),
                                   FuseNormRope(), FuseNormModulate()],
         "stack_fastest_fp8": lambda: [DBCache(**schedules()["always"]), FuseSiblingLinears(),
-                                      Fp8Linear("per_row", exclude=exclude), FuseNormRope(), FuseNormModulate()],
+                                      Fp8Linear("per_row", exclude=exclude, **fp8), FuseNormRope(), FuseNormModulate()],
     }
 
     def config(name, make_pass):
@@ -151,16 +168,11 @@ def main(argv=None) -> int:
                          "W4A4 like the rest (the flag alone), or none (every config leaves them unquantized)")
     ap.add_argument("--only", nargs="+", default=None, help="run only these configs (e.g. svdq_r32_ptq svdq_r32_dq)")
     ap.add_argument("--act-quant", choices=("graph", "kernel", "mm"), default="graph",
-                    help="kernel: the fp8 / lrcat forms' activations through their ops (DIT_PASSES_FP8_ACT_QUANT; "
+                    help="kernel: the fp8 / lrcat forms' activations through their ops (act_quant='kernel'; "
                          "on the CPU the ops' references, the kernels' specifications); mm: the lrcat A operand "
-                         "from the smoothed activation in x.dtype and aten.mm (DIT_PASSES_LRCAT_ACT=mm)")
+                         "from the smoothed activation in x.dtype and aten.mm (lrcat_act='mm')")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from dit_passes.quant import dispatch
-
-    os.environ[dispatch.BACKEND_ENV] = args.w4a4_backend  # read when each quantized graph is written
-    os.environ[dispatch.ACT_QUANT_ENV] = "kernel" if args.act_quant == "mm" else args.act_quant
-    os.environ[dispatch.LRCAT_ACT_ENV] = "mm" if args.act_quant == "mm" else "stats"
     from dit_passes.fidelity import run_fidelity
     from dit_passes.models.digits import load_digits_pipeline
 
@@ -169,7 +181,7 @@ def main(argv=None) -> int:
     labels = list(range(10))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
-        configs = make_configs(pipe, args.steps, work, built, args.modulation)
+        configs = make_configs(pipe, args.steps, work, built, args.modulation, args.w4a4_backend, args.act_quant)
         if args.only:
             unknown = set(args.only) - set(configs)
             if unknown:

@@ -28,21 +28,21 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   ``coordinate_descent_tuning`` (:data:`COMPILE_OPTIONS`);
 * ``fp8`` / ``fp8_fast_accum``: ``Fp8Linear(exclude=())`` on every block linear, the AdaLN modulation ones included
   (per-channel e4m3 weights, per-token e4m3 activations quantized in the graph, ``_scaled_mm``), with
-  ``DIT_PASSES_FP8_FAST_ACCUM`` = 0 / 1;
+  ``fast_accum`` = False / True;
 * ``bf16_fused`` / ``fp8_fused``: ``FuseSiblingLinears()`` first (each block's q / k / v, and in the single-stream
   blocks proj_mlp with them, one linear over the concatenated weight and a split), then nothing / the
   ``fp8_fast_accum`` row's ``Fp8Linear``: one activation quantization and one wider GEMM per group;
-  ``fp8_fused_rowquant``: ``fp8_fused`` with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (each activation quantized by the
+  ``fp8_fused_rowquant``: ``fp8_fused`` with ``act_quant="kernel"`` (each activation quantized by the
   op ``dit_passes::fp8_quantize_rows``: one Triton kernel, one read, ``kernels/fp8_rowquant_triton.py``);
 * ``svdq_w4_fp8`` / ``svdq_w4_fp8_fast_accum``: ``SVDQuantW4A4(rank=32, dynamic=True)`` written as W4A8 on fp8
-  tensor cores (``DIT_PASSES_W4A4_BACKEND=fp8``: the packed int4 weights expanded to e4m3 once per call with the
+  tensor cores (``form="fp8"``: the packed int4 weights expanded to e4m3 once per call with the
   group scales folded, per-token e4m3 activations, ``_scaled_mm``, the rank-32 branch in bf16); the AdaLN
   modulation linears weight-only int8 (the pass's default ``modulation="w8a16"``: dequantized to bf16 per call);
 * ``svdq_w4_fp8_fused`` / ``svdq_w4_fp8_fused_expandkernel``: ``FuseSiblingLinears()`` then the
   ``svdq_w4_fp8_fast_accum`` row's pass (SVDQuant of the concatenated q / k / v (+ proj_mlp) weight), the int4 weights
-  expanded by ATen ops / by the op ``dit_passes::w4_to_e4m3`` (``DIT_PASSES_W4_EXPAND=kernel``: one
+  expanded by ATen ops / by the op ``dit_passes::w4_to_e4m3`` (``w4_expand="kernel"``: one
   bandwidth-bound Triton kernel, ``kernels/w4_expand_triton.py``);
-* ``svdq_w4_lrcat``: the ``svdq_w4_fp8_fused_expandkernel`` row with ``DIT_PASSES_W4A4_BACKEND=lrcat``: the low-rank
+* ``svdq_w4_lrcat``: the ``svdq_w4_fp8_fused_expandkernel`` row with ``form="lrcat"``: the low-rank
   branch folded into the GEMM's K (``graph_forms.svdq_lrcat_linear_form``: one ``_scaled_mm`` over [qx | qh] and
   [w8 | u8], no separate branch mm / addmm over the output; B written by ``dit_passes::w4_lrcat_to_e4m3``);
   ``svdq_w4_lrcat_split``: the same with the branch's operands as e4m3 hi / lo pairs (3R columns: the svdq fp8
@@ -50,30 +50,30 @@ Step rows (``--rows``), 1024² (4096 image + 512 text tokens), batch 1, ``compil
   ``FuseSiblingLinears`` (a fused group shares one rank-32 branch: digits DiT PTQ 46.2 -> 41.3 dB, fp8 form and
   lrcat_split alike, ``bench/results/quant_fidelity_*_fused.md``), lrcat_split / the svdq fp8 form with the kernel;
 * ``svdq_w4_lrcat_split_act`` / ``_act_nofuse``: ``svdq_w4_lrcat_split`` / ``_nofuse`` with
-  ``DIT_PASSES_FP8_ACT_QUANT=kernel``: each linear's A operand (smoothing, per-token e4m3, the branch's down
+  ``act_quant="kernel"``: each linear's A operand (smoothing, per-token e4m3, the branch's down
   projection) by the op ``dit_passes::lrcat_quantize_rows``, one Triton kernel (``kernels/lrcat_act_triton.py``);
   ``*_graphed`` of these and of ``svdq_w4_lrcat_split``: the step as one CUDA graph, as the bf16 / fp8 rows;
 * ``svdq_w4_all_fp8_fast_accum``: the same with ``modulation="svdq"``, the AdaLN modulation linears W4A8 too;
 * ``svdq_w4_w4a8_fused`` / ``svdq_w4_w4a8_fused_fold`` (not by default): the same pass with
-  ``DIT_PASSES_W4A4_BACKEND=w4a8`` / ``w4a8_fold``: each linear the op ``dit_passes::svdq_w4a8_linear``, the fused
+  ``form="w4a8"`` / ``w4a8_fold``: each linear the op ``dit_passes::svdq_w4a8_linear``, the fused
   W4A8 Triton kernels (``kernels/w4a8_triton.py``);
 * ``bf16_epilogue_rope`` / ``fp8_default_rope`` / ``svdq_w4_default_rope``: ``bf16_epilogue`` / ``fp8_default`` /
   ``svdq_w4_default`` plus ``FuseNormRope`` (the q / k RMSNorm and rotary embedding as one op, lossless);
 * ``bf16_pointwise`` / ``fp8_pointwise`` / ``svdq_w4_pointwise`` (graphed only): those plus ``FuseNormModulate``
   (AdaLN's LayerNorm + modulation, with the gated residual before it, as one op, lossless);
 * ``svdq_w4_pointwise_words`` (graphed only): ``svdq_w4_pointwise`` with the expansion kernel's word form
-  (``DIT_PASSES_W4_EXPAND_FORM=words``: a thread converts eight int4 values of an int32 word, not a byte's two);
+  (``the kernel's ``form="words"````: a thread converts eight int4 values of an int32 word, not a byte's two);
 * ``svdq_w4_lut_pointwise`` / ``svdq_w4_lut2_pointwise`` / ``svdq_w4_expand_pointwise`` (graphed only):
-  ``svdq_w4_pointwise`` with each SVDQuant design named: the lookup-table form (``DIT_PASSES_W4A4_BACKEND=lut``,
+  ``svdq_w4_pointwise`` with each SVDQuant design named: the lookup-table form (``form="lut"``,
   ``quant/w4_lut.py``: the int4 codes read by the CUTLASS mixed-input GEMM, the branch's three planes,
-  ``DIT_PASSES_LUT_PLANES=3``; ``lut2``: two, the default; the LUT form is the Hopper default) and the expansion design
+  ``lut_planes=3``; ``lut2``: two, the default; the LUT form is the Hopper default) and the expansion design
   (``lrcat_split``, the default before it); a row of the LUT form records the tile configs its GEMM's "auto" chose (``lut_configs``);
   ``svdq_w4_lut_rows_pointwise`` / ``svdq_w4_lut_lowrank_pointwise``: the LUT form's A operand named
-  (``DIT_PASSES_LUT_ACT``: h by a cuBLAS mm, then the row kernel, the default; or the op computing h inside,
+  (``lut_act``: h by a cuBLAS mm, then the row kernel, the default; or the op computing h inside,
   ``kernels/lut_act_triton.py``; results made while lowrank was the default have lowrank
   ``svdq_w4_lut_pointwise`` and ``lut2`` rows: each results file says);
 * ``svdq_w4_op`` (not by default): the same weights through the custom op, true W4A4 on the CUTLASS kernels
-  (``DIT_PASSES_W4A4_BACKEND=cutlass``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
+  (``form="cutlass"``: built with the device's nvcc on first use; ``auto`` now writes W4A8 on Hopper).
 
 Each row: ``first_call_s`` (capture, passes, Inductor), ``step_ms`` (median of ``--repeats`` after two warm-ups),
 ``rel_err_vs_bf16`` (output, Frobenius), ``weights_gib`` (tensors the lowered graph holds), ``original_only_gib``
@@ -109,7 +109,6 @@ after every row; rows not started within ``--budget-s`` are skipped (the device 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import sys
@@ -143,7 +142,7 @@ ROWS = ("bf16", "fp8_fast_accum", "fp8_fused", "fp8_fused_rowquant", "bf16_fused
         "svdq_w4_lrcat_split_mm_graphed", "bf16_epilogue", "bf16_epilogue_graphed", "bf16_epilogue_cdt_graphed",
         "bf16_epilogue_rope", "fp8_default_rope", "svdq_w4_default_rope", "bf16_epilogue_rope_graphed",
         "fp8_default_rope_graphed", "svdq_w4_default_rope_graphed", "bf16_pointwise_graphed", "fp8_pointwise_graphed",
-        "svdq_w4_pointwise_graphed", "svdq_w4_pointwise_words_graphed", "svdq_w4_lut_pointwise_graphed",
+        "svdq_w4_pointwise_graphed", "svdq_w4_lut_pointwise_graphed",
         "svdq_w4_lut2_pointwise_graphed", "svdq_w4_lut_rows_pointwise_graphed", "svdq_w4_lut_lowrank_pointwise_graphed",
         "svdq_w4_expand_pointwise_graphed")
 # Inductor options of a row (its _graphed twin too): cdt, Inductor's coordinate-descent tuning of its own kernels'
@@ -162,123 +161,116 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
-@contextlib.contextmanager
-def environ(values: Dict[str, str]):
-    """The dispatch settings of one row (read when the graph is written and, for custom ops, at each call)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def row_specs():
-    from dit_passes.kernels import w4_expand_triton
+    """{row: (make_passes(forms) -> the pass list, forms)}: ``forms``, the quantize pass's form arguments
+    (``dit_passes.quant.forms.QuantForms``'s fields) the row names."""
     from dit_passes.passes import FuseLinearGelu, FuseNormModulate, FuseNormRope, FuseSiblingLinears, SplitConcatLinear
     from dit_passes.passes.quantize import Fp8Linear, SVDQuantW4A4
-    from dit_passes.quant import dispatch, lut_dispatch
+    from dit_passes.quant.forms import LUT_ACT_SETTINGS
 
-    exact, fast = {dispatch.FAST_ACCUM_ENV: "0"}, {dispatch.FAST_ACCUM_ENV: "1"}
-    w4a8, rowquant = {dispatch.BACKEND_ENV: "fp8"}, {dispatch.ACT_QUANT_ENV: "kernel"}
-    expand = {dispatch.W4_EXPAND_ENV: "kernel"}
+    def tagged(make, kind):
+        make.kind = kind  # which quantize pass the row's forms go to (named() below)
+        return make
+
+    def plain(*classes):
+        return tagged(lambda q: [c() for c in classes], "bf16")
+
+    def fp8(fuse=False):
+        return tagged(lambda q: ([FuseSiblingLinears()] if fuse else []) + [Fp8Linear(exclude=(), **q)], "fp8")
+
+    def svdq(fuse=True, **fixed):
+        return tagged(lambda q: ([FuseSiblingLinears()] if fuse else []) + [
+            SVDQuantW4A4(rank=RANK, dynamic=True, **fixed, **q)], "svdq_mod" if fixed else "svdq")
+
+    exact, fast = {"fast_accum": False}, {"fast_accum": True}
+    w4a8, rowquant = {"form": "fp8"}, {"act_quant": "kernel"}
+    expand = {"w4_expand": "kernel"}
     # the modulation linears on their one row: the int4 GEMV op (the "rows" form is its own row below)
-    mod_gemv = {dispatch.WEIGHT_ONLY_ENV: "kernel"}
-    two_kernels = {dispatch.LRCAT_ACT_ENV: "stats"}  # the _act rows' A operand (the default: mm)
+    mod_gemv = {"weight_only_form": "kernel"}
+    two_kernels = {"lrcat_act": "stats"}  # the _act rows' A operand (the default: mm)
     specs = {
-        "bf16": (lambda: [], {}),
-        "bf16_epilogue": (lambda: [SplitConcatLinear(), FuseLinearGelu()], {}),
-        "bf16_epilogue_cdt": (lambda: [SplitConcatLinear(), FuseLinearGelu()], {}),
-        "fp8": (lambda: [Fp8Linear(exclude=())], exact),
-        "fp8_fast_accum": (lambda: [Fp8Linear(exclude=())], fast),
+        "bf16": (plain(), {}),
+        "bf16_epilogue": (plain(SplitConcatLinear, FuseLinearGelu), {}),
+        "bf16_epilogue_cdt": (plain(SplitConcatLinear, FuseLinearGelu), {}),
+        "fp8": (fp8(), exact),
+        "fp8_fast_accum": (fp8(), fast),
         # q / k / v (+ proj_mlp) fused into one linear before quantizing: one activation quantization, one wider GEMM
-        "fp8_fused": (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=())], fast),
-        "fp8_fused_rowquant": (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=())], {**fast, **rowquant}),
-        "bf16_fused": (lambda: [FuseSiblingLinears()], {}),
-        "svdq_w4_fp8": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **exact}),
-        "svdq_w4_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
+        "fp8_fused": (fp8(fuse=True), fast),
+        "fp8_fused_rowquant": (fp8(fuse=True), {**fast, **rowquant}),
+        "bf16_fused": (plain(FuseSiblingLinears), {}),
+        "svdq_w4_fp8": (svdq(fuse=False), {**w4a8, **exact}),
+        "svdq_w4_fp8_fast_accum": (svdq(fuse=False), {**w4a8, **fast}),
         # q / k / v (+ proj_mlp) fused first as in fp8_fused; the int4 weights expanded by ATen ops / by the op
-        "svdq_w4_fp8_fused": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast}),
-        "svdq_w4_fp8_fused_expandkernel": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                           {**w4a8, **fast, **expand}),
+        "svdq_w4_fp8_fused": (svdq(), {**w4a8, **fast}),
+        "svdq_w4_fp8_fused_expandkernel": (svdq(), {**w4a8, **fast, **expand}),
         # the low-rank branch in the GEMM's K (one _scaled_mm per linear), B written by the expansion kernel
-        "svdq_w4_lrcat": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
-                          {dispatch.BACKEND_ENV: "lrcat", **fast, **expand}),
-        "svdq_w4_lrcat_split": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand}),
+        "svdq_w4_lrcat": (svdq(), {"form": "lrcat", **fast, **expand}),
+        "svdq_w4_lrcat_split": (svdq(), {"form": "lrcat_split", **fast, **expand}),
         # unfused: SVDQuant's fidelity at rank 32 per linear (fused groups share one rank-32 branch: -5 dB on digits)
-        "svdq_w4_lrcat_split_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                       {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand}),
-        "svdq_w4_fp8_expandkernel": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {**w4a8, **fast, **expand}),
+        "svdq_w4_lrcat_split_nofuse": (svdq(fuse=False), {"form": "lrcat_split", **fast, **expand}),
+        "svdq_w4_fp8_expandkernel": (svdq(fuse=False), {**w4a8, **fast, **expand}),
         # lrcat_split with its A operand by dit_passes::lrcat_quantize_rows (smoothing, e4m3, branch down: one kernel)
-        # and the modulation linears' int4 GEMV (DIT_PASSES_WEIGHT_ONLY_FORM=kernel)
-        "svdq_w4_lrcat_split_act": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                    {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant, **mod_gemv,
-                                     **two_kernels}),
-        "svdq_w4_lrcat_split_act_nofuse": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                           {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
-                                            **mod_gemv, **two_kernels}),
+        # and the modulation linears' int4 GEMV (weight_only_form="kernel")
+        "svdq_w4_lrcat_split_act": (svdq(), {"form": "lrcat_split", **fast, **expand, **rowquant, **mod_gemv,
+                                             **two_kernels}),
+        "svdq_w4_lrcat_split_act_nofuse": (svdq(fuse=False), {"form": "lrcat_split", **fast, **expand, **rowquant,
+                                                              **mod_gemv, **two_kernels}),
         # the A operand as aten.mm for the branch's down projection (on the smoothed activation, which Inductor writes
         # in its producer) and one row pass (dit_passes::lrcat_quantize_smoothed) instead of the two kernels
-        "svdq_w4_lrcat_split_mm": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                   {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant, **mod_gemv,
-                                    dispatch.LRCAT_ACT_ENV: "mm"}),  # the default
+        "svdq_w4_lrcat_split_mm": (svdq(), {"form": "lrcat_split", **fast, **expand, **rowquant, **mod_gemv,
+                                            "lrcat_act": "mm"}),  # the default
         # the same with the modulation linears' multiply-and-sum rows form instead of the GEMV
-        "svdq_w4_lrcat_split_act_modrows": (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                            {dispatch.BACKEND_ENV: "lrcat_split", **fast, **expand, **rowquant,
-                                             dispatch.WEIGHT_ONLY_ENV: "rows", **two_kernels}),
+        "svdq_w4_lrcat_split_act_modrows": (svdq(), {"form": "lrcat_split", **fast, **expand, **rowquant,
+                                                     "weight_only_form": "rows", **two_kernels}),
         # the AdaLN modulation linears W4A8 like the rest (the default rows: weight-only int8)
-        "svdq_w4_all_fp8_fast_accum": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True, modulation="svdq")],
-                                       {**w4a8, **fast}),
+        "svdq_w4_all_fp8_fast_accum": (svdq(fuse=False, modulation="svdq"), {**w4a8, **fast}),
         # the fused W4A8 Triton kernels (dit_passes::svdq_w4a8_linear), exact / folded group scales
-        "svdq_w4_w4a8_fused": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "w4a8"}),
-        "svdq_w4_w4a8_fused_fold": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)],
-                                    {dispatch.BACKEND_ENV: "w4a8_fold"}),
-        "svdq_w4_op": (lambda: [SVDQuantW4A4(rank=RANK, dynamic=True)], {dispatch.BACKEND_ENV: "cutlass", **exact}),
+        "svdq_w4_w4a8_fused": (svdq(fuse=False), {"form": "w4a8"}),
+        "svdq_w4_w4a8_fused_fold": (svdq(fuse=False), {"form": "w4a8_fold"}),
+        "svdq_w4_op": (svdq(fuse=False), {"form": "cutlass"}),
     }
-    # each row names its forms: the settings' device defaults (dispatch's "auto": the kernels on sm_89+) apply to the
-    # *_default rows only, which measure what a user gets with no setting
-    named = {dispatch.ACT_QUANT_ENV: "graph", dispatch.W4_EXPAND_ENV: "graph", dispatch.WEIGHT_ONLY_ENV: "linear"}
-    specs = {n: (make, {**named, **env}) for n, (make, env) in specs.items()}
-    specs["svdq_w4_default"] = (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True)], {})
-    specs["fp8_default"] = (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=())], {})
+    # each row names its forms: the device defaults ("auto": the kernels on sm_89+) apply to the *_default rows only,
+    # which measure what a user gets with no setting; a row names only the forms its pass writes (one it would not act
+    # on is refused)
+    def named(kind, q):
+        form, out = q.get("form"), {}
+        if kind == "fp8" or (kind.startswith("svdq") and form in ("fp8", "lrcat", "lrcat_split")):
+            out["act_quant"] = "graph"
+        if kind.startswith("svdq") and form in ("fp8", "lrcat", "lrcat_split"):
+            out["w4_expand"] = "graph"
+        if kind == "svdq":  # the modulation linears weight-only (modulation="svdq": W4A8 like the rest)
+            out["weight_only_form"] = "linear"
+        return out
+
+    specs = {n: (make, {**named(make.kind, q), **q}) for n, (make, q) in specs.items()}
+    specs["svdq_w4_default"] = (svdq(), {})
+    specs["fp8_default"] = (fp8(fuse=True), {})
     # *_rope: plus FuseNormRope (lossless: the q / k RMSNorm and rotary embedding as one op of ours)
-    specs["bf16_epilogue_rope"] = (lambda: [SplitConcatLinear(), FuseLinearGelu(), FuseNormRope()], {})
-    specs["fp8_default_rope"] = (lambda: [FuseSiblingLinears(), Fp8Linear(exclude=()), FuseNormRope()], {})
-    specs["svdq_w4_default_rope"] = (lambda: [FuseSiblingLinears(), SVDQuantW4A4(rank=RANK, dynamic=True),
-                                              FuseNormRope()], {})
+    specs["bf16_epilogue_rope"] = (plain(SplitConcatLinear, FuseLinearGelu, FuseNormRope), {})
+    specs["fp8_default_rope"] = (lambda q: [*fp8(fuse=True)(q), FuseNormRope()], {})
+    specs["svdq_w4_default_rope"] = (lambda q: [*svdq()(q), FuseNormRope()], {})
     # *_pointwise: the *_rope rows plus FuseNormModulate (lossless: AdaLN's norm + modulation as one op of ours)
     for name, rope in (("bf16_pointwise", "bf16_epilogue_rope"), ("fp8_pointwise", "fp8_default_rope"),
                        ("svdq_w4_pointwise", "svdq_w4_default_rope")):
-        specs[name] = (lambda rope=rope: [*specs[rope][0](), FuseNormModulate()], specs[rope][1])
+        specs[name] = (lambda q, rope=rope: [*specs[rope][0](q), FuseNormModulate()], specs[rope][1])
     # the lookup-table form: the int4 codes read by the CUTLASS mixed-input GEMM through per-group e4m3 tables
     # (quant/w4_lut.py), no expanded weight; the branch as int4 digit planes in K (three; lut2: their two-plane prefix)
     # (the planes named on both rows: the default is two)
-    specs["svdq_w4_lut_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
-                                                                     lut_dispatch.LUT_PLANES_ENV: "3"})
+    specs["svdq_w4_lut_pointwise"] = (specs["svdq_w4_pointwise"][0], {"form": "lut", "lut_planes": 3})
     # the same with the branch's two planes (h in e4m3): the GEMM 64-128 columns shorter (the default)
-    specs["svdq_w4_lut2_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
-                                                                      lut_dispatch.LUT_PLANES_ENV: "2"})
+    specs["svdq_w4_lut2_pointwise"] = (specs["svdq_w4_pointwise"][0], {"form": "lut", "lut_planes": 2})
     # the A operand named: h by cuBLAS's mm, then the row kernel (xd read twice; the default), or the lowrank op
     # (xd's amax in its producer, h inside the op; xd read once)
-    for act in lut_dispatch.LUT_ACT_SETTINGS:
-        specs[f"svdq_w4_lut_{act}_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lut",
-                                                                                lut_dispatch.LUT_ACT_ENV: act})
+    for act in LUT_ACT_SETTINGS[1:]:
+        specs[f"svdq_w4_lut_{act}_pointwise"] = (specs["svdq_w4_pointwise"][0], {"form": "lut", "lut_act": act})
     # the expansion design (lrcat_split, the Hopper default before the LUT form) named, now that auto stores the LUT form
-    specs["svdq_w4_expand_pointwise"] = (specs["svdq_w4_pointwise"][0], {dispatch.BACKEND_ENV: "lrcat_split"})
-    # the expansion kernel converting an int32 word (eight values) a thread instead of a byte (bench/w4_expand_kernel.py)
-    specs["svdq_w4_pointwise_words"] = (specs["svdq_w4_pointwise"][0], {w4_expand_triton.FORM_ENV: "words"})
+    specs["svdq_w4_expand_pointwise"] = (specs["svdq_w4_pointwise"][0], {"form": "lrcat_split"})
     # *_graphed: the step replayed as one CUDA graph (mode="reduce-overhead"): the per-call host work of a row with
     # more, smaller kernels (the row kernel's ~300 calls a step) hidden as a generation hides it
     graphed = ("bf16", "fp8_fused", "fp8_fused_rowquant", "svdq_w4_lrcat_split", "svdq_w4_lrcat_split_act",
                "svdq_w4_lrcat_split_act_nofuse", "svdq_w4_lrcat_split_act_modrows", "svdq_w4_default", "fp8_default",
                "svdq_w4_lrcat_split_mm", "bf16_epilogue", "bf16_epilogue_cdt", "bf16_epilogue_rope", "fp8_default_rope",
-               "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise",
-               "svdq_w4_pointwise_words", "svdq_w4_lut_pointwise", "svdq_w4_lut2_pointwise",
+               "svdq_w4_default_rope", "bf16_pointwise", "fp8_pointwise", "svdq_w4_pointwise", "svdq_w4_lut_pointwise", "svdq_w4_lut2_pointwise",
                "svdq_w4_lut_rows_pointwise", "svdq_w4_lut_lowrank_pointwise", "svdq_w4_expand_pointwise")
     return {**specs, **{f"{n}_graphed": specs[n] for n in graphed}}
 
@@ -314,7 +306,7 @@ def tensor_bytes(tensors) -> Dict[int, int]:
     return {t.data_ptr(): t.numel() * t.element_size() for t in tensors if not t.is_meta}  # meta: released, no bytes
 
 
-def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, device) -> Dict[str, Any]:
+def step_row(name: str, make_passes, forms: Dict[str, Any], model, kw, ref, args, device) -> Dict[str, Any]:
     from dit_passes import compile_dit
 
     compile_kwargs = {"backend": "eager"} if args.tiny else {}
@@ -323,9 +315,9 @@ def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, 
     options = COMPILE_OPTIONS.get(name.removesuffix("_graphed"))
     if options and not args.tiny:
         compile_kwargs["options"] = options
-    with environ(env), torch.no_grad():
+    with torch.no_grad():
         t0 = time.perf_counter()
-        compiled = compile_dit(model, passes=make_passes(), torch_compile={"regional": True, **compile_kwargs})
+        compiled = compile_dit(model, passes=make_passes(forms), torch_compile={"regional": True, **compile_kwargs})
         out = compiled(**kw)[0]
         sync(device)
         first = time.perf_counter() - t0
@@ -343,7 +335,7 @@ def step_row(name: str, make_passes, env: Dict[str, str], model, kw, ref, args, 
                "rel_err_vs_bf16": 0.0 if ref is None else rel_err(out.float(), ref),
                "weights_gib": gib(sum(held.values())),
                "original_only_gib": gib(sum(b for p, b in original.items() if p not in held)),
-               "peak_gib": gib(peak), "env": env, **({"profile": profiled} if profiled else {}),
+               "peak_gib": gib(peak), "forms": forms, **({"profile": profiled} if profiled else {}),
                "passes": {r.name: r.result.report for r in records if r.name != "cleanup"}}
         lut = sys.modules.get("dit_passes.kernels.w4a8_lut_cutlass")
         if lut is not None and lut.tuned_configs():  # the LUT GEMM's tile configs "auto" chose, per (M, N, K)
@@ -487,12 +479,12 @@ def main(argv=None) -> int:
         if time.perf_counter() - t_start > args.budget_s:
             r["skipped"].append(name)
             continue
-        make_passes, env = specs[name]
+        make_passes, forms = specs[name]
         # a fresh model per row (same seed, same weights): lowering releases the weights it replaces (each weight
         # held once), so a model a quantized row lowered cannot be lowered again from its full weights
         model = build_model(config, device)
         try:
-            row, out = step_row(name, make_passes, env, model, kw, ref, args, device)
+            row, out = step_row(name, make_passes, forms, model, kw, ref, args, device)
         except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
             r["errors"][name] = f"{type(e).__name__}: {str(e)[:500]}"
             log(name, "FAILED", r["errors"][name])
@@ -506,7 +498,7 @@ def main(argv=None) -> int:
             ref = out
         if name in rows:
             r["rows"][name] = row
-            log(name, {k: v for k, v in row.items() if k not in ("passes", "env")})
+            log(name, {k: v for k, v in row.items() if k not in ("passes", "forms")})
         save(r, args.out)
     r["total_s"] = time.perf_counter() - t_start
     save(r, args.out)

@@ -14,13 +14,13 @@ projection of an activation: the low-rank down projection fused with the activat
         branch program: hs = clamp(div_rn(sum_s h[s], sx * c), -448, 448)
                         a[:, K:] = [e4m3(hs) | 0]   (split: [hi | lo | hi | 0], hi = e4m3(hs), lo = e4m3(hs - hi))
 
-Why a kernel: written as ATen ops (``DIT_PASSES_FP8_ACT_QUANT=graph``) the same work is Inductor's reduction and
+Why a kernel: written as ATen ops (``act_quant="graph"``) the same work is Inductor's reduction and
 pointwise kernels over the smoothed activation, a bf16 copy of it for cuBLAS's [M, K] x [K, R] mm, the branch's
 scaling and an e4m3 concatenation: four to five passes over [M, K] where these are two reads and a write. Why two
 kernels over a grid of K splits: the first design, one program per 16 tokens doing both passes, gave FLUX's 4608
 tokens 288 programs, too few loads in flight (about a fifth of the H100's memory bandwidth).
 
-:func:`lrcat_quantize_smoothed` (``dit_passes::lrcat_quantize_smoothed``, ``DIT_PASSES_LRCAT_ACT=auto|mm``;
+:func:`lrcat_quantize_smoothed` (``dit_passes::lrcat_quantize_smoothed``, ``lrcat_act="auto"|mm``;
 specification ``graph_forms.lrcat_smoothed_activation``) takes the smoothed activation xd = x.dtype(x * smooth_inv),
 which Inductor writes in its producer, and h = xd @ lora_down.T from a GEMM (cuBLAS), and makes the same operand in
 one program per token (the row in registers, as ``fp8_rowquant_triton``'s one-pass kernel): sx and qx from xd's

@@ -8,7 +8,7 @@
     branch, one program per BLOCK_M tokens:
         sx[m] = sx;  a[:, K:] = planes of sum_s h[s] (lrcat_act_triton._store_branch: [hi | hi / 16 (| lo) | 0])
 
-Why: the default form (``DIT_PASSES_LUT_ACT=rows``) reads the smoothed activation xd twice, once by cuBLAS's skinny
+Why: the default form (``lut_act="rows"``) reads the smoothed activation xd twice, once by cuBLAS's skinny
 [M, K] x [K, R] GEMM for h (split-K) and once by the row kernel.
 Here xd is read once. What made that impossible before is the per-token scale, known only after a whole row is read:
 the graph computes amax beside xd (``w4_lut.token_amax``), which Inductor folds into the kernel that writes xd (a

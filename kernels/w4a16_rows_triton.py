@@ -16,7 +16,7 @@ each group's scale loaded once and broadcast over its bytes; one row of x per pr
 block's second read for a CFG pair comes from L2). ptxas for sm_90 (bench/triton_sm90_resources.py): flat issues one
 8-byte weight load and ~10 scalar loads per thread and chunk, grouped one 16-byte weight load and 4.
 
-Why a kernel: Inductor's fusion of that form (``DIT_PASSES_WEIGHT_ONLY_FORM=rows``) read the 1.6 GB of FLUX's packed
+Why a kernel: Inductor's fusion of that form (``weight_only_form="rows"``) read the 1.6 GB of FLUX's packed
 modulation weights at a tenth of an H200's memory bandwidth; the linear form before it wrote a dequantized bf16 copy
 for cuBLAS's GEMV, twice the bytes. Here each packed byte is read once and x's few rows stay in cache.
 

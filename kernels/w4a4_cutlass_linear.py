@@ -15,7 +15,7 @@ One call of :func:`w4a4_linear` (x bf16 [..., K], the arguments of ``int4.w4a4_l
    bf16 once before the final bf16 rounding: the only arithmetic difference from the reference besides
    fp32 summation order).
 
-When this path runs instead of the Triton GEMM (``DIT_PASSES_W4A4_BACKEND``, the timing table, the device)
+When this path runs instead of the Triton GEMM (``form``, the timing table, the device)
 and with which tile config is decided in one place, ``dit_passes.quant.dispatch``.
 Only bf16 activations, K % 64 == 0, N % 16 == 0 on a compute-capability-9 GPU take the CUTLASS path.
 """

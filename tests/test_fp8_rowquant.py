@@ -1,7 +1,7 @@
 """``dit_passes::fp8_quantize_rows`` (per-token e4m3 in one Triton kernel, kernels/fp8_rowquant_triton.py): the
 kernel against its specification (``fp8_int8.quantize_fp8_act``) bit for bit, the op through ``opcheck`` and
 ``torch.compile(fullgraph=True)``, the fp8 graph form with the op equal to the ATen form, and
-``DIT_PASSES_FP8_ACT_QUANT=kernel`` writing the op into the Fp8Linear graph. Without CUDA the kernel runs in
+``act_quant="kernel"`` writing the op into the Fp8Linear graph. Without CUDA the kernel runs in
 Triton's CPU interpreter (TRITON_INTERPRET=1, set below before triton is imported); with an sm_89+ GPU the last test
 checks it on FLUX's shapes.
 """

@@ -2,7 +2,7 @@
 against an independent fp32 computation of the same arithmetic, the overflow bound of the branch's activations, its
 error against the exact linear beside the svdq fp8 form's and true W4A4's, the B operand's op
 ``dit_passes::w4_lrcat_to_e4m3`` (its Triton kernel byte for byte under TRITON_INTERPRET=1, ``opcheck``,
-``torch.compile(fullgraph=True)``), ``DIT_PASSES_W4A4_BACKEND=lrcat`` writing the form into the SVDQuant graph, and on
+``torch.compile(fullgraph=True)``), ``form="lrcat"`` writing the form into the SVDQuant graph, and on
 an sm_89+ GPU the ``_scaled_mm`` form and the kernel on FLUX's shapes.
 """
 from __future__ import annotations

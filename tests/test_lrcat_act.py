@@ -1,8 +1,8 @@
 """The lrcat design's A operand in two kernels (``dit_passes::lrcat_quantize_rows``, kernels/lrcat_act_triton.py):
 the kernels against their specification (``graph_forms.lrcat_activation``) byte for byte under TRITON_INTERPRET=1,
 the specification against an independent computation, the op through ``opcheck`` and ``torch.compile(fullgraph=
-True)``, the lrcat form with the op (and with ``DIT_PASSES_LRCAT_ACT=mm``'s) beside the form's ATen activation
-path, ``DIT_PASSES_FP8_ACT_QUANT=kernel`` writing the op into the SVDQuant graph, and on an sm_89+ GPU the kernels on
+True)``, the lrcat form with the op (and with ``lrcat_act="mm"``'s) beside the form's ATen activation
+path, ``act_quant="kernel"`` writing the op into the SVDQuant graph, and on an sm_89+ GPU the kernels on
 FLUX's shapes.
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_form_with_the_op_beside_the_aten_form(split):
     args = (q.qweight, q.wscale, q.lora_down, q.lora_up, q.smooth_inv, q.bias, shape, "reference")
     kernel = svdq_lrcat_linear_form(x, *args, split=split, act_quant="kernel")
     aten_form = svdq_lrcat_linear_form(x, *args, split=split)
-    # "mm" (DIT_PASSES_LRCAT_ACT=mm, dit_passes::lrcat_quantize_smoothed): qx from x.dtype(xs), h from aten.mm
+    # "mm" (lrcat_act="mm", dit_passes::lrcat_quantize_smoothed): qx from x.dtype(xs), h from aten.mm
     mm = svdq_lrcat_linear_form(x, *args, split=split, act_quant="mm")
     exact = torch.nn.functional.linear(x.double(), w.double())
     err = {"kernel": relative_error(kernel, exact), "aten": relative_error(aten_form, exact),

@@ -1,5 +1,5 @@
 """The lrcat A operand from a smoothed activation and its down projection (``dit_passes::lrcat_quantize_smoothed``,
-``DIT_PASSES_LRCAT_ACT=mm``): the row kernel against its specification (``graph_forms.lrcat_smoothed_activation``)
+``lrcat_act="mm"``): the row kernel against its specification (``graph_forms.lrcat_smoothed_activation``)
 byte for byte under TRITON_INTERPRET=1, the specification against the documented arithmetic, the op through
 ``opcheck`` and ``torch.compile``, the setting writing it into the SVDQuant graph (the "mm" form beside the other
 A-operand forms: tests/test_lrcat_act.py), and on an sm_89+ GPU the kernel on FLUX's shapes.

@@ -137,7 +137,7 @@ def test_regional_compile_fullgraph(flux, uncompiled, method):
 
 
 def test_w4a8_setting_writes_the_fused_op(flux, uncompiled):
-    """``DIT_PASSES_W4A4_BACKEND=w4a8``: every W4A4 linear becomes ``dit_passes::svdq_w4a8_linear`` (exact group
+    """``form="w4a8"``: every W4A4 linear becomes ``dit_passes::svdq_w4a8_linear`` (exact group
     scales), the modulation linears keep their weight-only form; W4A8's output is not W4A4's."""
     zm, kw = flux
     c = _lowered(zm, kw, "svdq_w4a8_fused")

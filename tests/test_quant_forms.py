@@ -1,7 +1,7 @@
 """The quantized linears' graph forms (``quant/graph_forms.py``): plain ATen ops the quantize passes write into the
 graph, their numerics against the reference functions, the ``_scaled_mm`` GEMM's arguments (CPU ``_scaled_mm``
 where this torch has one), the passes writing them (fp8: modulation linears included; SVDQuant W4A8 on fp8 tensor
-cores with ``DIT_PASSES_W4A4_BACKEND=fp8``, its error against true W4A4; the weight-only int8 (default) and int4
+cores with ``form="fp8"``, its error against true W4A4; the weight-only int8 (default) and int4
 forms of the modulation linears: exact against the fp32 dequantized linear, their error bounds) and, on an sm_89+
 GPU, the ``_scaled_mm`` graph under Inductor's regional compile.
 """

@@ -1,7 +1,7 @@
 """``dit_passes::w4_to_e4m3`` (SVDQuant's packed int4 weights to e4m3 with the group scales folded, one Triton kernel,
 kernels/w4_expand_triton.py): the kernel against its specification (``graph_forms.w4_to_e4m3``) byte for byte, the
 op through ``opcheck`` and ``torch.compile(fullgraph=True)``, the SVDQuant fp8 form with the op equal to the ATen
-form, and ``DIT_PASSES_W4_EXPAND=kernel`` writing the op into the SVDQuant graph. Without CUDA the kernel runs in
+form, and ``w4_expand="kernel"`` writing the op into the SVDQuant graph. Without CUDA the kernel runs in
 Triton's CPU interpreter (TRITON_INTERPRET=1, set below before triton is imported); with an sm_89+ GPU the last test
 checks it on FLUX's shapes.
 """

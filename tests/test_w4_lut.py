@@ -1,7 +1,7 @@
 """SVDQuant's lookup-table form (``quant/w4_lut.py``, the CUTLASS kernel ``kernels/w4a8_lut_cutlass.cu``): the tables
 against SVDQuant's stored tensors (the main weights' values are the expansion design's bytes, the branch's digit planes
 reconstruct lora_up on an int8 grid), the kernel layout's shuffle, the A operand kernel's branch planes byte for byte
-(TRITON_INTERPRET=1 on CPU), the ops (``opcheck``, ``torch.compile``), ``DIT_PASSES_W4A4_BACKEND=lut`` writing the form
+(TRITON_INTERPRET=1 on CPU), the ops (``opcheck``, ``torch.compile``), ``form="lut"`` writing the form
 into a FLUX graph with the original weights gone, and on a Hopper GPU the kernel against its reference on FLUX's shapes.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The int4 weight-only GEMV on a few rows (``dit_passes::w4a16_rows_linear``, kernels/w4a16_rows_triton.py): the
 kernel against its specification (``weight_only_forms.w4a16_linear_form(rows=True)``) under TRITON_INTERPRET=1 up to
-fp32 summation order, the op through ``opcheck`` and ``torch.compile(fullgraph=True)``, ``DIT_PASSES_WEIGHT_ONLY_FORM=kernel``
+fp32 summation order, the op through ``opcheck`` and ``torch.compile(fullgraph=True)``, ``weight_only_form="kernel"``
 writing the op for FLUX's W4A16-LR modulation linears with the output unchanged, and on a GPU FLUX's modulation
 shapes.
 """

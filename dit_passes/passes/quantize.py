@@ -550,6 +550,7 @@ class SVDQuantW4A4(_QuantizeLinears):
         if self.precision == "nvfp4":
             out = {k: "precision='nvfp4' has no LUT / lrcat / int4-expansion form"
                    for k in ("w4_expand", "lrcat_act", "lut_planes", "lut_act")}
+            out["act_quant"] = "the NVFP4 fp8 form quantizes its activations in its own split"
             if f not in ("auto", "op", "fp8"):
                 out["form"] = "precision='nvfp4' is written as 'op' or 'fp8' ('auto': fp8 where _scaled_mm runs)"
             return out

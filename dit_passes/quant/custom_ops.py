@@ -13,10 +13,10 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 * ``dit_passes::int8_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor``
 * ``dit_passes::fp8_quantize_rows(Tensor x) -> (Tensor, Tensor)``: x [M, K] (fp32 / bf16 / fp16) -> (e4m3 [M, K],
   fp32 scale [M, 1]) per row (``fp8_int8.quantize_fp8_act``); what the fp8 graph form writes for its activations
-  with ``DIT_PASSES_FP8_ACT_QUANT=kernel`` (CUDA: one Triton kernel, ``dit_passes.kernels.fp8_rowquant_triton``)
+  with ``act_quant="kernel"`` (CUDA: one Triton kernel, ``dit_passes.kernels.fp8_rowquant_triton``)
 * ``dit_passes::w4_to_e4m3(Tensor qweight, Tensor wscale) -> (Tensor, Tensor)``: SVDQuant's packed int4 weights
   uint8 [N, K/2] and group scales [N, K/64] -> (e4m3 [N, K], fp32 row scale [N]) (``graph_forms.w4_to_e4m3``);
-  what the SVDQuant fp8 graph form writes for its weight expansion with ``DIT_PASSES_W4_EXPAND=kernel`` (CUDA: one
+  what the SVDQuant fp8 graph form writes for its weight expansion with ``w4_expand="kernel"`` (CUDA: one
   bandwidth-bound Triton kernel, ``dit_passes.kernels.w4_expand_triton``)
 * ``dit_passes::w4_lrcat_to_e4m3(Tensor qweight, Tensor wscale, Tensor lora_up, Tensor c, bool split)
   -> (Tensor, Tensor)``: the lrcat design's B operand e4m3 [N, K + cols] and row scale fp32 [N]
@@ -25,15 +25,15 @@ Ops (each returns a new tensor [..., N] in x.dtype; graphs holding them stay exp
 * ``dit_passes::lrcat_quantize_rows(Tensor x, Tensor smooth_inv, Tensor lora_down, Tensor c, bool split)
   -> (Tensor, Tensor)``: the lrcat design's A operand e4m3 [M, K + cols] and per-token scale fp32 [M, 1]
   (``graph_forms.lrcat_activation``: smoothing, per-token e4m3 and the low-rank down projection of x [M, K]); what
-  the lrcat graph form writes with ``DIT_PASSES_LRCAT_ACT=stats`` (CUDA: two Triton kernels,
+  the lrcat graph form writes with ``lrcat_act="stats"`` (CUDA: two Triton kernels,
   ``dit_passes.kernels.lrcat_act_triton``)
 * ``dit_passes::lrcat_quantize_smoothed(Tensor xd, Tensor h, Tensor c, bool split) -> (Tensor, Tensor)``: the same
   operand from the smoothed activation xd [M, K] and its down projection h [M, R] computed before
-  (``graph_forms.lrcat_smoothed_activation``); what the lrcat form writes by default on sm_89+ (``DIT_PASSES_LRCAT_ACT``
+  (``graph_forms.lrcat_smoothed_activation``); what the lrcat form writes by default on sm_89+ (``lrcat_act``
   ``auto`` / ``mm``; CUDA: one Triton program per token reading xd once)
 * ``dit_passes::w4a16_rows_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor``: weight-only int4
   on a few rows x [M, K] (``weight_only_forms.w4a16_linear_form(rows=True)``: the AdaLN modulation linears); what the
-  int4 weight-only forms write with ``DIT_PASSES_WEIGHT_ONLY_FORM=kernel`` (CUDA: one GEMV pass over the packed
+  int4 weight-only forms write with ``weight_only_form="kernel"`` (CUDA: one GEMV pass over the packed
   weight, ``dit_passes.kernels.w4a16_rows_triton``)
 * ``dit_passes::int8_tensor_linear(Tensor x, Tensor qweight, Tensor wscale, Tensor? bias) -> Tensor`` (one scale for
   the activations, one for the weight: cache-dit's ``int8_per_tensor``)

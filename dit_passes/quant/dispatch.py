@@ -401,7 +401,9 @@ def weight_only_form(x: torch.Tensor, int4: bool = True, setting: str = "auto") 
     weight, then ``aten.linear``). ``auto``: :func:`device_default` for x's device and ``int4``."""
     if setting not in WEIGHT_ONLY_SETTINGS:
         raise ValueError(f"weight_only_form must be one of {WEIGHT_ONLY_SETTINGS}, got {setting!r}")
-    s = device_default("weight_only_form", device_capability(x), int4) if setting == "auto" else setting
+    # the default asks only whether x is on a GPU, not which (a fake CUDA tensor needs no CUDA runtime here)
+    on_gpu = (0, 0) if x.device.type == "cuda" else None
+    s = device_default("weight_only_form", on_gpu, int4) if setting == "auto" else setting
     return s if math.prod(int(d) for d in x.shape[:-1]) <= FEW_ROWS else "linear"
 
 

@@ -42,7 +42,7 @@ low-rank mm / addmm and no extra passes over the [M, N] output; the branch pays 
     u8 = e4m3(clamp(lora_up * c / sw, -448, 448))
     y  = GEMM([qx | qh | 0], sx, [w8 | u8 | 0], sw, bias)     # K + R_pad columns (R_pad: R up to a multiple of 16)
 
-``split=True`` (``DIT_PASSES_W4A4_BACKEND=lrcat_split``) gives the branch ~8 significant bits back for 3R columns:
+``split=True`` (``form="lrcat_split"``) gives the branch ~8 significant bits back for 3R columns:
 each branch operand v is rounded twice, ``hi = e4m3(v)``, ``lo = e4m3(v - hi)``, and
 ``A = [qx | qh_hi | qh_lo | qh_hi]``, ``B = [w8 | u_hi | u_hi | u_lo]`` sum hi*hi + lo*hi + hi*lo (the dropped
 lo*lo and the second roundings are ~2**-8 relative). 3R = 96 columns are 3% more MMA work at K = 3072, <1% at
