@@ -31,7 +31,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import shlex
 import sys
 import tempfile

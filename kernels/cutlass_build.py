@@ -191,7 +191,7 @@ def _nvcc_or_none() -> Optional[str]:
 def built_library(lib: CutlassLibrary) -> Optional[str]:
     """The cached library for this source / headers / flags (see :func:`build`) or None; never compiles."""
     try:
-        key, man, _, _ = _manifest(lib, find_cutlass_include(), _nvcc_or_none())
+        key, man, _ = _manifest(lib, find_cutlass_include(), _nvcc_or_none())
         return _find_built(lib, key, man)
     except Exception:  # noqa: BLE001 - a query
         return None

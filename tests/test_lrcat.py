@@ -22,7 +22,6 @@ from dit_passes import compile_dit  # noqa: E402
 from dit_passes.kernels import w4_expand_triton as K  # noqa: E402
 from dit_passes.models.zoo import build  # noqa: E402
 from dit_passes.passes.quantize import SVDQuantW4A4  # noqa: E402
-from dit_passes.quant import dispatch  # noqa: E402
 from dit_passes.quant.fp8_int8 import quantize_fp8_act  # noqa: E402
 from dit_passes.quant.graph_forms import (LinearShape, lrcat_scales, lrcat_weight, svdq_fp8_linear_form,  # noqa: E402
                                           svdq_lrcat_linear_form)

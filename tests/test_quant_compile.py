@@ -19,7 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from dit_passes import compile_dit, passes
 from dit_passes.models.zoo import build
 from dit_passes.passes.quantize import Fp8Linear, Int8Linear, SVDQuantW4A4
-from dit_passes.quant import dispatch, prepare_fp8, prepare_int8, prepare_svdquant
+from dit_passes.quant import prepare_fp8, prepare_int8, prepare_svdquant
 from dit_passes.quant.fp8_block import prepare_fp8_block
 
 torch.set_num_threads(1)

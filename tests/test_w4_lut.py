@@ -20,7 +20,7 @@ from dit_passes import compile_dit  # noqa: E402
 from dit_passes.kernels import lrcat_act_triton  # noqa: E402
 from dit_passes.models.zoo import build  # noqa: E402
 from dit_passes.passes.quantize import SVDQuantW4A4  # noqa: E402
-from dit_passes.quant import dispatch, lut_dispatch, w4_lut  # noqa: E402
+from dit_passes.quant import lut_dispatch, w4_lut  # noqa: E402
 from dit_passes.quant.graph_forms import LinearShape, _w4_over, svdq_lrcat_linear_form  # noqa: E402
 from dit_passes.quant.svdquant import prepare_svdquant, relative_error  # noqa: E402
 from test_lrcat import _case as lrcat_case  # noqa: E402 - the tests folder is on sys.path (pytest's rootdir)

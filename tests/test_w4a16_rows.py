@@ -20,7 +20,6 @@ from dit_passes import compile_dit  # noqa: E402
 from dit_passes.kernels import w4a16_rows_triton as K  # noqa: E402
 from dit_passes.models.zoo import build  # noqa: E402
 from dit_passes.passes.quantize import SVDQuantW4A4  # noqa: E402
-from dit_passes.quant import dispatch  # noqa: E402
 from dit_passes.quant.weight_only_forms import w4a16_linear_form  # noqa: E402
 from dit_passes.quant.w4a16 import prepare_w4a16  # noqa: E402
 

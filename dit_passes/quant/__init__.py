@@ -5,6 +5,7 @@ Importing this package registers the ``torch.ops.dit_passes.*`` quantized-linear
 """
 from . import custom_ops, lut_ops  # noqa: F401  (registers the custom ops)
 from .calibrate import ActAbsMaxObserver, collect_linear_act_absmax
+from .forms import QuantForms
 from .fp8_int8 import Fp8Weight, Int8Weight, fp8_linear_reference, int8_linear_reference, prepare_fp8, prepare_int8
 from .int4 import (GROUP_SIZE, fused_act_quant_reference, pack_int4, quantize_activation_w4, quantize_weight_w4,
                    unpack_int4, w4a4_gemm_reference, w4a4_linear_reference)
@@ -23,5 +24,5 @@ __all__ = [
     "SVDQuantWeight", "prepare_svdquant", "prepare_w4a4_plain", "randomized_svd", "relative_error", "search_alpha",
     "smoothing_vector", "svdq_w4a4_linear_reference", "W4A16Weight", "prepare_w4a16", "W4A16LRWeight",
     "prepare_w4a16_lr",
-    "W8A16Weight", "dequantize_w8a16", "prepare_w8a16",
+    "W8A16Weight", "dequantize_w8a16", "prepare_w8a16", "QuantForms",
 ]

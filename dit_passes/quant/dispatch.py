@@ -72,8 +72,7 @@ import torch
 
 from ..infra import env
 from .fp8_int8 import quantize_fp8_act
-from .forms import (ACT_QUANT_SETTINGS, LRCAT_ACT_SETTINGS, SVDQ_FORMS, W4_EXPAND_SETTINGS,  # noqa: F401
-                    WEIGHT_ONLY_SETTINGS, QuantForms)
+from .forms import ACT_QUANT_SETTINGS, LRCAT_ACT_SETTINGS, SVDQ_FORMS, W4_EXPAND_SETTINGS, WEIGHT_ONLY_SETTINGS
 from .graph_forms import lrcat_activation, lrcat_smoothed_activation, lrcat_weight
 from .graph_forms import w4_to_e4m3 as w4_to_e4m3_reference
 from .int4 import w4a4_linear_reference
