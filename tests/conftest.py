@@ -1,10 +1,10 @@
 """Test-session wiring: how tests share the 2-core CI machine.
 
 Each test is marked here as it is collected: ``ranks`` (it runs gloo ranks: ``run_ranks(`` in its code or in one of
-its fixtures') or ``ray`` (it starts a local Ray cluster). ``.ci/test.sh`` runs three pytest processes side by side:
-``-m ray`` at the normal priority (its workers too: ``RAY_worker_niceness=0``), and niced below it
-``-m "ranks and not ray"`` in one process and ``-m "not ranks and not ray"`` on two xdist workers. Two rank tests
-at once would put 4-8 busy processes on 2 cores and run into their rank timeouts; a raylet must register within
+its fixtures') or ``ray`` (it starts a local Ray cluster). ``.ci/test.sh`` runs three pytest processes at once, ranked by CPU priority: ``-m ray`` at the normal priority
+(its workers too: ``RAY_worker_niceness=0``), ``-m "ranks and not ray"`` in one process niced by 5, and
+``-m "not ranks and not ray"`` on two xdist workers niced by 15, which take the cycles the other two leave. Two rank
+tests at once would put 4-8 busy processes on 2 cores and run into their rank timeouts; a raylet must register within
 Ray's fixed 30 s, which it missed on 2 busy cores at equal priority. (pytest-xdist's ``loadgroup`` did not keep a
 group marked here on one worker: two rank tests ran at once, and each worker computed the rank fixtures again.)
 
