@@ -88,7 +88,9 @@ from .frontend import (CacheStats, DBCacheConfig, DBPruneConfig, DMDCalibratorCo
                        load_quantize_config, load_attn_backend_config, load_options, layerwise_cpu_offload,
                        BasicCacheConfig, CacheType, CalibratorConfig, DBCache, DBPrune, NONE, block_range, cache_type,
                        disable_print, init_logger, maybe_empty_cache, set_attn_backend, ParallelismBackend,
-                       QuantizeBackend)
+                       QuantizeBackend, ProfilerContext, create_profiler_context, get_profiler_output_dir,
+                       profile_function, set_profiler_output_dir, set_compile_configs, supported_matrix,
+                       supported_pipelines, parse_extra_modules)
 from .frontend import version_tuple as _version_tuple  # noqa: E402
 from .frontend import NOT_OFFERED as _NOT_OFFERED  # noqa: E402
 
@@ -108,4 +110,6 @@ __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGrad
            "load_quantize_config", "load_attn_backend_config", "load_options", "layerwise_cpu_offload",
            "BasicCacheConfig", "CacheType", "CalibratorConfig", "DBCache", "DBPrune", "NONE", "block_range",
            "cache_type", "disable_print", "init_logger", "maybe_empty_cache", "version_tuple", "set_attn_backend",
-           "ParallelismBackend", "QuantizeBackend"]
+           "ParallelismBackend", "QuantizeBackend", "ProfilerContext", "create_profiler_context",
+           "get_profiler_output_dir", "profile_function", "set_profiler_output_dir", "set_compile_configs",
+           "supported_matrix", "supported_pipelines", "parse_extra_modules"]

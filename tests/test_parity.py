@@ -62,18 +62,14 @@ def test_a_claim_is_read_from_the_marker(tmp_path):
 
 _REFUSED = ("BlockAdapter", "BlockAdapterRegister", "get_adapter", "ForwardPattern", "Pattern_0", "Pattern_1",
             "Pattern_2", "Pattern_3", "Pattern_4", "Pattern_5", "PatchFunctor", "ParamsModifier", "ENV",
-            "ProfilerContext", "create_profiler_context", "profile_function", "get_profiler_output_dir",
-            "set_profiler_output_dir", "set_compile_configs", "supported_pipelines", "supported_matrix",
-            "parse_extra_modules", "LayerwiseOffloadHandle", "LayerwiseOffloadHandleGroup",
-            "get_layerwise_offload_handles", "remove_layerwise_offload")
+            "LayerwiseOffloadHandle", "LayerwiseOffloadHandleGroup", "get_layerwise_offload_handles",
+            "remove_layerwise_offload")
 
 
 @pytest.mark.parity("BlockAdapter", "BlockAdapterRegister", "get_adapter", "ForwardPattern", "Pattern_0", "Pattern_1",
                     "Pattern_2", "Pattern_3", "Pattern_4", "Pattern_5", "PatchFunctor", "ParamsModifier", "ENV",
-                    "ProfilerContext", "create_profiler_context", "profile_function", "get_profiler_output_dir",
-                    "set_profiler_output_dir", "set_compile_configs", "supported_pipelines", "supported_matrix",
-                    "parse_extra_modules", "LayerwiseOffloadHandle", "LayerwiseOffloadHandleGroup",
-                    "get_layerwise_offload_handles", "remove_layerwise_offload", status="refused")
+                    "LayerwiseOffloadHandle", "LayerwiseOffloadHandleGroup", "get_layerwise_offload_handles",
+                    "remove_layerwise_offload", status="refused")
 def test_names_not_offered_refuse_at_first_use():
     assert sorted(_REFUSED) == sorted(NOT_OFFERED)  # the marker above lists exactly the refused names
     for name in _REFUSED:
@@ -83,8 +79,8 @@ def test_names_not_offered_refuse_at_first_use():
                 use()
     with pytest.raises(NotImplementedError, match="block_lists"):
         dp.BlockAdapter(pipe=None, blocks=[])
-    with pytest.raises(NotImplementedError, match="torch.profiler"):
-        dp.create_profiler_context()
+    with pytest.raises(NotImplementedError, match="settings are arguments"):
+        dp.ENV.CACHE_DIT_ENABLE_LOGGERS_SUPPRESS
 
 
 @pytest.mark.parity("CacheType", "DBCache", "DBPrune", "NONE", "cache_type", "block_range", "BasicCacheConfig",

@@ -15,6 +15,11 @@ from .offload import layerwise_cpu_offload, layerwise_offload
 from .cache_types import BasicCacheConfig, CacheType, DBCache, DBPrune, NONE, block_range, cache_type
 from .process_utils import disable_print, init_logger, maybe_empty_cache, version_tuple
 from .not_offered import NOT_OFFERED
+from .profiler import (ProfilerContext, create_profiler_context, get_profiler_output_dir, profile_function,
+                       set_profiler_output_dir)
+from .compile_configs import set_compile_configs
+from .supported import supported_matrix, supported_pipelines
+from .components import parse_extra_modules
 from .backends import ParallelismBackend, QuantizeBackend
 from ..cache.config import CalibratorConfig
 
@@ -28,4 +33,6 @@ __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strif
            "layerwise_cpu_offload", "BasicCacheConfig", "CacheType", "DBCache", "DBPrune", "NONE", "block_range",
            "cache_type", "disable_print", "init_logger", "maybe_empty_cache", "version_tuple", "NOT_OFFERED",
            "CalibratorConfig", "set_attn_backend", "ParallelismBackend",
-           "QuantizeBackend"]
+           "QuantizeBackend", "ProfilerContext", "create_profiler_context", "get_profiler_output_dir",
+           "profile_function", "set_profiler_output_dir", "set_compile_configs", "supported_matrix",
+           "supported_pipelines", "parse_extra_modules"]

@@ -132,6 +132,25 @@ def extra_modules(pipe: Any, entries: Sequence[Any]) -> List[torch.nn.Module]:
     return out
 
 
+_named_modules = extra_modules  # parse_extra_modules' argument of that name (cache-dit's) hides it
+
+
+def parse_extra_modules(pipe_or_adapter: Any, extra_modules: Sequence[Any],
+                        skip_text_encoder_override: bool = False) -> List[torch.nn.Module]:
+    """cache-dit's ``parse_extra_modules``: ``extra_modules`` (names or modules) as the pipeline's modules, by
+    :func:`extra_modules`'s rules. ``pipe_or_adapter`` is the pipeline, or an object holding it as ``.pipe``
+    (cache-dit's BlockAdapter); without one, or with no names, the answer is empty. ``"text_encoder"`` is the main
+    text encoder (Flux's T5 ``text_encoder_2``) unless ``skip_text_encoder_override``, which takes the attribute as
+    named."""
+    pipe = pipe_or_adapter if hasattr(pipe_or_adapter, "components") else getattr(pipe_or_adapter, "pipe", None)
+    if not extra_modules or pipe is None:
+        return []
+    literal = getattr(pipe, "text_encoder", None) if skip_text_encoder_override else None
+    entries = [literal if entry == "text_encoder" and isinstance(literal, torch.nn.Module) else entry
+               for entry in extra_modules]
+    return _named_modules(pipe, entries)
+
+
 def resolve(pipe: Any, component: Any) -> str:
     """The pipeline attribute that holds ``component`` (a name, or the module itself)."""
     if isinstance(component, str):

@@ -11,7 +11,6 @@ from typing import Any, Dict
 _BLOCKS = ("dit_passes finds the repeated blocks, and how each block reads and returns its streams, from the "
            "traced graph: call enable_cache(pipe) as it is, or name the block lists with "
            "compile_dit(transformer, block_lists=[...])")
-_PROFILER = "profile the call with torch.profiler.profile(...) around pipe(...)"
 
 REASONS: Dict[str, str] = {
     "BlockAdapter": _BLOCKS,
@@ -23,20 +22,6 @@ REASONS: Dict[str, str] = {
     "ParamsModifier": ("per-transformer cache settings: call enable_cache on each transformer with its own config "
                        "(pipe.transformer_2 = enable_cache(pipe.transformer_2, cache_config=...))"),
     "ENV": "cache-dit's environment switches: settings are arguments here (each pass's describe() lists them)",
-    "ProfilerContext": _PROFILER,
-    "create_profiler_context": _PROFILER,
-    "profile_function": _PROFILER,
-    "get_profiler_output_dir": _PROFILER,
-    "set_profiler_output_dir": _PROFILER,
-    "set_compile_configs": ("torch.compile settings are arguments here: "
-                            "compile_dit(..., torch_compile={'regional': True, 'mode': ...}) or "
-                            "passes.RegionalCompile(**torch.compile kwargs)"),
-    "supported_pipelines": ("there is no list of adapted pipelines: any diffusers DiT whose blocks the graph "
-                            "analysis finds is supported (bench/results/coverage.md lists the classes tested)"),
-    "supported_matrix": ("there is no list of adapted pipelines: bench/results/coverage.md lists every class "
-                         "tested with every pass"),
-    "parse_extra_modules": ("name the modules in ParallelismConfig(extra_parallel_modules=['text_encoder', 'vae']) "
-                            "or pass the modules themselves"),
     "LayerwiseOffloadHandle": ("offloading is a pass of the transformer's wrapper: "
                                "dit_passes.layerwise_offload(pipe, ...); disable_cache(pipe) removes it"),
     "LayerwiseOffloadHandleGroup": ("offloading is a pass of the transformer's wrapper: "
