@@ -90,7 +90,8 @@ from .frontend import (CacheStats, DBCacheConfig, DBPruneConfig, DMDCalibratorCo
                        disable_print, init_logger, maybe_empty_cache, set_attn_backend, ParallelismBackend,
                        QuantizeBackend, ProfilerContext, create_profiler_context, get_profiler_output_dir,
                        profile_function, set_profiler_output_dir, set_compile_configs, supported_matrix,
-                       supported_pipelines, parse_extra_modules)
+                       supported_pipelines, parse_extra_modules, LayerwiseOffloadHandle,
+                       LayerwiseOffloadHandleGroup, get_layerwise_offload_handles, remove_layerwise_offload)
 from .frontend import version_tuple as _version_tuple  # noqa: E402
 from .frontend import NOT_OFFERED as _NOT_OFFERED  # noqa: E402
 
@@ -112,4 +113,5 @@ __all__ = ["compile_dit", "CompiledDiT", "Runtime", "backend", "InductorPostGrad
            "cache_type", "disable_print", "init_logger", "maybe_empty_cache", "version_tuple", "set_attn_backend",
            "ParallelismBackend", "QuantizeBackend", "ProfilerContext", "create_profiler_context",
            "get_profiler_output_dir", "profile_function", "set_profiler_output_dir", "set_compile_configs",
-           "supported_matrix", "supported_pipelines", "parse_extra_modules"]
+           "supported_matrix", "supported_pipelines", "parse_extra_modules", "LayerwiseOffloadHandle",
+           "LayerwiseOffloadHandleGroup", "get_layerwise_offload_handles", "remove_layerwise_offload"]

@@ -168,3 +168,40 @@ def test_front_end_layerwise_offload_composes_with_enable_cache():
     assert offload.name == "layerwise_offload" and str(offload.offload_device) == "cpu"
     with pytest.raises(TypeError, match="keeps the weights on the CPU"):
         cache_dit.layerwise_cpu_offload(flux_pipeline(build("flux").model), offload_device="cuda")
+
+
+@pytest.mark.parity("get_layerwise_offload_handles", "remove_layerwise_offload", "LayerwiseOffloadHandleGroup")
+@pytest.mark.parity("LayerwiseOffloadHandle", status="partial")  # built over the wrapper's pass, not hooks
+def test_offload_handles_found_and_removed_as_cache_dits():
+    # cache-dit's own offload pins host memory (CUDA only): its handles are compared where they run on a CPU
+    # (the group over our handles, the answers for a module never offloaded); the counts follow its contract
+    import dit_passes as dp
+    cache_dit = pytest.importorskip("cache_dit")
+    zm = build("flux")
+    kw = zm.make_inputs()
+    with torch.no_grad():
+        ref = zm.model(**kw)[0]
+    plain = build("flux").model
+    assert dp.get_layerwise_offload_handles(plain) == () == cache_dit.get_layerwise_offload_handles(plain)
+    assert dp.remove_layerwise_offload(plain) == 0 == cache_dit.remove_layerwise_offload(plain)
+    wrapper = dp.layerwise_offload(zm.model, onload_device="cpu", persistent_buckets=1)
+    with torch.no_grad():
+        assert torch.equal(wrapper(**kw)[0], ref)
+    (ours,) = dp.get_layerwise_offload_handles(wrapper)
+    assert dp.get_layerwise_offload_handles(wrapper) == (ours,)  # one pass, one handle, as cache-dit's registry
+    assert isinstance(ours, dp.LayerwiseOffloadHandle) and str(ours.offload_device) == "cpu"
+    assert ours.module_names == [f"{n}.{i}" for n, m in zm.model.named_children()
+                                 if isinstance(m, torch.nn.ModuleList) for i in range(len(m))]
+    # the group aggregates as cache-dit's does, over the same handles
+    for roots in (["transformer"], [""]):
+        mine = dp.LayerwiseOffloadHandleGroup(source=wrapper, handles=[ours], root_names=roots)
+        theirs = cache_dit.LayerwiseOffloadHandleGroup(source=wrapper, handles=[ours], root_names=roots)
+        assert mine.module_names == theirs.module_names and len(mine) == len(theirs) == 1
+        assert list(mine) == list(theirs) == [ours]
+    # removal: how many, then none left; the module then runs without the pass
+    assert (dp.remove_layerwise_offload(wrapper), dp.remove_layerwise_offload(wrapper)) == (1, 0)
+    assert dp.get_layerwise_offload_handles(wrapper) == () and not wrapper.passes and ours.removed
+    with torch.no_grad():
+        assert torch.equal(wrapper(**kw)[0], ref)
+    with pytest.raises(ValueError, match="get_layerwise_offload_handles"):
+        dp.LayerwiseOffloadHandle(wrapper, passes.LayerwiseOffload())

@@ -61,15 +61,12 @@ def test_a_claim_is_read_from_the_marker(tmp_path):
 
 
 _REFUSED = ("BlockAdapter", "BlockAdapterRegister", "get_adapter", "ForwardPattern", "Pattern_0", "Pattern_1",
-            "Pattern_2", "Pattern_3", "Pattern_4", "Pattern_5", "PatchFunctor", "ParamsModifier", "ENV",
-            "LayerwiseOffloadHandle", "LayerwiseOffloadHandleGroup", "get_layerwise_offload_handles",
-            "remove_layerwise_offload")
+            "Pattern_2", "Pattern_3", "Pattern_4", "Pattern_5", "PatchFunctor", "ParamsModifier", "ENV")
 
 
 @pytest.mark.parity("BlockAdapter", "BlockAdapterRegister", "get_adapter", "ForwardPattern", "Pattern_0", "Pattern_1",
                     "Pattern_2", "Pattern_3", "Pattern_4", "Pattern_5", "PatchFunctor", "ParamsModifier", "ENV",
-                    "LayerwiseOffloadHandle", "LayerwiseOffloadHandleGroup", "get_layerwise_offload_handles",
-                    "remove_layerwise_offload", status="refused")
+                    status="refused")
 def test_names_not_offered_refuse_at_first_use():
     assert sorted(_REFUSED) == sorted(NOT_OFFERED)  # the marker above lists exactly the refused names
     for name in _REFUSED:

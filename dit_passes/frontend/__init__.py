@@ -11,7 +11,8 @@ from .reports import CacheStats, strify, summary
 from .configs import SUPPORTED_QUANT_TYPES, ParallelismConfig, QuantizeConfig
 from .config_files import (load_attn_backend_config, load_cache_config, load_configs, load_options,
                            load_parallelism_config, load_quantize_config)
-from .offload import layerwise_cpu_offload, layerwise_offload
+from .offload import (LayerwiseOffloadHandle, LayerwiseOffloadHandleGroup, get_layerwise_offload_handles,
+                      layerwise_cpu_offload, layerwise_offload, remove_layerwise_offload)
 from .cache_types import BasicCacheConfig, CacheType, DBCache, DBPrune, NONE, block_range, cache_type
 from .process_utils import disable_print, init_logger, maybe_empty_cache, version_tuple
 from .not_offered import NOT_OFFERED
@@ -35,4 +36,5 @@ __all__ = ["enable_cache", "disable_cache", "refresh_context", "summary", "strif
            "CalibratorConfig", "set_attn_backend", "ParallelismBackend",
            "QuantizeBackend", "ProfilerContext", "create_profiler_context", "get_profiler_output_dir",
            "profile_function", "set_profiler_output_dir", "set_compile_configs", "supported_matrix",
-           "supported_pipelines", "parse_extra_modules"]
+           "supported_pipelines", "parse_extra_modules", "LayerwiseOffloadHandle", "LayerwiseOffloadHandleGroup",
+           "get_layerwise_offload_handles", "remove_layerwise_offload"]

@@ -22,13 +22,6 @@ REASONS: Dict[str, str] = {
     "ParamsModifier": ("per-transformer cache settings: call enable_cache on each transformer with its own config "
                        "(pipe.transformer_2 = enable_cache(pipe.transformer_2, cache_config=...))"),
     "ENV": "cache-dit's environment switches: settings are arguments here (each pass's describe() lists them)",
-    "LayerwiseOffloadHandle": ("offloading is a pass of the transformer's wrapper: "
-                               "dit_passes.layerwise_offload(pipe, ...); disable_cache(pipe) removes it"),
-    "LayerwiseOffloadHandleGroup": ("offloading is a pass of the transformer's wrapper: "
-                                    "dit_passes.layerwise_offload(pipe, ...); disable_cache(pipe) removes it"),
-    "get_layerwise_offload_handles": ("offloading is a pass of the transformer's wrapper: "
-                                      "wrapper.passes lists it (passes.LayerwiseOffload)"),
-    "remove_layerwise_offload": "disable_cache(pipe) puts the original transformer back, offloading removed",
 }
 
 
