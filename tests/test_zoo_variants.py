@@ -136,6 +136,41 @@ def test_heads_the_ranks_do_not_divide_are_zero_padded_under_tensor_parallel():
                 (family, counts)
 
 
+# the families' own ops at small head counts (3 heads of 8, 1 head of 16) on 2 ranks: Lumina-Next's one kv head
+# repeated to the q heads (replicated: sliced and zero-padded like q), Lumina 2's identity repeat of its kv heads,
+# Z-Image's RoPE inside an autocast region (gathered with the padded heads dropped, as 2 heads are gathered there)
+SMALL_HEADS = {"lumina_next": dict(hidden_size=24, num_attention_heads=3),
+               "lumina2": dict(hidden_size=24, num_attention_heads=3, num_kv_heads=3, axes_dim_rope=(2, 2, 4)),
+               "zimage": dict(dim=16, n_heads=1, n_kv_heads=1)}
+COLLECTIVES = ("all_reduce", "norm_all_reduce", "norm_all_gather", "all_gather", "fallback_all_gather")
+
+
+def _small_heads_tensor_parallel(rank, world):
+    from dit_passes import compile_dit
+    from dit_passes.passes.tensor_parallel import TensorParallel
+    out = {}
+    for family, overrides in SMALL_HEADS.items():
+        zm = zoo.build(family, redraw_zeros=True, **overrides)
+        kw = zm.make_inputs(seed=1)
+        with torch.no_grad():
+            ref = zm.model(**kw)
+            compiled = compile_dit(zm.model, passes=[TensorParallel(size=world)])
+            got = compiled(**kw)
+        record = [r for r in compiled._current().manager.records if r.name == "tensor_parallel"][0]
+        graph = compiled._current().gm.graph
+        ops = sorted(str(n.target) for n in graph.nodes if "c10d" in str(n.target) and "wait" not in str(n.target))
+        out[family] = (coverage._max_rel(got, ref), record.result.counts, ops)
+    return out
+
+
+def test_small_head_counts_are_zero_padded_under_tensor_parallel():
+    from dit_passes.testing import run_ranks
+    for per_rank in run_ranks(_small_heads_tensor_parallel, 2, timeout=300):
+        for family, (rel, counts, ops) in per_rank.items():
+            print(family, rel, {k: counts[k] for k in COLLECTIVES + ("padded_heads", "row_parallel")}, ops)
+            assert rel <= 1e-5, (family, rel)
+
+
 def test_a_crash_inside_a_pass_is_an_error_a_refusal_is_refused():
     """PassManager wraps what a pass raises: a refusal type (ShardingError, ...) as PassError (coverage: refused),
     anything else as PassCrashed (a PassError too; coverage: error)."""

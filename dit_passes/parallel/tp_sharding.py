@@ -166,7 +166,16 @@ class TPRules(Propagation):
             return pieces[0] if len(pieces) == 1 else self.emit(aten.cat.default, (pieces, dim), like=before)
 
     def _gather(self, x: fx.Node, spec: ShardSpec, before: fx.Node) -> fx.Node:
-        """All-gather sharded ``x`` back to the full tensor, segment-major (inserted before ``before``)."""
+        """All-gather sharded ``x`` back to the full tensor, segment-major (inserted before ``before``). Zero-padded
+        heads only before a context region (autocast: tp_heads proved the padding up to it): gathered, then each
+        segment's padded heads dropped, so the region reads the real value as it does unpadded."""
+        if spec.padded and before.target in oc.CONTEXT_WRAPPERS:
+            full = self._gather(x, ShardSpec(spec.dim, spec.segments), before)
+            with self.g.inserting_before(before):
+                starts = [sum(spec.segments[:i]) for i in range(len(spec.segments))]
+                parts = [self.emit(aten.slice.Tensor, (full, spec.dim, s, s + r), like=before)
+                         for s, r in zip(starts, spec.real_segments)]
+                return parts[0] if len(parts) == 1 else self.emit(aten.cat.default, (parts, spec.dim), like=before)
         if spec.padded:
             raise ShardingError(f"{x.name} holds zero-padded heads or MLP hidden, which only an output / down "
                                 f"projection may read (not {before.name} ({before.target}))")
