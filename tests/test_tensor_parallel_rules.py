@@ -11,7 +11,8 @@ pattern a diffusers family has (the coverage matrix runs the families themselves
 * MLP hidden sizes that do not divide tp (Mochi, Z-Image): zero-padded, exact, reported;
 * head counts that do not divide tp (SD3.5-large, CogVideoX-2b, Sana): whole zero heads, exact, with the
   collectives of divisible heads; an RMSNorm or a LayerNorm over all heads (statistics of the real features), a
-  fused QKV, one broadcast kv head, a replicated KV cache joined to the padded keys (SANA-WM refiner); GQA refused;
+  fused QKV, one broadcast kv head, one kv head repeated to the q heads (Lumina-Next: sliced and zero-padded
+  alike), a replicated KV cache joined to the padded keys (SANA-WM refiner);
 * a flex attention with a per-head block mask (Kandinsky 6 SR's NABLA): heads sharded, the mask's heads sliced;
 * a value all-gathered before an op without a rule, then viewed as only its traced layout allows (SANA-WM);
 * refusals: a weight two linears shard differently, padding a hidden that a norm reads, with the working sizes, a
@@ -160,6 +161,8 @@ CASES = {
     "heads1_layer_norm": dict(heads=1, q_norm="layer"),  # rank 1 holds only padding (no real features)
     "heads4_rms": dict(q_norm="rms"),
     "heads3_stacked_kv1": dict(heads=3, stacked=True, second=dict(stacked=False, kv_heads=1, kv_repeat=False)),
+    # one kv head repeated to the 3 q heads (Lumina-Next): replicated, sliced to the rank's q heads, zero-padded
+    "heads3_gqa": dict(heads=3, kv_heads=1),
 }
 # exact through an all-gather the rules fall back to (a flip over the heads), the traced layout kept
 GATHERED = {"flip_heads_view": dict(flip_heads=True)}
@@ -169,7 +172,6 @@ REFUSALS = {
     "group_norm": dict(q_norm="group"),
     "flex_reads_head": dict(attn="flex_head"),
     "flex_heads1": dict(attn="flex", heads=1),  # flex attention cannot take zero-padded heads (AnyFlow-FAR, 1 head)
-    "heads3_gqa": dict(heads=3, kv_heads=1),  # one kv head repeated to the 3 q heads: no padded kv heads to pair
 }
 
 
@@ -372,7 +374,10 @@ def test_padded_heads_under_a_layer_norm_over_all_heads(rule_ranks):
             assert (c["padded_heads"], c["norm_all_gather"], c["all_reduce"]) == (6, 2, 4), c
 
 
-def test_padded_heads_refusal_names_the_cause(rule_ranks):
-    for res in rule_ranks:
-        msg = res["heads3_gqa"]
-        assert "zero-padding them to whole heads per rank is refused" in msg and "not in ['k', 'v']" in msg, msg
+def test_padded_heads_with_one_kv_head_repeated_to_them(rule_ranks):
+    for r, c in _exact(rule_ranks, "heads3_gqa"):
+        # to_q padded 3 -> 4 heads; to_k / to_v (one head) replicated, their repeat to 3 heads sliced to the rank's
+        # heads and zero-padded like q's (a slice and a pad per block, no collective)
+        assert (c["column_parallel"], c["padded_heads"], c["replicated_column"]) == (4, 2, 4), c
+        assert c["local_slices"] >= 4 and "1 kv head(s) do not divide by tp=2" in r["report"], c
+        assert r["shapes"]["blocks.0.to_q.weight"] == (2 * HEAD_DIM, DIM)
