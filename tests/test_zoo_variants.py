@@ -139,13 +139,14 @@ def test_heads_the_ranks_do_not_divide_are_zero_padded_under_tensor_parallel():
 # the families' own ops at small head counts (3 heads of 8, 1 head of 16) on 2 ranks: Lumina-Next's one kv head
 # repeated to the q heads (replicated: sliced and zero-padded like q), Lumina 2's identity repeat of its kv heads,
 # Z-Image's RoPE inside an autocast region (gathered with the padded heads dropped, as 2 heads are gathered there)
-SMALL_HEADS = {"lumina_next": dict(hidden_size=24, num_attention_heads=3),
-               "lumina2": dict(hidden_size=24, num_attention_heads=3, num_kv_heads=3, axes_dim_rope=(2, 2, 4)),
-               "zimage": dict(dim=16, n_heads=1, n_kv_heads=1)}
-# the collectives of the zoo's own 2-head configs (divisible): one all-reduce per out / down projection, the
-# modulation's all-gathers, Lumina-Next's LayerNorm over all q heads (one all-gather per norm), Z-Image's q and k
+SMALL_HEADS = {"lumina_next": dict(hidden_size=24, num_attention_heads=3, num_layers=1),
+               "lumina2": dict(hidden_size=24, num_attention_heads=3, num_kv_heads=3, axes_dim_rope=(2, 2, 4),
+                               num_layers=1, num_refiner_layers=1),
+               "zimage": dict(dim=16, n_heads=1, n_kv_heads=1, n_layers=1, n_refiner_layers=1)}
+# the collectives of the zoo's own 2-head configs (divisible), one block each: one all-reduce per out / down
+# projection, the modulation's all-gather, Lumina-Next's LayerNorm over all q heads (one all-gather per norm), Z-Image's q and k
 # gathered before the RoPE's autocast region; (padded projections, all-reduce, norm all-gather, all-gather, gathered)
-SMALL_HEADS_COUNTS = {"lumina_next": (4, 4, 4, 2, 0), "lumina2": (6, 4, 0, 2, 0), "zimage": (6, 4, 0, 2, 4)}
+SMALL_HEADS_COUNTS = {"lumina_next": (2, 2, 2, 1, 0), "lumina2": (3, 2, 0, 1, 0), "zimage": (3, 2, 0, 1, 2)}
 
 
 def _small_heads_tensor_parallel(rank, world):
