@@ -144,8 +144,9 @@ SMALL_HEADS = {"lumina_next": dict(hidden_size=24, num_attention_heads=3, num_la
                                num_layers=1, num_refiner_layers=1),
                "zimage": dict(dim=16, n_heads=1, n_kv_heads=1, n_layers=1, n_refiner_layers=1)}
 # the collectives of the zoo's own 2-head configs (divisible), one block each: one all-reduce per out / down
-# projection, the modulation's all-gather, Lumina-Next's LayerNorm over all q heads (one all-gather per norm), Z-Image's q and k
-# gathered before the RoPE's autocast region; (padded projections, all-reduce, norm all-gather, all-gather, gathered)
+# projection, the modulation's all-gather, Lumina-Next's LayerNorm over all q heads (one all-gather per norm),
+# Z-Image's q and k gathered before the RoPE's autocast region;
+# (padded projections, all-reduce, norm all-gather, all-gather, gathered before an op without a rule)
 SMALL_HEADS_COUNTS = {"lumina_next": (2, 2, 2, 1, 0), "lumina2": (3, 2, 0, 1, 0), "zimage": (3, 2, 0, 1, 2)}
 
 
