@@ -9,10 +9,10 @@ the projection to the output projection, they
 * stay finite (``0 * x`` is 0 only for finite ``x``): every op keeps them finite; a reciprocal, ``rsqrt`` or
   divisor of them needs them provably positive (a per-head RMSNorm's ``rsqrt(mean(x^2) + eps)``);
 * never mix with the real heads: the ops re-index (views splitting ``H*D -> (H, D)`` and back, transposes,
-  permutes, repeats along other dims, splits of fused segments, concatenations along the sequence), act per
-  element (RoPE, scales) or per head (norms over ``D``), or attend (SDPA: head ``h`` of the output reads head
-  ``h`` of q, k, v; a q / k / v computed from replicated values, e.g. one kv head repeated to the q heads, is
-  sliced to the rank's heads and zero-padded alike, a single head broadcast);
+  permutes, repeats along other dims or of 1, an index of tokens, splits of fused segments, concatenations
+  along the sequence), act per element (RoPE, scales) or per head (norms over ``D``), or attend (SDPA: head
+  ``h`` of the output reads head ``h`` of q, k, v; a q / k / v computed from replicated values, e.g. one kv
+  head repeated to the q heads, is sliced to the rank's heads and zero-padded alike, a single head broadcast);
 * or leave the region whole: a context region (``wrap_with_autocast``, Z-Image's RoPE) reads the value
   all-gathered with its padded heads dropped, as the rules gather a divisible shard there;
 * are exactly zero where statistics run across heads (an RMSNorm, or its decomposition, over ``H*D``): the sum
@@ -114,6 +114,11 @@ def _step(u: fx.Node, ins: Dict[fx.Node, str], head_dim: int) -> str:
     t, s = u.target, list(ins.values())
     if t in _MOVES:
         return _combine(s)
+    if t in (aten.index.Tensor, aten.repeat_interleave.self_int):  # copies of elements along some dim: the rules
+        # keep them only along a dim other than the heads (an identity repeat along the heads), else gather: refused
+        if list(ins) != [u.args[0]]:
+            raise HeadPaddingError(f"{u.name} ({t}) indexes with them")
+        return ins[u.args[0]]
     if t in oc.FINITE_POINTWISE:
         if t is aten.pow.Tensor_Scalar and float(u.args[1]) < 0 and s != [POSITIVE]:
             raise HeadPaddingError(f"{u.name} raises them to a negative power")

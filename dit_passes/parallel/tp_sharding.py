@@ -275,7 +275,7 @@ class TPRules(Propagation):
         if sx is not None and t is aten.slice.Tensor and int(arg(n, 1, "dim", 0)) % x.meta["val"].dim() == sx.dim:
             return self._slice(n, sx)
         if sx is not None and t is aten.repeat_interleave.self_int and self._repeats_heads(n, sx):
-            return ShardSpec(sx.dim, tuple(s * int(args[1]) for s in sx.segments))
+            return sx if int(args[1]) == 1 else ShardSpec(sx.dim, tuple(s * int(args[1]) for s in sx.segments))
         if sx is not None and t in oc.PADS | {aten.index.Tensor} and self._leaves_shard(n, sx):
             return sx
         if sx is not None and t in oc.REDUCTIONS and oc.REDUCTIONS[t][1]:
@@ -389,10 +389,11 @@ class TPRules(Propagation):
 
     def _repeats_heads(self, n: fx.Node, sx: ShardSpec) -> bool:
         """``repeat_interleave(kv, r, dim=heads)`` (GQA) on kv sharded over heads: each rank repeats its own
-        heads, which are the kv heads of its q heads."""
+        heads, which are the kv heads of its q heads. Zero-padded heads only ``r = 1`` (Cosmos repeats its kv
+        heads to the q heads' count, equal to it): the padded layout of ``r`` copies would not be q's."""
         dim = arg(n, 2, "dim", None)
         return dim is not None and int(dim) % n.args[0].meta["val"].dim() == sx.dim and isinstance(n.args[1], int) \
-            and not sx.padded
+            and (not sx.padded or n.args[1] == 1)
 
     def _split(self, n: fx.Node, sx: ShardSpec):
         x, dim = n.args[0], split_dim(n)
