@@ -11,7 +11,9 @@ pattern a diffusers family has (the coverage matrix runs the families themselves
 * MLP hidden sizes that do not divide tp (Mochi, Z-Image): zero-padded, exact, reported;
 * head counts that do not divide tp (SD3.5-large, CogVideoX-2b, Sana): whole zero heads, exact, with the
   collectives of divisible heads; an RMSNorm or a LayerNorm over all heads (statistics of the real features), a
-  fused QKV, one broadcast kv head, a replicated KV cache joined to the padded keys (SANA-WM refiner); GQA refused;
+  fused QKV, one broadcast kv head, one kv head repeated to the q heads (Lumina-Next: sliced and zero-padded
+  alike), an identity repeat_interleave of the heads (Cosmos) and an index of tokens (Mochi), a replicated KV
+  cache joined to the padded keys (SANA-WM refiner);
 * a flex attention with a per-head block mask (Kandinsky 6 SR's NABLA): heads sharded, the mask's heads sliced;
 * a value all-gathered before an op without a rule, then viewed as only its traced layout allows (SANA-WM);
 * refusals: a weight two linears shard differently, padding a hidden that a norm reads, with the working sizes, a
@@ -34,7 +36,8 @@ class _Block(nn.Module):
     """One DiT block; the options switch on the patterns of the module docstring."""
 
     def __init__(self, kv_heads=None, q_norm=None, stacked=False, mlp="gelu", hidden=64, mlp_norm=False,
-                 skip=False, ff_groups=1, kv_repeat=True, attn="sdpa", flip_heads=False, heads=HEADS, kv_cache=False):
+                 skip=False, ff_groups=1, kv_repeat=True, attn="sdpa", flip_heads=False, heads=HEADS, kv_cache=False,
+                 copies=False):
         super().__init__()
         self.heads, inner = heads, heads * HEAD_DIM  # heads that do not divide tp: zero-padded
         kv_heads = heads if kv_heads is None else kv_heads
@@ -42,6 +45,7 @@ class _Block(nn.Module):
         self.kv_heads, self.q_norm_kind, self.stacked, self.mlp_kind = kv_heads, q_norm, stacked, mlp
         self.kv_repeat = kv_repeat  # False: one kv head broadcast over the q heads by the attention (OmniGen)
         self.hidden, self.ff_groups = hidden, ff_groups
+        self.copies = copies  # k / v copied by a repeat_interleave of 1 (Cosmos) and an index of tokens (Mochi)
         # keys / values of earlier tokens at the full head width, joined to this call's (SANA-WM refiner's cache)
         self.register_buffer("cache", torch.randn(2, 1, heads, 2, HEAD_DIM) if kv_cache else None)
         self.skip = nn.Linear(2 * DIM, DIM) if skip else None  # reads [x, skip]: writes the residual stream
@@ -84,6 +88,10 @@ class _Block(nn.Module):
                 k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
             if self.cache is not None:
                 k, v = (torch.cat([c.expand(b, -1, -1, -1), t], 2) for c, t in zip(self.cache, (k, v)))
+            if self.copies:  # Cosmos repeats its kv heads to the q heads' count, here equal; Mochi indexes tokens
+                k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+                order = torch.arange(s - 1, -1, -1, device=v.device)
+                k, v = k[:, :, order], v[:, :, order]
         if self.attn_kind.startswith("flex"):
             o = _flex(q, k, v, head_bias=self.attn_kind == "flex_head")
         else:
@@ -160,6 +168,9 @@ CASES = {
     "heads1_layer_norm": dict(heads=1, q_norm="layer"),  # rank 1 holds only padding (no real features)
     "heads4_rms": dict(q_norm="rms"),
     "heads3_stacked_kv1": dict(heads=3, stacked=True, second=dict(stacked=False, kv_heads=1, kv_repeat=False)),
+    # one kv head repeated to the 3 q heads (Lumina-Next): replicated, sliced to the rank's q heads, zero-padded
+    "heads3_gqa": dict(heads=3, kv_heads=1),
+    "heads3_copies": dict(heads=3, copies=True),  # an identity repeat_interleave of the heads, an index of tokens
 }
 # exact through an all-gather the rules fall back to (a flip over the heads), the traced layout kept
 GATHERED = {"flip_heads_view": dict(flip_heads=True)}
@@ -169,7 +180,6 @@ REFUSALS = {
     "group_norm": dict(q_norm="group"),
     "flex_reads_head": dict(attn="flex_head"),
     "flex_heads1": dict(attn="flex", heads=1),  # flex attention cannot take zero-padded heads (AnyFlow-FAR, 1 head)
-    "heads3_gqa": dict(heads=3, kv_heads=1),  # one kv head repeated to the 3 q heads: no padded kv heads to pair
 }
 
 
@@ -201,6 +211,8 @@ def _run_case(options, world):
         "graph_ops": [str(n.target).split(".")[-2] for n in gm.graph.nodes
                       if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait" not in str(n.target)],
         "released": released, "shapes": {t: tuple(gm.get_parameter(t).shape) for t in released},
+        "ops": {str(n.target).split(".")[-2] for n in gm.graph.nodes
+                if n.op == "call_function" and "aten" in str(n.target)},
         # each weight once: what the module still holds whole, plus one shard per released weight
         "resident": resident_bytes(c), "bound": sum(weights.values()) - sum(weights[t] for t in released) + shards,
     }
@@ -372,7 +384,16 @@ def test_padded_heads_under_a_layer_norm_over_all_heads(rule_ranks):
             assert (c["padded_heads"], c["norm_all_gather"], c["all_reduce"]) == (6, 2, 4), c
 
 
-def test_padded_heads_refusal_names_the_cause(rule_ranks):
-    for res in rule_ranks:
-        msg = res["heads3_gqa"]
-        assert "zero-padding them to whole heads per rank is refused" in msg and "not in ['k', 'v']" in msg, msg
+def test_padded_heads_through_an_identity_repeat_and_an_index_of_tokens(rule_ranks):
+    for r, c in _exact(rule_ranks, "heads3_copies"):
+        assert (c["column_parallel"], c["padded_heads"], c["replicated_column"]) == (8, 6, 0), c
+        assert r["ops"] >= {"repeat_interleave", "index"}, r["ops"]
+
+
+def test_padded_heads_with_one_kv_head_repeated_to_them(rule_ranks):
+    for r, c in _exact(rule_ranks, "heads3_gqa"):
+        # to_q padded 3 -> 4 heads; to_k / to_v (one head) replicated, their repeat to 3 heads sliced to the rank's
+        # heads and zero-padded like q's (a slice and a pad per block, no collective)
+        assert (c["column_parallel"], c["padded_heads"], c["replicated_column"]) == (4, 2, 4), c
+        assert c["local_slices"] >= 4 and "1 kv head(s) do not divide by tp=2" in r["report"], c
+        assert r["shapes"]["blocks.0.to_q.weight"] == (2 * HEAD_DIM, DIM)

@@ -136,6 +136,51 @@ def test_heads_the_ranks_do_not_divide_are_zero_padded_under_tensor_parallel():
                 (family, counts)
 
 
+# the families' own ops at small head counts (3 heads of 8, 1 head of 16) on 2 ranks: Lumina-Next's one kv head
+# repeated to the q heads (replicated: sliced and zero-padded like q), Lumina 2's identity repeat of its kv heads,
+# Z-Image's RoPE inside an autocast region (gathered with the padded heads dropped, as 2 heads are gathered there)
+SMALL_HEADS = {"lumina_next": dict(hidden_size=24, num_attention_heads=3, num_layers=1),
+               "lumina2": dict(hidden_size=24, num_attention_heads=3, num_kv_heads=3, axes_dim_rope=(2, 2, 4),
+                               num_layers=1, num_refiner_layers=1),
+               "zimage": dict(dim=16, n_heads=1, n_kv_heads=1, n_layers=1, n_refiner_layers=1)}
+# the collectives of the zoo's own 2-head configs (divisible), one block each: one all-reduce per out / down
+# projection, the modulation's all-gather, Lumina-Next's LayerNorm over all q heads (one all-gather per norm),
+# Z-Image's q and k gathered before the RoPE's autocast region;
+# (padded projections, all-reduce, norm all-gather, all-gather, gathered before an op without a rule)
+SMALL_HEADS_COUNTS = {"lumina_next": (2, 2, 2, 1, 0), "lumina2": (3, 2, 0, 1, 0), "zimage": (3, 2, 0, 1, 2)}
+
+
+def _small_heads_tensor_parallel(rank, world):
+    from dit_passes import compile_dit
+    from dit_passes.passes.tensor_parallel import TensorParallel
+    out = {}
+    for family, overrides in SMALL_HEADS.items():
+        zm = zoo.build(family, redraw_zeros=True, **overrides)
+        kw = zm.make_inputs(seed=1)
+        with torch.no_grad():
+            ref = zm.model(**kw)
+            compiled = compile_dit(zm.model, passes=[TensorParallel(size=world)])
+            got = compiled(**kw)
+        record = [r for r in compiled._current().manager.records if r.name == "tensor_parallel"][0]
+        ops = [str(n.target).split(".")[-2] for n in compiled._current().gm.graph.nodes
+               if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait" not in str(n.target)]
+        out[family] = (coverage._max_rel(got, ref), record.result.counts, sorted(ops))
+    return out
+
+
+def test_small_head_counts_are_zero_padded_under_tensor_parallel():
+    """1 or 3 heads on 2 ranks pad as 38 heads on 4 do (SD3.5-large), through each family's own attention: exact,
+    with exactly the collectives of the family's divisible head count."""
+    from dit_passes.testing import run_ranks
+    for per_rank in run_ranks(_small_heads_tensor_parallel, 2, timeout=300):
+        for family, (rel, c, ops) in per_rank.items():
+            assert rel <= 1e-5, (family, rel)
+            got = (c["padded_heads"], c["all_reduce"], c["norm_all_gather"], c["all_gather"], c["fallback_all_gather"])
+            assert got == SMALL_HEADS_COUNTS[family] and c["norm_all_reduce"] == 0, (family, c)
+            gathers = c["norm_all_gather"] + c["all_gather"] + c["fallback_all_gather"]
+            assert ops == sorted(["all_reduce"] * c["all_reduce"] + ["all_gather_into_tensor"] * gathers), (family, ops)
+
+
 def test_a_crash_inside_a_pass_is_an_error_a_refusal_is_refused():
     """PassManager wraps what a pass raises: a refusal type (ShardingError, ...) as PassError (coverage: refused),
     anything else as PassCrashed (a PassError too; coverage: error)."""

@@ -12,7 +12,8 @@ from .tp_weights import ShardingError
 
 def sdpa(rules, n: fx.Node):
     """SDPA over heads sharded (or zero-padded) alike in q, k and v: local; a replicated q / k / v or a per-head
-    mask sliced to the rank's heads, one kv head left to broadcast."""
+    mask sliced to the rank's heads (zero-padded as the padded input's, e.g. Lumina-Next's one kv head repeated
+    to the q heads), one kv head left to broadcast."""
     from .tp_sharding import ShardSpec, check_divisible
     q, k, v = n.args[:3]
     specs = [rules._s(a) for a in (q, k, v)]
@@ -23,7 +24,9 @@ def sdpa(rules, n: fx.Node):
         tp_padded.check_attention(n, specs, padded)
     for a, s in zip((q, k, v), specs):
         heads = int(a.meta["val"].shape[1])
-        if s is None and heads > 1:  # a replicated q/k/v (computed outside the sharded linears, or GQA k / v
+        if s is None and heads > 1 and padded is not None:  # the rank's real heads, zero-padded as q's
+            n.replace_input_with(a, tp_padded.local_operand(rules, a, 1, padded, n))
+        elif s is None and heads > 1:  # a replicated q/k/v (computed outside the sharded linears, or GQA k / v
             # repeated to the q heads): take the local heads; one head broadcasts over the q heads as it is
             check_divisible([heads], rules.tp, f"attention input {a.name}")
             n.replace_input_with(a, rules._local(a, 1, ShardSpec(1, (heads,)), n))
@@ -34,7 +37,7 @@ def sdpa(rules, n: fx.Node):
         if rules._s(mask) is None and hd >= 0 and int(mv.shape[hd]) > 1:
             n.replace_input_with(mask, tp_padded.attention_mask(rules, n, mask, hd, padded) if padded else
                                  rules._local(mask, hd, ShardSpec(hd, (int(mv.shape[hd]),)), n))
-    return specs[0] or ShardSpec(1, (int(q.meta["val"].shape[1]),))
+    return padded or specs[0] or ShardSpec(1, (int(q.meta["val"].shape[1]),))
 
 
 def batched_matmul(rules, n: fx.Node):

@@ -9,8 +9,12 @@ the projection to the output projection, they
 * stay finite (``0 * x`` is 0 only for finite ``x``): every op keeps them finite; a reciprocal, ``rsqrt`` or
   divisor of them needs them provably positive (a per-head RMSNorm's ``rsqrt(mean(x^2) + eps)``);
 * never mix with the real heads: the ops re-index (views splitting ``H*D -> (H, D)`` and back, transposes,
-  permutes, splits of fused segments, concatenations along the sequence), act per element (RoPE, scales) or
-  per head (norms over ``D``), or attend (SDPA: head ``h`` of the output reads head ``h`` of q, k, v);
+  permutes, repeats along other dims or of 1, an index of tokens, splits of fused segments, concatenations
+  along the sequence), act per element (RoPE, scales) or per head (norms over ``D``), or attend (SDPA: head
+  ``h`` of the output reads head ``h`` of q, k, v; a q / k / v computed from replicated values, e.g. one kv
+  head repeated to the q heads, is sliced to the rank's heads and zero-padded alike, a single head broadcast);
+* or leave the region whole: a context region (``wrap_with_autocast``, Z-Image's RoPE) reads the value
+  all-gathered with its padded heads dropped, as the rules gather a divisible shard there;
 * are exactly zero where statistics run across heads (an RMSNorm, or its decomposition, over ``H*D``): the sum
   of squares is then the real heads' own, and the rule divides by the real feature count.
 
@@ -37,7 +41,7 @@ ZERO, POSITIVE, FINITE = "zero", "positive", "finite"
 # ops that only re-index, copy or cast: the padded heads' state passes through
 _MOVES = (oc.RESHAPES | oc.COMPLEX_VIEWS | oc.LIKE_ARG0 | oc.COPIES | oc.SPLITS | oc.EXPANDS
           | {aten.transpose.int, aten.permute.default, aten.select.int, aten.unbind.int, aten.slice.Tensor,
-             aten.cat.default, aten.stack.default, aten.slice_scatter.default, operator.getitem})
+             aten.cat.default, aten.stack.default, aten.slice_scatter.default, aten.repeat.default, operator.getitem})
 # reductions a collective completes (sum, mean, max, min): a per-head one keeps the padded heads' state
 _REDUCE = {t for t, (_, collective) in oc.REDUCTIONS.items() if collective}
 
@@ -47,6 +51,8 @@ class HeadRegion:
     values: Dict[fx.Node, str]          # value -> state of its padded heads (ZERO / POSITIVE / FINITE)
     outs: List[fx.Node]                 # linears reading it as their input (the row-parallel output projections)
     attentions: List[fx.Node]           # the SDPA nodes it feeds
+    gathered: List[fx.Node] = dataclasses.field(default_factory=list)  # context regions (autocast) reading it:
+    # the rules all-gather it there and drop the padded heads, as they gather a divisible shard there
 
     @property
     def zero(self) -> Set[fx.Node]:
@@ -108,6 +114,11 @@ def _step(u: fx.Node, ins: Dict[fx.Node, str], head_dim: int) -> str:
     t, s = u.target, list(ins.values())
     if t in _MOVES:
         return _combine(s)
+    if t in (aten.index.Tensor, aten.repeat_interleave.self_int):  # copies of elements along some dim: the rules
+        # keep them only along a dim other than the heads (an identity repeat along the heads), else gather: refused
+        if list(ins) != [u.args[0]]:
+            raise HeadPaddingError(f"{u.name} ({t}) indexes with them")
+        return ins[u.args[0]]
     if t in oc.FINITE_POINTWISE:
         if t is aten.pow.Tensor_Scalar and float(u.args[1]) < 0 and s != [POSITIVE]:
             raise HeadPaddingError(f"{u.name} raises them to a negative power")
@@ -136,17 +147,20 @@ def _step(u: fx.Node, ins: Dict[fx.Node, str], head_dim: int) -> str:
     if t is oc.SDPA:
         q, k, v = u.args[:3]
         hq, hk = int(val(q).shape[1]), int(val(k).shape[1])
-        if hk == 1 and k not in ins and v not in ins:
-            return FINITE  # one kv head, replicated, broadcast over the (padded) q heads
-        if hq != hk:
+        if hq != hk and hk != 1:
             raise HeadPaddingError(f"attention {u.name} has {hq} q heads and {hk} kv heads (GQA): padding q "
                                    f"heads would break the q-to-kv head mapping")
-        missing = [name for name, a in (("q", q), ("k", k), ("v", v)) if a not in ins]
-        if missing:  # (e.g. GQA kv heads repeated to the q heads: replicated, no padded heads to pair with q's)
-            raise HeadPaddingError(f"attention {u.name} gets padded heads in some of q, k, v but not in {missing} "
-                                   f"(e.g. fewer kv heads than q heads, repeated to them: no padded kv heads to "
-                                   f"pair with the padded q heads)")
-        return ins[v]
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            heads = int(val(a).shape[1])
+            if a not in ins and heads not in (1, hq):
+                raise HeadPaddingError(f"attention {u.name}: {name} has {heads} heads, not the {hq} q heads nor one "
+                                       f"to broadcast")
+        # an input outside the region (computed from replicated values: Lumina-Next's one kv head repeated to the
+        # q heads, or q / k gathered before an autocast region) is sliced to the rank's heads and zero-padded
+        # alike by the rule (tp_padded.local_operand); a single head is broadcast over the q heads as it is
+        if v in ins:
+            return ins[v]
+        return ZERO if int(val(v).shape[1]) == hq and hq > 1 else FINITE
     raise HeadPaddingError(f"{u.name} ({t}) reads them before the output projection")
 
 
@@ -169,6 +183,9 @@ def head_region(starts: Iterable[fx.Node], head_dim: int) -> HeadRegion:
                     raise HeadPaddingError(f"{u.name} reads them as a weight")
                 if u not in region.outs:
                     region.outs.append(u)
+            elif u.target in oc.CONTEXT_WRAPPERS:  # the rules gather its operand and drop the padded heads
+                if u not in region.gathered:
+                    region.gathered.append(u)
             elif u not in reached:
                 reached.add(u)
                 todo.append(u)

@@ -114,9 +114,12 @@ def mean_divisor(sx, tp: int) -> float:
 
 
 def check_attention(n: fx.Node, specs, padded) -> None:
-    """SDPA ``n`` with zero-padded heads: q, k and v padded alike (head ``h`` attends with head ``h``), or k
-    and v one replicated head broadcast over the q heads; ShardingError otherwise."""
-    alike = [s == padded if s is not None else int(a.meta["val"].shape[1]) == 1 for a, s in zip(n.args[:3], specs)]
+    """SDPA ``n`` with zero-padded heads: q, k and v padded alike (head ``h`` attends with head ``h``), a replicated
+    one with the real head count (sliced and zero-padded alike by the rule), or one replicated head broadcast over
+    the q heads; ShardingError otherwise."""
+    real = sum(padded.real_segments)
+    alike = [s == padded if s is not None else int(a.meta["val"].shape[1]) in (1, real)
+             for a, s in zip(n.args[:3], specs)]
     if not all(alike):
         got = [(s.segments, s.real_segments) if s else "replicated" for s in specs]
         raise ShardingError(f"attention with zero-padded heads needs q, k, v padded alike (or one kv head); got "

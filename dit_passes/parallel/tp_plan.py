@@ -23,8 +23,10 @@ blocks), :func:`plan_columns` decides one of
   exactly zero where an RMSNorm runs over all heads) is proven over the dataflow by
   :func:`~dit_passes.parallel.tp_heads.head_region` before anything is rewritten; the values proven zero are
   :attr:`TPPlan.zero`, which the rules require where statistics cross the padded heads. A k / v projection with
-  fewer (more than one) heads than its q (GQA) stays replicated as above, and its q is not padded: the padded
-  layout would no longer map q heads to their kv heads.
+  fewer kv heads than its q whose count does not divide (GQA) stays replicated as above; its q is padded where the
+  graph repeats the kv heads to the q heads before the attention (Lumina-Next's one kv head: the repeated heads
+  are sliced to the rank's q heads and zero-padded alike), and refused where the attention itself takes fewer kv
+  heads: the padded layout would no longer map q heads to their kv heads.
 
 Anything else that does not divide is refused with the sizes that would.
 """

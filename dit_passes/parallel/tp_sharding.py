@@ -166,7 +166,16 @@ class TPRules(Propagation):
             return pieces[0] if len(pieces) == 1 else self.emit(aten.cat.default, (pieces, dim), like=before)
 
     def _gather(self, x: fx.Node, spec: ShardSpec, before: fx.Node) -> fx.Node:
-        """All-gather sharded ``x`` back to the full tensor, segment-major (inserted before ``before``)."""
+        """All-gather sharded ``x`` back to the full tensor, segment-major (inserted before ``before``). Zero-padded
+        heads only before a context region (autocast: tp_heads proved the padding up to it): gathered, then each
+        segment's padded heads dropped, so the region reads the real value as it does unpadded."""
+        if spec.padded and before.target in oc.CONTEXT_WRAPPERS:
+            full = self._gather(x, ShardSpec(spec.dim, spec.segments), before)
+            with self.g.inserting_before(before):
+                starts = [sum(spec.segments[:i]) for i in range(len(spec.segments))]
+                parts = [self.emit(aten.slice.Tensor, (full, spec.dim, s, s + r), like=before)
+                         for s, r in zip(starts, spec.real_segments)]
+                return parts[0] if len(parts) == 1 else self.emit(aten.cat.default, (parts, spec.dim), like=before)
         if spec.padded:
             raise ShardingError(f"{x.name} holds zero-padded heads or MLP hidden, which only an output / down "
                                 f"projection may read (not {before.name} ({before.target}))")
@@ -266,7 +275,7 @@ class TPRules(Propagation):
         if sx is not None and t is aten.slice.Tensor and int(arg(n, 1, "dim", 0)) % x.meta["val"].dim() == sx.dim:
             return self._slice(n, sx)
         if sx is not None and t is aten.repeat_interleave.self_int and self._repeats_heads(n, sx):
-            return ShardSpec(sx.dim, tuple(s * int(args[1]) for s in sx.segments))
+            return sx if int(args[1]) == 1 else ShardSpec(sx.dim, tuple(s * int(args[1]) for s in sx.segments))
         if sx is not None and t in oc.PADS | {aten.index.Tensor} and self._leaves_shard(n, sx):
             return sx
         if sx is not None and t in oc.REDUCTIONS and oc.REDUCTIONS[t][1]:
@@ -380,10 +389,11 @@ class TPRules(Propagation):
 
     def _repeats_heads(self, n: fx.Node, sx: ShardSpec) -> bool:
         """``repeat_interleave(kv, r, dim=heads)`` (GQA) on kv sharded over heads: each rank repeats its own
-        heads, which are the kv heads of its q heads."""
+        heads, which are the kv heads of its q heads. Zero-padded heads only ``r = 1`` (Cosmos repeats its kv
+        heads to the q heads' count, equal to it): the padded layout of ``r`` copies would not be q's."""
         dim = arg(n, 2, "dim", None)
         return dim is not None and int(dim) % n.args[0].meta["val"].dim() == sx.dim and isinstance(n.args[1], int) \
-            and not sx.padded
+            and (not sx.padded or n.args[1] == 1)
 
     def _split(self, n: fx.Node, sx: ShardSpec):
         x, dim = n.args[0], split_dim(n)
