@@ -48,6 +48,7 @@ from .analysis.blocks import get_structure
 from .infra.facts import facts_of
 from .infra.cuda_graph_step import FIX as CUDA_GRAPH_FIX
 from .infra.cuda_graph_step import CudaGraphStep, CudaGraphUnavailable, conditional_capture_mode
+from .infra.fx_sources import drop_module_sources, drop_sources_since, source_keys
 from .infra.graph_runner import GraphRunner
 from .infra.memory import MemoryReport, memory_report, onloaded_tensors
 from .infra.pass_base import Pass, PassContext
@@ -327,6 +328,7 @@ class CompiledDiT(torch.nn.Module):
 
     def _forget_graphs(self) -> None:
         """Every signature is lowered again at its next call; ``runtime.state`` is left to the caller."""
+        drop_module_sources(g.gm for g in self._by_key.values())
         self._by_key.clear()
         self._ids.clear()
         self._next_id = 0
@@ -360,6 +362,7 @@ class CompiledDiT(torch.nn.Module):
             lowered = self._by_key.pop(key)
             gid, base = self._ids.pop(id(lowered))
             del self.graphs[f"g{gid}"]
+            drop_module_sources([lowered.gm])
             self.runtime.forget_graph(gid)
             if self._last is lowered:
                 self._last = None
@@ -443,6 +446,7 @@ class CompiledDiT(torch.nn.Module):
                                            f"step as a CUDA graph: the call's tensors are on {device}; run on a CUDA "
                                            f"device or {CUDA_GRAPH_FIX}")
             capture_mode = conditional_capture_mode()  # this torch / CUDA has conditional nodes
+        sources = source_keys()  # FX's generated source kept from here on: only the kept graph's (infra/fx_sources.py)
         read: Dict[str, torch.Tensor] = {}  # what LoadWeights reads from the checkpoint: it goes into the model too
         passes = ([Cleanup()] if self._cleanup else []) + ([LoadWeights(read)] if ledger.source is not None else []) \
             + self._passes + ([self._regional] if self._regional else [])
@@ -481,6 +485,7 @@ class CompiledDiT(torch.nn.Module):
         self._ids[id(lowered)] = (graph_id, base)
         self._record_lowering(lowered)
         self._tree = module_tree(self.original)
+        drop_sources_since(sources, [gm])
         return lowered
 
     def _module_changed(self) -> None:
