@@ -15,18 +15,28 @@ What it does:
    CFG and batch; the cache config switches between phases of the stream; a few requests are interrupted at half
    their steps; a window of requests runs with a LoRA (loaded before the window, unloaded after it); one request
    late in the stream asks for a resolution no earlier request had.
-2. :func:`serve` runs them on one pipeline (``enable_cache`` once; ``refresh_context(pipe, cache_config=...)`` when
+2. :func:`reference` first runs each distinct request alone, in a separate process (``--reference-worker``, with
+   trace reuse on: capture time only): a fresh pipeline (CPU: loaded again from the asset; CUDA: the same seeded
+   transformer built once, a fresh pipeline and a fresh ``enable_cache`` each; its LoRA loaded before
+   ``enable_cache``), so no state of the stream can reach it. Its outputs are in memory before the stream starts.
+3. :func:`serve` runs them on one pipeline (``enable_cache`` once; ``refresh_context(pipe, cache_config=...)`` when
    a request's cache config differs from the last one's; ``pipe.load_lora_weights`` / ``unload_lora_weights`` at
    the window's ends) and records per request its output, latency, resident memory (RSS; on CUDA also
    ``torch.cuda.memory_allocated``) and the transformer's graph counts (``graph_stats``: kept, lowered, evicted).
-3. :func:`reference` runs each distinct request alone, in a separate process (``--reference-worker``): a fresh
-   pipeline (CPU: loaded again from the asset; CUDA: the same seeded transformer built once, a fresh pipeline and
-   a fresh ``enable_cache`` each; its LoRA loaded before ``enable_cache``), so no state of the stream can reach it.
-4. :func:`judge` compares (bitwise on the CPU; relative max error within ``tolerance`` on the GPU) and writes the
-   summary: ``requests``, ``mismatches``, ``memory_growth`` (RSS after the last request over RSS after the first
+   Each output is compared as it comes (bitwise on the CPU; relative max error within ``tolerance`` on the GPU)
+   and dropped.
+4. :func:`judge` writes the summary: ``requests``, ``mismatches``, ``memory_growth`` (RSS after the last request over RSS after the first
    20% of requests, minus 1), ``graphs_max``, ``graph_limit``, ``latency_ratio_max`` (max over warm requests of
    latency / the median latency of its shape's warm requests; warm: nothing was lowered during it, it was not
    interrupted), ``device``.
+
+Commands: ``python -P bench/soak.py --threads 1`` (CPU, the digits DiT, 520 requests), ``--quick`` (24 requests),
+``--model flux-tiny`` (the FLUX code path of the GPU run at a CPU size); on one H100 / H200:
+``DIT_PASSES_REUSE_TRACES=1 python -P bench/soak.py --device cuda --model flux-dev-size`` (100 requests at
+256-512 px, 3-8 steps; each lowering of the 12 B model captures for ~10 s, trace reuse cuts it; ``--requests 60`` if
+the device call's time is short). A LoRA unloaded through ``pipe.unload_lora_weights()`` is checked: diffusers'
+pipeline-level LoRA methods skip a component that is not a ``ModelMixin`` (the wrapper ``enable_cache`` puts in the
+pipeline), so the LoRA stays; the event says so and the soak unloads it with ``pipe.transformer.unload_lora()``.
 
 An interrupted request has no image: its latents at the interrupted step are compared instead (the reference is
 interrupted at the same step). A LoRA request is also run alone without its LoRA (``lora_changes_output`` says the
