@@ -3,7 +3,7 @@
     dit-passes inspect flux                          # discovered structure + what each pass did
     dit-passes inspect wan --passes "dbcache(Fn_compute_blocks=1)" --graph
     dit-passes inspect flux --passes "ulysses(size=2)" --rank 1 --graph   # rank 1's graph, from this one process
-    dit-passes demo ... | fidelity ... | bench ... | coverage ... | fuzz ...   # delegated to dit_passes.<command>:main
+    dit-passes demo ... | fidelity ... | bench ... | coverage ... | fuzz ... | soak ...   # dit_passes.<command>:main
 
 ``inspect`` builds a tiny zoo model (random weights, CPU), captures it with ``compile_dit`` and prints
 ``structure.summary()``, the per-pass explain (counts and diff), the resident memory by kind and block
@@ -33,6 +33,7 @@ DELEGATED = {
     "bench": ("dit_passes.bench", "time a compiled transformer against the original"),
     "coverage": ("dit_passes.coverage", "every DiT class of diffusers x every pass: exact / refused / error"),
     "fuzz": ("dit_passes.coverage_fuzz", "every pass on configs drawn around each class's tiny one"),
+    "soak": ("dit_passes.soak", "one served pipeline under mixed requests, each checked against it run alone"),
 }
 
 # ``dit-passes inspect --help`` shows these; tests/test_cli.py runs each of them

@@ -16,6 +16,12 @@ signature beyond that evicts the least recently called one, with the state passe
 lowered again, as at its first call. ``compiled.graph_stats`` counts lowerings and evictions (``explain()``
 shows them), and a warning says when new signatures keep evicting (:class:`GraphStats`).
 
+A graph runs the module as it was captured. When the original's submodules change after lowering (a LoRA adapter
+loaded or unloaded, a submodule replaced), every graph is dropped and lowered again at its next call
+(:func:`module_tree`, compared at each call; ``graph_stats.module_changes`` counts it). Changes inside a submodule
+that keep its identity (a LoRA scale set in place, a weight tensor assigned anew) are not seen: lower again with
+``set_passes(compiled.passes)``.
+
 One caller at a time: the runtime holds per-call state (the cache context, the residual cache's pending slot),
 so a second thread entering ``forward`` (or ``lower``, ``cache_context``, ``new_generation``) while a call or a
 ``cache_context`` block of another thread runs gets a RuntimeError naming the fix (one module per thread, or a
@@ -26,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import threading
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -40,6 +47,7 @@ from .analysis.blocks import get_structure
 from .infra.facts import facts_of
 from .infra.cuda_graph_step import FIX as CUDA_GRAPH_FIX
 from .infra.cuda_graph_step import CudaGraphStep, CudaGraphUnavailable, conditional_capture_mode
+from .infra.fx_sources import drop_module_sources, drop_sources_since, source_keys
 from .infra.graph_runner import GraphRunner
 from .infra.memory import MemoryReport, memory_report, onloaded_tensors
 from .infra.pass_base import Pass, PassContext
@@ -49,6 +57,8 @@ from .infra.runtime import Runtime
 from .infra.weight_source import as_weight_source, check_has_source, source_stand_ins
 from .passes.cleanup import Cleanup
 from .passes.load_weights import LoadWeights
+
+logger = logging.getLogger("dit_passes")
 
 
 def _warm_inductor_pool() -> None:
@@ -139,10 +149,25 @@ class GraphStats:
     evicted: int = 0
     warned: bool = False
     recent: "collections.deque[bool]" = dataclasses.field(default_factory=collections.deque, repr=False)
+    module_changes: int = 0  # times every graph was dropped because the module's submodules changed (a LoRA)
 
     def summary(self) -> str:
         limit = "no limit" if self.limit is None else f"limit {self.limit}"
-        return f"{self.graphs} graph(s) kept ({limit}); {self.lowered} lowered, {self.evicted} evicted"
+        changed = f"; lowered again {self.module_changes}x after the module changed" if self.module_changes else ""
+        return f"{self.graphs} graph(s) kept ({limit}); {self.lowered} lowered, {self.evicted} evicted{changed}"
+
+
+def module_tree(root: torch.nn.Module) -> List[Any]:
+    """Every submodule of ``root`` (and None where a slot holds None), breadth first: what a lowered graph was
+    captured from. Compared by identity at each call (a few hundred list entries: ~0.1 ms for the digits DiT, where
+    ``named_modules()`` takes twice that), so an adapter injected or removed after lowering (PEFT's LoRA layers
+    replace the linears they wrap) is seen. The entries are the modules themselves, not their ids: a module freed
+    and another allocated at its address cannot pass as unchanged."""
+    out: List[Any] = [root]
+    for module in out:
+        if module is not None:
+            out.extend(module._modules.values())
+    return out
 
 
 def _check_max_graphs(max_graphs: Optional[int]) -> Optional[int]:
@@ -222,6 +247,7 @@ class CompiledDiT(torch.nn.Module):
         self.graph_stats = GraphStats(_check_max_graphs(max_graphs))
         self._value_leaves: Dict[Any, List[int]] = {}  # signature -> leaves whose values key the graph
         self._last: Optional[LoweredGraph] = None
+        self._tree: Optional[List[Any]] = None  # module_tree(model) when the graphs kept were lowered
         self._call_lock = threading.Lock()  # one caller at a time (the module docstring)
         self._caller: Optional[int] = None
         PassManager(self._passes)  # validate the pass list (types, ordering) now, not at the first call
@@ -298,11 +324,13 @@ class CompiledDiT(torch.nn.Module):
 
     def _forget_graphs(self) -> None:
         """Every signature is lowered again at its next call; ``runtime.state`` is left to the caller."""
+        drop_module_sources(g.gm for g in self._by_key.values())
         self._by_key.clear()
         self._ids.clear()
         self._next_id = 0
         self._value_leaves.clear()
         self._last = None
+        self._tree = None
         self.graph_stats.graphs = 0
         for name in list(self.graphs.keys()):
             del self.graphs[name]
@@ -330,6 +358,7 @@ class CompiledDiT(torch.nn.Module):
             lowered = self._by_key.pop(key)
             gid, base = self._ids.pop(id(lowered))
             del self.graphs[f"g{gid}"]
+            drop_module_sources([lowered.gm])
             self.runtime.forget_graph(gid)
             if self._last is lowered:
                 self._last = None
@@ -395,6 +424,8 @@ class CompiledDiT(torch.nn.Module):
         # A data-dependent model's graph is specialised on its masks' values too (capture.value_key).
         value_leaves = self._value_leaves.get(base)
         key = base if value_leaves is None else (base, value_key(kwargs, value_leaves))
+        if self._by_key and module_tree(self.original) != self._tree:
+            self._module_changed()
         if key in self._by_key:
             self._by_key.move_to_end(key)  # the most recently called: evicted last
             return self._by_key[key]
@@ -411,6 +442,7 @@ class CompiledDiT(torch.nn.Module):
                                            f"step as a CUDA graph: the call's tensors are on {device}; run on a CUDA "
                                            f"device or {CUDA_GRAPH_FIX}")
             capture_mode = conditional_capture_mode()  # this torch / CUDA has conditional nodes
+        sources = source_keys()  # FX's generated source kept from here on: only the kept graph's (infra/fx_sources.py)
         read: Dict[str, torch.Tensor] = {}  # what LoadWeights reads from the checkpoint: it goes into the model too
         passes = ([Cleanup()] if self._cleanup else []) + ([LoadWeights(read)] if ledger.source is not None else []) \
             + self._passes + ([self._regional] if self._regional else [])
@@ -448,7 +480,21 @@ class CompiledDiT(torch.nn.Module):
         self._by_key[key] = lowered
         self._ids[id(lowered)] = (graph_id, base)
         self._record_lowering(lowered)
+        self._tree = module_tree(self.original)
+        drop_sources_since(sources, [gm])
         return lowered
+
+    def _module_changed(self) -> None:
+        """The original's submodules are not those the graphs were captured from (a LoRA adapter loaded or
+        unloaded: ``pipe.load_lora_weights``, ``pipe.transformer.unload_lora()``; a submodule replaced): every graph
+        runs the module as it was, so they are all dropped, with the state passes keep for them (as
+        ``set_passes``), and each signature is lowered again at its next call. A generation under way when that
+        happens starts its cache state again."""
+        logger.info("CompiledDiT(%s): its submodules changed since its graphs were lowered (e.g. a LoRA adapter "
+                    "loaded or unloaded); lowering them again", type(self.original).__name__)
+        self._forget_graphs()
+        self.runtime.drop_lowering_state()
+        self.graph_stats.module_changes += 1
 
     def _compiles_with_inductor(self) -> bool:
         """Whether a lowered graph goes to Inductor: the whole graph (``torch_compile={...}``) or its blocks
