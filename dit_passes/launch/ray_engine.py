@@ -58,7 +58,12 @@ class RayWorkerError(RuntimeError):
 
 
 class RayWorkerDiedError(RayWorkerError):
-    """A worker process died (crash, ``os._exit``, OOM kill) during a call."""
+    """A worker process died (crash, ``os._exit``, a kill signal, OOM kill) during a call; ``pid`` is its process
+    id (None when it died before reporting one)."""
+
+    def __init__(self, rank: int, message: str, worker_traceback: str = "", pid: Optional[int] = None):
+        self.pid = pid
+        super().__init__(rank, message, worker_traceback)
 
 
 class RayWorkerTimeoutError(TimeoutError):
@@ -253,10 +258,11 @@ class RayEngine:
                     errors[rank] = exc
                     deadline = min(deadline, time.monotonic() + _PEER_GRACE_S)
                 except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
-                    self._broken = f"{what}: rank {rank} died"
-                    raise RayWorkerDiedError(rank, f"{what}: worker rank {rank} of {self.world_size} died "
-                                             f"({type(exc).__name__}: {_first_line(exc)}); the engine is broken: "
-                                             "call shutdown() and launch again") from exc
+                    self._broken = f"{what}: rank {rank} ({self._where(rank)}) died"
+                    raise RayWorkerDiedError(rank, f"{what}: worker rank {rank} of {self.world_size} "
+                                             f"({self._where(rank)}) died ({type(exc).__name__}: {_first_line(exc)}); "
+                                             "the engine is broken: call shutdown() and launch again",
+                                             pid=self._pid(rank)) from exc
         if errors:
             rank = min(errors)
             exc = errors[rank]
@@ -269,6 +275,17 @@ class RayEngine:
                                  + (" (the engine is broken: call shutdown())" if self._broken else "")
                                  + f"\n--- worker traceback ---\n{text}", worker_traceback=text) from cause
         return [results[rank] for rank in range(len(refs))]
+
+    def _pid(self, rank: int) -> Optional[int]:
+        workers = self._info.get("workers") or []
+        return workers[rank].get("pid") if rank < len(workers) else None
+
+    def _where(self, rank: int) -> str:
+        """``pid <pid> on <node ip>`` of a rank's worker, as it reported at start-up."""
+        workers = self._info.get("workers") or []
+        if rank >= len(workers):
+            return "not started"
+        return f"pid {workers[rank].get('pid')} on {workers[rank].get('ip')}"
 
     def _check_usable(self) -> None:
         if self._closed:
