@@ -147,17 +147,25 @@ def _scale_w4(g: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def _round_w4(g: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(torch.round(g / wscale.float().unsqueeze(-1)), INT4_MIN, INT4_MAX)
+    return (g / wscale.float().unsqueeze(-1)).round_().clamp_(INT4_MIN, INT4_MAX)  # in place: one temporary
+
+
+def _w4_error(g: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+    """Per group, the squared error of rounding ``g`` to int4 at ``wscale``: ``(_round_w4(g, s) * s - g)^2`` summed,
+    computed in one temporary of ``g``'s size (in place), so a candidate search holds two copies of the weight."""
+    s = wscale.float().unsqueeze(-1)
+    r = g / s
+    return r.round_().clamp_(INT4_MIN, INT4_MAX).mul_(s).sub_(g).square_().sum(-1)
 
 
 def _mse_scale_w4(g: torch.Tensor, candidates: int) -> torch.Tensor:
     """Per group, of the scales ``amax * (1 - CLIP_STEP * i) / 7`` (i < candidates), the one whose int4 rounding
     leaves the least squared error (ties: the larger scale)."""
     best = _scale_w4(g, 1.0)
-    best_err = (_round_w4(g, best) * best.float().unsqueeze(-1) - g).square().sum(-1)
+    best_err = _w4_error(g, best)
     for i in range(1, candidates):
         s = _scale_w4(g, 1.0 - CLIP_STEP * i)
-        err = (_round_w4(g, s) * s.float().unsqueeze(-1) - g).square().sum(-1)
+        err = _w4_error(g, s)
         better = err < best_err
         best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
     return best
@@ -188,7 +196,7 @@ def quantize_weight_w4(residual: torch.Tensor, mse_clip: int = 0) -> Tuple[torch
 def dequantize_weight_w4(packed: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
     """fp32 [N, K] value of a quantized weight: ``q_w * wscale`` per group."""
     q = _groups(unpack_int4(packed).float())
-    return (q * wscale.float().unsqueeze(-1)).reshape(packed.shape[0], packed.shape[1] * 2)
+    return q.mul_(wscale.float().unsqueeze(-1)).reshape(packed.shape[0], packed.shape[1] * 2)  # in place: one copy
 
 
 def group_int_dots(qx: torch.Tensor, qw: torch.Tensor, g: int) -> torch.Tensor:
