@@ -184,13 +184,32 @@ def quantize_weight_w4(residual: torch.Tensor, mse_clip: int = 0) -> Tuple[torch
     check_group_dim(k)
     packed = torch.empty(n, k // 2, dtype=torch.uint8, device=residual.device)
     wscale = torch.empty(n, k // GROUP_SIZE, dtype=torch.bfloat16, device=residual.device)
-    step = max(1, CHUNK_ELEMENTS // k)  # rows at a time: the temporaries stay a few MiB whatever the weight's size
+    step = _chunk_rows(n, k)
     for start in range(0, n, step):
         g = _groups(residual[start:start + step].float())
         ws = _mse_scale_w4(g, mse_clip) if mse_clip > 1 else _scale_w4(g, 1.0)
         packed[start:start + step] = pack_int4(_round_w4(g, ws).to(torch.int8).reshape(-1, k), check_range=False)
         wscale[start:start + step] = ws
     return packed, wscale
+
+
+def _chunk_rows(n: int, k: int) -> int:
+    """Rows of an [n, k] weight to quantize at a time: about CHUNK_ELEMENTS values, and at most a quarter of the
+    weight, so the temporaries stay a few MiB for a large weight and a fraction of a small one (each row is
+    quantized on its own: the chunking never changes a value)."""
+    return max(1, min(CHUNK_ELEMENTS // k, -(-n // 4)))
+
+
+def fake_quant_w4_(w: torch.Tensor, mse_clip: int = 0) -> torch.Tensor:
+    """``w`` (fp32 [N, K]) replaced in place by ``dequantize_weight_w4(*quantize_weight_w4(w, mse_clip))``, a chunk
+    of rows at a time (the same values): a refinement round holds no second full copy of the weight. Returns ``w``."""
+    if w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"fake_quant_w4_ takes an fp32 [N, K] weight, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    step = _chunk_rows(n, k)
+    for start in range(0, n, step):
+        w[start:start + step] = dequantize_weight_w4(*quantize_weight_w4(w[start:start + step], mse_clip))
+    return w
 
 
 def dequantize_weight_w4(packed: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
