@@ -381,7 +381,7 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def _wait_pids_gone(pids, wait_s: float = 15.0):
+def _wait_pids_gone(pids, wait_s: float = 30.0):
     deadline = time.monotonic() + wait_s
     while any(map(_pid_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.2)
