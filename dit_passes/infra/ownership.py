@@ -6,7 +6,9 @@ keeps a shard, quantization a packed table) does so through the :class:`WeightLe
 attribute and record what replaced it. After the passes, the compiled module calls :meth:`release_in` on
 the user's model: every module slot that still holds a replaced tensor is re-pointed at its replacement
 when shape and dtype match (graph and model then share one tensor), else at a meta tensor of the old
-shape and dtype. Nothing keeps the old tensor, and ``model.parameters()`` says what is resident.
+shape and dtype. Nothing keeps the old tensor, and ``model.parameters()`` says what is resident. A pass that
+makes one replacement at a time (quantization) releases each as soon as it exists (:meth:`release_now`, while the
+compiled module lends the ledger the user's model), so preparing never holds the whole model and the whole result.
 
 Lowering again (another input signature, ``set_passes``) captures the model with *stand-ins* in the
 released slots (:meth:`stand_ins`: one element broadcast to the full shape, so capture sees the shape and
