@@ -281,7 +281,8 @@ def prepare_in_memory_row(rank: int, world: int, name: str, size: str, device: s
         del model
         gc.collect()
         torch.cuda.synchronize()
-        res.update(peak_bytes=torch.cuda.max_memory_allocated() - base, final_bytes=torch.cuda.memory_allocated() - base,
+        res.update(peak_bytes=torch.cuda.max_memory_allocated() - base,
+                   final_bytes=torch.cuda.memory_allocated() - base,
                    measure="torch.cuda.max_memory_allocated / memory_allocated, less the allocation before the model")
     else:
         meter = LiveTensorBytes()

@@ -442,10 +442,11 @@ class CompiledDiT(torch.nn.Module):
             try:
                 manager.run(gm, ctx)
             except Exception as exc:
-                if ledger.released_now > released_before:
-                    exc.add_note(f"dit_passes: this lowering had already released {ledger.released_now - released_before}"
-                                 " weight(s) of the model (replaced as they were prepared, each held once): reload the "
-                                 "model before using it again, or compile with keep_original=True")
+                released = ledger.released_now - released_before
+                if released:
+                    exc.add_note(f"dit_passes: this lowering had already released {released} weight(s) of the model "
+                                 "(replaced as they were prepared, each held once): reload the model before using it "
+                                 "again, or compile with keep_original=True")
                 raise
             finally:
                 ledger.model = None
