@@ -1,6 +1,13 @@
-"""Peak memory while preparing a model built on the meta device from a checkpoint.
+"""Peak memory while preparing a model built on the meta device from a checkpoint, or quantizing one in memory.
 
     python bench/prep_peak_memory.py [--size full|tiny] [--rows svdq_w4_r32,fp8,tp2,bf16] [--checkpoint DIR]
+    python bench/prep_peak_memory.py --from memory [--size full|tiny] [--rows svdq_w4_r32,svdq_w4_r32_mw8,fp8,bf16]
+
+``--from memory`` (:func:`prepare_in_memory_row`): no checkpoint; the bf16 model is made on the device with random
+weights (one tensor at a time, no download) and ``compile_dit(model, passes=[...], example_inputs=...)`` quantizes it
+in place, the caller's reference dropped; peak and final are counted from before the model existed, and the bound
+is ``max(model, final) + one bf16 block`` (each original weight released as its replacement is made).
+``svdq_w4_r32_mw8``: ``svdq_w4_r32`` with the modulation linears in weight-only int8 (``modulation="w8a16"``).
 
 The FLUX.1-dev transformer (``dit_passes.models.flux_plain.FluxDiT``: diffusers' parameter names, no diffusers
 needed; ``--size tiny``: a small FLUX on the CPU) is built on the meta device, and a random bf16 checkpoint of it is
@@ -47,6 +54,7 @@ TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers
                    num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True,
                    axes_dims_rope=(8, 12, 12))  # hidden 64: every block linear's K a multiple of int4's group
 ROWS = ("svdq_w4_r32", "fp8", "tp2", "bf16")
+MEMORY_ROWS = ("svdq_w4_r32", "svdq_w4_r32_mw8", "fp8", "bf16")  # --from memory: one process, no tensor parallelism
 WORLD = {"tp2": 2}
 TOKENS = dict(img=64, txt=16)  # the example call lowering captures with (no step runs)
 MANIFEST = "prep_peak_checkpoint.json"
@@ -64,7 +72,9 @@ def config_for(size: str) -> Dict[str, Any]:
 
 def row_passes(name: str, world: int) -> list:
     from dit_passes.passes import Fp8Linear, SVDQuantW4A4, TensorParallel
-    return {"svdq_w4_r32": lambda: [SVDQuantW4A4(rank=32, dynamic=True)], "fp8": lambda: [Fp8Linear(exclude=())],
+    return {"svdq_w4_r32": lambda: [SVDQuantW4A4(rank=32, dynamic=True)],
+            "svdq_w4_r32_mw8": lambda: [SVDQuantW4A4(rank=32, dynamic=True, modulation="w8a16")],
+            "fp8": lambda: [Fp8Linear(exclude=())],
             "tp2": lambda: [TensorParallel(world)], "bf16": lambda: []}[name]()
 
 
@@ -230,13 +240,78 @@ def prepare_row(rank: int, world: int, name: str, size: str, checkpoint: str, de
     return res
 
 
+def build_in_memory(config: Dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """FluxDiT with ``config`` in bf16 on ``device``, random weights (``randn * 0.02``, seeded), made one tensor at a
+    time: built on the meta device, then each parameter allocated and filled in place (never an fp32 copy)."""
+    model = build_meta(config).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.is_floating_point():
+                t.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def prepare_in_memory_row(rank: int, world: int, name: str, size: str, device: str) -> Dict[str, Any]:
+    """One ``--from memory`` row: a bf16 model already on ``device`` (random weights), lowered with the row's passes
+    (``compile_dit(model, passes=[...], example_inputs=<one small call>)``), the caller's reference dropped inside the
+    measured span. ``peak_bytes`` / ``final_bytes`` count from before the model existed (the model's own bytes
+    included); the bound is ``max(model, final) + one bf16 block``: replacing the model block by block."""
+    import gc
+
+    from dit_passes import compile_dit
+    from dit_passes.bench import flux_inputs
+
+    dev = torch.device(device)
+    config = config_for(size)
+    kw = flux_inputs(config, TOKENS["img"], TOKENS["txt"], dev, torch.bfloat16)
+    res: Dict[str, Any] = {"row": name, "rank": rank, "world": world}
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+    model = build_in_memory(config, dev)
+    res.update(largest_block_bytes(model))
+    res["model_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    t0 = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        compiled = compile_dit(model, passes=row_passes(name, world), example_inputs=kw)
+        del model
+        gc.collect()
+        torch.cuda.synchronize()
+        res.update(peak_bytes=torch.cuda.max_memory_allocated() - base,
+                   final_bytes=torch.cuda.memory_allocated() - base,
+                   measure="torch.cuda.max_memory_allocated / memory_allocated, less the allocation before the model")
+    else:
+        meter = LiveTensorBytes()
+        for t in model.state_dict().values():  # the model's own storages, there before lowering starts
+            meter.track(t)
+        with meter:
+            compiled = compile_dit(model, passes=row_passes(name, world), example_inputs=kw)
+            del model
+            gc.collect()
+        res.update(peak_bytes=meter.peak, final_bytes=meter.live,
+                   measure="LiveTensorBytes: the model's storages and those created while preparing, live")
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    report = compiled.memory_report()
+    res.update(report_bytes=report.total, by_kind=report.by_kind, released_bytes=report.released_bytes,
+               released=len(compiled.released), bytes_read=0)
+    res["bound_bytes"] = max(res["model_bytes"], res["final_bytes"]) + res["block_bytes"]
+    res["within_bound"] = res["peak_bytes"] <= res["bound_bytes"]
+    return res
+
+
 def run_rows(rows: List[str], size: str, checkpoint: str, device: str, budget_s: float,
-             log_fn: Callable[..., None] = log) -> Dict[str, Any]:
-    """Each row in fresh processes (``tp2``: two gloo ranks); a row failing or not started in ``budget_s`` is noted."""
+             log_fn: Callable[..., None] = log, source: str = "checkpoint") -> Dict[str, Any]:
+    """Each row in fresh processes (``tp2``: two gloo ranks); a row failing or not started in ``budget_s`` is noted.
+    ``source="memory"``: :func:`prepare_in_memory_row` (no checkpoint)."""
     from dit_passes.testing.multiproc import run_ranks
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from prep_peak_memory import prepare_row as by_module  # importable by the rank processes (not __main__'s)
+    import prep_peak_memory as mod  # importable by the rank processes (not __main__'s)
+    by_module = mod.prepare_in_memory_row if source == "memory" else mod.prepare_row
 
     t0, out, errors, skipped = time.perf_counter(), {}, {}, []
     for name in rows:
@@ -244,8 +319,8 @@ def run_rows(rows: List[str], size: str, checkpoint: str, device: str, budget_s:
             skipped.append(name)
             continue
         try:
-            out[name] = run_ranks(by_module, WORLD.get(name, 1), name, size, checkpoint, device, timeout=900,
-                                  fresh=True)
+            args = (name, size, device) if source == "memory" else (name, size, checkpoint, device)
+            out[name] = run_ranks(by_module, WORLD.get(name, 1), *args, timeout=900, fresh=True)
         except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
             errors[name] = f"{type(e).__name__}: {str(e)[-1500:]}"
         log_fn(name, out.get(name) or errors[name])
@@ -255,14 +330,24 @@ def run_rows(rows: List[str], size: str, checkpoint: str, device: str, budget_s:
 def markdown(r: Dict[str, Any]) -> str:
     unit, uname = (GIB, "GiB") if r["size"] == "full" else (2 ** 20, "MiB")
     ck = r["checkpoint"]
-    how = "written" if ck["written"] else "already there, written earlier"
-    lines = [f"# Peak memory while preparing FLUX from a checkpoint ({r['size']}, {r['device']})", "",
-             f"Command: `{r['command']}`", "",
-             f"Model: {r['model']}. Checkpoint: {ck['bytes'] / unit:.3f} {uname} bf16 in {ck['files']} safetensors "
-             f"files, {how} in {ck['seconds']} s ({ck['generate_seconds']} s making the random values; "
-             f"{ck['write_gb_per_s']} GB/s writing). Measure: {r['measure']}.", "",
-             f"Bound: peak <= final + one bf16 block (the largest, `{r['block']}`: "
-             f"{r['block_bytes'] / unit:.3f} {uname}). `memory_report`: `compiled.memory_report().total`.", "",
+    if ck is None:  # --from memory
+        lines = [f"# Peak memory while quantizing FLUX in memory ({r['size']}, {r['device']})", "",
+                 f"Command: `{r['command']}`", "",
+                 f"Model: {r['model']}; random bf16 weights made on the device, then `compile_dit(model, passes=[...], "
+                 f"example_inputs=...)`, the caller's reference dropped. Peak and final count from before the model "
+                 f"existed (the model's {r['model_bytes'] / unit:.3f} {uname} included). Measure: {r['measure']}.", "",
+                 f"Bound: peak <= max(model, final) + one bf16 block (the largest, `{r['block']}`: "
+                 f"{r['block_bytes'] / unit:.3f} {uname}). `memory_report`: `compiled.memory_report().total`.", ""]
+    else:
+        how = "written" if ck["written"] else "already there, written earlier"
+        lines = [f"# Peak memory while preparing FLUX from a checkpoint ({r['size']}, {r['device']})", "",
+                 f"Command: `{r['command']}`", "",
+                 f"Model: {r['model']}. Checkpoint: {ck['bytes'] / unit:.3f} {uname} bf16 in {ck['files']} "
+                 f"safetensors files, {how} in {ck['seconds']} s ({ck['generate_seconds']} s making the random "
+                 f"values; {ck['write_gb_per_s']} GB/s writing). Measure: {r['measure']}.", "",
+                 f"Bound: peak <= final + one bf16 block (the largest, `{r['block']}`: "
+                 f"{r['block_bytes'] / unit:.3f} {uname}). `memory_report`: `compiled.memory_report().total`.", ""]
+    lines += [
              f"| row | rank | peak {uname} | final {uname} | memory_report {uname} | peak - final {uname} | "
              f"bound {uname} | within | read {uname} | lowering s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, ranks in r["rows"].items():
@@ -282,35 +367,46 @@ def markdown(r: Dict[str, Any]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=("full", "tiny"), default="full")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"of {ROWS}")
+    ap.add_argument("--from", dest="source", choices=("checkpoint", "memory"), default="checkpoint",
+                    help="checkpoint: a meta model lowered from a random checkpoint; memory: a bf16 model with random "
+                         "weights already on the device, quantized in place (rows of %s)" % (MEMORY_ROWS,))
+    ap.add_argument("--rows", default=None, help=f"of {ROWS} (--from memory: of {MEMORY_ROWS}); default: all")
     ap.add_argument("--checkpoint", default=None, help="directory of the random checkpoint (default: under /tmp)")
     ap.add_argument("--device", default=None, help="default: cuda for full, cpu for tiny")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no row after this many seconds (default: 150 for full, none for tiny)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "prep_peak_memory"), help="path without .json / .md")
+    ap.add_argument("--out", default=None, help="path without .json / .md (default bench/results/prep_peak_memory, "
+                                                "--from memory: bench/results/prep_peak_memory_in_memory)")
     args = ap.parse_args(argv)
-    rows = [x for x in args.rows.split(",") if x]
-    if set(rows) - set(ROWS):
-        ap.error(f"unknown rows {sorted(set(rows) - set(ROWS))}; known: {ROWS}")
+    if args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "prep_peak_memory"
+                                + ("_in_memory" if args.source == "memory" else ""))
+    known = MEMORY_ROWS if args.source == "memory" else ROWS
+    rows = [x for x in (args.rows or ",".join(known)).split(",") if x]
+    if set(rows) - set(known):
+        ap.error(f"unknown rows {sorted(set(rows) - set(known))} for --from {args.source}; known: {known}")
     device = args.device or ("cuda" if args.size == "full" else "cpu")
     checkpoint = args.checkpoint or f"/tmp/dit_passes_prep_peak_{args.size}"
     t0 = time.perf_counter()
     config = config_for(args.size)
-    ckpt = write_checkpoint(config, checkpoint, torch.device(device))
-    log("checkpoint", ckpt)
+    ckpt = None
+    if args.source == "checkpoint":
+        ckpt = write_checkpoint(config, checkpoint, torch.device(device))
+        log("checkpoint", ckpt)
     model = build_meta(config)
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     r: Dict[str, Any] = {
         "command": " ".join(["python", "bench/prep_peak_memory.py"] + (argv if argv is not None else sys.argv[1:])),
         "size": args.size, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "python": platform.python_version(), "config": config,
         "model": f"FluxDiT ({config['num_layers']} + {config['num_single_layers']} blocks, hidden "
-                 f"{config['attention_head_dim'] * config['num_attention_heads']}), bf16, built on the meta device",
-        "checkpoint": ckpt, **largest_block_bytes(model),
+                 f"{config['attention_head_dim'] * config['num_attention_heads']}), bf16, "
+                 + ("built on the meta device" if ckpt else "in memory"),
+        "checkpoint": ckpt, "source": args.source, "model_bytes": model_bytes, **largest_block_bytes(model),
         "measure": ("torch.cuda.max_memory_allocated (reset before) / memory_allocated after, less the allocation "
                     "before" if device.startswith("cuda") else "LiveTensorBytes (module docstring)")}
     budget = args.budget_s if args.budget_s is not None else (150.0 if args.size == "full" else float("inf"))
-    r.update(run_rows(rows, args.size, checkpoint, device, budget))
+    r.update(run_rows(rows, args.size, checkpoint, device, budget, source=args.source))
     r["total_s"] = time.perf_counter() - t0
     r["all_within_bound"] = all(x["within_bound"] for ranks in r["rows"].values() for x in ranks)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

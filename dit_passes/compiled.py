@@ -463,7 +463,21 @@ class CompiledDiT(torch.nn.Module):
             manager = PassManager(passes, dump_dir=dump)
             facts_of(gm).structure_summary = get_structure(gm).summary()  # also: not-a-DiT fails here
             ctx = PassContext(example_inputs=kwargs, runtime=self.runtime, graph_id=graph_id)
-            manager.run(gm, ctx)
+            # a pass may release each weight it replaced at once (ledger.release_now: quantization, one linear at
+            # a time), so lowering a model in memory never holds the whole model and the whole result
+            ledger.model = None if self.keep_original else self.original
+            released_before = ledger.released_now
+            try:
+                manager.run(gm, ctx)
+            except Exception as exc:
+                released = ledger.released_now - released_before
+                if released:
+                    exc.add_note(f"dit_passes: this lowering had already released {released} weight(s) of the model "
+                                 "(replaced as they were prepared, each held once): reload the model before using it "
+                                 "again, or compile with keep_original=True")
+                raise
+            finally:
+                ledger.model = None
             ledger.check_graph(gm, ", ".join(p.name for p in passes))
         if not self.keep_original:
             ledger.release_in(self.original)  # what the passes replaced leaves the user's module

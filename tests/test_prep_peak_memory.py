@@ -45,3 +45,16 @@ def test_svdquant_from_checkpoint_peak_within_final_plus_one_block(tmp_path):
     assert r["peak_bytes"] <= r["final_bytes"] + r["block_bytes"], r
     # what stays is what the report counts, plus the fingerprints of the released weights (8 KiB each, at most)
     assert r["report_bytes"] <= r["final_bytes"] <= r["report_bytes"] + 8192 * r["released"], r
+
+
+def test_quantizing_in_memory_replaces_the_model_block_by_block():
+    """A bf16 model already in memory, quantized by ``compile_dit(model, passes=[Fp8Linear()])`` (and an SVDQuant
+    form), the caller's reference dropped: each original weight leaves the graph and the model as soon as its
+    quantized table exists, so the peak stays within one bf16 block of the larger of the model and the result
+    (before, every original stayed until the last table was made: 1.6-1.7x the model here). The meter counts the
+    model's own storages and every storage made while lowering, until each is freed (``LiveTensorBytes``)."""
+    for row in ("fp8", "svdq_w4_r32_mw8"):
+        r = prep.prepare_in_memory_row(0, 1, row, "tiny", "cpu")
+        assert r["released"] > 0 and r["final_bytes"] < r["model_bytes"], r
+        assert r["peak_bytes"] <= r["bound_bytes"] == max(r["model_bytes"], r["final_bytes"]) + r["block_bytes"], r
+        assert r["report_bytes"] <= r["final_bytes"] <= r["report_bytes"] + 8192 * r["released"], r

@@ -322,12 +322,18 @@ def test_frontend_ray_transfer_fn_extra_modules_components_and_ptq(cluster, tmp_
 
 # ------------------------------------------- the pipeline wrapper: one engine, last (it holds the cluster's CPUs)
 @pytest.fixture(scope="module")
-def pipeline_engine(cluster):
+def launched_pipeline():
+    """The pipeline object ``pipeline_engine`` was launched from (the fault test launches it again)."""
+    return tiny_pipeline()
+
+
+@pytest.fixture(scope="module")
+def pipeline_engine(cluster, launched_pipeline):
     """One pipeline-level engine (object store, launched with passes=[]) for the pipeline-wrapper tests below.
     A launch costs ~15 s of CPU, most of it the two fresh worker processes importing torch and diffusers; each
     test sets the passes it checks (``set_passes``: lowered again at the next call, in the same workers) and the
     last one kills a worker (the engine is broken then; shutting it down again is a no-op)."""
-    engine = RayLauncher(world_size=2, timeout_s=60).launch(tiny_pipeline(), passes=[])
+    engine = RayLauncher(world_size=2, timeout_s=60).launch(launched_pipeline, passes=[])
     yield engine
     engine.shutdown()
 
@@ -366,24 +372,88 @@ def test_pipeline_wrapper_context_parallel(pipeline_engine, reference_latents, k
     assert torch.allclose(got, reference_latents, atol=1e-5, rtol=0), (got - reference_latents).abs().max()
 
 
-def test_worker_killed_mid_call_raises_without_hang(pipeline_engine):
+def _pid_alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed child its parent has not reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_pids_gone(pids, wait_s: float = 30.0):
+    deadline = time.monotonic() + wait_s
+    while any(map(_pid_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pid for pid in pids if _pid_alive(pid)]
+
+
+def test_worker_sigkilled_mid_generation_names_it_and_a_new_launch_works(pipeline_engine, launched_pipeline,
+                                                                        reference_latents, tmp_path):
+    """A worker SIGKILLed by its pid while a generation is in flight (rank 1 waits in its step-0 callback, rank 0
+    in Ulysses' all-to-all of the next step): the driver raises RayWorkerDiedError naming rank 1 and its pid within
+    60 s, no worker process of the engine is left after shutdown(), and a new launch of the same pipeline object
+    equals the single process. That engine then sees a worker that exits by itself (os._exit in a step callback)."""
+    import signal
+    import threading
+    marker = str(tmp_path / "rank1_in_step")
+
+    def wait_on_rank1(pipe, step, timestep, callback_kwargs):  # a closure: cloudpickled by value
+        import torch.distributed as dist
+        if step == 0 and dist.get_rank() == 1:
+            open(marker, "w").close()
+            time.sleep(120)  # killed here
+        return callback_kwargs
+
+    engine = pipeline_engine
+    _use(engine, "ulysses" if HAVE_CP else "none")
+    pids = [w["pid"] for w in engine.workers]
+
+    def kill_rank1_once_in_flight():
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pids[1], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank1_once_in_flight, daemon=True)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(RayWorkerDiedError) as info:
+        engine(**call_kwargs(steps=3), callback_on_step_end=wait_on_rank1)
+    raised_after = time.monotonic() - t0
+    killer.join(5)
+    assert os.path.exists(marker)  # the kill landed mid-generation
+    assert raised_after < 60, raised_after
+    assert info.value.rank == 1 and info.value.pid == pids[1]
+    assert f"rank 1 of 2 (pid {pids[1]} on " in str(info.value) and "broken" in str(info.value), str(info.value)
+    assert _wait_pids_gone(pids[1:]) == [], "the killed worker is still there"
+    with pytest.raises(RayLauncherError, match="broken"):
+        engine(**call_kwargs())
+    engine.shutdown()
+    assert _wait_pids_gone(pids) == [], f"worker processes left after shutdown: {pids}"
+    assert "shut down" in repr(engine)
+    with pytest.raises(RayLauncherError, match="shut down"):
+        engine(**call_kwargs())
+
     def die_on_rank1(pipe, step, timestep, callback_kwargs):
         import torch.distributed as dist
         if step == 0 and dist.get_rank() == 1:
             os._exit(3)
         return callback_kwargs
 
-    engine = pipeline_engine
-    _use(engine, "ulysses" if HAVE_CP else "none")  # with Ulysses rank 0 then waits in an all-to-all
-    t0 = time.monotonic()
-    with pytest.raises(RayWorkerError, match="rank 1 of 2 died|rank 0 of 2 raised") as info:
-        engine(**call_kwargs(steps=3), callback_on_step_end=die_on_rank1)
-    assert time.monotonic() - t0 < 45
-    assert isinstance(info.value, RayWorkerDiedError) or "Connection" in str(info.value)
-    with pytest.raises(RayLauncherError, match="broken"):
-        engine(**call_kwargs())
-    engine.shutdown()
-    assert "shut down" in repr(engine)
-    assert isinstance(engine, RayEngine)
-    with pytest.raises(RayLauncherError, match="shut down"):
-        engine(**call_kwargs())
+    again = RayLauncher(world_size=2, timeout_s=60).launch(launched_pipeline, passes=[])
+    try:
+        new_pids = [w["pid"] for w in again.workers]
+        assert not set(new_pids) & set(pids)
+        assert torch.allclose(again(**call_kwargs()).images, reference_latents, atol=1e-5, rtol=0)
+        _use(again, "ulysses" if HAVE_CP else "none")  # with Ulysses rank 0 then waits in an all-to-all
+        t0 = time.monotonic()
+        with pytest.raises(RayWorkerError, match="rank 1 of 2 .*died|rank 0 of 2 raised") as info:
+            again(**call_kwargs(steps=3), callback_on_step_end=die_on_rank1)
+        assert time.monotonic() - t0 < 45
+        assert isinstance(info.value, RayWorkerDiedError) or "Connection" in str(info.value)
+        with pytest.raises(RayLauncherError, match="broken"):
+            again(**call_kwargs())
+    finally:
+        again.shutdown()
+    assert _wait_pids_gone(new_pids) == [], f"worker processes left after shutdown: {new_pids}"

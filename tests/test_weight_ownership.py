@@ -6,6 +6,7 @@ through Python references from the module, once) and compared with ``CompiledDiT
 from __future__ import annotations
 
 import gc
+import re
 import warnings
 import weakref
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from dit_passes import QuantizeConfig, compile_dit, disable_cache, load, quantize
-from dit_passes.infra.pass_base import PassError
+from dit_passes.infra.pass_base import Pass, PassError
+from dit_passes.infra.phases import Phase
 from dit_passes.models import zoo
 from dit_passes.passes import Int8Linear, SVDQuantW4A4
 from dit_passes.testing import run_ranks
@@ -222,6 +224,31 @@ def test_int8_leaves_no_float_copy_and_report_counts_it(flux, tmp_path):
     # quantize-then-load), with the same tables
     with torch.no_grad():
         assert torch.equal(load(model, str(tmp_path))(**kw)[0], out)
+
+
+class _FailsAfterQuantizing(Pass):
+    """Stands in for a pass that fails after the quantization ran (analysis: the last phase)."""
+    name = "fails_after_quantizing"
+    phase = Phase.ANALYSIS
+
+    def run(self, gm, ctx):
+        raise PassError("fails_after_quantizing: the lowering fails here")
+
+
+def test_in_memory_quantization_released_early_says_so_when_the_lowering_fails(flux):
+    """Quantizing a model in memory releases each weight as its table is made (the peak stays one block over the
+    larger of model and result: tests/test_prep_peak_memory.py); a lowering that then fails cannot give them back,
+    and its error says how many it released and what to do."""
+    model = zoo.build("flux").model
+    q = model.transformer_blocks[0].attn.to_q
+    old = weakref.ref(q.weight)
+    c = compile_dit(model, passes=[Int8Linear(), _FailsAfterQuantizing()])
+    with pytest.raises(PassError, match="fails here") as info:
+        c.lower(**flux.make_inputs())
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert re.search(r"already released \d+ weight\(s\).*reload the model.*keep_original=True", note), note
+    gc.collect()
+    assert q.weight.is_meta and old() is None  # (keep_original=True releases nothing: the test below)
 
 
 def test_restore_refused_after_release_exact_with_keep_original(flux):

@@ -6,7 +6,9 @@ keeps a shard, quantization a packed table) does so through the :class:`WeightLe
 attribute and record what replaced it. After the passes, the compiled module calls :meth:`release_in` on
 the user's model: every module slot that still holds a replaced tensor is re-pointed at its replacement
 when shape and dtype match (graph and model then share one tensor), else at a meta tensor of the old
-shape and dtype. Nothing keeps the old tensor, and ``model.parameters()`` says what is resident.
+shape and dtype. Nothing keeps the old tensor, and ``model.parameters()`` says what is resident. A pass that
+makes one replacement at a time (quantization) releases each as soon as it exists (:meth:`release_now`, while the
+compiled module lends the ledger the user's model), so preparing never holds the whole model and the whole result.
 
 Lowering again (another input signature, ``set_passes``) captures the model with *stand-ins* in the
 released slots (:meth:`stand_ins`: one element broadcast to the full shape, so capture sees the shape and
@@ -110,6 +112,12 @@ class WeightLedger:
         # where weights on the meta device are read from (compile_dit(weights=...), infra/weight_source.py): a
         # pass replacing such a weight reads only what it keeps (tensor parallelism: its rank's slice)
         self.source: Any = None
+        # the user's model while the passes of a lowering run, when the compiled module releases what they replace
+        # (keep_original=False): a pass may then release a weight as soon as its replacement exists
+        # (release_now), so preparing never holds the whole model and the whole result at once
+        self.model: Optional[torch.nn.Module] = None
+        self._slot_index: Optional[Dict[int, List[Tuple[Dict[str, Any], str]]]] = None
+        self.released_now = 0  # weights release_now has released (a failing lowering names how many)
 
     # -- passes ---------------------------------------------------------------------------------
     def replace(self, gm: torch.nn.Module, target: str, new: torch.Tensor, *, by: Any, how: str,
@@ -147,6 +155,37 @@ class WeightLedger:
             return
         chain[link].replacement, chain[link].result = None, (tuple(old.shape), old.dtype)
         self.records[target] = chain[:link + 1] + [rec]
+
+    def release_now(self, gm: torch.nn.Module, target: str, replacement: Any, *, by: Any, how: str) -> bool:
+        """Replace ``gm``'s weight ``target`` by a stand-in of its shape now, record ``replacement`` as what holds
+        its values, and re-point the user's model's slots holding it as :meth:`release_in` does (a meta tensor
+        that says what replaced it): nothing of ours keeps the old tensor from here on. For a pass that makes
+        one weight's replacement at a time and rewrites the graph only after the last (quantization): the
+        graph's node still reads ``target`` (the stand-in: shape and dtype, no values) until then, when the pass
+        drops it. Returns False (nothing done) when the compiled module keeps the original (``model`` unset) or
+        ``target`` is already a stand-in (lowering again); the weight is then released at the end as before."""
+        if self.model is None:
+            return False
+        owner, leaf = _owner(gm, target)
+        old = getattr(owner, leaf)
+        if not isinstance(old, torch.Tensor) or is_stand_in(old) or old.is_meta:
+            return False
+        self._record(target, old, by, how, None, replacement)
+        chain = self.records[target]
+        index = len(chain) - 1
+        store = owner._parameters if leaf in owner._parameters else owner._buffers
+        store[leaf] = stand_in(old.shape, old.dtype, old.device, (target, index), leaf in owner._parameters)
+        if index == 0:  # the model's own tensor (a later link replaced a pass's tensor, which the model never held)
+            if self._slot_index is None:
+                self._slot_index = {}
+                for _, _, slots, name in _slots(self.model):
+                    self._slot_index.setdefault(id(slots[name]), []).append((slots, name))
+            for slots, name in self._slot_index.pop(id(old), []):
+                if slots[name] is old:
+                    slots[name] = _left_in_model(old, chain)
+            self._replaced.pop(target, None)
+        self.released_now += 1
+        return True
 
     def released(self, gm: torch.nn.Module, target: str) -> Optional[Released]:
         """The replacement recorded for ``target`` when ``gm`` holds a stand-in there (its weight was
@@ -199,23 +238,14 @@ class WeightLedger:
             if old is not None:
                 pending[id(old)] = (old, self.records[target])  # the chain: its last link holds the values
         self._replaced.clear()
+        self._slot_index = None
         changed = 0
         for _, _, store, name in list(_slots(model)):
             hit = pending.get(id(store[name]))
             if hit is None:
                 continue
             old, chain = hit
-            rec, new = chain[0], chain[-1].replacement
-            if not (isinstance(new, torch.Tensor) and new.shape == old.shape and new.dtype == old.dtype):
-                new = torch.empty(old.shape, dtype=old.dtype, device="meta")
-                if isinstance(old, torch.nn.Parameter):
-                    new = torch.nn.Parameter(new, requires_grad=False)
-                setattr(new, RELEASED, (rec.target, rec.note()))
-                if not old.is_meta:  # a shape-only (meta) lowering has no values to sample
-                    setattr(new, SAMPLE, weight_sample(old))
-            elif isinstance(old, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
-                new = torch.nn.Parameter(new, requires_grad=False)
-            store[name] = new
+            store[name] = _left_in_model(old, chain)
             changed += 1
         return changed
 
@@ -267,6 +297,23 @@ class WeightLedger:
                         raise PassError(f"{name} was released when it was {index} by another compiled module; "
                                         f"{why}. {_GONE}")
                     raise PassError(refusal(self.records[name][index], why))
+
+
+def _left_in_model(old: torch.Tensor, chain: List[Released]) -> torch.Tensor:
+    """What a model slot that held ``old`` holds once ``chain`` replaced it: the replacement itself when it has
+    ``old``'s shape and dtype (graph and model share it), else a meta tensor marked with what replaced it and
+    a sample of ``old``'s values (a checkpoint loaded into the model is still checked)."""
+    rec, new = chain[0], chain[-1].replacement
+    if not (isinstance(new, torch.Tensor) and new.shape == old.shape and new.dtype == old.dtype):
+        new = torch.empty(old.shape, dtype=old.dtype, device="meta")
+        if isinstance(old, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=False)
+        setattr(new, RELEASED, (rec.target, rec.note()))
+        if not old.is_meta:  # a shape-only (meta) lowering has no values to sample
+            setattr(new, SAMPLE, weight_sample(old))
+    elif isinstance(old, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
+        new = torch.nn.Parameter(new, requires_grad=False)
+    return new
 
 
 # what to do about a weight whose values a pass released (another module's: only its note is known)

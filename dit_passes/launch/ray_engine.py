@@ -13,7 +13,9 @@ else CPU workers; ``worker_options`` go to the actors' ``.options(...)`` over th
 worker. No class is replaced: the engine and the proxy are new objects.
 
 Failures: every driver wait is bounded (``timeout_s``). A worker that raises -> :class:`RayWorkerError`
-with its rank and traceback; one that dies -> :class:`RayWorkerDiedError`; no answer in time ->
+with its rank and traceback; one that dies -> :class:`RayWorkerDiedError`, naming its rank, pid and node (a
+worker on the driver's node whose process is gone is seen within about a second, also while its peers wait for
+it in a collective; elsewhere when Ray reports the actor dead); no answer in time ->
 :class:`RayWorkerTimeoutError`. After a death or a timeout (ranks may be stuck in a collective) the
 engine is *broken*: later calls raise at once; ``shutdown()`` always works (it kills the actors).
 """
@@ -42,6 +44,9 @@ __all__ = ["RayEngine", "RayLauncherError", "RayWorkerError", "RayWorkerDiedErro
 # After one rank fails, how long to wait for the others to report (seconds): if all raised the same
 # Python error the group is still in step and the engine stays usable.
 _PEER_GRACE_S = 5.0
+# How often a wait looks for workers of this node whose process is gone (seconds): Ray reports a killed worker
+# only once its raylet and GCS have noticed, which on a loaded machine can take longer than the peers' grace.
+_POLL_S = 1.0
 
 
 class RayLauncherError(RuntimeError):
@@ -58,7 +63,12 @@ class RayWorkerError(RuntimeError):
 
 
 class RayWorkerDiedError(RayWorkerError):
-    """A worker process died (crash, ``os._exit``, OOM kill) during a call."""
+    """A worker process died (crash, ``os._exit``, a kill signal, OOM kill) during a call; ``pid`` is its process
+    id (None when it died before reporting one)."""
+
+    def __init__(self, rank: int, message: str, worker_traceback: str = "", pid: Optional[int] = None):
+        self.pid = pid
+        super().__init__(rank, message, worker_traceback)
 
 
 class RayWorkerTimeoutError(TimeoutError):
@@ -100,6 +110,7 @@ class RayEngine:
         self._module_proxies: Dict[int, RayModuleProxy] = {}
         self._extra: tuple = (0, None)  # (how many extra modules, extra_fn)
         self._info: Dict[str, Any] = {}
+        self._node_ip: Optional[str] = None  # the driver's node, whose worker processes a wait can see
         self.startup: Dict[str, float] = {}
         self.transfer_report: Dict[str, Any] = {}
         self.backend: Optional[str] = None
@@ -232,8 +243,18 @@ class RayEngine:
         errors: Dict[int, BaseException] = {}
         deadline = time.monotonic() + self.timeout_s
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, min(left, _POLL_S)))
             if not ready:
+                gone = self._gone_ranks(sorted(pending.values()))
+                if gone:  # killed while the others wait for it (e.g. in a collective): name it, not a peer's error
+                    rank = gone[0]
+                    self._broken = f"{what}: rank {rank} ({self._where(rank)}) died"
+                    raise RayWorkerDiedError(rank, f"{what}: worker rank {rank} of {self.world_size} "
+                                             f"({self._where(rank)}) died (its process is gone); the engine is "
+                                             "broken: call shutdown() and launch again", pid=self._pid(rank))
+                if left > _POLL_S:
+                    continue
                 if errors:
                     break  # a rank raised and its peers are stuck waiting for it
                 self._broken = f"{what}: ranks {sorted(pending.values())} timed out"
@@ -246,10 +267,11 @@ class RayEngine:
                     errors[rank] = exc
                     deadline = min(deadline, time.monotonic() + _PEER_GRACE_S)
                 except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
-                    self._broken = f"{what}: rank {rank} died"
-                    raise RayWorkerDiedError(rank, f"{what}: worker rank {rank} of {self.world_size} died "
-                                             f"({type(exc).__name__}: {_first_line(exc)}); the engine is broken: "
-                                             "call shutdown() and launch again") from exc
+                    self._broken = f"{what}: rank {rank} ({self._where(rank)}) died"
+                    raise RayWorkerDiedError(rank, f"{what}: worker rank {rank} of {self.world_size} "
+                                             f"({self._where(rank)}) died ({type(exc).__name__}: {_first_line(exc)}); "
+                                             "the engine is broken: call shutdown() and launch again",
+                                             pid=self._pid(rank)) from exc
         if errors:
             rank = min(errors)
             exc = errors[rank]
@@ -262,6 +284,28 @@ class RayEngine:
                                  + (" (the engine is broken: call shutdown())" if self._broken else "")
                                  + f"\n--- worker traceback ---\n{text}", worker_traceback=text) from cause
         return [results[rank] for rank in range(len(refs))]
+
+    def _gone_ranks(self, ranks: List[int]) -> List[int]:
+        """Of ``ranks``, those whose worker ran on this node and whose process no longer runs (absent, or a zombie
+        its raylet has not reaped yet). Workers on other nodes are left to Ray's own report."""
+        workers = self._info.get("workers") or []
+        if not workers:
+            return []
+        if self._node_ip is None:
+            self._node_ip = _ray().util.get_node_ip_address()
+        return [r for r in ranks if r < len(workers) and workers[r].get("ip") == self._node_ip
+                and workers[r].get("pid") and not _process_runs(workers[r]["pid"])]
+
+    def _pid(self, rank: int) -> Optional[int]:
+        workers = self._info.get("workers") or []
+        return workers[rank].get("pid") if rank < len(workers) else None
+
+    def _where(self, rank: int) -> str:
+        """``pid <pid> on <node ip>`` of a rank's worker, as it reported at start-up."""
+        workers = self._info.get("workers") or []
+        if rank >= len(workers):
+            return "not started"
+        return f"pid {workers[rank].get('pid')} on {workers[rank].get('ip')}"
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -401,6 +445,18 @@ def _bundle(options: Dict[str, Any]) -> Dict[str, float]:
 
 def _cpu_gpu(resources: Dict[str, float]) -> Dict[str, float]:
     return {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether process ``pid`` of this node exists and is not a zombie (Linux /proc; elsewhere: assumed running,
+    so only Ray's report names a dead worker)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")  # no /proc at all: cannot tell
+    except (OSError, IndexError):
+        return True
 
 
 def _first_line(exc: BaseException) -> str:

@@ -104,7 +104,7 @@ from ..quant.w8a16 import prepare_w8a16
 
 from ..patterns.quant_linear import QUANT_KINDS
 from .quantize_fused import fused_members, fused_note, low_rank_of
-from .quantize_graph import apply_by_kind, released_tables
+from .quantize_graph import apply_by_kind, releasable_weights, released_tables
 from .quantize_select import (DEFAULT_EXCLUDE, ROLE_NAMES, SKIP_REASONS, check_patterns,  # noqa: F401
                               inside_classes, select_linears)
 
@@ -298,7 +298,15 @@ class _QuantizeLinears(Pass):
                                                    notes)
         else:
             signature = quant_signature(gm, paths, graph_block_lists(structure), self._fused)
-            tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes)
+            releasable = releasable_weights(gm, sites) if ledger.model is not None else {}
+
+            def release(path: str, table: Dict[str, torch.Tensor]) -> None:
+                # the table exists: the original weight leaves the graph and the user's model now, not after the
+                # last linear, so preparing holds the model and the result only one linear's worth at a time
+                if path in releasable and ledger.release_now(gm, releasable[path], table, by=self,
+                                                             how=f"quantized ({kinds[path]})"):
+                    weights[path] = tensor_at(gm, releasable[path])  # its stand-in: shape and dtype, no values
+            tables, how = self._tables(ctx, paths, kinds, weights, biases, signature, notes, release)
         kinds = self.stored_form(tables, kinds)
         counts = apply_by_kind(gm, sites, kinds, tables, ledger, self, self.forms)
         counts["considered"] = len(structure.linears)
@@ -381,7 +389,9 @@ class _QuantizeLinears(Pass):
         self._state(ctx)[key] = self._state(ctx)[(key, w0.device, w0.dtype)] = tables
         return tables, "read from the checkpoint one linear at a time, no calibration"
 
-    def _tables(self, ctx, paths, kinds, weights, biases, signature, notes):
+    def _tables(self, ctx, paths, kinds, weights, biases, signature, notes, release=None):
+        """The tables of ``paths`` (reused from an earlier lowering when the weights match, else calibrated and
+        prepared); ``release(path, table)`` is called as each table is made (see ``run``)."""
         state = self._state(ctx)
         key = (self.describe(), signature["weights_sha256"], tuple(paths))
         w0 = weights[paths[0]]
@@ -391,6 +401,7 @@ class _QuantizeLinears(Pass):
         if key in state:  # prepared before, with the model on another device / in another dtype
             state[placed] = place_tables(state[key], w0)
             return state[placed], "prepared weights reused, moved"
+        del w0  # a name holding the first weight would keep it past its release
         if state.get("calibrating"):
             raise PassError(f"{self.name}: calibrate_fn called the CompiledDiT that is being lowered. Calibrate "
                             "with the original transformer in the pipeline, or lower first: "
@@ -415,6 +426,8 @@ class _QuantizeLinears(Pass):
         for p in paths:
             absmax = None if stats is None else stats.get(p)
             tables[p] = self.prepare(p, weights[p], biases[p], absmax, kinds[p])
+            if release is not None:
+                release(p, tables[p])
         self._save(tables, kinds, signature, notes)
         state[key] = state[placed] = tables
         return tables, "calibrated" if stats is not None else "no calibration"

@@ -14,7 +14,7 @@ from ..patterns.quant_linear import replace_linears
 from ..quant.forms import QuantForms
 from ..quant.signature import tensor_at
 
-__all__ = ["apply_by_kind", "apply_quantized", "released_tables"]
+__all__ = ["apply_by_kind", "apply_quantized", "releasable_weights", "released_tables"]
 
 
 def apply_quantized(gm: fx.GraphModule, sites: Sequence[Any], tables: Dict[str, Dict[str, torch.Tensor]],
@@ -74,6 +74,27 @@ def apply_by_kind(gm: fx.GraphModule, sites: Sequence[Any], kinds: Dict[str, str
             total[k] = total.get(k, 0) + v
         total[f"kind_{kind}"] = counts["replaced"]
     return total
+
+
+def releasable_weights(gm: fx.GraphModule, sites: Sequence[Any]) -> Dict[str, str]:
+    """``{module path: weight target}`` of the selected linears whose weight the graph reads only as those linears'
+    weight, and no other selected module shares: once its table exists the rewritten graph will not read it, so
+    the ledger may release it at once (``WeightLedger.release_now``). The others (a weight also read elsewhere, a
+    tied weight) stay until the graph is rewritten."""
+    readers: Dict[str, set] = {}
+    for site in sites:
+        readers.setdefault(site.weight, set()).add(site.node)
+    paths_of: Dict[str, set] = {}
+    for site in sites:
+        paths_of.setdefault(site.weight, set()).add(site.module_path)
+    out = {}
+    for target, nodes in readers.items():
+        if len(paths_of[target]) != 1:
+            continue
+        gets = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == target]
+        if gets and all(user in nodes for n in gets for user in n.users):
+            out[next(iter(paths_of[target]))] = target
+    return out
 
 
 def released_tables(ledger: WeightLedger, gm: fx.GraphModule, paths: Sequence[str], owner: Pass

@@ -41,11 +41,12 @@ def quantize_fp8(t: torch.Tensor, granularity: str) -> Tuple[torch.Tensor, torch
     tf = t.float()
     if granularity == "per_row":
         scale = _nonzero(true_div(tf.abs().amax(dim=1), FP8_MAX))
-        q = (tf / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        q = tf / scale.unsqueeze(1)
     else:
         scale = _nonzero(true_div(tf.abs().amax(), FP8_MAX))
-        q = (tf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+        q = tf / scale
+    # clamped in place: preparing holds two fp32 copies of the weight at most, not three
+    return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def quantize_fp8_act(t: torch.Tensor, granularity: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -73,11 +74,12 @@ def quantize_int8(t: torch.Tensor, granularity: str) -> Tuple[torch.Tensor, torc
     tf = t.float()
     if granularity == "per_row":
         scale = _nonzero(true_div(tf.abs().amax(dim=1), INT8_MAX))
-        q = torch.clamp(torch.round(tf / scale.unsqueeze(1)), -INT8_MAX, INT8_MAX)
+        q = tf / scale.unsqueeze(1)
     else:
         scale = _nonzero(true_div(tf.abs().amax(), INT8_MAX))
-        q = torch.clamp(torch.round(tf / scale), -INT8_MAX, INT8_MAX)
-    return q.to(torch.int8), scale
+        q = tf / scale
+    # rounded and clamped in place: preparing holds two fp32 copies of the weight at most, not three
+    return q.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 @dataclass

@@ -147,17 +147,25 @@ def _scale_w4(g: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def _round_w4(g: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(torch.round(g / wscale.float().unsqueeze(-1)), INT4_MIN, INT4_MAX)
+    return (g / wscale.float().unsqueeze(-1)).round_().clamp_(INT4_MIN, INT4_MAX)  # in place: one temporary
+
+
+def _w4_error(g: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+    """Per group, the squared error of rounding ``g`` to int4 at ``wscale``: ``(_round_w4(g, s) * s - g)^2`` summed,
+    computed in one temporary of ``g``'s size (in place), so a candidate search holds two copies of the weight."""
+    s = wscale.float().unsqueeze(-1)
+    r = g / s
+    return r.round_().clamp_(INT4_MIN, INT4_MAX).mul_(s).sub_(g).square_().sum(-1)
 
 
 def _mse_scale_w4(g: torch.Tensor, candidates: int) -> torch.Tensor:
     """Per group, of the scales ``amax * (1 - CLIP_STEP * i) / 7`` (i < candidates), the one whose int4 rounding
     leaves the least squared error (ties: the larger scale)."""
     best = _scale_w4(g, 1.0)
-    best_err = (_round_w4(g, best) * best.float().unsqueeze(-1) - g).square().sum(-1)
+    best_err = _w4_error(g, best)
     for i in range(1, candidates):
         s = _scale_w4(g, 1.0 - CLIP_STEP * i)
-        err = (_round_w4(g, s) * s.float().unsqueeze(-1) - g).square().sum(-1)
+        err = _w4_error(g, s)
         better = err < best_err
         best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
     return best
@@ -176,7 +184,7 @@ def quantize_weight_w4(residual: torch.Tensor, mse_clip: int = 0) -> Tuple[torch
     check_group_dim(k)
     packed = torch.empty(n, k // 2, dtype=torch.uint8, device=residual.device)
     wscale = torch.empty(n, k // GROUP_SIZE, dtype=torch.bfloat16, device=residual.device)
-    step = max(1, CHUNK_ELEMENTS // k)  # rows at a time: the temporaries stay a few MiB whatever the weight's size
+    step = _chunk_rows(n, k)
     for start in range(0, n, step):
         g = _groups(residual[start:start + step].float())
         ws = _mse_scale_w4(g, mse_clip) if mse_clip > 1 else _scale_w4(g, 1.0)
@@ -185,10 +193,29 @@ def quantize_weight_w4(residual: torch.Tensor, mse_clip: int = 0) -> Tuple[torch
     return packed, wscale
 
 
+def _chunk_rows(n: int, k: int) -> int:
+    """Rows of an [n, k] weight to quantize at a time: about CHUNK_ELEMENTS values, and at most a quarter of the
+    weight, so the temporaries stay a few MiB for a large weight and a fraction of a small one (each row is
+    quantized on its own: the chunking never changes a value)."""
+    return max(1, min(CHUNK_ELEMENTS // k, -(-n // 4)))
+
+
+def fake_quant_w4_(w: torch.Tensor, mse_clip: int = 0) -> torch.Tensor:
+    """``w`` (fp32 [N, K]) replaced in place by ``dequantize_weight_w4(*quantize_weight_w4(w, mse_clip))``, a chunk
+    of rows at a time (the same values): a refinement round holds no second full copy of the weight. Returns ``w``."""
+    if w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"fake_quant_w4_ takes an fp32 [N, K] weight, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    step = _chunk_rows(n, k)
+    for start in range(0, n, step):
+        w[start:start + step] = dequantize_weight_w4(*quantize_weight_w4(w[start:start + step], mse_clip))
+    return w
+
+
 def dequantize_weight_w4(packed: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
     """fp32 [N, K] value of a quantized weight: ``q_w * wscale`` per group."""
     q = _groups(unpack_int4(packed).float())
-    return (q * wscale.float().unsqueeze(-1)).reshape(packed.shape[0], packed.shape[1] * 2)
+    return q.mul_(wscale.float().unsqueeze(-1)).reshape(packed.shape[0], packed.shape[1] * 2)  # in place: one copy
 
 
 def group_int_dots(qx: torch.Tensor, qw: torch.Tensor, g: int) -> torch.Tensor:

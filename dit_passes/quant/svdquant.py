@@ -24,7 +24,8 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .int4 import GROUP_SIZE, check_group_dim, dequantize_weight_w4, quantize_weight_w4, w4a4_linear_reference
+from .int4 import (GROUP_SIZE, check_group_dim, dequantize_weight_w4, fake_quant_w4_, quantize_weight_w4,
+                   w4a4_linear_reference)
 
 SMOOTH_MODES = ("act", "weight", "weight_inv", "none")
 WEIGHT_INV_CLAMP = (0.25, 4.0)  # cache-dit's range for its weight-only smoothing heuristics
@@ -221,7 +222,7 @@ def prepare_svdquant(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
     s = smoothing_vector(w_s, act_absmax, alpha, smooth) if smooth_scale is None else given_smoothing(smooth_scale, k)
     w_s.mul_(s.unsqueeze(0))
     lora_up, lora_down, residual = low_rank_split(w_s, rank, seed, dtype, svd, refine_iters,
-                                                  lambda r: dequantize_weight_w4(*quantize_weight_w4(r)))
+                                                  fake_quant_w4_)  # in place: the residual is low_rank_split's own
     del w_s
     qweight, wscale = quantize_weight_w4(residual)
     del residual
@@ -243,8 +244,9 @@ def low_rank_split(w: torch.Tensor, rank: int, seed: int, dtype: torch.dtype, sv
 
     ``svd`` (cache-dit's ``calibrate_precision``): ``"low"`` the seeded randomized SVD, ``"medium"`` the full SVD in
     fp32, ``"high"`` the full SVD in fp64. ``refine_iters`` rounds (cache-dit's ``svd_refine_iters``) refit the factors
-    to ``w - fake_quant(residual)`` (the residual quantized and dequantized), so the branch absorbs the error the
-    residual's quantization leaves; the residual stays anchored on ``w``."""
+    to ``w - fake_quant(residual)`` (the residual quantized and dequantized; ``fake_quant`` may overwrite the residual,
+    which is this function's own), so the branch absorbs the error the residual's quantization leaves; the residual
+    stays anchored on ``w``."""
     if svd not in SVD_PRECISIONS:
         raise ValueError(f"svd must be one of {SVD_PRECISIONS}, got {svd!r}")
     if refine_iters and fake_quant is None:
@@ -259,6 +261,7 @@ def low_rank_split(w: torch.Tensor, rank: int, seed: int, dtype: torch.dtype, sv
             dequantized = fake_quant(residual)
             del residual
             target = torch.sub(w, dequantized, out=dequantized)
+            del dequantized  # target's other name: `del target` below must free it before the product is made
         if svd == "low":
             u, sv, vh = randomized_svd(target, rank, seed=seed)
         else:
@@ -269,6 +272,7 @@ def low_rank_split(w: torch.Tensor, rank: int, seed: int, dtype: torch.dtype, sv
         del target
         product = lora_up.float() @ lora_down.float()
         residual = torch.sub(w, product, out=product)  # w - product, in the product's memory
+        del product  # the residual's other name: the next round overwrites the residual and frees it
     return lora_up, lora_down, residual
 
 

@@ -23,7 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .int4 import dequantize_weight_w4, quantize_weight_w4
+from .int4 import dequantize_weight_w4, fake_quant_w4_, quantize_weight_w4
 from .svdquant import low_rank_split
 
 # W4A16_LR's preparation (bench/results/quant_fidelity_w4a16lr_refined.md): two rounds refitting the branch to the
@@ -92,7 +92,7 @@ def prepare_w4a16_lr(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         raise ValueError(f"rank must be a non-negative int, got {rank!r}")
     lora_up, lora_down, residual = low_rank_split(
         weight.detach().float(), rank, seed, dtype or weight.dtype, refine_iters=refine_iters if rank else 0,
-        fake_quant=lambda r: dequantize_weight_w4(*quantize_weight_w4(r, mse_clip)))
+        fake_quant=lambda r: fake_quant_w4_(r, mse_clip))  # in place: the residual is low_rank_split's own
     qweight, wscale = quantize_weight_w4(residual, mse_clip)
     return W4A16LRWeight(qweight, wscale, lora_down, lora_up, None if bias is None else bias.detach().clone())
 
