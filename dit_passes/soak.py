@@ -61,6 +61,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .infra import env as process_env
+
 # the cache configs a stream switches between (name -> (DBCacheConfig fields, TaylorSeer order or None));
 # each caches some steps of the digits DiT at 4-12 steps, so a stale cache state would change the output
 CACHE_CONFIGS: Dict[str, Tuple[Dict[str, Any], Optional[int]]] = {
@@ -446,8 +448,8 @@ def reference(model_name: str, device: str, specs: Sequence[Dict[str, Any]], thr
             cmd += ["--threads", str(threads)]
         # the reference captures each distinct request's graphs afresh: reusing traces across its pipelines
         # (dit_passes.infra.trace_templates) only saves capture time, the graphs are the same
-        env = {**os.environ, "DIT_PASSES_REUSE_TRACES": "1"}
-        proc = subprocess.run(cmd, stdout=None if log else subprocess.DEVNULL, env=env)
+        environment = {**process_env.snapshot(), process_env.REUSE_TRACES: "1"}
+        proc = subprocess.run(cmd, stdout=None if log else subprocess.DEVNULL, env=environment)
         if proc.returncode != 0 or not out_path.is_file():
             raise RuntimeError(f"the reference process failed (exit status {proc.returncode}): {' '.join(cmd)}")
         return torch.load(out_path, weights_only=True)
