@@ -23,6 +23,8 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
 # One pip run (one resolution) for torch / triton and the package: the constraints pin torch either way.
-.venv/bin/python -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "torch==2.13.0" "triton==3.6.0" \
+# --no-compile: no bytecode for every installed file (pip compiles torch's thousands in one process: about a minute of
+# the setup); a process compiles the modules it imports, once, into the venv's __pycache__.
+.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -c "$CONSTRAINTS" "torch==2.13.0" "triton==3.6.0" \
   -e "$TARGET"
 echo "$WANT" >"$STAMP"
