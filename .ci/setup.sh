@@ -23,8 +23,12 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
 # One pip run (one resolution) for torch / triton and the package: the constraints pin torch either way.
-# --no-compile: no bytecode for every installed file (pip compiles torch's thousands in one process: about a minute of
-# the setup); a process compiles the modules it imports, once, into the venv's __pycache__.
+# --no-compile, then compileall on every core: pip writes the bytecode of torch's thousands of files in one process
+# (about a minute of the setup; 25 s on 2 cores). The bytecode must be written here: CI's machines set
+# PYTHONDONTWRITEBYTECODE, so a module without it is compiled again in every process that imports it (torch,
+# diffusers and dit_passes took 16 s to import instead of 8). compileall exits 1 on the files that are not Python 3.11
+# (e.g. torch's py312_intrinsics.py), which pip's compile skips as well.
 .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -c "$CONSTRAINTS" "torch==2.13.0" "triton==3.6.0" \
   -e "$TARGET"
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages dit_passes kernels patterns >/dev/null 2>&1 || true
 echo "$WANT" >"$STAMP"
