@@ -16,8 +16,9 @@ from dit_passes.testing import run_ranks
 
 TOL = 1e-5
 FP8_TOL = 0.05  # as synchronous float8 Ulysses (tests/test_context_parallel.py): e4m3 keeps 3 mantissa bits
-CASES = {  # joint attention; a padded-prompt mask (batch 2); cross-attention (local); 3 heads (padded) + odd tokens
-    "flux": dict(family="flux"),
+# Flux's joint attention runs in flux_odd_heads3 (the plain all-to-alls) and flux_fp8 (e4m3 all-to-alls); QwenImage's
+# joint attention with a mask over the even tokens
+CASES = {  # joint attention + a padded-prompt mask (batch 2); cross-attention (local); 3 heads (padded) + odd tokens
     "qwenimage": dict(family="qwenimage"),
     "wan": dict(family="wan"),
     # odd tokens, 3 heads over 2 ranks: cache-dit's ulysses_anything case (exact here with or without it)
