@@ -123,9 +123,11 @@ def _two_rank_cases(rank, world):
     results[("flux", "ring_allgather", "default")] = _run_case("flux", "ring_allgather", world)
     # ulysses_float8: the all-to-alls in e4m3 rows + scales (approximate: FP8_TOL)
     results[("flux", "ulysses_fp8", "default")] = _run_case("flux", "ulysses_fp8", world)
-    for family in ("flux", "wan"):  # 3 heads on 2 ranks: Ulysses pads the heads
-        results[(family, "ulysses", "heads3")] = _run_case(family, "ulysses", world, batch=1,
-                                                           overrides={"num_attention_heads": 3})
+    # 3 heads on 2 ranks: Ulysses pads the heads (Wan: self- and cross-attention). Flux's joint attention with padded
+    # heads: USP(2 x 2) below on 4 ranks, and Ulysses(2) over odd tokens in tests/test_ulysses_async.py
+    # (flux_odd_heads3, its synchronous form against the single process)
+    results[("wan", "ulysses", "heads3")] = _run_case("wan", "ulysses", world, batch=1,
+                                                      overrides={"num_attention_heads": 3})
     return results, _errors_on_ranks(world)
 
 
