@@ -216,8 +216,9 @@ def test_dbcache_under_aot_eager():
 def test_second_resolution_keeps_each_shapes_state():
     """Two resolutions alternating, as compile_dit's one graph per signature: Dynamo recompiles at the second shape
     (from then on one graph with symbolic sizes), the backend lowers it per concrete shape, and a shape seen before
-    continues its own cache state (a fresh state there would compute steps compile_dit caches)."""
-    zm = build("flux")
+    continues its own cache state (a fresh state there would compute steps compile_dit caches). One block of each
+    stream (Fn_compute_blocks=1: the second is the cached range): the states are per shape, whatever the depth."""
+    zm = build("flux", num_layers=1, num_single_layers=1)
     a, b = zm.make_inputs(), zm.make_inputs(variant="alt_resolution")
     assert a["hidden_states"].shape != b["hidden_states"].shape
     make = lambda: [passes.DBCache(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=0.35,  # noqa: E731

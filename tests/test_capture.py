@@ -75,8 +75,9 @@ def _check_graph_contract(compiled: CompiledDiT, model: torch.nn.Module, block_l
 def test_lumina2_cfg_batch_and_mask_values_key_the_graph():
     """Lumina2 reads its mask with ``tolist()``: its graph is specialised on the mask's values, so a CFG
     batch with a padded row and one with a full mask (same shapes) get a graph each, and both are exact.
-    (Resolutions / batch / text length on a shape-only model: tests/test_compiled_pipeline.py.)"""
-    zm = build("lumina2")
+    (Resolutions / batch / text length on a shape-only model: tests/test_compiled_pipeline.py.) One layer of each
+    kind: the mask is read before the layers, and each of its graphs costs a capture."""
+    zm = build("lumina2", num_layers=1, num_refiner_layers=1)
     compiled = compile_dit(zm.model)
     padded = zm.make_inputs(batch=2)
     assert not bool(padded["encoder_attention_mask"].all())

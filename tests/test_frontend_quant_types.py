@@ -28,19 +28,22 @@ from diffusers import FluxTransformer2DModel  # noqa: E402
 
 torch.set_num_threads(1)
 TEXT_DIM, POOLED_DIM, IN_CH = 32, 24, 16
-# type -> (kind written into the graph, low-bit weight dtype, bound on the relative output error)
-TYPES = {"int8_weight_only": ("w8a16", torch.int8, 0.002),                  # measured 4.6e-4
-         "float8_weight_only": ("fp8_weight_only", torch.float8_e4m3fn, 0.01),  # 2.6e-3
-         "int8_per_tensor": ("int8_per_tensor", torch.int8, 0.005),           # 1.3e-3
-         "float8_per_block": ("fp8_per_block", torch.float8_e4m3fn, 0.015),   # 4.0e-3
-         "int4_weight_only": ("w4a16", torch.uint8, 0.025),                   # 8.5e-3
-         "nvfp4": ("svdq_nvfp4", torch.uint8, 0.045),                         # 1.5e-2
-         "nvfp4_weight_only": ("nvfp4_weight_only", torch.uint8, 0.03)}       # 1.0e-2
+# type -> (kind written into the graph, low-bit weight dtype, bound on the relative output error; measured on
+# tiny_flux, the bounds set with 2 + 2 blocks, where the errors were about 1.4x these)
+TYPES = {"int8_weight_only": ("w8a16", torch.int8, 0.002),                  # measured 3.2e-4
+         "float8_weight_only": ("fp8_weight_only", torch.float8_e4m3fn, 0.01),  # 2.1e-3
+         "int8_per_tensor": ("int8_per_tensor", torch.int8, 0.005),           # 1.0e-3
+         "float8_per_block": ("fp8_per_block", torch.float8_e4m3fn, 0.015),   # 2.8e-3
+         "int4_weight_only": ("w4a16", torch.uint8, 0.025),                   # 5.8e-3
+         "nvfp4": ("svdq_nvfp4", torch.uint8, 0.045),                         # 1.1e-2
+         "nvfp4_weight_only": ("nvfp4_weight_only", torch.uint8, 0.03)}       # 7.5e-3
 
 
 def tiny_flux() -> FluxTransformer2DModel:
+    """One double-stream block and two single ones (enable_cache takes a model with a list of repeated blocks):
+    each type's case compiles the whole graph under aot_eager, whose cost grows with the depth."""
     torch.manual_seed(0)
-    return FluxTransformer2DModel(patch_size=1, in_channels=IN_CH, num_layers=2, num_single_layers=2,
+    return FluxTransformer2DModel(patch_size=1, in_channels=IN_CH, num_layers=1, num_single_layers=2,
                                   attention_head_dim=64, num_attention_heads=2, joint_attention_dim=TEXT_DIM,
                                   pooled_projection_dim=POOLED_DIM, guidance_embeds=True,
                                   axes_dims_rope=(16, 24, 24)).eval()

@@ -483,10 +483,13 @@ def test_digits_dit_fidelity_floors(tmp_path):
     pipe, _ = load_digits_pipeline()
     steps = 8
 
-    def calibrate():  # own scheduler: it runs inside the outer pipeline call that lowers the module
+    # own scheduler: it runs inside the outer pipeline call that lowers the module. 4 steps span the same timesteps
+    # (1 -> 0) as the 8 sampled; the observing run is the slow part (measured ptq_r32 44.13 / 38.22 dB, SSIM min
+    # 0.9972, vs 43.24 / 34.89, 0.9802 calibrated over 8 steps)
+    def calibrate():
         own = FluxPipeline(**{**pipe.components, "scheduler": copy.deepcopy(pipe.scheduler)})
         own.set_progress_bar_config(disable=True)
-        sample(own, list(range(10)), seed=1000, steps=steps, cond=pipe.digits_cond)
+        sample(own, list(range(10)), seed=1000, steps=4, cond=pipe.digits_cond)
 
     # the floors below were set with the AdaLN modulation linears unquantized (modulation=None / excluded);
     # "dq_r32_w8a16": those linears weight-only int8 (the default until W4A16_LR), "dq_r32_w4a16" weight-only int4

@@ -228,6 +228,8 @@ from dit_passes.models.zoo import build
 zm = build("flux", seed=int(sys.argv[1]))
 inputs = zm.make_inputs(batch=1, seed=1)
 templates = default_templates()
+print("ready", flush=True)
+sys.stdin.readline()  # the other process is ready too: both ask at once
 got = capture(zm.model, (), inputs, templates=templates)
 flat = [x for x in pytree.tree_flatten({k: v for k, v in inputs.items() if k != "return_dict"})[0]
         if isinstance(x, torch.Tensor)]
@@ -238,14 +240,25 @@ print(json.dumps({"loaded": templates.loaded, "writes": templates.shared.writes,
 
 
 def test_processes_asking_at_once_capture_once(tmp_path):
-    """Two processes start on an empty store: one captures (holding the key's lock), the other loads its file; a
-    third process (this one) loads it too and gets the fresh capture's graph."""
+    """Two processes (a child and this one, released together once both have built their model) ask an empty store
+    at once: one captures (holding the key's lock), the other loads its file; a third reader (here) loads it too
+    and gets the fresh capture's graph. This process is the second asker: one child's start-up, not two."""
     env = {**os.environ, "DIT_PASSES_REUSE_TRACES": "1", "DIT_PASSES_TRACE_DIR": str(tmp_path),
            "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-P", "-c", _PROCESS, str(seed)], env=env, stdout=subprocess.PIPE,
-                              text=True) for seed in (1, 2)]
-    reports = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
-    assert all(p.returncode == 0 for p in procs)
+    child = subprocess.Popen([sys.executable, "-P", "-c", _PROCESS, "1"], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    mine = build("flux", seed=2)
+    inputs = mine.make_inputs(batch=1, seed=1)
+    templates = TraceTemplates(shared=TraceStore(str(tmp_path)))
+    assert child.stdout.readline().strip() == "ready"
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    got = capture(mine.model, (), inputs, templates=templates)
+    with torch.no_grad():
+        same = torch.equal(got.gm(*_flat(inputs))[0], _sample(mine.model(**inputs)))
+    reports = [json.loads(child.communicate(timeout=600)[0].strip().splitlines()[-1]),
+               {"loaded": templates.loaded, "writes": templates.shared.writes, "same": same}]
+    assert child.returncode == 0
     assert sorted((r["loaded"], r["writes"]) for r in reports) == [(0, 1), (1, 0)], reports
     assert all(r["same"] for r in reports)
     third = build("flux", seed=3)
