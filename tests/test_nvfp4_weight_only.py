@@ -122,7 +122,7 @@ def test_precision_plan_takes_nvfp4_weight_only():
     run(wrapper)
     kinds = {n.meta["dit_module_path"]: n.meta["dit_quant"] for n in wrapper.graph_module.graph.nodes
              if n.meta.get("dit_quant")}
-    assert kinds["transformer_blocks.0.ff.net.0.proj"] == kinds["transformer_blocks.1.ff.net.2"] == "nvfp4_weight_only"
+    assert kinds["transformer_blocks.0.ff.net.0.proj"] == kinds["transformer_blocks.0.ff.net.2"] == "nvfp4_weight_only"
     assert kinds["transformer_blocks.0.attn.to_q"] == "int8_per_tensor"
 
 
